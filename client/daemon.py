@@ -1,0 +1,304 @@
+"""`DaemonBackend`: the CommBackend that sends every call to the node's commd."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import proto
+from proto import DType, ReduceOp
+
+from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_op
+from .errors import (
+    UNHEALTHY,
+    CommError,
+    MisuseError,
+    ProtocolError,
+    WorldFailed,
+    from_code,
+)
+from .hostmem import HostBuffer, HostMemory, default_memory
+from .memory import resolve
+from .transport import Transport
+
+T = TypeVar("T")
+_JOIN_GRACE_S = 2.0  # the daemon enforces the join deadline; this covers its reply in flight
+
+
+class DaemonBackend(CommBackend):
+    """One rank of `world`, served by the daemon at `socket_path`.
+
+    The constructor connects, says hello and blocks until all `world_size`
+    ranks have joined (or `timeout` seconds pass). Every call takes `timeout`
+    as its deadline, except `recv_command_u32`, which waits without one but
+    wakes on any failure. Safe to use from several threads.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str], world: str, rank: int,
+                 world_size: int, *, device: int | None = None, bootstrap: str | None = None,
+                 timeout: float = 60.0, token: str | None = None,
+                 memory: HostMemory | None = None) -> None:
+        if not timeout > 0:
+            raise MisuseError(f"timeout must be positive, got {timeout}")
+        self._rank = rank
+        self._world_size = world_size
+        self._world = world
+        self._timeout = timeout
+        self._memory = memory if memory is not None else default_memory()
+        self._lock = threading.RLock()  # group state and buffer bookkeeping
+        self._imported: set[int] = set()
+        self._released: list[int] = []
+        self._symmetric: dict[int, HostBuffer] = {}
+        self._group: list[proto.Op] | None = None
+        self._group_depth = 0
+        self._healthy = True
+        self._failure: str | None = None
+        self._closed = False
+        hello = self._build(lambda: proto.Hello(
+            1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, world_size,
+            max(1, int(timeout * 1000)), device, bootstrap, token))
+        self._transport = Transport(os.fspath(socket_path), timeout, self._on_event)
+        try:
+            reply, _ = self._transport.request(hello, time.monotonic() + timeout + _JOIN_GRACE_S)
+            self._check(reply)
+            assert isinstance(reply, proto.Welcome)
+            self.epoch = reply.epoch
+            self.engine = reply.engine
+        except BaseException:
+            self._transport.close()
+            raise
+        self._memory.on_release(self._on_buffer_released)
+
+    # ---- the seed's calls --------------------------------------------------------
+
+    def all_reduce(self, ptr: int, bytes: int, *, dtype: DTypeLike = DType.BF16,
+                   op: OpLike = ReduceOp.SUM) -> None:
+        d, o = as_dtype(dtype), as_op(op)
+        self._call(lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o))
+
+    def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
+        self._call(lambda: proto.AllGather(self._mem(send_ptr, bytes),
+                                           self._mem(recv_ptr, bytes * self._world_size), bytes))
+
+    def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
+                       dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
+        d, o = as_dtype(dtype), as_op(op)
+        self._call(lambda: proto.ReduceScatter(self._mem(send_ptr, bytes * self._world_size),
+                                               self._mem(recv_ptr, bytes), bytes, d, o))
+
+    def broadcast(self, ptr: int, bytes: int, root: int) -> None:
+        self._call(lambda: proto.Broadcast(self._mem(ptr, bytes), bytes, root))
+
+    def barrier(self) -> None:
+        self._call(proto.Barrier)
+
+    def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
+        self._call(lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream))
+
+    def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
+        self._call(lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream))
+
+    def recv_command_u32(self, ptr: int, root: int) -> None:
+        if root == self._rank:
+            raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
+        self._call(lambda: proto.Broadcast(self._mem(ptr, 4), 4, root, command=True),
+                   deadline=False)
+
+    def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
+                         dtype: DTypeLike = DType.BF16, op: OpLike = ReduceOp.SUM) -> None:
+        # Host memory has no streams: the result is in place when this returns.
+        self.all_reduce(ptr, bytes, dtype=dtype, op=op)
+
+    def rank(self) -> int:
+        return self._rank
+
+    def world_size(self) -> int:
+        return self._world_size
+
+    def register_buffer(self, ptr: int, bytes: int) -> int:
+        def register() -> proto.Register:
+            mem = self._mem(ptr, bytes)
+            if mem is None:
+                raise MisuseError("cannot register an empty buffer")
+            return proto.Register(self._transport.next_id(), mem, bytes)
+
+        reply, _ = self._request(register)
+        return reply.value  # type: ignore[union-attr]
+
+    def deregister_buffer(self, handle: int) -> None:
+        self._request(lambda: proto.Deregister(self._transport.next_id(), handle))
+
+    def symmetric_alloc(self, bytes: int) -> int:
+        buffer_id = self._memory.next_id()
+        _reply, fds = self._request(
+            lambda: proto.SymAlloc(self._transport.next_id(), buffer_id, bytes))
+        if len(fds) != 1:
+            raise ProtocolError(f"symmetric_alloc reply carried {len(fds)} fds, expected 1")
+        buffer = self._memory.adopt(fds[0], bytes, buffer_id)
+        with self._lock:
+            self._imported.add(buffer_id)
+            self._symmetric[buffer.ptr] = buffer
+        return buffer.ptr
+
+    def symmetric_free(self, ptr: int) -> None:
+        with self._lock:
+            buffer = self._symmetric.get(ptr)
+        if buffer is None:
+            raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
+        self._request(lambda: proto.SymFree(self._transport.next_id(), buffer.id))
+        with self._lock:
+            del self._symmetric[ptr]
+            self._imported.discard(buffer.id)
+        buffer.close()
+
+    def set_add_kernel(self, handle: int) -> None:
+        self._request(lambda: proto.SetAddKernel(self._transport.next_id(), handle))
+
+    def group_start(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._group_depth += 1
+            if self._group is None:
+                self._group = []
+
+    def group_end(self) -> None:
+        with self._lock:
+            if self._group_depth == 0:
+                raise MisuseError("group_end without group_start")
+            self._group_depth -= 1
+            if self._group_depth:
+                return
+            ops, self._group = self._group or [], None
+        if ops:
+            self._submit(tuple(ops), deadline=True)
+
+    def is_healthy(self) -> bool:
+        if self._closed:
+            return False
+        self._transport.drain_events()
+        if self._transport.broken is not None:
+            self._healthy = False
+        return self._healthy
+
+    def attempt_reconnect(self) -> None:
+        reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()))
+        self.epoch = reply.value  # type: ignore[union-attr]
+        with self._lock:
+            self._healthy = True
+            self._failure = None
+            self._group, self._group_depth = None, 0
+
+    # ---- lifetime -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the world and drop the connection; symmetric allocations are unmapped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            symmetric, self._symmetric = list(self._symmetric.values()), {}
+        self._transport.close()
+        for buffer in symmetric:
+            with contextlib.suppress(MisuseError):  # the worker holds views: mapped until they go
+                buffer.close()
+
+    def __enter__(self) -> DaemonBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DaemonBackend(world={self._world!r}, rank={self._rank}, size={self._world_size})"
+
+    # ---- plumbing ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MisuseError("the backend is closed")
+
+    @staticmethod
+    def _build(factory: Callable[[], T]) -> T:
+        try:
+            return factory()
+        except proto.InvalidMessage as exc:
+            raise MisuseError(str(exc)) from None
+
+    def _mem(self, ptr: int, nbytes: int) -> proto.Mem | None:
+        """Resolve a span, importing its allocation into the daemon the first time."""
+        if nbytes < 0:
+            raise MisuseError(f"bytes must not be negative, got {nbytes}")
+        ref = resolve(self._memory, ptr, nbytes)
+        if ref is None:
+            return None
+        with self._lock:
+            if ref.buffer_id not in self._imported:
+                self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
+                                                   ref.kind, ref.size, ref.handle),
+                              fds=[ref.fd] if ref.fd is not None else [])
+                self._imported.add(ref.buffer_id)
+        return proto.Mem(ref.buffer_id, ref.offset)
+
+    def _call(self, make_op: Callable[[], proto.Op], deadline: bool = True) -> None:
+        with self._lock:
+            self._check_open()
+            op = self._build(make_op)
+            if self._group is not None:
+                if len(self._group) >= proto.MAX_GROUP_OPS:
+                    raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
+                self._group.append(op)
+                return
+        self._submit((op,), deadline)
+
+    def _submit(self, ops: tuple[proto.Op, ...], deadline: bool) -> None:
+        if not self._healthy:
+            raise WorldFailed(f"world {self._world} is not healthy ({self._failure}); "
+                              "call attempt_reconnect")
+        self._request(lambda: proto.Submit(self._transport.next_id(), ops), deadline=deadline)
+
+    def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
+                 deadline: bool = True) -> tuple[proto.Message, list[int]]:
+        """One request/reply under the backend's deadline; daemon errors become CommErrors."""
+        self._check_open()
+        self._send_releases()
+        msg = self._build(make)
+        try:
+            reply, got = self._transport.request(
+                msg, time.monotonic() + self._timeout if deadline else None, fds)
+            self._check(reply)
+        except CommError as exc:
+            if isinstance(exc, UNHEALTHY):
+                self._mark_unhealthy(str(exc))
+            raise
+        return reply, got
+
+    def _check(self, reply: proto.Message) -> None:
+        if isinstance(reply, proto.Error):
+            raise from_code(reply.code, reply.message)
+
+    def _mark_unhealthy(self, why: str) -> None:
+        with self._lock:
+            self._healthy = False
+            self._failure = why
+
+    def _on_event(self, event: proto.Event) -> None:
+        self._mark_unhealthy(event.message)
+
+    def _on_buffer_released(self, buffer_id: int) -> None:
+        with self._lock:
+            if buffer_id in self._imported:
+                self._imported.discard(buffer_id)
+                self._released.append(buffer_id)
+
+    def _send_releases(self) -> None:
+        with self._lock:
+            released, self._released = self._released, []
+        for start in range(0, len(released), proto.MAX_GROUP_OPS):
+            self._transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
+
+
+__all__ = ["DaemonBackend"]

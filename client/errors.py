@@ -1,0 +1,98 @@
+"""The one exception hierarchy a worker sees.
+
+    CommError                     every failure of a CommBackend call (the seed's Result error)
+    ├── MisuseError               the call was wrong: bad pointer, size, rank, handle, state
+    ├── AccessDenied              the daemon refused this process (credentials, join token)
+    ├── LimitExceeded             a daemon limit (connections, buffers, registrations, queue)
+    ├── ProtocolError             client and daemon disagree on the wire (version, malformed)
+    ├── DaemonUnavailable         no daemon at the socket, or the connection to it broke
+    │   └── DaemonShutdown        the daemon is stopping
+    ├── CommTimeout               a deadline passed (join, call completion)
+    ├── WorldFailed               the world failed (a rank lost, ...); call attempt_reconnect
+    │   └── MismatchError         ranks called different collectives as call k
+    └── DaemonInternalError       a bug in the daemon
+
+Every error from the daemon keeps its wire code in `.code`.
+"""
+
+from __future__ import annotations
+
+from proto import ErrorCode
+
+
+class CommError(Exception):
+    """Base of every error a CommBackend raises."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MisuseError(CommError):
+    """The call's arguments or the backend's state make the call invalid."""
+
+
+class AccessDenied(CommError):
+    """The daemon refused this process or this world's join token."""
+
+
+class LimitExceeded(CommError):
+    """A limit of the daemon was reached."""
+
+
+class ProtocolError(CommError):
+    """The daemon and the client do not understand each other."""
+
+
+class DaemonUnavailable(CommError):
+    """The daemon cannot be reached, or the connection to it was lost."""
+
+
+class DaemonShutdown(DaemonUnavailable):
+    """The daemon is shutting down."""
+
+
+class CommTimeout(CommError):
+    """A call or a join did not complete before its deadline."""
+
+
+class WorldFailed(CommError):
+    """The world is failed until every rank calls attempt_reconnect."""
+
+
+class MismatchError(WorldFailed):
+    """Ranks disagreed on a call (op, bytes, dtype, root or peer)."""
+
+
+class DaemonInternalError(CommError):
+    """The daemon hit a bug handling this request."""
+
+
+_BY_CODE: dict[ErrorCode, type[CommError]] = {
+    ErrorCode.BAD_MESSAGE: ProtocolError,
+    ErrorCode.VERSION: ProtocolError,
+    ErrorCode.PERMISSION: AccessDenied,
+    ErrorCode.BAD_RANK: MisuseError,
+    ErrorCode.DUPLICATE_RANK: MisuseError,
+    ErrorCode.WORLD_CONFLICT: MisuseError,
+    ErrorCode.UNKNOWN_WORLD: MisuseError,
+    ErrorCode.BAD_MEMORY: MisuseError,
+    ErrorCode.UNKNOWN_BUFFER: MisuseError,
+    ErrorCode.UNKNOWN_HANDLE: MisuseError,
+    ErrorCode.MISUSE: MisuseError,
+    ErrorCode.MISMATCH: MismatchError,
+    ErrorCode.WORLD_FAILED: WorldFailed,
+    ErrorCode.TIMEOUT: CommTimeout,
+    ErrorCode.LIMIT: LimitExceeded,
+    ErrorCode.SHUTDOWN: DaemonShutdown,
+    ErrorCode.INTERNAL: DaemonInternalError,
+}
+
+
+def from_code(code: ErrorCode, message: str) -> CommError:
+    """The exception for an error the daemon sent."""
+    return _BY_CODE[code](message, code)
+
+
+# Errors after which the backend is not healthy until attempt_reconnect succeeds.
+UNHEALTHY = (WorldFailed, CommTimeout, DaemonUnavailable, ProtocolError, DaemonInternalError)

@@ -1,0 +1,166 @@
+"""Host memory the daemon can open: memfd-backed buffers with raw pointers.
+
+Without a GPU, workers allocate here and pass `buffer.ptr + offset` exactly as
+they would pass a device pointer. `HostMemory` is this process's table of such
+allocations, the host counterpart of the CUDA driver's own table (what
+`cuMemGetAddressRange` answers from): a pointer is resolved by looking it up.
+Buffer ids are never reused, so a freed and re-used address can never be
+mistaken for the old buffer (CUDA's BUFFER_ID plays that part on the GPU).
+
+`alloc()` uses the process's default table; pass a `HostMemory` of your own to
+`DaemonBackend(memory=...)` to keep separate tables.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .errors import MisuseError
+
+ReleaseListener = Callable[[int], None]
+
+
+def _sealed_memfd(nbytes: int) -> int:
+    fd = os.memfd_create("commd-host", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        # The daemon refuses memory that could shrink under its mapping (SIGBUS).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class HostBuffer:
+    """One shared allocation: `.ptr` is valid in this process, `.fd` lets the daemon map it."""
+
+    def __init__(self, owner: HostMemory, buffer_id: int, fd: int, nbytes: int) -> None:
+        self._owner = owner
+        self.id = buffer_id
+        self.nbytes = nbytes
+        self.size = max(nbytes, 1)  # mmap cannot map 0 bytes; ptr stays valid for 0-byte calls
+        self.fd = fd
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
+                                                 mmap.PROT_READ | mmap.PROT_WRITE)
+        self._bytes: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
+        self.ptr: int = self._bytes.ctypes.data
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def view(self, dtype: Any = np.uint8) -> np.ndarray:
+        """A numpy view of the whole buffer as `dtype` (whole elements only)."""
+        if self._bytes is None:
+            raise MisuseError(f"host buffer {self.id} is closed")
+        dt = np.dtype(dtype)
+        return self._bytes[: self.nbytes - self.nbytes % dt.itemsize].view(dt)
+
+    def close(self) -> None:
+        """Unmap and free. Views returned by `view()` must be gone first."""
+        if self._mmap is None:
+            return
+        self._bytes = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            self._bytes = np.frombuffer(self._mmap, np.uint8)
+            raise MisuseError(f"host buffer {self.id} still has live views; drop them first") from None
+        self._mmap = None
+        os.close(self.fd)
+        self._owner._released(self)
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"ptr=0x{self.ptr:x}"
+        return f"HostBuffer(id={self.id}, nbytes={self.nbytes}, {state})"
+
+
+class HostMemory:
+    """A process's table of host buffers, searchable by address."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._starts: list[int] = []
+        self._by_start: dict[int, HostBuffer] = {}
+        self._listeners: list[weakref.WeakMethod[ReleaseListener]] = []
+
+    def next_id(self) -> int:
+        with self._lock:
+            return next(self._ids)
+
+    def alloc(self, nbytes: int) -> HostBuffer:
+        if nbytes < 0:
+            raise MisuseError(f"cannot allocate {nbytes} bytes")
+        return self.adopt(_sealed_memfd(max(nbytes, 1)), nbytes, self.next_id())
+
+    def adopt(self, fd: int, nbytes: int, buffer_id: int) -> HostBuffer:
+        """Map a memfd made elsewhere (the daemon's symmetric_alloc) into this table."""
+        buffer = HostBuffer(self, buffer_id, fd, nbytes)
+        with self._lock:
+            bisect.insort(self._starts, buffer.ptr)
+            self._by_start[buffer.ptr] = buffer
+        return buffer
+
+    def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:
+        """The buffer holding [ptr, ptr+nbytes) and the offset of ptr in it."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            buffer = self._by_start[self._starts[i]] if i >= 0 else None
+        if buffer is None or ptr >= buffer.ptr + buffer.size:
+            raise MisuseError(
+                f"pointer 0x{ptr:x} is not in host memory the daemon can open "
+                "(allocate it with client.hostmem.alloc)")
+        offset = ptr - buffer.ptr
+        if offset + nbytes > buffer.nbytes:
+            raise MisuseError(
+                f"[0x{ptr:x}, +{nbytes}) runs past the end of host buffer {buffer.id} "
+                f"({buffer.nbytes} bytes at 0x{buffer.ptr:x})")
+        return buffer, offset
+
+    def on_release(self, listener: ReleaseListener) -> None:
+        """Call `listener(buffer_id)` when a buffer is freed (held weakly: a bound method)."""
+        with self._lock:
+            self._listeners.append(weakref.WeakMethod(listener))
+
+    def _released(self, buffer: HostBuffer) -> None:
+        with self._lock:
+            if self._by_start.get(buffer.ptr) is buffer:
+                del self._by_start[buffer.ptr]
+                self._starts.remove(buffer.ptr)
+            alive = [ref for ref in self._listeners if ref() is not None]
+            self._listeners = alive
+        for ref in alive:
+            listener = ref()
+            if listener is not None:
+                listener(buffer.id)
+
+
+_DEFAULT = HostMemory()
+
+
+def default_memory() -> HostMemory:
+    """The table `alloc()` uses."""
+    return _DEFAULT
+
+
+def alloc(nbytes: int) -> HostBuffer:
+    """Allocate `nbytes` of shared host memory in the default table."""
+    return _DEFAULT.alloc(nbytes)

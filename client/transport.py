@@ -1,0 +1,193 @@
+"""The client's blocking side of the socket, shared safely by many threads.
+
+Replies are matched to requests by id. Whichever waiting thread finds no
+reader becomes the reader (leader/follower): with one calling thread, a call
+is one sendmsg and one recvmsg, with no hand-off to a helper thread, which
+would cost a cross-CPU wake-up per call. Pushed events go to `on_event`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import proto
+
+from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, from_code
+
+_MAX_FDS = 4
+_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
+
+Packet = tuple[proto.Message, list[int]]
+
+
+def _take_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
+    return fds
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until `deadline` (monotonic), None for no deadline."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+class Transport:
+    def __init__(self, path: str, timeout: float, on_event: Callable[[proto.Event], None]) -> None:
+        self._on_event = on_event
+        self._conn = proto.Connection(proto.Role.CLIENT)
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._replies: dict[int, Packet] = {}
+        self._reading = False
+        self._broken: CommError | None = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)
+            # Bound blocking sends (a daemon that stopped reading) without making reads time out.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+
+    @property
+    def state(self) -> proto.State:
+        return self._conn.state
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def post(self, msg: proto.Message, fds: Sequence[int] = ()) -> None:
+        """Send without waiting for a reply."""
+        with self._send_lock:
+            if self._broken is not None:
+                raise self._broken
+            try:
+                packet = self._conn.send(msg)
+            except proto.ProtoError as exc:
+                raise ProtocolError(f"cannot send {type(msg).__name__}: {exc}") from exc
+            try:
+                self._sock.sendmsg([packet], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                               struct.pack(f"{len(fds)}i", *fds))] if fds else [])
+            except OSError as exc:
+                raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}")) from exc
+
+    def request(self, msg: proto.Message, deadline: float | None,
+                fds: Sequence[int] = ()) -> Packet:
+        """Send `msg` (which carries an id) and wait for its reply until `deadline`."""
+        request_id: int = msg.id  # type: ignore[union-attr]
+        self.post(msg, fds)
+        return self._wait(request_id, deadline)
+
+    def _wait(self, request_id: int, deadline: float | None) -> Packet:
+        while True:
+            with self._cond:
+                while True:
+                    if request_id in self._replies:
+                        return self._replies.pop(request_id)
+                    if self._broken is not None:
+                        raise self._broken
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    left = remaining(deadline)
+                    if left is not None and left <= 0:
+                        raise CommTimeout(f"no reply to request {request_id} before the deadline")
+                    self._cond.wait(left)
+            try:
+                packet = self._read_until(request_id, deadline)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+            if packet is not None:
+                return packet
+
+    def _read_until(self, request_id: int, deadline: float | None) -> Packet | None:
+        """Read as the leader until our reply comes (returned) or another's does (None)."""
+        while True:
+            msg, fds = self._read_one(deadline)
+            reply_id = getattr(msg, "id", None)
+            if isinstance(msg, proto.Event):
+                self._on_event(msg)
+                continue
+            if reply_id == request_id:
+                return msg, fds
+            if not reply_id:  # an Error with id 0: the daemon is dropping us
+                assert isinstance(msg, proto.Error)
+                raise self._break(from_code(msg.code, msg.message))
+            with self._cond:
+                self._replies[reply_id] = (msg, fds)
+                self._cond.notify_all()
+            return None
+
+    def _read_one(self, deadline: float | None) -> Packet:
+        left = remaining(deadline)
+        if left is not None and left <= 0:
+            raise CommTimeout("the call did not complete before its deadline")
+        if not self._poll.poll(None if left is None else max(1, int(left * 1000))):
+            raise CommTimeout("the call did not complete before its deadline")
+        try:
+            data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+        except OSError as exc:
+            raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}")) from exc
+        fds = _take_fds(ancillary)
+        if not data and not fds:
+            raise self._break(DaemonUnavailable("the daemon closed the connection"))
+        try:
+            return self._conn.receive(data, len(fds)), fds
+        except proto.ProtoError as exc:
+            raise self._break(ProtocolError(f"bad packet from the daemon: {exc}")) from exc
+
+    def drain_events(self) -> None:
+        """Handle events already waiting in the socket, without blocking."""
+        with self._cond:
+            if self._reading or self._broken is not None:
+                return
+            self._reading = True
+        try:
+            while self._poll.poll(0):
+                msg, fds = self._read_one(None)
+                if isinstance(msg, proto.Event):
+                    self._on_event(msg)
+                elif getattr(msg, "id", 0):
+                    with self._cond:
+                        self._replies[msg.id] = (msg, fds)  # type: ignore[union-attr]
+        except CommError:
+            pass  # recorded by _break; surfaces on the next call
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    @property
+    def broken(self) -> CommError | None:
+        return self._broken
+
+    def _break(self, error: CommError) -> CommError:
+        with self._cond:
+            if self._broken is None:
+                self._broken = error
+            self._cond.notify_all()
+        return error
+
+    def close(self) -> None:
+        self._break(DaemonUnavailable("the backend was closed"))
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()

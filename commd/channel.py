@@ -1,0 +1,126 @@
+"""Packets with fds over a non-blocking SOCK_SEQPACKET socket on the event loop.
+
+asyncio and uvloop transports cannot carry SCM_RIGHTS, so the channel drives
+the raw socket with `add_reader`/`add_writer` (DESIGN §3). Replies that cannot
+be sent at once wait in a bounded queue; a client that stops reading until the
+queue is full is disconnected rather than allowed to grow the daemon's memory.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger("commd.channel")
+
+MAX_FDS = 4
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_READS_PER_WAKEUP = 64
+
+PacketHandler = Callable[[bytes, list[int], bool], None]  # data, fds, truncated
+
+
+def take_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds of an SCM_RIGHTS message (the caller owns them)."""
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+    return fds
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+
+
+class PacketChannel:
+    def __init__(self, sock: socket.socket, limit: int, max_queue: int,
+                 on_packet: PacketHandler, on_close: Callable[[str], None]) -> None:
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._limit = limit
+        self._max_queue = max_queue
+        self._on_packet = on_packet
+        self._on_close = on_close
+        self._queue: collections.deque[tuple[bytes, list[int]]] = collections.deque()
+        self._loop = asyncio.get_running_loop()
+        self.closed = False
+        sock.setblocking(False)
+        self._loop.add_reader(self._fd, self._readable)
+
+    def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Send one packet; `fds` stay the caller's (queued ones are duplicated)."""
+        if self.closed:
+            return
+        if not self._queue:
+            try:
+                if fds:
+                    self._sock.sendmsg([data], rights(fds))
+                else:
+                    self._sock.send(data)
+                return
+            except BlockingIOError:
+                self._loop.add_writer(self._fd, self._writable)
+            except OSError as exc:
+                self.close(f"send failed: {exc}")
+                return
+        if len(self._queue) >= self._max_queue:
+            self.close(f"client did not read its replies ({self._max_queue} queued)")
+            return
+        self._queue.append((data, [os.dup(fd) for fd in fds]))
+
+    def _writable(self) -> None:
+        while self._queue:
+            data, fds = self._queue[0]
+            try:
+                self._sock.sendmsg([data], rights(fds))
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.close(f"send failed: {exc}")
+                return
+            self._queue.popleft()
+            close_fds(fds)
+        self._loop.remove_writer(self._fd)
+
+    def _readable(self) -> None:
+        for _ in range(_READS_PER_WAKEUP):
+            if self.closed:
+                return
+            try:
+                data, ancillary, flags, _ = self._sock.recvmsg(self._limit + 1, _ANCILLARY)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(f"receive failed: {exc}")
+                return
+            fds = take_fds(ancillary)
+            if not data and not fds:
+                self.close("peer closed the connection")
+                return
+            truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+            self._on_packet(data, fds, truncated)
+
+    def close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
+        for _, fds in self._queue:
+            close_fds(fds)
+        self._queue.clear()
+        self._sock.close()
+        self._on_close(reason)

@@ -1,0 +1,105 @@
+"""`commd` command line: serve, status, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import DEFAULT_SOCKET, ENGINES, ServerConfig
+from .errors import ConfigError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .daemon import run
+
+    config = ServerConfig(
+        socket_path=Path(args.socket),
+        engine=args.engine,
+        allow_uids=frozenset({os.getuid(), 0, *args.allow_uid}),
+        allow_gids=frozenset(args.allow_gid),
+        threads=args.threads,
+        log_level=args.log_level,
+    )
+    logging.basicConfig(level=config.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(config)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import query_status, render_status
+
+    info = query_status(args.socket, args.timeout)
+    print(json.dumps(info, indent=2) if args.json else render_status(info))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="commd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--socket", default=DEFAULT_SOCKET, help="Unix socket path")
+    serve.add_argument("--engine", default="host", choices=ENGINES)
+    serve.add_argument("--allow-uid", type=int, action="append", default=[],
+                       help="also admit this uid (repeatable; own uid and root always)")
+    serve.add_argument("--allow-gid", type=int, action="append", default=[],
+                       help="admit members of this gid (repeatable)")
+    serve.add_argument("--threads", type=int, default=None, help="host engine threads")
+    serve.add_argument("--log-level", default="INFO",
+                       choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    serve.set_defaults(func=_serve)
+
+    status = sub.add_parser("status", help="ask a running daemon what it is doing")
+    status.add_argument("--socket", default=DEFAULT_SOCKET)
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(func=_status)
+
+    demo = sub.add_parser("demo", help="a tensor-parallel decode loop through the daemon")
+    demo.add_argument("--ranks", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=200)
+    demo.add_argument("--layers", type=int, default=8)
+    demo.add_argument("--hidden", type=int, default=4096, help="bf16 elements per activation")
+    demo.add_argument("--timeout", type=float, default=60.0)
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="DaemonBackend against torch.distributed gloo")
+    bench.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
+    bench.add_argument("--sizes", default="8,65536,1048576,16777216,67108864",
+                       help="comma-separated all_reduce sizes in bytes")
+    bench.add_argument("--iters", type=int, default=0,
+                       help="iterations per size (0: chosen by size)")
+    bench.add_argument("--json", default="bench.json", help="where to write the results")
+    bench.add_argument("--no-gloo", action="store_true", help="skip the gloo side")
+    bench.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                       help="pin the daemon and workers to CPUs")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"commd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,234 @@
+"""The host engine: workers' memfd-backed memory, mapped here, moved by the CPU.
+
+A complete engine for machines without GPUs and for tests (DESIGN §6). Memory
+arrives as a memfd over SCM_RIGHTS; it must be sealed against shrinking, since a
+worker that truncated a mapped file would make the daemon fault (SIGBUS) on the
+next access. Ops bigger than `inline_bytes` run on a thread pool, cut into
+ranges, so the event loop stays free for heartbeats and small calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import mmap
+import os
+import stat
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from proto import ErrorCode, MemKind
+
+from ..errors import CallError
+from .base import (
+    AllGatherOp,
+    AllReduceOp,
+    BarrierOp,
+    BroadcastOp,
+    EngineOp,
+    ReduceScatterOp,
+    Region,
+    TransferOp,
+    op_nbytes,
+)
+from .hostreduce import CHUNK_ELEMS, quiet_float_errors, reduce_range, split
+
+Job = Callable[[], None]
+_SEALS_NEEDED = fcntl.F_SEAL_SHRINK
+
+
+class HostRegion:
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+class HostMapping:
+    """A shared mapping of one memfd. Closing drops it; a running op keeps its view alive."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CallError(ErrorCode.BAD_MEMORY, "host memory must be a memfd")
+            if info.st_size < size:
+                raise CallError(ErrorCode.BAD_MEMORY,
+                                f"memfd holds {info.st_size} bytes, {size} were claimed")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                raise CallError(ErrorCode.BAD_MEMORY, "host memory must be a sealable memfd") from None
+            if not seals & _SEALS_NEEDED:
+                raise CallError(ErrorCode.BAD_MEMORY, "memfd must be sealed against shrinking")
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED,
+                                                     mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise CallError(ErrorCode.BAD_MEMORY, f"cannot map host memory: {exc}") from None
+        finally:
+            os.close(fd)
+        self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
+        self._size = size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def region(self, offset: int, nbytes: int) -> HostRegion:
+        if self._array is None:
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, "buffer was released")
+        if offset + nbytes > self._size:
+            raise CallError(
+                ErrorCode.BAD_MEMORY,
+                f"bytes [{offset}, {offset + nbytes}) are outside the {self._size}-byte allocation",
+            )
+        return HostRegion(self._array[offset:offset + nbytes])
+
+    def close(self) -> None:
+        mapped, self._mmap, self._array = self._mmap, None, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # an op in flight holds a view: unmapped when it lets go
+                mapped.close()
+
+
+def create_memfd(nbytes: int, name: str) -> int:
+    """A memfd of `nbytes`, sealed so neither side can shrink or grow it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _arr(region: Region) -> np.ndarray:
+    if not isinstance(region, HostRegion):
+        raise CallError(ErrorCode.INTERNAL, f"host engine got a {type(region).__name__} region")
+    return region.array
+
+
+def _plan(op: EngineOp, parts: int) -> list[Job]:
+    """Cut an op into independent jobs that touch disjoint output bytes."""
+    if isinstance(op, AllReduceOp):
+        arrays = [_arr(r) for r in op.bufs.values()]
+        align = CHUNK_ELEMS * op.dtype.itemsize
+        return [
+            _bind_reduce([a[lo:hi] for a in arrays], [a[lo:hi] for a in arrays], op)
+            for lo, hi in split(len(arrays[0]), parts, align)
+        ]
+    if isinstance(op, ReduceScatterOp):
+        sends = [_arr(op.sends[r]) for r in sorted(op.sends)]
+        align = CHUNK_ELEMS * op.dtype.itemsize
+        jobs = []
+        for rank, recv in op.recvs.items():
+            out = _arr(recv)
+            base = rank * len(out)
+            for lo, hi in split(len(out), max(1, parts // len(op.recvs)), align):
+                jobs.append(_bind_reduce([s[base + lo:base + hi] for s in sends], [out[lo:hi]], op))
+        return jobs
+    if isinstance(op, AllGatherOp):
+        jobs = []
+        for recv in op.recvs.values():
+            out = _arr(recv)
+            for src_rank, send in op.sends.items():
+                size = send.nbytes
+                jobs.append(_bind_copy(out[src_rank * size:(src_rank + 1) * size], _arr(send)))
+        return jobs
+    if isinstance(op, BroadcastOp):
+        source = _arr(op.bufs[op.root])
+        return [_bind_copy(_arr(r), source) for rank, r in op.bufs.items() if rank != op.root]
+    if isinstance(op, TransferOp):
+        return [_bind_copy(_arr(op.dst), _arr(op.src))]
+    if isinstance(op, BarrierOp):
+        return []  # matching every rank's call is the barrier
+    raise CallError(ErrorCode.INTERNAL, f"host engine cannot run {type(op).__name__}")
+
+
+def _bind_reduce(srcs: list[np.ndarray], dsts: list[np.ndarray],
+                 op: AllReduceOp | ReduceScatterOp) -> Job:
+    return lambda: reduce_range(srcs, dsts, op.dtype, op.op)
+
+
+def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
+    def copy() -> None:
+        dst[...] = src
+    return copy
+
+
+class HostCommunicator:
+    def __init__(self, pool: ThreadPoolExecutor, parts: int, inline_bytes: int) -> None:
+        self._pool = pool
+        self._parts = parts
+        self._inline_bytes = inline_bytes
+        self._aborted = False
+
+    def try_inline(self, op: EngineOp) -> bool:
+        if op_nbytes(op) > self._inline_bytes:
+            return False
+        self._check()
+        for job in _plan(op, 1):
+            job()
+        return True
+
+    async def run(self, op: EngineOp) -> None:
+        if self.try_inline(op):
+            return
+        self._check()
+        jobs = _plan(op, self._parts)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._pool, job) for job in jobs))
+
+    def _check(self) -> None:
+        if self._aborted:
+            raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
+
+    def abort(self) -> None:
+        self._aborted = True
+
+
+class HostEngine:
+    name = "host"
+    memory_kinds = frozenset({MemKind.HOST})
+
+    def __init__(self, threads: int | None = None, inline_bytes: int = 64 * 1024) -> None:
+        self._threads = threads or max(1, min(8, os.cpu_count() or 1))
+        quiet_float_errors()  # the event loop thread runs small ops inline
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="commd-host",
+                                        initializer=quiet_float_errors)
+        self._inline_bytes = inline_bytes
+
+    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> HostMapping:
+        if kind is not MemKind.HOST or fd is None:
+            if fd is not None:
+                os.close(fd)
+            raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
+        return HostMapping(fd, size)
+
+    def allocate(self, nbytes: int) -> tuple[HostMapping, int]:
+        try:
+            fd = create_memfd(nbytes, "commd-symmetric")
+        except OSError as exc:
+            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
+        try:
+            mapping = HostMapping(os.dup(fd), nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        return mapping, fd
+
+    def communicator(self, world: str, epoch: int, world_size: int,
+                     local_ranks: Sequence[int]) -> HostCommunicator:
+        return HostCommunicator(self._pool, self._threads, self._inline_bytes)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

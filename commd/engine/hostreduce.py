@@ -1,0 +1,102 @@
+"""Element-wise reductions on the CPU, the host engine's arithmetic.
+
+Accumulation choice (documented in the README): bf16 and f16 inputs are widened
+to float32, accumulated there in rank order, and rounded once to nearest-even at
+the end. That is at least as accurate as NCCL's ring, which rounds at every
+step, so results can differ from NCCL's in the last bit, never by more than
+NCCL's own rounding. Integers wrap like NCCL's (two's complement, u8 mod 256).
+
+The work runs in cache-sized chunks with preallocated scratch, so numpy (which
+releases the GIL) can run two ranges in parallel on two cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from proto import DType, ReduceOp
+
+CHUNK_ELEMS = 1 << 16  # 256 KiB of float32 scratch: stays in L2
+
+NUMPY_DTYPE: dict[DType, Any] = {
+    DType.BF16: ml_dtypes.bfloat16,
+    DType.F16: np.float16,
+    DType.F32: np.float32,
+    DType.F64: np.float64,
+    DType.I32: np.int32,
+    DType.I64: np.int64,
+    DType.U8: np.uint8,
+}
+_UFUNC: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+_WIDENED = (DType.BF16, DType.F16)
+
+Loader = Callable[[np.ndarray, np.ndarray], None]
+
+
+def _load_bf16(src: np.ndarray, acc: np.ndarray) -> None:
+    # bf16 bits are the top half of a float32: a shift widens exactly, ~10x faster
+    # than ml_dtypes' bf16 arithmetic.
+    np.left_shift(src.view(np.uint16), 16, out=acc.view(np.uint32), dtype=np.uint32)
+
+
+def _load_cast(src: np.ndarray, acc: np.ndarray) -> None:
+    np.copyto(acc, src, casting="unsafe")
+
+
+def reduce_range(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
+                 dtype: DType, op: ReduceOp) -> None:
+    """Reduce equal-length byte arrays `srcs` element-wise into every array of `dsts`.
+
+    `dsts` may alias `srcs` (in-place all_reduce): each chunk is fully computed
+    before it is written.
+    """
+    elem = NUMPY_DTYPE[dtype]
+    typed_srcs = [s.view(elem) for s in srcs]
+    typed_dsts = [d.view(elem) for d in dsts]
+    total = len(typed_srcs[0])
+    if total == 0:
+        return
+    ufunc = _UFUNC[op]
+    acc_type = np.float32 if dtype in _WIDENED else elem
+    load: Loader = _load_bf16 if dtype is DType.BF16 else _load_cast
+    width = min(CHUNK_ELEMS, total)
+    acc = np.empty(width, acc_type)
+    tmp = np.empty(width, acc_type)
+    narrow = np.empty(width, elem) if dtype in _WIDENED else None
+    for lo in range(0, total, CHUNK_ELEMS):
+        hi = min(lo + CHUNK_ELEMS, total)
+        a, t = acc[: hi - lo], tmp[: hi - lo]
+        load(typed_srcs[0][lo:hi], a)
+        for src in typed_srcs[1:]:
+            load(src[lo:hi], t)
+            ufunc(a, t, out=a)
+        result = a
+        if narrow is not None:
+            result = narrow[: hi - lo]
+            np.copyto(result, a, casting="unsafe")  # one round to nearest-even
+        for dst in typed_dsts:
+            dst[lo:hi] = result
+
+
+def quiet_float_errors() -> None:
+    """Overflow to inf and NaN are results here, not warnings. Call once per thread
+    that reduces: np.errstate per call would cost more than a small reduction."""
+    np.seterr(all="ignore")
+
+
+def split(total: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """Cut [0, total) into at most `parts` ranges whose starts are multiples of `align`."""
+    if total == 0:
+        return []
+    step = -(-total // parts)
+    step = -(-step // align) * align
+    return [(lo, min(lo + step, total)) for lo in range(0, total, step)]

@@ -1,0 +1,115 @@
+"""Matching call k across ranks (DESIGN §5). Pure logic: no I/O, no engine.
+
+Collectives match by their index among each rank's collectives; a non-root's
+`recv_command_u32` is the same collective as the root's 4-byte broadcast.
+Point-to-point calls match by their index per (sender, receiver) pair. Calls
+that disagree raise `Mismatch`, whose message names both ranks and both calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import proto
+
+from . import ops
+
+T = TypeVar("T")  # the caller's token for a call (the world's Arrival)
+
+
+class Mismatch(Exception):
+    """Matched calls disagree; `ranks` are the ranks involved."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    rank: int
+    op: proto.Op
+    token: T
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveMatch(Generic[T]):
+    index: int
+    calls: dict[int, Call[T]]  # by rank, all world_size ranks
+
+    @property
+    def op(self) -> proto.Op:
+        return next(iter(self.calls.values())).op
+
+
+@dataclass(frozen=True, slots=True)
+class P2PMatch(Generic[T]):
+    index: int
+    send: Call[T]
+    recv: Call[T]
+
+
+Match = CollectiveMatch[T] | P2PMatch[T]
+
+
+@dataclass
+class Matcher(Generic[T]):
+    world_size: int
+    _coll_next: list[int] = field(init=False)
+    _coll: dict[int, dict[int, Call[T]]] = field(default_factory=dict, init=False)
+    _p2p_next: dict[tuple[int, int, bool], int] = field(default_factory=dict, init=False)
+    _p2p: dict[tuple[int, int, int], dict[bool, Call[T]]] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self._coll_next = [0] * self.world_size
+
+    def add(self, call: Call[T]) -> Match[T] | None:
+        """Record one rank's call; return the match it completes, if any."""
+        if ops.is_p2p(call.op):
+            return self._add_p2p(call)
+        return self._add_collective(call)
+
+    def pending(self) -> list[Call[T]]:
+        """Every call still waiting for its partners."""
+        out = [c for group in self._coll.values() for c in group.values()]
+        out += [c for pair in self._p2p.values() for c in pair.values()]
+        return out
+
+    def _add_collective(self, call: Call[T]) -> CollectiveMatch[T] | None:
+        index = self._coll_next[call.rank]
+        self._coll_next[call.rank] = index + 1
+        group = self._coll.setdefault(index, {})
+        if group:
+            _check_same(index, next(iter(group.values())), call, "collective")
+        group[call.rank] = call
+        if len(group) < self.world_size:
+            return None
+        del self._coll[index]
+        return CollectiveMatch(index, group)
+
+    def _add_p2p(self, call: Call[T]) -> P2PMatch[T] | None:
+        is_send = isinstance(call.op, proto.Send)
+        peer: int = call.op.peer  # type: ignore[union-attr]
+        src, dst = (call.rank, peer) if is_send else (peer, call.rank)
+        counter = (src, dst, is_send)
+        index = self._p2p_next.get(counter, 0)
+        self._p2p_next[counter] = index + 1
+        pair = self._p2p.setdefault((src, dst, index), {})
+        other = pair.get(not is_send)
+        if other is not None:
+            _check_same(index, other, call, f"point-to-point {src}->{dst}")
+        pair[is_send] = call
+        if len(pair) < 2:
+            return None
+        del self._p2p[(src, dst, index)]
+        return P2PMatch(index, pair[True], pair[False])
+
+
+def _check_same(index: int, first: Call[Any], call: Call[Any], kind: str) -> None:
+    if ops.fingerprint(first.op) != ops.fingerprint(call.op):
+        raise Mismatch(
+            f"mismatched {kind} call {index}: rank {first.rank} called {ops.describe(first.op)}, "
+            f"rank {call.rank} called {ops.describe(call.op)}",
+            (first.rank, call.rank),
+        )

@@ -1,0 +1,116 @@
+"""What each op means to the daemon: its memory spans, rank checks, fingerprint, engine form.
+
+One table per concern, keyed by the op's type, so the matcher and the world
+never dispatch on op names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import proto
+from proto import ErrorCode
+
+from .engine.base import (
+    AllGatherOp,
+    AllReduceOp,
+    BarrierOp,
+    BroadcastOp,
+    EngineOp,
+    ReduceScatterOp,
+    Region,
+)
+from .errors import CallError
+
+Span = tuple[proto.Mem | None, int]
+
+
+def spans(op: proto.Op, world_size: int) -> tuple[Span, ...]:
+    """The (place, bytes) windows of worker memory the op reads or writes, in a fixed order."""
+    if isinstance(op, proto.AllGather):
+        return ((op.send, op.nbytes), (op.recv, op.nbytes * world_size))
+    if isinstance(op, proto.ReduceScatter):
+        return ((op.send, op.nbytes * world_size), (op.recv, op.nbytes))
+    if isinstance(op, proto.Barrier):
+        return ()
+    return ((op.buf, op.nbytes),)
+
+
+def check_ranks(op: proto.Op, rank: int, world_size: int) -> None:
+    """Refuse a root or peer outside the world, and a root asking for its own command."""
+    for name in ("root", "peer"):
+        value = getattr(op, name, None)
+        if value is not None and value >= world_size:
+            raise CallError(ErrorCode.BAD_RANK,
+                            f"{name}={value} is not a rank of a {world_size}-rank world")
+    if isinstance(op, proto.Broadcast) and op.command and op.root == rank:
+        raise CallError(ErrorCode.MISUSE, f"rank {rank} is the root: recv_command_u32 refuses root")
+
+
+def is_p2p(op: proto.Op) -> bool:
+    return isinstance(op, (proto.Send, proto.Recv))
+
+
+def nbytes(op: proto.Op) -> int:
+    return 0 if isinstance(op, proto.Barrier) else op.nbytes
+
+
+_FINGERPRINT: dict[type, Callable[[Any], tuple[Any, ...]]] = {
+    proto.AllReduce: lambda o: ("all_reduce", o.nbytes, o.dtype, o.op),
+    proto.AllGather: lambda o: ("all_gather", o.nbytes),
+    proto.ReduceScatter: lambda o: ("reduce_scatter", o.nbytes, o.dtype, o.op),
+    proto.Broadcast: lambda o: ("broadcast", o.nbytes, o.root),  # a command is a broadcast
+    proto.Barrier: lambda o: ("barrier",),
+    proto.Send: lambda o: ("p2p", o.nbytes),
+    proto.Recv: lambda o: ("p2p", o.nbytes),
+}
+
+
+def fingerprint(op: proto.Op) -> tuple[Any, ...]:
+    """What matched calls must agree on (op, bytes, dtype, reduction, root)."""
+    return _FINGERPRINT[type(op)](op)
+
+
+_NAMES = {
+    proto.AllReduce: "all_reduce", proto.AllGather: "all_gather",
+    proto.ReduceScatter: "reduce_scatter", proto.Broadcast: "broadcast",
+    proto.Barrier: "barrier", proto.Send: "send_to", proto.Recv: "recv_from",
+}
+
+
+def describe(op: proto.Op) -> str:
+    """A call as a user wrote it, for error messages: `all_reduce(bytes=8, dtype=bf16, op=sum)`."""
+    name = _NAMES[type(op)]
+    if isinstance(op, proto.Broadcast) and op.command:
+        name = "recv_command_u32"
+    args = []
+    for field in ("nbytes", "dtype", "op", "root", "peer"):
+        value = getattr(op, field, None)
+        if value is not None:
+            label = "bytes" if field == "nbytes" else field
+            args.append(f"{label}={getattr(value, 'value', value)}")
+    return f"{name}({', '.join(args)})"
+
+
+def _present(region: Region | None) -> Region:
+    if region is None:
+        raise CallError(ErrorCode.INTERNAL, "a non-empty op is missing its memory")
+    return region
+
+
+def to_engine(op: proto.Op, regions: Mapping[int, tuple[Region | None, ...]]) -> EngineOp:
+    """The engine op for a complete, non-empty collective match; `regions[rank]` follows `spans`."""
+    if isinstance(op, proto.Barrier):
+        return BarrierOp(tuple(sorted(regions)))
+    first = {rank: _present(r[0]) for rank, r in regions.items()}
+    if isinstance(op, proto.AllReduce):
+        return AllReduceOp(first, op.dtype, op.op)
+    if isinstance(op, proto.AllGather):
+        return AllGatherOp(first, {rank: _present(r[1]) for rank, r in regions.items()})
+    if isinstance(op, proto.ReduceScatter):
+        second = {rank: _present(r[1]) for rank, r in regions.items()}
+        return ReduceScatterOp(first, second, op.dtype, op.op)
+    if isinstance(op, proto.Broadcast):
+        return BroadcastOp(first, op.root)
+    raise CallError(ErrorCode.INTERNAL, f"{type(op).__name__} is not a collective")

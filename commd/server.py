@@ -1,0 +1,159 @@
+"""The Unix socket: create it safely, admit allowed peers, stop cleanly.
+
+The socket is SOCK_SEQPACKET, mode 0660, in a runtime directory of mode 0750
+(created if absent). Each connection's SO_PEERCRED uid/gid is checked against
+the allow-list before a single byte is read from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from typing import Any
+
+import proto
+from proto import ErrorCode
+
+from . import __version__
+from .channel import PacketChannel
+from .config import ServerConfig
+from .engine.base import Engine
+from .errors import ConfigError
+from .registry import Registry
+from .session import DaemonContext, Session
+
+log = logging.getLogger("commd.server")
+_UCRED = struct.Struct("3i")
+
+
+def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
+    """Bind a SEQPACKET listener at `path`, replacing a stale socket file, never a live one."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o750, exist_ok=True)
+        os.chmod(parent, 0o750)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"socket: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(path)
+            raise ConfigError(f"socket: another daemon is listening on {path}")
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise ConfigError(f"socket: cannot probe {path}: {exc}") from None
+        finally:
+            probe.close()
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        old_umask = os.umask(0o117)  # the file is born 0660: no window where others may connect
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o660)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Server:
+    def __init__(self, config: ServerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.registry = Registry(engine)
+        self.sessions: set[Session] = set()
+        self._listener: socket.socket | None = None
+        self._started = time.time()
+        self._ctx = DaemonContext(config, engine, self.registry, self._started, self.status)
+
+    def start(self) -> None:
+        self._listener = bind_socket(self.config.socket_path)
+        self._listener.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
+        log.info("listening on %s (engine %s)", self.config.socket_path, self.engine.name)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(64):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.error("accept failed: %s", exc)
+                return
+            pid, uid, gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            refusal = self._refusal(uid, gid)
+            if refusal is not None:
+                log.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
+                _refuse(sock, *refusal)
+                continue
+            self._open_session(sock, pid, uid)
+
+    def _refusal(self, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
+        if uid not in self.config.allow_uids and gid not in self.config.allow_gids:
+            return ErrorCode.PERMISSION, f"uid {uid} / gid {gid} may not use this daemon"
+        if len(self.sessions) >= self.config.max_connections:
+            return ErrorCode.LIMIT, f"the daemon holds its limit of {self.config.max_connections} connections"
+        return None
+
+    def _open_session(self, sock: socket.socket, pid: int, uid: int) -> None:
+        def make_channel(session: Session) -> PacketChannel:
+            def closed(reason: str) -> None:
+                self.sessions.discard(session)
+                session.on_close(reason)
+
+            return PacketChannel(sock, proto.MAX_MESSAGE_BYTES, self.config.max_queued_replies,
+                                 session.on_packet, closed)
+
+        self.sessions.add(Session(self._ctx, pid, uid, make_channel))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "engine": self.engine.name,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self._started, 3),
+            "connections": len(self.sessions),
+            "worlds": self.registry.status(),
+        }
+
+    def shutdown(self) -> None:
+        """Fail pending calls with SHUTDOWN, tell every client, close, remove the socket file."""
+        loop = asyncio.get_running_loop()
+        if self._listener is not None:
+            loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
+        message = "the daemon is shutting down"
+        self.registry.shutdown(message)
+        event = proto.Event(proto.EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, message)
+        for session in list(self.sessions):
+            session.send(event)
+            session.channel.close("shutdown")
+        self.engine.close()
+
+
+def _refuse(sock: socket.socket, code: ErrorCode, message: str) -> None:
+    try:
+        sock.setblocking(False)
+        sock.send(proto.encode(proto.Error(0, code, message)))
+    except OSError:
+        pass
+    finally:
+        sock.close()

@@ -1,0 +1,236 @@
+"""One client connection: its protocol state, its imported memory, its rank.
+
+Each request type has one handler (a table, not an if chain). A handler that
+raises CallError answers that request with the error and the session goes on;
+a packet that does not parse gets a BAD_MESSAGE error and the connection is
+closed (DESIGN §3); anything else is a daemon bug, answered INTERNAL and closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import proto
+from proto import ErrorCode
+
+from . import ops
+from .channel import PacketChannel, close_fds
+from .config import ServerConfig
+from .engine.base import Engine, MemoryMapping, Region
+from .errors import CallError
+from .registry import Registry
+from .world import World
+
+log = logging.getLogger("commd.session")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    buf: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonContext:
+    """What every session shares: built once by the server, no globals."""
+
+    config: ServerConfig
+    engine: Engine
+    registry: Registry
+    started: float
+    status: Callable[[], dict[str, Any]]
+
+
+class Session:
+    def __init__(self, ctx: DaemonContext, pid: int, uid: int,
+                 make_channel: Callable[[Session], PacketChannel]) -> None:
+        self._ctx = ctx
+        self.peer_pid = pid
+        self.peer_uid = uid
+        self._conn = proto.Connection(proto.Role.DAEMON)
+        self._buffers: dict[int, MemoryMapping] = {}
+        self._symmetric: set[int] = set()
+        self._registrations: dict[int, Registration] = {}
+        self._next_handle = 1
+        self.world: World | None = None
+        self.rank = -1
+        self._timeout_s = 60.0
+        self._handlers: dict[type, Callable[[Any, list[int]], None]] = {
+            proto.Hello: self._hello,
+            proto.StatusQuery: self._status,
+            proto.Import: self._import,
+            proto.Forget: self._forget,
+            proto.Submit: self._submit,
+            proto.Register: self._register,
+            proto.Deregister: self._deregister,
+            proto.SymAlloc: self._sym_alloc,
+            proto.SymFree: self._sym_free,
+            proto.SetAddKernel: self._set_add_kernel,
+            proto.Reconnect: self._reconnect,
+        }
+        self.channel = make_channel(self)
+
+    # ---- I/O ------------------------------------------------------------------
+
+    def send(self, msg: proto.Reply, fds: Sequence[int] = ()) -> None:
+        if self.channel.closed:
+            return
+        try:
+            packet = self._conn.send(msg)
+        except proto.ProtoError as exc:
+            log.error("cannot send %s to pid %d: %s", type(msg).__name__, self.peer_pid, exc)
+            self.channel.close(f"protocol error on send: {exc}")
+            return
+        self.channel.send(packet, fds)
+        if self._conn.state is proto.State.CLOSED:
+            self.channel.close("join refused")
+
+    def on_packet(self, data: bytes, fds: list[int], truncated: bool) -> None:
+        try:
+            if truncated:
+                raise proto.MessageTooLarge("packet (or its fds) was truncated: over the limit")
+            msg = self._conn.receive(data, len(fds))
+        except proto.ProtoError as exc:
+            close_fds(fds)
+            self._refuse(exc)
+            return
+        request_id = getattr(msg, "id", 0)
+        try:
+            self._handlers[type(msg)](msg, fds)
+        except CallError as exc:
+            if request_id:
+                self.send(proto.Error(request_id, exc.code, exc.message))
+        except Exception as exc:
+            log.exception("bug while handling %s from pid %d", type(msg).__name__, self.peer_pid)
+            self.send(proto.Error(request_id, ErrorCode.INTERNAL, f"daemon bug: {exc!r}"))
+            self.channel.close("internal error")
+
+    def _refuse(self, exc: proto.ProtoError) -> None:
+        log.warning("bad packet from pid %d: %s", self.peer_pid, exc)
+        packet = proto.encode(proto.Error(0, ErrorCode.BAD_MESSAGE, str(exc)[:4000]))
+        self.channel.send(packet)  # bypasses the state machine: it is in ERROR now
+        self.channel.close(f"bad packet: {exc}")
+
+    def on_close(self, reason: str) -> None:
+        log.debug("connection of pid %d closed: %s", self.peer_pid, reason)
+        if self.world is not None:
+            self.world.leave(self.rank, self)
+            self.world = None
+        for mapping in self._buffers.values():
+            mapping.close()
+        self._buffers.clear()
+        self._registrations.clear()
+
+    # ---- handlers ---------------------------------------------------------------
+
+    def _hello(self, msg: proto.Hello, fds: list[int]) -> None:
+        if msg.version != proto.PROTOCOL_VERSION:
+            raise CallError(ErrorCode.VERSION,
+                            f"protocol version {msg.version} is not supported; "
+                            f"this daemon speaks {proto.PROTOCOL_VERSION}")
+        self._timeout_s = msg.timeout_ms / 1000
+        self.world = self._ctx.registry.join(self, msg)
+        self.rank = msg.rank
+
+    def _status(self, msg: proto.StatusQuery, fds: list[int]) -> None:
+        self.send(proto.StatusReport(msg.id, self._ctx.status()))
+
+    def _import(self, msg: proto.Import, fds: list[int]) -> None:
+        fd = fds[0] if fds else None
+        try:
+            self._check_new_buffer(msg.buf)
+        except CallError:
+            close_fds(fds)
+            raise
+        self._buffers[msg.buf] = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd)
+        self.send(proto.Ok(msg.id))
+
+    def _check_new_buffer(self, buf: int) -> None:
+        if buf in self._buffers:
+            raise CallError(ErrorCode.MISUSE, f"buffer id {buf} is already in use")
+        if len(self._buffers) >= self._ctx.config.max_buffers:
+            raise CallError(ErrorCode.LIMIT,
+                            f"a connection may hold at most {self._ctx.config.max_buffers} buffers")
+
+    def _forget(self, msg: proto.Forget, fds: list[int]) -> None:
+        for buf in msg.bufs:
+            if buf not in self._symmetric:
+                mapping = self._buffers.pop(buf, None)
+                if mapping is not None:
+                    mapping.close()
+
+    def _submit(self, msg: proto.Submit, fds: list[int]) -> None:
+        world = self._member_world()
+        calls = []
+        for op in msg.ops:
+            ops.check_ranks(op, self.rank, world.world_size)
+            regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
+            calls.append((op, regions))
+        world.submit(self.rank, msg.id, calls)
+
+    def _region(self, mem: proto.Mem | None, nbytes: int) -> Region | None:
+        if nbytes == 0 or mem is None:
+            return None
+        mapping = self._buffers.get(mem.buf)
+        if mapping is None:
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, f"buffer {mem.buf} was never imported or was freed")
+        return mapping.region(mem.offset, nbytes)
+
+    def _register(self, msg: proto.Register, fds: list[int]) -> None:
+        self._member_world()
+        if len(self._registrations) >= self._ctx.config.max_registrations:
+            raise CallError(ErrorCode.LIMIT, f"at most {self._ctx.config.max_registrations} registrations")
+        self._region(msg.buf, msg.nbytes)  # bounds check now, as the NCCL engine would
+        handle = self._next_handle
+        self._next_handle += 1
+        self._registrations[handle] = Registration(msg.buf.buf, msg.buf.offset, msg.nbytes)
+        self.send(proto.Ok(msg.id, value=handle))
+
+    def _deregister(self, msg: proto.Deregister, fds: list[int]) -> None:
+        if self._registrations.pop(msg.handle, None) is None:
+            raise CallError(ErrorCode.UNKNOWN_HANDLE, f"handle {msg.handle} is not registered")
+        self.send(proto.Ok(msg.id))
+
+    def _sym_alloc(self, msg: proto.SymAlloc, fds: list[int]) -> None:
+        self._member_world()
+        self._check_new_buffer(msg.buf)
+        mapping, fd = self._ctx.engine.allocate(msg.nbytes)
+        try:
+            self._buffers[msg.buf] = mapping
+            self._symmetric.add(msg.buf)
+            self.send(proto.Ok(msg.id, value=msg.nbytes, nfds=1), [fd])
+        finally:
+            os.close(fd)
+
+    def _sym_free(self, msg: proto.SymFree, fds: list[int]) -> None:
+        if msg.buf not in self._symmetric:
+            raise CallError(ErrorCode.UNKNOWN_HANDLE, f"buffer {msg.buf} is not a symmetric allocation")
+        self._symmetric.discard(msg.buf)
+        self._buffers.pop(msg.buf).close()
+        self.send(proto.Ok(msg.id))
+
+    def _set_add_kernel(self, msg: proto.SetAddKernel, fds: list[int]) -> None:
+        self._member_world().add_kernel[self.rank] = msg.handle
+        self.send(proto.Ok(msg.id))
+
+    def _reconnect(self, msg: proto.Reconnect, fds: list[int]) -> None:
+        self._member_world().reconnect(self.rank, self, msg.id, self._timeout_s)
+
+    def _member_world(self) -> World:
+        if self.world is None:
+            raise CallError(ErrorCode.MISUSE, "this connection is not a rank of any world")
+        return self.world
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pid": self.peer_pid,
+            "world": self.world.name if self.world else None,
+            "rank": self.rank,
+            "buffers": len(self._buffers),
+            "registrations": len(self._registrations),
+        }

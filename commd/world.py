@@ -1,0 +1,330 @@
+"""One world: its ranks, its state machine, call matching and execution.
+
+    FORMING --all ranks said hello / attempt_reconnect--> READY (epoch + 1)
+    READY --rank lost, mismatch, engine error, reconnect--> FAILED
+    FAILED --first attempt_reconnect or a new rank's hello--> FORMING
+
+The world is the only place that decides its state. On failure every pending
+call gets a typed error, every connected rank gets a pushed event, and the
+communicator is aborted; other worlds never notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import proto
+from proto import ErrorCode
+
+from . import ops
+from .engine.base import Communicator, Engine, EngineOp, Region, TransferOp
+from .errors import CallError
+from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch
+
+log = logging.getLogger("commd.world")
+
+
+class Peer(Protocol):
+    """What a world needs of a rank's connection."""
+
+    def send(self, msg: proto.Reply, fds: Sequence[int] = ()) -> None: ...
+
+
+class WorldState(enum.Enum):
+    FORMING = "forming"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Ticket:
+    """One request (a call or a group of calls) of one rank; replied to exactly once."""
+
+    __slots__ = ("done", "peer", "remaining", "request_id")
+
+    def __init__(self, peer: Peer, request_id: int, count: int) -> None:
+        self.peer = peer
+        self.request_id = request_id
+        self.remaining = count
+        self.done = False
+
+    def finish_one(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0 and not self.done:
+            self.done = True
+            self.peer.send(proto.Ok(self.request_id))
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        if not self.done:
+            self.done = True
+            self.peer.send(proto.Error(self.request_id, code, message))
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    ticket: Ticket
+    regions: tuple[Region | None, ...]
+
+
+@dataclass(slots=True)
+class Waiter:
+    """A rank waiting for the world to form: its hello, or its attempt_reconnect."""
+
+    peer: Peer
+    request_id: int
+    is_hello: bool
+    timer: asyncio.TimerHandle | None = None
+
+
+class World:
+    def __init__(self, name: str, world_size: int, token: str | None, engine: Engine,
+                 on_empty: Callable[[World], None]) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.token = token
+        self.state = WorldState.FORMING
+        self.epoch = 0
+        self.cause: str | None = None
+        self.members: dict[int, Peer] = {}
+        self.add_kernel: dict[int, int] = {}
+        self._engine = engine
+        self._on_empty = on_empty
+        self._waiting: dict[int, Waiter] = {}
+        self._matcher: Matcher[Arrival] = Matcher(world_size)
+        self._comm: Communicator | None = None
+        self._tickets: set[Ticket] = set()
+        self._exec_lock = asyncio.Lock()
+        self._queued = 0  # matched ops waiting for or holding _exec_lock
+
+    # ---- forming ----------------------------------------------------------------
+
+    def holds(self, rank: int) -> bool:
+        return rank in self.members or rank in self._waiting
+
+    def join(self, peer: Peer, hello: proto.Hello) -> None:
+        """A new connection asks for `hello.rank`; the caller checked the slot is free."""
+        if self.state is WorldState.FAILED:
+            self._start_forming()
+        self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
+
+    def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
+        if self.state is WorldState.READY:
+            self.fail(ErrorCode.WORLD_FAILED, f"rank {rank} called attempt_reconnect")
+        if self.state is WorldState.FAILED:
+            self._start_forming()
+        old = self._waiting.pop(rank, None)
+        if old is not None:
+            self._cancel(old, ErrorCode.MISUSE, "superseded by a newer attempt_reconnect")
+        self._wait(rank, Waiter(peer, request_id, False), timeout_s)
+
+    def _start_forming(self) -> None:
+        self.state = WorldState.FORMING
+        log.info("world %s epoch %d: forming", self.name, self.epoch)
+
+    def _wait(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        waiter.timer = loop.call_later(timeout_s, self._expire, rank, waiter, timeout_s)
+        self._waiting[rank] = waiter
+        if len(self._waiting) == self.world_size:
+            self._form()
+
+    def _expire(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
+        if self._waiting.get(rank) is not waiter:
+            return
+        del self._waiting[rank]
+        missing = [r for r in range(self.world_size) if r not in self._waiting]
+        waiter.peer.send(proto.Error(
+            waiter.request_id, ErrorCode.TIMEOUT,
+            f"world {self.name}: ranks {_ranks(missing)} did not arrive within {timeout_s:g}s",
+        ))
+        self._maybe_empty()
+
+    def _cancel(self, waiter: Waiter, code: ErrorCode, message: str) -> None:
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        waiter.peer.send(proto.Error(waiter.request_id, code, message))
+
+    def _form(self) -> None:
+        self.epoch += 1
+        self.state = WorldState.READY
+        self.cause = None
+        self._matcher = Matcher(self.world_size)
+        self._comm = self._engine.communicator(self.name, self.epoch, self.world_size,
+                                               sorted(self._waiting))
+        waiting, self._waiting = self._waiting, {}
+        log.info("world %s epoch %d: ready with %d ranks", self.name, self.epoch, self.world_size)
+        for rank, waiter in sorted(waiting.items()):
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            self.members[rank] = waiter.peer
+            waiter.peer.send(
+                _welcome(waiter.request_id, self._engine.name, self.epoch) if waiter.is_hello
+                else proto.Ok(waiter.request_id, value=self.epoch)
+            )
+
+    # ---- calls ------------------------------------------------------------------
+
+    def submit(self, rank: int, request_id: int,
+               calls: Sequence[tuple[proto.Op, tuple[Region | None, ...]]]) -> None:
+        """Enter one request's calls into matching; the ticket replies when all ran."""
+        peer = self.members.get(rank)
+        if self.state is not WorldState.READY or peer is None:
+            raise CallError(ErrorCode.WORLD_FAILED, self._not_ready())
+        ticket = Ticket(peer, request_id, len(calls))
+        self._tickets.add(ticket)
+        for op, regions in calls:
+            try:
+                match = self._matcher.add(Call(rank, op, Arrival(ticket, regions)))
+            except Mismatch as exc:
+                log.warning("world %s epoch %d: %s", self.name, self.epoch, exc)
+                self.fail(ErrorCode.MISMATCH, str(exc))
+                return
+            if match is not None:
+                self._dispatch(match)
+
+    def _dispatch(self, match: Match[Arrival]) -> None:
+        """Run a matched op: inline when nothing is queued and it is small, else in order."""
+        engine_op = self._engine_op(match)
+        if self._queued == 0 and self._comm is not None:
+            try:
+                done = engine_op is None or self._comm.try_inline(engine_op)
+            except Exception as exc:
+                self._engine_failed(exc)
+                return
+            if done:
+                self._finish(match)
+                return
+        self._queued += 1
+        asyncio.get_running_loop().create_task(self._execute(match, engine_op, self.epoch))
+
+    async def _execute(self, match: Match[Arrival], engine_op: EngineOp | None, epoch: int) -> None:
+        try:
+            async with self._exec_lock:  # FIFO: matched ops run in match order
+                if epoch != self.epoch or self._comm is None:
+                    return  # the world failed meanwhile; its tickets have their errors
+                try:
+                    if engine_op is not None:
+                        await self._comm.run(engine_op)
+                except Exception as exc:
+                    if epoch == self.epoch:
+                        self._engine_failed(exc)
+                    return
+        finally:
+            self._queued -= 1
+        self._finish(match)
+
+    def _engine_failed(self, exc: Exception) -> None:
+        if isinstance(exc, CallError):
+            self.fail(exc.code, f"engine: {exc.message}")
+        else:
+            log.error("world %s: engine failed", self.name, exc_info=exc)
+            self.fail(ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}")
+
+    def _finish(self, match: Match[Arrival]) -> None:
+        for arrival in self._arrivals(match):
+            arrival.ticket.finish_one()
+            if arrival.ticket.done:
+                self._tickets.discard(arrival.ticket)
+
+    @staticmethod
+    def _arrivals(match: Match[Arrival]) -> list[Arrival]:
+        if isinstance(match, CollectiveMatch):
+            return [c.token for c in match.calls.values()]
+        return [match.send.token, match.recv.token]
+
+    @staticmethod
+    def _engine_op(match: Match[Arrival]) -> EngineOp | None:
+        if isinstance(match, CollectiveMatch):
+            op = match.op
+            if ops.nbytes(op) == 0 and not isinstance(op, proto.Barrier):
+                return None
+            regions = {rank: c.token.regions for rank, c in match.calls.items()}
+            return ops.to_engine(op, regions)
+        src, dst = match.send.token.regions[0], match.recv.token.regions[0]
+        if src is None or dst is None:
+            return None
+        return TransferOp(match.send.rank, src, match.recv.rank, dst)
+
+    # ---- failure and departure ----------------------------------------------------
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        """READY → FAILED: abort, fail every pending call, tell every rank."""
+        if self.state is not WorldState.READY:
+            return
+        self.state = WorldState.FAILED
+        self.cause = message
+        log.warning("world %s epoch %d: failed: %s", self.name, self.epoch, message)
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
+        tickets, self._tickets = self._tickets, set()
+        for ticket in tickets:
+            ticket.fail(code, message)
+        self._matcher = Matcher(self.world_size)
+        event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
+        for peer in list(self.members.values()):  # a send may close a peer and shrink members
+            peer.send(event)
+
+    def leave(self, rank: int, peer: Peer) -> None:
+        """A rank's connection is gone (closed, killed, or refused)."""
+        waiter = self._waiting.get(rank)
+        if waiter is not None and waiter.peer is peer:
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            del self._waiting[rank]
+        if self.members.get(rank) is peer:
+            del self.members[rank]
+            self.add_kernel.pop(rank, None)
+            self.fail(ErrorCode.WORLD_FAILED, f"rank {rank}'s connection was lost")
+        self._maybe_empty()
+
+    def shutdown(self, message: str) -> None:
+        """The daemon stops: every pending call and waiter gets SHUTDOWN."""
+        for ticket in self._tickets:
+            ticket.fail(ErrorCode.SHUTDOWN, message)
+        self._tickets.clear()
+        for waiter in self._waiting.values():
+            self._cancel(waiter, ErrorCode.SHUTDOWN, message)
+        self._waiting.clear()
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
+
+    def _maybe_empty(self) -> None:
+        if not self.members and not self._waiting:
+            if self._comm is not None:
+                self._comm.abort()
+                self._comm = None
+            self._on_empty(self)
+
+    def _not_ready(self) -> str:
+        if self.state is WorldState.FAILED:
+            return f"world {self.name} epoch {self.epoch} failed: {self.cause}; call attempt_reconnect"
+        return f"world {self.name} is {self.state.value}; wait for attempt_reconnect to finish"
+
+    def status(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "ranks": sorted(self.members),
+            "waiting": sorted(self._waiting),
+            "pending_calls": len(self._tickets),
+            "cause": self.cause,
+        }
+
+
+def _welcome(request_id: int, engine: str, epoch: int) -> proto.Welcome:
+    from . import __version__
+
+    return proto.Welcome(request_id, proto.PROTOCOL_VERSION, __version__, engine, epoch,
+                         proto.MAX_MESSAGE_BYTES)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return "[" + ", ".join(map(str, ranks)) + "]"

@@ -1,0 +1,53 @@
+"""commd wire protocol, sans-IO: messages, codec and the connection state machine.
+
+No sockets, asyncio or threads here (a test enforces it); the daemon (async) and
+the client (blocking) both drive `Connection`. The wire format is in WIRE.md.
+"""
+
+from .codec import decode, encode, expected_fds
+from .connection import Connection, Role, State
+from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge, ProtoError, StateError
+from .messages import (
+    MAX_GROUP_OPS,
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    AllGather,
+    AllReduce,
+    Barrier,
+    Broadcast,
+    Deregister,
+    Error,
+    Event,
+    Forget,
+    Hello,
+    Import,
+    Mem,
+    Message,
+    Ok,
+    Op,
+    Reconnect,
+    Recv,
+    ReduceScatter,
+    Register,
+    Reply,
+    Request,
+    Send,
+    SetAddKernel,
+    StatusQuery,
+    StatusReport,
+    Submit,
+    SymAlloc,
+    SymFree,
+    Welcome,
+)
+from .types import DType, EventKind, MemKind, ReduceOp
+
+__all__ = [
+    "MAX_GROUP_OPS", "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AllGather", "AllReduce",
+    "Barrier", "Broadcast", "Connection", "DType", "DecodeError", "Deregister", "Error",
+    "ErrorCode", "Event", "EventKind", "Forget", "Hello", "Import", "InvalidMessage", "Mem",
+    "MemKind", "Message", "MessageTooLarge", "Ok", "Op", "ProtoError", "Recv", "Reconnect",
+    "ReduceOp", "ReduceScatter", "Register", "Reply", "Request", "Role", "Send",
+    "SetAddKernel", "State", "StateError", "StatusQuery", "StatusReport", "Submit",
+    "SymAlloc", "SymFree", "Welcome", "decode", "encode", "expected_fds",
+]

@@ -1,0 +1,253 @@
+"""msgpack encoding of messages: one message per packet, a map with a type tag `t`.
+
+The schema is read once from the dataclasses' type hints, so adding a field to a
+message is the whole change. Decoding never raises anything but `ProtoError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from . import messages as m
+from .errors import DecodeError, InvalidMessage, MessageTooLarge, ProtoError
+
+TAGS: dict[type, str] = {
+    m.AllReduce: "all_reduce",
+    m.AllGather: "all_gather",
+    m.ReduceScatter: "reduce_scatter",
+    m.Broadcast: "broadcast",
+    m.Barrier: "barrier",
+    m.Send: "send",
+    m.Recv: "recv",
+    m.Hello: "hello",
+    m.Import: "import",
+    m.Forget: "forget",
+    m.Submit: "submit",
+    m.Register: "register",
+    m.Deregister: "deregister",
+    m.SymAlloc: "sym_alloc",
+    m.SymFree: "sym_free",
+    m.SetAddKernel: "set_add_kernel",
+    m.Reconnect: "reconnect",
+    m.StatusQuery: "status",
+    m.Welcome: "welcome",
+    m.Ok: "ok",
+    m.Error: "error",
+    m.Event: "event",
+    m.StatusReport: "status_report",
+}
+_BY_TAG = {tag: cls for cls, tag in TAGS.items()}
+_OP_TAGS = frozenset(TAGS[cls] for cls in m.OP_TYPES)
+
+Decoder = Callable[[Any], Any]
+
+
+def _fail(what: str, value: Any) -> DecodeError:
+    return DecodeError(f"expected {what}, got {type(value).__name__}")
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise _fail("an integer", value)
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise _fail("a string", value)
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise _fail("a boolean", value)
+    return value
+
+
+def _bytes(value: Any) -> bytes:
+    if type(value) is not bytes:
+        raise _fail("bytes", value)
+    return value
+
+
+def _mem(value: Any) -> m.Mem:
+    if type(value) is not list or len(value) != 2:
+        raise _fail("a [buf, offset] pair", value)
+    return m.Mem(_int(value[0]), _int(value[1]))
+
+
+def _info(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _fail("a map", value)
+    return value
+
+
+def _enum(cls: type[enum.Enum]) -> Decoder:
+    members = cls._value2member_map_  # a plain dict: Enum.__call__ is slow on the hot path
+
+    def decode(value: Any) -> enum.Enum:
+        member = members.get(_str(value))
+        if member is None:
+            raise DecodeError(f"{str(value)[:40]!r} is not a {cls.__name__}")
+        return member
+
+    return decode
+
+
+def _optional(inner: Decoder) -> Decoder:
+    return lambda value: None if value is None else inner(value)
+
+
+def _tuple_of(inner: Decoder) -> Decoder:
+    def decode(value: Any) -> tuple[Any, ...]:
+        if type(value) is not list:
+            raise _fail("a list", value)
+        return tuple(inner(item) for item in value)
+
+    return decode
+
+
+def _op(value: Any) -> m.Op:
+    if type(value) is not dict or value.get("t") not in _OP_TAGS:
+        raise DecodeError("expected an op")
+    return typing.cast(m.Op, _from_map(value))
+
+
+_SIMPLE: dict[Any, Decoder] = {
+    int: _int, str: _str, bool: _bool, bytes: _bytes, m.Mem: _mem, dict[str, Any]: _info,
+}
+
+
+def _decoder_for(hint: Any) -> Decoder:
+    if hint in _SIMPLE:
+        return _SIMPLE[hint]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _enum(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return _optional(_decoder_for(inner))
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _tuple_of(_op if args[0] == m.Op else _decoder_for(args[0]))
+    raise TypeError(f"no decoder for {hint!r}")  # a schema bug, caught at import
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    decode: Decoder
+    required: bool
+
+
+def _schema(cls: type) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        _Field(
+            f.name,
+            _decoder_for(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+    )
+
+
+_SCHEMAS: dict[type, tuple[_Field, ...]] = {cls: _schema(cls) for cls in TAGS}
+_ALLOWED: dict[type, frozenset[str]] = {
+    cls: frozenset({"t", *(f.name for f in fields)}) for cls, fields in _SCHEMAS.items()
+}
+
+
+def _from_map(raw: dict[Any, Any]) -> Any:
+    cls = _BY_TAG.get(raw.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise DecodeError(f"unknown message type {str(raw.get('t'))[:40]!r}")
+    fields = _SCHEMAS[cls]
+    if not raw.keys() <= _ALLOWED[cls]:
+        extra = sorted(str(k) for k in raw.keys() - _ALLOWED[cls])
+        raise DecodeError(f"{TAGS[cls]}: unknown field {extra[0][:40]!r}")
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        if f.name in raw:
+            kwargs[f.name] = f.decode(raw[f.name])
+        elif f.required:
+            raise DecodeError(f"{TAGS[cls]}: missing field {f.name!r}")
+    return cls(**kwargs)
+
+
+Encoder = Callable[[Any], Any] | None  # None: the value goes on the wire as it is
+
+
+def _encoder_for(hint: Any) -> Encoder:
+    if hint in _SIMPLE:
+        return (lambda v: [v.buf, v.offset]) if hint is m.Mem else None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return lambda v: v._value_
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        enc = _encoder_for(inner)
+        return None if enc is None else (lambda v: None if v is None else enc(v))
+    if args[0] == m.Op:
+        return lambda v: [_to_wire(op) for op in v]
+    return list
+
+
+_ENCODERS: dict[type, tuple[tuple[str, Encoder], ...]] = {
+    cls: tuple((f.name, _encoder_for(typing.get_type_hints(cls)[f.name]))
+               for f in dataclasses.fields(cls))
+    for cls in TAGS
+}
+
+
+def _to_wire(msg: Any) -> dict[str, Any]:
+    cls = type(msg)
+    out: dict[str, Any] = {"t": TAGS[cls]}
+    for name, enc in _ENCODERS[cls]:
+        value = getattr(msg, name)
+        out[name] = value if enc is None else enc(value)
+    return out
+
+
+def expected_fds(msg: m.Message) -> int:
+    """How many fds must ride beside this message's packet."""
+    if isinstance(msg, m.Import):
+        return 1 if msg.kind.carries_fd else 0
+    if isinstance(msg, m.Ok):
+        return msg.nfds
+    return 0
+
+
+def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES) -> bytes:
+    """Serialize one message; refuse one that would exceed `limit` bytes."""
+    if type(msg) not in TAGS:
+        raise InvalidMessage(f"{type(msg).__name__} is not a message")
+    data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
+    if len(data) > limit:
+        raise MessageTooLarge(f"{TAGS[type(msg)]} is {len(data)} bytes, over the {limit}-byte limit")
+    return data
+
+
+def decode(data: bytes, nfds: int = 0, limit: int = m.MAX_MESSAGE_BYTES) -> m.Message:
+    """Parse one packet that arrived with `nfds` file descriptors."""
+    if len(data) > limit:
+        raise MessageTooLarge(f"packet of {len(data)} bytes is over the {limit}-byte limit")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if type(raw) is not dict:
+            raise DecodeError("a message is a msgpack map")
+        msg = _from_map(raw)
+    except ProtoError:
+        raise
+    except Exception as exc:  # msgpack raises many unrelated types on garbage
+        raise DecodeError(f"undecodable packet: {type(exc).__name__}: {str(exc)[:200]}") from None
+    want = expected_fds(msg)
+    if want != nfds:
+        raise DecodeError(f"{TAGS[type(msg)]} needs {want} fd(s), the packet carried {nfds}")
+    return typing.cast(m.Message, msg)

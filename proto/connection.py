@@ -1,0 +1,95 @@
+"""The per-connection state machine, driven by both the daemon and the client.
+
+Like h11's `Connection`: it turns messages into packets and packets into
+messages, and one table says which message is legal in which state. Any error
+moves the connection to ERROR for good; the owner then closes the socket.
+
+    AWAIT_HELLO --client sends Hello--> JOINING --daemon sends Welcome--> READY
+         |                                 |
+         +-- StatusQuery / StatusReport    +-- daemon sends Error --> CLOSED
+"""
+
+from __future__ import annotations
+
+import enum
+
+from . import messages as m
+from .codec import decode, encode
+from .errors import ProtoError, StateError
+
+
+class Role(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python
+
+    CLIENT = "client"
+    DAEMON = "daemon"
+
+
+class State(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python
+
+    AWAIT_HELLO = "await_hello"
+    JOINING = "joining"
+    READY = "ready"
+    CLOSED = "closed"
+    ERROR = "error"
+
+
+_READY_REQUESTS: frozenset[type] = frozenset(
+    {m.Import, m.Forget, m.Submit, m.Register, m.Deregister, m.SymAlloc, m.SymFree,
+     m.SetAddKernel, m.Reconnect, m.StatusQuery}
+)
+_LEGAL: dict[tuple[Role, State], frozenset[type]] = {
+    (Role.CLIENT, State.AWAIT_HELLO): frozenset({m.Hello, m.StatusQuery}),
+    (Role.CLIENT, State.READY): _READY_REQUESTS,
+    (Role.DAEMON, State.AWAIT_HELLO): frozenset({m.Error, m.StatusReport, m.Event}),
+    (Role.DAEMON, State.JOINING): frozenset({m.Welcome, m.Error, m.Event}),
+    (Role.DAEMON, State.READY): frozenset({m.Ok, m.Error, m.Event, m.StatusReport}),
+}
+_TRANSITIONS: dict[tuple[State, type], State] = {
+    (State.AWAIT_HELLO, m.Hello): State.JOINING,
+    (State.JOINING, m.Welcome): State.READY,
+    (State.JOINING, m.Error): State.CLOSED,
+}
+
+
+class Connection:
+    """One side's view of one connection. `our_role` says which side we are."""
+
+    def __init__(self, our_role: Role, limit: int = m.MAX_MESSAGE_BYTES) -> None:
+        self.our_role = our_role
+        self.their_role = Role.DAEMON if our_role is Role.CLIENT else Role.CLIENT
+        self.limit = limit
+        self.state = State.AWAIT_HELLO
+
+    def send(self, msg: m.Message) -> bytes:
+        """Check that we may send `msg` now, advance the state, return the packet."""
+        self._advance(self.our_role, msg)
+        try:
+            return encode(msg, self.limit)
+        except ProtoError:
+            self.state = State.ERROR
+            raise
+
+    def receive(self, packet: bytes, nfds: int = 0) -> m.Message:
+        """Parse a packet from the other side, check it is legal now, advance the state."""
+        self._check_open()
+        try:
+            msg = decode(packet, nfds, self.limit)
+        except ProtoError:
+            self.state = State.ERROR
+            raise
+        self._advance(self.their_role, msg)
+        return msg
+
+    def _check_open(self) -> None:
+        if self.state in (State.CLOSED, State.ERROR):
+            raise StateError(f"connection is {self.state.value}")
+
+    def _advance(self, sender: Role, msg: m.Message) -> None:
+        self._check_open()
+        legal = _LEGAL.get((sender, self.state), frozenset())
+        if type(msg) not in legal:
+            was, self.state = self.state, State.ERROR
+            raise StateError(f"{sender.value} may not send {type(msg).__name__} in state {was.value}")
+        self.state = _TRANSITIONS.get((self.state, type(msg)), self.state)

@@ -1,0 +1,389 @@
+"""Every message of the protocol: frozen, slotted dataclasses that validate themselves.
+
+A message that exists is a valid message: constructors raise `InvalidMessage`,
+so the decoder and the sender share one set of rules. Ops (what a rank asks the
+world to do) travel inside a `Submit`; one op is a plain call, several are a
+`group_start`/`group_end` batch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ErrorCode, InvalidMessage
+from .types import DType, EventKind, MemKind, ReduceOp
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_GROUP_OPS = 512
+MAX_RANKS = 65536
+MAX_WORLD_NAME = 128
+U64_MAX = (1 << 64) - 1
+_WORLD_NAME = re.compile(r"[A-Za-z0-9._:@/-]+")
+
+
+def _u64(name: str, value: int) -> None:
+    if not 0 <= value <= U64_MAX:
+        raise InvalidMessage(f"{name}={value} is not an unsigned 64-bit integer")
+
+
+def _positive(name: str, value: int) -> None:
+    if not 0 < value <= U64_MAX:
+        raise InvalidMessage(f"{name}={value} must be a positive 64-bit integer")
+
+
+def _rank(name: str, value: int) -> None:
+    if not 0 <= value < MAX_RANKS:
+        raise InvalidMessage(f"{name}={value} is not a rank (0..{MAX_RANKS - 1})")
+
+
+def _short_text(name: str, value: str, limit: int = 256) -> None:
+    if len(value) > limit:
+        raise InvalidMessage(f"{name} is longer than {limit} characters")
+
+
+@dataclass(frozen=True, slots=True)
+class Mem:
+    """A place in an imported buffer: the buffer's id and a byte offset into it."""
+
+    buf: int
+    offset: int
+
+    def __post_init__(self) -> None:
+        _positive("buf", self.buf)
+        _u64("offset", self.offset)
+
+
+def _sized(name: str, mem: Mem | None, nbytes: int, itemsize: int = 1) -> None:
+    _u64("nbytes", nbytes)
+    if nbytes % itemsize:
+        raise InvalidMessage(f"nbytes={nbytes} is not a multiple of the element size {itemsize}")
+    if nbytes and mem is None:
+        raise InvalidMessage(f"{name} is required when nbytes > 0")
+
+
+# ---- ops ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduce:
+    buf: Mem | None
+    nbytes: int
+    dtype: DType = DType.BF16
+    op: ReduceOp = ReduceOp.SUM
+
+    def __post_init__(self) -> None:
+        _sized("buf", self.buf, self.nbytes, self.dtype.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class AllGather:
+    """`nbytes` is each rank's contribution; `recv` holds world_size × nbytes."""
+
+    send: Mem | None
+    recv: Mem | None
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _sized("send", self.send, self.nbytes)
+        _sized("recv", self.recv, self.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatter:
+    """`nbytes` is each rank's share; `send` holds world_size × nbytes."""
+
+    send: Mem | None
+    recv: Mem | None
+    nbytes: int
+    dtype: DType = DType.U8
+    op: ReduceOp = ReduceOp.SUM
+
+    def __post_init__(self) -> None:
+        _sized("send", self.send, self.nbytes, self.dtype.itemsize)
+        _sized("recv", self.recv, self.nbytes, self.dtype.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """`command` marks a non-root's `recv_command_u32`: the same collective, no deadline."""
+
+    buf: Mem | None
+    nbytes: int
+    root: int
+    command: bool = False
+
+    def __post_init__(self) -> None:
+        _sized("buf", self.buf, self.nbytes)
+        _rank("root", self.root)
+        if self.command and self.nbytes != 4:
+            raise InvalidMessage("a command broadcast carries exactly 4 bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    buf: Mem | None
+    nbytes: int
+    peer: int
+    stream: int = 0
+
+    def __post_init__(self) -> None:
+        _sized("buf", self.buf, self.nbytes)
+        _rank("peer", self.peer)
+        _u64("stream", self.stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    buf: Mem | None
+    nbytes: int
+    peer: int
+    stream: int = 0
+
+    def __post_init__(self) -> None:
+        _sized("buf", self.buf, self.nbytes)
+        _rank("peer", self.peer)
+        _u64("stream", self.stream)
+
+
+Op = AllReduce | AllGather | ReduceScatter | Broadcast | Barrier | Send | Recv
+OP_TYPES: tuple[type, ...] = (AllReduce, AllGather, ReduceScatter, Broadcast, Barrier, Send, Recv)
+
+
+# ---- client → daemon --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    id: int
+    version: int
+    pid: int
+    world: str
+    rank: int
+    world_size: int
+    timeout_ms: int
+    device: int | None = None
+    bootstrap: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _u64("version", self.version)
+        _u64("pid", self.pid)
+        if not 0 < len(self.world) <= MAX_WORLD_NAME or not _WORLD_NAME.fullmatch(self.world):
+            raise InvalidMessage(
+                f"world name {self.world[:40]!r} must be 1..{MAX_WORLD_NAME} of [A-Za-z0-9._:@/-]"
+            )
+        if not 0 < self.world_size <= MAX_RANKS:
+            raise InvalidMessage(f"world_size={self.world_size} must be 1..{MAX_RANKS}")
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidMessage(f"rank={self.rank} is not in 0..{self.world_size - 1}")
+        _positive("timeout_ms", self.timeout_ms)
+        if self.device is not None:
+            _rank("device", self.device)
+        for name in ("bootstrap", "token"):
+            value = getattr(self, name)
+            if value is not None:
+                _short_text(name, value)
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """Hand the daemon one allocation; a host or VMM buffer's fd rides beside the packet."""
+
+    id: int
+    buf: int
+    kind: MemKind
+    size: int
+    handle: bytes = b""
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _positive("buf", self.buf)
+        _positive("size", self.size)
+        if len(self.handle) > 256:
+            raise InvalidMessage("a memory handle is at most 256 bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Buffers the worker freed; no reply (ids the daemon does not know are ignored)."""
+
+    bufs: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.bufs) <= MAX_GROUP_OPS:
+            raise InvalidMessage(f"forget lists 1..{MAX_GROUP_OPS} buffers")
+        for buf in self.bufs:
+            _positive("buf", buf)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """One call, or a group of calls submitted together; one reply when all are done."""
+
+    id: int
+    ops: tuple[Op, ...]
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        if not 0 < len(self.ops) <= MAX_GROUP_OPS:
+            raise InvalidMessage(f"a submit carries 1..{MAX_GROUP_OPS} ops")
+        for op in self.ops:
+            if not isinstance(op, OP_TYPES):
+                raise InvalidMessage(f"{type(op).__name__} is not an op")
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    id: int
+    buf: Mem
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _u64("nbytes", self.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Deregister:
+    id: int
+    handle: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _u64("handle", self.handle)
+
+
+@dataclass(frozen=True, slots=True)
+class SymAlloc:
+    """The daemon allocates `nbytes`, imports it as buffer `buf` and replies with its fd."""
+
+    id: int
+    buf: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _positive("buf", self.buf)
+        _positive("nbytes", self.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class SymFree:
+    id: int
+    buf: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _positive("buf", self.buf)
+
+
+@dataclass(frozen=True, slots=True)
+class SetAddKernel:
+    id: int
+    handle: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _u64("handle", self.handle)
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    id: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusQuery:
+    """Ask the daemon for its state; legal before `hello` (operators' tools never join)."""
+
+    id: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+
+
+# ---- daemon → client --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    id: int
+    version: int
+    daemon_version: str
+    engine: str
+    epoch: int
+    max_message: int
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _u64("epoch", self.epoch)
+        _positive("max_message", self.max_message)
+
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    """Success. `value` is the call's result (handle, epoch, size); `nfds` fds ride beside."""
+
+    id: int
+    value: int = 0
+    nfds: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+        _u64("value", self.value)
+        if not 0 <= self.nfds <= 1:
+            raise InvalidMessage("a reply carries at most one fd")
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A refused request; `id` 0 when the packet that caused it could not be read."""
+
+    id: int
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        _u64("id", self.id)
+        _short_text("message", self.message, 4096)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: EventKind
+    code: ErrorCode
+    message: str
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        _short_text("message", self.message, 4096)
+        _u64("epoch", self.epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    id: int
+    info: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        _positive("id", self.id)
+
+
+Request = (
+    Hello | Import | Forget | Submit | Register | Deregister | SymAlloc | SymFree | SetAddKernel
+    | Reconnect | StatusQuery
+)
+Reply = Welcome | Ok | Error | Event | StatusReport
+Message = Request | Reply
