@@ -103,6 +103,7 @@ def to_engine(op: proto.Op, regions: Mapping[int, tuple[Region | None, ...]]) ->
     """The engine op for a complete, non-empty collective match; `regions[rank]` follows `spans`."""
     if isinstance(op, proto.Barrier):
         return BarrierOp(tuple(sorted(regions)))
+    regions = dict(sorted(regions.items()))  # rank order: float sums depend on it
     first = {rank: _present(r[0]) for rank, r in regions.items()}
     if isinstance(op, proto.AllReduce):
         return AllReduceOp(first, op.dtype, op.op)

@@ -257,7 +257,9 @@ class World:
             return
         self.state = WorldState.FAILED
         self.cause = message
-        log.warning("world %s epoch %d: failed: %s", self.name, self.epoch, message)
+        # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
+        level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
+        log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message)
         if self._comm is not None:
             self._comm.abort()
             self._comm = None
@@ -316,6 +318,7 @@ class World:
             "waiting": sorted(self._waiting),
             "pending_calls": len(self._tickets),
             "cause": self.cause,
+            "add_kernel": {str(rank): handle for rank, handle in sorted(self.add_kernel.items())},
         }
 
 

@@ -45,6 +45,7 @@ TAGS: dict[type, str] = {
 }
 _BY_TAG = {tag: cls for cls, tag in TAGS.items()}
 _OP_TAGS = frozenset(TAGS[cls] for cls in m.OP_TYPES)
+_MESSAGE_TAGS = {tag: cls for tag, cls in _BY_TAG.items() if tag not in _OP_TAGS}  # ops ride in a submit
 
 Decoder = Callable[[Any], Any]
 
@@ -164,8 +165,8 @@ _ALLOWED: dict[type, frozenset[str]] = {
 }
 
 
-def _from_map(raw: dict[Any, Any]) -> Any:
-    cls = _BY_TAG.get(raw.get("t"))  # type: ignore[arg-type]
+def _from_map(raw: dict[Any, Any], by_tag: dict[str, type] = _BY_TAG) -> Any:
+    cls = by_tag.get(raw.get("t"))  # type: ignore[arg-type]
     if cls is None:
         raise DecodeError(f"unknown message type {str(raw.get('t'))[:40]!r}")
     fields = _SCHEMAS[cls]
@@ -226,9 +227,12 @@ def expected_fds(msg: m.Message) -> int:
 
 def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES) -> bytes:
     """Serialize one message; refuse one that would exceed `limit` bytes."""
-    if type(msg) not in TAGS:
+    if type(msg) not in TAGS or isinstance(msg, m.OP_TYPES):
         raise InvalidMessage(f"{type(msg).__name__} is not a message")
-    data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
+    try:
+        data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. a StatusReport value msgpack lacks
+        raise InvalidMessage(f"{TAGS[type(msg)]} cannot be encoded: {exc}") from exc
     if len(data) > limit:
         raise MessageTooLarge(f"{TAGS[type(msg)]} is {len(data)} bytes, over the {limit}-byte limit")
     return data
@@ -242,7 +246,7 @@ def decode(data: bytes, nfds: int = 0, limit: int = m.MAX_MESSAGE_BYTES) -> m.Me
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
         if type(raw) is not dict:
             raise DecodeError("a message is a msgpack map")
-        msg = _from_map(raw)
+        msg = _from_map(raw, _MESSAGE_TAGS)
     except ProtoError:
         raise
     except Exception as exc:  # msgpack raises many unrelated types on garbage

@@ -328,6 +328,7 @@ class Welcome:
 
     def __post_init__(self) -> None:
         _positive("id", self.id)
+        _u64("version", self.version)
         _u64("epoch", self.epoch)
         _positive("max_message", self.max_message)
 

@@ -120,7 +120,7 @@ def _arr(region: Region) -> np.ndarray:
 def _plan(op: EngineOp, parts: int) -> list[Job]:
     """Cut an op into independent jobs that touch disjoint output bytes."""
     if isinstance(op, AllReduceOp):
-        arrays = [_arr(r) for r in op.bufs.values()]
+        arrays = [_arr(op.bufs[rank]) for rank in sorted(op.bufs)]  # rank order fixes the float sum
         align = CHUNK_ELEMS * op.dtype.itemsize
         return [
             _bind_reduce([a[lo:hi] for a in arrays], [a[lo:hi] for a in arrays], op)

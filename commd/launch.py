@@ -1,0 +1,95 @@
+"""Start and stop a daemon in a child process: used by the demo, the bench and the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+
+def wait_for_socket(path: str | os.PathLike[str], timeout: float,
+                    proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Return once a daemon answers a status query at `path`; raise TimeoutError if not."""
+    from client.errors import CommError
+
+    from .status import query_status
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with code {proc.returncode} before it was ready")
+        if os.path.exists(path):
+            try:
+                query_status(os.fspath(path), 1.0)
+                return
+            except CommError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no daemon answered at {path} within {timeout}s")
+        time.sleep(0.02)
+
+
+class DaemonProcess:
+    """`commd serve` as a child process; a context manager that stops it with SIGTERM."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], *, engine: str = "host",
+                 args: Sequence[str] = (), log: IO[bytes] | int | None = None,
+                 cpus: Sequence[int] | None = None, log_level: str = "WARNING") -> None:
+        self.socket_path = Path(socket_path)
+        self._cmd = [sys.executable, "-m", "commd", "serve", "--socket", str(self.socket_path),
+                     "--engine", engine, "--log-level", log_level, *args]
+        self._log = log
+        self._cpus = cpus
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 20.0) -> DaemonProcess:
+        cpus = self._cpus
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=self._log, env=env,
+                                     preexec_fn=pin if cpus else None)
+        try:
+            wait_for_socket(self.socket_path, timeout, self.proc)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

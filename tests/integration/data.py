@@ -1,0 +1,36 @@
+"""Deterministic per-rank inputs and the numpy references results are checked against."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+NUMPY = {
+    "bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32, "f64": np.float64,
+    "i32": np.int32, "i64": np.int64, "u8": np.uint8,
+}
+UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+FLOATS = ("bf16", "f16", "f32", "f64")
+
+
+def make_input(seed: int, rank: int, nelem: int, dtype: str, op: str) -> np.ndarray:
+    """Rank `rank`'s input: values chosen so products stay finite and sums exercise wrap-around."""
+    rng = np.random.default_rng((seed, rank))
+    if dtype in FLOATS:
+        low, high = (0.5, 1.5) if op == "prod" else (-8.0, 8.0)
+        return rng.uniform(low, high, nelem).astype(NUMPY[dtype])
+    info = np.iinfo(NUMPY[dtype])
+    if op == "prod":
+        return rng.integers(-3 if info.min < 0 else 0, 4, nelem).astype(NUMPY[dtype])
+    return rng.integers(info.min, info.max, nelem, endpoint=True, dtype=NUMPY[dtype])
+
+
+def reduce_reference(inputs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
+    """The daemon's documented arithmetic: rank order; bf16/f16 accumulate in float32, round once."""
+    ufunc = UFUNC[op]
+    wide = dtype in ("bf16", "f16")
+    acc = inputs[0].astype(np.float32) if wide else inputs[0].copy()
+    with np.errstate(all="ignore"):
+        for x in inputs[1:]:
+            ufunc(acc, x.astype(np.float32) if wide else x, out=acc)
+    return acc.astype(NUMPY[dtype]) if wide else acc

@@ -1,0 +1,137 @@
+"""Real worker processes for integration tests.
+
+`RankPool` keeps N spawned processes alive across tests (spawning one costs a
+numpy import, ~0.3 s) and runs one function per rank in them, each with its own
+`DaemonBackend`. Every wait has a timeout; a pool whose worker hangs or dies is
+torn down and the test fails with the ranks that did not answer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank's function returned, or the error it raised (by class name)."""
+
+    value: Any = None
+    error: str | None = None  # exception class name
+    message: str = ""
+    code: str | None = None  # the CommError's wire code, if any
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise AssertionError(f"rank raised {self.error}: {self.message}")
+        return self.value
+
+
+def _serve(conn: Connection) -> None:
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        fn, args = task
+        try:
+            result = Outcome(value=fn(*args))
+        except BaseException as exc:  # every failure goes back to the test, typed by name
+            code = getattr(exc, "code", None)
+            result = Outcome(error=type(exc).__name__, message=str(exc),
+                             code=getattr(code, "value", None))
+        conn.send(result)
+
+
+class RankPool:
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for _ in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    @property
+    def size(self) -> int:
+        return len(self._procs)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def start(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[int]:
+        """Send `fn(*args[i])` to worker i (for i < len(args)); return those worker indexes."""
+        for conn, rank_args in zip(self._conns, args, strict=False):
+            conn.send((fn, rank_args))
+        return list(range(len(args)))
+
+    def collect(self, workers: Sequence[int], timeout: float) -> list[Outcome]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        results: dict[int, Outcome] = {}
+        pending = {self._conns[i]: i for i in workers}
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait(list(pending), timeout=max(0.0, left)) if left > 0 else []
+            if not ready:
+                self.close(force=True)
+                raise TimeoutError(f"workers {sorted(pending.values())} did not answer in {timeout}s")
+            for conn in ready:
+                index = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    results[index] = conn.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    results[index] = Outcome(error="WorkerDied", message=f"worker {index} died")
+        return [results[i] for i in workers]
+
+    def run(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]],
+            timeout: float = 60.0) -> list[Outcome]:
+        return self.collect(self.start(fn, args), timeout)
+
+    def close(self, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if not force:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            if force or not _joined(proc, 5):
+                proc.kill()
+                proc.join(5)
+            conn.close()
+
+
+def _joined(proc: Any, timeout: float) -> bool:
+    proc.join(timeout)
+    return not proc.is_alive()
+
+
+def short_tmpdir() -> str:
+    """A short directory: Unix socket paths are limited to 107 bytes."""
+    return tempfile.mkdtemp(prefix="commd-t-", dir="/tmp")
+
+
+def world_name(prefix: str = "w") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def memfd_mappings(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(1 for line in maps if "memfd:" in line)

@@ -1,0 +1,176 @@
+"""Every CommBackend call through a real daemon and real worker processes, checked against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.integration import workers
+from tests.integration.data import NUMPY, make_input, reduce_reference
+from tests.integration.harness import RankPool, world_name
+
+pytestmark = pytest.mark.timeout(120)
+
+RANKS = [1, 2, 3, 4]
+# (elements) 0 B, one bf16 element (2 B), an odd count, 1 MiB of bf16
+ELEMS = [0, 1, 1001, 512 * 1024]
+
+
+def run(pool: RankPool, sock: str, n: int, fn: object, *args: object) -> list[object]:
+    world = world_name()
+    outcomes = pool.run(fn, [(sock, world, rank, n, *args) for rank in range(n)])  # type: ignore[arg-type]
+    return [o.unwrap() for o in outcomes]
+
+
+def as_array(raw: object, dtype: str) -> np.ndarray:
+    assert isinstance(raw, bytes)
+    return np.frombuffer(raw, NUMPY[dtype])
+
+
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("nelem", ELEMS)
+def test_all_reduce_default_is_bf16_sum(pool: RankPool, sock: str, n: int, nelem: int) -> None:
+    results = run(pool, sock, n, workers.all_reduce, nelem, None, None, 11)
+    want = reduce_reference([make_input(11, r, nelem, "bf16", "sum") for r in range(n)], "bf16", "sum")
+    for raw in results:
+        got = as_array(raw, "bf16")
+        assert got.shape == want.shape
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32", "f64", "i32", "i64", "u8"])
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_all_reduce_dtypes_and_ops(pool: RankPool, sock: str, dtype: str, op: str) -> None:
+    n, nelem = 3, 777
+    results = run(pool, sock, n, workers.all_reduce, nelem, dtype, op, 5, 24)  # offset pointer
+    want = reduce_reference([make_input(5, r, nelem, dtype, op) for r in range(n)], dtype, op)
+    for raw in results:
+        assert as_array(raw, dtype).tobytes() == want.tobytes()
+
+
+def test_all_reduce_large_runs_on_threads(pool: RankPool, sock: str) -> None:
+    n, nelem = 4, 3 * 1024 * 1024 + 5  # 6 MiB bf16: over the inline limit, uneven split
+    results = run(pool, sock, n, workers.all_reduce, nelem, "bf16", "sum", 3)
+    want = reduce_reference([make_input(3, r, nelem, "bf16", "sum") for r in range(n)], "bf16", "sum")
+    for raw in results:
+        assert raw == want.tobytes()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_reduce_async_completes_in_place(pool: RankPool, sock: str, n: int) -> None:
+    results = run(pool, sock, n, workers.all_reduce, 4099, "f32", "sum", 8, 0, True)
+    want = reduce_reference([make_input(8, r, 4099, "f32", "sum") for r in range(n)], "f32", "sum")
+    assert all(raw == want.tobytes() for raw in results)
+
+
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("nbytes", [0, 2, 1001, 1 << 20])
+def test_all_gather_in_rank_order(pool: RankPool, sock: str, n: int, nbytes: int) -> None:
+    results = run(pool, sock, n, workers.all_gather, nbytes, 21)
+    want = b"".join(make_input(21, r, nbytes, "u8", "sum").tobytes() for r in range(n))
+    assert all(raw == want for raw in results)
+
+
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("share", [0, 2, 1001, 1 << 20])
+def test_reduce_scatter_default_is_u8_sum(pool: RankPool, sock: str, n: int, share: int) -> None:
+    results = run(pool, sock, n, workers.reduce_scatter, share, None, None, 31)
+    full = reduce_reference([make_input(31, r, share * n, "u8", "sum") for r in range(n)], "u8", "sum")
+    for rank, raw in enumerate(results):
+        assert raw == full[rank * share:(rank + 1) * share].tobytes()
+
+
+@pytest.mark.parametrize("dtype,op", [("bf16", "sum"), ("f32", "max"), ("i64", "prod"), ("f16", "min")])
+def test_reduce_scatter_dtypes(pool: RankPool, sock: str, dtype: str, op: str) -> None:
+    n, share = 4, 333
+    results = run(pool, sock, n, workers.reduce_scatter, share, dtype, op, 41)
+    full = reduce_reference([make_input(41, r, share * n, dtype, op) for r in range(n)], dtype, op)
+    for rank, raw in enumerate(results):
+        assert raw == full[rank * share:(rank + 1) * share].tobytes()
+
+
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("nbytes", [0, 2, 1001, 1 << 20])
+def test_broadcast_from_every_root(pool: RankPool, sock: str, n: int, nbytes: int) -> None:
+    for root in range(n):
+        results = run(pool, sock, n, workers.broadcast, nbytes, root, 51)
+        want = make_input(51, root, nbytes, "u8", "sum").tobytes()
+        assert all(raw == want for raw in results), f"root {root}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_barrier_waits_for_the_last_rank(pool: RankPool, sock: str, n: int) -> None:
+    times = run(pool, sock, n, workers.barrier, 0.15)
+    last_arrival = max(arrived for arrived, _ in times)  # type: ignore[misc]
+    for arrived, left in times:  # type: ignore[misc]
+        assert left >= last_arrival - 0.005, "a rank left the barrier before the last one arrived"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("nbytes", [2, 1001, 1 << 20])
+def test_send_recv_every_pair_in_a_group(pool: RankPool, sock: str, n: int, nbytes: int) -> None:
+    results = run(pool, sock, n, workers.send_recv_pairs, nbytes, 61)
+    for rank, received in enumerate(results):
+        assert isinstance(received, dict)
+        for peer, raw in received.items():
+            assert raw == make_input(61 + 1000 * peer + rank, 0, nbytes, "u8", "sum").tobytes()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_send_recv_ungrouped(pool: RankPool, sock: str, n: int) -> None:
+    nbytes = 4097
+    results = run(pool, sock, n, workers.send_then_recv, nbytes, 71)
+    assert results[0] == make_input(71, n - 1, nbytes, "u8", "sum").tobytes()
+    assert results[n - 1] == make_input(71, 0, nbytes, "u8", "sum").tobytes()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_recv_command_u32(pool: RankPool, sock: str, n: int) -> None:
+    commands = [7, 0, 0xFFFFFFFF, 123456, 42, 1]
+    results = run(pool, sock, n, workers.command_loop, commands)
+    assert all(got == commands for got in results)
+
+
+def test_recv_command_refuses_root(pool: RankPool, sock: str) -> None:
+    assert run(pool, sock, 2, workers.root_recv_command) == ["MisuseError", "MisuseError"]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_group_submits_calls_together(pool: RankPool, sock: str, n: int) -> None:
+    results = run(pool, sock, n, workers.group_two_reduces, 513, 81)
+    want_a = reduce_reference([make_input(81, r, 513, "f32", "sum") for r in range(n)], "f32", "sum")
+    want_b = reduce_reference([make_input(82, r, 513, "i32", "max") for r in range(n)], "i32", "max")
+    assert all(res == (want_a.tobytes(), want_b.tobytes()) for res in results)
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_rank_world_size_health(pool: RankPool, sock: str, n: int) -> None:
+    results = run(pool, sock, n, workers.identity)
+    assert results == [(r, n, True, 1) for r in range(n)]
+
+
+def test_register_deregister_and_add_kernel(pool: RankPool, sock: str) -> None:
+    results = run(pool, sock, 2, workers.register_and_kernel, 0xABCDEF)
+    for res in results:
+        assert isinstance(res, dict)
+        h1, h2 = res["handles"]
+        assert h1 != h2 and h1 > 0 and h2 > 0
+        assert res["kernels"] == {"0": 0xABCDEF, "1": 0xABCDEF}
+        assert res["errors"] == ["MisuseError", "MisuseError"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_symmetric_alloc_pointer_is_valid_in_the_worker(pool: RankPool, sock: str, n: int) -> None:
+    results = run(pool, sock, n, workers.symmetric, 1000, 91)
+    want = reduce_reference([make_input(91, r, 1000, "f32", "sum") for r in range(n)], "f32", "sum")
+    for res in results:
+        assert isinstance(res, dict)
+        assert res["result"] == want.tobytes()
+        assert res["errors"] == ["MisuseError", "MisuseError"]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_attempt_reconnect_rebuilds_at_next_epoch(pool: RankPool, sock: str, n: int) -> None:
+    results = run(pool, sock, n, workers.reconnect_all, 101)
+    want = reduce_reference([make_input(101, r, 64, "f32", "sum") for r in range(n)], "f32", "sum")
+    assert all(res == (1, 2, want.tobytes()) for res in results)

@@ -1,0 +1,211 @@
+"""Functions that run inside worker processes, one per rank, each with its own DaemonBackend.
+
+They return plain data (bytes, ints, tuples) for the test to check against numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+
+from client import DaemonBackend, hostmem
+from tests.integration.data import make_input
+
+TIMEOUT = 20.0
+
+
+def connect(sock: str, world: str, rank: int, n: int, timeout: float = TIMEOUT) -> DaemonBackend:
+    return DaemonBackend(sock, world, rank, n, timeout=timeout)
+
+
+def _load(data: np.ndarray, offset: int = 0, extra: int = 0) -> hostmem.HostBuffer:
+    buf = hostmem.alloc(offset + data.nbytes + extra)
+    buf.view(np.uint8)[offset:offset + data.nbytes] = data.view(np.uint8)
+    return buf
+
+
+def _read(buf: hostmem.HostBuffer, offset: int, nbytes: int) -> bytes:
+    return bytes(buf.view(np.uint8)[offset:offset + nbytes])
+
+
+def all_reduce(sock: str, world: str, rank: int, n: int, nelem: int, dtype: str | None,
+               op: str | None, seed: int, offset: int = 0, use_async: bool = False) -> bytes:
+    data = make_input(seed, rank, nelem, dtype or "bf16", op or "sum")
+    with connect(sock, world, rank, n) as comm:
+        buf = _load(data, offset, extra=8)
+        kwargs = {k: v for k, v in (("dtype", dtype), ("op", op)) if v is not None}
+        if use_async:
+            comm.all_reduce_async(buf.ptr + offset, data.nbytes, 0, **kwargs)
+        else:
+            comm.all_reduce(buf.ptr + offset, data.nbytes, **kwargs)
+        return _read(buf, offset, data.nbytes)
+
+
+def all_gather(sock: str, world: str, rank: int, n: int, nbytes: int, seed: int) -> bytes:
+    data = make_input(seed, rank, nbytes, "u8", "sum")
+    with connect(sock, world, rank, n) as comm:
+        send = _load(data)
+        recv = hostmem.alloc(nbytes * n)
+        recv.view(np.uint8)[:] = 0xEE
+        comm.all_gather(send.ptr, recv.ptr, nbytes)
+        return _read(recv, 0, nbytes * n)
+
+
+def reduce_scatter(sock: str, world: str, rank: int, n: int, share_elems: int, dtype: str | None,
+                   op: str | None, seed: int) -> bytes:
+    data = make_input(seed, rank, share_elems * n, dtype or "u8", op or "sum")
+    share = data.nbytes // n
+    with connect(sock, world, rank, n) as comm:
+        send = _load(data)
+        recv = hostmem.alloc(share)
+        kwargs = {k: v for k, v in (("dtype", dtype), ("op", op)) if v is not None}
+        comm.reduce_scatter(send.ptr, recv.ptr, share, **kwargs)
+        return _read(recv, 0, share)
+
+
+def broadcast(sock: str, world: str, rank: int, n: int, nbytes: int, root: int, seed: int) -> bytes:
+    data = make_input(seed, rank, nbytes, "u8", "sum")
+    with connect(sock, world, rank, n) as comm:
+        buf = _load(data)
+        comm.broadcast(buf.ptr, nbytes, root)
+        return _read(buf, 0, nbytes)
+
+
+def barrier(sock: str, world: str, rank: int, n: int, delay: float) -> tuple[float, float]:
+    with connect(sock, world, rank, n) as comm:
+        comm.barrier()  # everyone connected: start the clock together
+        time.sleep(delay * rank)
+        arrived = time.time()
+        comm.barrier()
+        return arrived, time.time()
+
+
+def send_recv_pairs(sock: str, world: str, rank: int, n: int, nbytes: int, seed: int) -> dict[int, bytes]:
+    """Every ordered pair exchanges a message inside one group; returns what arrived from each peer."""
+    with connect(sock, world, rank, n) as comm:
+        outgoing = {peer: _load(make_input(seed + 1000 * rank + peer, 0, nbytes, "u8", "sum"))
+                    for peer in range(n) if peer != rank}
+        incoming = {peer: hostmem.alloc(nbytes) for peer in range(n) if peer != rank}
+        comm.group_start()
+        for peer in sorted(outgoing):
+            comm.send_to(outgoing[peer].ptr, nbytes, peer, 0)
+            comm.recv_from(incoming[peer].ptr, nbytes, peer, 0)
+        comm.group_end()
+        comm.barrier()  # our group may finish before the others' pairs: leaving would fail the world
+        return {peer: _read(buf, 0, nbytes) for peer, buf in incoming.items()}
+
+
+def send_then_recv(sock: str, world: str, rank: int, n: int, nbytes: int, seed: int) -> bytes:
+    """Rank 0 and the last rank exchange, ungrouped: 0 sends then receives; the other the reverse."""
+    last = n - 1
+    mine = make_input(seed, rank, nbytes, "u8", "sum")
+    with connect(sock, world, rank, n) as comm:
+        out, into = _load(mine), hostmem.alloc(nbytes)
+        if rank == 0:
+            comm.send_to(out.ptr, nbytes, last, 7)
+            comm.recv_from(into.ptr, nbytes, last, 7)
+        elif rank == last:
+            comm.recv_from(into.ptr, nbytes, 0, 7)
+            comm.send_to(out.ptr, nbytes, 0, 7)
+        comm.barrier()
+        return _read(into, 0, nbytes)
+
+
+def command_loop(sock: str, world: str, rank: int, n: int, commands: list[int]) -> list[int]:
+    """Rank 0 broadcasts each command; the others take it with recv_command_u32."""
+    got = []
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(4)
+        word = buf.view(np.uint32)
+        for command in commands:
+            if rank == 0:
+                word[0] = command
+                comm.broadcast(buf.ptr, 4, 0)
+            else:
+                time.sleep(0.01 * (len(got) % 3))  # the root often runs ahead: no deadline involved
+                comm.recv_command_u32(buf.ptr, 0)
+            got.append(int(word[0]))
+        return got
+
+
+def root_recv_command(sock: str, world: str, rank: int, n: int) -> str:
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(4)
+        try:
+            comm.recv_command_u32(buf.ptr, rank)
+        except Exception as exc:
+            comm.barrier()
+            return type(exc).__name__
+        return "no error"
+
+
+def group_two_reduces(sock: str, world: str, rank: int, n: int, nelem: int, seed: int) -> tuple[bytes, bytes]:
+    a = make_input(seed, rank, nelem, "f32", "sum")
+    b = make_input(seed + 1, rank, nelem, "i32", "max")
+    with connect(sock, world, rank, n) as comm:
+        ba, bb = _load(a), _load(b)
+        comm.group_start()
+        comm.all_reduce(ba.ptr, a.nbytes, dtype="f32", op="sum")
+        comm.all_reduce(bb.ptr, b.nbytes, dtype="i32", op="max")
+        comm.group_end()
+        return _read(ba, 0, a.nbytes), _read(bb, 0, b.nbytes)
+
+
+def identity(sock: str, world: str, rank: int, n: int) -> tuple[int, int, bool, int]:
+    with connect(sock, world, rank, n) as comm:
+        facts = comm.rank(), comm.world_size(), comm.is_healthy(), comm.epoch
+        comm.barrier()  # nobody leaves (failing the world) before everyone has looked
+        return facts
+
+
+def register_and_kernel(sock: str, world: str, rank: int, n: int, kernel: int) -> dict[str, Any]:
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(4096)
+        h1 = comm.register_buffer(buf.ptr, 1024)
+        h2 = comm.register_buffer(buf.ptr + 1024, 1024)
+        comm.set_add_kernel(kernel)
+        comm.barrier()
+        from commd.status import query_status
+
+        kernels = next(w["add_kernel"] for w in query_status(sock, 5)["worlds"] if w["name"] == world)
+        comm.deregister_buffer(h1)
+        errors = []
+        for handle in (h1, 999_999):
+            try:
+                comm.deregister_buffer(handle)
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+        comm.deregister_buffer(h2)
+        comm.barrier()
+        return {"handles": (h1, h2), "kernels": kernels, "errors": errors}
+
+
+def symmetric(sock: str, world: str, rank: int, n: int, nelem: int, seed: int) -> dict[str, Any]:
+    data = make_input(seed, rank, nelem, "f32", "sum")
+    with connect(sock, world, rank, n) as comm:
+        ptr = comm.symmetric_alloc(data.nbytes)
+        ctypes.memmove(ptr, data.ctypes.data, data.nbytes)  # the pointer is valid in this process
+        comm.all_reduce(ptr, data.nbytes, dtype="f32")
+        result = ctypes.string_at(ptr, data.nbytes)
+        comm.symmetric_free(ptr)
+        errors = []
+        for bad in (ptr, 12345):
+            try:
+                comm.symmetric_free(bad)
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+        comm.barrier()
+        return {"result": result, "errors": errors}
+
+
+def reconnect_all(sock: str, world: str, rank: int, n: int, seed: int) -> tuple[int, int, bytes]:
+    data = make_input(seed, rank, 64, "f32", "sum")
+    with connect(sock, world, rank, n) as comm:
+        before = comm.epoch
+        comm.attempt_reconnect()
+        buf = _load(data)
+        comm.all_reduce(buf.ptr, data.nbytes, dtype="f32")
+        return before, comm.epoch, _read(buf, 0, data.nbytes)
