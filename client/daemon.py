@@ -55,8 +55,7 @@ class DaemonBackend(CommBackend):
         self._symmetric: dict[int, HostBuffer] = {}
         self._group: list[proto.Op] | None = None
         self._group_depth = 0
-        self._healthy = True
-        self._failure: str | None = None
+        self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
         hello = self._build(lambda: proto.Hello(
             1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, world_size,
@@ -181,14 +180,13 @@ class DaemonBackend(CommBackend):
             return False
         self._transport.drain_events()
         if self._transport.broken is not None:
-            self._healthy = False
-        return self._healthy
+            self._mark_unhealthy(self._transport.broken)
+        return self._failure is None
 
     def attempt_reconnect(self) -> None:
         reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()))
         self.epoch = reply.value  # type: ignore[union-attr]
         with self._lock:
-            self._healthy = True
             self._failure = None
             self._group, self._group_depth = None, 0
 
@@ -255,9 +253,10 @@ class DaemonBackend(CommBackend):
         self._submit((op,), deadline)
 
     def _submit(self, ops: tuple[proto.Op, ...], deadline: bool) -> None:
-        if not self._healthy:
-            raise WorldFailed(f"world {self._world} is not healthy ({self._failure}); "
-                              "call attempt_reconnect")
+        failure = self._failure
+        if failure is not None:
+            raise type(failure)(f"world {self._world} is not healthy: {failure}; "
+                                "call attempt_reconnect", failure.code)
         self._request(lambda: proto.Submit(self._transport.next_id(), ops), deadline=deadline)
 
     def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
@@ -272,7 +271,7 @@ class DaemonBackend(CommBackend):
             self._check(reply)
         except CommError as exc:
             if isinstance(exc, UNHEALTHY):
-                self._mark_unhealthy(str(exc))
+                self._mark_unhealthy(exc)
             raise
         return reply, got
 
@@ -280,13 +279,13 @@ class DaemonBackend(CommBackend):
         if isinstance(reply, proto.Error):
             raise from_code(reply.code, reply.message)
 
-    def _mark_unhealthy(self, why: str) -> None:
+    def _mark_unhealthy(self, why: CommError) -> None:
         with self._lock:
-            self._healthy = False
-            self._failure = why
+            if self._failure is None:
+                self._failure = why
 
     def _on_event(self, event: proto.Event) -> None:
-        self._mark_unhealthy(event.message)
+        self._mark_unhealthy(from_code(event.code, event.message))
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         with self._lock:

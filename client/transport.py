@@ -85,7 +85,19 @@ class Transport:
                 self._sock.sendmsg([packet], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                struct.pack(f"{len(fds)}i", *fds))] if fds else [])
             except OSError as exc:
-                raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}")) from exc
+                raise self._break(self._refusal() or DaemonUnavailable(
+                    f"lost the daemon connection: {exc}")) from exc
+
+    def _refusal(self) -> CommError | None:
+        """The error a daemon sent before closing on us (it refuses, then closes), if any."""
+        try:
+            if not self._poll.poll(0):
+                return None
+            data, _, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            msg = proto.decode(data)
+        except (OSError, proto.ProtoError):
+            return None
+        return from_code(msg.code, msg.message) if isinstance(msg, proto.Error) else None
 
     def request(self, msg: proto.Message, deadline: float | None,
                 fds: Sequence[int] = ()) -> Packet:

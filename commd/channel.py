@@ -45,6 +45,46 @@ def rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
 
 
+LINGER_S = 2.0
+
+
+def linger_close(sock: socket.socket, seconds: float = LINGER_S) -> None:
+    """Close after the peer has read what we sent: shut our side, drain theirs until EOF.
+
+    Closing a Unix socket with unread packets in our queue resets the peer's,
+    which would drop the error we just sent it; a refused client must read why.
+    """
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        sock.close()
+        return
+
+    def finish() -> None:
+        if sock.fileno() != -1:
+            loop.remove_reader(fd)
+            sock.close()
+
+    def drain() -> None:
+        while True:
+            try:
+                data, ancillary, _, _ = sock.recvmsg(65536, _ANCILLARY)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                break
+            close_fds(take_fds(ancillary))
+            if not data and not ancillary:
+                break
+        finish()
+
+    sock.setblocking(False)
+    loop.add_reader(fd, drain)
+    loop.call_later(seconds, finish)
+
+
 class PacketChannel:
     def __init__(self, sock: socket.socket, limit: int, max_queue: int,
                  on_packet: PacketHandler, on_close: Callable[[str], None]) -> None:
@@ -113,7 +153,8 @@ class PacketChannel:
             truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
             self._on_packet(data, fds, truncated)
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, linger: bool = False) -> None:
+        """Stop; with `linger`, let the peer read what was sent first (see linger_close)."""
         if self.closed:
             return
         self.closed = True
@@ -122,5 +163,8 @@ class PacketChannel:
         for _, fds in self._queue:
             close_fds(fds)
         self._queue.clear()
-        self._sock.close()
+        if linger:
+            linger_close(self._sock)
+        else:
+            self._sock.close()
         self._on_close(reason)

@@ -22,7 +22,7 @@ import proto
 from proto import ErrorCode
 
 from . import __version__
-from .channel import PacketChannel
+from .channel import PacketChannel, linger_close
 from .config import ServerConfig
 from .engine.base import Engine
 from .errors import ConfigError
@@ -154,6 +154,6 @@ def _refuse(sock: socket.socket, code: ErrorCode, message: str) -> None:
         sock.setblocking(False)
         sock.send(proto.encode(proto.Error(0, code, message)))
     except OSError:
-        pass
-    finally:
         sock.close()
+        return
+    linger_close(sock)

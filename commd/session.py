@@ -88,7 +88,7 @@ class Session:
             return
         self.channel.send(packet, fds)
         if self._conn.state is proto.State.CLOSED:
-            self.channel.close("join refused")
+            self.channel.close("join refused", linger=True)
 
     def on_packet(self, data: bytes, fds: list[int], truncated: bool) -> None:
         try:
@@ -114,7 +114,7 @@ class Session:
         log.warning("bad packet from pid %d: %s", self.peer_pid, exc)
         packet = proto.encode(proto.Error(0, ErrorCode.BAD_MESSAGE, str(exc)[:4000]))
         self.channel.send(packet)  # bypasses the state machine: it is in ERROR now
-        self.channel.close(f"bad packet: {exc}")
+        self.channel.close(f"bad packet: {exc}", linger=True)
 
     def on_close(self, reason: str) -> None:
         log.debug("connection of pid %d closed: %s", self.peer_pid, reason)

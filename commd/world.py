@@ -89,6 +89,7 @@ class World:
         self.state = WorldState.FORMING
         self.epoch = 0
         self.cause: str | None = None
+        self.cause_code = ErrorCode.WORLD_FAILED
         self.members: dict[int, Peer] = {}
         self.add_kernel: dict[int, int] = {}
         self._engine = engine
@@ -135,8 +136,8 @@ class World:
     def _expire(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
         if self._waiting.get(rank) is not waiter:
             return
-        del self._waiting[rank]
         missing = [r for r in range(self.world_size) if r not in self._waiting]
+        del self._waiting[rank]
         waiter.peer.send(proto.Error(
             waiter.request_id, ErrorCode.TIMEOUT,
             f"world {self.name}: ranks {_ranks(missing)} did not arrive within {timeout_s:g}s",
@@ -151,7 +152,7 @@ class World:
     def _form(self) -> None:
         self.epoch += 1
         self.state = WorldState.READY
-        self.cause = None
+        self.cause, self.cause_code = None, ErrorCode.WORLD_FAILED
         self._matcher = Matcher(self.world_size)
         self._comm = self._engine.communicator(self.name, self.epoch, self.world_size,
                                                sorted(self._waiting))
@@ -173,7 +174,7 @@ class World:
         """Enter one request's calls into matching; the ticket replies when all ran."""
         peer = self.members.get(rank)
         if self.state is not WorldState.READY or peer is None:
-            raise CallError(ErrorCode.WORLD_FAILED, self._not_ready())
+            raise CallError(self.cause_code, self._not_ready())
         ticket = Ticket(peer, request_id, len(calls))
         self._tickets.add(ticket)
         for op, regions in calls:
@@ -256,7 +257,7 @@ class World:
         if self.state is not WorldState.READY:
             return
         self.state = WorldState.FAILED
-        self.cause = message
+        self.cause, self.cause_code = message, code
         # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
         level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
         log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message)
@@ -304,9 +305,10 @@ class World:
             self._on_empty(self)
 
     def _not_ready(self) -> str:
-        if self.state is WorldState.FAILED:
-            return f"world {self.name} epoch {self.epoch} failed: {self.cause}; call attempt_reconnect"
-        return f"world {self.name} is {self.state.value}; wait for attempt_reconnect to finish"
+        if self.cause is None:
+            return f"world {self.name} is {self.state.value}; wait for every rank to join"
+        return (f"world {self.name} epoch {self.epoch} failed: {self.cause}; "
+                f"call attempt_reconnect ({len(self._waiting)}/{self.world_size} ranks have)")
 
     def status(self) -> dict[str, object]:
         return {

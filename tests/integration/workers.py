@@ -209,3 +209,89 @@ def reconnect_all(sock: str, world: str, rank: int, n: int, seed: int) -> tuple[
         buf = _load(data)
         comm.all_reduce(buf.ptr, data.nbytes, dtype="f32")
         return before, comm.epoch, _read(buf, 0, data.nbytes)
+
+
+def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: Any) -> None:
+    """An unrelated world that must see zero errors while bad input hits the daemon."""
+    iterations, errors = 0, []
+    try:
+        with connect(sock, world, rank, n) as comm:
+            flag = hostmem.alloc(4)
+            data = hostmem.alloc(4096)
+            while True:
+                flag.view(np.uint32)[0] = 1 if stop.is_set() else 0
+                comm.all_reduce(flag.ptr, 4, dtype="u8", op="max")  # agree on when to stop
+                if flag.view(np.uint32)[0]:
+                    break
+                values = make_input(iterations, rank, 1024, "f32", "sum")
+                data.view(np.float32)[:] = values
+                comm.all_reduce(data.ptr, 4096, dtype="f32")
+                want = sum(make_input(iterations, r, 1024, "f32", "sum").astype(np.float64)
+                           for r in range(n))
+                if not np.allclose(data.view(np.float32), want, rtol=1e-5):
+                    errors.append(f"wrong sum at iteration {iterations}")
+                iterations += 1
+            comm.barrier()
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    results.put((rank, iterations, errors))
+
+
+def mismatch(sock: str, world: str, rank: int, n: int, kind: str) -> dict[str, Any]:
+    """Rank 0 and rank 1 disagree on call 1; then all ranks reconnect and agree again."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(64)
+        comm.all_reduce(buf.ptr, 8)  # call 0 agrees
+        try:
+            if rank == 1 and kind == "bytes":
+                comm.all_reduce(buf.ptr, 16)
+            elif rank == 1 and kind == "op":
+                comm.broadcast(buf.ptr, 8, 0)
+            elif rank == 1 and kind == "dtype":
+                comm.all_reduce(buf.ptr, 8, dtype="f32")
+            else:
+                comm.all_reduce(buf.ptr, 8)
+            out["error"] = None
+        except Exception as exc:
+            out["error"] = (type(exc).__name__, str(exc))
+        out["healthy_after"] = comm.is_healthy()
+        comm.attempt_reconnect()
+        out["epoch"] = comm.epoch
+        data = make_input(5, rank, 16, "f32", "sum")
+        buf.view(np.float32)[:16] = data
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        out["result"] = bytes(buf.view(np.uint8))
+        out["healthy_end"] = comm.is_healthy()
+        comm.barrier()
+    return out
+
+
+def leave_early(sock: str, world: str, rank: int, n: int) -> dict[str, Any]:
+    """Rank 1 leaves; rank 0 sees the failure in a pending barrier and in is_healthy,
+    then a fresh connection takes rank 1 and the world is rebuilt at epoch 2."""
+    out: dict[str, Any] = {}
+    comm = connect(sock, world, rank, n)
+    if rank == 1:
+        comm.close()
+        time.sleep(0.5)
+        with connect(sock, world, rank, n) as again:  # the new process in rank 1's slot
+            out["epoch"] = again.epoch
+            again.barrier()
+        return out
+    try:
+        comm.barrier()
+        out["barrier"] = "returned"
+    except Exception as exc:
+        out["barrier"] = type(exc).__name__
+    out["healthy"] = comm.is_healthy()
+    try:
+        comm.barrier()
+    except Exception as exc:
+        out["fast_fail"] = type(exc).__name__
+    comm.attempt_reconnect()
+    out["epoch"] = comm.epoch
+    out["healthy_end"] = comm.is_healthy()
+    comm.barrier()
+    comm.close()
+    return out

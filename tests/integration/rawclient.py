@@ -1,0 +1,73 @@
+"""A client that speaks the wire format by hand, to send the daemon what no real client would."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+from typing import Any
+
+import msgpack
+
+import proto
+from commd.engine.host import create_memfd
+
+
+class RawClient:
+    def __init__(self, path: str, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+
+    def send_bytes(self, data: bytes, fds: list[int] | None = None) -> None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        self.sock.sendmsg([data], anc)
+
+    def send(self, msg: proto.Message, fds: list[int] | None = None) -> None:
+        self.send_bytes(proto.encode(msg), fds)
+
+    def send_map(self, raw: dict[str, Any]) -> None:
+        self.send_bytes(msgpack.packb(raw, use_bin_type=True))
+
+    def recv(self) -> proto.Message | None:
+        """The next message, or None at EOF."""
+        data, anc, _, _ = self.sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, socket.CMSG_SPACE(16))
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                    os.close(fd)
+        if not data:
+            return None
+        return proto.decode(data, sum(len(p) // 4 for lvl, k, p in anc if k == socket.SCM_RIGHTS))
+
+    def error(self) -> proto.Error:
+        msg = self.recv()
+        assert isinstance(msg, proto.Error), f"expected an Error, got {msg!r}"
+        return msg
+
+    def closed(self) -> bool:
+        try:
+            return self.recv() is None
+        except ConnectionResetError:
+            return True
+
+    def join(self, world: str, rank: int = 0, world_size: int = 1, timeout_ms: int = 5000) -> proto.Message | None:
+        self.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, world_size, timeout_ms))
+        return self.recv()
+
+    def import_memfd(self, request_id: int, buf: int, size: int) -> proto.Message | None:
+        fd = create_memfd(size, "raw")
+        try:
+            self.send(proto.Import(request_id, buf, proto.MemKind.HOST, size), [fd])
+        finally:
+            os.close(fd)
+        return self.recv()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

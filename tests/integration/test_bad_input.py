@@ -1,0 +1,328 @@
+"""Bad input gets a clear, typed error; the daemon keeps serving a world that runs throughout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import proto
+from client import (
+    CommTimeout,
+    DaemonBackend,
+    MismatchError,
+    MisuseError,
+    hostmem,
+)
+from commd.launch import DaemonProcess
+from proto import ErrorCode
+from tests.integration import workers
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import RankPool, memfd_mappings, open_fds, world_name
+from tests.integration.rawclient import RawClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def steady(daemon: DaemonProcess) -> Iterator[None]:
+    """Two ranks of an unrelated world all_reduce and check, from first test to last."""
+    ctx = mp.get_context("spawn")
+    stop, results = ctx.Event(), ctx.Queue()
+    world = world_name("steady")
+    procs = [ctx.Process(target=workers.steady_loop,
+                         args=(str(daemon.socket_path), world, r, 2, stop, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    yield
+    stop.set()
+    outcomes = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(10)
+    for rank, iterations, errors in outcomes:
+        assert errors == [], f"steady rank {rank} saw errors: {errors}"
+        assert iterations > 0, f"steady rank {rank} never ran"
+
+
+@pytest.fixture
+def raw(sock: str, steady: None) -> Iterator[RawClient]:
+    client = RawClient(sock)
+    yield client
+    client.close()
+
+
+def test_garbage_before_hello_is_refused_and_closed(raw: RawClient) -> None:
+    raw.send_bytes(b"\xc1\x00garbage")
+    err = raw.error()
+    assert (err.id, err.code) == (0, ErrorCode.BAD_MESSAGE)
+    assert raw.closed()
+
+
+def test_call_before_hello_is_a_state_error(raw: RawClient) -> None:
+    raw.send(proto.Submit(1, (proto.Barrier(),)))
+    err = raw.error()
+    assert err.code is ErrorCode.BAD_MESSAGE and "state" in err.message
+    assert raw.closed()
+
+
+def test_oversized_packet(raw: RawClient) -> None:
+    raw.send_bytes(b"\x00" * (proto.MAX_MESSAGE_BYTES + 100))
+    err = raw.error()
+    assert err.code is ErrorCode.BAD_MESSAGE and "limit" in err.message
+    assert raw.closed()
+
+
+def test_wrong_protocol_version(raw: RawClient) -> None:
+    raw.send(proto.Hello(1, 99, os.getpid(), world_name(), 0, 1, 1000))
+    err = raw.error()
+    assert err.code is ErrorCode.VERSION and "99" in err.message
+    assert raw.closed()
+
+
+def test_invalid_hello_values(raw: RawClient, sock: str) -> None:
+    raw.send_map({"t": "hello", "id": 1, "version": 1, "pid": 1, "world": "w", "rank": 5,
+                  "world_size": 2, "timeout_ms": 1000})
+    err = raw.error()
+    assert err.code is ErrorCode.BAD_MESSAGE and "rank=5" in err.message
+    with pytest.raises(MisuseError, match="rank=4"):
+        DaemonBackend(sock, world_name(), 4, 4, timeout=2)
+    with pytest.raises(MisuseError, match="world name"):
+        DaemonBackend(sock, "bad name with spaces", 0, 1, timeout=2)
+
+
+def test_world_conflict_and_duplicate_rank(sock: str, steady: None) -> None:
+    world = world_name()
+    with RawClient(sock) as first:
+        first.send(proto.Hello(1, 1, os.getpid(), world, 0, 2, 5000))  # waits for rank 1
+        time.sleep(0.05)
+        with RawClient(sock) as other:
+            reply = other.join(world, 1, 3)
+            assert isinstance(reply, proto.Error) and reply.code is ErrorCode.WORLD_CONFLICT
+            assert "2 ranks" in reply.message
+        with RawClient(sock) as dup:
+            reply = dup.join(world, 0, 2)
+            assert isinstance(reply, proto.Error) and reply.code is ErrorCode.DUPLICATE_RANK
+            assert dup.closed()
+        with pytest.raises(MisuseError, match="already connected"):
+            DaemonBackend(sock, world, 0, 2, timeout=2)
+
+
+def test_join_timeout_names_missing_ranks(sock: str, steady: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(CommTimeout, match=r"ranks \[1, 2\] did not arrive"):
+        DaemonBackend(sock, world_name(), 0, 3, timeout=0.5)
+    assert time.monotonic() - start < 5
+
+
+def _joined_raw(sock: str) -> RawClient:
+    client = RawClient(sock)
+    welcome = client.join(world_name())
+    assert isinstance(welcome, proto.Welcome) and welcome.epoch == 1
+    return client
+
+
+def test_out_of_bounds_and_unknown_buffers(sock: str, steady: None) -> None:
+    with _joined_raw(sock) as raw:
+        assert isinstance(raw.import_memfd(2, 7, 4096), proto.Ok)
+        cases = [
+            (proto.AllReduce(proto.Mem(7, 4000), 200), ErrorCode.BAD_MEMORY, "outside"),
+            (proto.AllReduce(proto.Mem(7, 1 << 40), 2), ErrorCode.BAD_MEMORY, "outside"),
+            (proto.AllGather(proto.Mem(7, 1), proto.Mem(7, 0), 4096), ErrorCode.BAD_MEMORY, "outside"),
+            (proto.AllReduce(proto.Mem(99, 0), 2), ErrorCode.UNKNOWN_BUFFER, "99"),
+            (proto.Broadcast(proto.Mem(7, 0), 8, 3), ErrorCode.BAD_RANK, "root=3"),
+            (proto.Send(proto.Mem(7, 0), 8, 1), ErrorCode.BAD_RANK, "peer=1"),
+        ]
+        for i, (op, code, text) in enumerate(cases, start=10):
+            raw.send(proto.Submit(i, (op,)))
+            err = raw.error()
+            assert (err.id, err.code) == (i, code) and text in err.message, err
+        raw.send(proto.Submit(50, (proto.AllReduce(proto.Mem(7, 0), 4096),)))  # still usable
+        assert raw.recv() == proto.Ok(50)
+
+
+def test_unknown_and_freed_handles(sock: str, steady: None) -> None:
+    with _joined_raw(sock) as raw:
+        assert isinstance(raw.import_memfd(2, 7, 4096), proto.Ok)
+        raw.send(proto.Deregister(3, 12345))
+        assert raw.error().code is ErrorCode.UNKNOWN_HANDLE
+        raw.send(proto.SymFree(4, 7))  # an import, not a symmetric allocation
+        assert raw.error().code is ErrorCode.UNKNOWN_HANDLE
+        raw.send(proto.Forget((7,)))
+        raw.send(proto.Submit(5, (proto.AllReduce(proto.Mem(7, 0), 8),)))
+        assert raw.error().code is ErrorCode.UNKNOWN_BUFFER
+        assert isinstance(raw.import_memfd(6, 7, 4096), proto.Ok)  # the id may be imported again
+
+
+def test_bad_memory_handles(sock: str, steady: None) -> None:
+    with _joined_raw(sock) as raw:
+        unsealed = os.memfd_create("unsealed")
+        os.ftruncate(unsealed, 4096)
+        reader, writer = os.pipe()
+        sealed_small = os.memfd_create("small", os.MFD_ALLOW_SEALING)
+        os.ftruncate(sealed_small, 100)
+        import fcntl
+
+        fcntl.fcntl(sealed_small, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        for i, (fd, text) in enumerate([(unsealed, "sealed"), (reader, "memfd"),
+                                        (sealed_small, "claimed")], start=2):
+            raw.send(proto.Import(i, 10 + i, proto.MemKind.HOST, 4096), [fd])
+            err = raw.error()
+            assert err.code is ErrorCode.BAD_MEMORY and text in err.message, err
+        raw.send(proto.Import(9, 30, proto.MemKind.CUDA_IPC, 4096, b"\x00" * 64))
+        assert raw.error().code is ErrorCode.MISUSE
+        for fd in (unsealed, reader, writer, sealed_small):
+            os.close(fd)
+        raw.send(proto.Import(10, 31, proto.MemKind.HOST, 4096))  # the fd is missing
+        assert raw.error().code is ErrorCode.BAD_MESSAGE
+        assert raw.closed()
+
+
+def test_bytes_not_a_multiple_of_the_dtype(sock: str, steady: None) -> None:
+    with _joined_raw(sock) as raw:
+        raw.send_map({"t": "submit", "id": 2, "ops": [
+            {"t": "all_reduce", "buf": [1, 0], "nbytes": 3, "dtype": "bf16", "op": "sum"}]})
+        err = raw.error()
+        assert err.code is ErrorCode.BAD_MESSAGE and "multiple" in err.message
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+        buf = hostmem.alloc(64)
+        with pytest.raises(MisuseError, match="multiple"):
+            comm.all_reduce(buf.ptr, 3)
+        with pytest.raises(MisuseError, match="multiple"):
+            comm.reduce_scatter(buf.ptr, buf.ptr, 6, dtype="f32")
+        with pytest.raises(MisuseError, match="dtype"):
+            comm.all_reduce(buf.ptr, 8, dtype="f128")
+        with pytest.raises(MisuseError, match="not in host memory"):
+            comm.all_reduce(12345, 8)
+        with pytest.raises(MisuseError, match="past the end"):
+            comm.all_reduce(buf.ptr + 60, 8)
+        with pytest.raises(MisuseError, match="root=3"):
+            comm.broadcast(buf.ptr, 8, 3)
+        with pytest.raises(MisuseError, match="group_end without"):
+            comm.group_end()
+        comm.all_reduce(buf.ptr, 64)  # the backend still works after its misuse
+        assert comm.is_healthy()
+
+
+def test_calls_after_close(sock: str, steady: None) -> None:
+    comm = DaemonBackend(sock, world_name(), 0, 1, timeout=5)
+    buf = hostmem.alloc(8)
+    comm.close()
+    comm.close()  # idempotent
+    for call in (lambda: comm.all_reduce(buf.ptr, 8), comm.barrier, comm.attempt_reconnect,
+                 lambda: comm.register_buffer(buf.ptr, 8), comm.group_start):
+        with pytest.raises(MisuseError, match="closed"):
+            call()
+    assert not comm.is_healthy()
+
+
+@pytest.mark.parametrize("kind", ["bytes", "op", "dtype"])
+def test_mismatched_collectives(pool: RankPool, sock: str, steady: None, kind: str) -> None:
+    world, n = world_name(), 3
+    results = [o.unwrap() for o in pool.run(workers.mismatch, [(sock, world, r, n, kind) for r in range(n)])]
+    for res in results:
+        name, message = res["error"]
+        assert name == MismatchError.__name__
+        # rank 1 is the odd one out; whichever rank arrived first is named beside it
+        assert "call 1" in message and "rank 1 called" in message
+        assert "rank 0 called" in message or "rank 2 called" in message
+        assert res["healthy_after"] is False
+        assert res["epoch"] == 2 and res["healthy_end"] is True
+        want = reduce_reference([make_input(5, r, 16, "f32", "sum") for r in range(n)], "f32", "sum")
+        assert res["result"] == want.tobytes()
+    odd_call = {"bytes": "bytes=16", "op": "broadcast(bytes=8, root=0)", "dtype": "dtype=f32"}[kind]
+    assert all(odd_call in res["error"][1] for res in results)
+
+
+def test_rank_leaving_fails_the_world_and_a_new_process_rejoins(pool: RankPool, sock: str,
+                                                                  steady: None) -> None:
+    world = world_name()
+    rank0, rank1 = [o.unwrap() for o in pool.run(workers.leave_early, [(sock, world, r, 2) for r in range(2)])]
+    assert rank0["barrier"] == "WorldFailed"
+    assert rank0["healthy"] is False and rank0["fast_fail"] == "WorldFailed"
+    assert rank0["epoch"] == 2 and rank0["healthy_end"] is True
+    assert rank1["epoch"] == 2
+
+
+def test_random_garbage_never_takes_the_daemon_down(sock: str, steady: None) -> None:
+    rng = random.Random(1234)
+    valid = proto.encode(proto.Hello(1, 1, 1, "w", 0, 1, 1000))
+    for i in range(300):
+        if i % 2:
+            data = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 300)))
+        else:
+            mutated = bytearray(valid)
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] = rng.getrandbits(8)
+            data = bytes(mutated)
+        with RawClient(sock) as raw:
+            raw.send_bytes(data)
+            reply = raw.recv()
+            assert isinstance(reply, proto.Error | proto.Welcome | None), reply
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+        comm.barrier()
+
+
+def test_peer_credentials_are_checked(daemon: DaemonProcess, steady: None) -> None:
+    """A uid outside the allow-list is refused even when the file mode would let it connect."""
+    sock = str(daemon.socket_path)
+    top = os.path.dirname(os.path.dirname(sock))
+    os.chmod(top, 0o711)
+    os.chmod(os.path.dirname(sock), 0o755)
+    os.chmod(sock, 0o666)
+    try:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        proc = ctx.Process(target=_connect_as_nobody, args=(sock, results))
+        proc.start()
+        outcome = results.get(timeout=20)
+        proc.join(10)
+    finally:
+        os.chmod(sock, 0o660)
+        os.chmod(os.path.dirname(sock), 0o750)
+        os.chmod(top, 0o700)
+    assert outcome[0] == "AccessDenied" and "uid 65534" in outcome[1]
+
+
+def _connect_as_nobody(sock: str, results: Any) -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+    try:
+        DaemonBackend(sock, world_name(), 0, 1, timeout=5)
+        results.put(("joined", ""))
+    except Exception as exc:
+        results.put((type(exc).__name__, str(exc)))
+
+
+def test_socket_is_private(daemon: DaemonProcess) -> None:
+    mode = os.stat(daemon.socket_path).st_mode & 0o777
+    assert mode == 0o660
+    assert os.stat(os.path.dirname(daemon.socket_path)).st_mode & 0o777 == 0o750
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    assert probe.type == socket.SOCK_SEQPACKET
+    probe.close()
+
+
+def test_fds_and_mappings_return_to_baseline(pool: RankPool, daemon: DaemonProcess, steady: None) -> None:
+    sock = str(daemon.socket_path)
+    time.sleep(0.2)
+    base_fds, base_maps = open_fds(daemon.pid), memfd_mappings(daemon.pid)
+    for _ in range(2):
+        world = world_name()
+        results = pool.run(workers.symmetric, [(sock, world, r, 4, 4096, 3) for r in range(4)])
+        assert all(o.error is None for o in results), results
+        world = world_name()
+        results = pool.run(workers.all_reduce, [(sock, world, r, 4, 1 << 18, "f32", "sum", 1) for r in range(4)])
+        assert all(o.error is None for o in results), results
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = open_fds(daemon.pid), memfd_mappings(daemon.pid)
+        if now == (base_fds, base_maps):
+            break
+        time.sleep(0.1)
+    assert (open_fds(daemon.pid), memfd_mappings(daemon.pid)) == (base_fds, base_maps)

@@ -1,0 +1,39 @@
+"""`commd bench` end to end with tiny settings: it runs, prints its table, writes its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(180)
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    has_torch = importlib.util.find_spec("torch") is not None
+    cmd = [sys.executable, "-m", "commd", "bench", "--ranks", "2", "--sizes", "8,4096",
+           "--iters", "20", "--json", str(out)]
+    if not has_torch:
+        cmd.append("--no-gloo")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "commd med µs" in proc.stdout and "targets:" in proc.stdout
+
+    report = json.loads(out.read_text())
+    rows = {(r["op"], r["bytes"]): r for r in report["results"]}
+    assert set(rows) == {("all_reduce", 8), ("all_reduce", 4096), ("barrier", 0)}
+    for row in rows.values():
+        assert row["ranks"] == 2
+        assert row["commd"]["median_us"] > 0 and row["commd"]["iters"] == 20
+        if has_torch:
+            assert row["gloo"]["median_us"] > 0
+            assert row["latency_ratio"] > 0
+    assert report["machine"]["cpu_count"] >= 1
