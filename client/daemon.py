@@ -18,7 +18,6 @@ from .errors import (
     CommError,
     MisuseError,
     ProtocolError,
-    WorldFailed,
     from_code,
 )
 from .hostmem import HostBuffer, HostMemory, default_memory
@@ -26,7 +25,8 @@ from .memory import resolve
 from .transport import Transport
 
 T = TypeVar("T")
-_JOIN_GRACE_S = 2.0  # the daemon enforces the join deadline; this covers its reply in flight
+_JOIN_GRACE_S = 2.0
+_OP_CACHE_SIZE = 1024  # the daemon enforces the join deadline; this covers its reply in flight
 
 
 class DaemonBackend(CommBackend):
@@ -53,6 +53,7 @@ class DaemonBackend(CommBackend):
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
+        self._ops: dict[tuple[object, ...], proto.Op] = {}
         self._group: list[proto.Op] | None = None
         self._group_depth = 0
         self._failure: CommError | None = None  # why the world is unhealthy
@@ -77,34 +78,38 @@ class DaemonBackend(CommBackend):
     def all_reduce(self, ptr: int, bytes: int, *, dtype: DTypeLike = DType.BF16,
                    op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
-        self._call(lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o))
+        self._call(("ar", ptr, bytes, d, o),
+                   lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o))
 
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
-        self._call(lambda: proto.AllGather(self._mem(send_ptr, bytes),
-                                           self._mem(recv_ptr, bytes * self._world_size), bytes))
+        self._call(("ag", send_ptr, recv_ptr, bytes), lambda: proto.AllGather(
+            self._mem(send_ptr, bytes), self._mem(recv_ptr, bytes * self._world_size), bytes))
 
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
                        dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
-        self._call(lambda: proto.ReduceScatter(self._mem(send_ptr, bytes * self._world_size),
-                                               self._mem(recv_ptr, bytes), bytes, d, o))
+        self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda: proto.ReduceScatter(
+            self._mem(send_ptr, bytes * self._world_size), self._mem(recv_ptr, bytes), bytes, d, o))
 
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
-        self._call(lambda: proto.Broadcast(self._mem(ptr, bytes), bytes, root))
+        self._call(("bc", ptr, bytes, root),
+                   lambda: proto.Broadcast(self._mem(ptr, bytes), bytes, root))
 
     def barrier(self) -> None:
-        self._call(proto.Barrier)
+        self._call(("barrier",), proto.Barrier)
 
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
-        self._call(lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream))
+        self._call(("send", ptr, bytes, dest_rank, stream),
+                   lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream))
 
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
-        self._call(lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream))
+        self._call(("recv", ptr, bytes, src_rank, stream),
+                   lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream))
 
     def recv_command_u32(self, ptr: int, root: int) -> None:
         if root == self._rank:
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
-        self._call(lambda: proto.Broadcast(self._mem(ptr, 4), 4, root, command=True),
+        self._call(("cmd", ptr, root), lambda: proto.Broadcast(self._mem(ptr, 4), 4, root, command=True),
                    deadline=False)
 
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
@@ -241,10 +246,18 @@ class DaemonBackend(CommBackend):
                 self._imported.add(ref.buffer_id)
         return proto.Mem(ref.buffer_id, ref.offset)
 
-    def _call(self, make_op: Callable[[], proto.Op], deadline: bool = True) -> None:
+    def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
+              deadline: bool = True) -> None:
+        """Submit one op, or add it to the open group. Steady-state loops repeat the same
+        calls: the built op is cached by its arguments until a buffer is released."""
         with self._lock:
             self._check_open()
-            op = self._build(make_op)
+            op = self._ops.get(key)
+            if op is None:
+                op = self._build(make_op)
+                if len(self._ops) >= _OP_CACHE_SIZE:
+                    self._ops.clear()
+                self._ops[key] = op
             if self._group is not None:
                 if len(self._group) >= proto.MAX_GROUP_OPS:
                     raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
@@ -289,6 +302,7 @@ class DaemonBackend(CommBackend):
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         with self._lock:
+            self._ops.clear()  # a cached op may name the buffer; its address may be reused
             if buffer_id in self._imported:
                 self._imported.discard(buffer_id)
                 self._released.append(buffer_id)

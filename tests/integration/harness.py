@@ -8,6 +8,7 @@ torn down and the test fails with the ranks that did not answer.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -104,10 +105,8 @@ class RankPool:
     def close(self, force: bool = False) -> None:
         for conn, proc in zip(self._conns, self._procs, strict=True):
             if not force:
-                try:
+                with contextlib.suppress(OSError):
                     conn.send(None)
-                except OSError:
-                    pass
             if force or not _joined(proc, 5):
                 proc.kill()
                 proc.join(5)

@@ -51,7 +51,8 @@ class RawClient:
         except ConnectionResetError:
             return True
 
-    def join(self, world: str, rank: int = 0, world_size: int = 1, timeout_ms: int = 5000) -> proto.Message | None:
+    def join(self, world: str, rank: int = 0, world_size: int = 1,
+             timeout_ms: int = 5000) -> proto.Message | None:
         self.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, world_size, timeout_ms))
         return self.recv()
 

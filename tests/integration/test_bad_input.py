@@ -242,7 +242,8 @@ def test_mismatched_collectives(pool: RankPool, sock: str, steady: None, kind: s
 def test_rank_leaving_fails_the_world_and_a_new_process_rejoins(pool: RankPool, sock: str,
                                                                   steady: None) -> None:
     world = world_name()
-    rank0, rank1 = [o.unwrap() for o in pool.run(workers.leave_early, [(sock, world, r, 2) for r in range(2)])]
+    outcomes = pool.run(workers.leave_early, [(sock, world, r, 2) for r in range(2)])
+    rank0, rank1 = [o.unwrap() for o in outcomes]
     assert rank0["barrier"] == "WorldFailed"
     assert rank0["healthy"] is False and rank0["fast_fail"] == "WorldFailed"
     assert rank0["epoch"] == 2 and rank0["healthy_end"] is True
@@ -317,7 +318,8 @@ def test_fds_and_mappings_return_to_baseline(pool: RankPool, daemon: DaemonProce
         results = pool.run(workers.symmetric, [(sock, world, r, 4, 4096, 3) for r in range(4)])
         assert all(o.error is None for o in results), results
         world = world_name()
-        results = pool.run(workers.all_reduce, [(sock, world, r, 4, 1 << 18, "f32", "sum", 1) for r in range(4)])
+        args = [(sock, world, r, 4, 1 << 18, "f32", "sum", 1) for r in range(4)]
+        results = pool.run(workers.all_reduce, args)
         assert all(o.error is None for o in results), results
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

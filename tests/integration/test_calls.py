@@ -102,7 +102,7 @@ def test_broadcast_from_every_root(pool: RankPool, sock: str, n: int, nbytes: in
 def test_barrier_waits_for_the_last_rank(pool: RankPool, sock: str, n: int) -> None:
     times = run(pool, sock, n, workers.barrier, 0.15)
     last_arrival = max(arrived for arrived, _ in times)  # type: ignore[misc]
-    for arrived, left in times:  # type: ignore[misc]
+    for _arrived, left in times:  # type: ignore[misc]
         assert left >= last_arrival - 0.005, "a rank left the barrier before the last one arrived"
 
 
