@@ -26,14 +26,14 @@ class Mismatch(Exception):
         self.ranks = ranks
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per call, and frozen init costs ~1 µs
 class Call(Generic[T]):
     rank: int
     op: proto.Op
     token: T
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CollectiveMatch(Generic[T]):
     index: int
     calls: dict[int, Call[T]]  # by rank, all world_size ranks
@@ -43,7 +43,7 @@ class CollectiveMatch(Generic[T]):
         return next(iter(self.calls.values())).op
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class P2PMatch(Generic[T]):
     index: int
     send: Call[T]

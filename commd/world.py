@@ -64,7 +64,7 @@ class Ticket:
             self.peer.send(proto.Error(self.request_id, code, message))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # per call: plain init is cheaper than frozen
 class Arrival:
     ticket: Ticket
     regions: tuple[Region | None, ...]

@@ -165,21 +165,52 @@ _ALLOWED: dict[type, frozenset[str]] = {
 }
 
 
+_ABSENT = object()
+
+
+def _compile_decoder(cls: type, fields: tuple[_Field, ...]) -> Callable[[dict[Any, Any]], Any]:
+    """A straight-line decoder for one message class, built once from its schema.
+
+    The generic loop over fields cost half of a small call's decode time; the
+    generated function does the same checks in the same order without it.
+    """
+    tag, allowed = TAGS[cls], _ALLOWED[cls]
+
+    def unknown(raw: dict[Any, Any]) -> None:
+        extra = sorted(str(k) for k in raw.keys() - allowed)
+        raise DecodeError(f"{tag}: unknown field {extra[0][:40]!r}")
+
+    def missing(name: str) -> None:
+        raise DecodeError(f"{tag}: missing field {name!r}")
+
+    namespace: dict[str, Any] = {"cls": cls, "allowed": allowed, "unknown": unknown,
+                                 "missing": missing, "ABSENT": _ABSENT}
+    lines = ["def decode(raw):", "    if not raw.keys() <= allowed:", "        unknown(raw)"]
+    args = []
+    for i, f in enumerate(fields):
+        namespace[f"d{i}"] = f.decode
+        if f.required:
+            lines.append(f"    v{i} = raw[{f.name!r}] if {f.name!r} in raw else missing({f.name!r})")
+            args.append(f"d{i}(v{i})")
+        else:
+            namespace[f"default{i}"] = next(x.default for x in dataclasses.fields(cls) if x.name == f.name)
+            lines.append(f"    v{i} = raw.get({f.name!r}, ABSENT)")
+            args.append(f"default{i} if v{i} is ABSENT else d{i}(v{i})")
+    lines.append(f"    return cls({', '.join(args)})")
+    exec("\n".join(lines), namespace)
+    return typing.cast(Callable[[dict[Any, Any]], Any], namespace["decode"])
+
+
+_DECODERS: dict[type, Callable[[dict[Any, Any]], Any]] = {
+    cls: _compile_decoder(cls, fields) for cls, fields in _SCHEMAS.items()
+}
+
+
 def _from_map(raw: dict[Any, Any], by_tag: dict[str, type] = _BY_TAG) -> Any:
     cls = by_tag.get(raw.get("t"))  # type: ignore[arg-type]
     if cls is None:
         raise DecodeError(f"unknown message type {str(raw.get('t'))[:40]!r}")
-    fields = _SCHEMAS[cls]
-    if not raw.keys() <= _ALLOWED[cls]:
-        extra = sorted(str(k) for k in raw.keys() - _ALLOWED[cls])
-        raise DecodeError(f"{TAGS[cls]}: unknown field {extra[0][:40]!r}")
-    kwargs: dict[str, Any] = {}
-    for f in fields:
-        if f.name in raw:
-            kwargs[f.name] = f.decode(raw[f.name])
-        elif f.required:
-            raise DecodeError(f"{TAGS[cls]}: missing field {f.name!r}")
-    return cls(**kwargs)
+    return _DECODERS[cls](raw)
 
 
 Encoder = Callable[[Any], Any] | None  # None: the value goes on the wire as it is
