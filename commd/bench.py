@@ -393,6 +393,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print("commd bench: torch is not importable; skipping the gloo side "
               "(install the 'bench' extra)", file=sys.stderr)
     cpus = sorted(os.sched_getaffinity(0))
+    pinning = pinning_note(cpus, args.pin)
+    machine = _machine(pinning, torch_version)  # before the run: the load average is others'
     rows: list[dict[str, Any]] = []
     try:
         for n in ranks:
@@ -411,11 +413,10 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"commd bench: failed: {exc}", file=sys.stderr)
         return 1
     targets = check_targets(rows)
-    pinning = pinning_note(cpus, args.pin)
     print(render_table(rows, pinning))
     print()
     print("\n".join(["targets:", *(f"  {t['target']}: {t['verdict']}" for t in targets)]))
-    report = {"machine": _machine(pinning, torch_version),
+    report = {"machine": machine,
               "settings": {"ranks": ranks, "sizes": sizes, "iters": iters,
                            "barrier_iters": barrier_iters, "gloo": torch_version is not None,
                            "aggregation": "per iteration the slowest rank, then median/p99"},

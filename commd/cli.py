@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from client.errors import CommError
+
 from .config import DEFAULT_SOCKET, ENGINES, ServerConfig
 from .errors import ConfigError
 
@@ -33,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .status import query_status, render_status
 
-    info = query_status(args.socket, args.timeout)
+    info = query_status(args.socket, args.timeout, args.world)
     print(json.dumps(info, indent=2) if args.json else render_status(info))
     return 0
 
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="ask a running daemon what it is doing")
     status.add_argument("--socket", default=DEFAULT_SOCKET)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--world", default=None, help="only this world")
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=_status)
 
@@ -101,5 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"commd: configuration error: {exc}", file=sys.stderr)
         return 2
+    except CommError as exc:
+        print(f"commd: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

@@ -138,7 +138,13 @@ class Session:
         self.rank = msg.rank
 
     def _status(self, msg: proto.StatusQuery, fds: list[int]) -> None:
-        self.send(proto.StatusReport(msg.id, self._ctx.status()))
+        info = self._ctx.status()
+        if msg.world is not None:
+            worlds = [w for w in info["worlds"] if w["name"] == msg.world]
+            if not worlds:
+                raise CallError(ErrorCode.UNKNOWN_WORLD, f"no world named {msg.world[:40]!r} on this daemon")
+            info = {**info, "worlds": worlds}
+        self.send(proto.StatusReport(msg.id, info))
 
     def _import(self, msg: proto.Import, fds: list[int]) -> None:
         fd = fds[0] if fds else None

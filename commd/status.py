@@ -8,9 +8,10 @@ from typing import Any
 import proto
 
 
-def query_status(socket_path: str, timeout: float) -> dict[str, Any]:
-    """The daemon's status report (raises client errors if it cannot be reached)."""
-    from client.errors import ProtocolError
+def query_status(socket_path: str, timeout: float, world: str | None = None) -> dict[str, Any]:
+    """The daemon's status report, or one world's (raises client errors: unreachable,
+    unknown world)."""
+    from client.errors import ProtocolError, from_code
     from client.transport import Transport
 
     def ignore(event: proto.Event) -> None:
@@ -18,10 +19,12 @@ def query_status(socket_path: str, timeout: float) -> dict[str, Any]:
 
     transport = Transport(socket_path, timeout, ignore)
     try:
-        reply, _ = transport.request(proto.StatusQuery(transport.next_id()),
+        reply, _ = transport.request(proto.StatusQuery(transport.next_id(), world),
                                      time.monotonic() + timeout)
     finally:
         transport.close()
+    if isinstance(reply, proto.Error):
+        raise from_code(reply.code, reply.message)
     if not isinstance(reply, proto.StatusReport):
         raise ProtocolError(f"status answered with {type(reply).__name__}")
     return reply.info

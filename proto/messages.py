@@ -306,12 +306,16 @@ class Reconnect:
 
 @dataclass(frozen=True, slots=True)
 class StatusQuery:
-    """Ask the daemon for its state; legal before `hello` (operators' tools never join)."""
+    """Ask the daemon for its state, or one world's; legal before `hello` (operators'
+    tools never join)."""
 
     id: int
+    world: str | None = None
 
     def __post_init__(self) -> None:
         _positive("id", self.id)
+        if self.world is not None:
+            _short_text("world", self.world, MAX_WORLD_NAME)
 
 
 # ---- daemon → client --------------------------------------------------------------

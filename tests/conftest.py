@@ -27,13 +27,31 @@ def daemon() -> Iterator[DaemonProcess]:
         assert code == 0, f"daemon exited with {code}"
 
 
+class _Pools:
+    """One live pool for the session, replaced when a test leaves it broken."""
+
+    def __init__(self) -> None:
+        self.current: RankPool | None = None
+
+    def get(self) -> RankPool:
+        if self.current is None or self.current.broken:
+            if self.current is not None:
+                self.current.close(force=True)
+            self.current = RankPool(4)
+        return self.current
+
+
 @pytest.fixture(scope="session")
-def pool() -> Iterator[RankPool]:
-    workers = RankPool(4)
-    try:
-        yield workers
-    finally:
-        workers.close()
+def _pools() -> Iterator[_Pools]:
+    pools = _Pools()
+    yield pools
+    if pools.current is not None:
+        pools.current.close()
+
+
+@pytest.fixture
+def pool(_pools: _Pools) -> RankPool:
+    return _pools.get()
 
 
 @pytest.fixture

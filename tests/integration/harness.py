@@ -27,6 +27,7 @@ class Outcome:
     error: str | None = None  # exception class name
     message: str = ""
     code: str | None = None  # the CommError's wire code, if any
+    task: int = 0
 
     def unwrap(self) -> Any:
         if self.error is not None:
@@ -42,13 +43,13 @@ def _serve(conn: Connection) -> None:
             return
         if task is None:
             return
-        fn, args = task
+        task_id, fn, args = task
         try:
-            result = Outcome(value=fn(*args))
+            result = Outcome(value=fn(*args), task=task_id)
         except BaseException as exc:  # every failure goes back to the test, typed by name
             code = getattr(exc, "code", None)
             result = Outcome(error=type(exc).__name__, message=str(exc),
-                             code=getattr(code, "value", None))
+                             code=getattr(code, "value", None), task=task_id)
         conn.send(result)
 
 
@@ -57,6 +58,8 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
+        self._task = 0
+        self.broken = False  # a worker hung or died: the fixture replaces the pool
         for _ in range(size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child,), daemon=True)
@@ -74,8 +77,9 @@ class RankPool:
 
     def start(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[int]:
         """Send `fn(*args[i])` to worker i (for i < len(args)); return those worker indexes."""
+        self._task += 1
         for conn, rank_args in zip(self._conns, args, strict=False):
-            conn.send((fn, rank_args))
+            conn.send((self._task, fn, rank_args))
         return list(range(len(args)))
 
     def collect(self, workers: Sequence[int], timeout: float) -> list[Outcome]:
@@ -89,13 +93,18 @@ class RankPool:
             ready = wait(list(pending), timeout=max(0.0, left)) if left > 0 else []
             if not ready:
                 self.close(force=True)
+                self.broken = True
                 raise TimeoutError(f"workers {sorted(pending.values())} did not answer in {timeout}s")
             for conn in ready:
-                index = pending.pop(conn)  # type: ignore[call-overload]
+                index = pending[conn]  # type: ignore[index]
                 try:
-                    results[index] = conn.recv()  # type: ignore[union-attr]
+                    outcome = conn.recv()  # type: ignore[union-attr]
                 except EOFError:
-                    results[index] = Outcome(error="WorkerDied", message=f"worker {index} died")
+                    self.broken = True
+                    outcome = Outcome(error="WorkerDied", message=f"worker {index} died", task=self._task)
+                if outcome.task == self._task:  # older ones belong to a test that gave up
+                    results[index] = outcome
+                    del pending[conn]  # type: ignore[arg-type]
         return [results[i] for i in workers]
 
     def run(self, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]],

@@ -295,3 +295,63 @@ def leave_early(sock: str, world: str, rank: int, n: int) -> dict[str, Any]:
     comm.barrier()
     comm.close()
     return out
+
+
+def wait_for_command(sock: str, world: str, rank: int, n: int) -> tuple[str, str]:
+    """Rank 1 blocks in recv_command_u32, rank 0 in a recv nobody sends, until something
+    ends them; report how each ended."""
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(4)
+        try:
+            if rank == 0:
+                comm.recv_from(buf.ptr, 4, 1)
+            else:
+                comm.recv_command_u32(buf.ptr, 0)
+            return ("returned", "")
+        except Exception as exc:
+            return (type(exc).__name__, str(exc))
+
+
+def threads_share_a_backend(sock: str, world: str, rank: int, n: int, rounds: int) -> dict[str, Any]:
+    """Rank 1 waits in recv_command_u32 on one thread while other threads make calls
+    on the same backend; rank 0 sends the command once they are done."""
+    import threading
+
+    out: dict[str, Any] = {"handles": [], "errors": []}
+    with connect(sock, world, rank, n) as comm:
+        cmd = hostmem.alloc(4)
+        bufs = [hostmem.alloc(256) for _ in range(4)]
+        if rank == 0:
+            comm.recv_from(cmd.ptr, 4, 1)  # the other rank's helper threads are done
+            cmd.view(np.uint32)[0] = 0xC0FFEE
+            comm.broadcast(cmd.ptr, 4, 0)
+            comm.barrier()
+            return out
+
+        def waiter() -> None:
+            try:
+                comm.recv_command_u32(cmd.ptr, 0)
+            except Exception as exc:
+                out["errors"].append(repr(exc))
+
+        def worker(i: int) -> None:
+            try:
+                for _ in range(rounds):
+                    handle = comm.register_buffer(bufs[i].ptr, 128)
+                    out["handles"].append(handle)
+                    comm.deregister_buffer(handle)
+            except Exception as exc:
+                out["errors"].append(repr(exc))
+
+        threads = [threading.Thread(target=waiter)] + [
+            threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads[1:]:
+            t.join(30)
+        done = hostmem.alloc(4)
+        comm.send_to(done.ptr, 4, 0)  # p2p: does not disturb the pending collective
+        threads[0].join(30)
+        comm.barrier()
+        out["command"] = int(cmd.view(np.uint32)[0])
+    return out

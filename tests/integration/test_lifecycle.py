@@ -1,0 +1,113 @@
+"""The daemon's life: clean SIGTERM, socket file handling, status, threads sharing a backend."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import DaemonUnavailable, MisuseError
+from commd.launch import DaemonProcess
+from commd.status import query_status
+from tests.integration import workers
+from tests.integration.harness import RankPool, short_tmpdir, world_name
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def wait_pending(sock: str, world: str, calls: int, timeout: float = 15) -> dict[str, Any]:
+    """The status once `world` exists and has `calls` calls pending in the daemon."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = query_status(sock, 5, world)
+            if info["worlds"][0]["pending_calls"] == calls:
+                return info
+        except MisuseError:
+            pass  # not created yet: the ranks are still starting
+        assert time.monotonic() < deadline, f"world {world} never had {calls} pending calls"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def own_daemon() -> Iterator[DaemonProcess]:
+    tmp = short_tmpdir()
+    proc = DaemonProcess(Path(tmp) / "run" / "commd.sock")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_sigterm_fails_pending_calls_removes_socket_exits_zero(pool: RankPool,
+                                                                own_daemon: DaemonProcess) -> None:
+    sock, world = str(own_daemon.socket_path), world_name()
+    started = pool.start(workers.wait_for_command, [(sock, world, r, 2) for r in range(2)])
+    wait_pending(sock, world, 2)
+    assert own_daemon.stop() == 0
+    outcomes = [o.unwrap() for o in pool.collect(started, 20)]
+    for name, message in outcomes:
+        assert name == "DaemonShutdown" and "shutting down" in message
+    assert not os.path.exists(sock)
+
+
+def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    path.parent.mkdir(mode=0o750)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(str(path))
+    stale.close()  # the file stays, nobody listens: what a killed daemon leaves behind
+    try:
+        with DaemonProcess(path) as first:
+            assert query_status(str(path), 5)["pid"] == first.pid
+            second = subprocess.run([sys.executable, "-m", "commd", "serve", "--socket", str(path)],
+                                    capture_output=True, text=True, timeout=30)
+            assert second.returncode == 2
+            assert "another daemon is listening" in second.stderr
+            assert query_status(str(path), 5)["pid"] == first.pid
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_status_reports_worlds_and_refuses_unknown_ones(pool: RankPool,
+                                                        own_daemon: DaemonProcess) -> None:
+    sock, world = str(own_daemon.socket_path), world_name()
+    started = pool.start(workers.wait_for_command, [(sock, world, r, 2) for r in range(2)])
+    info = wait_pending(sock, world, 2)
+    (w,) = info["worlds"]
+    assert (w["state"], w["epoch"], w["ranks"], w["world_size"]) == ("ready", 1, [0, 1], 2)
+    assert info["engine"] == "host" and info["connections"] == 3  # two ranks and this query
+    with pytest.raises(MisuseError, match="no world named"):
+        query_status(sock, 5, "no-such-world")
+    text = subprocess.run([sys.executable, "-m", "commd", "status", "--socket", sock,
+                           "--world", world], capture_output=True, text=True, timeout=30)
+    assert text.returncode == 0 and world in text.stdout and "ready" in text.stdout
+    assert own_daemon.stop() == 0  # ends the waiting calls
+    assert all(o.unwrap()[0] == "DaemonShutdown" for o in pool.collect(started, 20))
+
+
+def test_threads_share_one_backend(pool: RankPool, sock: str) -> None:
+    world = world_name()
+    rank0, rank1 = [o.unwrap() for o in pool.run(workers.threads_share_a_backend,
+                                                 [(sock, world, r, 2, 25) for r in range(2)])]
+    assert rank1["errors"] == []
+    assert rank1["command"] == 0xC0FFEE
+    assert len(rank1["handles"]) == 100 and len(set(rank1["handles"])) == 100
+
+
+def test_no_daemon_is_a_typed_error() -> None:
+    from client import DaemonBackend
+
+    with pytest.raises(DaemonUnavailable, match="cannot connect"):
+        DaemonBackend("/tmp/commd-nowhere/none.sock", "w", 0, 1, timeout=1)
