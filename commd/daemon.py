@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -23,6 +24,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     server = Server(config, engine)
     try:
         server.start()
+        _tune_gc()
         if config.engine == "auto":
             log.info("engine auto: no usable GPU engine here, chose %s", engine.name)
         if ready is not None:
@@ -34,6 +36,16 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return 0
+
+
+def _tune_gc() -> None:
+    """Latency: each call allocates a few dozen short-lived objects, so the default
+    young-generation threshold (700) runs a collection every ~20 calls. Freeze what
+    start-up built and collect young objects less often; reference counting frees
+    almost everything anyway."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def run(config: ServerConfig) -> int:

@@ -99,7 +99,7 @@ def test_status_reports_worlds_and_refuses_unknown_ones(pool: RankPool,
 
 def test_threads_share_one_backend(pool: RankPool, sock: str) -> None:
     world = world_name()
-    rank0, rank1 = [o.unwrap() for o in pool.run(workers.threads_share_a_backend,
+    _, rank1 = [o.unwrap() for o in pool.run(workers.threads_share_a_backend,
                                                  [(sock, world, r, 2, 25) for r in range(2)])]
     assert rank1["errors"] == []
     assert rank1["command"] == 0xC0FFEE
