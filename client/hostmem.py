@@ -14,6 +14,7 @@ mistaken for the old buffer (CUDA's BUFFER_ID plays that part on the GPU).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fcntl
 import itertools
 import mmap
@@ -46,7 +47,6 @@ class HostBuffer:
     """One shared allocation: `.ptr` is valid in this process, `.fd` lets the daemon map it."""
 
     def __init__(self, owner: HostMemory, buffer_id: int, fd: int, nbytes: int) -> None:
-        self._owner = owner
         self.id = buffer_id
         self.nbytes = nbytes
         self.size = max(nbytes, 1)  # mmap cannot map 0 bytes; ptr stays valid for 0-byte calls
@@ -55,6 +55,9 @@ class HostBuffer:
                                                  mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self.ptr: int = self._bytes.ctypes.data
+        # A buffer dropped without close() still gives back its fd, its table entry and
+        # the daemon's mapping (the listeners tell the backends).
+        self._reclaim = weakref.finalize(self, _reclaim, owner, buffer_id, self.ptr, self._mmap, fd)
 
     @property
     def closed(self) -> bool:
@@ -78,8 +81,7 @@ class HostBuffer:
             self._bytes = np.frombuffer(self._mmap, np.uint8)
             raise MisuseError(f"host buffer {self.id} still has live views; drop them first") from None
         self._mmap = None
-        os.close(self.fd)
-        self._owner._released(self)
+        self._reclaim()
 
     def __enter__(self) -> HostBuffer:
         return self
@@ -92,14 +94,22 @@ class HostBuffer:
         return f"HostBuffer(id={self.id}, nbytes={self.nbytes}, {state})"
 
 
+def _reclaim(owner: HostMemory, buffer_id: int, ptr: int, mapped: mmap.mmap, fd: int) -> None:
+    with contextlib.suppress(BufferError):  # dropped with live views: unmapped when they go
+        mapped.close()
+    os.close(fd)
+    owner._released(buffer_id, ptr)
+
+
 class HostMemory:
     """A process's table of host buffers, searchable by address."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a buffer's finalizer may run (GC) while this thread holds the lock.
+        self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._starts: list[int] = []
-        self._by_start: dict[int, HostBuffer] = {}
+        self._by_start: dict[int, tuple[int, weakref.ref[HostBuffer]]] = {}
         self._listeners: list[weakref.WeakMethod[ReleaseListener]] = []
 
     def next_id(self) -> int:
@@ -116,14 +126,14 @@ class HostMemory:
         buffer = HostBuffer(self, buffer_id, fd, nbytes)
         with self._lock:
             bisect.insort(self._starts, buffer.ptr)
-            self._by_start[buffer.ptr] = buffer
+            self._by_start[buffer.ptr] = (buffer_id, weakref.ref(buffer))
         return buffer
 
     def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:
         """The buffer holding [ptr, ptr+nbytes) and the offset of ptr in it."""
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
-            buffer = self._by_start[self._starts[i]] if i >= 0 else None
+            buffer = self._by_start[self._starts[i]][1]() if i >= 0 else None
         if buffer is None or ptr >= buffer.ptr + buffer.size:
             raise MisuseError(
                 f"pointer 0x{ptr:x} is not in host memory the daemon can open "
@@ -140,17 +150,18 @@ class HostMemory:
         with self._lock:
             self._listeners.append(weakref.WeakMethod(listener))
 
-    def _released(self, buffer: HostBuffer) -> None:
+    def _released(self, buffer_id: int, ptr: int) -> None:
         with self._lock:
-            if self._by_start.get(buffer.ptr) is buffer:
-                del self._by_start[buffer.ptr]
-                self._starts.remove(buffer.ptr)
+            entry = self._by_start.get(ptr)
+            if entry is not None and entry[0] == buffer_id:
+                del self._by_start[ptr]
+                self._starts.remove(ptr)
             alive = [ref for ref in self._listeners if ref() is not None]
             self._listeners = alive
         for ref in alive:
             listener = ref()
             if listener is not None:
-                listener(buffer.id)
+                listener(buffer_id)
 
 
 _DEFAULT = HostMemory()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import select
 import socket
 import struct
@@ -35,6 +36,12 @@ def _take_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
@@ -52,6 +59,7 @@ class Transport:
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._replies: dict[int, Packet] = {}
+        self._awaited: set[int] = set()  # request ids some thread still waits for
         self._reading = False
         self._broken: CommError | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -113,8 +121,14 @@ class Transport:
                 fds: Sequence[int] = ()) -> Packet:
         """Send `msg` (which carries an id) and wait for its reply until `deadline`."""
         request_id: int = msg.id  # type: ignore[union-attr]
-        self.post(msg, fds)
-        return self._wait(request_id, deadline)
+        with self._cond:
+            self._awaited.add(request_id)
+        try:
+            self.post(msg, fds)
+            return self._wait(request_id, deadline)
+        finally:
+            with self._cond:
+                self._awaited.discard(request_id)
 
     def _wait(self, request_id: int, deadline: float | None) -> Packet:
         while True:
@@ -154,9 +168,11 @@ class Transport:
                 assert isinstance(msg, proto.Error)
                 raise self._break(from_code(msg.code, msg.message))
             with self._cond:
-                self._replies[reply_id] = (msg, fds)
-                self._cond.notify_all()
-            return None
+                if reply_id in self._awaited:
+                    self._replies[reply_id] = (msg, fds)
+                    self._cond.notify_all()
+                    return None
+            close_fds(fds)  # the late reply of a call that timed out: nobody will read it
 
     def _read_one(self, deadline: float | None) -> Packet:
         left = remaining(deadline)
@@ -187,9 +203,11 @@ class Transport:
                 msg, fds = self._read_one(None)
                 if isinstance(msg, proto.Event):
                     self._on_event(msg)
-                elif getattr(msg, "id", 0):
+                elif getattr(msg, "id", 0) in self._awaited:
                     with self._cond:
                         self._replies[msg.id] = (msg, fds)  # type: ignore[union-attr]
+                else:
+                    close_fds(fds)
         except CommError:
             pass  # recorded by _break; surfaces on the next call
         finally:

@@ -21,7 +21,10 @@ log = logging.getLogger("commd.channel")
 
 MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-_READS_PER_WAKEUP = 64
+# One packet per wakeup: readiness is level-triggered, so a second packet brings another
+# wakeup anyway, and reading until EAGAIN costs a failed syscall and an exception per
+# packet on the hot path. It also keeps one flooding client from starving the others.
+_READS_PER_WAKEUP = 1
 
 PacketHandler = Callable[[bytes, list[int], bool], None]  # data, fds, truncated
 

@@ -105,3 +105,27 @@ def test_every_wire_code_has_a_typed_error(code: ErrorCode) -> None:
         assert isinstance(err, MismatchError) and isinstance(err, WorldFailed)
     if code in (ErrorCode.WORLD_FAILED, ErrorCode.TIMEOUT, ErrorCode.SHUTDOWN):
         assert isinstance(err, UNHEALTHY)
+
+
+def test_a_dropped_buffer_gives_back_its_fd_and_table_entry() -> None:
+    import gc
+    import os
+
+    memory = HostMemory()
+    heard: list[int] = []
+
+    class Listener:
+        def on(self, buffer_id: int) -> None:
+            heard.append(buffer_id)
+
+    listener = Listener()
+    memory.on_release(listener.on)
+    buf = memory.alloc(4096)
+    buffer_id, ptr, fd = buf.id, buf.ptr, buf.fd
+    del buf
+    gc.collect()
+    assert heard == [buffer_id]
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed (the number may be reused later, not now)
+    with pytest.raises(MisuseError):
+        memory.find(ptr, 1)
