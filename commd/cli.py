@@ -23,13 +23,25 @@ def _serve(args: argparse.Namespace) -> int:
         socket_path=Path(args.socket),
         engine=args.engine,
         allow_uids=frozenset({os.getuid(), 0, *args.allow_uid}),
-        allow_gids=frozenset(args.allow_gid),
+        allow_gids=frozenset(args.allow_gid) | _group_ids(args.allow_group),
         threads=args.threads,
         log_level=args.log_level,
     )
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(config)
+
+
+def _group_ids(names: list[str]) -> frozenset[int]:
+    import grp
+
+    gids = set()
+    for name in names:
+        try:
+            gids.add(grp.getgrnam(name).gr_gid)
+        except KeyError:
+            raise ConfigError(f"allow-group: no group named {name!r}") from None
+    return frozenset(gids)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -63,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also admit this uid (repeatable; own uid and root always)")
     serve.add_argument("--allow-gid", type=int, action="append", default=[],
                        help="admit members of this gid (repeatable)")
+    serve.add_argument("--allow-group", action="append", default=[],
+                       help="admit members of this group, by name (repeatable)")
     serve.add_argument("--threads", type=int, default=None, help="host engine threads")
     serve.add_argument("--log-level", default="INFO",
                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
