@@ -25,6 +25,7 @@ _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 # wakeup anyway, and reading until EAGAIN costs a failed syscall and an exception per
 # packet on the hot path. It also keeps one flooding client from starving the others.
 _READS_PER_WAKEUP = 1
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # a plain int: IntFlag's & is Python code
 
 PacketHandler = Callable[[bytes, list[int], bool], None]  # data, fds, truncated
 
@@ -153,7 +154,7 @@ class PacketChannel:
             if not data and not fds:
                 self.close("peer closed the connection")
                 return
-            truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+            truncated = bool(flags & _TRUNCATED)
             self._on_packet(data, fds, truncated)
 
     def close(self, reason: str, linger: bool = False) -> None:
