@@ -8,6 +8,7 @@ Methods the seed gives a default keep that default here.
 from __future__ import annotations
 
 import abc
+from typing import TypeVar
 
 from proto import DType, ReduceOp
 
@@ -17,20 +18,25 @@ DTypeLike = DType | str
 OpLike = ReduceOp | str
 
 
+E = TypeVar("E", DType, ReduceOp)
+
+
+def _member(kind: type[E], what: str, value: E | str) -> E:
+    if isinstance(value, kind):
+        return value
+    member = kind._value2member_map_.get(value)
+    if member is None:
+        names = ", ".join(m.value for m in kind)
+        raise MisuseError(f"{what} {value!r} is not one of {names}")
+    return member  # type: ignore[return-value]
+
+
 def as_dtype(value: DTypeLike) -> DType:
-    try:
-        return value if isinstance(value, DType) else DType(value)
-    except ValueError:
-        names = ", ".join(d.value for d in DType)
-        raise MisuseError(f"dtype {value!r} is not one of {names}") from None
+    return _member(DType, "dtype", value)
 
 
 def as_op(value: OpLike) -> ReduceOp:
-    try:
-        return value if isinstance(value, ReduceOp) else ReduceOp(value)
-    except ValueError:
-        names = ", ".join(o.value for o in ReduceOp)
-        raise MisuseError(f"op {value!r} is not one of {names}") from None
+    return _member(ReduceOp, "op", value)
 
 
 class CommBackend(abc.ABC):

@@ -21,6 +21,15 @@ def connect(sock: str, world: str, rank: int, n: int, timeout: float = TIMEOUT) 
     return DaemonBackend(sock, world, rank, n, timeout=timeout)
 
 
+def _error_name(call: Any, *args: Any) -> str:
+    """The class name of what `call(*args)` raised ("no error" if nothing)."""
+    try:
+        call(*args)
+    except Exception as exc:
+        return type(exc).__name__
+    return "no error"
+
+
 def _load(data: np.ndarray, offset: int = 0, extra: int = 0) -> hostmem.HostBuffer:
     buf = hostmem.alloc(offset + data.nbytes + extra)
     buf.view(np.uint8)[offset:offset + data.nbytes] = data.view(np.uint8)
@@ -172,12 +181,7 @@ def register_and_kernel(sock: str, world: str, rank: int, n: int, kernel: int) -
 
         kernels = next(w["add_kernel"] for w in query_status(sock, 5)["worlds"] if w["name"] == world)
         comm.deregister_buffer(h1)
-        errors = []
-        for handle in (h1, 999_999):
-            try:
-                comm.deregister_buffer(handle)
-            except Exception as exc:
-                errors.append(type(exc).__name__)
+        errors = [_error_name(comm.deregister_buffer, handle) for handle in (h1, 999_999)]
         comm.deregister_buffer(h2)
         comm.barrier()
         return {"handles": (h1, h2), "kernels": kernels, "errors": errors}
@@ -191,12 +195,7 @@ def symmetric(sock: str, world: str, rank: int, n: int, nelem: int, seed: int) -
         comm.all_reduce(ptr, data.nbytes, dtype="f32")
         result = ctypes.string_at(ptr, data.nbytes)
         comm.symmetric_free(ptr)
-        errors = []
-        for bad in (ptr, 12345):
-            try:
-                comm.symmetric_free(bad)
-            except Exception as exc:
-                errors.append(type(exc).__name__)
+        errors = [_error_name(comm.symmetric_free, bad) for bad in (ptr, 12345)]
         comm.barrier()
         return {"result": result, "errors": errors}
 

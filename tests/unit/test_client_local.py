@@ -79,16 +79,19 @@ def test_host_buffer_views_and_close() -> None:
         buf.view()
 
 
+class Listener:
+    def __init__(self, memory: HostMemory) -> None:
+        self.heard: list[int] = []
+        memory.on_release(self.on)
+
+    def on(self, buffer_id: int) -> None:
+        self.heard.append(buffer_id)
+
+
 def test_release_listeners_hear_about_freed_buffers() -> None:
     memory = HostMemory()
-    heard: list[int] = []
-
-    class Listener:
-        def on(self, buffer_id: int) -> None:
-            heard.append(buffer_id)
-
-    listener = Listener()
-    memory.on_release(listener.on)
+    listener = Listener(memory)
+    heard = listener.heard
     buf = memory.alloc(8)
     buf.close()
     assert heard == [buf.id]
@@ -112,14 +115,8 @@ def test_a_dropped_buffer_gives_back_its_fd_and_table_entry() -> None:
     import os
 
     memory = HostMemory()
-    heard: list[int] = []
-
-    class Listener:
-        def on(self, buffer_id: int) -> None:
-            heard.append(buffer_id)
-
-    listener = Listener()
-    memory.on_release(listener.on)
+    listener = Listener(memory)
+    heard = listener.heard
     buf = memory.alloc(4096)
     buffer_id, ptr, fd = buf.id, buf.ptr, buf.fd
     del buf
