@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 
 from . import messages as m
-from .codec import decode, encode
+from .codec import OpsCache, PackedOps, decode, encode
 from .errors import ProtoError, StateError
 
 
@@ -61,12 +61,14 @@ class Connection:
         self.their_role = Role.DAEMON if our_role is Role.CLIENT else Role.CLIENT
         self.limit = limit
         self.state = State.AWAIT_HELLO
+        self._ops_cache: OpsCache = {}
+        self._packed_ops: PackedOps = {}
 
     def send(self, msg: m.Message) -> bytes:
         """Check that we may send `msg` now, advance the state, return the packet."""
         self._advance(self.our_role, msg)
         try:
-            return encode(msg, self.limit)
+            return encode(msg, self.limit, self._packed_ops)
         except ProtoError:
             self.state = State.ERROR
             raise
@@ -75,7 +77,7 @@ class Connection:
         """Parse a packet from the other side, check it is legal now, advance the state."""
         self._check_open()
         try:
-            msg = decode(packet, nfds, self.limit)
+            msg = decode(packet, nfds, self.limit, self._ops_cache)
         except ProtoError:
             self.state = State.ERROR
             raise

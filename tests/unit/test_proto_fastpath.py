@@ -1,0 +1,82 @@
+"""The codec's steady-state shortcuts give exactly what the generic path gives."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import proto
+from proto import codec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@given(st.integers(1, 2**64 - 1))
+def test_plain_ok_encodes_like_the_generic_path(request_id: int) -> None:
+    generic = msgpack.packb(codec._to_wire(proto.Ok(request_id)), use_bin_type=True)
+    assert proto.encode(proto.Ok(request_id)) == generic
+    assert proto.decode(generic) == proto.Ok(request_id)
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 2**64 - 1), st.integers(0, 1 << 20), st.sampled_from(list(proto.DType)))
+def test_cached_submit_decodes_like_the_generic_path(request_id: int, elems: int,
+                                                     dtype: proto.DType) -> None:
+    cache: codec.OpsCache = {}
+    op = proto.AllReduce(proto.Mem(3, 8) if elems else None, elems * dtype.itemsize, dtype)
+    first = proto.encode(proto.Submit(1, (op,)))
+    assert proto.decode(first, ops_cache=cache) == proto.Submit(1, (op,))  # fills the cache
+    again = proto.encode(proto.Submit(request_id, (op,)))
+    assert proto.decode(again, ops_cache=cache) == proto.decode(again) == proto.Submit(request_id, (op,))
+
+
+def test_the_cache_never_answers_for_other_bytes() -> None:
+    cache: codec.OpsCache = {}
+    a = proto.Submit(7, (proto.AllReduce(proto.Mem(1, 0), 8),))
+    b = proto.Submit(7, (proto.AllReduce(proto.Mem(1, 0), 16),))
+    assert proto.decode(proto.encode(a), ops_cache=cache) == a
+    assert proto.decode(proto.encode(b), ops_cache=cache) == b
+    # the same ops under a non-canonical key order take the generic path and still decode
+    raw = {"ops": codec._to_wire(a)["ops"], "id": 9, "t": "submit"}
+    assert proto.decode(msgpack.packb(raw), ops_cache=cache) == proto.Submit(9, a.ops)
+    # a cached suffix behind a bad id is still refused
+    bad = {"t": "submit", "id": "x", "ops": codec._to_wire(a)["ops"]}
+    with pytest.raises(proto.ProtoError):
+        proto.decode(msgpack.packb(bad), ops_cache=cache)
+    with pytest.raises(proto.ProtoError):
+        proto.decode(proto.encode(proto.Submit(1, a.ops)).replace(b"\xa2id\x01", b"\xa2id\x00"),
+                     ops_cache=cache)
+
+
+def test_the_cache_is_bounded() -> None:
+    cache: codec.OpsCache = {}
+    for n in range(codec.OPS_CACHE_SIZE + 10):
+        msg = proto.Submit(1, (proto.AllReduce(proto.Mem(1, 0), 2 * (n + 1)),))
+        assert proto.decode(proto.encode(msg), ops_cache=cache) == msg
+    assert len(cache) <= codec.OPS_CACHE_SIZE
+
+
+@settings(max_examples=100)
+@given(st.lists(st.sampled_from([
+    proto.AllReduce(proto.Mem(1, 0), 8), proto.Barrier(), proto.Send(proto.Mem(2, 4), 4, 1, 99),
+    proto.Broadcast(None, 0, 3), proto.ReduceScatter(proto.Mem(5, 0), proto.Mem(6, 0), 16)]),
+    min_size=1, max_size=20), st.integers(1, 2**64 - 1))
+def test_packed_ops_encode_like_the_generic_path(ops: list[proto.Op], request_id: int) -> None:
+    packed: codec.PackedOps = {}
+    msg = proto.Submit(request_id, tuple(ops))
+    generic = msgpack.packb(codec._to_wire(msg), use_bin_type=True)
+    assert proto.encode(msg, packed_ops=packed) == generic
+    assert proto.encode(msg, packed_ops=packed) == generic  # from the cache this time
+
+
+def test_plain_ok_shortcut_refuses_what_the_generic_path_refuses() -> None:
+    head, tail = codec._OK_HEAD, codec._OK_TAIL
+    for middle in (b"\x00", b"\xd0\xff", b"\xa1x", b"\x01\x02"):  # id 0, id -1, a str, two values
+        with pytest.raises(proto.ProtoError):
+            proto.decode(head + middle + tail)
+    assert proto.decode(head + b"\x05" + tail) == proto.Ok(5)
+    assert proto.decode(head + b"\xcf" + b"\xff" * 8 + tail) == proto.Ok(2**64 - 1)
+    with pytest.raises(proto.ProtoError):
+        proto.decode(head + b"\x05" + tail, nfds=1)  # a plain Ok carries no fd
