@@ -58,6 +58,7 @@ class Matcher(Generic[T]):
     world_size: int
     _coll_next: list[int] = field(init=False)
     _coll: dict[int, dict[int, Call[T]]] = field(default_factory=dict, init=False)
+    _coll_fingerprint: dict[int, tuple[object, ...]] = field(default_factory=dict, init=False)
     _p2p_next: dict[tuple[int, int, bool], int] = field(default_factory=dict, init=False)
     _p2p: dict[tuple[int, int, int], dict[bool, Call[T]]] = field(default_factory=dict, init=False)
 
@@ -79,13 +80,16 @@ class Matcher(Generic[T]):
     def _add_collective(self, call: Call[T]) -> CollectiveMatch[T] | None:
         index = self._coll_next[call.rank]
         self._coll_next[call.rank] = index + 1
-        group = self._coll.setdefault(index, {})
-        if group:
-            _check_same(index, next(iter(group.values())), call, "collective")
+        group = self._coll.get(index)
+        if group is None:
+            group = self._coll[index] = {}
+            self._coll_fingerprint[index] = ops.fingerprint(call.op)
+        elif ops.fingerprint(call.op) != self._coll_fingerprint[index]:
+            _raise_mismatch(index, next(iter(group.values())), call, "collective")
         group[call.rank] = call
         if len(group) < self.world_size:
             return None
-        del self._coll[index]
+        del self._coll[index], self._coll_fingerprint[index]
         return CollectiveMatch(index, group)
 
     def _add_p2p(self, call: Call[T]) -> P2PMatch[T] | None:
@@ -97,8 +101,8 @@ class Matcher(Generic[T]):
         self._p2p_next[counter] = index + 1
         pair = self._p2p.setdefault((src, dst, index), {})
         other = pair.get(not is_send)
-        if other is not None:
-            _check_same(index, other, call, f"point-to-point {src}->{dst}")
+        if other is not None and ops.fingerprint(other.op) != ops.fingerprint(call.op):
+            _raise_mismatch(index, other, call, f"point-to-point {src}->{dst}")
         pair[is_send] = call
         if len(pair) < 2:
             return None
@@ -106,10 +110,9 @@ class Matcher(Generic[T]):
         return P2PMatch(index, pair[True], pair[False])
 
 
-def _check_same(index: int, first: Call[Any], call: Call[Any], kind: str) -> None:
-    if ops.fingerprint(first.op) != ops.fingerprint(call.op):
-        raise Mismatch(
-            f"mismatched {kind} call {index}: rank {first.rank} called {ops.describe(first.op)}, "
-            f"rank {call.rank} called {ops.describe(call.op)}",
-            (first.rank, call.rank),
-        )
+def _raise_mismatch(index: int, first: Call[Any], call: Call[Any], kind: str) -> None:
+    raise Mismatch(
+        f"mismatched {kind} call {index}: rank {first.rank} called {ops.describe(first.op)}, "
+        f"rank {call.rank} called {ops.describe(call.op)}",
+        (first.rank, call.rank),
+    )

@@ -37,14 +37,18 @@ def spans(op: proto.Op, world_size: int) -> tuple[Span, ...]:
     return ((op.buf, op.nbytes),)
 
 
+_RANK_FIELDS: dict[type, str] = {proto.Broadcast: "root", proto.Send: "peer", proto.Recv: "peer"}
+
+
 def check_ranks(op: proto.Op, rank: int, world_size: int) -> None:
     """Refuse a root or peer outside the world, and a root asking for its own command."""
-    for name in ("root", "peer"):
-        value = getattr(op, name, None)
-        if value is not None and value >= world_size:
-            raise CallError(ErrorCode.BAD_RANK,
-                            f"{name}={value} is not a rank of a {world_size}-rank world")
-    if isinstance(op, proto.Broadcast) and op.command and op.root == rank:
+    name = _RANK_FIELDS.get(type(op))
+    if name is None:
+        return
+    value: int = getattr(op, name)
+    if value >= world_size:
+        raise CallError(ErrorCode.BAD_RANK, f"{name}={value} is not a rank of a {world_size}-rank world")
+    if name == "root" and op.command and value == rank:  # type: ignore[union-attr]
         raise CallError(ErrorCode.MISUSE, f"rank {rank} is the root: recv_command_u32 refuses root")
 
 

@@ -53,6 +53,10 @@ _TRANSITIONS: dict[tuple[State, type], State] = {
 }
 
 
+_FINAL = frozenset({State.CLOSED, State.ERROR})
+_NOTHING: frozenset[type] = frozenset()
+
+
 class Connection:
     """One side's view of one connection. `our_role` says which side we are."""
 
@@ -64,9 +68,20 @@ class Connection:
         self._ops_cache: OpsCache = {}
         self._packed_ops: PackedOps = {}
 
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        # The legal sets are looked up once per state change, not once per message.
+        self._state = state
+        self._we_may_send = _LEGAL.get((self.our_role, state), _NOTHING)
+        self._they_may_send = _LEGAL.get((self.their_role, state), _NOTHING)
+
     def send(self, msg: m.Message) -> bytes:
         """Check that we may send `msg` now, advance the state, return the packet."""
-        self._advance(self.our_role, msg)
+        self._advance(self.our_role, self._we_may_send, msg)
         try:
             return encode(msg, self.limit, self._packed_ops)
         except ProtoError:
@@ -75,23 +90,24 @@ class Connection:
 
     def receive(self, packet: bytes, nfds: int = 0) -> m.Message:
         """Parse a packet from the other side, check it is legal now, advance the state."""
-        self._check_open()
+        if self._state in _FINAL:
+            raise StateError(f"connection is {self._state.value}")
         try:
             msg = decode(packet, nfds, self.limit, self._ops_cache)
         except ProtoError:
             self.state = State.ERROR
             raise
-        self._advance(self.their_role, msg)
+        self._advance(self.their_role, self._they_may_send, msg)
         return msg
 
-    def _check_open(self) -> None:
-        if self.state in (State.CLOSED, State.ERROR):
-            raise StateError(f"connection is {self.state.value}")
-
-    def _advance(self, sender: Role, msg: m.Message) -> None:
-        self._check_open()
-        legal = _LEGAL.get((sender, self.state), frozenset())
-        if type(msg) not in legal:
-            was, self.state = self.state, State.ERROR
-            raise StateError(f"{sender.value} may not send {type(msg).__name__} in state {was.value}")
-        self.state = _TRANSITIONS.get((self.state, type(msg)), self.state)
+    def _advance(self, sender: Role, legal: frozenset[type], msg: m.Message) -> None:
+        kind = type(msg)
+        if kind not in legal:
+            was = self._state
+            if was in _FINAL:
+                raise StateError(f"connection is {was.value}")
+            self.state = State.ERROR
+            raise StateError(f"{sender.value} may not send {kind.__name__} in state {was.value}")
+        following = _TRANSITIONS.get((self._state, kind))
+        if following is not None:
+            self.state = following
