@@ -34,12 +34,14 @@ pytestmark = pytest.mark.timeout(60)
 def steady(daemon: DaemonProcess) -> Iterator[None]:
     """Two ranks of an unrelated world all_reduce and check, from first test to last."""
     ctx = mp.get_context("spawn")
-    stop, results = ctx.Event(), ctx.Queue()
+    stop, running, results = ctx.Event(), ctx.Event(), ctx.Queue()
     world = world_name("steady")
     procs = [ctx.Process(target=workers.steady_loop,
-                         args=(str(daemon.socket_path), world, r, 2, stop, results)) for r in range(2)]
+                         args=(str(daemon.socket_path), world, r, 2, stop, results, running))
+             for r in range(2)]
     for p in procs:
         p.start()
+    assert running.wait(30), "the steady world never got going"
     yield
     stop.set()
     outcomes = [results.get(timeout=30) for _ in procs]
@@ -328,3 +330,18 @@ def test_fds_and_mappings_return_to_baseline(pool: RankPool, daemon: DaemonProce
             break
         time.sleep(0.1)
     assert (open_fds(daemon.pid), memfd_mappings(daemon.pid)) == (base_fds, base_maps)
+
+
+def test_a_world_with_a_join_token_refuses_other_tokens(sock: str, steady: None) -> None:
+    from client import AccessDenied
+
+    world = world_name()
+    with RawClient(sock) as first:
+        first.send(proto.Hello(1, 1, os.getpid(), world, 0, 2, 5000, token="job-a"))
+        time.sleep(0.05)
+        for token in ("job-b", None):
+            with pytest.raises(AccessDenied, match="join token"):
+                DaemonBackend(sock, world, 1, 2, timeout=2, token=token)
+        with DaemonBackend(sock, world, 1, 2, timeout=5, token="job-a") as comm:
+            welcome = first.recv()
+            assert isinstance(welcome, proto.Welcome) and comm.epoch == welcome.epoch == 1

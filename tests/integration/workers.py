@@ -210,7 +210,8 @@ def reconnect_all(sock: str, world: str, rank: int, n: int, seed: int) -> tuple[
         return before, comm.epoch, _read(buf, 0, data.nbytes)
 
 
-def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: Any) -> None:
+def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: Any,
+                running: Any) -> None:
     """An unrelated world that must see zero errors while bad input hits the daemon."""
     iterations, errors = 0, []
     try:
@@ -230,6 +231,7 @@ def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: An
                 if not np.allclose(data.view(np.float32), want, rtol=1e-5):
                     errors.append(f"wrong sum at iteration {iterations}")
                 iterations += 1
+                running.set()
             comm.barrier()
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
