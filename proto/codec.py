@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from . import messages as m
+from . import peer as p
 from .errors import DecodeError, InvalidMessage, MessageTooLarge, ProtoError
 
 TAGS: dict[type, str] = {
@@ -42,10 +43,23 @@ TAGS: dict[type, str] = {
     m.Error: "error",
     m.Event: "event",
     m.StatusReport: "status_report",
+    p.PeerHello: "peer_hello",
+    p.PeerChallenge: "peer_challenge",
+    p.PeerProof: "peer_proof",
+    p.PeerReady: "peer_ready",
+    p.PeerRefused: "peer_refused",
+    p.Heartbeat: "heartbeat",
+    p.JoinWorld: "join_world",
+    p.JoinRefused: "join_refused",
+    p.WorldReady: "world_ready",
+    p.WorldFailed: "world_failed",
+    p.Data: "data",
 }
 _BY_TAG = {tag: cls for cls, tag in TAGS.items()}
 _OP_TAGS = frozenset(TAGS[cls] for cls in m.OP_TYPES)
-_MESSAGE_TAGS = {tag: cls for tag, cls in _BY_TAG.items() if tag not in _OP_TAGS}  # ops ride in a submit
+_PEER_TAGS = {TAGS[cls]: cls for cls in p.PEER_MESSAGES}  # the daemon-to-daemon namespace
+# what a Unix-socket packet may be: ops ride inside a submit, peer messages only on TCP links
+_MESSAGE_TAGS = {tag: cls for tag, cls in _BY_TAG.items() if tag not in _OP_TAGS and tag not in _PEER_TAGS}
 
 Decoder = Callable[[Any], Any]
 
@@ -331,7 +345,7 @@ def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES,
         if len(packet) > limit:
             raise MessageTooLarge(f"submit is {len(packet)} bytes, over the {limit}-byte limit")
         return packet
-    if type(msg) not in TAGS or isinstance(msg, m.OP_TYPES):
+    if type(msg) not in TAGS or isinstance(msg, m.OP_TYPES) or isinstance(msg, p.PEER_MESSAGES):
         raise InvalidMessage(f"{type(msg).__name__} is not a message")
     try:
         data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
@@ -372,3 +386,29 @@ def decode(data: bytes, nfds: int = 0, limit: int = m.MAX_MESSAGE_BYTES,
     if want != nfds:
         raise DecodeError(f"{TAGS[type(msg)]} needs {want} fd(s), the packet carried {nfds}")
     return typing.cast(m.Message, msg)
+
+
+def encode_peer(msg: p.PeerMessage) -> bytes:
+    """The header of a peer frame (proto/peer.py)."""
+    if not isinstance(msg, p.PEER_MESSAGES):
+        raise InvalidMessage(f"{type(msg).__name__} is not a peer message")
+    try:
+        data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidMessage(f"{TAGS[type(msg)]} cannot be encoded: {exc}") from exc
+    if len(data) > m.MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(f"{TAGS[type(msg)]} is {len(data)} bytes, over the limit")
+    return data
+
+
+def decode_peer(data: bytes) -> p.PeerMessage:
+    """Parse a peer frame's header; only peer messages are accepted here."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if type(raw) is not dict:
+            raise DecodeError("a message is a msgpack map")
+        return typing.cast(p.PeerMessage, _from_map(raw, _PEER_TAGS))
+    except ProtoError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"undecodable peer header: {type(exc).__name__}: {str(exc)[:200]}") from None

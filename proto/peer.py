@@ -1,0 +1,250 @@
+"""Messages between daemons, and the TCP framing that carries them (sans-IO).
+
+A frame is `>II` (header length, payload length), a msgpack header (a message
+below, encoded by the same codec as the Unix protocol) and raw payload bytes
+(the data of a collective; empty for control messages). Both lengths are
+checked against limits before anything is buffered, so a bad peer cannot make a
+daemon allocate more than one frame's limit.
+
+Every link starts with a mutual HMAC challenge-response on a shared secret:
+
+    dialer: PeerHello(nonce_d) ──▶ listener
+    listener: PeerChallenge(nonce_l, proof_l = HMAC(secret, "listener" | nonce_d | nonce_l)) ──▶
+    dialer checks proof_l; PeerProof(HMAC(secret, "dialer" | nonce_l | nonce_d)) ──▶
+    listener checks it; PeerReady ──▶     (or PeerRefused and close, on either side)
+
+Messages about a world carry its epoch; a daemon refuses those of an older epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
+from .messages import MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORLD_NAME, U64_MAX
+
+PEER_VERSION = 1
+NONCE_BYTES = 32
+MAX_PAYLOAD_BYTES = 16 << 20
+FRAME = struct.Struct(">II")
+
+
+def _u64(name: str, value: int) -> None:
+    if not 0 <= value <= U64_MAX:
+        raise InvalidMessage(f"{name}={value} is not an unsigned 64-bit integer")
+
+
+def _name(name: str, value: str, limit: int = 256) -> None:
+    if not 0 < len(value) <= limit:
+        raise InvalidMessage(f"{name} must be 1..{limit} characters")
+
+
+def _ranks(ranks: tuple[int, ...], world_size: int) -> None:
+    for rank in ranks:
+        if not 0 <= rank < world_size:
+            raise InvalidMessage(f"rank {rank} is not in 0..{world_size - 1}")
+
+
+# ---- the handshake ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHello:
+    version: int
+    daemon: str  # the dialer's name, unique in the cluster (host:port of its peer port)
+    nonce: bytes
+
+    def __post_init__(self) -> None:
+        _u64("version", self.version)
+        _name("daemon", self.daemon)
+        if len(self.nonce) != NONCE_BYTES:
+            raise InvalidMessage(f"a nonce is {NONCE_BYTES} bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerChallenge:
+    daemon: str
+    nonce: bytes
+    proof: bytes
+
+    def __post_init__(self) -> None:
+        _name("daemon", self.daemon)
+        if len(self.nonce) != NONCE_BYTES or len(self.proof) != 32:
+            raise InvalidMessage("a challenge carries a 32-byte nonce and a 32-byte proof")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerProof:
+    proof: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.proof) != 32:
+            raise InvalidMessage("a proof is 32 bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReady:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRefused:
+    reason: str
+
+    def __post_init__(self) -> None:
+        if len(self.reason) > 1024:
+            raise InvalidMessage("a refusal reason is at most 1024 characters")
+
+
+def proof(secret: bytes, role: str, theirs: bytes, ours: bytes) -> bytes:
+    """What side `role` ("listener" or "dialer") sends to show it holds `secret`."""
+    return hmac.new(secret, role.encode() + b"|" + theirs + b"|" + ours, hashlib.sha256).digest()
+
+
+# ---- after the handshake -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    seq: int
+
+    def __post_init__(self) -> None:
+        _u64("seq", self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class JoinWorld:
+    """A daemon tells the world's root that `rank` is here: a new hello (`epoch` 0) or an
+    attempt_reconnect at `epoch`."""
+
+    world: str
+    world_size: int
+    rank: int
+    epoch: int
+    timeout_ms: int
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        if not 0 < self.world_size <= MAX_RANKS:
+            raise InvalidMessage(f"world_size={self.world_size} must be 1..{MAX_RANKS}")
+        _ranks((self.rank,), self.world_size)
+        _u64("epoch", self.epoch)
+        if not 0 < self.timeout_ms <= U64_MAX:
+            raise InvalidMessage("timeout_ms must be positive")
+        if self.token is not None and len(self.token) > 256:
+            raise InvalidMessage("token is at most 256 characters")
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRefused:
+    """The root refuses (or times out) one rank's join."""
+
+    world: str
+    rank: int
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("rank", self.rank)
+        if len(self.message) > 4096:
+            raise InvalidMessage("message is at most 4096 characters")
+
+
+@dataclass(frozen=True, slots=True)
+class WorldReady:
+    """The root's word that every rank is present: `placement[rank]` names its daemon."""
+
+    world: str
+    epoch: int
+    placement: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("epoch", self.epoch)
+        if not 0 < len(self.placement) <= MAX_RANKS:
+            raise InvalidMessage("placement names 1..MAX_RANKS daemons")
+        for daemon in self.placement:
+            _name("daemon", daemon)
+
+
+@dataclass(frozen=True, slots=True)
+class WorldFailed:
+    world: str
+    epoch: int
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("epoch", self.epoch)
+        if len(self.message) > 4096:
+            raise InvalidMessage("message is at most 4096 characters")
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    """Bytes of one op of a world, in the frame's payload.
+
+    `key` names the transfer within the epoch (which call, which part of the
+    algorithm, which chunk); the receiving engine matches it with what it waits
+    for. `fingerprint` is the sender's call as matched, for cross-daemon
+    mismatch detection; `about` names the ranks the payload stands for.
+    """
+
+    world: str
+    epoch: int
+    step: str  # which part of which algorithm: "partial", "result", "p2p", ...
+    call: int  # the call's index (collectives) or its index on its (src, dst) pair (p2p)
+    chunk: int
+    source: int  # sender-specific: a rank, or 0
+    fingerprint: str
+    about: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("epoch", self.epoch)
+        _name("step", self.step, 32)
+        for name in ("call", "chunk", "source"):
+            _u64(name, getattr(self, name))
+        if len(self.fingerprint) > 256 or len(self.about) > MAX_RANKS:
+            raise InvalidMessage("data fingerprint or rank list too long")
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        return (self.step, self.call, self.chunk, self.source)
+
+
+PEER_MESSAGES: tuple[type, ...] = (
+    PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, Heartbeat, JoinWorld,
+    JoinRefused, WorldReady, WorldFailed, Data,
+)
+PeerMessage = (
+    PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | Heartbeat | JoinWorld
+    | JoinRefused | WorldReady | WorldFailed | Data
+)
+
+
+# ---- framing ----------------------------------------------------------------------
+
+
+def frame(header: bytes, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+    """The pieces to write for one frame (the payload is not copied)."""
+    if len(header) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(f"peer header of {len(header)} bytes is over the limit")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise MessageTooLarge(f"peer payload of {len(payload)} bytes is over the limit")
+    return [FRAME.pack(len(header), len(payload)), header, payload]
+
+
+def frame_lengths(prefix: bytes) -> tuple[int, int]:
+    """Header and payload lengths from a frame's first 8 bytes; refuses out-of-bounds ones
+    before the reader allocates anything."""
+    header_len, payload_len = FRAME.unpack(prefix)
+    if not 0 < header_len <= MAX_MESSAGE_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+        raise DecodeError(f"peer frame of {header_len}+{payload_len} bytes is out of bounds")
+    return header_len, payload_len
