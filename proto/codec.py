@@ -345,7 +345,7 @@ def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES,
         if len(packet) > limit:
             raise MessageTooLarge(f"submit is {len(packet)} bytes, over the {limit}-byte limit")
         return packet
-    if type(msg) not in TAGS or isinstance(msg, m.OP_TYPES) or isinstance(msg, p.PEER_MESSAGES):
+    if type(msg) not in TAGS or isinstance(msg, (m.OP_TYPES, p.PEER_MESSAGES)):
         raise InvalidMessage(f"{type(msg).__name__} is not a message")
     try:
         data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)

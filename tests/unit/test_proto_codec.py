@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import proto
-from proto.peer import PEER_MESSAGES
 from proto import (
     AllGather,
     AllReduce,
@@ -56,6 +55,7 @@ from proto import (
 )
 from proto.codec import TAGS
 from proto.messages import MAX_RANKS, MAX_WORLD_NAME, OP_TYPES, U64_MAX
+from proto.peer import PEER_MESSAGES
 
 pytestmark = pytest.mark.timeout(60)
 
