@@ -19,6 +19,7 @@ from .errors import (
     LimitExceeded,
     MismatchError,
     MisuseError,
+    PeerLost,
     ProtocolError,
     WorldFailed,
 )
@@ -27,6 +28,6 @@ from .hostmem import HostBuffer, HostMemory
 __all__ = [
     "AccessDenied", "CommBackend", "CommError", "CommTimeout", "DaemonBackend",
     "DaemonInternalError", "DaemonShutdown", "DaemonUnavailable", "HostBuffer", "HostMemory",
-    "LimitExceeded", "MismatchError", "MisuseError", "ProtocolError", "SingleGpuBackend",
+    "LimitExceeded", "MismatchError", "MisuseError", "PeerLost", "ProtocolError", "SingleGpuBackend",
     "WorldFailed", "hostmem",
 ]

@@ -9,7 +9,8 @@
     │   └── DaemonShutdown        the daemon is stopping
     ├── CommTimeout               a deadline passed (join, call completion)
     ├── WorldFailed               the world failed (a rank lost, ...); call attempt_reconnect
-    │   └── MismatchError         ranks called different collectives as call k
+    │   ├── MismatchError         ranks called different collectives as call k
+    │   └── PeerLost              another daemon of the world is unreachable or was lost
     └── DaemonInternalError       a bug in the daemon
 
 Every error from the daemon keeps its wire code in `.code`.
@@ -64,6 +65,10 @@ class MismatchError(WorldFailed):
     """Ranks disagreed on a call (op, bytes, dtype, root or peer)."""
 
 
+class PeerLost(WorldFailed):
+    """A daemon hosting other ranks of the world cannot be reached."""
+
+
 class DaemonInternalError(CommError):
     """The daemon hit a bug handling this request."""
 
@@ -86,6 +91,7 @@ _BY_CODE: dict[ErrorCode, type[CommError]] = {
     ErrorCode.LIMIT: LimitExceeded,
     ErrorCode.SHUTDOWN: DaemonShutdown,
     ErrorCode.INTERNAL: DaemonInternalError,
+    ErrorCode.PEER_LOST: PeerLost,
 }
 
 

@@ -50,12 +50,23 @@ class P2PMatch(Generic[T]):
     recv: Call[T]
 
 
-Match = CollectiveMatch[T] | P2PMatch[T]
+@dataclass(slots=True)
+class RemoteP2P(Generic[T]):
+    """A send or receive whose other side is on another daemon: the engine pairs it there."""
+
+    index: int
+    call: Call[T]
+
+
+Match = CollectiveMatch[T] | P2PMatch[T] | RemoteP2P[T]
 
 
 @dataclass
 class Matcher(Generic[T]):
+    """Matches the calls of the ranks on this daemon (`local_ranks`; all ranks when empty)."""
+
     world_size: int
+    local_ranks: tuple[int, ...] = ()
     _coll_next: list[int] = field(init=False)
     _coll: dict[int, dict[int, Call[T]]] = field(default_factory=dict, init=False)
     _coll_fingerprint: dict[int, tuple[object, ...]] = field(default_factory=dict, init=False)
@@ -64,6 +75,7 @@ class Matcher(Generic[T]):
 
     def __post_init__(self) -> None:
         self._coll_next = [0] * self.world_size
+        self._local = frozenset(self.local_ranks or range(self.world_size))
 
     def add(self, call: Call[T]) -> Match[T] | None:
         """Record one rank's call; return the match it completes, if any."""
@@ -87,18 +99,20 @@ class Matcher(Generic[T]):
         elif ops.fingerprint(call.op) != self._coll_fingerprint[index]:
             _raise_mismatch(index, next(iter(group.values())), call, "collective")
         group[call.rank] = call
-        if len(group) < self.world_size:
+        if len(group) < len(self._local):
             return None
         del self._coll[index], self._coll_fingerprint[index]
         return CollectiveMatch(index, group)
 
-    def _add_p2p(self, call: Call[T]) -> P2PMatch[T] | None:
+    def _add_p2p(self, call: Call[T]) -> P2PMatch[T] | RemoteP2P[T] | None:
         is_send = isinstance(call.op, proto.Send)
         peer: int = call.op.peer  # type: ignore[union-attr]
         src, dst = (call.rank, peer) if is_send else (peer, call.rank)
         counter = (src, dst, is_send)
         index = self._p2p_next.get(counter, 0)
         self._p2p_next[counter] = index + 1
+        if peer not in self._local:
+            return RemoteP2P(index, call)
         pair = self._p2p.setdefault((src, dst, index), {})
         other = pair.get(not is_send)
         if other is not None and ops.fingerprint(other.op) != ops.fingerprint(call.op):

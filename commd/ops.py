@@ -16,7 +16,9 @@ from .engine.base import (
     AllGatherOp,
     AllReduceOp,
     BarrierOp,
+    NO_TAG,
     BroadcastOp,
+    CallTag,
     EngineOp,
     ReduceScatterOp,
     Region,
@@ -83,13 +85,16 @@ _NAMES = {
 }
 
 
-def describe(op: proto.Op) -> str:
-    """A call as a user wrote it, for error messages: `all_reduce(bytes=8, dtype=bf16, op=sum)`."""
+def describe(op: proto.Op, canonical: bool = False) -> str:
+    """A call as a user wrote it, for error messages: `all_reduce(bytes=8, dtype=bf16, op=sum)`.
+
+    `canonical` names a command a broadcast and drops the peer: the form daemons compare
+    (it holds exactly what `fingerprint` holds)."""
     name = _NAMES[type(op)]
-    if isinstance(op, proto.Broadcast) and op.command:
+    if isinstance(op, proto.Broadcast) and op.command and not canonical:
         name = "recv_command_u32"
     args = []
-    for field in ("nbytes", "dtype", "op", "root", "peer"):
+    for field in ("nbytes", "dtype", "op", "root") if canonical else ("nbytes", "dtype", "op", "root", "peer"):
         value = getattr(op, field, None)
         if value is not None:
             label = "bytes" if field == "nbytes" else field
@@ -103,19 +108,20 @@ def _present(region: Region | None) -> Region:
     return region
 
 
-def to_engine(op: proto.Op, regions: Mapping[int, tuple[Region | None, ...]]) -> EngineOp:
+def to_engine(op: proto.Op, regions: Mapping[int, tuple[Region | None, ...]],
+              tag: CallTag = NO_TAG) -> EngineOp:
     """The engine op for a complete, non-empty collective match; `regions[rank]` follows `spans`."""
     if isinstance(op, proto.Barrier):
-        return BarrierOp(tuple(sorted(regions)))
+        return BarrierOp(tuple(sorted(regions)), tag)
     regions = dict(sorted(regions.items()))  # rank order: float sums depend on it
     first = {rank: _present(r[0]) for rank, r in regions.items()}
     if isinstance(op, proto.AllReduce):
-        return AllReduceOp(first, op.dtype, op.op)
+        return AllReduceOp(first, op.dtype, op.op, tag)
     if isinstance(op, proto.AllGather):
-        return AllGatherOp(first, {rank: _present(r[1]) for rank, r in regions.items()})
+        return AllGatherOp(first, {rank: _present(r[1]) for rank, r in regions.items()}, tag)
     if isinstance(op, proto.ReduceScatter):
         second = {rank: _present(r[1]) for rank, r in regions.items()}
-        return ReduceScatterOp(first, second, op.dtype, op.op)
+        return ReduceScatterOp(first, second, op.dtype, op.op, tag)
     if isinstance(op, proto.Broadcast):
-        return BroadcastOp(first, op.root)
+        return BroadcastOp(first, op.root, tag)
     raise CallError(ErrorCode.INTERNAL, f"{type(op).__name__} is not a collective")

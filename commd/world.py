@@ -22,11 +22,14 @@ import proto
 from proto import ErrorCode
 
 from . import ops
-from .engine.base import Communicator, Engine, EngineOp, Region, TransferOp
+from .engine.base import CallTag, Communicator, Engine, EngineOp, RecvOp, Region, SendOp, TransferOp
 from .errors import CallError
-from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch
+from .cluster import Inbox, WorldNet
+from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
+from .membership import LocalMembership, NetMembership
 
 log = logging.getLogger("commd.world")
+_ROOT_GRACE_S = 2.0
 
 
 class Peer(Protocol):
@@ -82,7 +85,7 @@ class Waiter:
 
 class World:
     def __init__(self, name: str, world_size: int, token: str | None, engine: Engine,
-                 on_empty: Callable[[World], None]) -> None:
+                 on_empty: Callable[[World], None], net: WorldNet | None = None) -> None:
         self.name = name
         self.world_size = world_size
         self.token = token
@@ -95,7 +98,11 @@ class World:
         self._engine = engine
         self._on_empty = on_empty
         self._waiting: dict[int, Waiter] = {}
-        self._matcher: Matcher[Arrival] = Matcher(world_size)
+        self.net = net  # None: every rank is on this daemon
+        self.membership: LocalMembership | NetMembership = (
+            LocalMembership(self) if net is None else NetMembership(self, net, token))
+        self.local_ranks: tuple[int, ...] = ()
+        self._matcher: Matcher[Arrival] = Matcher(world_size, ())
         self._comm: Communicator | None = None
         self._tickets: set[Ticket] = set()
         self._exec_lock = asyncio.Lock()
@@ -113,35 +120,49 @@ class World:
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
-        if self.state is WorldState.READY:
-            self.fail(ErrorCode.WORLD_FAILED, f"rank {rank} called attempt_reconnect")
-        if self.state is WorldState.FAILED:
-            self._start_forming()
+        self.reconnect_requested(f"rank {rank} called attempt_reconnect")
         old = self._waiting.pop(rank, None)
         if old is not None:
             self._cancel(old, ErrorCode.MISUSE, "superseded by a newer attempt_reconnect")
         self._wait(rank, Waiter(peer, request_id, False), timeout_s)
 
+    def reconnect_requested(self, why: str) -> None:
+        """A rank (here or, for the root, on a member) votes to rebuild: stop what runs."""
+        if self.state is WorldState.READY:
+            self.fail(ErrorCode.WORLD_FAILED, why)
+        if self.state is WorldState.FAILED:
+            self._start_forming()
+
     def _start_forming(self) -> None:
         self.state = WorldState.FORMING
         log.info("world %s epoch %d: forming", self.name, self.epoch)
 
+    def local_waiting(self) -> set[int]:
+        return set(self._waiting)
+
     def _wait(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
-        waiter.timer = loop.call_later(timeout_s, self._expire, rank, waiter, timeout_s)
+        # A member's own deadline is a backstop: the root names the missing ranks first.
+        backstop = 0.0 if self.net is None else _ROOT_GRACE_S
+        waiter.timer = loop.call_later(timeout_s + backstop, self._expire, rank, waiter, timeout_s)
         self._waiting[rank] = waiter
-        if len(self._waiting) == self.world_size:
-            self._form()
+        self.membership.vote(rank, timeout_s)
 
     def _expire(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
         if self._waiting.get(rank) is not waiter:
             return
-        missing = [r for r in range(self.world_size) if r not in self._waiting]
-        del self._waiting[rank]
-        waiter.peer.send(proto.Error(
-            waiter.request_id, ErrorCode.TIMEOUT,
-            f"world {self.name}: ranks {_ranks(missing)} did not arrive within {timeout_s:g}s",
-        ))
+        missing = self.membership.missing()
+        which = f"ranks {_ranks(missing)} did not arrive" if missing else \
+            f"the root daemon ({self.net.bootstrap if self.net else '?'}) did not form it"
+        self.refuse(rank, ErrorCode.TIMEOUT, f"world {self.name}: {which} within {timeout_s:g}s")
+
+    def refuse(self, rank: int, code: ErrorCode, message: str) -> None:
+        """Fail one rank's pending hello or attempt_reconnect."""
+        waiter = self._waiting.pop(rank, None)
+        if waiter is None:
+            return
+        self.membership.withdraw(rank)
+        self._cancel(waiter, code, message)
         self._maybe_empty()
 
     def _cancel(self, waiter: Waiter, code: ErrorCode, message: str) -> None:
@@ -149,15 +170,20 @@ class World:
             waiter.timer.cancel()
         waiter.peer.send(proto.Error(waiter.request_id, code, message))
 
-    def _form(self) -> None:
-        self.epoch += 1
+    def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...]) -> None:
+        """The membership's verdict: ready at `epoch` with these ranks on this daemon."""
+        self.epoch = epoch
         self.state = WorldState.READY
         self.cause, self.cause_code = None, ErrorCode.WORLD_FAILED
-        self._matcher = Matcher(self.world_size)
-        self._comm = self._engine.communicator(self.name, self.epoch, self.world_size,
-                                               sorted(self._waiting))
+        self.local_ranks = local_ranks
+        self._matcher = Matcher(self.world_size, local_ranks)
+        if self.net is not None:
+            self.net.epoch = epoch
+            self.net.inbox = Inbox()
+        self._comm = self._engine.communicator(self.name, epoch, self.world_size, local_ranks, self.net)
         waiting, self._waiting = self._waiting, {}
-        log.info("world %s epoch %d: ready with %d ranks", self.name, self.epoch, self.world_size)
+        log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
+                 self.world_size, len(local_ranks))
         for rank, waiter in sorted(waiting.items()):
             if waiter.timer is not None:
                 waiter.timer.cancel()
@@ -235,16 +261,25 @@ class World:
     def _arrivals(match: Match[Arrival]) -> list[Arrival]:
         if isinstance(match, CollectiveMatch):
             return [c.token for c in match.calls.values()]
+        if isinstance(match, RemoteP2P):
+            return [match.call.token]
         return [match.send.token, match.recv.token]
 
-    @staticmethod
-    def _engine_op(match: Match[Arrival]) -> EngineOp | None:
+    def _engine_op(self, match: Match[Arrival]) -> EngineOp | None:
         if isinstance(match, CollectiveMatch):
             op = match.op
-            if ops.nbytes(op) == 0 and not isinstance(op, proto.Barrier):
+            spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
+            if ops.nbytes(op) == 0 and not isinstance(op, proto.Barrier) and not spans_daemons:
                 return None
             regions = {rank: c.token.regions for rank, c in match.calls.items()}
-            return ops.to_engine(op, regions)
+            return ops.to_engine(op, regions, CallTag(match.index, ops.describe(op, canonical=True)))
+        if isinstance(match, RemoteP2P):
+            call, region = match.call, match.call.token.regions[0]
+            tag = CallTag(match.index, ops.describe(call.op, canonical=True))
+            peer: int = call.op.peer  # type: ignore[union-attr]
+            if isinstance(call.op, proto.Send):
+                return SendOp(call.rank, peer, _or_empty(region), tag)
+            return RecvOp(peer, call.rank, _or_empty(region), tag)
         src, dst = match.send.token.regions[0], match.recv.token.regions[0]
         if src is None or dst is None:
             return None
@@ -252,8 +287,9 @@ class World:
 
     # ---- failure and departure ----------------------------------------------------
 
-    def fail(self, code: ErrorCode, message: str) -> None:
-        """READY → FAILED: abort, fail every pending call, tell every rank."""
+    def fail(self, code: ErrorCode, message: str, propagate: bool = True) -> None:
+        """READY → FAILED: abort, fail every pending call, tell every rank and (with
+        `propagate`) the other daemons of the world."""
         if self.state is not WorldState.READY:
             return
         self.state = WorldState.FAILED
@@ -264,10 +300,14 @@ class World:
         if self._comm is not None:
             self._comm.abort()
             self._comm = None
+        if self.net is not None:
+            self.net.inbox.fail(CallError(code, message))
+            if propagate:
+                self.membership.failed(code, message)
         tickets, self._tickets = self._tickets, set()
         for ticket in tickets:
             ticket.fail(code, message)
-        self._matcher = Matcher(self.world_size)
+        self._matcher = Matcher(self.world_size, self.local_ranks)
         event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
             peer.send(event)
@@ -279,6 +319,7 @@ class World:
             if waiter.timer is not None:
                 waiter.timer.cancel()
             del self._waiting[rank]
+            self.membership.withdraw(rank)
         if self.members.get(rank) is peer:
             del self.members[rank]
             self.add_kernel.pop(rank, None)
@@ -322,6 +363,16 @@ class World:
             "cause": self.cause,
             "add_kernel": {str(rank): handle for rank, handle in sorted(self.add_kernel.items())},
         }
+
+
+class _Empty:
+    """The region of a zero-byte transfer to another daemon (nothing to read or write)."""
+
+    nbytes = 0
+
+
+def _or_empty(region: Region | None) -> Region:
+    return region if region is not None else _Empty()
 
 
 def _welcome(request_id: int, engine: str, epoch: int) -> proto.Welcome:

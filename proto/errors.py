@@ -56,4 +56,5 @@ class ErrorCode(enum.Enum):
     TIMEOUT = "timeout"  # a deadline passed (join, completion)
     LIMIT = "limit"  # a daemon limit was reached (connections, buffers, queue)
     SHUTDOWN = "shutdown"  # the daemon is stopping
+    PEER_LOST = "peer_lost"  # another daemon of the world is unreachable or was lost
     INTERNAL = "internal"  # a bug in the daemon; the connection is closed

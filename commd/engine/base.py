@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from proto import DType, MemKind, ReduceOp
 
 from ..errors import CallError
+
+if TYPE_CHECKING:
+    from ..cluster import WorldNet
 
 
 class Region(Protocol):
@@ -38,16 +41,30 @@ class MemoryMapping(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class CallTag:
+    """Which call an op is, across daemons: its index (among collectives, or on its
+    (src, dst) pair for p2p) and its canonical form, compared for mismatches."""
+
+    index: int = 0
+    fingerprint: str = ""
+
+
+NO_TAG = CallTag()
+
+
+@dataclass(frozen=True, slots=True)
 class AllReduceOp:
     bufs: Mapping[int, Region]
     dtype: DType
     op: ReduceOp
+    tag: CallTag = NO_TAG
 
 
 @dataclass(frozen=True, slots=True)
 class AllGatherOp:
     sends: Mapping[int, Region]
     recvs: Mapping[int, Region]  # each world_size × the send size, in rank order
+    tag: CallTag = NO_TAG
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +73,20 @@ class ReduceScatterOp:
     recvs: Mapping[int, Region]
     dtype: DType
     op: ReduceOp
+    tag: CallTag = NO_TAG
 
 
 @dataclass(frozen=True, slots=True)
 class BroadcastOp:
     bufs: Mapping[int, Region]
     root: int
+    tag: CallTag = NO_TAG
 
 
 @dataclass(frozen=True, slots=True)
 class BarrierOp:
     ranks: Sequence[int]
+    tag: CallTag = NO_TAG
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +99,36 @@ class TransferOp:
     dst: Region
 
 
-EngineOp = AllReduceOp | AllGatherOp | ReduceScatterOp | BroadcastOp | BarrierOp | TransferOp
+@dataclass(frozen=True, slots=True)
+class SendOp:
+    """The local half of a send whose receiver is on another daemon."""
+
+    src_rank: int
+    dst_rank: int
+    src: Region
+    tag: CallTag
+
+
+@dataclass(frozen=True, slots=True)
+class RecvOp:
+    """The local half of a receive whose sender is on another daemon."""
+
+    src_rank: int
+    dst_rank: int
+    dst: Region
+    tag: CallTag
+
+
+EngineOp = (AllReduceOp | AllGatherOp | ReduceScatterOp | BroadcastOp | BarrierOp | TransferOp
+            | SendOp | RecvOp)
 
 
 def op_nbytes(op: EngineOp) -> int:
     """Bytes the op touches on one rank: decides whether it may run on the event loop."""
-    if isinstance(op, TransferOp):
+    if isinstance(op, TransferOp | SendOp):
         return op.src.nbytes
+    if isinstance(op, RecvOp):
+        return op.dst.nbytes
     if isinstance(op, BarrierOp):
         return 0
     bufs = op.recvs if isinstance(op, AllGatherOp) else (
@@ -123,14 +166,17 @@ class Engine(Protocol):
         """Allocate `nbytes` to share with a worker: the mapping and an fd to send it."""
         ...
 
-    def communicator(self, world: str, epoch: int, world_size: int,
-                     local_ranks: Sequence[int]) -> Communicator: ...
+    def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
+                     net: WorldNet | None) -> Communicator:
+        """`net` is None when every rank is here; otherwise the engine reaches the other
+        daemons of the world through it (the host engine moves data over it; NCCL does not)."""
+        ...
 
     def close(self) -> None: ...
 
 
 __all__ = [
-    "AllGatherOp", "AllReduceOp", "BarrierOp", "BroadcastOp", "CallError", "Communicator",
-    "Engine", "EngineOp", "MemoryMapping", "ReduceScatterOp", "Region", "TransferOp",
-    "op_nbytes",
+    "NO_TAG", "AllGatherOp", "AllReduceOp", "BarrierOp", "BroadcastOp", "CallError", "CallTag",
+    "Communicator", "Engine", "EngineOp", "MemoryMapping", "RecvOp", "ReduceScatterOp", "Region",
+    "SendOp", "TransferOp", "op_nbytes",
 ]

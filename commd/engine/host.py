@@ -16,6 +16,7 @@ import mmap
 import os
 import stat
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,7 +35,11 @@ from .base import (
     TransferOp,
     op_nbytes,
 )
+from .hostnet import NetRunner
 from .hostreduce import CHUNK_ELEMS, quiet_float_errors, reduce_range, split
+
+if TYPE_CHECKING:
+    from ..cluster import WorldNet
 
 Job = Callable[[], None]
 _SEALS_NEEDED = fcntl.F_SEAL_SHRINK
@@ -111,6 +116,12 @@ def create_memfd(nbytes: int, name: str) -> int:
     return fd
 
 
+def _crosses(op: EngineOp) -> bool:
+    """Whether the op involves ranks of other daemons (every collective does, in a world
+    that spans daemons; a local send/recv pair does not)."""
+    return not isinstance(op, TransferOp)
+
+
 def _arr(region: Region) -> np.ndarray:
     if not isinstance(region, HostRegion):
         raise CallError(ErrorCode.INTERNAL, f"host engine got a {type(region).__name__} region")
@@ -166,13 +177,18 @@ def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
 
 
 class HostCommunicator:
-    def __init__(self, pool: ThreadPoolExecutor, parts: int, inline_bytes: int) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, parts: int, inline_bytes: int,
+                 net: WorldNet | None = None) -> None:
         self._pool = pool
         self._parts = parts
         self._inline_bytes = inline_bytes
         self._aborted = False
+        # Ops that touch other daemons go over the network; the rest stay local.
+        self._net = NetRunner(net, pool, _arr) if net is not None and len(net.members()) else None
 
     def try_inline(self, op: EngineOp) -> bool:
+        if self._net is not None and _crosses(op):
+            return False
         if op_nbytes(op) > self._inline_bytes:
             return False
         self._check()
@@ -184,6 +200,9 @@ class HostCommunicator:
         if self.try_inline(op):
             return
         self._check()
+        if self._net is not None and _crosses(op):
+            await self._net.run(op)
+            return
         jobs = _plan(op, self._parts)
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(self._pool, job) for job in jobs))
@@ -226,9 +245,9 @@ class HostEngine:
             raise
         return mapping, fd
 
-    def communicator(self, world: str, epoch: int, world_size: int,
-                     local_ranks: Sequence[int]) -> HostCommunicator:
-        return HostCommunicator(self._pool, self._threads, self._inline_bytes)
+    def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
+                     net: WorldNet | None = None) -> HostCommunicator:
+        return HostCommunicator(self._pool, self._threads, self._inline_bytes, net)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

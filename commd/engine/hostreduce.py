@@ -107,6 +107,34 @@ def _reduce_small(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: DType,
         dst[...] = result
 
 
+def _accumulator(dtype: DType) -> Any:
+    return np.float32 if dtype in _WIDENED else NUMPY_DTYPE[dtype]
+
+
+def accumulate(srcs: Sequence[np.ndarray], dtype: DType, op: ReduceOp) -> np.ndarray:
+    """Reduce byte arrays `srcs` (rank order) into a new accumulator: float32 for bf16 and
+    f16, the element type otherwise. A partial result for another daemon to combine."""
+    elem, wide = NUMPY_DTYPE[dtype], _accumulator(dtype)
+    acc: np.ndarray = srcs[0].view(elem).astype(wide)
+    for src in srcs[1:]:
+        _UFUNC[op](acc, src.view(elem).astype(wide, copy=False), out=acc)
+    return acc
+
+
+def combine(parts: Sequence[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """Reduce accumulators (in the order given) into a new one."""
+    acc = parts[0].copy()
+    for part in parts[1:]:
+        _UFUNC[op](acc, part, out=acc)
+    return acc
+
+
+def narrow(acc: np.ndarray, dtype: DType) -> np.ndarray:
+    """An accumulator as the element type: the single rounding for bf16 and f16."""
+    narrowed: np.ndarray = acc.astype(NUMPY_DTYPE[dtype], copy=False)
+    return narrowed
+
+
 def quiet_float_errors() -> None:
     """Overflow to inf and NaN are results here, not warnings. Call once per thread
     that reduces: np.errstate per call would cost more than a small reduction."""

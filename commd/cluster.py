@@ -1,0 +1,216 @@
+"""The daemons of a cluster: links by name, the root of each world, message routing.
+
+Topology is a star per world: the daemon that hosts rank 0 is the world's root;
+every other daemon with ranks of the world (a member) links to it. Bootstrap,
+failures and (on the host engine) data all go member ↔ root; the root relays
+point-to-point data between two members. Links are shared by every world that
+uses the same pair of daemons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from proto import ErrorCode
+from proto import peer as p
+
+from .errors import CallError
+from .peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
+
+log = logging.getLogger("commd.cluster")
+
+
+class Inbox:
+    """Data of one world's epoch, by key; a wait may start before or after its data arrives."""
+
+    def __init__(self) -> None:
+        self._ready: dict[tuple[str, int, int, int], tuple[p.Data, bytes]] = {}
+        self._waiting: dict[tuple[str, int, int, int], asyncio.Future[tuple[p.Data, bytes]]] = {}
+        self._failed: BaseException | None = None
+
+    def deliver(self, msg: p.Data, payload: bytes) -> None:
+        waiter = self._waiting.pop(msg.key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result((msg, payload))
+        else:
+            self._ready[msg.key] = (msg, payload)
+
+    async def get(self, key: tuple[str, int, int, int]) -> tuple[p.Data, bytes]:
+        if self._failed is not None:
+            raise self._failed
+        ready = self._ready.pop(key, None)
+        if ready is not None:
+            return ready
+        waiter: asyncio.Future[tuple[p.Data, bytes]] = asyncio.get_running_loop().create_future()
+        self._waiting[key] = waiter
+        return await waiter
+
+    def fail(self, error: BaseException) -> None:
+        """Wake every wait with `error` (the world failed); later waits fail at once."""
+        self._failed = error
+        self._ready.clear()
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._waiting.clear()
+
+
+class WorldNet:
+    """One world's view of the cluster: which daemon is the root, who hosts which rank."""
+
+    def __init__(self, cluster: Cluster, world: str, bootstrap: str) -> None:
+        self.cluster = cluster
+        self.world = world
+        self.bootstrap = bootstrap
+        self.me = cluster.name
+        self.root: PeerLink | None = None  # None: this daemon is the root
+        self.placement: tuple[str, ...] = ()
+        self.epoch = 0
+        self.inbox = Inbox()
+        self._resolved: asyncio.Future[None] | None = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is None
+
+    async def resolve(self) -> None:
+        """Find the root: dial the bootstrap address; if it is our own listener, we are it."""
+        if self._resolved is None:
+            self._resolved = asyncio.get_running_loop().create_future()
+            try:
+                self.root = await self.cluster.link_to(self.bootstrap)
+                self._resolved.set_result(None)
+            except BaseException as exc:
+                self._resolved.set_exception(exc)
+                self._resolved.exception()  # retrieved: later waiters re-raise it
+                self._resolved = None
+                raise
+            return
+        await asyncio.shield(self._resolved)
+
+    def ranks_of(self, daemon: str) -> tuple[int, ...]:
+        return tuple(r for r, d in enumerate(self.placement) if d == daemon)
+
+    def members(self) -> list[str]:
+        """The other daemons of the world, in order of their lowest rank."""
+        seen: list[str] = []
+        for daemon in self.placement:
+            if daemon != self.me and daemon not in seen:
+                seen.append(daemon)
+        return seen
+
+    def send(self, daemon: str, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
+        """To one daemon of the world: the root if we are a member, any member if we are root."""
+        link = self.root if self.root is not None else self.cluster.links.get(daemon)
+        if link is None or link.closed:
+            raise CallError(ErrorCode.WORLD_FAILED, f"daemon {daemon} of world {self.world} is unreachable")
+        link.send(msg, payload)
+
+    async def drain(self) -> None:
+        links = [self.root] if self.root is not None else [
+            self.cluster.links[d] for d in self.members() if d in self.cluster.links]
+        for link in links:
+            await link.drain()
+
+
+class Router(Protocol):
+    """What the cluster hands incoming world messages to (the registry)."""
+
+    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None: ...
+
+    def on_peer_lost(self, daemon: str, reason: str) -> None: ...
+
+
+class Cluster:
+    def __init__(self, settings: PeerSettings) -> None:
+        self.name = settings.name
+        self.settings = settings
+        self.links: dict[str, PeerLink] = {}
+        self._node = PeerNode(settings, self._on_message, self._on_lost)
+        self._dials: dict[str, asyncio.Future[PeerLink | None]] = {}
+        self._self_addresses: set[str] = set()
+        self.router: Router | None = None
+        self.port: int | None = None
+        self.stale_refused = 0
+
+    @property
+    def refused(self) -> int:
+        return self._node.refused
+
+    async def listen(self, host: str, port: int) -> int:
+        self.port = await self._node.listen(host, port, self._adopt)
+        log.info("peer port %s:%d, daemon name %s", host, self.port, self.name)
+        return self.port
+
+    def _adopt(self, link: PeerLink) -> None:
+        old = self.links.get(link.name)
+        if old is not None and not old.closed:
+            old.close("replaced by a newer link from the same daemon")
+        self.links[link.name] = link
+
+    async def link_to(self, address: str) -> PeerLink | None:
+        """An authenticated link to the daemon at `address` (dialed once), or None if it is us."""
+        if address in self._self_addresses:
+            return None
+        pending = self._dials.get(address)
+        if pending is not None:
+            known = await asyncio.shield(pending)
+            if known is None or not known.closed:
+                return known
+        future: asyncio.Future[PeerLink | None] = asyncio.get_running_loop().create_future()
+        self._dials[address] = future
+        link: PeerLink | None
+        try:
+            host, port = parse_address(address)
+            link = await self._node.dial(host, port)
+        except SelfDialError:
+            self._self_addresses.add(address)
+            link = None
+        except (OSError, TimeoutError, PeerRefusedError, asyncio.IncompleteReadError, ValueError) as exc:
+            del self._dials[address]
+            future.set_exception(CallError(ErrorCode.PEER_LOST,
+                                           f"cannot reach the daemon at {address}: {exc or type(exc).__name__}"))
+            future.exception()
+            raise future.exception() from None  # type: ignore[misc]
+        if link is not None:
+            self._adopt(link)
+        future.set_result(link)
+        return link
+
+    def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None:
+        if self.router is not None:
+            self.router.on_peer_message(link, msg, payload)
+
+    def _on_lost(self, link: PeerLink, reason: str) -> None:
+        if self.links.get(link.name) is link:
+            del self.links[link.name]
+        for address, future in list(self._dials.items()):
+            if future.done() and not future.exception() and future.result() is link:
+                del self._dials[address]
+        if self.router is not None:
+            self.router.on_peer_lost(link.name, reason)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "port": self.port,
+            "links": sorted(self.links),
+            "refused_handshakes": self.refused,
+            "stale_refused": self.stale_refused,
+        }
+
+    def close(self) -> None:
+        self._node.close()
+        for link in list(self.links.values()):
+            link.close("daemon shutting down")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`host:port` (IPv6 as `[::1]:port`)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+

@@ -1,0 +1,298 @@
+"""The host engine's data path between daemons: a star through the world's root.
+
+Every collective k runs in two phases over the member ↔ root links:
+
+- up: each member daemon sends the root one message stream for call k (step
+  "up"): its local partial sum, its ranks' contributions, or just its arrival.
+  Chunk 0 always goes, even for zero bytes, and carries the member's call in
+  canonical form; the root compares it with its own, so a mismatch across
+  daemons fails the world instead of hanging it.
+- down: the root combines and sends each member what its ranks need (step "down").
+
+Large buffers move in chunks of `CHUNK_BYTES`, so the root reduces chunk i
+while chunk i+1 is still on the wire. Reductions: each daemon sums its own
+ranks in rank order (bf16/f16 widened to float32); the root adds the daemons'
+partials in order of their lowest rank and rounds once. Integer results are
+identical to a single daemon's; float sums can differ from a single daemon's in
+the last bit, since the grouping of the additions follows the placement.
+
+Point-to-point between daemons: the sender's daemon sends the bytes (step
+"p2p") to the receiver's daemon, through the root when neither is the root;
+the receiver checks the size, writes, and acknowledges ("p2p-ack"); the send
+completes on the acknowledgement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+from proto import DType, ErrorCode, ReduceOp
+from proto import peer as p
+
+from ..errors import CallError
+from .base import (
+    AllGatherOp,
+    AllReduceOp,
+    BarrierOp,
+    BroadcastOp,
+    CallTag,
+    EngineOp,
+    RecvOp,
+    ReduceScatterOp,
+    Region,
+    SendOp,
+)
+from .hostreduce import accumulate, combine, narrow
+
+if TYPE_CHECKING:
+    from ..cluster import WorldNet
+
+CHUNK_BYTES = 4 << 20
+PAIR = 1 << 16  # p2p transfers are named by src * PAIR + dst (ranks are < 65536)
+R = TypeVar("R")
+ArrayOf = Callable[[Region], np.ndarray]
+
+
+def _raw(array: np.ndarray) -> memoryview:
+    """The array's bytes, not copied (it is contiguous: a slice of one buffer)."""
+    return array.data.cast("B")
+
+
+def chunks(total: int, size: int) -> list[tuple[int, int]]:
+    """[0, total) in pieces of `size`; one empty piece for an empty buffer."""
+    return [(lo, min(lo + size, total)) for lo in range(0, total, size)] or [(0, 0)]
+
+
+class NetRunner:
+    """Runs ops that span daemons for one world's epoch."""
+
+    def __init__(self, net: WorldNet, pool: Executor, array: ArrayOf) -> None:
+        self.net = net
+        self._pool = pool
+        self._array = array
+
+    async def run(self, op: EngineOp) -> None:
+        handler = {
+            AllReduceOp: self._all_reduce, ReduceScatterOp: self._reduce_scatter,
+            AllGatherOp: self._all_gather, BroadcastOp: self._broadcast, BarrierOp: self._barrier,
+            SendOp: self._send, RecvOp: self._recv,
+        }.get(type(op))
+        if handler is None:
+            raise CallError(ErrorCode.INTERNAL, f"no cross-daemon path for {type(op).__name__}")
+        await handler(op)  # type: ignore[operator]
+
+    # ---- plumbing -------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[[], R]) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def _data(self, step: str, tag: CallTag, chunk: int, source: int,
+              about: tuple[int, ...] = (), fingerprint: str | None = None) -> p.Data:
+        return p.Data(self.net.world, self.net.epoch, step, tag.index, chunk, source,
+                      tag.fingerprint if fingerprint is None else fingerprint, about)
+
+    async def _up(self, tag: CallTag, chunk: int, member: str) -> bytes:
+        """The root takes chunk `chunk` of a member's up stream, checking the call matches."""
+        source = min(self.net.ranks_of(member))
+        msg, payload = await self.net.inbox.get(("up", tag.index, chunk, source))
+        if msg.fingerprint != tag.fingerprint:
+            mine = min(self.net.ranks_of(self.net.me))
+            raise CallError(ErrorCode.MISMATCH,
+                            f"mismatched collective call {tag.index}: rank {mine} called "
+                            f"{tag.fingerprint}, rank {source} called {msg.fingerprint}")
+        return payload
+
+    async def _down(self, tag: CallTag, chunk: int) -> bytes:
+        _, payload = await self.net.inbox.get(("down", tag.index, chunk, 0))
+        return payload
+
+    def _send_up(self, tag: CallTag, chunk: int, payload: bytes | memoryview, about: Sequence[int]) -> None:
+        self.net.send("root", self._data("up", tag, chunk, min(about), tuple(about)), payload)
+
+    def _send_down(self, tag: CallTag, chunk: int, payload: bytes | memoryview,
+                   members: Sequence[str] | None = None) -> None:
+        for member in self.net.members() if members is None else members:
+            self.net.send(member, self._data("down", tag, chunk, 0), payload)
+
+    # ---- reductions ------------------------------------------------------------------
+
+    async def _reduced(self, srcs: list[np.ndarray], dtype: DType, op: ReduceOp, tag: CallTag,
+                       deliver: Callable[[int, int, np.ndarray], None]) -> None:
+        """Reduce `srcs` (this daemon's ranks, rank order) with every other daemon's, chunk by
+        chunk; `deliver(lo, hi, result)` gets each chunk of the final result (root and members)."""
+        item = dtype.itemsize
+        total = len(srcs[0])
+        pieces = chunks(total, CHUNK_BYTES // item * item)
+        local_ranks = self.net.ranks_of(self.net.me)
+        if not self.net.is_root:
+            for i, (lo, hi) in enumerate(pieces):
+                partial = await self._off_loop(lambda lo=lo, hi=hi: accumulate(  # type: ignore[misc]
+                    [s[lo:hi] for s in srcs], dtype, op))
+                self._send_up(tag, i, _raw(partial), local_ranks)
+                await self.net.drain()
+            for i, (lo, hi) in enumerate(pieces):
+                result = np.frombuffer(await self._down(tag, i), np.uint8)
+                if len(result) != hi - lo:
+                    raise CallError(ErrorCode.INTERNAL, f"call {tag.index}: chunk {i} has {len(result)} bytes")
+                deliver(lo, hi, result)
+            return
+        members = self.net.members()
+        for i, (lo, hi) in enumerate(pieces):
+            mine = await self._off_loop(lambda lo=lo, hi=hi: accumulate(  # type: ignore[misc]
+                [s[lo:hi] for s in srcs], dtype, op))
+            parts = {local_ranks[0]: mine}
+            for member in members:
+                payload = await self._up(tag, i, member)
+                parts[min(self.net.ranks_of(member))] = np.frombuffer(payload, mine.dtype)
+            ordered = [parts[r] for r in sorted(parts)]
+            if any(len(x) != len(mine) for x in ordered):
+                raise CallError(ErrorCode.MISMATCH, f"call {tag.index}: daemons sent partials of different sizes")
+            result = await self._off_loop(lambda ordered=ordered: narrow(  # type: ignore[misc]
+                combine(ordered, op), dtype).view(np.uint8))
+            self._send_down(tag, i, _raw(result))
+            deliver(lo, hi, result)
+            await self.net.drain()
+
+    async def _all_reduce(self, op: AllReduceOp) -> None:
+        ranks = sorted(op.bufs)
+        arrays = [self._array(op.bufs[r]) for r in ranks]
+
+        def deliver(lo: int, hi: int, result: np.ndarray) -> None:
+            for a in arrays:
+                a[lo:hi] = result
+
+        await self._reduced(arrays, op.dtype, op.op, op.tag, deliver)
+
+    async def _reduce_scatter(self, op: ReduceScatterOp) -> None:
+        ranks = sorted(op.sends)
+        sends = [self._array(op.sends[r]) for r in ranks]
+        outs = {r: self._array(op.recvs[r]) for r in ranks}
+        share = len(next(iter(outs.values())))
+
+        def deliver(lo: int, hi: int, result: np.ndarray) -> None:
+            for rank, out in outs.items():  # the part of [lo, hi) that is this rank's share
+                a, b = max(lo, rank * share), min(hi, (rank + 1) * share)
+                if a < b:
+                    out[a - rank * share:b - rank * share] = result[a - lo:b - lo]
+
+        await self._reduced(sends, op.dtype, op.op, op.tag, deliver)
+
+    # ---- data movement ------------------------------------------------------------------
+
+    async def _all_gather(self, op: AllGatherOp) -> None:
+        ranks = sorted(op.sends)
+        size = op.sends[ranks[0]].nbytes
+        outs = [self._array(op.recvs[r]) for r in ranks]
+        if not self.net.is_root:
+            mine = b"".join(bytes(self._array(op.sends[r])) for r in ranks)
+            for i, (lo, hi) in enumerate(chunks(len(mine), CHUNK_BYTES)):
+                self._send_up(op.tag, i, mine[lo:hi], ranks)
+            await self.net.drain()
+            for i, (lo, hi) in enumerate(chunks(len(outs[0]), CHUNK_BYTES)):
+                piece = np.frombuffer(await self._down(op.tag, i), np.uint8)
+                for out in outs:
+                    out[lo:hi] = piece
+            return
+        full = outs[0]
+        for r in ranks:
+            full[r * size:(r + 1) * size] = self._array(op.sends[r])
+        for member in self.net.members():
+            theirs = self.net.ranks_of(member)
+            gathered = bytearray()
+            for i, _ in enumerate(chunks(len(theirs) * size, CHUNK_BYTES)):
+                gathered += await self._up(op.tag, i, member)
+            for j, r in enumerate(theirs):
+                full[r * size:(r + 1) * size] = np.frombuffer(gathered, np.uint8)[j * size:(j + 1) * size]
+        for i, (lo, hi) in enumerate(chunks(len(full), CHUNK_BYTES)):
+            self._send_down(op.tag, i, _raw(full[lo:hi]))
+        for out in outs[1:]:
+            out[...] = full
+        await self.net.drain()
+
+    async def _broadcast(self, op: BroadcastOp) -> None:
+        ranks = sorted(op.bufs)
+        arrays = [self._array(op.bufs[r]) for r in ranks]
+        pieces = chunks(len(arrays[0]), CHUNK_BYTES)
+        source = self.net.placement[op.root]
+        if not self.net.is_root:
+            if source == self.net.me:
+                data = self._array(op.bufs[op.root])
+                for i, (lo, hi) in enumerate(pieces):
+                    self._send_up(op.tag, i, _raw(data[lo:hi]), ranks)
+                for a in arrays:
+                    a[...] = data
+            else:
+                self._send_up(op.tag, 0, b"", ranks)  # arrival, and the call for comparison
+            await self.net.drain()
+            if source != self.net.me:
+                for i, (lo, hi) in enumerate(pieces):
+                    received = np.frombuffer(await self._down(op.tag, i), np.uint8)
+                    for a in arrays:
+                        a[lo:hi] = received
+            return
+        members = self.net.members()
+        for member in members:
+            if member != source:
+                await self._up(op.tag, 0, member)
+        local_source = source == self.net.me
+        for i, (lo, hi) in enumerate(pieces):
+            piece = self._array(op.bufs[op.root])[lo:hi] if local_source else np.frombuffer(
+                await self._up(op.tag, i, source), np.uint8)
+            self._send_down(op.tag, i, _raw(piece), [m for m in members if m != source])
+            for a in arrays:
+                a[lo:hi] = piece
+        await self.net.drain()
+
+    async def _barrier(self, op: BarrierOp) -> None:
+        if not self.net.is_root:
+            self._send_up(op.tag, 0, b"", self.net.ranks_of(self.net.me))
+            await self._down(op.tag, 0)
+            return
+        for member in self.net.members():
+            await self._up(op.tag, 0, member)
+        self._send_down(op.tag, 0, b"")
+
+    # ---- point to point -----------------------------------------------------------------
+
+    def _route(self, rank: int, msg: p.Data, payload: bytes | memoryview) -> None:
+        daemon = self.net.placement[rank]
+        self.net.send(daemon, msg, payload)
+
+    async def _send(self, op: SendOp) -> None:
+        pair = op.src_rank * PAIR + op.dst_rank
+        data = self._array(op.src) if op.src.nbytes else np.zeros(0, np.uint8)
+        for i, (lo, hi) in enumerate(chunks(len(data), CHUNK_BYTES)):
+            msg = self._data("p2p", op.tag, i, pair, (op.dst_rank,), fingerprint=str(len(data)))
+            self._route(op.dst_rank, msg, _raw(data[lo:hi]))
+            await self.net.drain()
+        await self.net.inbox.get(("p2p-ack", op.tag.index, 0, pair))
+
+    async def _recv(self, op: RecvOp) -> None:
+        pair = op.src_rank * PAIR + op.dst_rank
+        out = self._array(op.dst) if op.dst.nbytes else np.zeros(0, np.uint8)
+        for i, (lo, hi) in enumerate(chunks(len(out), CHUNK_BYTES)):
+            msg, payload = await self.net.inbox.get(("p2p", op.tag.index, i, pair))
+            if msg.fingerprint != str(len(out)):
+                raise CallError(ErrorCode.MISMATCH,
+                                f"mismatched point-to-point {op.src_rank}->{op.dst_rank} call "
+                                f"{op.tag.index}: rank {op.src_rank} called send_to(bytes="
+                                f"{msg.fingerprint}), rank {op.dst_rank} called "
+                                f"recv_from(bytes={len(out)})")
+            out[lo:hi] = np.frombuffer(payload, np.uint8)
+        ack = self._data("p2p-ack", op.tag, 0, pair, (op.src_rank,))
+        self._route(op.src_rank, ack, b"")
+        await self.net.drain()
+
+
+def p2p_target(msg: p.Data) -> int | None:
+    """The rank a relayed p2p message is for (the root forwards it to that rank's daemon)."""
+    if msg.step == "p2p":
+        return msg.source % PAIR
+    if msg.step == "p2p-ack":
+        return msg.source // PAIR
+    return None

@@ -1,0 +1,181 @@
+"""Who decides that a world has formed, and who hears that it failed.
+
+`LocalMembership`: every rank is on this daemon (no bootstrap address); the
+world forms when all of them are waiting.
+
+`NetMembership`: the world spans daemons. Each local vote (a hello, or an
+attempt_reconnect) goes to the root, the daemon that hosts rank 0. The root
+counts votes from every daemon, and when all `world_size` ranks are present it
+picks the next epoch and sends every member the placement (which daemon hosts
+which rank). Failures travel member → root → every other member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from proto import ErrorCode
+from proto import peer as p
+
+from .errors import CallError
+
+if TYPE_CHECKING:
+    from .cluster import WorldNet
+    from .peering import PeerLink
+
+log = logging.getLogger("commd.membership")
+
+
+class Formable(Protocol):
+    """What a membership drives in its world."""
+
+    name: str
+    world_size: int
+    epoch: int
+
+    def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...]) -> None: ...
+
+    def refuse(self, rank: int, code: ErrorCode, message: str) -> None: ...
+
+    def fail(self, code: ErrorCode, message: str, propagate: bool = True) -> None: ...
+
+    def local_waiting(self) -> set[int]: ...
+
+
+class LocalMembership:
+    def __init__(self, world: Formable) -> None:
+        self._world = world
+
+    def vote(self, rank: int, timeout_s: float) -> None:
+        waiting = self._world.local_waiting()
+        if len(waiting) == self._world.world_size:
+            ranks = tuple(sorted(waiting))
+            self._world.form(self._world.epoch + 1, ranks, ("local",) * len(ranks))
+
+    def withdraw(self, rank: int) -> None:
+        pass
+
+    def missing(self) -> list[int]:
+        waiting = self._world.local_waiting()
+        return [r for r in range(self._world.world_size) if r not in waiting]
+
+    def failed(self, code: ErrorCode, message: str) -> None:
+        pass
+
+    def peer_lost(self, daemon: str, reason: str) -> None:
+        pass
+
+
+class NetMembership:
+    def __init__(self, world: Formable, net: WorldNet, token: str | None) -> None:
+        self._world = world
+        self.net = net
+        self._token = token
+        self._votes: dict[int, str] = {}  # root only: rank -> daemon, for the epoch being formed
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: remote votes' deadlines
+
+    # ---- local ranks --------------------------------------------------------------
+
+    def vote(self, rank: int, timeout_s: float) -> None:
+        asyncio.get_running_loop().create_task(self._vote(rank, timeout_s))
+
+    async def _vote(self, rank: int, timeout_s: float) -> None:
+        try:
+            await self.net.resolve()
+        except CallError as exc:
+            self._world.refuse(rank, exc.code, f"world {self._world.name}: {exc.message}")
+            return
+        if rank not in self._world.local_waiting():
+            return  # gone while we looked for the root
+        if self.net.is_root:
+            self._count(rank, self.net.me)
+        else:
+            self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
+                                              self._world.epoch, max(1, int(timeout_s * 1000)),
+                                              self._token))
+
+    def withdraw(self, rank: int) -> None:
+        if self.net.is_root and self._votes.get(rank) == self.net.me:
+            del self._votes[rank]
+
+    def missing(self) -> list[int]:
+        if self.net.is_root:
+            return [r for r in range(self._world.world_size) if r not in self._votes]
+        return []  # only the root knows; it names them in its refusal
+
+    # ---- the root's side ----------------------------------------------------------
+
+    def remote_vote(self, link: PeerLink, msg: p.JoinWorld) -> None:
+        """A member's rank is here (root only); the caller checked size and token."""
+        holder = self._votes.get(msg.rank)
+        if holder is not None and holder != link.name:
+            link.send(p.JoinRefused(self._world.name, msg.rank, ErrorCode.DUPLICATE_RANK,
+                                    f"rank {msg.rank} of world {self._world.name} is already on "
+                                    f"daemon {holder}"))
+            return
+        old = self._timers.pop(msg.rank, None)
+        if old is not None:
+            old.cancel()
+        self._timers[msg.rank] = asyncio.get_running_loop().call_later(
+            msg.timeout_ms / 1000, self._expire_remote, msg.rank, link, msg.timeout_ms / 1000)
+        self._count(msg.rank, link.name)
+
+    def _expire_remote(self, rank: int, link: PeerLink, timeout_s: float) -> None:
+        if self._votes.get(rank) != link.name:
+            return
+        missing = self.missing()
+        del self._votes[rank]
+        self._timers.pop(rank, None)
+        link.send(p.JoinRefused(self._world.name, rank, ErrorCode.TIMEOUT,
+                                f"world {self._world.name}: ranks {missing} did not arrive "
+                                f"within {timeout_s:g}s"))
+
+    def _count(self, rank: int, daemon: str) -> None:
+        self._votes[rank] = daemon
+        if len(self._votes) < self._world.world_size:
+            return
+        placement = tuple(self._votes[r] for r in range(self._world.world_size))
+        epoch = self._world.epoch + 1
+        self._votes.clear()
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        self.net.placement = placement
+        ready = p.WorldReady(self._world.name, epoch, placement)
+        for daemon in self.net.members():
+            try:
+                self.net.send(daemon, ready)
+            except CallError as exc:
+                log.warning("world %s: %s", self._world.name, exc.message)
+        self._world.form(epoch, self.net.ranks_of(self.net.me), placement)
+
+    # ---- messages from the root (members) or to it ----------------------------------
+
+    def ready(self, msg: p.WorldReady) -> None:
+        self.net.placement = msg.placement
+        local = self.net.ranks_of(self.net.me)
+        if set(local) != self._world.local_waiting():
+            log.warning("world %s: the root placed ranks %s here; waiting are %s",
+                        self._world.name, local, sorted(self._world.local_waiting()))
+        self._world.form(msg.epoch, local, msg.placement)
+
+    def failed(self, code: ErrorCode, message: str) -> None:
+        """The world failed here: tell the root, or (as root) every member."""
+        msg = p.WorldFailed(self._world.name, self._world.epoch, code, message)
+        targets = self.net.members() if self.net.is_root else ["root"]
+        for daemon in targets:
+            try:
+                self.net.send(daemon, msg)
+            except CallError:
+                pass  # that daemon is gone: it fails the world on its side by itself
+
+    def peer_lost(self, daemon: str, reason: str) -> None:
+        involved = (self.net.root is not None and self.net.root.name == daemon) or \
+            daemon in self.net.placement or daemon in self._votes.values()
+        if not involved:
+            return
+        for rank in [r for r, d in self._votes.items() if d == daemon]:
+            del self._votes[rank]
+        self._world.fail(ErrorCode.PEER_LOST, f"daemon {daemon} was lost: {reason}")
