@@ -170,8 +170,8 @@ class Cluster:
             link = None
         except (OSError, TimeoutError, PeerRefusedError, asyncio.IncompleteReadError, ValueError) as exc:
             del self._dials[address]
-            future.set_exception(CallError(ErrorCode.PEER_LOST,
-                                           f"cannot reach the daemon at {address}: {exc or type(exc).__name__}"))
+            why = str(exc) or type(exc).__name__
+            future.set_exception(CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}"))
             future.exception()
             raise future.exception() from None  # type: ignore[misc]
         if link is not None:

@@ -13,6 +13,7 @@ which rank). Failures travel member → root → every other member.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Protocol
 
@@ -166,10 +167,8 @@ class NetMembership:
         msg = p.WorldFailed(self._world.name, self._world.epoch, code, message)
         targets = self.net.members() if self.net.is_root else ["root"]
         for daemon in targets:
-            try:
+            with contextlib.suppress(CallError):  # a daemon that is gone fails the world by itself
                 self.net.send(daemon, msg)
-            except CallError:
-                pass  # that daemon is gone: it fails the world on its side by itself
 
     def peer_lost(self, daemon: str, reason: str) -> None:
         involved = (self.net.root is not None and self.net.root.name == daemon) or \

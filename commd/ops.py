@@ -13,10 +13,10 @@ import proto
 from proto import ErrorCode
 
 from .engine.base import (
+    NO_TAG,
     AllGatherOp,
     AllReduceOp,
     BarrierOp,
-    NO_TAG,
     BroadcastOp,
     CallTag,
     EngineOp,
@@ -94,7 +94,8 @@ def describe(op: proto.Op, canonical: bool = False) -> str:
     if isinstance(op, proto.Broadcast) and op.command and not canonical:
         name = "recv_command_u32"
     args = []
-    for field in ("nbytes", "dtype", "op", "root") if canonical else ("nbytes", "dtype", "op", "root", "peer"):
+    fields = ("nbytes", "dtype", "op", "root") + (() if canonical else ("peer",))
+    for field in fields:
         value = getattr(op, field, None)
         if value is not None:
             label = "bytes" if field == "nbytes" else field

@@ -22,9 +22,9 @@ import proto
 from proto import ErrorCode
 
 from . import ops
+from .cluster import Inbox, WorldNet
 from .engine.base import CallTag, Communicator, Engine, EngineOp, RecvOp, Region, SendOp, TransferOp
 from .errors import CallError
-from .cluster import Inbox, WorldNet
 from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
 from .membership import LocalMembership, NetMembership
 

@@ -16,8 +16,8 @@ import mmap
 import os
 import stat
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 

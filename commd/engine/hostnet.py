@@ -138,7 +138,8 @@ class NetRunner:
             for i, (lo, hi) in enumerate(pieces):
                 result = np.frombuffer(await self._down(tag, i), np.uint8)
                 if len(result) != hi - lo:
-                    raise CallError(ErrorCode.INTERNAL, f"call {tag.index}: chunk {i} has {len(result)} bytes")
+                    raise CallError(ErrorCode.INTERNAL,
+                                    f"call {tag.index}: chunk {i} has {len(result)} bytes")
                 deliver(lo, hi, result)
             return
         members = self.net.members()
@@ -151,7 +152,8 @@ class NetRunner:
                 parts[min(self.net.ranks_of(member))] = np.frombuffer(payload, mine.dtype)
             ordered = [parts[r] for r in sorted(parts)]
             if any(len(x) != len(mine) for x in ordered):
-                raise CallError(ErrorCode.MISMATCH, f"call {tag.index}: daemons sent partials of different sizes")
+                raise CallError(ErrorCode.MISMATCH,
+                                f"call {tag.index}: daemons sent partials of different sizes")
             result = await self._off_loop(lambda ordered=ordered: narrow(  # type: ignore[misc]
                 combine(ordered, op), dtype).view(np.uint8))
             self._send_down(tag, i, _raw(result))
