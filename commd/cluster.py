@@ -171,7 +171,8 @@ class Cluster:
         except (OSError, TimeoutError, PeerRefusedError, asyncio.IncompleteReadError, ValueError) as exc:
             del self._dials[address]
             why = str(exc) or type(exc).__name__
-            future.set_exception(CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}"))
+            error = CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}")
+            future.set_exception(error)
             future.exception()
             raise future.exception() from None  # type: ignore[misc]
         if link is not None:
