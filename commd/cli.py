@@ -12,7 +12,7 @@ from pathlib import Path
 
 from client.errors import CommError
 
-from .config import DEFAULT_SOCKET, ENGINES, ServerConfig
+from .config import DEFAULT_SOCKET, ENGINES, SECRET_ENV, SECRET_FILE_ENV, ServerConfig, read_secret
 from .errors import ConfigError
 
 
@@ -26,10 +26,24 @@ def _serve(args: argparse.Namespace) -> int:
         allow_gids=frozenset(args.allow_gid) | _group_ids(args.allow_group),
         threads=args.threads,
         log_level=args.log_level,
+        peer_listen=_address(args.peer_listen) if args.peer_listen else None,
+        peer_name=args.peer_name,
+        peer_secret=read_secret(args.peer_secret_file, dict(os.environ)),
+        peer_heartbeat_s=args.peer_heartbeat,
+        peer_window_s=args.peer_window,
     )
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(config)
+
+
+def _address(text: str) -> tuple[str, int]:
+    from .cluster import parse_address
+
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise ConfigError(f"peer-listen: {exc}") from None
 
 
 def _group_ids(names: list[str]) -> frozenset[int]:
@@ -78,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-group", action="append", default=[],
                        help="admit members of this group, by name (repeatable)")
     serve.add_argument("--threads", type=int, default=None, help="host engine threads")
+    serve.add_argument("--peer-listen", default=None, metavar="HOST:PORT",
+                       help="accept other daemons here (worlds across nodes; needs a secret)")
+    serve.add_argument("--peer-name", default=None,
+                       help="this daemon's name among its peers (default: hostname:port)")
+    serve.add_argument("--peer-secret-file", default=None, metavar="PATH",
+                       help=f"the shared secret (or ${SECRET_FILE_ENV} / ${SECRET_ENV})")
+    serve.add_argument("--peer-heartbeat", type=float, default=0.5, metavar="SECONDS")
+    serve.add_argument("--peer-window", type=float, default=3.0, metavar="SECONDS",
+                       help="a peer silent this long is lost")
     serve.add_argument("--log-level", default="INFO",
                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     serve.set_defaults(func=_serve)

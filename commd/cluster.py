@@ -60,7 +60,7 @@ class Inbox:
 class WorldNet:
     """One world's view of the cluster: which daemon is the root, who hosts which rank."""
 
-    def __init__(self, cluster: Cluster, world: str, bootstrap: str) -> None:
+    def __init__(self, cluster: Cluster, world: str, bootstrap: str | None) -> None:
         self.cluster = cluster
         self.world = world
         self.bootstrap = bootstrap
@@ -77,6 +77,8 @@ class WorldNet:
 
     async def resolve(self) -> None:
         """Find the root: dial the bootstrap address; if it is our own listener, we are it."""
+        if self.bootstrap is None:
+            return  # created by a member's report: we are the root
         if self._resolved is None:
             self._resolved = asyncio.get_running_loop().create_future()
             try:

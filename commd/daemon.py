@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import socket
 
+from .cluster import Cluster
 from .config import ServerConfig
 from .engine import create_engine
+from .peering import PeerSettings
 from .server import Server
 
 log = logging.getLogger("commd")
@@ -21,9 +25,12 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine = create_engine(config.engine, threads=config.threads)
-    server = Server(config, engine)
+    cluster = _cluster(config)
+    server = Server(config, engine, cluster)
     try:
         server.start()
+        if cluster is not None and config.peer_listen is not None:
+            await cluster.listen(*config.peer_listen)
         _tune_gc()
         if config.engine == "auto":
             log.info("engine auto: no usable GPU engine here, chose %s", engine.name)
@@ -33,9 +40,21 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         log.info("stopping")
     finally:
         server.shutdown()
+        if cluster is not None:
+            cluster.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return 0
+
+
+def _cluster(config: ServerConfig) -> Cluster | None:
+    """The peer side, when a secret is configured (dialing a root needs it, listening too)."""
+    if config.peer_secret is None:
+        return None
+    name = config.peer_name or (
+        f"{socket.gethostname()}:{config.peer_listen[1]}" if config.peer_listen
+        else f"{socket.gethostname()}:pid{os.getpid()}")
+    return Cluster(PeerSettings(name, config.peer_secret, config.peer_heartbeat_s, config.peer_window_s))
 
 
 def _tune_gc() -> None:

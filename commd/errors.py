@@ -12,11 +12,26 @@ from __future__ import annotations
 
 from proto import ErrorCode
 
+MAX_TEXT = 4000  # the wire allows 4096 characters in an error; leave room for prefixes
+
+
+def clip(text: str) -> str:
+    """A message that fits in an Error or Event, however long what it names."""
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 20] + " ... (cut)"
+
+
+def rank_list(ranks: list[int], shown: int = 16) -> str:
+    """A rank list for a message: whole when short, else its start and a count."""
+    if len(ranks) <= shown:
+        return "[" + ", ".join(map(str, ranks)) + "]"
+    return "[" + ", ".join(map(str, ranks[:shown])) + f", ... ({len(ranks) - shown} more)]"
+
 
 class CallError(Exception):
     """A request that fails with `code`; the message goes to the client verbatim."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
+        message = clip(message)
         super().__init__(message)
         self.code = code
         self.message = message

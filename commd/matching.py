@@ -67,15 +67,16 @@ class Matcher(Generic[T]):
 
     world_size: int
     local_ranks: tuple[int, ...] = ()
-    _coll_next: list[int] = field(init=False)
+    _coll_next: dict[int, int] = field(default_factory=dict, init=False)
     _coll: dict[int, dict[int, Call[T]]] = field(default_factory=dict, init=False)
     _coll_fingerprint: dict[int, tuple[object, ...]] = field(default_factory=dict, init=False)
     _p2p_next: dict[tuple[int, int, bool], int] = field(default_factory=dict, init=False)
     _p2p: dict[tuple[int, int, int], dict[bool, Call[T]]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        self._coll_next = [0] * self.world_size
-        self._local = frozenset(self.local_ranks or range(self.world_size))
+        # Empty local_ranks: every rank is here (kept implicit: worlds may be large).
+        self._local = frozenset(self.local_ranks)
+        self._local_count = len(self._local) or self.world_size
 
     def add(self, call: Call[T]) -> Match[T] | None:
         """Record one rank's call; return the match it completes, if any."""
@@ -90,7 +91,7 @@ class Matcher(Generic[T]):
         return out
 
     def _add_collective(self, call: Call[T]) -> CollectiveMatch[T] | None:
-        index = self._coll_next[call.rank]
+        index = self._coll_next.get(call.rank, 0)
         self._coll_next[call.rank] = index + 1
         group = self._coll.get(index)
         if group is None:
@@ -99,7 +100,7 @@ class Matcher(Generic[T]):
         elif ops.fingerprint(call.op) != self._coll_fingerprint[index]:
             _raise_mismatch(index, next(iter(group.values())), call, "collective")
         group[call.rank] = call
-        if len(group) < len(self._local):
+        if len(group) < self._local_count:
             return None
         del self._coll[index], self._coll_fingerprint[index]
         return CollectiveMatch(index, group)
@@ -111,7 +112,7 @@ class Matcher(Generic[T]):
         counter = (src, dst, is_send)
         index = self._p2p_next.get(counter, 0)
         self._p2p_next[counter] = index + 1
-        if peer not in self._local:
+        if self._local and peer not in self._local:
             return RemoteP2P(index, call)
         pair = self._p2p.setdefault((src, dst, index), {})
         other = pair.get(not is_send)

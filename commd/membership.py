@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from proto import ErrorCode
 from proto import peer as p
 
-from .errors import CallError
+from .errors import CallError, rank_list
 
 if TYPE_CHECKING:
     from .cluster import WorldNet
@@ -130,7 +130,7 @@ class NetMembership:
         del self._votes[rank]
         self._timers.pop(rank, None)
         link.send(p.JoinRefused(self._world.name, rank, ErrorCode.TIMEOUT,
-                                f"world {self._world.name}: ranks {missing} did not arrive "
+                                f"world {self._world.name}: ranks {rank_list(missing)} did not arrive "
                                 f"within {timeout_s:g}s"))
 
     def _count(self, rank: int, daemon: str) -> None:

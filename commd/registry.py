@@ -1,48 +1,191 @@
-"""All worlds of one daemon, by name. Worlds are created by their first hello
-and dropped when their last rank leaves."""
+"""All worlds of one daemon, by name, and the routing of what other daemons say about them.
+
+A world is created by its first hello (or, on a world's root, by the first
+member daemon that reports a rank of it) and dropped when its last rank leaves.
+"""
 
 from __future__ import annotations
 
 import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
 
 import proto
 from proto import ErrorCode
+from proto import peer as p
 
+from .cluster import Cluster, WorldNet
 from .engine.base import Engine
+from .engine.hostnet import p2p_target
 from .errors import CallError
-from .world import Peer, World
+from .membership import NetMembership
+from .peering import PeerLink
+from .world import Peer, World, WorldState
+
+log = logging.getLogger("commd.registry")
 
 
 class Registry:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_pending_ops: int = 4096,
+                 cluster: Cluster | None = None) -> None:
         self._engine = engine
+        self._max_pending_ops = max_pending_ops
+        self.cluster = cluster
         self.worlds: dict[str, World] = {}
+        if cluster is not None:
+            cluster.router = self
+        self._on_peer: dict[type, Callable[[PeerLink, Any, bytes], None]] = {
+            p.JoinWorld: self._remote_join,
+            p.JoinRefused: self._join_refused,
+            p.WorldReady: self._world_ready,
+            p.WorldFailed: self._world_failed,
+            p.Data: self._data,
+        }
+
+    # ---- local ranks ------------------------------------------------------------------
 
     def join(self, peer: Peer, hello: proto.Hello) -> World:
         """Admit `hello` into its world (creating it), or raise CallError saying why not."""
         world = self.worlds.get(hello.world)
         if world is None:
-            world = World(hello.world, hello.world_size, hello.token, self._engine, self._forget)
-            self.worlds[hello.world] = world
-        elif world.world_size != hello.world_size:
+            world = self._create(hello.world, hello.world_size, hello.token, hello.bootstrap)
+        self._admissible(world, hello.world_size, hello.token, hello.rank)
+        if (world.net is None) != (hello.bootstrap is None):
             raise CallError(ErrorCode.WORLD_CONFLICT,
-                            f"world {hello.world} has {world.world_size} ranks, "
-                            f"hello says world_size={hello.world_size}")
-        if not hmac.compare_digest((world.token or "").encode(), (hello.token or "").encode()):
-            raise CallError(ErrorCode.PERMISSION, f"wrong join token for world {hello.world}")
-        if world.holds(hello.rank):
-            raise CallError(ErrorCode.DUPLICATE_RANK,
-                            f"rank {hello.rank} of world {hello.world} is already connected")
+                            f"world {hello.world} is {'not ' if world.net is None else ''}spread over "
+                            "daemons here; every rank must give (or omit) the bootstrap address")
         world.join(peer, hello)
         return world
+
+    def _create(self, name: str, world_size: int, token: str | None, bootstrap: str | None,
+                as_root: bool = False) -> World:
+        net = None
+        if bootstrap is not None or as_root:
+            if self.cluster is None:
+                raise CallError(ErrorCode.MISUSE, "this daemon has no peer secret configured, so it "
+                                                  "cannot take part in a world spread over daemons")
+            net = WorldNet(self.cluster, name, bootstrap)
+        world = World(name, world_size, token, self._engine, self._forget, net, self._max_pending_ops)
+        self.worlds[name] = world
+        return world
+
+    @staticmethod
+    def _admissible(world: World, world_size: int, token: str | None, rank: int) -> None:
+        if world.world_size != world_size:
+            raise CallError(ErrorCode.WORLD_CONFLICT,
+                            f"world {world.name} has {world.world_size} ranks, "
+                            f"hello says world_size={world_size}")
+        if not hmac.compare_digest((world.token or "").encode(), (token or "").encode()):
+            raise CallError(ErrorCode.PERMISSION, f"wrong join token for world {world.name}")
+        if world.holds(rank):
+            raise CallError(ErrorCode.DUPLICATE_RANK,
+                            f"rank {rank} of world {world.name} is already connected")
 
     def _forget(self, world: World) -> None:
         if self.worlds.get(world.name) is world:
             del self.worlds[world.name]
 
+    # ---- other daemons ------------------------------------------------------------------
+
+    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None:
+        handler = self._on_peer.get(type(msg))
+        if handler is None:
+            link.close(f"sent {type(msg).__name__} after the handshake")
+            return
+        handler(link, msg, payload)
+
+    def on_peer_lost(self, daemon: str, reason: str) -> None:
+        for world in list(self.worlds.values()):
+            if isinstance(world.membership, NetMembership):
+                world.membership.peer_lost(daemon, reason)
+
+    def _remote_join(self, link: PeerLink, msg: p.JoinWorld, payload: bytes) -> None:
+        """A member reports one of its ranks (we are, or should be, the world's root)."""
+        world = self.worlds.get(msg.world)
+        try:
+            if world is None:
+                world = self._create(msg.world, msg.world_size, msg.token, None, as_root=True)
+            if world.net is None or not world.net.is_root:
+                raise CallError(ErrorCode.WORLD_CONFLICT,
+                                f"daemon {self._name()} is not the root of world {msg.world}")
+            if world.world_size != msg.world_size or not hmac.compare_digest(
+                    (world.token or "").encode(), (msg.token or "").encode()):
+                self._admissible(world, msg.world_size, msg.token, -1)
+        except CallError as exc:
+            link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message))
+            return
+        if world.state is WorldState.READY and msg.epoch != world.epoch:
+            # a hello for a rank of a full, healthy world: someone else's process, not a rebuild
+            link.send(p.JoinRefused(msg.world, msg.rank, ErrorCode.DUPLICATE_RANK,
+                                    f"world {msg.world} is ready with all its ranks; rank {msg.rank} "
+                                    "is taken"))
+            return
+        world.reconnect_requested(f"rank {msg.rank} (on daemon {link.name}) called attempt_reconnect")
+        assert isinstance(world.membership, NetMembership)
+        world.membership.remote_vote(link, msg)
+
+    def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes) -> None:
+        world = self.worlds.get(msg.world)
+        if world is not None:
+            world.refuse(msg.rank, msg.code, msg.message)
+
+    def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes) -> None:
+        world = self.worlds.get(msg.world)
+        if world is None or not isinstance(world.membership, NetMembership) or world.net is None \
+                or world.net.root is not link:
+            log.warning("daemon %s says world %s is ready, but it is not its root here",
+                        link.name, msg.world)
+            return
+        if msg.epoch <= world.epoch:
+            self._stale(link, msg.world, msg.epoch, world.epoch)
+            return
+        world.membership.ready(msg)
+
+    def _world_failed(self, link: PeerLink, msg: p.WorldFailed, payload: bytes) -> None:
+        world = self.worlds.get(msg.world)
+        if world is None or world.net is None:
+            return
+        if msg.epoch < world.epoch:
+            self._stale(link, msg.world, msg.epoch, world.epoch)
+            return
+        # The root passes a member's failure on to every member; a member only applies it.
+        world.fail(msg.code, msg.message, propagate=world.net.is_root)
+
+    def _data(self, link: PeerLink, msg: p.Data, payload: bytes) -> None:
+        world = self.worlds.get(msg.world)
+        if world is None or world.net is None or world.state is not WorldState.READY:
+            return  # a world that failed or ended here: its data has no reader
+        if msg.epoch != world.epoch:
+            self._stale(link, msg.world, msg.epoch, world.epoch)
+            return
+        target = p2p_target(msg)
+        if target is not None and world.net.is_root and world.net.placement[target] != world.net.me:
+            try:
+                world.net.send(world.net.placement[target], msg, payload)  # relay member -> member
+            except CallError as exc:
+                world.fail(exc.code, exc.message)
+            return
+        world.net.inbox.deliver(msg, payload)
+
+    def _stale(self, link: PeerLink, world: str, epoch: int, current: int) -> None:
+        assert self.cluster is not None
+        self.cluster.stale_refused += 1
+        log.warning("refused a message of world %s epoch %d from daemon %s: the world is at epoch %d",
+                    world, epoch, link.name, current)
+
+    def _name(self) -> str:
+        return self.cluster.name if self.cluster is not None else "?"
+
+    # ---- the daemon as a whole ---------------------------------------------------------
+
     def shutdown(self, message: str) -> None:
         for world in list(self.worlds.values()):
-            world.shutdown(message)
+            try:
+                world.shutdown(message)
+            except Exception:  # one world's bug must not keep the others from hearing it
+                log.exception("world %s: shutdown failed", world.name)
 
     def status(self) -> list[dict[str, object]]:
         return [w.status() for w in self.worlds.values()]
+

@@ -23,11 +23,12 @@ from proto import ErrorCode
 
 from . import __version__
 from .channel import PacketChannel, linger_close
+from .cluster import Cluster
 from .config import ServerConfig
 from .engine.base import Engine
 from .errors import ConfigError
 from .registry import Registry
-from .session import DaemonContext, Session
+from .session import DaemonContext, MemoryBudget, Session
 
 log = logging.getLogger("commd.server")
 _UCRED = struct.Struct("3i")
@@ -69,14 +70,16 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
 
 
 class Server:
-    def __init__(self, config: ServerConfig, engine: Engine) -> None:
+    def __init__(self, config: ServerConfig, engine: Engine, cluster: Cluster | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.registry = Registry(engine)
+        self.cluster = cluster
+        self.registry = Registry(engine, config.max_pending_ops, cluster)
         self.sessions: set[Session] = set()
         self._listener: socket.socket | None = None
         self._started = time.time()
-        self._ctx = DaemonContext(config, engine, self.registry, self._started, self.status)
+        budget = MemoryBudget(config.max_daemon_mappings, config.max_daemon_bytes)
+        self._ctx = DaemonContext(config, engine, self.registry, self._started, self.status, budget)
 
     def start(self) -> None:
         self._listener = bind_socket(self.config.socket_path)
@@ -92,6 +95,11 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Level-triggered: the pending connection would wake us again at once.
+                    # Pause accepting until fds come back, and say so once.
+                    self._pause_accepting(f"out of file descriptors ({exc.strerror})")
+                    return
                 log.error("accept failed: %s", exc)
                 return
             pid, uid, gid = _UCRED.unpack(
@@ -102,6 +110,18 @@ class Server:
                 _refuse(sock, *refusal)
                 continue
             self._open_session(sock, pid, uid)
+
+    def _pause_accepting(self, why: str, seconds: float = 0.5) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._listener.fileno())
+        log.warning("not accepting connections for %.1fs: %s", seconds, why)
+
+        def resume() -> None:
+            if self._listener is not None:
+                loop.add_reader(self._listener.fileno(), self._accept)
+
+        loop.call_later(seconds, resume)
 
     def _refusal(self, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
         if uid not in self.config.allow_uids and gid not in self.config.allow_gids:
@@ -129,6 +149,7 @@ class Server:
             "uptime_s": round(time.time() - self._started, 3),
             "connections": len(self.sessions),
             "worlds": self.registry.status(),
+            "peers": self.cluster.status() if self.cluster is not None else None,
         }
 
     def shutdown(self) -> None:

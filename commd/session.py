@@ -9,7 +9,6 @@ closed (DESIGN §3); anything else is a daemon bug, answered INTERNAL and closed
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,27 @@ class Registration:
     nbytes: int
 
 
+class MemoryBudget:
+    """What the whole daemon maps: a cap on mappings (the kernel's vm.max_map_count is
+    ~65k) and on bytes of address space, so no client can exhaust them for the others."""
+
+    def __init__(self, max_mappings: int, max_bytes: int) -> None:
+        self.max_mappings, self.max_bytes = max_mappings, max_bytes
+        self.mappings = self.bytes = 0
+
+    def take(self, size: int) -> None:
+        if self.mappings >= self.max_mappings or self.bytes + size > self.max_bytes:
+            raise CallError(ErrorCode.LIMIT,
+                            f"the daemon maps {self.mappings} buffers / {self.bytes} bytes; "
+                            f"its limits are {self.max_mappings} / {self.max_bytes}")
+        self.mappings += 1
+        self.bytes += size
+
+    def give(self, size: int) -> None:
+        self.mappings -= 1
+        self.bytes -= size
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonContext:
     """What every session shares: built once by the server, no globals."""
@@ -44,6 +64,23 @@ class DaemonContext:
     registry: Registry
     started: float
     status: Callable[[], dict[str, Any]]
+    budget: MemoryBudget
+
+
+def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport:
+    """The report, with its world list cut until the packet fits (the count says so)."""
+    worlds = list(info.get("worlds", []))
+    shown = len(worlds)
+    while True:
+        report = proto.StatusReport(request_id, {**info, "worlds": worlds[:shown],
+                                                 "worlds_total": len(worlds)})
+        try:
+            proto.encode(report)
+            return report
+        except proto.ProtoError:
+            if shown == 0:
+                raise
+            shown //= 2
 
 
 class Session:
@@ -54,6 +91,7 @@ class Session:
         self.peer_uid = uid
         self._conn = proto.Connection(proto.Role.DAEMON)
         self._buffers: dict[int, MemoryMapping] = {}
+        self._mapped = 0  # bytes of self._buffers
         self._symmetric: set[int] = set()
         self._registrations: dict[int, Registration] = {}
         self._next_handle = 1
@@ -121,9 +159,8 @@ class Session:
         if self.world is not None:
             self.world.leave(self.rank, self)
             self.world = None
-        for mapping in self._buffers.values():
-            mapping.close()
-        self._buffers.clear()
+        for buf in list(self._buffers):
+            self._drop_buffer(buf)
         self._registrations.clear()
 
     # ---- handlers ---------------------------------------------------------------
@@ -134,8 +171,11 @@ class Session:
                             f"protocol version {msg.version} is not supported; "
                             f"this daemon speaks {proto.PROTOCOL_VERSION}")
         self._timeout_s = msg.timeout_ms / 1000
-        self.world = self._ctx.registry.join(self, msg)
-        self.rank = msg.rank
+        world = self._ctx.registry.join(self, msg)
+        self.world, self.rank = world, msg.rank
+        if self.channel.closed:  # it went away while joining: on_close ran before we knew the world
+            world.leave(msg.rank, self)
+            self.world = None
 
     def _status(self, msg: proto.StatusQuery, fds: list[int]) -> None:
         info = self._ctx.status()
@@ -144,31 +184,53 @@ class Session:
             if not worlds:
                 raise CallError(ErrorCode.UNKNOWN_WORLD, f"no world named {msg.world[:40]!r} on this daemon")
             info = {**info, "worlds": worlds}
-        self.send(proto.StatusReport(msg.id, info))
+        self.send(_fitting_report(msg.id, info))
 
     def _import(self, msg: proto.Import, fds: list[int]) -> None:
         fd = fds[0] if fds else None
+        handed_over = False
+
+        def open_mapping() -> MemoryMapping:
+            nonlocal handed_over
+            handed_over = True  # from here the engine owns the fd, and closes it on failure
+            return self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd)
+
         try:
-            self._check_new_buffer(msg.buf)
+            self._add_buffer(msg.buf, msg.size, open_mapping)
         except CallError:
-            close_fds(fds)
+            if not handed_over:
+                close_fds(fds)
             raise
-        self._buffers[msg.buf] = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd)
         self.send(proto.Ok(msg.id))
 
-    def _check_new_buffer(self, buf: int) -> None:
+    def _add_buffer(self, buf: int, size: int, open_mapping: Callable[[], MemoryMapping]) -> None:
+        """Map a buffer within this connection's and the daemon's limits."""
+        config = self._ctx.config
         if buf in self._buffers:
             raise CallError(ErrorCode.MISUSE, f"buffer id {buf} is already in use")
-        if len(self._buffers) >= self._ctx.config.max_buffers:
-            raise CallError(ErrorCode.LIMIT,
-                            f"a connection may hold at most {self._ctx.config.max_buffers} buffers")
+        if len(self._buffers) >= config.max_buffers:
+            raise CallError(ErrorCode.LIMIT, f"a connection may hold at most {config.max_buffers} buffers")
+        if self._mapped + size > config.max_mapped_bytes:
+            raise CallError(ErrorCode.LIMIT, f"a connection may map at most {config.max_mapped_bytes} bytes")
+        self._ctx.budget.take(size)
+        try:
+            mapping = open_mapping()
+        except BaseException:
+            self._ctx.budget.give(size)
+            raise
+        self._buffers[buf] = mapping
+        self._mapped += size
+
+    def _drop_buffer(self, buf: int) -> None:
+        mapping = self._buffers.pop(buf)
+        mapping.close()
+        self._mapped -= mapping.size
+        self._ctx.budget.give(mapping.size)
 
     def _forget(self, msg: proto.Forget, fds: list[int]) -> None:
         for buf in msg.bufs:
-            if buf not in self._symmetric:
-                mapping = self._buffers.pop(buf, None)
-                if mapping is not None:
-                    mapping.close()
+            if buf not in self._symmetric and buf in self._buffers:
+                self._drop_buffer(buf)
 
     def _submit(self, msg: proto.Submit, fds: list[int]) -> None:
         world = self._member_world()
@@ -204,20 +266,25 @@ class Session:
 
     def _sym_alloc(self, msg: proto.SymAlloc, fds: list[int]) -> None:
         self._member_world()
-        self._check_new_buffer(msg.buf)
-        mapping, fd = self._ctx.engine.allocate(msg.nbytes)
+        exported: list[int] = []
+
+        def allocate() -> MemoryMapping:
+            mapping, fd = self._ctx.engine.allocate(msg.nbytes)
+            exported.append(fd)
+            return mapping
+
         try:
-            self._buffers[msg.buf] = mapping
+            self._add_buffer(msg.buf, msg.nbytes, allocate)
             self._symmetric.add(msg.buf)
-            self.send(proto.Ok(msg.id, value=msg.nbytes, nfds=1), [fd])
+            self.send(proto.Ok(msg.id, value=msg.nbytes, nfds=1), exported)
         finally:
-            os.close(fd)
+            close_fds(exported)
 
     def _sym_free(self, msg: proto.SymFree, fds: list[int]) -> None:
         if msg.buf not in self._symmetric:
             raise CallError(ErrorCode.UNKNOWN_HANDLE, f"buffer {msg.buf} is not a symmetric allocation")
         self._symmetric.discard(msg.buf)
-        self._buffers.pop(msg.buf).close()
+        self._drop_buffer(msg.buf)
         self.send(proto.Ok(msg.id))
 
     def _set_add_kernel(self, msg: proto.SetAddKernel, fds: list[int]) -> None:

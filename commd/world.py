@@ -24,7 +24,7 @@ from proto import ErrorCode
 from . import ops
 from .cluster import Inbox, WorldNet
 from .engine.base import CallTag, Communicator, Engine, EngineOp, RecvOp, Region, SendOp, TransferOp
-from .errors import CallError
+from .errors import CallError, clip, rank_list
 from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
 from .membership import LocalMembership, NetMembership
 
@@ -47,10 +47,11 @@ class WorldState(enum.Enum):
 class Ticket:
     """One request (a call or a group of calls) of one rank; replied to exactly once."""
 
-    __slots__ = ("done", "peer", "remaining", "request_id")
+    __slots__ = ("done", "peer", "rank", "remaining", "request_id")
 
-    def __init__(self, peer: Peer, request_id: int, count: int) -> None:
+    def __init__(self, peer: Peer, rank: int, request_id: int, count: int) -> None:
         self.peer = peer
+        self.rank = rank
         self.request_id = request_id
         self.remaining = count
         self.done = False
@@ -64,7 +65,7 @@ class Ticket:
     def fail(self, code: ErrorCode, message: str) -> None:
         if not self.done:
             self.done = True
-            self.peer.send(proto.Error(self.request_id, code, message))
+            self.peer.send(proto.Error(self.request_id, code, clip(message)))
 
 
 @dataclass(slots=True)  # per call: plain init is cheaper than frozen
@@ -85,7 +86,8 @@ class Waiter:
 
 class World:
     def __init__(self, name: str, world_size: int, token: str | None, engine: Engine,
-                 on_empty: Callable[[World], None], net: WorldNet | None = None) -> None:
+                 on_empty: Callable[[World], None], net: WorldNet | None = None,
+                 max_pending_ops: int = 4096) -> None:
         self.name = name
         self.world_size = world_size
         self.token = token
@@ -107,6 +109,8 @@ class World:
         self._tickets: set[Ticket] = set()
         self._exec_lock = asyncio.Lock()
         self._queued = 0  # matched ops waiting for or holding _exec_lock
+        self._max_pending_ops = max_pending_ops
+        self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
 
     # ---- forming ----------------------------------------------------------------
 
@@ -116,7 +120,7 @@ class World:
     def join(self, peer: Peer, hello: proto.Hello) -> None:
         """A new connection asks for `hello.rank`; the caller checked the slot is free."""
         if self.state is WorldState.FAILED:
-            self._start_forming()
+            self.start_forming()
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
@@ -131,9 +135,9 @@ class World:
         if self.state is WorldState.READY:
             self.fail(ErrorCode.WORLD_FAILED, why)
         if self.state is WorldState.FAILED:
-            self._start_forming()
+            self.start_forming()
 
-    def _start_forming(self) -> None:
+    def start_forming(self) -> None:
         self.state = WorldState.FORMING
         log.info("world %s epoch %d: forming", self.name, self.epoch)
 
@@ -152,7 +156,7 @@ class World:
         if self._waiting.get(rank) is not waiter:
             return
         missing = self.membership.missing()
-        which = f"ranks {_ranks(missing)} did not arrive" if missing else \
+        which = f"ranks {rank_list(missing)} did not arrive" if missing else \
             f"the root daemon ({self.net.bootstrap if self.net else '?'}) did not form it"
         self.refuse(rank, ErrorCode.TIMEOUT, f"world {self.name}: {which} within {timeout_s:g}s")
 
@@ -168,7 +172,7 @@ class World:
     def _cancel(self, waiter: Waiter, code: ErrorCode, message: str) -> None:
         if waiter.timer is not None:
             waiter.timer.cancel()
-        waiter.peer.send(proto.Error(waiter.request_id, code, message))
+        waiter.peer.send(proto.Error(waiter.request_id, code, clip(message)))
 
     def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...]) -> None:
         """The membership's verdict: ready at `epoch` with these ranks on this daemon."""
@@ -184,10 +188,13 @@ class World:
         waiting, self._waiting = self._waiting, {}
         log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
                  self.world_size, len(local_ranks))
-        for rank, waiter in sorted(waiting.items()):
+        for rank, waiter in waiting.items():
             if waiter.timer is not None:
                 waiter.timer.cancel()
             self.members[rank] = waiter.peer
+        # All are members before any is told: a send that finds its peer gone fails the
+        # world, and then every rank must be there to hear it.
+        for rank, waiter in sorted(waiting.items()):
             waiter.peer.send(
                 _welcome(waiter.request_id, self._engine.name, self.epoch) if waiter.is_hello
                 else proto.Ok(waiter.request_id, value=self.epoch)
@@ -201,7 +208,12 @@ class World:
         peer = self.members.get(rank)
         if self.state is not WorldState.READY or peer is None:
             raise CallError(self.cause_code, self._not_ready())
-        ticket = Ticket(peer, request_id, len(calls))
+        pending = self._pending_ops.get(rank, 0)
+        if pending + len(calls) > self._max_pending_ops:
+            raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
+                                             f"match; the limit is {self._max_pending_ops}")
+        self._pending_ops[rank] = pending + len(calls)
+        ticket = Ticket(peer, rank, request_id, len(calls))
         self._tickets.add(ticket)
         for op, regions in calls:
             try:
@@ -253,6 +265,7 @@ class World:
 
     def _finish(self, match: Match[Arrival]) -> None:
         for arrival in self._arrivals(match):
+            self._pending_ops[arrival.ticket.rank] -= 1
             arrival.ticket.finish_one()
             if arrival.ticket.done:
                 self._tickets.discard(arrival.ticket)
@@ -292,6 +305,7 @@ class World:
         `propagate`) the other daemons of the world."""
         if self.state is not WorldState.READY:
             return
+        message = clip(message)
         self.state = WorldState.FAILED
         self.cause, self.cause_code = message, code
         # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
@@ -305,10 +319,11 @@ class World:
             if propagate:
                 self.membership.failed(code, message)
         tickets, self._tickets = self._tickets, set()
+        self._pending_ops.clear()
         for ticket in tickets:
             ticket.fail(code, message)
         self._matcher = Matcher(self.world_size, self.local_ranks)
-        event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
+        event = proto.Event(proto.EventKind.WORLD_FAILED, code, clip(message), self.epoch)
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
             peer.send(event)
 
@@ -328,12 +343,14 @@ class World:
 
     def shutdown(self, message: str) -> None:
         """The daemon stops: every pending call and waiter gets SHUTDOWN."""
-        for ticket in self._tickets:
+        # Swap the collections out first: a reply can close its connection, whose
+        # departure edits them.
+        tickets, self._tickets = self._tickets, set()
+        for ticket in tickets:
             ticket.fail(ErrorCode.SHUTDOWN, message)
-        self._tickets.clear()
-        for waiter in self._waiting.values():
+        waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
             self._cancel(waiter, ErrorCode.SHUTDOWN, message)
-        self._waiting.clear()
         if self._comm is not None:
             self._comm.abort()
             self._comm = None
@@ -380,7 +397,3 @@ def _welcome(request_id: int, engine: str, epoch: int) -> proto.Welcome:
 
     return proto.Welcome(request_id, proto.PROTOCOL_VERSION, __version__, engine, epoch,
                          proto.MAX_MESSAGE_BYTES)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return "[" + ", ".join(map(str, ranks)) + "]"
