@@ -194,7 +194,7 @@ class World:
             self.members[rank] = waiter.peer
         # All are members before any is told: a send that finds its peer gone fails the
         # world, and then every rank must be there to hear it.
-        for rank, waiter in sorted(waiting.items()):
+        for _, waiter in sorted(waiting.items()):
             waiter.peer.send(
                 _welcome(waiter.request_id, self._engine.name, self.epoch) if waiter.is_hello
                 else proto.Ok(waiter.request_id, value=self.epoch)
