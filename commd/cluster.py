@@ -38,19 +38,20 @@ class Inbox:
             self._ready[msg.key] = (msg, payload)
 
     async def get(self, key: tuple[str, int, int, int]) -> tuple[p.Data, bytes]:
-        if self._failed is not None:
-            raise self._failed
         ready = self._ready.pop(key, None)
         if ready is not None:
-            return ready
+            return ready  # delivered before the failure: the op it belongs to can finish
+        if self._failed is not None:
+            raise self._failed
         waiter: asyncio.Future[tuple[p.Data, bytes]] = asyncio.get_running_loop().create_future()
         self._waiting[key] = waiter
         return await waiter
 
     def fail(self, error: BaseException) -> None:
-        """Wake every wait with `error` (the world failed); later waits fail at once."""
+        """Wake every wait with `error` (the world failed), and fail later waits for data
+        that has not come. Links are FIFO, so what a peer sent before its failure notice
+        is already here and stays readable."""
         self._failed = error
-        self._ready.clear()
         for waiter in self._waiting.values():
             if not waiter.done():
                 waiter.set_exception(error)

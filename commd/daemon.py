@@ -51,9 +51,9 @@ def _cluster(config: ServerConfig) -> Cluster | None:
     """The peer side, when a secret is configured (dialing a root needs it, listening too)."""
     if config.peer_secret is None:
         return None
+    port = config.peer_listen[1] if config.peer_listen else 0
     name = config.peer_name or (
-        f"{socket.gethostname()}:{config.peer_listen[1]}" if config.peer_listen
-        else f"{socket.gethostname()}:pid{os.getpid()}")
+        f"{socket.gethostname()}:{port}" if port else f"{socket.gethostname()}:pid{os.getpid()}")
     return Cluster(PeerSettings(name, config.peer_secret, config.peer_heartbeat_s, config.peer_window_s))
 
 

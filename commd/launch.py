@@ -39,12 +39,14 @@ class DaemonProcess:
 
     def __init__(self, socket_path: str | os.PathLike[str], *, engine: str = "host",
                  args: Sequence[str] = (), log: IO[bytes] | int | None = None,
-                 cpus: Sequence[int] | None = None, log_level: str = "WARNING") -> None:
+                 cpus: Sequence[int] | None = None, log_level: str = "WARNING",
+                 env: dict[str, str] | None = None) -> None:
         self.socket_path = Path(socket_path)
         self._cmd = [sys.executable, "-m", "commd", "serve", "--socket", str(self.socket_path),
                      "--engine", engine, "--log-level", log_level, *args]
         self._log = log
         self._cpus = cpus
+        self._env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,7 +61,7 @@ class DaemonProcess:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        env = dict(os.environ)
+        env = {**os.environ, **self._env}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=self._log, env=env,
@@ -82,6 +84,13 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait(timeout)
+
+    def peer_address(self) -> str:
+        """host:port of the daemon's peer listener (asked of the daemon: it may have bound port 0)."""
+        from .status import query_status
+
+        peers = query_status(str(self.socket_path), 5)["peers"]
+        return f"127.0.0.1:{peers['port']}"
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

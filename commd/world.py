@@ -12,6 +12,7 @@ communicator is aborted; other worlds never notice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from proto import ErrorCode
 
 from . import ops
 from .cluster import Inbox, WorldNet
-from .engine.base import CallTag, Communicator, Engine, EngineOp, RecvOp, Region, SendOp, TransferOp
+from .engine.base import EMPTY, CallTag, Communicator, Engine, EngineOp, RecvOp, Region, SendOp, TransferOp
 from .errors import CallError, clip, rank_list
 from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
 from .membership import LocalMembership, NetMembership
@@ -47,13 +48,14 @@ class WorldState(enum.Enum):
 class Ticket:
     """One request (a call or a group of calls) of one rank; replied to exactly once."""
 
-    __slots__ = ("done", "peer", "rank", "remaining", "request_id")
+    __slots__ = ("done", "executing", "peer", "rank", "remaining", "request_id")
 
     def __init__(self, peer: Peer, rank: int, request_id: int, count: int) -> None:
         self.peer = peer
         self.rank = rank
         self.request_id = request_id
         self.remaining = count
+        self.executing = 0  # of the remaining ops, those matched and handed to the engine
         self.done = False
 
     def finish_one(self) -> None:
@@ -109,6 +111,7 @@ class World:
         self._tickets: set[Ticket] = set()
         self._exec_lock = asyncio.Lock()
         self._queued = 0  # matched ops waiting for or holding _exec_lock
+        self._abort_when_idle: Communicator | None = None
         self._max_pending_ops = max_pending_ops
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
 
@@ -226,49 +229,71 @@ class World:
                 self._dispatch(match)
 
     def _dispatch(self, match: Match[Arrival]) -> None:
-        """Run a matched op: inline when nothing is queued and it is small, else in order."""
+        """Run a matched op: inline when nothing is queued and it is small, else in order.
+
+        From here the op belongs to the engine: if the world fails meanwhile, it still
+        completes (or fails) on its own, so calls every rank already made are not
+        failed by a rank that left after making them."""
+        assert self._comm is not None
         engine_op = self._engine_op(match)
-        if self._queued == 0 and self._comm is not None:
+        for arrival in self._arrivals(match):
+            arrival.ticket.executing += 1
+        if self._queued == 0:
             try:
                 done = engine_op is None or self._comm.try_inline(engine_op)
             except Exception as exc:
-                self._engine_failed(exc)
+                self._op_failed(match, exc, self.epoch)
                 return
             if done:
                 self._finish(match)
                 return
         self._queued += 1
-        asyncio.get_running_loop().create_task(self._execute(match, engine_op, self.epoch))
+        # Sends and receives to other daemons are paired there, not here: they must not
+        # queue behind each other (a group's send and recv would wait for one another).
+        ordered = not isinstance(engine_op, SendOp | RecvOp)
+        asyncio.get_running_loop().create_task(
+            self._execute(match, engine_op, self._comm, self.epoch, ordered))
 
-    async def _execute(self, match: Match[Arrival], engine_op: EngineOp | None, epoch: int) -> None:
+    async def _execute(self, match: Match[Arrival], engine_op: EngineOp | None, comm: Communicator,
+                       epoch: int, ordered: bool) -> None:
         try:
-            async with self._exec_lock:  # FIFO: matched ops run in match order
-                if epoch != self.epoch or self._comm is None:
-                    return  # the world failed meanwhile; its tickets have their errors
-                try:
-                    if engine_op is not None:
-                        await self._comm.run(engine_op)
-                except Exception as exc:
-                    if epoch == self.epoch:
-                        self._engine_failed(exc)
-                    return
+            async with self._exec_lock if ordered else contextlib.nullcontext():
+                if engine_op is not None:
+                    await comm.run(engine_op)
+        except Exception as exc:
+            self._op_failed(match, exc, epoch)
+            return
         finally:
             self._queued -= 1
+            if self._queued == 0 and self._abort_when_idle is not None:
+                self._abort_when_idle.abort()
+                self._abort_when_idle = None
         self._finish(match)
 
-    def _engine_failed(self, exc: Exception) -> None:
+    def _op_failed(self, match: Match[Arrival], exc: Exception, epoch: int) -> None:
+        """The engine could not complete an op: its world fails (if this epoch still
+        stands), and the op's own calls get the error."""
         if isinstance(exc, CallError):
-            self.fail(exc.code, f"engine: {exc.message}")
+            code, message = exc.code, exc.message
         else:
             log.error("world %s: engine failed", self.name, exc_info=exc)
-            self.fail(ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}")
+            code, message = ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}"
+        if epoch == self.epoch:
+            self.fail(code, message)
+            code, message = self.cause_code, self.cause or message
+        for arrival in self._arrivals(match):
+            arrival.ticket.fail(code, message)
+            self._tickets.discard(arrival.ticket)
 
     def _finish(self, match: Match[Arrival]) -> None:
         for arrival in self._arrivals(match):
-            self._pending_ops[arrival.ticket.rank] -= 1
-            arrival.ticket.finish_one()
-            if arrival.ticket.done:
-                self._tickets.discard(arrival.ticket)
+            ticket = arrival.ticket
+            if self._pending_ops.get(ticket.rank):  # cleared when the world failed
+                self._pending_ops[ticket.rank] -= 1
+            ticket.executing -= 1
+            ticket.finish_one()
+            if ticket.done:
+                self._tickets.discard(ticket)
 
     @staticmethod
     def _arrivals(match: Match[Arrival]) -> list[Arrival]:
@@ -279,20 +304,27 @@ class World:
         return [match.send.token, match.recv.token]
 
     def _engine_op(self, match: Match[Arrival]) -> EngineOp | None:
+        # Zero bytes move nothing on one daemon (matching every rank's call was the
+        # meeting). Across daemons the call still meets its peers there: ranks that leave
+        # right after it must not fail a world whose other ranks have not reached it yet.
+        spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
         if isinstance(match, CollectiveMatch):
             op = match.op
-            spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
-            if ops.nbytes(op) == 0 and not isinstance(op, proto.Barrier) and not spans_daemons:
-                return None
-            regions = {rank: c.token.regions for rank, c in match.calls.items()}
+            regions: dict[int, tuple[Region | None, ...]]
+            if ops.nbytes(op) == 0 and not isinstance(op, proto.Barrier):
+                if not spans_daemons:
+                    return None
+                regions = {rank: (EMPTY, EMPTY) for rank in match.calls}
+            else:
+                regions = {rank: c.token.regions for rank, c in match.calls.items()}
             return ops.to_engine(op, regions, CallTag(match.index, ops.describe(op, canonical=True)))
         if isinstance(match, RemoteP2P):
-            call, region = match.call, match.call.token.regions[0]
+            call, region = match.call, match.call.token.regions[0] or EMPTY
             tag = CallTag(match.index, ops.describe(call.op, canonical=True))
             peer: int = call.op.peer  # type: ignore[union-attr]
             if isinstance(call.op, proto.Send):
-                return SendOp(call.rank, peer, _or_empty(region), tag)
-            return RecvOp(peer, call.rank, _or_empty(region), tag)
+                return SendOp(call.rank, peer, region, tag)
+            return RecvOp(peer, call.rank, region, tag)
         src, dst = match.send.token.regions[0], match.recv.token.regions[0]
         if src is None or dst is None:
             return None
@@ -312,7 +344,10 @@ class World:
         level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
         log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message)
         if self._comm is not None:
-            self._comm.abort()
+            if self._queued:  # ops in the engine's hands finish first (see _dispatch)
+                self._abort_when_idle = self._comm
+            else:
+                self._comm.abort()
             self._comm = None
         if self.net is not None:
             self.net.inbox.fail(CallError(code, message))
@@ -321,7 +356,10 @@ class World:
         tickets, self._tickets = self._tickets, set()
         self._pending_ops.clear()
         for ticket in tickets:
-            ticket.fail(code, message)
+            if ticket.remaining > ticket.executing:  # a call still waiting for its match: lost
+                ticket.fail(code, message)
+            else:
+                self._tickets.add(ticket)  # all in the engine: it answers them
         self._matcher = Matcher(self.world_size, self.local_ranks)
         event = proto.Event(proto.EventKind.WORLD_FAILED, code, clip(message), self.epoch)
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
@@ -380,16 +418,6 @@ class World:
             "cause": self.cause,
             "add_kernel": {str(rank): handle for rank, handle in sorted(self.add_kernel.items())},
         }
-
-
-class _Empty:
-    """The region of a zero-byte transfer to another daemon (nothing to read or write)."""
-
-    nbytes = 0
-
-
-def _or_empty(region: Region | None) -> Region:
-    return region if region is not None else _Empty()
 
 
 def _welcome(request_id: int, engine: str, epoch: int) -> proto.Welcome:

@@ -27,6 +27,16 @@ class Region(Protocol):
     def nbytes(self) -> int: ...
 
 
+class EmptyRegion:
+    """Zero bytes of no buffer: a call with nothing to move that still has to meet its
+    peers on other daemons (a sync point, and a call to compare for mismatches)."""
+
+    nbytes = 0
+
+
+EMPTY = EmptyRegion()
+
+
 class MemoryMapping(Protocol):
     """One imported (or daemon-allocated) allocation."""
 
@@ -176,7 +186,7 @@ class Engine(Protocol):
 
 
 __all__ = [
-    "NO_TAG", "AllGatherOp", "AllReduceOp", "BarrierOp", "BroadcastOp", "CallError", "CallTag",
+    "EMPTY", "NO_TAG", "AllGatherOp", "AllReduceOp", "BarrierOp", "BroadcastOp", "CallError", "CallTag",
     "Communicator", "Engine", "EngineOp", "MemoryMapping", "RecvOp", "ReduceScatterOp", "Region",
     "SendOp", "TransferOp", "op_nbytes",
 ]

@@ -25,6 +25,7 @@ from proto import ErrorCode, MemKind
 
 from ..errors import CallError
 from .base import (
+    EMPTY,
     AllGatherOp,
     AllReduceOp,
     BarrierOp,
@@ -123,6 +124,8 @@ def _crosses(op: EngineOp) -> bool:
 
 
 def _arr(region: Region) -> np.ndarray:
+    if region is EMPTY:
+        return np.zeros(0, np.uint8)
     if not isinstance(region, HostRegion):
         raise CallError(ErrorCode.INTERNAL, f"host engine got a {type(region).__name__} region")
     return region.array

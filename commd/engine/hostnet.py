@@ -73,6 +73,10 @@ class NetRunner:
 
     def __init__(self, net: WorldNet, pool: Executor, array: ArrayOf) -> None:
         self.net = net
+        # This epoch's: after a rebuild the world has a new inbox and epoch, and an op of
+        # the old epoch that still runs must not read the new one's data.
+        self.inbox = net.inbox
+        self.epoch = net.epoch
         self._pool = pool
         self._array = array
 
@@ -93,13 +97,13 @@ class NetRunner:
 
     def _data(self, step: str, tag: CallTag, chunk: int, source: int,
               about: tuple[int, ...] = (), fingerprint: str | None = None) -> p.Data:
-        return p.Data(self.net.world, self.net.epoch, step, tag.index, chunk, source,
+        return p.Data(self.net.world, self.epoch, step, tag.index, chunk, source,
                       tag.fingerprint if fingerprint is None else fingerprint, about)
 
     async def _up(self, tag: CallTag, chunk: int, member: str) -> bytes:
         """The root takes chunk `chunk` of a member's up stream, checking the call matches."""
         source = min(self.net.ranks_of(member))
-        msg, payload = await self.net.inbox.get(("up", tag.index, chunk, source))
+        msg, payload = await self.inbox.get(("up", tag.index, chunk, source))
         if msg.fingerprint != tag.fingerprint:
             mine = min(self.net.ranks_of(self.net.me))
             raise CallError(ErrorCode.MISMATCH,
@@ -108,7 +112,7 @@ class NetRunner:
         return payload
 
     async def _down(self, tag: CallTag, chunk: int) -> bytes:
-        _, payload = await self.net.inbox.get(("down", tag.index, chunk, 0))
+        _, payload = await self.inbox.get(("down", tag.index, chunk, 0))
         return payload
 
     def _send_up(self, tag: CallTag, chunk: int, payload: bytes | memoryview, about: Sequence[int]) -> None:
@@ -228,14 +232,15 @@ class NetRunner:
                     self._send_up(op.tag, i, _raw(data[lo:hi]), ranks)
                 for a in arrays:
                     a[...] = data
-            else:
-                self._send_up(op.tag, 0, b"", ranks)  # arrival, and the call for comparison
+                await self.net.drain()
+                await self._down(op.tag, 0)  # like every collective, done when all have come
+                return
+            self._send_up(op.tag, 0, b"", ranks)  # arrival, and the call for comparison
             await self.net.drain()
-            if source != self.net.me:
-                for i, (lo, hi) in enumerate(pieces):
-                    received = np.frombuffer(await self._down(op.tag, i), np.uint8)
-                    for a in arrays:
-                        a[lo:hi] = received
+            for i, (lo, hi) in enumerate(pieces):
+                received = np.frombuffer(await self._down(op.tag, i), np.uint8)
+                for a in arrays:
+                    a[lo:hi] = received
             return
         members = self.net.members()
         for member in members:
@@ -248,6 +253,8 @@ class NetRunner:
             self._send_down(op.tag, i, _raw(piece), [m for m in members if m != source])
             for a in arrays:
                 a[lo:hi] = piece
+        if source != self.net.me:
+            self._send_down(op.tag, 0, b"", [source])
         await self.net.drain()
 
     async def _barrier(self, op: BarrierOp) -> None:
@@ -272,13 +279,13 @@ class NetRunner:
             msg = self._data("p2p", op.tag, i, pair, (op.dst_rank,), fingerprint=str(len(data)))
             self._route(op.dst_rank, msg, _raw(data[lo:hi]))
             await self.net.drain()
-        await self.net.inbox.get(("p2p-ack", op.tag.index, 0, pair))
+        await self.inbox.get(("p2p-ack", op.tag.index, 0, pair))
 
     async def _recv(self, op: RecvOp) -> None:
         pair = op.src_rank * PAIR + op.dst_rank
         out = self._array(op.dst) if op.dst.nbytes else np.zeros(0, np.uint8)
         for i, (lo, hi) in enumerate(chunks(len(out), CHUNK_BYTES)):
-            msg, payload = await self.net.inbox.get(("p2p", op.tag.index, i, pair))
+            msg, payload = await self.inbox.get(("p2p", op.tag.index, i, pair))
             if msg.fingerprint != str(len(out)):
                 raise CallError(ErrorCode.MISMATCH,
                                 f"mismatched point-to-point {op.src_rank}->{op.dst_rank} call "

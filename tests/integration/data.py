@@ -34,3 +34,24 @@ def reduce_reference(inputs: list[np.ndarray], dtype: str, op: str) -> np.ndarra
         for x in inputs[1:]:
             ufunc(acc, x.astype(np.float32) if wide else x, out=acc)
     return acc.astype(NUMPY[dtype]) if wide else acc
+
+
+def grouped_reference(inputs: list[np.ndarray], dtype: str, op: str,
+                      groups: list[list[int]]) -> np.ndarray:
+    """The arithmetic across daemons: each daemon reduces its ranks in rank order (float32
+    for bf16/f16), the root combines the daemons' partials in order of their lowest rank,
+    and the result is rounded once."""
+    ufunc = UFUNC[op]
+    wide = dtype in ("bf16", "f16")
+    partials = []
+    for group in sorted(groups, key=min):
+        acc = inputs[group[0]].astype(np.float32) if wide else inputs[group[0]].copy()
+        with np.errstate(all="ignore"):
+            for r in group[1:]:
+                ufunc(acc, inputs[r].astype(np.float32) if wide else inputs[r], out=acc)
+        partials.append(acc)
+    total = partials[0].copy()
+    with np.errstate(all="ignore"):
+        for part in partials[1:]:
+            ufunc(total, part, out=total)
+    return total.astype(NUMPY[dtype]) if wide else total

@@ -18,7 +18,13 @@ TIMEOUT = 20.0
 
 
 def connect(sock: str, world: str, rank: int, n: int, timeout: float = TIMEOUT) -> DaemonBackend:
-    return DaemonBackend(sock, world, rank, n, timeout=timeout)
+    """`sock` is a socket path, or `path@host:port` for a world whose root is at host:port."""
+    path, _, bootstrap = sock.partition("@")
+    return DaemonBackend(path, world, rank, n, timeout=timeout, bootstrap=bootstrap or None)
+
+
+def socket_path(sock: str) -> str:
+    return sock.partition("@")[0]
 
 
 def _error_name(call: Any, *args: Any) -> str:
@@ -179,7 +185,8 @@ def register_and_kernel(sock: str, world: str, rank: int, n: int, kernel: int) -
         comm.barrier()
         from commd.status import query_status
 
-        kernels = next(w["add_kernel"] for w in query_status(sock, 5)["worlds"] if w["name"] == world)
+        kernels = next(w["add_kernel"] for w in query_status(socket_path(sock), 5)["worlds"]
+                       if w["name"] == world)
         comm.deregister_buffer(h1)
         errors = [_error_name(comm.deregister_buffer, handle) for handle in (h1, 999_999)]
         comm.deregister_buffer(h2)

@@ -1,0 +1,190 @@
+"""Worlds spread over several daemons on this host: every call, checked against numpy.
+
+Placements: 4 ranks over 2 daemons (2+2) and over 3 daemons (1+1+2); the daemon that
+hosts rank 0 is the root. Floats follow the documented cross-daemon order
+(`grouped_reference`); integers must equal a single daemon's results.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from commd.launch import DaemonProcess
+from tests.integration import workers
+from tests.integration.data import NUMPY, grouped_reference, make_input, reduce_reference
+from tests.integration.harness import RankPool, short_tmpdir, world_name
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = {"COMMD_PEER_SECRET": "test-secret-0123456789"}
+PLACEMENTS = {"2+2": [0, 0, 1, 1], "1+1+2": [0, 1, 2, 2]}
+
+
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[list[DaemonProcess]]:
+    tmp = short_tmpdir()
+    procs = []
+    try:
+        for name in "ABC":
+            procs.append(DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", name]).start())
+        yield procs
+    finally:
+        for proc in procs:
+            assert proc.stop() == 0
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def specs(daemons: list[DaemonProcess], placement: list[int]) -> list[str]:
+    """Per rank: its daemon's socket and the root's peer address."""
+    root = daemons[placement[0]].peer_address()
+    return [f"{daemons[d].socket_path}@{root}" for d in placement]
+
+
+def groups(placement: list[int]) -> list[list[int]]:
+    by_daemon: dict[int, list[int]] = {}
+    for rank, daemon in enumerate(placement):
+        by_daemon.setdefault(daemon, []).append(rank)
+    return list(by_daemon.values())
+
+
+def run(pool: RankPool, addresses: list[str], fn: object, *args: object) -> list[object]:
+    world = world_name("multi")
+    outcomes = pool.run(fn, [(addresses[r], world, r, len(addresses), *args)  # type: ignore[arg-type]
+                             for r in range(len(addresses))])
+    return [o.unwrap() for o in outcomes]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("nelem", [0, 1, 1001, 3 * 1024 * 1024 + 7])
+def test_all_reduce_bf16(pool: RankPool, daemons: list[DaemonProcess], placement: str,
+                         nelem: int) -> None:
+    where = PLACEMENTS[placement]
+    results = run(pool, specs(daemons, where), workers.all_reduce, nelem, None, None, 7)
+    inputs = [make_input(7, r, nelem, "bf16", "sum") for r in range(4)]
+    want = grouped_reference(inputs, "bf16", "sum", groups(where))
+    exact = reduce_reference(inputs, "bf16", "sum").astype(np.float32)
+    for raw in results:
+        assert raw == want.tobytes()
+    # and the grouping changes at most the rounding: within bf16 precision of the exact sum
+    got = np.frombuffer(results[0], NUMPY["bf16"]).astype(np.float32)  # type: ignore[arg-type]
+    assert np.allclose(got, exact, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,op", [("i32", "sum"), ("u8", "sum"), ("i64", "prod"), ("f32", "max"),
+                                      ("f16", "min"), ("f64", "sum"), ("bf16", "prod")])
+def test_all_reduce_dtypes_and_ops(pool: RankPool, daemons: list[DaemonProcess], dtype: str,
+                                   op: str) -> None:
+    where = PLACEMENTS["1+1+2"]
+    results = run(pool, specs(daemons, where), workers.all_reduce, 777, dtype, op, 9, 16)
+    inputs = [make_input(9, r, 777, dtype, op) for r in range(4)]
+    want = grouped_reference(inputs, dtype, op, groups(where))
+    if dtype in ("i32", "u8", "i64") or op in ("max", "min"):
+        assert want.tobytes() == reduce_reference(inputs, dtype, op).tobytes()  # order-free
+    assert all(raw == want.tobytes() for raw in results)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("nbytes", [0, 2, 1001, 5 << 20])
+def test_all_gather(pool: RankPool, daemons: list[DaemonProcess], placement: str, nbytes: int) -> None:
+    results = run(pool, specs(daemons, PLACEMENTS[placement]), workers.all_gather, nbytes, 3)
+    want = b"".join(make_input(3, r, nbytes, "u8", "sum").tobytes() for r in range(4))
+    assert all(raw == want for raw in results)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("share,dtype", [(0, None), (1001, None), (1 << 20, None), (333, "f32")])
+def test_reduce_scatter(pool: RankPool, daemons: list[DaemonProcess], placement: str, share: int,
+                        dtype: str | None) -> None:
+    where = PLACEMENTS[placement]
+    results = run(pool, specs(daemons, where), workers.reduce_scatter, share, dtype, None, 4)
+    d = dtype or "u8"
+    full = grouped_reference([make_input(4, r, share * 4, d, "sum") for r in range(4)], d, "sum",
+                             groups(where))
+    for rank, raw in enumerate(results):
+        assert raw == full[rank * share:(rank + 1) * share].tobytes()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("nbytes", [0, 4, 5 << 20])
+def test_broadcast_from_every_root(pool: RankPool, daemons: list[DaemonProcess], placement: str,
+                                   nbytes: int) -> None:
+    addresses = specs(daemons, PLACEMENTS[placement])
+    for root in range(4):
+        results = run(pool, addresses, workers.broadcast, nbytes, root, 5)
+        assert all(raw == make_input(5, root, nbytes, "u8", "sum").tobytes() for raw in results), root
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_barrier_waits_for_every_daemon(pool: RankPool, daemons: list[DaemonProcess], placement: str) -> None:
+    times = run(pool, specs(daemons, PLACEMENTS[placement]), workers.barrier, 0.15)
+    last = max(arrived for arrived, _ in times)  # type: ignore[misc]
+    assert all(left >= last - 0.005 for _, left in times)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("nbytes", [2, 1001, 5 << 20])
+def test_send_recv_every_pair(pool: RankPool, daemons: list[DaemonProcess], placement: str,
+                              nbytes: int) -> None:
+    results = run(pool, specs(daemons, PLACEMENTS[placement]), workers.send_recv_pairs, nbytes, 6)
+    for rank, received in enumerate(results):
+        assert isinstance(received, dict) and sorted(received) == [r for r in range(4) if r != rank]
+        for peer, raw in received.items():
+            assert raw == make_input(6 + 1000 * peer + rank, 0, nbytes, "u8", "sum").tobytes()
+
+
+def test_send_recv_ungrouped_through_the_root(pool: RankPool, daemons: list[DaemonProcess]) -> None:
+    where = PLACEMENTS["1+1+2"]  # rank 0 on A (root), rank 3 on C: ranks 1->... via A
+    results = run(pool, specs(daemons, where), workers.send_then_recv, 4097, 8)
+    assert results[0] == make_input(8, 3, 4097, "u8", "sum").tobytes()
+    assert results[3] == make_input(8, 0, 4097, "u8", "sum").tobytes()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_recv_command_and_groups(pool: RankPool, daemons: list[DaemonProcess], placement: str) -> None:
+    addresses = specs(daemons, PLACEMENTS[placement])
+    commands = [3, 0xFFFFFFFF, 17]
+    assert run(pool, addresses, workers.command_loop, commands) == [commands] * 4
+    results = run(pool, addresses, workers.group_two_reduces, 513, 12)
+    want_b = reduce_reference([make_input(13, r, 513, "i32", "max") for r in range(4)], "i32", "max")
+    want_a = grouped_reference([make_input(12, r, 513, "f32", "sum") for r in range(4)], "f32", "sum",
+                               groups(PLACEMENTS[placement]))
+    assert all(res == (want_a.tobytes(), want_b.tobytes()) for res in results)
+
+
+def test_symmetric_alloc_and_identity(pool: RankPool, daemons: list[DaemonProcess]) -> None:
+    where = PLACEMENTS["2+2"]
+    addresses = specs(daemons, where)
+    assert run(pool, addresses, workers.identity) == [(r, 4, True, 1) for r in range(4)]
+    want = grouped_reference([make_input(14, r, 1000, "f32", "sum") for r in range(4)], "f32", "sum",
+                             groups(where))
+    for res in run(pool, addresses, workers.symmetric, 1000, 14):
+        assert isinstance(res, dict) and res["result"] == want.tobytes()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_attempt_reconnect_advances_every_daemon(pool: RankPool, daemons: list[DaemonProcess],
+                                                 placement: str) -> None:
+    where = PLACEMENTS[placement]
+    results = run(pool, specs(daemons, where), workers.reconnect_all, 15)
+    want = grouped_reference([make_input(15, r, 64, "f32", "sum") for r in range(4)], "f32", "sum",
+                             groups(where))
+    assert all(res == (1, 2, want.tobytes()) for res in results)
+
+
+def test_two_worlds_share_the_daemons(pool: RankPool, daemons: list[DaemonProcess]) -> None:
+    """World x on daemons A+B and world y on B+C, at the same time, 2 ranks each."""
+    x, y = world_name("x"), world_name("y")
+    a, b, c = (str(d.socket_path) for d in daemons)
+    root_x, root_y = daemons[0].peer_address(), daemons[1].peer_address()
+    args = [(f"{a}@{root_x}", x, 0, 2, 2000, "i32", "sum", 21), (f"{b}@{root_x}", x, 1, 2, 2000, "i32", "sum", 21),
+            (f"{b}@{root_y}", y, 0, 2, 2000, "i32", "sum", 22), (f"{c}@{root_y}", y, 1, 2, 2000, "i32", "sum", 22)]
+    results = [o.unwrap() for o in pool.run(workers.all_reduce, args)]
+    want_x = reduce_reference([make_input(21, r, 2000, "i32", "sum") for r in range(2)], "i32", "sum")
+    want_y = reduce_reference([make_input(22, r, 2000, "i32", "sum") for r in range(2)], "i32", "sum")
+    assert results == [want_x.tobytes()] * 2 + [want_y.tobytes()] * 2
