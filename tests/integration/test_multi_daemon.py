@@ -182,8 +182,9 @@ def test_two_worlds_share_the_daemons(pool: RankPool, daemons: list[DaemonProces
     x, y = world_name("x"), world_name("y")
     a, b, c = (str(d.socket_path) for d in daemons)
     root_x, root_y = daemons[0].peer_address(), daemons[1].peer_address()
-    args = [(f"{a}@{root_x}", x, 0, 2, 2000, "i32", "sum", 21), (f"{b}@{root_x}", x, 1, 2, 2000, "i32", "sum", 21),
-            (f"{b}@{root_y}", y, 0, 2, 2000, "i32", "sum", 22), (f"{c}@{root_y}", y, 1, 2, 2000, "i32", "sum", 22)]
+    places = [(a, root_x, x, 0, 21), (b, root_x, x, 1, 21), (b, root_y, y, 0, 22), (c, root_y, y, 1, 22)]
+    args = [(f"{sock}@{root}", world, rank, 2, 2000, "i32", "sum", seed)
+            for sock, root, world, rank, seed in places]
     results = [o.unwrap() for o in pool.run(workers.all_reduce, args)]
     want_x = reduce_reference([make_input(21, r, 2000, "i32", "sum") for r in range(2)], "i32", "sum")
     want_y = reduce_reference([make_input(22, r, 2000, "i32", "sum") for r in range(2)], "i32", "sum")
