@@ -75,7 +75,8 @@ class NetMembership:
         self.net = net
         self._token = token
         self._votes: dict[int, str] = {}  # root only: rank -> daemon, for the epoch being formed
-        self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: remote votes' deadlines
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
+        self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
 
     # ---- local ranks --------------------------------------------------------------
 
@@ -91,6 +92,7 @@ class NetMembership:
         if rank not in self._world.local_waiting():
             return  # gone while we looked for the root
         if self.net.is_root:
+            self._deadline(rank, timeout_s, None)
             self._count(rank, self.net.me)
         else:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
@@ -100,11 +102,15 @@ class NetMembership:
     def withdraw(self, rank: int) -> None:
         if self.net.is_root and self._votes.get(rank) == self.net.me:
             del self._votes[rank]
+            timer = self._timers.pop(rank, None)
+            if timer is not None:
+                timer.cancel()
 
     def missing(self) -> list[int]:
+        """Ranks that never arrived in this round (only the root knows; members say so)."""
         if self.net.is_root:
-            return [r for r in range(self._world.world_size) if r not in self._votes]
-        return []  # only the root knows; it names them in its refusal
+            return [r for r in range(self._world.world_size) if r not in self._arrived]
+        return []
 
     # ---- the root's side ----------------------------------------------------------
 
@@ -116,30 +122,51 @@ class NetMembership:
                                     f"rank {msg.rank} of world {self._world.name} is already on "
                                     f"daemon {holder}"))
             return
-        old = self._timers.pop(msg.rank, None)
-        if old is not None:
-            old.cancel()
-        self._timers[msg.rank] = asyncio.get_running_loop().call_later(
-            msg.timeout_ms / 1000, self._expire_remote, msg.rank, link, msg.timeout_ms / 1000)
+        self._deadline(msg.rank, msg.timeout_ms / 1000, link)
         self._count(msg.rank, link.name)
 
-    def _expire_remote(self, rank: int, link: PeerLink, timeout_s: float) -> None:
-        if self._votes.get(rank) != link.name:
+    def _deadline(self, rank: int, timeout_s: float, link: PeerLink | None) -> None:
+        """The root times every vote out itself, local or remote, so it can name the
+        ranks that never came (a member's own timer is only a backstop)."""
+        old = self._timers.pop(rank, None)
+        if old is not None:
+            old.cancel()
+        self._timers[rank] = asyncio.get_running_loop().call_later(
+            timeout_s, self._expire, rank, link, timeout_s)
+
+    def _expire(self, rank: int, link: PeerLink | None, timeout_s: float) -> None:
+        daemon = self.net.me if link is None else link.name
+        if self._votes.get(rank) != daemon:
             return
-        missing = self.missing()
+        message = (f"world {self._world.name}: ranks {rank_list(self.missing())} did not arrive "
+                   f"within {timeout_s:g}s")
+        self._drop_vote(rank, link, ErrorCode.TIMEOUT, message)
+
+    def _drop_vote(self, rank: int, link: PeerLink | None, code: ErrorCode, message: str) -> None:
         del self._votes[rank]
-        self._timers.pop(rank, None)
-        link.send(p.JoinRefused(self._world.name, rank, ErrorCode.TIMEOUT,
-                                f"world {self._world.name}: ranks {rank_list(missing)} did not arrive "
-                                f"within {timeout_s:g}s"))
+        timer = self._timers.pop(rank, None)
+        if timer is not None:
+            timer.cancel()
+        if not self._votes:
+            self._arrived.clear()  # the round is over; the next one counts afresh
+        if link is None:
+            self._world.refuse(rank, code, message)
+        else:
+            link.send(p.JoinRefused(self._world.name, rank, code, message))
 
     def _count(self, rank: int, daemon: str) -> None:
         self._votes[rank] = daemon
+        self._arrived.add(rank)
         if len(self._votes) < self._world.world_size:
             return
         placement = tuple(self._votes[r] for r in range(self._world.world_size))
+        if placement[0] != self.net.me:
+            self._refuse_all(f"the bootstrap address must be the peer port of the daemon that hosts "
+                             f"rank 0; that is daemon {placement[0]}, not {self.net.me}")
+            return
         epoch = self._world.epoch + 1
         self._votes.clear()
+        self._arrived.clear()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -151,6 +178,14 @@ class NetMembership:
             except CallError as exc:
                 log.warning("world %s: %s", self._world.name, exc.message)
         self._world.form(epoch, self.net.ranks_of(self.net.me), placement)
+
+    def _refuse_all(self, message: str) -> None:
+        for rank, daemon in list(self._votes.items()):
+            link = None if daemon == self.net.me else self.net.cluster.links.get(daemon)
+            if daemon == self.net.me or link is not None:
+                self._drop_vote(rank, link, ErrorCode.WORLD_CONFLICT, message)
+            else:
+                del self._votes[rank]
 
     # ---- messages from the root (members) or to it ----------------------------------
 

@@ -363,3 +363,37 @@ def threads_share_a_backend(sock: str, world: str, rank: int, n: int, rounds: in
         comm.barrier()
         out["command"] = int(cmd.view(np.uint32)[0])
     return out
+
+
+def timed_barrier(sock: str, world: str, rank: int, n: int, idle_s: float) -> tuple[str, float, bool]:
+    """Rank 0 waits in a barrier (how it ends, and when: wall-clock time); the others idle,
+    then report health."""
+    with connect(sock, world, rank, n) as comm:
+        if rank != 0:
+            time.sleep(idle_s)
+            return "idle", time.time(), comm.is_healthy()
+        try:
+            comm.barrier()
+            return "returned", time.time(), comm.is_healthy()
+        except Exception as exc:
+            return type(exc).__name__ + ": " + str(exc), time.time(), comm.is_healthy()
+
+
+def join_only(sock: str, world: str, rank: int, n: int, timeout: float) -> tuple[str, str]:
+    try:
+        with connect(sock, world, rank, n, timeout=timeout):
+            return "joined", ""
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def reconnect_then_wait(sock: str, world: str, rank: int, n: int) -> bytes:
+    """Rebuild at epoch 2, then rank 1 lets rank 0 wait in an all_reduce for a while."""
+    with connect(sock, world, rank, n) as comm:
+        comm.attempt_reconnect()
+        if rank == 1:
+            time.sleep(1.5)
+        buf = _load(make_input(3, rank, 32, "i64", "sum"))
+        comm.all_reduce(buf.ptr, 32 * 8, dtype="i64")
+        comm.barrier()
+        return _read(buf, 0, 32 * 8)

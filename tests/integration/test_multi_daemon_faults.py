@@ -1,0 +1,167 @@
+"""Peer links are authenticated and watched, epochs are enforced, failures cross daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from commd.cluster import parse_address
+from commd.launch import DaemonProcess
+from commd.peering import PeerNode, PeerSettings
+from commd.status import query_status
+from proto import ErrorCode
+from proto import peer as p
+from tests.integration import workers
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.test_multi_daemon import SECRET
+
+pytestmark = pytest.mark.timeout(90)
+FAST = ["--peer-heartbeat", "0.2", "--peer-window", "1.0"]
+
+
+@pytest.fixture
+def pair() -> Iterator[list[DaemonProcess]]:
+    """Two daemons that declare a silent peer lost after 1 s."""
+    tmp = short_tmpdir()
+    procs = []
+    try:
+        for name in "AB":
+            procs.append(DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST]).start())
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.proc is not None and proc.proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def spec(daemon: DaemonProcess, root: DaemonProcess) -> str:
+    return f"{daemon.socket_path}@{root.peer_address()}"
+
+
+def world_status(daemon: DaemonProcess, world: str) -> dict[str, object] | None:
+    worlds = query_status(str(daemon.socket_path), 5)["worlds"]
+    return next((w for w in worlds if w["name"] == world), None)
+
+
+def wait_for(predicate: object, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.05)
+
+
+def test_a_peer_without_the_secret_is_refused(pool: RankPool, pair: list[DaemonProcess]) -> None:
+    root = pair[0]
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "x.sock", env={"COMMD_PEER_SECRET": "another-secret-123456"},
+                           args=["--peer-name", "X"]) as stranger:
+            (outcome,) = pool.run(workers.join_only, [(spec(stranger, root), world_name(), 1, 2, 5)])
+            name, message = outcome.unwrap()
+            assert name == "PeerLost" and "does not hold our secret" in message
+        # garbage on the peer port is refused too, and the root goes on serving
+        host, port = parse_address(root.peer_address())
+        with socket.create_connection((host, port), timeout=5) as raw:
+            raw.sendall(b"\x00\x00\x00\x05\x00\x00\x00\x00hello")
+            raw.settimeout(5)
+            assert raw.recv(100) == b""  # closed on us
+        peers = query_status(str(root.socket_path), 5)["peers"]
+        assert peers["refused_handshakes"] >= 2
+        world = world_name()
+        results = pool.run(workers.all_reduce, [(spec(d, root), world, r, 2, 64, "i32", "sum", 1)
+                                                for r, d in enumerate(pair)])
+        want = reduce_reference([make_input(1, r, 64, "i32", "sum") for r in range(2)], "i32", "sum")
+        assert [o.unwrap() for o in results] == [want.tobytes()] * 2
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProcess]) -> None:
+    root, member = pair
+    world = world_name()
+    started = pool.start(workers.timed_barrier, [(spec(root, root), world, 0, 2, 4.0),
+                                                (spec(member, root), world, 1, 2, 4.0)])
+    wait_for(lambda: (world_status(root, world) or {}).get("pending_calls") == 1)
+    stopped = time.time()
+    os.kill(member.pid, signal.SIGSTOP)
+    time.sleep(2.5)
+    os.kill(member.pid, signal.SIGCONT)
+    rank0, rank1 = [o.unwrap() for o in pool.collect(started, 30)]
+    assert rank0[0].startswith("PeerLost") and "daemon B was lost" in rank0[0]
+    assert rank0[1] - stopped <= 1.0 + 1.0  # the window, plus a heartbeat and scheduling
+    assert rank0[2] is False
+    assert rank1[2] is False  # B found its link to the root gone when it woke
+
+
+def test_a_lost_rank_fails_every_daemon_and_a_new_process_rejoins(pool: RankPool,
+                                                                  pair: list[DaemonProcess]) -> None:
+    root, member = pair
+    world = world_name()
+    outcomes = pool.run(workers.leave_early, [(spec(root, root), world, 0, 2),
+                                              (spec(member, root), world, 1, 2)])
+    rank0, rank1 = [o.unwrap() for o in outcomes]
+    assert rank0["barrier"] == "WorldFailed" and rank0["healthy"] is False
+    assert rank0["epoch"] == 2 and rank1["epoch"] == 2 and rank0["healthy_end"] is True
+
+
+@pytest.mark.parametrize("kind", ["bytes", "op"])
+def test_mismatch_across_daemons(pool: RankPool, pair: list[DaemonProcess], kind: str) -> None:
+    root, member = pair
+    world = world_name()
+    places = [root, member, member]
+    results = [o.unwrap() for o in pool.run(workers.mismatch, [(spec(d, root), world, r, 3, kind)
+                                                             for r, d in enumerate(places)])]
+    for res in results:
+        name, message = res["error"]
+        assert name == "MismatchError" and "call 1" in message and "rank 1 called" in message
+        assert res["epoch"] == 2 and res["healthy_end"] is True
+
+
+def test_join_timeout_names_the_missing_ranks(pool: RankPool, pair: list[DaemonProcess]) -> None:
+    root, member = pair
+    world = world_name()
+    outcomes = pool.run(workers.join_only, [(spec(root, root), world, 0, 3, 1.0),
+                                            (spec(member, root), world, 2, 3, 1.0)])
+    for outcome in outcomes:
+        name, message = outcome.unwrap()
+        assert name == "CommTimeout" and "ranks [1] did not arrive" in message
+
+
+def test_stale_epoch_messages_are_refused(pool: RankPool, pair: list[DaemonProcess]) -> None:
+    root, member = pair
+    world = world_name()
+    started = pool.start(workers.reconnect_then_wait, [(spec(root, root), world, 0, 2),
+                                                      (spec(member, root), world, 1, 2)])
+    wait_for(lambda: (world_status(root, world) or {}).get("epoch") == 2
+             and (world_status(root, world) or {}).get("pending_calls") == 1)
+    before = query_status(str(root.socket_path), 5)["peers"]["stale_refused"]
+    asyncio.run(_send_stale(root, world))
+    wait_for(lambda: query_status(str(root.socket_path), 5)["peers"]["stale_refused"] >= before + 2)
+    assert (world_status(root, world) or {}).get("state") == "ready"
+    results = [o.unwrap() for o in pool.collect(started, 30)]
+    want = reduce_reference([make_input(3, r, 32, "i64", "sum") for r in range(2)], "i64", "sum")
+    assert results == [want.tobytes()] * 2
+
+
+async def _send_stale(root: DaemonProcess, world: str) -> None:
+    """As an authenticated daemon, say epoch 1 of the world failed, and send epoch-1 data."""
+    settings = PeerSettings("intruder", SECRET["COMMD_PEER_SECRET"].encode())
+    node = PeerNode(settings, lambda link, msg, payload: None, lambda link, reason: None)
+    link = await node.dial(*parse_address(root.peer_address()))
+    link.send(p.WorldFailed(world, 1, ErrorCode.WORLD_FAILED, "old news"))
+    link.send(p.Data(world, 1, "up", 0, 0, 1, "barrier()"), b"")
+    await link.drain()
+    await asyncio.sleep(0.3)
+    link.close("done")
