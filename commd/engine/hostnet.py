@@ -47,7 +47,7 @@ from .base import (
     Region,
     SendOp,
 )
-from .hostreduce import accumulate, combine, narrow
+from .hostreduce import NUMPY_DTYPE, accumulate, combine, narrow
 
 if TYPE_CHECKING:
     from ..cluster import WorldNet
@@ -60,7 +60,7 @@ ArrayOf = Callable[[Region], np.ndarray]
 
 def _raw(array: np.ndarray) -> memoryview:
     """The array's bytes, not copied (it is contiguous: a slice of one buffer)."""
-    return array.data.cast("B")
+    return array.view(np.uint8).data  # through uint8: ml_dtypes' bf16 exports no buffer format
 
 
 def chunks(total: int, size: int) -> list[tuple[int, int]]:
@@ -135,8 +135,8 @@ class NetRunner:
         local_ranks = self.net.ranks_of(self.net.me)
         if not self.net.is_root:
             for i, (lo, hi) in enumerate(pieces):
-                partial = await self._off_loop(lambda lo=lo, hi=hi: accumulate(  # type: ignore[misc]
-                    [s[lo:hi] for s in srcs], dtype, op))
+                partial = await self._off_loop(lambda lo=lo, hi=hi: narrow(accumulate(  # type: ignore[misc]
+                    [s[lo:hi] for s in srcs], dtype, op), dtype))
                 self._send_up(tag, i, _raw(partial), local_ranks)
                 await self.net.drain()
             for i, (lo, hi) in enumerate(pieces):
@@ -153,7 +153,7 @@ class NetRunner:
             parts = {local_ranks[0]: mine}
             for member in members:
                 payload = await self._up(tag, i, member)
-                parts[min(self.net.ranks_of(member))] = np.frombuffer(payload, mine.dtype)
+                parts[min(self.net.ranks_of(member))] = np.frombuffer(payload, NUMPY_DTYPE[dtype]).astype(mine.dtype)
             ordered = [parts[r] for r in sorted(parts)]
             if any(len(x) != len(mine) for x in ordered):
                 raise CallError(ErrorCode.MISMATCH,
