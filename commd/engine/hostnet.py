@@ -11,10 +11,13 @@ Every collective k runs in two phases over the member ↔ root links:
 
 Large buffers move in chunks of `CHUNK_BYTES`, so the root reduces chunk i
 while chunk i+1 is still on the wire. Reductions: each daemon sums its own
-ranks in rank order (bf16/f16 widened to float32); the root adds the daemons'
-partials in order of their lowest rank and rounds once. Integer results are
-identical to a single daemon's; float sums can differ from a single daemon's in
-the last bit, since the grouping of the additions follows the placement.
+ranks in rank order (bf16/f16 widened to float32); a member sends its partial
+rounded to the element type (half the bytes of float32); the root adds the
+members' partials to its own in order of their lowest rank, in float32, and
+rounds once. Integer results are identical to a single daemon's; float sums can
+differ from a single daemon's in the last bits, since the grouping (and, for
+bf16/f16, one rounding per member daemon) follows the placement -- still no
+more roundings on any path than NCCL's ring takes.
 
 Point-to-point between daemons: the sender's daemon sends the bytes (step
 "p2p") to the receiver's daemon, through the root when neither is the root;
@@ -47,7 +50,7 @@ from .base import (
     Region,
     SendOp,
 )
-from .hostreduce import NUMPY_DTYPE, accumulate, combine, narrow
+from .hostreduce import accumulate, accumulator, fold, narrow
 
 if TYPE_CHECKING:
     from ..cluster import WorldNet
@@ -132,12 +135,19 @@ class NetRunner:
         item = dtype.itemsize
         total = len(srcs[0])
         pieces = chunks(total, CHUNK_BYTES // item * item)
-        local_ranks = self.net.ranks_of(self.net.me)
+        width = (pieces[0][1] - pieces[0][0]) // item
+        acc, scratch = accumulator(dtype, width), accumulator(dtype, width)
+
+        def partial(lo: int, hi: int) -> np.ndarray:
+            n = (hi - lo) // item
+            return accumulate([s[lo:hi] for s in srcs], dtype, op, acc[:n], scratch[:n])
+
         if not self.net.is_root:
+            local_ranks = self.net.ranks_of(self.net.me)
             for i, (lo, hi) in enumerate(pieces):
-                partial = await self._off_loop(lambda lo=lo, hi=hi: narrow(accumulate(  # type: ignore[misc]
-                    [s[lo:hi] for s in srcs], dtype, op), dtype))
-                self._send_up(tag, i, _raw(partial), local_ranks)
+                # a partial crosses the wire in the element type: half the bytes of float32
+                wire = await self._off_loop(lambda: narrow(partial(lo, hi), dtype))  # awaited: lo/hi stay
+                self._send_up(tag, i, _raw(wire), local_ranks)
                 await self.net.drain()
             for i, (lo, hi) in enumerate(pieces):
                 result = np.frombuffer(await self._down(tag, i), np.uint8)
@@ -146,20 +156,17 @@ class NetRunner:
                                     f"call {tag.index}: chunk {i} has {len(result)} bytes")
                 deliver(lo, hi, result)
             return
-        members = self.net.members()
+        members = self.net.members()  # in order of their lowest rank; ours (rank 0) comes first
         for i, (lo, hi) in enumerate(pieces):
-            mine = await self._off_loop(lambda lo=lo, hi=hi: accumulate(  # type: ignore[misc]
-                [s[lo:hi] for s in srcs], dtype, op))
-            parts = {local_ranks[0]: mine}
+            mine = await self._off_loop(lambda: partial(lo, hi))
             for member in members:
-                payload = await self._up(tag, i, member)
-                parts[min(self.net.ranks_of(member))] = np.frombuffer(payload, NUMPY_DTYPE[dtype]).astype(mine.dtype)
-            ordered = [parts[r] for r in sorted(parts)]
-            if any(len(x) != len(mine) for x in ordered):
-                raise CallError(ErrorCode.MISMATCH,
-                                f"call {tag.index}: daemons sent partials of different sizes")
-            result = await self._off_loop(lambda ordered=ordered: narrow(  # type: ignore[misc]
-                combine(ordered, op), dtype).view(np.uint8))
+                theirs = np.frombuffer(await self._up(tag, i, member), np.uint8)
+                if len(theirs) != hi - lo:
+                    raise CallError(ErrorCode.MISMATCH,
+                                    f"call {tag.index}: daemon {member} sent {len(theirs)} bytes "
+                                    f"for a {hi - lo}-byte chunk")
+                await self._off_loop(lambda: fold(mine, theirs, dtype, op, scratch[:len(mine)]))
+            result = await self._off_loop(lambda: narrow(mine, dtype).view(np.uint8))
             self._send_down(tag, i, _raw(result))
             deliver(lo, hi, result)
             await self.net.drain()

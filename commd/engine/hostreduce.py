@@ -111,22 +111,28 @@ def _accumulator(dtype: DType) -> Any:
     return np.float32 if dtype in _WIDENED else NUMPY_DTYPE[dtype]
 
 
-def accumulate(srcs: Sequence[np.ndarray], dtype: DType, op: ReduceOp) -> np.ndarray:
-    """Reduce byte arrays `srcs` (rank order) into a new accumulator: float32 for bf16 and
-    f16, the element type otherwise. A partial result for another daemon to combine."""
-    elem, wide = NUMPY_DTYPE[dtype], _accumulator(dtype)
-    acc: np.ndarray = srcs[0].view(elem).astype(wide)
+def accumulate(srcs: Sequence[np.ndarray], dtype: DType, op: ReduceOp,
+               out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """Reduce byte arrays `srcs` (rank order) into `out`, an accumulator (float32 for bf16
+    and f16, the element type otherwise) of their length; `scratch` is another. Reusing
+    them matters: fresh pages for every chunk cost more than the arithmetic."""
+    elem = NUMPY_DTYPE[dtype]
+    load: Loader = _load_bf16 if dtype is DType.BF16 else _load_cast
+    load(srcs[0].view(elem), out)
     for src in srcs[1:]:
-        _UFUNC[op](acc, src.view(elem).astype(wide, copy=False), out=acc)
-    return acc
+        fold(out, src, dtype, op, scratch)
+    return out
 
 
-def combine(parts: Sequence[np.ndarray], op: ReduceOp) -> np.ndarray:
-    """Reduce accumulators (in the order given) into a new one."""
-    acc = parts[0].copy()
-    for part in parts[1:]:
-        _UFUNC[op](acc, part, out=acc)
-    return acc
+def fold(acc: np.ndarray, src: np.ndarray, dtype: DType, op: ReduceOp, scratch: np.ndarray) -> None:
+    """acc = acc (op) src, where `src` holds elements of `dtype` as bytes."""
+    load: Loader = _load_bf16 if dtype is DType.BF16 else _load_cast
+    load(src.view(NUMPY_DTYPE[dtype]), scratch)
+    _UFUNC[op](acc, scratch, out=acc)
+
+
+def accumulator(dtype: DType, elems: int) -> np.ndarray:
+    return np.empty(elems, _accumulator(dtype))
 
 
 def narrow(acc: np.ndarray, dtype: DType) -> np.ndarray:

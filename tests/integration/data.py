@@ -39,8 +39,9 @@ def reduce_reference(inputs: list[np.ndarray], dtype: str, op: str) -> np.ndarra
 def grouped_reference(inputs: list[np.ndarray], dtype: str, op: str,
                       groups: list[list[int]]) -> np.ndarray:
     """The arithmetic across daemons: each daemon reduces its ranks in rank order (float32
-    for bf16/f16), the root combines the daemons' partials in order of their lowest rank,
-    and the result is rounded once."""
+    for bf16/f16); a member's partial is rounded to the element type for the wire; the
+    root (the daemon of rank 0) adds them to its own in order of their lowest rank and
+    rounds once."""
     ufunc = UFUNC[op]
     wide = dtype in ("bf16", "f16")
     partials = []
@@ -49,6 +50,8 @@ def grouped_reference(inputs: list[np.ndarray], dtype: str, op: str,
         with np.errstate(all="ignore"):
             for r in group[1:]:
                 ufunc(acc, inputs[r].astype(np.float32) if wide else inputs[r], out=acc)
+            if wide and 0 not in group:
+                acc = acc.astype(NUMPY[dtype]).astype(np.float32)
         partials.append(acc)
     total = partials[0].copy()
     with np.errstate(all="ignore"):
