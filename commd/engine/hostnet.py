@@ -28,6 +28,7 @@ completes on the acknowledgement.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, TypeVar
@@ -138,15 +139,16 @@ class NetRunner:
         width = (pieces[0][1] - pieces[0][0]) // item
         acc, scratch = accumulator(dtype, width), accumulator(dtype, width)
 
-        def partial(lo: int, hi: int) -> np.ndarray:
+        def local_sum(lo: int, hi: int, narrowed: bool) -> np.ndarray:
             n = (hi - lo) // item
-            return accumulate([s[lo:hi] for s in srcs], dtype, op, acc[:n], scratch[:n])
+            summed = accumulate([s[lo:hi] for s in srcs], dtype, op, acc[:n], scratch[:n])
+            return narrow(summed, dtype) if narrowed else summed
 
         if not self.net.is_root:
             local_ranks = self.net.ranks_of(self.net.me)
             for i, (lo, hi) in enumerate(pieces):
                 # a partial crosses the wire in the element type: half the bytes of float32
-                wire = await self._off_loop(lambda: narrow(partial(lo, hi), dtype))  # awaited: lo/hi stay
+                wire = await self._off_loop(functools.partial(local_sum, lo, hi, True))
                 self._send_up(tag, i, _raw(wire), local_ranks)
                 await self.net.drain()
             for i, (lo, hi) in enumerate(pieces):
@@ -158,15 +160,15 @@ class NetRunner:
             return
         members = self.net.members()  # in order of their lowest rank; ours (rank 0) comes first
         for i, (lo, hi) in enumerate(pieces):
-            mine = await self._off_loop(lambda: partial(lo, hi))
+            mine = await self._off_loop(functools.partial(local_sum, lo, hi, False))
             for member in members:
                 theirs = np.frombuffer(await self._up(tag, i, member), np.uint8)
                 if len(theirs) != hi - lo:
                     raise CallError(ErrorCode.MISMATCH,
                                     f"call {tag.index}: daemon {member} sent {len(theirs)} bytes "
                                     f"for a {hi - lo}-byte chunk")
-                await self._off_loop(lambda: fold(mine, theirs, dtype, op, scratch[:len(mine)]))
-            result = await self._off_loop(lambda: narrow(mine, dtype).view(np.uint8))
+                await self._off_loop(functools.partial(fold, mine, theirs, dtype, op, scratch[:len(mine)]))
+            result = (await self._off_loop(functools.partial(narrow, mine, dtype))).view(np.uint8)
             self._send_down(tag, i, _raw(result))
             deliver(lo, hi, result)
             await self.net.drain()
