@@ -49,7 +49,8 @@ class DaemonBackend(CommBackend):
         self._world = world
         self._timeout = timeout
         self._memory = memory if memory is not None else default_memory()
-        self._lock = threading.RLock()  # group state and buffer bookkeeping
+        self._lock = threading.RLock()  # group state and buffer bookkeeping, never over I/O
+        self._import_lock = threading.Lock()
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
@@ -189,7 +190,10 @@ class DaemonBackend(CommBackend):
         return self._failure is None
 
     def attempt_reconnect(self) -> None:
-        reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()))
+        # like the hello: the daemon enforces the deadline and names missing ranks; give its
+        # answer time to arrive rather than give up just before it does
+        reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()),
+                                 grace=_JOIN_GRACE_S)
         self.epoch = reply.value  # type: ignore[union-attr]
         with self._lock:
             self._failure = None
@@ -238,26 +242,31 @@ class DaemonBackend(CommBackend):
         ref = resolve(self._memory, ptr, nbytes)
         if ref is None:
             return None
-        with self._lock:
+        # Its own lock, held over the round trip: a thread reading replies for another call
+        # (and taking _lock for an event) must never wait for this one.
+        with self._import_lock:
             if ref.buffer_id not in self._imported:
                 self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
                                                    ref.kind, ref.size, ref.handle),
                               fds=[ref.fd] if ref.fd is not None else [])
-                self._imported.add(ref.buffer_id)
+                with self._lock:
+                    self._imported.add(ref.buffer_id)
         return proto.Mem(ref.buffer_id, ref.offset)
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
               deadline: bool = True) -> None:
         """Submit one op, or add it to the open group. Steady-state loops repeat the same
         calls: the built op is cached by its arguments until a buffer is released."""
+        self._check_open()
         with self._lock:
-            self._check_open()
             op = self._ops.get(key)
-            if op is None:
-                op = self._build(make_op)
+        if op is None:
+            op = self._build(make_op)  # may import a buffer: a round trip, outside _lock
+            with self._lock:
                 if len(self._ops) >= _OP_CACHE_SIZE:
                     self._ops.clear()
                 self._ops[key] = op
+        with self._lock:
             if self._group is not None:
                 if len(self._group) >= proto.MAX_GROUP_OPS:
                     raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
@@ -273,14 +282,14 @@ class DaemonBackend(CommBackend):
         self._request(lambda: proto.Submit(self._transport.next_id(), ops), deadline=deadline)
 
     def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
-                 deadline: bool = True) -> tuple[proto.Message, list[int]]:
+                 deadline: bool = True, grace: float = 0.0) -> tuple[proto.Message, list[int]]:
         """One request/reply under the backend's deadline; daemon errors become CommErrors."""
         self._check_open()
         self._send_releases()
         msg = self._build(make)
         try:
             reply, got = self._transport.request(
-                msg, time.monotonic() + self._timeout if deadline else None, fds)
+                msg, time.monotonic() + self._timeout + grace if deadline else None, fds)
             self._check(reply)
         except CommError as exc:
             if isinstance(exc, UNHEALTHY):

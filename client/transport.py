@@ -42,6 +42,19 @@ def close_fds(fds: Sequence[int]) -> None:
             os.close(fd)
 
 
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect within `timeout`; a full listen backlog (EAGAIN on Unix sockets) is retried."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
@@ -64,15 +77,14 @@ class Transport:
         self._broken: CommError | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.settimeout(None)
             # Kernel timeouts instead of Python's: a blocked send (a daemon that stopped
-            # reading) ends after `timeout`; a blocking receive wakes every `_quantum` to
-            # check its deadline, which saves a poll() per call on the hot path.
+            # reading, or a full listen backlog while connecting) ends after `timeout`; a
+            # blocking receive wakes every `_quantum` to check its deadline, which saves a
+            # poll() per call on the hot path.
             self._quantum = min(0.25, timeout / 4)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self._quantum))
+            _connect(sock, path, timeout)
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
@@ -201,6 +213,9 @@ class Transport:
         try:
             while self._poll.poll(0):
                 msg, fds = self._read_one(None)
+                if isinstance(msg, proto.Error) and not msg.id:  # the daemon is dropping us
+                    self._break(from_code(msg.code, msg.message))
+                    break
                 if isinstance(msg, proto.Event):
                     self._on_event(msg)
                 elif getattr(msg, "id", 0) in self._awaited:
