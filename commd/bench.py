@@ -7,68 +7,45 @@ collective is done only when every rank has its result); the table shows the
 median and p99 of that over the iterations. Throughput is algorithm bandwidth:
 bytes / median seconds. Ratios are gloo / commd, so above 1 means commd is faster.
 
+With --daemons N > 1 the commd side starts N daemons on this host, joined by their
+peer listeners (127.0.0.1, a fresh random shared secret), and places the n ranks in
+contiguous blocks (4 ranks over 2 daemons: ranks 0,1 on the first, 2,3 on the
+second); rank 0's daemon is the world's root. The gloo side is unchanged: n processes.
+
 Buffers hold random bf16 values in [2^-7, 2^-2); they are refilled from a pristine
-copy, outside the timed call, before repeated sums could reach inf.
+copy, outside the timed call, before repeated sums could reach inf. The worker
+processes live in `benchrun`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
-import multiprocessing as mp
-import multiprocessing.queues as mpq
 import os
 import platform
-import queue
-import socket
+import secrets
 import sys
 import tempfile
-import time
-import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .benchrun import BARRIER, CpuSet, Plan, Stats, free_port, run_side
+from .config import SECRET_ENV
 from .errors import ConfigError
 from .launch import DaemonProcess
 
-BARRIER = "barrier"
-_CALL_TIMEOUT_S = 120.0  # one call; generous because the 2-core VM is shared
-_SIDE_TIMEOUT_S = 600.0  # one side's whole run for one rank count
-_REAP_TIMEOUT_S = 10.0
-# (ranks, bytes, how many times better than gloo, measured as): the project's goals.
-_TARGETS = ((2, 8, 4.0, "latency"), (4, 8, 4.0, "latency"), (4, 64 << 20, 2.0, "bandwidth"))
-
-Timings = dict[str, list[float]]  # row label -> seconds per iteration
-CpuSet = tuple[int, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Job:
-    """What one worker process runs; pickled to the spawned child."""
-
-    side: str  # "commd" or "gloo"
-    rank: int
-    world_size: int
-    address: str  # the daemon's socket path, or gloo's tcp:// init method
-    sizes: tuple[int, ...]
-    iters: tuple[int, ...]
-    barrier_iters: int
-    cpus: CpuSet
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    iters: int
-    median_us: float
-    p99_us: float
-    mean_us: float
-    min_us: float
+_STOP_TIMEOUT_S = 20.0
+# (ranks, daemons, bytes, how many times better than gloo, measured as): the project's
+# goals; gloo always runs one process per rank.
+_TARGETS = ((2, 1, 8, 4.0, "latency"), (4, 1, 8, 4.0, "latency"),
+            (4, 1, 64 << 20, 2.0, "bandwidth"))
+_MULTI_TARGETS = ((4, 2, 64 << 20, 1.5, "bandwidth"),)
 
 
 def default_iters(size: int) -> int:
@@ -113,195 +90,69 @@ def pinning_note(cpus: Sequence[int], pin: bool) -> str:
             "daemon on all CPUs")
 
 
-# ---- worker side ---------------------------------------------------------------------
+def placement(n: int, daemons: int) -> list[int]:
+    """Each rank's daemon: contiguous blocks, as even as they go (4 over 2: 0, 0, 1, 1)."""
+    return [rank * daemons // n for rank in range(n)]
 
 
-def _random_bf16_bits(size: int, seed: int) -> np.ndarray:
-    # Built from bits, not floats: sign, exponent 120..123 (magnitude [2^-7, 2^-2))
-    # and a random mantissa, so no NaN, inf or subnormal ever enters the timing.
-    bits = np.random.default_rng(seed).integers(0, 1 << 16, size // 2, dtype=np.uint16)
-    return (bits & np.uint16(0x81FF)) | np.uint16(0x3C00)
+@contextlib.contextmanager
+def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
+    """`count` daemons with peer listeners on 127.0.0.1 and one fresh secret; stopped
+    (SIGTERM, bounded wait, then SIGKILL) on the way out, whatever happened.
 
-
-def _refill_every(world_size: int) -> int:
-    # A sum over n ranks grows by at most n per call; refill before it passes 2^100.
-    return max(1, 100 // world_size.bit_length())
-
-
-def _measure(call: Callable[[], object], refill: Callable[[], object],
-             barrier: Callable[[], object], iters: int, refill_every: int) -> list[float]:
-    clock = time.perf_counter
-    for i in range(max(3, iters // 10)):  # warm-up: first-touch, imports, the daemon's import
-        if i % refill_every == 0:
-            refill()
-        call()
-    barrier()  # every rank starts the timed loop together
-    times: list[float] = []
-    for i in range(iters):
-        if i % refill_every == 0:
-            refill()
-        start = clock()
-        call()
-        times.append(clock() - start)
-    return times
-
-
-def _nothing() -> None:
-    pass
-
-
-def _commd_size(comm: Any, job: _Job, size: int, iters: int) -> list[float]:
-    from client import hostmem
-
-    buf = hostmem.alloc(size)
-    times = _commd_timed(comm, buf, job, size, iters)
-    buf.close()  # after _commd_timed returned: close refuses while its view is alive
-    return times
-
-
-def _commd_timed(comm: Any, buf: Any, job: _Job, size: int, iters: int) -> list[float]:
-    data, pristine, ptr = buf.view(np.uint16), _random_bf16_bits(size, job.rank), buf.ptr
-    return _measure(lambda: comm.all_reduce(ptr, size), lambda: np.copyto(data, pristine),
-                    comm.barrier, iters, _refill_every(job.world_size))
-
-
-def _run_commd(job: _Job) -> Timings:
-    from client import DaemonBackend
-
-    out: Timings = {}
-    with DaemonBackend(job.address, "bench", job.rank, job.world_size,
-                       timeout=_CALL_TIMEOUT_S) as comm:
-        for size, iters in zip(job.sizes, job.iters, strict=True):
-            out[str(size)] = _commd_size(comm, job, size, iters)
-        out[BARRIER] = _measure(comm.barrier, _nothing, comm.barrier, job.barrier_iters, 1)
-    return out
-
-
-def _gloo_size(dist: Any, torch: Any, job: _Job, size: int, iters: int) -> list[float]:
-    pristine = torch.from_numpy(_random_bf16_bits(size, job.rank)).view(torch.bfloat16)
-    tensor = pristine.clone()
-    return _measure(lambda: dist.all_reduce(tensor), lambda: tensor.copy_(pristine),
-                    dist.barrier, iters, _refill_every(job.world_size))
-
-
-def _run_gloo(job: _Job) -> Timings:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # one rank per core, as the commd workers
-    dist.init_process_group("gloo", init_method=job.address, rank=job.rank,
-                            world_size=job.world_size,
-                            timeout=datetime.timedelta(seconds=_CALL_TIMEOUT_S))
-    try:
-        out: Timings = {}
-        for size, iters in zip(job.sizes, job.iters, strict=True):
-            out[str(size)] = _gloo_size(dist, torch, job, size, iters)
-        out[BARRIER] = _measure(dist.barrier, _nothing, dist.barrier, job.barrier_iters, 1)
-        return out
-    finally:
-        dist.destroy_process_group()
-
-
-def _worker(job: _Job, results: mpq.Queue[Any]) -> None:
-    try:
-        if job.cpus is not None:
-            os.sched_setaffinity(0, job.cpus)
-        timings = _run_commd(job) if job.side == "commd" else _run_gloo(job)
-        results.put(("ok", job.rank, timings))
-    except BaseException:
-        results.put(("error", job.rank, traceback.format_exc()))
-
-
-# ---- parent side -----------------------------------------------------------------------
-
-
-def _collect(results: mpq.Queue[Any], procs: Sequence[mp.process.BaseProcess],
-             deadline: float) -> dict[int, Timings]:
-    got: dict[int, Timings] = {}
-    dead_since: float | None = None
-    while len(got) < len(procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"workers {sorted(set(range(len(procs))) - set(got))} "
-                               "did not report in time")
+    Their logs go to files (a clean stop logs the links closing); a daemon's log is
+    shown only when the run failed or the daemon did not exit 0."""
+    env = {SECRET_ENV: secrets.token_hex(16)}  # in the environment, never on a command line
+    started: list[DaemonProcess] = []
+    failed = False
+    with contextlib.ExitStack() as logs:
         try:
-            status, rank, payload = results.get(timeout=0.5)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-            # A rank may exit just after putting its result: give the pipe a moment.
-            if dead and dead_since is None:
-                dead_since = time.monotonic()
-            elif dead and dead_since is not None and time.monotonic() - dead_since > 3.0:
-                codes = {r: procs[r].exitcode for r in dead}
-                raise RuntimeError(f"worker ranks exited without a result: {codes}") from None
-            continue
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        got[rank] = payload
-    return got
+            for i in range(count):
+                log = logs.enter_context((tmp / f"d{i}.log").open("wb"))
+                started.append(DaemonProcess(tmp / f"d{i}.sock", env=env, log=log, args=[
+                    "--peer-listen", "127.0.0.1:0", "--peer-name", f"bench-{i}"]).start())
+            yield started
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for i, daemon in enumerate(started):
+                code = daemon.stop(_STOP_TIMEOUT_S)
+                if failed or code != 0:
+                    tail = (tmp / f"d{i}.log").read_text(errors="replace")[-4000:]
+                    print(f"commd bench: daemon {i} exited with code {code}; its log:\n{tail}",
+                          file=sys.stderr)
 
 
-def _reap(procs: Sequence[mp.process.BaseProcess]) -> None:
-    procs = [p for p in procs if p.pid is not None]  # a failed start leaves some unstarted
-    deadline = time.monotonic() + _REAP_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5.0)
-
-
-def _run_side(side: str, address: str, n: int, workers: list[CpuSet], sizes: tuple[int, ...],
-              iters: tuple[int, ...], barrier_iters: int) -> dict[str, Stats]:
-    ctx = mp.get_context("spawn")
-    results: mpq.Queue[Any] = ctx.Queue()
-    procs = [ctx.Process(target=_worker, name=f"bench-{side}-{rank}", daemon=True,
-                         args=(_Job(side, rank, n, address, sizes, iters, barrier_iters,
-                                    workers[rank]), results))
-             for rank in range(n)]
-    try:
-        for proc in procs:
-            proc.start()
-        got = _collect(results, procs, time.monotonic() + _SIDE_TIMEOUT_S)
-    finally:
-        _reap(procs)
-        results.close()
-    return {label: _stats(np.max([got[r][label] for r in range(n)], axis=0))
-            for label in got[0]}
-
-
-def _stats(seconds: np.ndarray) -> Stats:
-    us = seconds * 1e6
-    return Stats(len(us), float(np.median(us)), float(np.percentile(us, 99)),
-                 float(np.mean(us)), float(np.min(us)))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _bench_commd(n: int, workers: list[CpuSet], sizes: tuple[int, ...],
-                 iters: tuple[int, ...], barrier_iters: int) -> dict[str, Stats]:
+def _bench_commd(n: int, daemons: int, workers: list[CpuSet], plan: Plan) -> dict[str, Stats]:
     with tempfile.TemporaryDirectory(prefix="commd-bench-") as tmp:
-        sock = Path(tmp) / "commd.sock"
-        with DaemonProcess(sock):
-            return _run_side("commd", str(sock), n, workers, sizes, iters, barrier_iters)
+        if daemons == 1:
+            sock = Path(tmp) / "commd.sock"
+            with DaemonProcess(sock):
+                return run_side("commd", [str(sock)] * n, workers, plan)
+        where = placement(n, daemons)
+        with _daemons(Path(tmp), daemons) as procs:
+            root = procs[where[0]].peer_address()
+            return run_side("commd", [str(procs[d].socket_path) for d in where], workers, plan,
+                            bootstrap=root)
+
+
+def world_label(n: int, daemons: int) -> str:
+    return f"{n} ranks / {daemons} daemon{'s' if daemons > 1 else ''}"
 
 
 # ---- report ----------------------------------------------------------------------------
 
 
-def _row(n: int, label: str, size: int, commd: Stats, gloo: Stats | None) -> dict[str, Any]:
+def _row(n: int, daemons: int, label: str, size: int, commd: Stats,
+         gloo: Stats | None) -> dict[str, Any]:
     def side(s: Stats) -> dict[str, Any]:
         return {**dataclasses.asdict(s), "gbps": size / s.median_us / 1e3 if size else None}
 
     ratio = gloo.median_us / commd.median_us if gloo is not None else None
-    return {"ranks": n, "op": "barrier" if label == BARRIER else "all_reduce", "bytes": size,
+    return {"ranks": n, "daemons": daemons, "world": world_label(n, daemons),
+            "placement": placement(n, daemons),
+            "op": "barrier" if label == BARRIER else "all_reduce", "bytes": size,
             "label": "barrier" if label == BARRIER else size_label(size),
             "commd": side(commd), "gloo": None if gloo is None else side(gloo),
             # Same bytes on both sides, so the bandwidth ratio is the latency ratio.
@@ -312,31 +163,47 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render_table(rows: Sequence[dict[str, Any]], pinning: str) -> str:
+def render_table(rows: Sequence[dict[str, Any]], pinning: str, daemons: int = 1) -> str:
     head = ["commd DaemonBackend vs torch.distributed gloo: all_reduce (bf16, sum) and barrier",
             f"pinning: {pinning}",
             "latency: per iteration the slowest rank's time; median and p99 over the iterations",
             "lat ratio: gloo median / commd median (>1: commd faster; equals the GB/s ratio)"]
+    if daemons > 1:
+        head.append(f"commd: {daemons} daemons on this host, ranks in contiguous blocks, rank 0's "
+                    "daemon the root; gloo: one process per rank")
     cols = ("ranks", "op/size", "commd med µs", "commd p99 µs", "gloo med µs", "gloo p99 µs",
             "lat ratio", "commd GB/s", "gloo GB/s")
-    lines = [*head, "  ".join(f"{c:>12}" for c in cols)]
+    width = max([12, *(len(r["world"]) for r in rows)]) if daemons > 1 else 12
+    lines = [*head, "  ".join(f"{c:>{width if i == 0 else 12}}" for i, c in enumerate(cols))]
     for r in rows:
         c, g = r["commd"], r["gloo"] or {}
-        cells = (str(r["ranks"]), r["label"], _fmt(c["median_us"], ".1f"), _fmt(c["p99_us"], ".1f"),
+        first = r["world"] if daemons > 1 else str(r["ranks"])
+        cells = (_fmt(c["median_us"], ".1f"), _fmt(c["p99_us"], ".1f"),
                  _fmt(g.get("median_us"), ".1f"), _fmt(g.get("p99_us"), ".1f"),
                  _fmt(r["latency_ratio"], ".2f"), _fmt(c["gbps"], ".3g"), _fmt(g.get("gbps"), ".3g"))
-        lines.append("  ".join(f"{cell:>12}" for cell in cells))
+        lines.append("  ".join([f"{first:>{width}}", f"{r['label']:>12}",
+                                *(f"{cell:>12}" for cell in cells)]))
     return "\n".join(lines)
 
 
-def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The project's goals for this bench, each with a one-line verdict."""
+def _target_name(n: int, daemons: int, size: int, goal: float, what: str) -> str:
+    if daemons == 1:
+        return f"{size_label(size)} all_reduce, {n} ranks: {what} >= {goal:g}x gloo's"
+    blocks = "+".join(str(placement(n, daemons).count(d)) for d in range(daemons))
+    if len(set(blocks.split("+"))) == 1:
+        blocks = f"{daemons}x{n // daemons}"
+    return (f"{size_label(size)} bf16 all_reduce over {daemons} daemons ({blocks} ranks): "
+            f"{what} >= {goal:g}x gloo's with {n} processes")
+
+
+def check_targets(rows: Sequence[dict[str, Any]], daemons: int = 1) -> list[dict[str, Any]]:
+    """The project's goals for this bench (single- or multi-daemon), each with a verdict."""
     out = []
-    for n, size, goal, what in _TARGETS:
-        row = next((r for r in rows if (r["ranks"], r["op"], r["bytes"]) == (n, "all_reduce", size)),
+    for n, d, size, goal, what in _TARGETS if daemons == 1 else _MULTI_TARGETS:
+        key = (n, d, "all_reduce", size)
+        row = next((r for r in rows if (r["ranks"], r["daemons"], r["op"], r["bytes"]) == key),
                    None)
         ratio = row["latency_ratio"] if row is not None else None
-        name = f"{size_label(size)} all_reduce, {n} ranks: {what} >= {goal:g}x gloo's"
         if row is None or ratio is None:
             verdict = "not measured" if row is None else "no gloo numbers"
         else:
@@ -344,8 +211,9 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             detail = (f"commd {c['gbps']:.3f} GB/s vs gloo {g['gbps']:.3f} GB/s" if what == "bandwidth"
                       else f"commd {c['median_us']:.1f} µs vs gloo {g['median_us']:.1f} µs")
             verdict = f"{detail} = {ratio:.2f}x: {'met' if ratio >= goal else 'NOT met'}"
-        out.append({"target": name, "goal": goal, "ratio": ratio,
-                    "met": None if ratio is None else ratio >= goal, "verdict": verdict})
+        out.append({"target": _target_name(n, d, size, goal, what), "ranks": n, "daemons": d,
+                    "goal": goal, "ratio": ratio, "met": None if ratio is None else ratio >= goal,
+                    "verdict": verdict})
     return out
 
 
@@ -380,14 +248,20 @@ def _torch_version() -> str | None:
 def run_bench(args: argparse.Namespace) -> int:
     ranks = _parse_ints(args.ranks, "--ranks")
     sizes = _parse_ints(args.sizes, "--sizes")
+    daemons = int(getattr(args, "daemons", 1))
     if any(n < 1 for n in ranks):
         raise ConfigError("--ranks: every rank count must be at least 1")
+    if daemons < 1:
+        raise ConfigError("--daemons: must be at least 1")
+    if any(n < daemons for n in ranks):
+        raise ConfigError(f"--ranks: every rank count must be at least --daemons ({daemons}): "
+                          "each daemon hosts at least one rank")
     if any(s < 2 or s % 2 for s in sizes):
         raise ConfigError("--sizes: every size must be a positive, even byte count (bf16)")
     if args.iters < 0:
         raise ConfigError("--iters: must not be negative")
-    iters = tuple(args.iters or default_iters(s) for s in sizes)
-    barrier_iters = args.iters or default_iters(8)
+    plan = Plan(sizes, tuple(args.iters or default_iters(s) for s in sizes),
+                args.iters or default_iters(8))
     torch_version = None if args.no_gloo else _torch_version()
     if not args.no_gloo and torch_version is None:
         print("commd bench: torch is not importable; skipping the gloo side "
@@ -399,26 +273,27 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         for n in ranks:
             workers = worker_cpus(n, cpus, args.pin)
-            print(f"ranks={n}: commd ...", file=sys.stderr, flush=True)
-            commd = _bench_commd(n, workers, sizes, iters, barrier_iters)
+            print(f"{world_label(n, daemons)}: commd ...", file=sys.stderr, flush=True)
+            commd = _bench_commd(n, daemons, workers, plan)
             gloo: dict[str, Stats] = {}
             if torch_version is not None:
-                print(f"ranks={n}: gloo ...", file=sys.stderr, flush=True)
-                gloo = _run_side("gloo", f"tcp://127.0.0.1:{_free_port()}", n, workers, sizes,
-                                 iters, barrier_iters)
+                print(f"{n} ranks: gloo ...", file=sys.stderr, flush=True)
+                gloo = run_side("gloo", [f"tcp://127.0.0.1:{free_port()}"] * n, workers, plan)
             for label, stats in commd.items():
                 size = 0 if label == BARRIER else int(label)
-                rows.append(_row(n, label, size, stats, gloo.get(label)))
+                rows.append(_row(n, daemons, label, size, stats, gloo.get(label)))
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"commd bench: failed: {exc}", file=sys.stderr)
         return 1
-    targets = check_targets(rows)
-    print(render_table(rows, pinning))
+    targets = check_targets(rows, daemons)
+    print(render_table(rows, pinning, daemons))
     print()
     print("\n".join(["targets:", *(f"  {t['target']}: {t['verdict']}" for t in targets)]))
     report = {"machine": machine,
-              "settings": {"ranks": ranks, "sizes": sizes, "iters": iters,
-                           "barrier_iters": barrier_iters, "gloo": torch_version is not None,
+              "settings": {"ranks": ranks, "daemons": daemons, "sizes": sizes,
+                           "iters": plan.iters, "barrier_iters": plan.barrier_iters,
+                           "gloo": torch_version is not None,
+                           "placement": "contiguous blocks; rank 0's daemon is the root",
                            "aggregation": "per iteration the slowest rank, then median/p99"},
               "results": rows, "targets": targets}
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-gloo", action="store_true", help="skip the gloo side")
     bench.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                        help="pin the daemon and workers to CPUs")
+    bench.add_argument("--daemons", type=int, default=1,
+                       help="commd side: spread each world over this many daemons on this host "
+                            "(ranks in contiguous blocks; rank 0's daemon is the root)")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -1,0 +1,476 @@
+"""commd/peering.py over real loopback TCP: the handshake, frames both ways, refusals,
+self-dials, heartbeat loss and bad frames."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import msgpack
+import pytest
+
+import proto
+from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
+from proto import ErrorCode
+from proto import peer as p
+from proto.codec import decode_peer, encode_peer
+
+pytestmark = pytest.mark.timeout(30)
+
+HOST = "127.0.0.1"
+SECRET = b"cluster secret"
+FAST = {"heartbeat_s": 0.05, "window_s": 0.3, "handshake_s": 2.0}
+
+
+class Side:
+    """One PeerNode and everything its handlers saw."""
+
+    def __init__(self, name: str, secret: bytes = SECRET, **settings: float) -> None:
+        self.settings = PeerSettings(name, secret, **settings)
+        self.node = PeerNode(self.settings, self._on_message, self._on_lost)
+        self.messages: asyncio.Queue[tuple[PeerLink, p.PeerMessage, bytes]] = asyncio.Queue()
+        self.lost: asyncio.Queue[tuple[PeerLink, str, float]] = asyncio.Queue()
+        self.accepted: asyncio.Queue[tuple[PeerLink, float]] = asyncio.Queue()
+        self.links: list[PeerLink] = []
+        self.port = 0
+
+    def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None:
+        self.messages.put_nowait((link, msg, payload))
+
+    def _on_lost(self, link: PeerLink, reason: str) -> None:
+        self.lost.put_nowait((link, reason, time.monotonic()))
+
+    def _on_link(self, link: PeerLink) -> None:
+        self.links.append(link)
+        self.accepted.put_nowait((link, time.monotonic()))
+
+    async def listen(self) -> int:
+        self.port = await self.node.listen(HOST, 0, self._on_link)
+        return self.port
+
+    async def dial(self, port: int) -> PeerLink:
+        link = await self.node.dial(HOST, port)
+        self.links.append(link)
+        return link
+
+    async def next_link(self) -> tuple[PeerLink, float]:
+        return await asyncio.wait_for(self.accepted.get(), 5)
+
+    async def next_message(self) -> tuple[PeerLink, p.PeerMessage, bytes]:
+        return await asyncio.wait_for(self.messages.get(), 10)
+
+    async def next_lost(self, timeout: float = 5) -> tuple[PeerLink, str, float]:
+        return await asyncio.wait_for(self.lost.get(), timeout)
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close("test over")
+        self.node.close()
+
+
+@asynccontextmanager
+async def sides(*made: Side) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        for side in made:
+            side.close()
+        await asyncio.sleep(0.01)  # let cancelled link tasks finish
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+# ---- a hand-driven peer: raw frames over asyncio streams ---------------------------------
+
+
+async def send_frame(writer: asyncio.StreamWriter, msg: Any, payload: bytes = b"") -> None:
+    writer.writelines(p.frame(encode_peer(msg), payload))
+    await writer.drain()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, bytes]:
+    header_len, payload_len = p.frame_lengths(await reader.readexactly(p.FRAME.size))
+    header = await reader.readexactly(header_len)
+    payload = await reader.readexactly(payload_len) if payload_len else b""
+    return decode_peer(header), payload
+
+
+async def read_until_eof(reader: asyncio.StreamReader) -> list[Any]:
+    """Every frame until the other side closes (heartbeats included)."""
+    frames = []
+    with suppress(asyncio.IncompleteReadError, ConnectionError):
+        while True:
+            frames.append((await read_frame(reader))[0])
+    return frames
+
+
+async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw",
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect and complete the dialer's half of the handshake by hand."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    nonce = os.urandom(p.NONCE_BYTES)
+    await send_frame(writer, p.PeerHello(p.PEER_VERSION, name, nonce))
+    challenge, _ = await read_frame(reader)
+    assert isinstance(challenge, p.PeerChallenge)
+    assert challenge.proof == p.proof(secret, "listener", nonce, challenge.nonce)
+    await send_frame(writer, p.PeerProof(p.proof(secret, "dialer", challenge.nonce, nonce)))
+    ready, _ = await read_frame(reader)
+    assert isinstance(ready, p.PeerReady)
+    return reader, writer
+
+
+class RawListener:
+    """A server that answers the listener's half of the handshake by hand, then does what
+    `after` says with the connection."""
+
+    def __init__(self, after: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any],
+                 secret: bytes = SECRET, name: str = "raw-listener") -> None:
+        self.after, self.secret, self.name = after, secret, name
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._accept, HOST, 0)
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        hello, _ = await read_frame(reader)
+        nonce = os.urandom(p.NONCE_BYTES)
+        await send_frame(writer, p.PeerChallenge(
+            self.name, nonce, p.proof(self.secret, "listener", hello.nonce, nonce)))
+        answer, _ = await read_frame(reader)
+        assert answer == p.PeerProof(p.proof(self.secret, "dialer", nonce, hello.nonce))
+        await send_frame(writer, p.PeerReady())
+        await self.after(reader, writer)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        if self.server is not None:
+            self.server.close()
+
+
+async def go_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await asyncio.sleep(30)  # neither reads nor writes; cancelled when the test's loop ends
+
+
+# ---- a link between two nodes --------------------------------------------------------------
+
+
+async def test_link_carries_messages_both_ways() -> None:
+    a, b = Side("daemon-a"), Side("daemon-b")
+    async with sides(a, b):
+        port = await a.listen()
+        assert 0 < port < 65536
+        b_to_a = await b.dial(port)
+        a_to_b, _ = await a.next_link()
+        assert b_to_a.name == "daemon-a" and a_to_b.name == "daemon-b"
+        assert not b_to_a.closed and not a_to_b.closed
+
+        failed = p.WorldFailed("job-1", 3, ErrorCode.PEER_LOST, "daemon c went silent")
+        b_to_a.send(failed)
+        await b_to_a.drain()
+        link, msg, payload = await a.next_message()
+        assert link is a_to_b and msg == failed and payload == b""
+
+        small = bytes(range(256)) * 16 + b"tail"  # a few KiB
+        big = os.urandom(5 << 20)  # ~5 MiB
+        for payload_out, chunk in ((small, 0), (big, 1)):
+            data = p.Data("job-1", 3, "partial", 7, chunk, 1, "all_reduce(x)", (0, 1))
+            b_to_a.send(data, payload_out)
+            await b_to_a.drain()
+            link, msg, payload = await a.next_message()
+            assert link is a_to_b and msg == data
+            assert len(payload) == len(payload_out) and payload == payload_out
+
+        # and the other way, a memoryview payload
+        view = memoryview(bytearray(big))[1000:1000 + 65536]
+        data = p.Data("job-1", 3, "result", 7, 2, 0, "")
+        a_to_b.send(data, view)
+        await a_to_b.drain()
+        link, msg, payload = await b.next_message()
+        assert link is b_to_a and msg == data and payload == bytes(view)
+        assert a.lost.empty() and b.lost.empty()
+
+
+async def test_heartbeats_keep_a_quiet_link_alive_and_are_swallowed() -> None:
+    a, b = Side("daemon-a", **FAST), Side("daemon-b", **FAST)
+    async with sides(a, b):
+        b_to_a = await b.dial(await a.listen())
+        a_to_b, _ = await a.next_link()
+        await asyncio.sleep(3 * FAST["window_s"])
+        assert a.lost.empty() and b.lost.empty()
+        assert a.messages.empty() and b.messages.empty()  # heartbeats never reach the handler
+        assert not a_to_b.closed and not b_to_a.closed
+        assert time.monotonic() - a_to_b.last_seen < FAST["window_s"]
+
+
+async def test_close_reports_once_on_both_sides() -> None:
+    a, b = Side("daemon-a"), Side("daemon-b")
+    async with sides(a, b):
+        b_to_a = await b.dial(await a.listen())
+        a_to_b, _ = await a.next_link()
+        b_to_a.close("done with it")
+        b_to_a.close("again")
+        link, reason, _ = await b.next_lost()
+        assert link is b_to_a and reason == "done with it" and b_to_a.closed
+        link, reason, _ = await a.next_lost()
+        assert link is a_to_b and reason == "closed by the peer"
+        await asyncio.sleep(0.05)
+        assert a.lost.empty() and b.lost.empty()
+        b_to_a.send(p.Heartbeat(1))  # a closed link drops what it is given
+        await b_to_a.drain()
+
+
+async def test_several_dialers_each_get_their_own_link() -> None:
+    a, b, c = Side("daemon-a"), Side("daemon-b"), Side("daemon-c")
+    async with sides(a, b, c):
+        port = await a.listen()
+        await b.dial(port)
+        await c.dial(port)
+        names = {(await a.next_link())[0].name for _ in range(2)}
+        assert names == {"daemon-b", "daemon-c"}
+
+
+# ---- refusals ---------------------------------------------------------------------------
+
+
+async def test_dialer_with_another_secret_is_refused() -> None:
+    a, b = Side("daemon-a"), Side("intruder", secret=b"another secret")
+    async with sides(a, b):
+        port = await a.listen()
+        # the dialer checks the listener's proof first: the listener does not share its secret
+        with pytest.raises(PeerRefusedError, match="secret"):
+            await b.dial(port)
+        await eventually(lambda: a.node.refused == 1)
+        assert a.accepted.empty() and a.lost.empty() and b.lost.empty()
+        # the listener still serves daemons that hold the secret
+        good = Side("daemon-c")
+        async with sides(good):
+            link = await good.dial(port)
+            assert link.name == "daemon-a"
+            assert (await a.next_link())[0].name == "daemon-c"
+        assert a.node.refused == 1
+
+
+async def test_listener_with_another_secret_is_detected_by_the_dialer() -> None:
+    a, b = Side("impostor", secret=b"not ours"), Side("daemon-b")
+    async with sides(a, b):
+        port = await a.listen()
+        with pytest.raises(PeerRefusedError, match="impostor does not hold our secret"):
+            await b.dial(port)
+        await eventually(lambda: a.node.refused == 1)  # it read our refusal, not a proof
+        assert a.accepted.empty()
+
+
+async def test_listener_checks_the_dialers_proof() -> None:
+    """A dialer that answers the challenge with a wrong proof is refused by the listener."""
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "guesser", os.urandom(p.NONCE_BYTES)))
+            challenge, _ = await read_frame(reader)
+            assert isinstance(challenge, p.PeerChallenge) and challenge.daemon == "daemon-a"
+            await send_frame(writer, p.PeerProof(b"\x00" * 32))
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)
+            assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
+            assert "secret" in frames[0].reason
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+        assert a.accepted.empty()
+
+
+async def test_listener_refuses_another_protocol_version() -> None:
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION + 1, "future", os.urandom(p.NONCE_BYTES)))
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)
+            assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
+            assert str(p.PEER_VERSION + 1) in frames[0].reason
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+
+
+@pytest.mark.parametrize("opening", [
+    b"GET / HTTP/1.1\r\n\r\n",
+    p.FRAME.pack(0, 0),
+    b"".join(p.frame(proto.encode(proto.Ok(1)))),  # a Unix-socket message on the TCP port
+    b"".join(p.frame(encode_peer(p.Heartbeat(1)))),  # a peer message, but not a hello
+    b"".join(p.frame(encode_peer(p.PeerReady()))),
+], ids=["http", "empty-header", "unix-message", "heartbeat", "ready"])
+async def test_listener_refuses_a_bad_opening(opening: bytes) -> None:
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            writer.write(opening)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without a word
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+        assert a.accepted.empty()
+
+
+async def test_listener_refuses_a_handshake_that_stalls() -> None:
+    a = Side("daemon-a", handshake_s=0.2)
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            started = time.monotonic()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert time.monotonic() - started >= 0.15
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+
+
+async def test_dialer_reports_a_refusal_in_words() -> None:
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frame(reader)
+        await send_frame(writer, p.PeerRefused("draining: not taking new peers"))
+        writer.close()
+
+    server = await asyncio.start_server(refuse, HOST, 0)
+    port = server.sockets[0].getsockname()[1]
+    b = Side("daemon-b")
+    async with sides(b):
+        try:
+            with pytest.raises(PeerRefusedError, match="draining"):
+                await b.dial(port)
+        finally:
+            server.close()
+
+
+async def test_dialing_your_own_listener_is_a_self_dial() -> None:
+    a = Side("daemon-a")
+    async with sides(a):
+        port = await a.listen()
+        with pytest.raises(SelfDialError):
+            await a.dial(port)
+        await asyncio.sleep(0.05)
+        assert a.node.refused == 0  # a self-dial is not a refused peer
+        assert a.accepted.empty() and a.lost.empty()
+        # and it does not stop others from dialing in
+        b = Side("daemon-b")
+        async with sides(b):
+            assert (await b.dial(port)).name == "daemon-a"
+
+
+# ---- loss -------------------------------------------------------------------------------
+
+
+async def test_a_silent_dialer_is_lost_by_the_listener() -> None:
+    a = Side("daemon-a", **FAST)
+    async with sides(a):
+        reader, writer = await raw_dial(await a.listen())
+        try:
+            link, accepted_at = await a.next_link()
+            assert link.name == "raw"
+            lost, reason, lost_at = await a.next_lost()
+            assert lost is link and link.closed
+            assert "silent" in reason
+            elapsed = lost_at - accepted_at
+            assert FAST["window_s"] <= elapsed <= FAST["window_s"] + FAST["heartbeat_s"] + 0.3, elapsed
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)  # the listener hung up
+            assert frames and all(isinstance(f, p.Heartbeat) for f in frames)
+            assert [f.seq for f in frames] == list(range(1, len(frames) + 1))
+        finally:
+            writer.close()
+
+
+async def test_a_silent_listener_is_lost_by_the_dialer() -> None:
+    raw = RawListener(go_silent)
+    b = Side("daemon-b", **FAST)
+    async with sides(b):
+        try:
+            port = await raw.start()
+            started = time.monotonic()
+            link = await b.dial(port)
+            assert link.name == "raw-listener"
+            lost, reason, lost_at = await b.next_lost()
+            assert lost is link and "silent" in reason
+            elapsed = lost_at - started
+            assert FAST["window_s"] <= elapsed <= FAST["window_s"] + FAST["heartbeat_s"] + 0.3, elapsed
+        finally:
+            raw.close()
+
+
+async def test_a_peer_that_stops_is_lost() -> None:
+    """The listening node goes away without a word (server closed, link tasks cancelled,
+    socket left open): the dialer notices the silence."""
+    a, b = Side("daemon-a", **FAST), Side("daemon-b", **FAST)
+    async with sides(a, b):
+        b_to_a = await b.dial(await a.listen())
+        a_to_b, _ = await a.next_link()
+        a.node.close()
+        for task in a_to_b._tasks:  # what a SIGSTOPped daemon looks like from outside
+            task.cancel()
+        started = time.monotonic()
+        lost, reason, lost_at = await b.next_lost()
+        assert lost is b_to_a and "silent" in reason
+        assert lost_at - started <= FAST["window_s"] + FAST["heartbeat_s"] + 0.3
+
+
+GARBAGE_FRAMES = {
+    "empty header": p.FRAME.pack(0, 0),
+    "header over the limit": p.FRAME.pack(proto.MAX_MESSAGE_BYTES + 1, 0),
+    "payload over the limit": p.FRAME.pack(10, p.MAX_PAYLOAD_BYTES + 1),
+    "not msgpack": p.FRAME.pack(3, 0) + b"\xc1\xc1\xc1",
+    "unix message": b"".join(p.frame(proto.encode(proto.Ok(1)))),
+    "invalid value": b"".join(p.frame(msgpack.packb({"t": "heartbeat", "seq": -1}))),
+}
+
+
+@pytest.mark.parametrize("garbage", GARBAGE_FRAMES.values(), ids=GARBAGE_FRAMES.keys())
+async def test_a_garbage_frame_closes_the_link(garbage: bytes) -> None:
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await raw_dial(await a.listen())
+        try:
+            link, _ = await a.next_link()
+            await send_frame(writer, p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "fine so far"))
+            _, msg, _ = await a.next_message()
+            assert isinstance(msg, p.WorldFailed)
+            writer.write(garbage)
+            await writer.drain()
+            lost, reason, _ = await a.next_lost()
+            assert lost is link and link.closed
+            assert reason.startswith("bad frame"), reason
+            await asyncio.wait_for(read_until_eof(reader), 5)  # and hung up
+            assert a.messages.empty()
+        finally:
+            writer.close()
+
+
+async def test_a_garbage_frame_from_the_listener_closes_the_dialers_link() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\x00\x00\x00\x03\x00\x00\x00\x00\xc1\xc1\xc1")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    raw = RawListener(garbage)
+    b = Side("daemon-b")
+    async with sides(b):
+        try:
+            link = await b.dial(await raw.start())
+            lost, reason, _ = await b.next_lost()
+            assert lost is link and reason.startswith("bad frame"), reason
+        finally:
+            raw.close()
