@@ -17,7 +17,7 @@ from proto import ErrorCode
 from proto import peer as p
 
 from .errors import CallError
-from .peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
+from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
 
@@ -26,24 +26,24 @@ class Inbox:
     """Data of one world's epoch, by key; a wait may start before or after its data arrives."""
 
     def __init__(self) -> None:
-        self._ready: dict[tuple[str, int, int, int], tuple[p.Data, bytes]] = {}
-        self._waiting: dict[tuple[str, int, int, int], asyncio.Future[tuple[p.Data, bytes]]] = {}
+        self._ready: dict[tuple[str, int, int, int], tuple[p.Data, bytes | bytearray]] = {}
+        self._waiting: dict[tuple[str, int, int, int], asyncio.Future[tuple[p.Data, bytes | bytearray]]] = {}
         self._failed: BaseException | None = None
 
-    def deliver(self, msg: p.Data, payload: bytes) -> None:
+    def deliver(self, msg: p.Data, payload: bytes | bytearray) -> None:
         waiter = self._waiting.pop(msg.key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result((msg, payload))
         else:
             self._ready[msg.key] = (msg, payload)
 
-    async def get(self, key: tuple[str, int, int, int]) -> tuple[p.Data, bytes]:
+    async def get(self, key: tuple[str, int, int, int]) -> tuple[p.Data, bytes | bytearray]:
         ready = self._ready.pop(key, None)
         if ready is not None:
             return ready  # delivered before the failure: the op it belongs to can finish
         if self._failed is not None:
             raise self._failed
-        waiter: asyncio.Future[tuple[p.Data, bytes]] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[tuple[p.Data, bytes | bytearray]] = asyncio.get_running_loop().create_future()
         self._waiting[key] = waiter
         return await waiter
 
@@ -104,7 +104,7 @@ class WorldNet:
                 seen.append(daemon)
         return seen
 
-    def send(self, daemon: str, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
+    def send(self, daemon: str, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """To one daemon of the world: the root if we are a member, any member if we are root."""
         link = self.root if self.root is not None else self.cluster.links.get(daemon)
         if link is None or link.closed:
@@ -121,7 +121,7 @@ class WorldNet:
 class Router(Protocol):
     """What the cluster hands incoming world messages to (the registry)."""
 
-    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None: ...
+    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None: ...
 
     def on_peer_lost(self, daemon: str, reason: str) -> None: ...
 
@@ -171,7 +171,7 @@ class Cluster:
         except SelfDialError:
             self._self_addresses.add(address)
             link = None
-        except (OSError, TimeoutError, PeerRefusedError, asyncio.IncompleteReadError, ValueError) as exc:
+        except Exception as exc:  # whatever went wrong, later dials must not wait on this one
             del self._dials[address]
             why = str(exc) or type(exc).__name__
             error = CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}")
@@ -183,7 +183,7 @@ class Cluster:
         future.set_result(link)
         return link
 
-    def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None:
+    def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None:
         if self.router is not None:
             self.router.on_peer_message(link, msg, payload)
 

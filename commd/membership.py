@@ -17,7 +17,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from proto import ErrorCode
+from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
 
 from .errors import CallError, rank_list
@@ -165,13 +165,18 @@ class NetMembership:
                              f"rank 0; that is daemon {placement[0]}, not {self.net.me}")
             return
         epoch = self._world.epoch + 1
+        ready = p.WorldReady(self._world.name, epoch, placement)
+        try:
+            codec.encode_peer(ready)
+        except ProtoError as exc:  # a placement too big for one frame (thousands of ranks)
+            self._refuse_all(f"world {self._world.name} cannot be announced to its daemons: {exc}")
+            return
         self._votes.clear()
         self._arrived.clear()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
         self.net.placement = placement
-        ready = p.WorldReady(self._world.name, epoch, placement)
         for daemon in self.net.members():
             try:
                 self.net.send(daemon, ready)

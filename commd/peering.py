@@ -10,11 +10,13 @@ hands every message but heartbeats to its handler, sends a heartbeat every
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
 import os
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,26 +44,128 @@ class SelfDialError(Exception):
     """The address we dialed is our own listener."""
 
 
-Handler = Callable[["PeerLink", p.PeerMessage, bytes], None]
+Handler = Callable[["PeerLink", p.PeerMessage, bytes | bytearray], None]
 LostHandler = Callable[["PeerLink", str], None]
 
 
-async def _read(reader: asyncio.StreamReader) -> tuple[p.PeerMessage, bytes]:
-    header_len, payload_len = p.frame_lengths(await reader.readexactly(p.FRAME.size))
-    header = await reader.readexactly(header_len)
-    payload = await reader.readexactly(payload_len) if payload_len else b""
-    return codec.decode_peer(header), payload
+class FrameStream(asyncio.BufferedProtocol):
+    """One TCP connection's frames, read straight into their own buffers.
 
+    A StreamReader copies every byte twice (into its buffer, then out) and runs
+    Python per 64 KiB; here the kernel writes a payload into the bytearray the
+    frame will keep, in as few reads as the socket allows.
+    """
 
-def _write(writer: asyncio.StreamWriter, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
-    writer.writelines(p.frame(codec.encode_peer(msg), payload))
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._prefix = bytearray(p.FRAME.size)
+        self._target: bytearray = self._prefix
+        self._filled = 0
+        self._header: bytes | None = None
+        self._pending_payload = 0
+        self.authenticated = False  # until then frames carry no payload: nothing big is allocated
+        self._frames: collections.deque[tuple[p.PeerMessage, bytearray]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._writable: asyncio.Future[None] | None = None
+
+    # ---- protocol callbacks ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._target)[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        if self._filled < len(self._target):
+            return
+        try:
+            self._advance()
+        except proto.ProtoError as exc:
+            self._fail(exc)
+            if self._transport is not None:
+                self._transport.close()
+
+    def _advance(self) -> None:
+        if self._target is self._prefix:
+            header_len, payload_len = p.frame_lengths(bytes(self._prefix))
+            if payload_len and not self.authenticated:
+                raise proto.DecodeError("a payload before the handshake ended")  # no big buffers
+            self._pending_payload = payload_len
+            self._target, self._filled = bytearray(header_len), 0
+            return
+        if self._header is None:
+            self._header = bytes(self._target)
+            if self._pending_payload:
+                self._target, self._filled = bytearray(self._pending_payload), 0
+                return
+            payload = bytearray()
+        else:
+            payload = self._target
+        msg = codec.decode_peer(self._header)
+        self._header, self._target, self._filled = None, self._prefix, 0
+        self._frames.append((msg, payload))
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        self._fail(ConnectionError("closed by the peer"))
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("closed by the peer"))
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # ---- what the link uses -------------------------------------------------------------
+
+    async def read(self) -> tuple[p.PeerMessage, bytearray]:
+        while not self._frames:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._frames.popleft()
+
+    def write(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.writelines(p.frame(codec.encode_peer(msg), payload))
+
+    async def drain(self) -> None:
+        """Wait while the kernel and the transport's buffer are full (flow control)."""
+        if self._writable is not None:
+            await self._writable
+        if self._error is not None:
+            raise ConnectionError(str(self._error))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class PeerLink:
-    def __init__(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 settings: PeerSettings, handler: Handler, on_lost: LostHandler) -> None:
+    def __init__(self, name: str, stream: FrameStream, settings: PeerSettings, handler: Handler,
+                 on_lost: LostHandler) -> None:
         self.name = name
-        self._reader, self._writer = reader, writer
+        self._stream = stream
         self._settings = settings
         self._handler = handler
         self._on_lost = on_lost
@@ -73,30 +177,33 @@ class PeerLink:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._heartbeat_loop())]
 
-    def send(self, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
+    def send(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """Queue one frame (never blocks; `drain` waits for the socket to take it)."""
         if not self.closed:
-            _write(self._writer, msg, payload)
+            self._stream.write(msg, payload)
 
     async def drain(self) -> None:
         if not self.closed:
             try:
-                await self._writer.drain()
-            except (ConnectionError, RuntimeError) as exc:
+                await self._stream.drain()
+            except ConnectionError as exc:
                 self.close(f"send failed: {exc}")
 
     async def _read_loop(self) -> None:
         reason = "closed by the peer"
         try:
             while True:
-                msg, payload = await _read(self._reader)
+                msg, payload = await self._stream.read()
                 self.last_seen = time.monotonic()
                 if not isinstance(msg, p.Heartbeat):
-                    self._handler(self, msg, payload)
-        except asyncio.IncompleteReadError:
-            pass
+                    try:
+                        self._handler(self, msg, payload)
+                    except Exception as exc:  # a daemon bug: say so, and drop the link at once
+                        log.exception("handling %s from daemon %s failed", type(msg).__name__, self.name)
+                        self.close(f"internal error handling {type(msg).__name__}: {exc!r}")
+                        return
         except (ConnectionError, OSError) as exc:
-            reason = f"connection error: {exc}"
+            reason = str(exc) if str(exc) == "closed by the peer" else f"connection error: {exc}"
         except proto.ProtoError as exc:
             reason = f"bad frame: {exc}"
             log.warning("peer %s sent a bad frame: %s", self.name, exc)
@@ -121,7 +228,7 @@ class PeerLink:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
-        self._writer.close()
+        self._stream.close()
         log.warning("link to daemon %s lost: %s", self.name, reason)
         self._on_lost(self, reason)
 
@@ -135,87 +242,102 @@ class PeerNode:
         self._on_lost = on_lost
         self._dialing: set[bytes] = set()  # our own hello nonces: how a self-dial is recognized
         self._server: asyncio.Server | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
         self.refused = 0  # handshakes refused (wrong secret, version, garbage)
 
     async def listen(self, host: str, port: int, on_link: Callable[[PeerLink], None]) -> int:
-        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            peer = writer.get_extra_info("peername")
-            try:
-                name = await asyncio.wait_for(self._answer(reader, writer), self.settings.handshake_s)
-            except (SelfDialError, PeerRefusedError, proto.ProtoError, OSError,
-                    asyncio.IncompleteReadError, TimeoutError) as exc:
-                if not isinstance(exc, SelfDialError):
-                    self.refused += 1
-                    log.warning("refused peer %s: %s", peer, exc or type(exc).__name__)
-                writer.close()
-                return
-            on_link(self._link(name, reader, writer))
+        loop = asyncio.get_running_loop()
 
-        self._server = await asyncio.start_server(accept, host, port)
+        def connected() -> FrameStream:
+            stream = FrameStream()
+            task = loop.create_task(self._accept(stream, on_link))
+            self._handshakes.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._handshakes.discard)
+            return stream
+
+        self._server = await loop.create_server(connected, host, port)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
 
+    async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
+        try:
+            name = await asyncio.wait_for(self._answer(stream), self.settings.handshake_s)
+        except (SelfDialError, PeerRefusedError, proto.ProtoError, OSError, TimeoutError) as exc:
+            if not isinstance(exc, SelfDialError):
+                self.refused += 1
+                log.warning("refused a peer: %s", exc or type(exc).__name__)
+            stream.close()
+            return
+        on_link(self._link(name, stream))
+
     async def dial(self, host: str, port: int) -> PeerLink:
         """Connect and authenticate; SelfDialError if the address is our own listener."""
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                                self.settings.handshake_s)
+        loop = asyncio.get_running_loop()
+        _, stream = await asyncio.wait_for(loop.create_connection(FrameStream, host, port),
+                                           self.settings.handshake_s)
         try:
-            name = await asyncio.wait_for(self._ask(reader, writer), self.settings.handshake_s)
+            name = await asyncio.wait_for(self._ask(stream), self.settings.handshake_s)
         except BaseException:
-            writer.close()
+            stream.close()
             raise
-        return self._link(name, reader, writer)
+        return self._link(name, stream)
 
-    def _link(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> PeerLink:
-        link = PeerLink(name, reader, writer, self.settings, self._handler, self._on_lost)
+    def _link(self, name: str, stream: FrameStream) -> PeerLink:
+        stream.authenticated = True
+        link = PeerLink(name, stream, self.settings, self._handler, self._on_lost)
         link.start()
         return link
 
-    async def _ask(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+    async def _ask(self, stream: FrameStream) -> str:
         nonce = os.urandom(p.NONCE_BYTES)
         self._dialing.add(nonce)
         try:
-            _write(writer, p.PeerHello(p.PEER_VERSION, self.settings.name, nonce))
-            challenge, _ = await _read(reader)
-            if isinstance(challenge, p.PeerRefused):
-                if challenge.reason == "self":
-                    raise SelfDialError()
-                raise PeerRefusedError(challenge.reason)
-            if not isinstance(challenge, p.PeerChallenge):
-                raise PeerRefusedError(f"expected a challenge, got {type(challenge).__name__}")
-            want = p.proof(self.settings.secret, "listener", nonce, challenge.nonce)
-            if not hmac.compare_digest(want, challenge.proof):
-                _write(writer, p.PeerRefused("wrong listener proof"))
-                raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
-            _write(writer, p.PeerProof(p.proof(self.settings.secret, "dialer", challenge.nonce, nonce)))
-            ready, _ = await _read(reader)
-            if not isinstance(ready, p.PeerReady):
-                reason = ready.reason if isinstance(ready, p.PeerRefused) else type(ready).__name__
-                raise PeerRefusedError(reason)
-            return challenge.daemon
+            return await self._ask_checked(stream, nonce)
+        except proto.ProtoError as exc:  # garbage from the listener: not a daemon of ours
+            raise PeerRefusedError(f"the listener does not speak the peer protocol: {exc}") from None
         finally:
             self._dialing.discard(nonce)
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
-        hello, _ = await _read(reader)
+    async def _ask_checked(self, stream: FrameStream, nonce: bytes) -> str:
+        stream.write(p.PeerHello(p.PEER_VERSION, self.settings.name, nonce))
+        challenge, _ = await stream.read()
+        if isinstance(challenge, p.PeerRefused):
+            if challenge.reason == "self":
+                raise SelfDialError()
+            raise PeerRefusedError(challenge.reason)
+        if not isinstance(challenge, p.PeerChallenge):
+            raise PeerRefusedError(f"expected a challenge, got {type(challenge).__name__}")
+        want = p.proof(self.settings.secret, "listener", nonce, challenge.nonce)
+        if not hmac.compare_digest(want, challenge.proof):
+            stream.write(p.PeerRefused("wrong listener proof"))
+            raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
+        stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", challenge.nonce, nonce)))
+        ready, _ = await stream.read()
+        if not isinstance(ready, p.PeerReady):
+            reason = ready.reason if isinstance(ready, p.PeerRefused) else type(ready).__name__
+            raise PeerRefusedError(reason)
+        return challenge.daemon
+
+    async def _answer(self, stream: FrameStream) -> str:
+        hello, _ = await stream.read()
         if not isinstance(hello, p.PeerHello):
             raise PeerRefusedError(f"expected a hello, got {type(hello).__name__}")
         if hello.nonce in self._dialing:
-            _write(writer, p.PeerRefused("self"))
+            stream.write(p.PeerRefused("self"))
             raise SelfDialError()
         if hello.version != p.PEER_VERSION:
-            _write(writer, p.PeerRefused(f"peer protocol {hello.version} is not {p.PEER_VERSION}"))
+            stream.write(p.PeerRefused(f"peer protocol {hello.version} is not {p.PEER_VERSION}"))
             raise PeerRefusedError(f"version {hello.version}")
         nonce = os.urandom(p.NONCE_BYTES)
-        _write(writer, p.PeerChallenge(self.settings.name, nonce,
+        stream.write(p.PeerChallenge(self.settings.name, nonce,
                                        p.proof(self.settings.secret, "listener", hello.nonce, nonce)))
-        answer, _ = await _read(reader)
+        answer, _ = await stream.read()
         want = p.proof(self.settings.secret, "dialer", nonce, hello.nonce)
         if not isinstance(answer, p.PeerProof) or not hmac.compare_digest(want, answer.proof):
             with contextlib.suppress(Exception):
-                _write(writer, p.PeerRefused("wrong proof: this daemon does not share our secret"))
+                stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
             raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
-        _write(writer, p.PeerReady())
+        stream.write(p.PeerReady())
         return hello.daemon
 
     def close(self) -> None:

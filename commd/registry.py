@@ -35,7 +35,7 @@ class Registry:
         self.worlds: dict[str, World] = {}
         if cluster is not None:
             cluster.router = self
-        self._on_peer: dict[type, Callable[[PeerLink, Any, bytes], None]] = {
+        self._on_peer: dict[type, Callable[[PeerLink, Any, bytes | bytearray], None]] = {
             p.JoinWorld: self._remote_join,
             p.JoinRefused: self._join_refused,
             p.WorldReady: self._world_ready,
@@ -88,7 +88,7 @@ class Registry:
 
     # ---- other daemons ------------------------------------------------------------------
 
-    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None:
+    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None:
         handler = self._on_peer.get(type(msg))
         if handler is None:
             link.close(f"sent {type(msg).__name__} after the handshake")
@@ -100,7 +100,7 @@ class Registry:
             if isinstance(world.membership, NetMembership):
                 world.membership.peer_lost(daemon, reason)
 
-    def _remote_join(self, link: PeerLink, msg: p.JoinWorld, payload: bytes) -> None:
+    def _remote_join(self, link: PeerLink, msg: p.JoinWorld, payload: bytes | bytearray) -> None:
         """A member reports one of its ranks (we are, or should be, the world's root)."""
         world = self.worlds.get(msg.world)
         try:
@@ -125,12 +125,12 @@ class Registry:
         assert isinstance(world.membership, NetMembership)
         world.membership.remote_vote(link, msg)
 
-    def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes) -> None:
+    def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
         if world is not None:
             world.refuse(msg.rank, msg.code, msg.message)
 
-    def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes) -> None:
+    def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
         if world is None or not isinstance(world.membership, NetMembership) or world.net is None \
                 or world.net.root is not link:
@@ -142,7 +142,7 @@ class Registry:
             return
         world.membership.ready(msg)
 
-    def _world_failed(self, link: PeerLink, msg: p.WorldFailed, payload: bytes) -> None:
+    def _world_failed(self, link: PeerLink, msg: p.WorldFailed, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
         if world is None or world.net is None:
             return
@@ -152,7 +152,7 @@ class Registry:
         # The root passes a member's failure on to every member; a member only applies it.
         world.fail(msg.code, msg.message, propagate=world.net.is_root)
 
-    def _data(self, link: PeerLink, msg: p.Data, payload: bytes) -> None:
+    def _data(self, link: PeerLink, msg: p.Data, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
         if world is None or world.net is None or world.state is not WorldState.READY:
             return  # a world that failed or ended here: its data has no reader

@@ -213,6 +213,9 @@ class Data:
             _u64(name, getattr(self, name))
         if len(self.fingerprint) > 256 or len(self.about) > MAX_RANKS:
             raise InvalidMessage("data fingerprint or rank list too long")
+        for rank in self.about:
+            if not 0 <= rank < MAX_RANKS:
+                raise InvalidMessage(f"rank {rank} in `about` is not a rank")
 
     @property
     def key(self) -> tuple[str, int, int, int]:
@@ -232,7 +235,10 @@ PeerMessage = (
 # ---- framing ----------------------------------------------------------------------
 
 
-def frame(header: bytes, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+Bytes = bytes | bytearray | memoryview
+
+
+def frame(header: bytes, payload: Bytes = b"") -> list[Bytes]:
     """The pieces to write for one frame (the payload is not copied)."""
     if len(header) > MAX_MESSAGE_BYTES:
         raise MessageTooLarge(f"peer header of {len(header)} bytes is over the limit")
@@ -244,6 +250,8 @@ def frame(header: bytes, payload: bytes | memoryview = b"") -> list[bytes | memo
 def frame_lengths(prefix: bytes) -> tuple[int, int]:
     """Header and payload lengths from a frame's first 8 bytes; refuses out-of-bounds ones
     before the reader allocates anything."""
+    if len(prefix) != FRAME.size:
+        raise DecodeError(f"a frame starts with {FRAME.size} bytes, not {len(prefix)}")
     header_len, payload_len = FRAME.unpack(prefix)
     if not 0 < header_len <= MAX_MESSAGE_BYTES or payload_len > MAX_PAYLOAD_BYTES:
         raise DecodeError(f"peer frame of {header_len}+{payload_len} bytes is out of bounds")

@@ -104,7 +104,7 @@ class NetRunner:
         return p.Data(self.net.world, self.epoch, step, tag.index, chunk, source,
                       tag.fingerprint if fingerprint is None else fingerprint, about)
 
-    async def _up(self, tag: CallTag, chunk: int, member: str) -> bytes:
+    async def _up(self, tag: CallTag, chunk: int, member: str) -> bytes | bytearray:
         """The root takes chunk `chunk` of a member's up stream, checking the call matches."""
         source = min(self.net.ranks_of(member))
         msg, payload = await self.inbox.get(("up", tag.index, chunk, source))
@@ -115,7 +115,7 @@ class NetRunner:
                             f"{tag.fingerprint}, rank {source} called {msg.fingerprint}")
         return payload
 
-    async def _down(self, tag: CallTag, chunk: int) -> bytes:
+    async def _down(self, tag: CallTag, chunk: int) -> bytes | bytearray:
         _, payload = await self.inbox.get(("down", tag.index, chunk, 0))
         return payload
 

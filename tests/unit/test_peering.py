@@ -23,22 +23,24 @@ pytestmark = pytest.mark.timeout(30)
 
 HOST = "127.0.0.1"
 SECRET = b"cluster secret"
-FAST = {"heartbeat_s": 0.05, "window_s": 0.3, "handshake_s": 2.0}
+HEARTBEAT_S, WINDOW_S = 0.05, 0.3  # the fast settings of the heartbeat tests
 
 
 class Side:
     """One PeerNode and everything its handlers saw."""
 
-    def __init__(self, name: str, secret: bytes = SECRET, **settings: float) -> None:
-        self.settings = PeerSettings(name, secret, **settings)
+    def __init__(self, name: str, secret: bytes = SECRET, fast: bool = False,
+                 handshake_s: float = 5.0) -> None:
+        timing = {"heartbeat_s": HEARTBEAT_S, "window_s": WINDOW_S} if fast else {}
+        self.settings = PeerSettings(name, secret, handshake_s=handshake_s, **timing)
         self.node = PeerNode(self.settings, self._on_message, self._on_lost)
-        self.messages: asyncio.Queue[tuple[PeerLink, p.PeerMessage, bytes]] = asyncio.Queue()
+        self.messages: asyncio.Queue[tuple[PeerLink, p.PeerMessage, bytes | bytearray]] = asyncio.Queue()
         self.lost: asyncio.Queue[tuple[PeerLink, str, float]] = asyncio.Queue()
         self.accepted: asyncio.Queue[tuple[PeerLink, float]] = asyncio.Queue()
         self.links: list[PeerLink] = []
         self.port = 0
 
-    def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes) -> None:
+    def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None:
         self.messages.put_nowait((link, msg, payload))
 
     def _on_lost(self, link: PeerLink, reason: str) -> None:
@@ -60,7 +62,7 @@ class Side:
     async def next_link(self) -> tuple[PeerLink, float]:
         return await asyncio.wait_for(self.accepted.get(), 5)
 
-    async def next_message(self) -> tuple[PeerLink, p.PeerMessage, bytes]:
+    async def next_message(self) -> tuple[PeerLink, p.PeerMessage, bytes | bytearray]:
         return await asyncio.wait_for(self.messages.get(), 10)
 
     async def next_lost(self, timeout: float = 5) -> tuple[PeerLink, str, float]:
@@ -111,6 +113,15 @@ async def read_until_eof(reader: asyncio.StreamReader) -> list[Any]:
         while True:
             frames.append((await read_frame(reader))[0])
     return frames
+
+
+async def hung_up(reader: asyncio.StreamReader) -> bool:
+    """The other side closed the connection (an EOF, or a reset when it left bytes unread)."""
+    try:
+        rest = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        return True
+    return rest == b""
 
 
 async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw",
@@ -205,15 +216,15 @@ async def test_link_carries_messages_both_ways() -> None:
 
 
 async def test_heartbeats_keep_a_quiet_link_alive_and_are_swallowed() -> None:
-    a, b = Side("daemon-a", **FAST), Side("daemon-b", **FAST)
+    a, b = Side("daemon-a", fast=True), Side("daemon-b", fast=True)
     async with sides(a, b):
         b_to_a = await b.dial(await a.listen())
         a_to_b, _ = await a.next_link()
-        await asyncio.sleep(3 * FAST["window_s"])
+        await asyncio.sleep(3 * WINDOW_S)
         assert a.lost.empty() and b.lost.empty()
         assert a.messages.empty() and b.messages.empty()  # heartbeats never reach the handler
         assert not a_to_b.closed and not b_to_a.closed
-        assert time.monotonic() - a_to_b.last_seen < FAST["window_s"]
+        assert time.monotonic() - a_to_b.last_seen < WINDOW_S
 
 
 async def test_close_reports_once_on_both_sides() -> None:
@@ -321,7 +332,7 @@ async def test_listener_refuses_a_bad_opening(opening: bytes) -> None:
         try:
             writer.write(opening)
             await writer.drain()
-            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without a word
+            assert await hung_up(reader)  # closed without a word
         finally:
             writer.close()
         await eventually(lambda: a.node.refused == 1)
@@ -334,7 +345,7 @@ async def test_listener_refuses_a_handshake_that_stalls() -> None:
         reader, writer = await asyncio.open_connection(HOST, await a.listen())
         try:
             started = time.monotonic()
-            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert await hung_up(reader)
             assert time.monotonic() - started >= 0.15
         finally:
             writer.close()
@@ -353,6 +364,24 @@ async def test_dialer_reports_a_refusal_in_words() -> None:
     async with sides(b):
         try:
             with pytest.raises(PeerRefusedError, match="draining"):
+                await b.dial(port)
+        finally:
+            server.close()
+
+
+async def test_dialer_refuses_a_listener_that_speaks_garbage() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(p.FRAME.pack(3, 0) + b"\xc1\xc1\xc1")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbage, HOST, 0)
+    port = server.sockets[0].getsockname()[1]
+    b = Side("daemon-b")
+    async with sides(b):
+        try:
+            with pytest.raises(PeerRefusedError):
                 await b.dial(port)
         finally:
             server.close()
@@ -377,7 +406,7 @@ async def test_dialing_your_own_listener_is_a_self_dial() -> None:
 
 
 async def test_a_silent_dialer_is_lost_by_the_listener() -> None:
-    a = Side("daemon-a", **FAST)
+    a = Side("daemon-a", fast=True)
     async with sides(a):
         reader, writer = await raw_dial(await a.listen())
         try:
@@ -387,7 +416,7 @@ async def test_a_silent_dialer_is_lost_by_the_listener() -> None:
             assert lost is link and link.closed
             assert "silent" in reason
             elapsed = lost_at - accepted_at
-            assert FAST["window_s"] <= elapsed <= FAST["window_s"] + FAST["heartbeat_s"] + 0.3, elapsed
+            assert WINDOW_S <= elapsed <= WINDOW_S + HEARTBEAT_S + 0.3, elapsed
             frames = await asyncio.wait_for(read_until_eof(reader), 5)  # the listener hung up
             assert frames and all(isinstance(f, p.Heartbeat) for f in frames)
             assert [f.seq for f in frames] == list(range(1, len(frames) + 1))
@@ -397,7 +426,7 @@ async def test_a_silent_dialer_is_lost_by_the_listener() -> None:
 
 async def test_a_silent_listener_is_lost_by_the_dialer() -> None:
     raw = RawListener(go_silent)
-    b = Side("daemon-b", **FAST)
+    b = Side("daemon-b", fast=True)
     async with sides(b):
         try:
             port = await raw.start()
@@ -407,7 +436,7 @@ async def test_a_silent_listener_is_lost_by_the_dialer() -> None:
             lost, reason, lost_at = await b.next_lost()
             assert lost is link and "silent" in reason
             elapsed = lost_at - started
-            assert FAST["window_s"] <= elapsed <= FAST["window_s"] + FAST["heartbeat_s"] + 0.3, elapsed
+            assert WINDOW_S <= elapsed <= WINDOW_S + HEARTBEAT_S + 0.3, elapsed
         finally:
             raw.close()
 
@@ -415,7 +444,7 @@ async def test_a_silent_listener_is_lost_by_the_dialer() -> None:
 async def test_a_peer_that_stops_is_lost() -> None:
     """The listening node goes away without a word (server closed, link tasks cancelled,
     socket left open): the dialer notices the silence."""
-    a, b = Side("daemon-a", **FAST), Side("daemon-b", **FAST)
+    a, b = Side("daemon-a", fast=True), Side("daemon-b", fast=True)
     async with sides(a, b):
         b_to_a = await b.dial(await a.listen())
         a_to_b, _ = await a.next_link()
@@ -425,7 +454,7 @@ async def test_a_peer_that_stops_is_lost() -> None:
         started = time.monotonic()
         lost, reason, lost_at = await b.next_lost()
         assert lost is b_to_a and "silent" in reason
-        assert lost_at - started <= FAST["window_s"] + FAST["heartbeat_s"] + 0.3
+        assert lost_at - started <= WINDOW_S + HEARTBEAT_S + 0.3
 
 
 GARBAGE_FRAMES = {
