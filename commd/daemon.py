@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import os
@@ -32,6 +33,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int
         if cluster is not None and config.peer_listen is not None:
             await cluster.listen(*config.peer_listen)
         _tune_gc()
+        _tune_malloc()
         if config.engine == "auto":
             log.info("engine auto: no usable GPU engine here, chose %s", engine.name)
         if ready is not None:
@@ -65,6 +67,21 @@ def _tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+
+
+def _tune_malloc() -> None:
+    """Keep freed buffers for reuse. Every chunk a big op moves is a fresh multi-MiB
+    buffer; glibc maps each from the kernel and unmaps it after, so every byte costs a
+    page fault (measured: 40% of the daemons' system time on a 64 MiB all_reduce across
+    two daemons). Serve them from the heap instead, and keep the heap's free memory: the
+    daemon's footprint stays at its busiest, which is what it will need again."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator decides
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest allowed value
+    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def run(config: ServerConfig) -> int:
