@@ -24,17 +24,18 @@ import struct
 from dataclasses import dataclass
 
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
-from .messages import MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORLD_NAME, U64_MAX
+from .messages import (
+    MAX_MESSAGE_BYTES,
+    MAX_RANKS,
+    MAX_WORLD_NAME,
+    U64_MAX,
+    _u64,  # one definition of the rule for both protocols
+)
 
 PEER_VERSION = 1
 NONCE_BYTES = 32
 MAX_PAYLOAD_BYTES = 16 << 20
 FRAME = struct.Struct(">II")
-
-
-def _u64(name: str, value: int) -> None:
-    if not 0 <= value <= U64_MAX:
-        raise InvalidMessage(f"{name}={value} is not an unsigned 64-bit integer")
 
 
 def _name(name: str, value: str, limit: int = 256) -> None:
