@@ -270,7 +270,8 @@ def _pack_ops(ops: tuple[m.Op, ...], packed: PackedOps) -> bytes:
                 packed.clear()
             entry = packed[id(op)] = (op, msgpack.packb(_to_wire(op), use_bin_type=True))
         parts.append(entry[1])
-    return msgpack.Packer().pack_array_header(len(ops)) + b"".join(parts)
+    header: bytes = msgpack.Packer().pack_array_header(len(ops))
+    return header + b"".join(parts)
 
 
 def _ops_bytes(data: bytes, request_id: Any) -> bytes | None:
@@ -339,9 +340,11 @@ def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES,
     kept and reused: a worker repeating a call sends the same op objects.
     """
     if type(msg) is m.Ok and not msg.value and not msg.nfds:
-        return _OK_HEAD + msgpack.packb(msg.id) + _OK_TAIL
+        request_id: bytes = msgpack.packb(msg.id)
+        return _OK_HEAD + request_id + _OK_TAIL
     if packed_ops is not None and type(msg) is m.Submit:
-        packet = _SUBMIT_HEAD + msgpack.packb(msg.id) + _OPS_KEY + _pack_ops(msg.ops, packed_ops)
+        request_id = msgpack.packb(msg.id)
+        packet = _SUBMIT_HEAD + request_id + _OPS_KEY + _pack_ops(msg.ops, packed_ops)
         if len(packet) > limit:
             raise MessageTooLarge(f"submit is {len(packet)} bytes, over the {limit}-byte limit")
         return packet
