@@ -279,7 +279,10 @@ class DaemonBackend(CommBackend):
         if failure is not None:
             raise type(failure)(f"world {self._world} is not healthy: {failure}; "
                                 "call attempt_reconnect", failure.code)
-        self._request(lambda: proto.Submit(self._transport.next_id(), ops), deadline=deadline)
+        # The daemon fails a call open past the timeout and says which rank is behind;
+        # wait a little longer than that for its answer before deciding alone.
+        self._request(lambda: proto.Submit(self._transport.next_id(), ops), deadline=deadline,
+                      grace=_JOIN_GRACE_S)
 
     def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
                  deadline: bool = True, grace: float = 0.0) -> tuple[proto.Message, list[int]]:

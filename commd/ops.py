@@ -54,6 +54,11 @@ def check_ranks(op: proto.Op, rank: int, world_size: int) -> None:
         raise CallError(ErrorCode.MISUSE, f"rank {rank} is the root: recv_command_u32 refuses root")
 
 
+def waits_forever(op: proto.Op) -> bool:
+    """recv_command_u32 waits for the next command with no deadline (the seed's rule)."""
+    return isinstance(op, proto.Broadcast) and op.command
+
+
 def is_p2p(op: proto.Op) -> bool:
     return isinstance(op, (proto.Send, proto.Recv))
 

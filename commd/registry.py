@@ -49,7 +49,8 @@ class Registry:
         """Admit `hello` into its world (creating it), or raise CallError saying why not."""
         world = self.worlds.get(hello.world)
         if world is None:
-            world = self._create(hello.world, hello.world_size, hello.token, hello.bootstrap)
+            world = self._create(hello.world, hello.world_size, hello.token, hello.bootstrap,
+                                 call_timeout_s=hello.timeout_ms / 1000)
         self._admissible(world, hello.world_size, hello.token, hello.rank)
         if (world.net is None) != (hello.bootstrap is None):
             raise CallError(ErrorCode.WORLD_CONFLICT,
@@ -59,14 +60,15 @@ class Registry:
         return world
 
     def _create(self, name: str, world_size: int, token: str | None, bootstrap: str | None,
-                as_root: bool = False) -> World:
+                as_root: bool = False, call_timeout_s: float | None = None) -> World:
         net = None
         if bootstrap is not None or as_root:
             if self.cluster is None:
                 raise CallError(ErrorCode.MISUSE, "this daemon has no peer secret configured, so it "
                                                   "cannot take part in a world spread over daemons")
             net = WorldNet(self.cluster, name, bootstrap)
-        world = World(name, world_size, token, self._engine, self._forget, net, self._max_pending_ops)
+        world = World(name, world_size, token, self._engine, self._forget, net, self._max_pending_ops,
+                      call_timeout_s)
         self.worlds[name] = world
         return world
 
@@ -105,7 +107,8 @@ class Registry:
         world = self.worlds.get(msg.world)
         try:
             if world is None:
-                world = self._create(msg.world, msg.world_size, msg.token, None, as_root=True)
+                world = self._create(msg.world, msg.world_size, msg.token, None, as_root=True,
+                                     call_timeout_s=msg.timeout_ms / 1000)
             if world.net is None or not world.net.is_root:
                 raise CallError(ErrorCode.WORLD_CONFLICT,
                                 f"daemon {self._name()} is not the root of world {msg.world}")

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,6 +29,7 @@ from .engine.base import EMPTY, CallTag, Communicator, Engine, EngineOp, RecvOp,
 from .errors import CallError, clip, rank_list
 from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
 from .membership import LocalMembership, NetMembership
+from .recorder import CallRecord, FlightRecorder
 
 log = logging.getLogger("commd.world")
 _ROOT_GRACE_S = 2.0
@@ -48,7 +50,7 @@ class WorldState(enum.Enum):
 class Ticket:
     """One request (a call or a group of calls) of one rank; replied to exactly once."""
 
-    __slots__ = ("done", "executing", "peer", "rank", "remaining", "request_id")
+    __slots__ = ("done", "executing", "peer", "rank", "records", "remaining", "request_id")
 
     def __init__(self, peer: Peer, rank: int, request_id: int, count: int) -> None:
         self.peer = peer
@@ -57,6 +59,7 @@ class Ticket:
         self.remaining = count
         self.executing = 0  # of the remaining ops, those matched and handed to the engine
         self.done = False
+        self.records: list[CallRecord] = []
 
     def finish_one(self) -> None:
         self.remaining -= 1
@@ -67,6 +70,8 @@ class Ticket:
     def fail(self, code: ErrorCode, message: str) -> None:
         if not self.done:
             self.done = True
+            for record in self.records:
+                record.close("failed")
             self.peer.send(proto.Error(self.request_id, code, clip(message)))
 
 
@@ -74,6 +79,7 @@ class Ticket:
 class Arrival:
     ticket: Ticket
     regions: tuple[Region | None, ...]
+    record: CallRecord
 
 
 @dataclass(slots=True)
@@ -89,7 +95,7 @@ class Waiter:
 class World:
     def __init__(self, name: str, world_size: int, token: str | None, engine: Engine,
                  on_empty: Callable[[World], None], net: WorldNet | None = None,
-                 max_pending_ops: int = 4096) -> None:
+                 max_pending_ops: int = 4096, call_timeout_s: float | None = None) -> None:
         self.name = name
         self.world_size = world_size
         self.token = token
@@ -113,6 +119,9 @@ class World:
         self._queued = 0  # matched ops waiting for or holding _exec_lock
         self._abort_when_idle: Communicator | None = None
         self._max_pending_ops = max_pending_ops
+        self.recorder = FlightRecorder()
+        self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
+        self._watchdog: asyncio.Task[None] | None = None
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
 
     # ---- forming ----------------------------------------------------------------
@@ -188,6 +197,8 @@ class World:
             self.net.epoch = epoch
             self.net.inbox = Inbox()
         self._comm = self._engine.communicator(self.name, epoch, self.world_size, local_ranks, self.net)
+        if self.call_timeout_s is not None and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(self.call_timeout_s))
         waiting, self._waiting = self._waiting, {}
         log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
                  self.world_size, len(local_ranks))
@@ -219,8 +230,10 @@ class World:
         ticket = Ticket(peer, rank, request_id, len(calls))
         self._tickets.add(ticket)
         for op, regions in calls:
+            record = self.recorder.start(rank, ops.describe(op), ops.waits_forever(op))
+            ticket.records.append(record)
             try:
-                match = self._matcher.add(Call(rank, op, Arrival(ticket, regions)))
+                match = self._matcher.add(Call(rank, op, Arrival(ticket, regions, record)))
             except Mismatch as exc:
                 log.warning("world %s epoch %d: %s", self.name, self.epoch, exc)
                 self.fail(ErrorCode.MISMATCH, str(exc))
@@ -238,6 +251,7 @@ class World:
         engine_op = self._engine_op(match)
         for arrival in self._arrivals(match):
             arrival.ticket.executing += 1
+            arrival.record.state = "running"
         if self._queued == 0:
             try:
                 done = engine_op is None or self._comm.try_inline(engine_op)
@@ -270,6 +284,21 @@ class World:
                 self._abort_when_idle = None
         self._finish(match)
 
+    async def _watch(self, timeout_s: float) -> None:
+        """Fail the world when a call stays open past its deadline: a rank that never made
+        its matching call, or an engine that never finished. recv_command_u32 has none."""
+        interval = min(1.0, timeout_s / 4)
+        while True:  # cancelled when the world empties
+            await asyncio.sleep(interval)
+            if self.state is not WorldState.READY:
+                continue
+            oldest = self.recorder.oldest_open()
+            if oldest is not None and time.monotonic() - oldest.started > timeout_s:
+                newest = "; ".join(self.recorder.lines(last=1))
+                self.fail(ErrorCode.TIMEOUT,
+                          f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
+                          f"within {timeout_s:g}s (each rank's newest call: {newest})")
+
     def _op_failed(self, match: Match[Arrival], exc: Exception, epoch: int) -> None:
         """The engine could not complete an op: its world fails (if this epoch still
         stands), and the op's own calls get the error."""
@@ -291,6 +320,7 @@ class World:
             if self._pending_ops.get(ticket.rank):  # cleared when the world failed
                 self._pending_ops[ticket.rank] -= 1
             ticket.executing -= 1
+            arrival.record.close("done")
             ticket.finish_one()
             if ticket.done:
                 self._tickets.discard(ticket)
@@ -343,6 +373,9 @@ class World:
         # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
         level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
         log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message)
+        if level == logging.WARNING:
+            for line in self.recorder.lines():
+                log.warning("world %s flight recorder: %s", self.name, line)
         if self._comm is not None:
             if self._queued:  # ops in the engine's hands finish first (see _dispatch)
                 self._abort_when_idle = self._comm
@@ -395,6 +428,9 @@ class World:
 
     def _maybe_empty(self) -> None:
         if not self.members and not self._waiting:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
             if self._comm is not None:
                 self._comm.abort()
                 self._comm = None
@@ -417,6 +453,8 @@ class World:
             "pending_calls": len(self._tickets),
             "cause": self.cause,
             "add_kernel": {str(rank): handle for rank, handle in sorted(self.add_kernel.items())},
+            "call_timeout_s": self.call_timeout_s,
+            "recent_calls": self.recorder.dump(last=8),
         }
 
 

@@ -397,3 +397,38 @@ def reconnect_then_wait(sock: str, world: str, rank: int, n: int) -> bytes:
         comm.all_reduce(buf.ptr, 32 * 8, dtype="i64")
         comm.barrier()
         return _read(buf, 0, 32 * 8)
+
+
+def stall(sock: str, world: str, rank: int, n: int, timeout: float, hold_s: float) -> tuple[str, str, float]:
+    """Rank 0 all_reduces; rank 1 never makes that call, holds its connection, then leaves."""
+    with connect(sock, world, rank, n, timeout=timeout) as comm:
+        buf = hostmem.alloc(64)
+        start = time.monotonic()
+        if rank == 1:
+            comm.barrier()  # call #0, which rank 0 makes too
+            time.sleep(hold_s)
+            return "held", str(comm.is_healthy()), time.monotonic() - start
+        comm.barrier()
+        try:
+            comm.all_reduce(buf.ptr, 64)
+            return "returned", "", time.monotonic() - start
+        except Exception as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def slow_commands(sock: str, world: str, rank: int, n: int, timeout: float, pause: float) -> list[int]:
+    """Two commands, the root waiting `pause` (> timeout) before each: no deadline applies."""
+    got = []
+    with connect(sock, world, rank, n, timeout=timeout) as comm:
+        comm.barrier()
+        buf = hostmem.alloc(4)
+        for command in (5, 6):
+            if rank == 0:
+                time.sleep(pause)
+                buf.view(np.uint32)[0] = command
+                comm.broadcast(buf.ptr, 4, 0)
+            else:
+                comm.recv_command_u32(buf.ptr, 0)
+            got.append(int(buf.view(np.uint32)[0]))
+        comm.barrier()
+    return got

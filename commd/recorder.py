@@ -1,0 +1,78 @@
+"""The flight recorder: the last calls of every rank, and what became of them.
+
+Each call of each rank gets a record when it reaches the daemon: its sequence
+number on that rank, what was called, its state (pending: waiting for the other
+ranks; running: matched and in the engine; done; failed) and when. The recorder
+keeps the last `depth` records per rank. On a failure the world logs them, and
+`commd status --json` shows them: the rank whose newest record is behind the
+others', or pending where theirs are done, is the one that hung or strayed.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+
+class CallRecord:
+    __slots__ = ("call", "ended", "rank", "seq", "started", "state", "waits_forever", "wall")
+
+    def __init__(self, rank: int, seq: int, call: str, waits_forever: bool) -> None:
+        self.rank = rank
+        self.seq = seq
+        self.call = call
+        self.state = "pending"
+        self.started = time.monotonic()
+        self.wall = time.time()
+        self.ended: float | None = None
+        self.waits_forever = waits_forever  # recv_command_u32: no completion deadline
+
+    def close(self, state: str) -> None:
+        if self.ended is None:
+            self.state = state
+            self.ended = time.monotonic()
+
+    def as_dict(self) -> dict[str, Any]:
+        took = (self.ended if self.ended is not None else time.monotonic()) - self.started
+        return {"rank": self.rank, "seq": self.seq, "call": self.call, "state": self.state,
+                "at": round(self.wall, 6), "seconds": round(took, 6)}
+
+
+class FlightRecorder:
+    def __init__(self, depth: int = 32) -> None:
+        self._depth = depth
+        self._by_rank: dict[int, collections.deque[CallRecord]] = {}
+        self._seq: dict[int, int] = {}
+
+    def start(self, rank: int, call: str, waits_forever: bool = False) -> CallRecord:
+        seq = self._seq.get(rank, 0)
+        self._seq[rank] = seq + 1
+        record = CallRecord(rank, seq, call, waits_forever)
+        ring = self._by_rank.get(rank)
+        if ring is None:
+            ring = self._by_rank[rank] = collections.deque(maxlen=self._depth)
+        ring.append(record)
+        return record
+
+    def oldest_open(self) -> CallRecord | None:
+        """The longest-waiting call that has a deadline (pending or running)."""
+        oldest = None
+        for ring in self._by_rank.values():
+            for record in ring:
+                if record.ended is None and not record.waits_forever and (
+                        oldest is None or record.started < oldest.started):
+                    oldest = record
+        return oldest
+
+    def dump(self, last: int | None = None) -> dict[str, list[dict[str, Any]]]:
+        return {str(rank): [r.as_dict() for r in list(ring)[-(last or self._depth):]]
+                for rank, ring in sorted(self._by_rank.items())}
+
+    def lines(self, last: int = 4) -> list[str]:
+        """A compact dump for the log: each rank's newest calls."""
+        out = []
+        for rank, ring in sorted(self._by_rank.items()):
+            calls = ", ".join(f"#{r.seq} {r.call} {r.state}" for r in list(ring)[-last:])
+            out.append(f"rank {rank}: {calls}")
+        return out

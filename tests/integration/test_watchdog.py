@@ -1,0 +1,42 @@
+"""A call that stays open past the world's timeout fails the world, naming who is behind;
+the flight recorder shows each rank's last calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from commd.launch import DaemonProcess
+from commd.status import query_status
+from tests.integration import workers
+from tests.integration.harness import RankPool, world_name
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_stalled_rank_times_the_call_out(pool: RankPool, daemon: DaemonProcess) -> None:
+    sock, world = str(daemon.socket_path), world_name()
+    started = pool.start(workers.stall, [(sock, world, r, 2, 1.0, 3.5) for r in range(2)])
+    rank0, rank1 = [o.unwrap() for o in pool.collect(started, 30)]
+    name, message, seconds = rank0
+    assert name == "CommTimeout"
+    assert "rank 0's call #1 all_reduce(bytes=64, dtype=bf16, op=sum) did not complete within 1s" in message
+    assert "rank 1: #0 barrier() done" in message  # the rank that is behind, by its newest call
+    assert 1.0 <= seconds <= 1.0 + 1.0 + 0.5  # the deadline, one watchdog interval, scheduling
+    assert rank1[1] == "False"  # the stalled rank hears of the failure too
+
+
+def test_recv_command_has_no_deadline_and_status_shows_recent_calls(pool: RankPool,
+                                                                    daemon: DaemonProcess) -> None:
+    sock, world = str(daemon.socket_path), world_name()
+    # a command loop with a 1 s timeout where the root pauses 1.5 s between commands
+    started = pool.start(workers.slow_commands, [(sock, world, r, 2, 1.0, 1.5) for r in range(2)])
+    import time
+
+    time.sleep(0.8)
+    info = query_status(sock, 5, world)
+    recent = info["worlds"][0]["recent_calls"]
+    assert recent["1"][-1]["call"] == "recv_command_u32(bytes=4, root=0)"
+    assert recent["1"][-1]["state"] == "pending"
+    assert recent["0"][0]["state"] == "done"
+    results = [o.unwrap() for o in pool.collect(started, 30)]
+    assert results == [[5, 6], [5, 6]]
