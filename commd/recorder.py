@@ -14,19 +14,27 @@ import collections
 import time
 from typing import Any
 
+import proto
+
+from . import ops
+
 
 class CallRecord:
-    __slots__ = ("call", "ended", "rank", "seq", "started", "state", "waits_forever", "wall")
+    __slots__ = ("ended", "op", "rank", "seq", "started", "state", "waits_forever", "wall")
 
-    def __init__(self, rank: int, seq: int, call: str, waits_forever: bool) -> None:
+    def __init__(self, rank: int, seq: int, op: proto.Op, waits_forever: bool) -> None:
         self.rank = rank
         self.seq = seq
-        self.call = call
+        self.op = op  # described only when read: formatting on every call costs latency
         self.state = "pending"
         self.started = time.monotonic()
         self.wall = time.time()
         self.ended: float | None = None
         self.waits_forever = waits_forever  # recv_command_u32: no completion deadline
+
+    @property
+    def call(self) -> str:
+        return ops.describe(self.op)
 
     def close(self, state: str) -> None:
         if self.ended is None:
@@ -45,10 +53,10 @@ class FlightRecorder:
         self._by_rank: dict[int, collections.deque[CallRecord]] = {}
         self._seq: dict[int, int] = {}
 
-    def start(self, rank: int, call: str, waits_forever: bool = False) -> CallRecord:
+    def start(self, rank: int, op: proto.Op) -> CallRecord:
         seq = self._seq.get(rank, 0)
         self._seq[rank] = seq + 1
-        record = CallRecord(rank, seq, call, waits_forever)
+        record = CallRecord(rank, seq, op, ops.waits_forever(op))
         ring = self._by_rank.get(rank)
         if ring is None:
             ring = self._by_rank[rank] = collections.deque(maxlen=self._depth)

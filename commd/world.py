@@ -230,7 +230,7 @@ class World:
         ticket = Ticket(peer, rank, request_id, len(calls))
         self._tickets.add(ticket)
         for op, regions in calls:
-            record = self.recorder.start(rank, ops.describe(op), ops.waits_forever(op))
+            record = self.recorder.start(rank, op)
             ticket.records.append(record)
             try:
                 match = self._matcher.add(Call(rank, op, Arrival(ticket, regions, record)))
