@@ -20,7 +20,7 @@ from . import ops
 
 
 class CallRecord:
-    __slots__ = ("ended", "op", "rank", "seq", "started", "state", "waits_forever", "wall")
+    __slots__ = ("ended", "op", "rank", "seq", "started", "state", "waits_forever")
 
     def __init__(self, rank: int, seq: int, op: proto.Op, waits_forever: bool) -> None:
         self.rank = rank
@@ -28,7 +28,6 @@ class CallRecord:
         self.op = op  # described only when read: formatting on every call costs latency
         self.state = "pending"
         self.started = time.monotonic()
-        self.wall = time.time()
         self.ended: float | None = None
         self.waits_forever = waits_forever  # recv_command_u32: no completion deadline
 
@@ -42,9 +41,10 @@ class CallRecord:
             self.ended = time.monotonic()
 
     def as_dict(self) -> dict[str, Any]:
-        took = (self.ended if self.ended is not None else time.monotonic()) - self.started
+        now = time.monotonic()
+        took = (self.ended if self.ended is not None else now) - self.started
         return {"rank": self.rank, "seq": self.seq, "call": self.call, "state": self.state,
-                "at": round(self.wall, 6), "seconds": round(took, 6)}
+                "at": round(time.time() - (now - self.started), 6), "seconds": round(took, 6)}
 
 
 class FlightRecorder:

@@ -25,7 +25,18 @@ from proto import ErrorCode
 
 from . import ops
 from .cluster import Inbox, WorldNet
-from .engine.base import EMPTY, CallTag, Communicator, Engine, EngineOp, RecvOp, Region, SendOp, TransferOp
+from .engine.base import (
+    EMPTY,
+    NO_TAG,
+    CallTag,
+    Communicator,
+    Engine,
+    EngineOp,
+    RecvOp,
+    Region,
+    SendOp,
+    TransferOp,
+)
 from .errors import CallError, clip, rank_list
 from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
 from .membership import LocalMembership, NetMembership
@@ -347,7 +358,9 @@ class World:
                 regions = {rank: (EMPTY, EMPTY) for rank in match.calls}
             else:
                 regions = {rank: c.token.regions for rank, c in match.calls.items()}
-            return ops.to_engine(op, regions, CallTag(match.index, ops.describe(op, canonical=True)))
+            # the canonical form is what daemons compare; one daemon has no one to compare with
+            tag = CallTag(match.index, ops.describe(op, canonical=True)) if spans_daemons else NO_TAG
+            return ops.to_engine(op, regions, tag)
         if isinstance(match, RemoteP2P):
             call, region = match.call, match.call.token.regions[0] or EMPTY
             tag = CallTag(match.index, ops.describe(call.op, canonical=True))
