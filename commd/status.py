@@ -43,4 +43,10 @@ def render_status(info: dict[str, Any]) -> str:
         ranks = f"{len(w['ranks'])}/{w['world_size']}"
         lines.append(f"{w['name']:<24} {w['state']:<8} {w['epoch']:>5} {ranks:>9} "
                      f"{w['pending_calls']:>7}  {w.get('cause') or ''}")
+        # each rank's newest call: the one behind, or pending among done ones, is the suspect
+        for rank, calls in (w.get("recent_calls") or {}).items():
+            if calls:
+                last = calls[-1]
+                lines.append(f"    rank {rank:>4}  #{last['seq']:<6} {last['state']:<8} "
+                             f"{last['seconds']:>9.3f}s  {last['call']}")
     return "\n".join(lines)
