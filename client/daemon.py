@@ -16,6 +16,7 @@ from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_op
 from .errors import (
     UNHEALTHY,
     CommError,
+    DaemonUnavailable,
     MisuseError,
     ProtocolError,
     from_code,
@@ -48,6 +49,8 @@ class DaemonBackend(CommBackend):
         self._world_size = world_size
         self._world = world
         self._timeout = timeout
+        self._path = os.fspath(socket_path)
+        self._device, self._bootstrap, self._token = device, bootstrap, token
         self._memory = memory if memory is not None else default_memory()
         self._lock = threading.RLock()  # group state and buffer bookkeeping, never over I/O
         self._import_lock = threading.Lock()
@@ -59,20 +62,31 @@ class DaemonBackend(CommBackend):
         self._group_depth = 0
         self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
+        # register_buffer hands out our own handles: a restarted daemon hands out new ones
+        self._registrations: dict[int, tuple[int, int, int]] = {}  # ours -> (ptr, bytes, daemon's)
+        self._next_handle = 1
+        self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
+        self.epoch = 0
+        self._transport = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
+        self._memory.on_release(self._on_buffer_released)
+
+    def _join(self, deadline: float) -> Transport:
+        """Connect and say hello (at the last epoch seen); returns once the world is ready."""
         hello = self._build(lambda: proto.Hello(
-            1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, world_size,
-            max(1, int(timeout * 1000)), device, bootstrap, token))
-        self._transport = Transport(os.fspath(socket_path), timeout, self._on_event)
+            1, proto.PROTOCOL_VERSION, os.getpid(), self._world, self._rank, self._world_size,
+            max(1, int(self._timeout * 1000)), self._device, self._bootstrap, self._token,
+            self.epoch))
+        transport = Transport(self._path, self._timeout, self._on_event)
         try:
-            reply, _ = self._transport.request(hello, time.monotonic() + timeout + _JOIN_GRACE_S)
+            reply, _ = transport.request(hello, deadline)
             self._check(reply)
             assert isinstance(reply, proto.Welcome)
-            self.epoch = reply.epoch
-            self.engine = reply.engine
         except BaseException:
-            self._transport.close()
+            transport.close()
             raise
-        self._memory.on_release(self._on_buffer_released)
+        self.epoch = reply.epoch
+        self.engine = reply.engine
+        return transport
 
     # ---- the seed's calls --------------------------------------------------------
 
@@ -125,17 +139,31 @@ class DaemonBackend(CommBackend):
         return self._world_size
 
     def register_buffer(self, ptr: int, bytes: int) -> int:
+        daemon_handle = self._register(ptr, bytes)
+        with self._lock:
+            handle = self._next_handle
+            self._next_handle += 1
+            self._registrations[handle] = (ptr, bytes, daemon_handle)
+        return handle
+
+    def _register(self, ptr: int, nbytes: int) -> int:
         def register() -> proto.Register:
-            mem = self._mem(ptr, bytes)
+            mem = self._mem(ptr, nbytes)
             if mem is None:
                 raise MisuseError("cannot register an empty buffer")
-            return proto.Register(self._transport.next_id(), mem, bytes)
+            return proto.Register(self._transport.next_id(), mem, nbytes)
 
         reply, _ = self._request(register)
         return reply.value  # type: ignore[union-attr]
 
     def deregister_buffer(self, handle: int) -> None:
-        self._request(lambda: proto.Deregister(self._transport.next_id(), handle))
+        with self._lock:
+            registration = self._registrations.get(handle)
+        if registration is None:
+            raise MisuseError(f"handle {handle} is not registered")
+        self._request(lambda: proto.Deregister(self._transport.next_id(), registration[2]))
+        with self._lock:
+            self._registrations.pop(handle, None)
 
     def symmetric_alloc(self, bytes: int) -> int:
         buffer_id = self._memory.next_id()
@@ -154,7 +182,8 @@ class DaemonBackend(CommBackend):
             buffer = self._symmetric.get(ptr)
         if buffer is None:
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
-        self._request(lambda: proto.SymFree(self._transport.next_id(), buffer.id))
+        if buffer.id not in self._orphans:  # an orphan's daemon is gone: ours is the only copy
+            self._request(lambda: proto.SymFree(self._transport.next_id(), buffer.id))
         with self._lock:
             del self._symmetric[ptr]
             self._imported.discard(buffer.id)
@@ -190,14 +219,44 @@ class DaemonBackend(CommBackend):
         return self._failure is None
 
     def attempt_reconnect(self) -> None:
-        # like the hello: the daemon enforces the deadline and names missing ranks; give its
-        # answer time to arrive rather than give up just before it does
-        reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()),
-                                 grace=_JOIN_GRACE_S)
-        self.epoch = reply.value  # type: ignore[union-attr]
+        """Rebuild the world at the next epoch. If the daemon itself went away (killed and
+        restarted), connect again with backoff within the timeout, say hello at the last
+        epoch, and re-register what the old daemon knew."""
+        self._check_open()
+        if self._transport.broken is None:
+            # like the hello: the daemon enforces the deadline and names missing ranks; give
+            # its answer time to arrive rather than give up just before it does
+            reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()),
+                                     grace=_JOIN_GRACE_S)
+            self.epoch = reply.value  # type: ignore[union-attr]
+        else:
+            self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
         with self._lock:
             self._failure = None
             self._group, self._group_depth = None, 0
+
+    def _rejoin(self, deadline: float) -> None:
+        with self._lock:  # the new daemon knows none of our buffers
+            self._imported.clear()
+            self._released.clear()
+            self._ops.clear()
+            self._orphans.update(buffer.id for buffer in self._symmetric.values())
+        delay = 0.05
+        while True:
+            try:
+                self._transport = self._join(deadline)
+                break
+            except DaemonUnavailable:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)  # not back yet (systemd restarts it): try again
+                delay = min(1.0, delay * 2)
+        with self._lock:
+            registrations = list(self._registrations.items())
+        for handle, (ptr, nbytes, _) in registrations:
+            fresh = self._register(ptr, nbytes)
+            with self._lock:
+                self._registrations[handle] = (ptr, nbytes, fresh)
 
     # ---- lifetime -------------------------------------------------------------------
 

@@ -144,6 +144,9 @@ class World:
         """A new connection asks for `hello.rank`; the caller checked the slot is free."""
         if self.state is WorldState.FAILED:
             self.start_forming()
+        if self.state is WorldState.FORMING:
+            # a rank back from a daemon restart: this (new) world continues its numbering
+            self.epoch = max(self.epoch, hello.epoch)
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:

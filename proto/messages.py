@@ -172,10 +172,12 @@ class Hello:
     device: int | None = None
     bootstrap: str | None = None
     token: str | None = None
+    epoch: int = 0  # the last epoch this rank saw (after a daemon restart): the world goes on past it
 
     def __post_init__(self) -> None:
         _positive("id", self.id)
         _u64("version", self.version)
+        _u64("epoch", self.epoch)
         _u64("pid", self.pid)
         if not 0 < len(self.world) <= MAX_WORLD_NAME or not _WORLD_NAME.fullmatch(self.world):
             raise InvalidMessage(

@@ -111,3 +111,24 @@ def test_no_daemon_is_a_typed_error() -> None:
 
     with pytest.raises(DaemonUnavailable, match="cannot connect"):
         DaemonBackend("/tmp/commd-nowhere/none.sock", "w", 0, 1, timeout=1)
+
+
+def test_workers_survive_a_daemon_restart(pool: RankPool, own_daemon: DaemonProcess) -> None:
+    """kill -9 the daemon; a new one takes the socket; every rank's attempt_reconnect
+    finds it, rejoins past the old epoch, and the same buffers work again."""
+    from tests.integration.data import make_input, reduce_reference
+
+    sock, world = str(own_daemon.socket_path), world_name()
+    started = pool.start(workers.survive_restart, [(sock, world, r, 2, 4) for r in range(2)])
+    wait_pending(sock, world, 0)  # both joined; calls done
+    time.sleep(0.5)
+    own_daemon.proc.kill()  # type: ignore[union-attr]
+    own_daemon.proc.wait(10)  # type: ignore[union-attr]
+    time.sleep(0.5)  # the ranks see it gone and start retrying
+    own_daemon.start()
+    outcomes = [o.unwrap() for o in pool.collect(started, 60)]
+    want = reduce_reference([make_input(4, r, 256, "f32", "sum") for r in range(2)], "f32", "sum")
+    for res in outcomes:
+        assert res["before"] == 1 and res["after"] == 2
+        assert res["result"] == want.tobytes()
+        assert res["symmetric"] == bytes([2]) * 4

@@ -432,3 +432,33 @@ def slow_commands(sock: str, world: str, rank: int, n: int, timeout: float, paus
             got.append(int(buf.view(np.uint32)[0]))
         comm.barrier()
     return got
+
+
+def survive_restart(sock: str, world: str, rank: int, n: int, seed: int) -> dict[str, Any]:
+    """Use plain, registered and symmetric memory; wait until the daemon is gone (the test
+    kills it and starts a new one); reconnect; use the same memory again."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n, timeout=15) as comm:
+        data = make_input(seed, rank, 256, "f32", "sum")
+        buf = _load(data)
+        handle = comm.register_buffer(buf.ptr, buf.nbytes)
+        sym = comm.symmetric_alloc(1024)
+        comm.all_reduce(buf.ptr, data.nbytes, dtype="f32")
+        out["before"] = comm.epoch
+        comm.barrier()
+        deadline = time.monotonic() + 20
+        while comm.is_healthy():  # until the kill is noticed
+            assert time.monotonic() < deadline, "the daemon never went away"
+            time.sleep(0.05)
+        comm.attempt_reconnect()
+        out["after"] = comm.epoch
+        buf.view(np.float32)[:] = data
+        comm.all_reduce(buf.ptr, data.nbytes, dtype="f32")
+        out["result"] = _read(buf, 0, data.nbytes)
+        ctypes.memset(sym, rank + 1, 1024)
+        comm.all_reduce(sym, 1024, dtype="u8", op="max")
+        out["symmetric"] = ctypes.string_at(sym, 4)
+        comm.deregister_buffer(handle)
+        comm.symmetric_free(sym)
+        comm.barrier()
+    return out

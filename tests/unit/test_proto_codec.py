@@ -183,7 +183,7 @@ def test_wire_shape_of_fields() -> None:
     }
     assert unpack(encode(Hello(1, 1, 9, "w", 0, 1, 5))) == {
         "t": "hello", "id": 1, "version": 1, "pid": 9, "world": "w", "rank": 0, "world_size": 1,
-        "timeout_ms": 5, "device": None, "bootstrap": None, "token": None,
+        "timeout_ms": 5, "device": None, "bootstrap": None, "token": None, "epoch": 0,
     }
     assert unpack(encode(Forget((4, 5)))) == {"t": "forget", "bufs": [4, 5]}
     assert unpack(encode(Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "bye"))) == {
