@@ -77,9 +77,13 @@ class WorldNet:
         return self.root is None
 
     async def resolve(self) -> None:
-        """Find the root: dial the bootstrap address; if it is our own listener, we are it."""
+        """Find the root: dial the bootstrap address; if it is our own listener, we are it.
+        A link to the root that was lost (a cut network, a restarted root) is dialed anew."""
         if self.bootstrap is None:
             return  # created by a member's report: we are the root
+        if self._resolved is not None and self._resolved.done() and self.root is not None \
+                and self.root.closed:
+            self._resolved = None
         if self._resolved is None:
             self._resolved = asyncio.get_running_loop().create_future()
             try:

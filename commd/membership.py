@@ -94,10 +94,13 @@ class NetMembership:
         if self.net.is_root:
             self._deadline(rank, timeout_s, None)
             self._count(rank, self.net.me)
-        else:
+            return
+        try:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
                                               self._world.epoch, max(1, int(timeout_s * 1000)),
                                               self._token))
+        except CallError as exc:  # the link went down between resolving and sending
+            self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
 
     def withdraw(self, rank: int) -> None:
         if self.net.is_root and self._votes.get(rank) == self.net.me:

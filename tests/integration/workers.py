@@ -462,3 +462,32 @@ def survive_restart(sock: str, world: str, rank: int, n: int, seed: int) -> dict
         comm.symmetric_free(sym)
         comm.barrier()
     return out
+
+
+def ride_out_a_cut(sock: str, world: str, rank: int, n: int, seed: int) -> dict[str, Any]:
+    """all_reduce; wait for the network cut to be noticed; attempt_reconnect until the
+    network is back; all_reduce again."""
+    out: dict[str, Any] = {"errors": []}
+    with connect(sock, world, rank, n, timeout=10) as comm:
+        data = make_input(seed, rank, 64, "i32", "sum")
+        buf = _load(data)
+        comm.all_reduce(buf.ptr, data.nbytes, dtype="i32")
+        comm.barrier()
+        deadline = time.monotonic() + 20
+        while comm.is_healthy():
+            assert time.monotonic() < deadline, "the cut was never noticed"
+            time.sleep(0.05)
+        while True:
+            try:
+                comm.attempt_reconnect()
+                break
+            except Exception as exc:  # the network may still be cut: try again
+                out["errors"].append(type(exc).__name__)
+                assert time.monotonic() < deadline, out["errors"]
+                time.sleep(0.2)
+        out["epoch"] = comm.epoch
+        buf.view(np.uint8)[:] = data.view(np.uint8)
+        comm.all_reduce(buf.ptr, data.nbytes, dtype="i32")
+        out["result"] = _read(buf, 0, data.nbytes)
+        comm.barrier()
+    return out
