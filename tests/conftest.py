@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from commd.launch import DaemonProcess
-from tests.integration.harness import RankPool, short_tmpdir
+from tests.integration import workers
+from tests.integration.harness import RankPool, short_tmpdir, world_name
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +54,28 @@ def _pools() -> Iterator[_Pools]:
 @pytest.fixture
 def pool(_pools: _Pools) -> RankPool:
     return _pools.get()
+
+
+@pytest.fixture(scope="module")
+def steady(daemon: DaemonProcess) -> Iterator[None]:
+    """Two ranks of an unrelated world all_reduce and check, from first test to last."""
+    ctx = mp.get_context("spawn")
+    stop, running, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    world = world_name("steady")
+    procs = [ctx.Process(target=workers.steady_loop,
+                         args=(str(daemon.socket_path), world, r, 2, stop, results, running))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    assert running.wait(30), "the steady world never got going"
+    yield
+    stop.set()
+    outcomes = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(10)
+    for rank, iterations, errors in outcomes:
+        assert errors == [], f"steady rank {rank} saw errors: {errors}"
+        assert iterations > 0, f"steady rank {rank} never ran"
 
 
 @pytest.fixture

@@ -30,28 +30,6 @@ from tests.integration.rawclient import RawClient
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def steady(daemon: DaemonProcess) -> Iterator[None]:
-    """Two ranks of an unrelated world all_reduce and check, from first test to last."""
-    ctx = mp.get_context("spawn")
-    stop, running, results = ctx.Event(), ctx.Event(), ctx.Queue()
-    world = world_name("steady")
-    procs = [ctx.Process(target=workers.steady_loop,
-                         args=(str(daemon.socket_path), world, r, 2, stop, results, running))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    assert running.wait(30), "the steady world never got going"
-    yield
-    stop.set()
-    outcomes = [results.get(timeout=30) for _ in procs]
-    for p in procs:
-        p.join(10)
-    for rank, iterations, errors in outcomes:
-        assert errors == [], f"steady rank {rank} saw errors: {errors}"
-        assert iterations > 0, f"steady rank {rank} never ran"
-
-
 @pytest.fixture
 def raw(sock: str, steady: None) -> Iterator[RawClient]:
     client = RawClient(sock)

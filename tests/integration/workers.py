@@ -491,3 +491,47 @@ def ride_out_a_cut(sock: str, world: str, rank: int, n: int, seed: int) -> dict[
         out["result"] = _read(buf, 0, data.nbytes)
         comm.barrier()
     return out
+
+
+def join_and_wait(sock: str, world: str, rank: int, n: int, first: str) -> None:
+    """A victim: join, optionally make a first call, then wait to be killed."""
+    with connect(sock, world, rank, n) as comm:
+        if first == "all_reduce":
+            buf = hostmem.alloc(64 << 20)
+            comm.all_reduce(buf.ptr, buf.nbytes)
+        time.sleep(3600)
+
+
+def survive_a_kill(sock: str, world: str, rank: int, n: int, what: str, seed: int) -> dict[str, Any]:
+    """Wait in `what` while the other rank is killed; note when and how it ended; then
+    rebuild the world with whoever takes the lost rank, and check a call."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n) as comm:
+        big = hostmem.alloc(64 << 20)
+        try:
+            if what == "all_reduce":
+                comm.all_reduce(big.ptr, big.nbytes)
+            elif what == "barrier":
+                comm.barrier()
+            else:
+                comm.recv_command_u32(big.ptr, 0)
+            out["error"] = None
+        except Exception as exc:
+            out["error"] = type(exc).__name__
+        out["at"] = time.time()
+        comm.attempt_reconnect()
+        out["epoch"] = comm.epoch
+        data = _load(make_input(seed, rank, 128, "i64", "sum"))
+        comm.all_reduce(data.ptr, data.nbytes, dtype="i64")
+        out["result"] = _read(data, 0, data.nbytes)
+        comm.barrier()
+    return out
+
+
+def replacement(sock: str, world: str, rank: int, n: int, seed: int) -> bytes:
+    """The new process in a killed rank's slot: its hello counts as its attempt_reconnect."""
+    with connect(sock, world, rank, n) as comm:
+        data = _load(make_input(seed, rank, 128, "i64", "sum"))
+        comm.all_reduce(data.ptr, data.nbytes, dtype="i64")
+        comm.barrier()
+        return _read(data, 0, data.nbytes)
