@@ -535,3 +535,39 @@ def replacement(sock: str, world: str, rank: int, n: int, seed: int) -> bytes:
         comm.all_reduce(data.ptr, data.nbytes, dtype="i64")
         comm.barrier()
         return _read(data, 0, data.nbytes)
+
+
+def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) -> dict[str, Any]:
+    """Wait in a barrier while a daemon of the world is killed; note how it ended; then
+    attempt_reconnect until the world is back (the dead daemon restarts) and check a call."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n, timeout=10) as comm:
+        comm.barrier()
+        try:
+            if rank == 0:
+                comm.barrier()  # waits: rank 1 never comes
+            else:
+                while comm.is_healthy():  # rank 1 just watches
+                    time.sleep(0.02)
+                comm.barrier()  # raises what made it unhealthy
+            out["error"] = None
+        except Exception as exc:
+            out["error"] = type(exc).__name__
+        out["at"] = time.time()
+        deadline = time.monotonic() + 30
+        attempts = 0
+        while True:
+            try:
+                attempts += 1
+                comm.attempt_reconnect()
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        out["attempts"] = attempts
+        out["epoch"] = comm.epoch
+        data = _load(make_input(seed, rank, 64, "i32", "sum"))
+        comm.all_reduce(data.ptr, data.nbytes, dtype="i32")
+        out["result"] = _read(data, 0, data.nbytes)
+        comm.barrier()
+    return out

@@ -1,0 +1,71 @@
+"""kill -9 a daemon of a world spread over two: the other daemon's ranks hear PeerLost within
+the heartbeat window, the dead daemon's ranks see it gone; it restarts (as systemd would)
+and every rank's attempt_reconnect rebuilds the world."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from commd.launch import DaemonProcess
+from tests.integration import workers
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.test_multi_daemon import SECRET
+
+pytestmark = pytest.mark.timeout(120)
+WINDOW_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def start(path: Path, name: str, port: int) -> DaemonProcess:
+    return DaemonProcess(path, env=SECRET, args=[
+        "--peer-listen", f"127.0.0.1:{port}", "--peer-name", name,
+        "--peer-heartbeat", "0.2", "--peer-window", str(WINDOW_S)]).start()
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(short_tmpdir())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("victim", ["root", "member"])
+def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, victim: str) -> None:
+    ports = {"A": free_port(), "B": free_port()}
+    daemons = {name: start(tmp / name / "commd.sock", name, ports[name]) for name in "AB"}
+    try:
+        world, root = world_name("dd"), f"127.0.0.1:{ports['A']}"
+        args = [(f"{daemons[d].socket_path}@{root}", world, r, 2, 3) for r, d in enumerate("AB")]
+        started = pool.start(workers.through_a_daemon_death, args)
+        time.sleep(1.5)  # both joined and waiting in their second barrier... one of them
+        dead = "A" if victim == "root" else "B"
+        daemons[dead].kill()
+        killed_at = time.time()
+        time.sleep(0.5)
+        daemons[dead] = start(tmp / dead / "commd.sock", dead, ports[dead])
+        outcomes = [o.unwrap() for o in pool.collect(started, 90)]
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
+    want = reduce_reference([make_input(3, r, 64, "i32", "sum") for r in range(2)], "i32", "sum")
+    survivor = 1 if victim == "root" else 0
+    for rank, res in enumerate(outcomes):
+        assert res["epoch"] == 2 and res["result"] == want.tobytes()
+        if rank == survivor:
+            assert res["error"] == "PeerLost"
+            assert res["at"] - killed_at <= WINDOW_S + 1.0
+        else:
+            assert res["error"] == "DaemonUnavailable"
