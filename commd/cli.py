@@ -31,10 +31,15 @@ def _serve(args: argparse.Namespace) -> int:
         peer_secret=read_secret(args.peer_secret_file, dict(os.environ)),
         peer_heartbeat_s=args.peer_heartbeat,
         peer_window_s=args.peer_window,
+        **{name: value for name, value in vars(args).items() if name in _LIMITS and value is not None},
     )
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(config)
+
+
+_LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
+           "max_pending_ops")
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -101,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peer-heartbeat", type=float, default=0.5, metavar="SECONDS")
     serve.add_argument("--peer-window", type=float, default=3.0, metavar="SECONDS",
                        help="a peer silent this long is lost")
+    for limit in _LIMITS:
+        serve.add_argument("--" + limit.replace("_", "-"), type=int, default=None, metavar="N",
+                           help=f"limit ({ServerConfig.__dataclass_fields__[limit].default} by default)")
     serve.add_argument("--log-level", default="INFO",
                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     serve.set_defaults(func=_serve)

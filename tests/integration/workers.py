@@ -571,3 +571,34 @@ def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) 
         out["result"] = _read(data, 0, data.nbytes)
         comm.barrier()
     return out
+
+
+def stop_and_go(sock: str, world: str, rank: int, n: int, timeout: float) -> dict[str, Any]:
+    """Rank 0 waits in an all_reduce while rank 1 is frozen (SIGSTOP) past the deadline; after
+    SIGCONT both rebuild the world."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n, timeout=timeout) as comm:
+        buf = hostmem.alloc(64)
+        comm.barrier()
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                comm.all_reduce(buf.ptr, 64)
+                out["error"] = None
+            except Exception as exc:
+                out["error"] = type(exc).__name__
+            out["seconds"] = time.monotonic() - start
+        else:
+            while comm.is_healthy():  # frozen in here by the test, and woken after the deadline
+                time.sleep(0.02)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                comm.attempt_reconnect()
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+        out["epoch"] = comm.epoch
+        comm.all_reduce(buf.ptr, 64)
+        comm.barrier()
+    return out

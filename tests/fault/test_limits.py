@@ -1,0 +1,105 @@
+"""Clients that hoard: limits on connections, registrations, pending calls and unread
+replies each give a clear LimitExceeded (or drop only the hoarder); others go on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import proto
+from client import DaemonBackend, LimitExceeded, hostmem
+from commd.launch import DaemonProcess
+from tests.integration.harness import short_tmpdir, world_name
+from tests.integration.rawclient import RawClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def tight() -> Iterator[DaemonProcess]:
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock", args=[
+        "--max-connections", "6", "--max-registrations", "5", "--max-pending-ops", "20",
+        "--max-queued-replies", "16"]).start()
+    yield daemon
+    daemon.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_connections(tight: DaemonProcess) -> None:
+    sock = str(tight.socket_path)
+    held = [RawClient(sock) for _ in range(6)]
+    try:
+        with pytest.raises(LimitExceeded, match="6 connections"):
+            DaemonBackend(sock, world_name(), 0, 1, timeout=5)
+    finally:
+        for client in held:
+            client.close()
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:  # room again
+        comm.barrier()
+
+
+def test_registrations_and_pending_calls(tight: DaemonProcess) -> None:
+    sock = str(tight.socket_path)
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+        buf = hostmem.alloc(4096)
+        handles = [comm.register_buffer(buf.ptr + 8 * i, 8) for i in range(5)]
+        with pytest.raises(LimitExceeded, match="at most 5 registrations"):
+            comm.register_buffer(buf.ptr, 8)
+        comm.deregister_buffer(handles[0])
+        comm.register_buffer(buf.ptr, 8)  # room again
+    with _two(sock) as (a, _b):
+        a.group_start()
+        for _ in range(21):
+            a.barrier()
+        with pytest.raises(LimitExceeded, match="limit is 20"):
+            a.group_end()
+
+
+class _two:
+    """Rank 0 of a 2-rank world whose rank 1 joins raw and never calls."""
+
+    def __init__(self, sock: str) -> None:
+        self.sock = sock
+
+    def __enter__(self) -> tuple[DaemonBackend, RawClient]:
+        world = world_name()
+        self.raw = RawClient(self.sock)
+        self.raw.send(proto.Hello(1, 1, os.getpid(), world, 1, 2, 5000))
+        self.comm = DaemonBackend(self.sock, world, 0, 2, timeout=5)
+        return self.comm, self.raw
+
+    def __exit__(self, *exc: object) -> None:
+        self.comm.close()
+        self.raw.close()
+
+
+def test_a_client_that_never_reads_is_dropped(tight: DaemonProcess) -> None:
+    sock = str(tight.socket_path)
+    with RawClient(sock) as hoarder:
+        assert isinstance(hoarder.join(world_name()), proto.Welcome)
+        hoarder.sock.settimeout(5)
+        sent, dropped = 0, False
+        try:
+            for i in range(20000):
+                hoarder.send(proto.Submit(10 + i, (proto.Barrier(),)))
+                sent += 1
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True  # its replies piled up past the limit: the daemon hung up
+        assert dropped, f"sent {sent} requests without reading and was never dropped"
+        replies = 0
+        while True:
+            try:
+                msg = hoarder.recv()
+            except (ConnectionResetError, OSError):
+                break
+            if msg is None:
+                break
+            replies += 1
+        assert replies < sent  # cut off, not served forever
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:  # and the daemon goes on
+        comm.barrier()
