@@ -1,0 +1,116 @@
+"""Ten thousand random and mutated packets at the daemon's socket, and garbage at its peer
+port: only typed refusals, never a crash or a wedge; an unrelated world runs throughout."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import proto
+from client import DaemonBackend
+from commd.cluster import parse_address
+from commd.launch import DaemonProcess
+from proto import peer as p
+from proto.codec import encode_peer
+from tests.integration.harness import short_tmpdir, world_name
+from tests.integration.rawclient import RawClient
+
+pytestmark = pytest.mark.timeout(180)
+PACKETS = 10_000
+
+
+def valid_packets() -> list[bytes]:
+    return [
+        proto.encode(proto.Hello(1, 1, 1, "fuzz", 0, 1, 1000)),
+        proto.encode(proto.Submit(2, (proto.AllReduce(proto.Mem(1, 0), 8),))),
+        proto.encode(proto.Import(3, 1, proto.MemKind.HOST, 4096)),
+        proto.encode(proto.StatusQuery(4)),
+        proto.encode(proto.Register(5, proto.Mem(1, 0), 64)),
+    ]
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 6)):
+        kind = rng.randrange(4)
+        if kind == 0 and out:
+            out[rng.randrange(len(out))] = rng.getrandbits(8)
+        elif kind == 1:
+            out.insert(rng.randrange(len(out) + 1), rng.getrandbits(8))
+        elif kind == 2 and len(out) > 1:
+            del out[rng.randrange(len(out))]
+        else:
+            out = out[: rng.randrange(len(out) + 1)]
+    return bytes(out) or b"\x00"
+
+
+@pytest.fixture(scope="module")
+def peer_daemon() -> Iterator[DaemonProcess]:
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock", env={"COMMD_PEER_SECRET": "fuzz-secret-0123456789"},
+                           args=["--peer-listen", "127.0.0.1:0", "--peer-name", "F"]).start()
+    yield daemon
+    assert daemon.stop() == 0
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ten_thousand_bad_packets(peer_daemon: DaemonProcess, steady: None) -> None:
+    sock = str(peer_daemon.socket_path)
+    rng = random.Random(20261130)
+    seeds = valid_packets()
+    client = RawClient(sock)
+    refused = answered = 0
+    for i in range(PACKETS):
+        data = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))) if i % 3 == 0 \
+            else mutate(rng, rng.choice(seeds))
+        try:
+            client.send_bytes(data)
+            reply = client.recv()
+        except OSError:
+            reply = None
+        if isinstance(reply, proto.Error | proto.Welcome | proto.Ok | proto.StatusReport):
+            answered += 1
+        if not isinstance(reply, proto.StatusReport | proto.Welcome | proto.Ok):
+            refused += 1
+            client.close()  # a refused connection is closed by the daemon: start a new one
+            client = RawClient(sock)
+    client.close()
+    assert refused > PACKETS // 2 and answered > 0
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+        comm.barrier()  # alive and serving
+
+
+def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess) -> None:
+    host, port = parse_address(peer_daemon.peer_address())
+    rng = random.Random(7)
+    hello = p.FRAME.pack(1, 0)
+    good_header = encode_peer(p.PeerHello(p.PEER_VERSION, "x", os.urandom(p.NONCE_BYTES)))
+    frames = [hello + b"\xc1", p.FRAME.pack(len(good_header), 1 << 30) + good_header,
+              p.FRAME.pack(0, 0), b"GET / HTTP/1.1\r\n\r\n"]
+    for i in range(300):
+        data = frames[i % len(frames)] if i < len(frames) else \
+            mutate(rng, p.FRAME.pack(len(good_header), 0) + good_header)
+        with socket.create_connection((host, port), timeout=5) as conn:
+            try:
+                conn.sendall(data)
+                conn.shutdown(socket.SHUT_WR)  # all it will say: the daemon must not wait for more
+            except OSError:
+                continue  # refused (and closed) before we finished talking
+            conn.settimeout(5)
+            try:
+                while conn.recv(4096):
+                    pass  # a challenge or a refusal, then the daemon hangs up
+            except (ConnectionResetError, TimeoutError):
+                pass
+    from commd.status import query_status
+
+    peers = query_status(str(peer_daemon.socket_path), 5)["peers"]
+    assert peers["refused_handshakes"] >= 250 and peers["links"] == []
+    with DaemonBackend(str(peer_daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
+        comm.barrier()
