@@ -23,6 +23,20 @@ def connect(sock: str, world: str, rank: int, n: int, timeout: float = TIMEOUT) 
     return DaemonBackend(path, world, rank, n, timeout=timeout, bootstrap=bootstrap or None)
 
 
+def reconnect_until(comm: DaemonBackend, deadline: float) -> list[str]:
+    """attempt_reconnect until it succeeds (the other ranks, a daemon or the network may
+    not be back yet); returns the errors of the attempts that failed."""
+    errors: list[str] = []
+    while True:
+        try:
+            comm.attempt_reconnect()
+            return errors
+        except Exception as exc:
+            errors.append(type(exc).__name__)
+            assert time.monotonic() < deadline, errors
+            time.sleep(0.2)
+
+
 def socket_path(sock: str) -> str:
     return sock.partition("@")[0]
 
@@ -477,14 +491,7 @@ def ride_out_a_cut(sock: str, world: str, rank: int, n: int, seed: int) -> dict[
         while comm.is_healthy():
             assert time.monotonic() < deadline, "the cut was never noticed"
             time.sleep(0.05)
-        while True:
-            try:
-                comm.attempt_reconnect()
-                break
-            except Exception as exc:  # the network may still be cut: try again
-                out["errors"].append(type(exc).__name__)
-                assert time.monotonic() < deadline, out["errors"]
-                time.sleep(0.2)
+        out["errors"] = reconnect_until(comm, deadline)  # the network may still be cut
         out["epoch"] = comm.epoch
         buf.view(np.uint8)[:] = data.view(np.uint8)
         comm.all_reduce(buf.ptr, data.nbytes, dtype="i32")
@@ -554,17 +561,7 @@ def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) 
         except Exception as exc:
             out["error"] = type(exc).__name__
         out["at"] = time.time()
-        deadline = time.monotonic() + 30
-        attempts = 0
-        while True:
-            try:
-                attempts += 1
-                comm.attempt_reconnect()
-                break
-            except Exception:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-        out["attempts"] = attempts
+        out["errors"] = reconnect_until(comm, time.monotonic() + 30)  # until it is restarted
         out["epoch"] = comm.epoch
         data = _load(make_input(seed, rank, 64, "i32", "sum"))
         comm.all_reduce(data.ptr, data.nbytes, dtype="i32")
@@ -591,13 +588,7 @@ def stop_and_go(sock: str, world: str, rank: int, n: int, timeout: float) -> dic
         else:
             while comm.is_healthy():  # frozen in here by the test, and woken after the deadline
                 time.sleep(0.02)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                comm.attempt_reconnect()
-                break
-            except Exception:
-                assert time.monotonic() < deadline
+        reconnect_until(comm, time.monotonic() + 20)
         out["epoch"] = comm.epoch
         comm.all_reduce(buf.ptr, 64)
         comm.barrier()
