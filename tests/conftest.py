@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,18 +60,19 @@ def pool(_pools: _Pools) -> RankPool:
 
 
 @pytest.fixture(scope="module")
-def steady(daemon: DaemonProcess) -> Iterator[None]:
+def steady(daemon: DaemonProcess) -> Iterator[Steady]:
     """Two ranks of an unrelated world all_reduce and check, from first test to last."""
     ctx = mp.get_context("spawn")
     stop, running, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    errors = ctx.Value("i", 0)
     world = world_name("steady")
     procs = [ctx.Process(target=workers.steady_loop,
-                         args=(str(daemon.socket_path), world, r, 2, stop, results, running))
+                         args=(str(daemon.socket_path), world, r, 2, stop, results, running, errors))
              for r in range(2)]
     for p in procs:
         p.start()
     assert running.wait(30), "the steady world never got going"
-    yield
+    yield Steady(errors)
     stop.set()
     outcomes = [results.get(timeout=30) for _ in procs]
     for p in procs:
@@ -76,6 +80,39 @@ def steady(daemon: DaemonProcess) -> Iterator[None]:
     for rank, iterations, errors in outcomes:
         assert errors == [], f"steady rank {rank} saw errors: {errors}"
         assert iterations > 0, f"steady rank {rank} never ran"
+
+
+class Steady:
+    """The unrelated world's error count so far (each fault scenario reports its share)."""
+
+    def __init__(self, errors: Any) -> None:
+        self._errors = errors
+
+    def errors(self) -> int:
+        return int(self._errors.value)
+
+
+class FaultReport:
+    """Rows for scripts/fault_report.sh: written as JSON where $COMMD_FAULT_REPORT says."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, scenario: str, detection_s: float, recovery_s: float,
+            unrelated_errors: int | None, leaked: str) -> None:
+        self.rows.append({"scenario": scenario, "detection_s": round(detection_s, 3),
+                          "recovery_s": round(recovery_s, 3), "unrelated_errors": unrelated_errors,
+                          "leaked": leaked})
+
+
+@pytest.fixture(scope="session")
+def fault_report() -> Iterator[FaultReport]:
+    report = FaultReport()
+    yield report
+    path = os.environ.get("COMMD_FAULT_REPORT")
+    if path:
+        with open(path, "w") as out:
+            json.dump(report.rows, out, indent=2)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 
 from commd.launch import DaemonProcess
 from commd.status import query_status
+from tests.conftest import FaultReport, Steady
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, memfd_mappings, open_fds, world_name
@@ -27,9 +28,11 @@ def pending(sock: str, world: str) -> int:
 
 
 @pytest.mark.parametrize("what", ["all_reduce", "barrier", "recv_command"])
-def test_kill_a_worker_mid_call(pool: RankPool, daemon: DaemonProcess, steady: None, what: str) -> None:
+def test_kill_a_worker_mid_call(pool: RankPool, daemon: DaemonProcess, steady: Steady,
+                                fault_report: FaultReport, what: str) -> None:
     sock, world = str(daemon.socket_path), world_name("kill")
     base = open_fds(daemon.pid), memfd_mappings(daemon.pid)
+    unrelated_before = steady.errors()
     # recv_command waits on the root: the victim is rank 0 then, else rank 1
     victim_rank = 0 if what == "recv_command" else 1
     survivor_rank = 1 - victim_rank
@@ -62,3 +65,6 @@ def test_kill_a_worker_mid_call(pool: RankPool, daemon: DaemonProcess, steady: N
     while (open_fds(daemon.pid), memfd_mappings(daemon.pid)) != base:
         assert time.monotonic() < deadline, ((open_fds(daemon.pid), memfd_mappings(daemon.pid)), base)
         time.sleep(0.1)
+    fault_report.add(f"kill -9 a worker in {what}", res["at"] - killed_at,
+                     res["rebuilt_at"] - res["at"], steady.errors() - unrelated_before,
+                     "none (fds, memfd mappings at baseline)")

@@ -11,6 +11,7 @@ import pytest
 
 from commd.launch import DaemonProcess
 from commd.status import query_status
+from tests.conftest import FaultReport, Steady
 from tests.integration import workers
 from tests.integration.harness import RankPool, world_name
 
@@ -18,8 +19,10 @@ pytestmark = pytest.mark.timeout(90)
 TIMEOUT_S = 1.0
 
 
-def test_a_frozen_worker_times_the_call_out(pool: RankPool, daemon: DaemonProcess, steady: None) -> None:
+def test_a_frozen_worker_times_the_call_out(pool: RankPool, daemon: DaemonProcess, steady: Steady,
+                                           fault_report: FaultReport) -> None:
     sock, world = str(daemon.socket_path), world_name("stall")
+    unrelated_before = steady.errors()
     started = pool.start(workers.stop_and_go, [(sock, world, r, 2, TIMEOUT_S) for r in range(2)])
     deadline = time.monotonic() + 20
     while True:
@@ -29,6 +32,7 @@ def test_a_frozen_worker_times_the_call_out(pool: RankPool, daemon: DaemonProces
         assert time.monotonic() < deadline
         time.sleep(0.02)
     frozen = pool.pids()[1]
+    stopped_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
     time.sleep(TIMEOUT_S + 2.0)
     os.kill(frozen, signal.SIGCONT)
@@ -36,3 +40,5 @@ def test_a_frozen_worker_times_the_call_out(pool: RankPool, daemon: DaemonProces
     assert rank0["error"] == "CommTimeout"
     assert rank0["seconds"] <= TIMEOUT_S + 1.0 + 0.3
     assert rank0["epoch"] == rank1["epoch"] == 2
+    fault_report.add(f"SIGSTOP a worker (call timeout {TIMEOUT_S:g}s), SIGCONT", rank0["at"] - stopped_at,
+                     rank0["rebuilt_at"] - rank0["at"], steady.errors() - unrelated_before, "n/a")

@@ -19,6 +19,7 @@ from commd.peering import PeerNode, PeerSettings
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
+from tests.conftest import FaultReport
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, short_tmpdir, world_name
@@ -88,7 +89,8 @@ def test_a_peer_without_the_secret_is_refused(pool: RankPool, pair: list[DaemonP
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProcess]) -> None:
+def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProcess],
+                                           fault_report: FaultReport) -> None:
     root, member = pair
     world = world_name()
     started = pool.start(workers.timed_barrier, [(spec(root, root), world, 0, 2, 4.0),
@@ -101,6 +103,8 @@ def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProc
     rank0, rank1 = [o.unwrap() for o in pool.collect(started, 30)]
     assert rank0[0].startswith("PeerLost") and "daemon B was lost" in rank0[0]
     assert rank0[1] - stopped <= 1.0 + 1.0  # the window, plus a heartbeat and scheduling
+    fault_report.add("SIGSTOP a member daemon (window 1s), SIGCONT after 2.5 s", rank0[1] - stopped,
+                     float("nan"), None, "n/a")
     assert rank0[2] is False
     assert rank1[2] is False  # B found its link to the root gone when it woke
 
@@ -167,7 +171,8 @@ async def _send_stale(root: DaemonProcess, world: str) -> None:
     link.close("done")
 
 
-def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list[DaemonProcess]) -> None:
+def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list[DaemonProcess],
+                                                      fault_report: FaultReport) -> None:
     from tests.integration.faultproxy import FaultProxy
 
     root, member = pair
@@ -181,8 +186,10 @@ def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list
         wait_for(lambda: (world_status(root, world) or {}).get("epoch") == 1
                  and (world_status(root, world) or {}).get("pending_calls") == 0)
         time.sleep(0.5)
+        cut_at = time.time()
         proxy.cut()
         time.sleep(1.5)
+        healed_at = time.time()
         proxy.heal()
         results = [o.unwrap() for o in pool.collect(started, 60)]
     finally:
@@ -190,3 +197,6 @@ def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list
     want = reduce_reference([make_input(6, r, 64, "i32", "sum") for r in range(2)], "i32", "sum")
     for res in results:
         assert res["epoch"] == 2 and res["result"] == want.tobytes()
+    fault_report.add("cut the network between 2 daemons for 1.5 s (TCP proxy), heal",
+                     max(r["at"] for r in results) - cut_at,
+                     max(r["rebuilt_at"] for r in results) - healed_at, None, "n/a")

@@ -232,7 +232,7 @@ def reconnect_all(sock: str, world: str, rank: int, n: int, seed: int) -> tuple[
 
 
 def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: Any,
-                running: Any) -> None:
+                running: Any, error_count: Any) -> None:
     """An unrelated world that must see zero errors while bad input hits the daemon."""
     iterations, errors = 0, []
     try:
@@ -251,11 +251,15 @@ def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: An
                            for r in range(n))
                 if not np.allclose(data.view(np.float32), want, rtol=1e-5):
                     errors.append(f"wrong sum at iteration {iterations}")
+                    with error_count.get_lock():
+                        error_count.value += 1
                 iterations += 1
                 running.set()
             comm.barrier()
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
+        with error_count.get_lock():
+            error_count.value += 1
     results.put((rank, iterations, errors))
 
 
@@ -490,11 +494,13 @@ def ride_out_a_cut(sock: str, world: str, rank: int, n: int, seed: int) -> dict[
         deadline = time.monotonic() + 20
         while comm.is_healthy():
             assert time.monotonic() < deadline, "the cut was never noticed"
-            time.sleep(0.05)
+            time.sleep(0.01)
+        out["at"] = time.time()
         out["errors"] = reconnect_until(comm, deadline)  # the network may still be cut
         out["epoch"] = comm.epoch
         buf.view(np.uint8)[:] = data.view(np.uint8)
         comm.all_reduce(buf.ptr, data.nbytes, dtype="i32")
+        out["rebuilt_at"] = time.time()
         out["result"] = _read(buf, 0, data.nbytes)
         comm.barrier()
     return out
@@ -530,6 +536,7 @@ def survive_a_kill(sock: str, world: str, rank: int, n: int, what: str, seed: in
         out["epoch"] = comm.epoch
         data = _load(make_input(seed, rank, 128, "i64", "sum"))
         comm.all_reduce(data.ptr, data.nbytes, dtype="i64")
+        out["rebuilt_at"] = time.time()
         out["result"] = _read(data, 0, data.nbytes)
         comm.barrier()
     return out
@@ -565,6 +572,7 @@ def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) 
         out["epoch"] = comm.epoch
         data = _load(make_input(seed, rank, 64, "i32", "sum"))
         comm.all_reduce(data.ptr, data.nbytes, dtype="i32")
+        out["rebuilt_at"] = time.time()
         out["result"] = _read(data, 0, data.nbytes)
         comm.barrier()
     return out
@@ -585,11 +593,13 @@ def stop_and_go(sock: str, world: str, rank: int, n: int, timeout: float) -> dic
             except Exception as exc:
                 out["error"] = type(exc).__name__
             out["seconds"] = time.monotonic() - start
+            out["at"] = time.time()
         else:
             while comm.is_healthy():  # frozen in here by the test, and woken after the deadline
                 time.sleep(0.02)
         reconnect_until(comm, time.monotonic() + 20)
         out["epoch"] = comm.epoch
         comm.all_reduce(buf.ptr, 64)
+        out["rebuilt_at"] = time.time()
         comm.barrier()
     return out
