@@ -1,8 +1,13 @@
-"""A TCP proxy between daemons that can cut the network (after asyncpg's TCPFuzzingProxy).
+"""A TCP proxy between daemons that misbehaves on command (after asyncpg's TCPFuzzingProxy).
 
 It runs in a process of its own (its event loop never shares the test's
-interpreter), forwards bytes both ways, and on `cut()` drops every connection
-and refuses new ones until `heal()`.
+interpreter) and forwards bytes both ways, until told to:
+
+- `cut()`: drop every connection now and refuse new ones (a network that is gone);
+- `drop()`: keep connections open but forward nothing, either way (a black hole);
+- `half_open()`: forward only from the dialer to the target (replies vanish);
+- `delay(seconds)`: hold every piece of data that long before forwarding it;
+- `heal()`: back to normal (for new connections; a stream that lost bytes stays broken).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ class _Proxy:
         self.target = target
         self.writers: set[asyncio.StreamWriter] = set()
         self.cut = False
+        self.blocked: set[str] = set()  # directions that forward nothing: "up", "down"
+        self.delay = 0.0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.cut:
@@ -28,12 +35,17 @@ class _Proxy:
             writer.close()
             return
         self.writers.update((writer, up_writer))
-        await asyncio.gather(self.pipe(reader, up_writer), self.pipe(up_reader, writer),
+        await asyncio.gather(self.pipe(reader, up_writer, "up"), self.pipe(up_reader, writer, "down"),
                              return_exceptions=True)
 
-    async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   direction: str) -> None:
         try:
             while data := await reader.read(1 << 16):
+                if direction in self.blocked:
+                    continue  # swallowed
+                if self.delay:
+                    await asyncio.sleep(self.delay)
                 writer.write(data)
                 await writer.drain()
         finally:
@@ -56,11 +68,17 @@ def _main(target: tuple[str, int], control: Connection) -> None:
         done = loop.create_future()
 
         def command() -> None:
-            what = control.recv()
+            what, arg = control.recv()
             if what == "cut":
                 proxy.drop_all()
+            elif what == "drop":
+                proxy.blocked = {"up", "down"}
+            elif what == "half_open":
+                proxy.blocked = {"down"}
+            elif what == "delay":
+                proxy.delay = float(arg)
             elif what == "heal":
-                proxy.cut = False
+                proxy.cut, proxy.blocked, proxy.delay = False, set(), 0.0
             elif not done.done():
                 done.set_result(None)
             control.send("ok")
@@ -86,8 +104,8 @@ class FaultProxy:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _say(self, what: str) -> None:
-        self._control.send(what)
+    def _say(self, what: str, arg: float = 0.0) -> None:
+        self._control.send((what, arg))
         if not self._control.poll(10):
             raise RuntimeError(f"the proxy did not answer {what!r}")
         self._control.recv()
@@ -95,6 +113,15 @@ class FaultProxy:
     def cut(self) -> None:
         """Drop every connection now and refuse new ones: the network between is gone."""
         self._say("cut")
+
+    def drop(self) -> None:
+        self._say("drop")
+
+    def half_open(self) -> None:
+        self._say("half_open")
+
+    def delay(self, seconds: float) -> None:
+        self._say("delay", seconds)
 
     def heal(self) -> None:
         self._say("heal")

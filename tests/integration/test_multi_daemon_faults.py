@@ -200,3 +200,52 @@ def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list
     fault_report.add("cut the network between 2 daemons for 1.5 s (TCP proxy), heal",
                      max(r["at"] for r in results) - cut_at,
                      max(r["rebuilt_at"] for r in results) - healed_at, None, "n/a")
+
+
+@pytest.mark.parametrize("fault", ["drop", "half_open"])
+def test_a_silent_network_is_detected_by_heartbeats(pool: RankPool, pair: list[DaemonProcess],
+                                                    fault_report: FaultReport, fault: str) -> None:
+    """Bytes vanish (both ways, or only toward the member) while TCP stays up: only the
+    heartbeat window can tell; after the heal the world is rebuilt over new links."""
+    from tests.integration.faultproxy import FaultProxy
+
+    root, member = pair
+    proxy = FaultProxy(*parse_address(root.peer_address()))
+    try:
+        world = world_name()
+        args = [(spec(root, root), world, 0, 2, 7), (f"{member.socket_path}@{proxy.address}", world, 1, 2, 7)]
+        started = pool.start(workers.ride_out_a_cut, args)
+        wait_for(lambda: (world_status(root, world) or {}).get("epoch") == 1
+                 and (world_status(root, world) or {}).get("pending_calls") == 0)
+        time.sleep(0.3)
+        began = time.time()
+        getattr(proxy, fault)()
+        time.sleep(2.5)
+        healed_at = time.time()
+        proxy.heal()
+        results = [o.unwrap() for o in pool.collect(started, 60)]
+    finally:
+        proxy.close()
+    want = reduce_reference([make_input(7, r, 64, "i32", "sum") for r in range(2)], "i32", "sum")
+    assert all(res["epoch"] == 2 and res["result"] == want.tobytes() for res in results)
+    detected = min(res["at"] for res in results) - began
+    assert detected <= 1.0 + 1.0  # the window (1 s), a heartbeat, scheduling
+    fault_report.add(f"{'black-hole' if fault == 'drop' else 'half-open'} network between 2 daemons "
+                     "for 2.5 s (window 1s), heal", detected,
+                     max(res["rebuilt_at"] for res in results) - healed_at, None, "n/a")
+
+
+def test_a_slow_network_is_not_a_failure(pool: RankPool, pair: list[DaemonProcess]) -> None:
+    """40 ms each way between the daemons: every call is slower, and none fails."""
+    from tests.integration.faultproxy import FaultProxy
+
+    root, member = pair
+    proxy = FaultProxy(*parse_address(root.peer_address()))
+    try:
+        proxy.delay(0.04)
+        world = world_name()
+        args = [(spec(root, root), world, 0, 2, 8), (f"{member.socket_path}@{proxy.address}", world, 1, 2, 8)]
+        outcomes = pool.run(workers.command_loop, [(*a[:4], [1, 2, 3, 4, 5]) for a in args], timeout=60)
+    finally:
+        proxy.close()
+    assert [o.unwrap() for o in outcomes] == [[1, 2, 3, 4, 5]] * 2
