@@ -79,7 +79,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._started = time.time()
         budget = MemoryBudget(config.max_daemon_mappings, config.max_daemon_bytes)
-        self._ctx = DaemonContext(config, engine, self.registry, self._started, self.status, budget)
+        self._ctx = DaemonContext(config, engine, self.registry, self.status, budget)
 
     def start(self) -> None:
         self._listener = bind_socket(self.config.socket_path)
@@ -109,7 +109,7 @@ class Server:
                 log.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
                 _refuse(sock, *refusal)
                 continue
-            self._open_session(sock, pid, uid)
+            self._open_session(sock, pid)
 
     def _pause_accepting(self, why: str, seconds: float = 0.5) -> None:
         assert self._listener is not None
@@ -130,7 +130,7 @@ class Server:
             return ErrorCode.LIMIT, f"the daemon holds its limit of {self.config.max_connections} connections"
         return None
 
-    def _open_session(self, sock: socket.socket, pid: int, uid: int) -> None:
+    def _open_session(self, sock: socket.socket, pid: int) -> None:
         def make_channel(session: Session) -> PacketChannel:
             def closed(reason: str) -> None:
                 self.sessions.discard(session)
@@ -139,7 +139,7 @@ class Server:
             return PacketChannel(sock, proto.MAX_MESSAGE_BYTES, self.config.max_queued_replies,
                                  session.on_packet, closed)
 
-        self.sessions.add(Session(self._ctx, pid, uid, make_channel))
+        self.sessions.add(Session(self._ctx, pid, make_channel))
 
     def status(self) -> dict[str, Any]:
         return {

@@ -62,7 +62,6 @@ class DaemonContext:
     config: ServerConfig
     engine: Engine
     registry: Registry
-    started: float
     status: Callable[[], dict[str, Any]]
     budget: MemoryBudget
 
@@ -84,11 +83,10 @@ def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport
 
 
 class Session:
-    def __init__(self, ctx: DaemonContext, pid: int, uid: int,
+    def __init__(self, ctx: DaemonContext, pid: int,
                  make_channel: Callable[[Session], PacketChannel]) -> None:
         self._ctx = ctx
         self.peer_pid = pid
-        self.peer_uid = uid
         self._conn = proto.Connection(proto.Role.DAEMON)
         self._buffers: dict[int, MemoryMapping] = {}
         self._mapped = 0  # bytes of self._buffers
@@ -298,12 +296,3 @@ class Session:
         if self.world is None:
             raise CallError(ErrorCode.MISUSE, "this connection is not a rank of any world")
         return self.world
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "pid": self.peer_pid,
-            "world": self.world.name if self.world else None,
-            "rank": self.rank,
-            "buffers": len(self._buffers),
-            "registrations": len(self._registrations),
-        }
