@@ -141,6 +141,7 @@ class Cluster:
         self.router: Router | None = None
         self.port: int | None = None
         self.stale_refused = 0
+        self.foreign_refused = 0  # messages about a world from a daemon that is not one of its
 
     @property
     def refused(self) -> int:
@@ -207,6 +208,7 @@ class Cluster:
             "links": sorted(self.links),
             "refused_handshakes": self.refused,
             "stale_refused": self.stale_refused,
+            "foreign_refused": self.foreign_refused,
         }
 
     def close(self) -> None:

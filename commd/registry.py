@@ -118,7 +118,7 @@ class Registry:
         except CallError as exc:
             link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message))
             return
-        if world.state is WorldState.READY and msg.epoch != world.epoch:
+        if world.state is WorldState.READY and (msg.epoch != world.epoch or not self._in_world(world, link)):
             # a hello for a rank of a full, healthy world: someone else's process, not a rebuild
             link.send(p.JoinRefused(msg.world, msg.rank, ErrorCode.DUPLICATE_RANK,
                                     f"world {msg.world} is ready with all its ranks; rank {msg.rank} "
@@ -130,7 +130,7 @@ class Registry:
 
     def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
-        if world is not None:
+        if world is not None and world.net is not None and world.net.root is link:
             world.refuse(msg.rank, msg.code, msg.message)
 
     def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes | bytearray) -> None:
@@ -152,6 +152,8 @@ class Registry:
         if msg.epoch < world.epoch:
             self._stale(link, msg.world, msg.epoch, world.epoch)
             return
+        if not self._in_world(world, link):
+            return
         # The root passes a member's failure on to every member; a member only applies it.
         world.fail(msg.code, msg.message, propagate=world.net.is_root)
 
@@ -163,6 +165,8 @@ class Registry:
             self._stale(link, msg.world, msg.epoch, world.epoch)
             return
         target = p2p_target(msg)
+        if not self._in_world(world, link) or (target is not None and target >= world.world_size):
+            return
         if target is not None and world.net.is_root and world.net.placement[target] != world.net.me:
             try:
                 world.net.send(world.net.placement[target], msg, payload)  # relay member -> member
@@ -170,6 +174,17 @@ class Registry:
                 world.fail(exc.code, exc.message)
             return
         world.net.inbox.deliver(msg, payload)
+
+    def _in_world(self, world: World, link: PeerLink) -> bool:
+        """Whether the daemon at the other end of `link` is one of `world`'s: its root (we are
+        a member), or a member (we are the root). Others' word about the world is ignored."""
+        assert self.cluster is not None and world.net is not None
+        known = link.name in world.net.placement if world.net.is_root else world.net.root is link
+        if not known:
+            self.cluster.foreign_refused += 1
+            log.warning("ignored a message about world %s from daemon %s, which is not one of its",
+                        world.name, link.name)
+        return known
 
     def _stale(self, link: PeerLink, world: str, epoch: int, current: int) -> None:
         assert self.cluster is not None

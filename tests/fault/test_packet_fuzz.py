@@ -114,3 +114,75 @@ def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess) -> None:
     assert peers["refused_handshakes"] >= 250 and peers["links"] == []
     with DaemonBackend(str(peer_daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
         comm.barrier()
+
+
+def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess) -> None:
+    """A daemon that holds the secret but sends random, well-formed messages about real and
+    made-up worlds: the daemon refuses or ignores them and keeps its own worlds working."""
+    import asyncio
+    import threading
+
+    from commd.peering import PeerNode, PeerSettings
+    from proto import ErrorCode
+
+    sock = str(peer_daemon.socket_path)
+    world = world_name("victim")
+    ready = threading.Event()
+    result: list[int] = []
+
+    def victim() -> None:  # a 1-rank world on the fuzzed daemon, spread-capable (bootstrap: itself)
+        with DaemonBackend(sock, world, 0, 1, timeout=10, bootstrap=peer_daemon.peer_address()) as comm:
+            ready.set()
+            buf = __import__("client").hostmem.alloc(8)
+            for _ in range(200):
+                comm.all_reduce(buf.ptr, 8, dtype="u8", op="max")
+            result.append(comm.epoch)
+
+    rng = random.Random(99)
+    worlds = [world, "ghost", "w" * 128]
+
+    def nonsense() -> p.PeerMessage:
+        name = rng.choice(worlds)
+        kind = rng.randrange(6)
+        if kind == 0:
+            return p.JoinWorld(name, rng.randint(1, 8), 0, rng.randint(0, 3), rng.randint(1, 500))
+        if kind == 1:
+            placement = tuple(rng.choice(["F", "x", "y"]) for _ in range(rng.randint(1, 4)))
+            return p.WorldReady(name, rng.randint(0, 5), placement)
+        if kind == 2:
+            return p.WorldFailed(name, rng.randint(0, 1), ErrorCode.WORLD_FAILED, "nonsense")
+        if kind == 3:
+            return p.JoinRefused(name, rng.randint(0, 3), ErrorCode.TIMEOUT, "nonsense")
+        step = rng.choice(["up", "down", "p2p", "p2p-ack", "junk"])
+        return p.Data(name, rng.randint(0, 2), step, rng.randint(0, 3), rng.randint(0, 2),
+                      rng.randint(0, 70000 * 4), "barrier()", (rng.randint(0, 3),))
+
+    async def talk() -> int:
+        node = PeerNode(PeerSettings("intruder", b"fuzz-secret-0123456789"),
+                        lambda link, msg, payload: None, lambda link, reason: None)
+        sent = 0
+        link = await node.dial(*parse_address(peer_daemon.peer_address()))
+        for _ in range(2000):
+            if link.closed:  # the daemon dropped us for something it could not take: dial again
+                link = await node.dial(*parse_address(peer_daemon.peer_address()))
+            link.send(nonsense(), bytes(rng.randint(0, 64)))
+            sent += 1
+            if sent % 50 == 0:
+                await link.drain()
+                await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        link.close("done")
+        return sent
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert ready.wait(10)
+    assert asyncio.run(talk()) == 2000
+    thread.join(60)
+    assert result == [1]  # the victim world ran its 200 calls, untouched at epoch 1
+    from commd.status import query_status
+
+    info = query_status(sock, 5)
+    assert info["pid"] == peer_daemon.pid and info["peers"]["foreign_refused"] > 0
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+        comm.barrier()
