@@ -38,7 +38,7 @@ def test_kill_a_worker_mid_call(pool: RankPool, daemon: DaemonProcess, steady: S
     survivor_rank = 1 - victim_rank
     ctx = mp.get_context("spawn")
     victim = ctx.Process(target=workers.join_and_wait,
-                         args=(sock, world, victim_rank, 2, "join"), daemon=True)
+                         args=(sock, world, victim_rank, 2), daemon=True)
     victim.start()
     started = pool.start(workers.survive_a_kill, [(sock, world, survivor_rank, 2, what, 9)])
     deadline = time.monotonic() + 20

@@ -506,13 +506,17 @@ def ride_out_a_cut(sock: str, world: str, rank: int, n: int, seed: int) -> dict[
     return out
 
 
-def join_and_wait(sock: str, world: str, rank: int, n: int, first: str) -> None:
-    """A victim: join, optionally make a first call, then wait to be killed."""
-    with connect(sock, world, rank, n) as comm:
-        if first == "all_reduce":
-            buf = hostmem.alloc(64 << 20)
-            comm.all_reduce(buf.ptr, buf.nbytes)
+def join_and_wait(sock: str, world: str, rank: int, n: int) -> None:
+    """A victim: join, then wait to be killed."""
+    with connect(sock, world, rank, n):
         time.sleep(3600)
+
+
+def _summed(comm: DaemonBackend, seed: int, rank: int, nelem: int, dtype: str) -> bytes:
+    """This rank's `make_input`, all_reduced (sum): the call a rebuilt world is checked with."""
+    data = _load(make_input(seed, rank, nelem, dtype, "sum"))
+    comm.all_reduce(data.ptr, data.nbytes, dtype=dtype)
+    return _read(data, 0, data.nbytes)
 
 
 def survive_a_kill(sock: str, world: str, rank: int, n: int, what: str, seed: int) -> dict[str, Any]:
@@ -534,10 +538,8 @@ def survive_a_kill(sock: str, world: str, rank: int, n: int, what: str, seed: in
         out["at"] = time.time()
         comm.attempt_reconnect()
         out["epoch"] = comm.epoch
-        data = _load(make_input(seed, rank, 128, "i64", "sum"))
-        comm.all_reduce(data.ptr, data.nbytes, dtype="i64")
+        out["result"] = _summed(comm, seed, rank, 128, "i64")
         out["rebuilt_at"] = time.time()
-        out["result"] = _read(data, 0, data.nbytes)
         comm.barrier()
     return out
 
@@ -545,10 +547,9 @@ def survive_a_kill(sock: str, world: str, rank: int, n: int, what: str, seed: in
 def replacement(sock: str, world: str, rank: int, n: int, seed: int) -> bytes:
     """The new process in a killed rank's slot: its hello counts as its attempt_reconnect."""
     with connect(sock, world, rank, n) as comm:
-        data = _load(make_input(seed, rank, 128, "i64", "sum"))
-        comm.all_reduce(data.ptr, data.nbytes, dtype="i64")
+        result = _summed(comm, seed, rank, 128, "i64")
         comm.barrier()
-        return _read(data, 0, data.nbytes)
+        return result
 
 
 def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) -> dict[str, Any]:
@@ -570,10 +571,8 @@ def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) 
         out["at"] = time.time()
         out["errors"] = reconnect_until(comm, time.monotonic() + 30)  # until it is restarted
         out["epoch"] = comm.epoch
-        data = _load(make_input(seed, rank, 64, "i32", "sum"))
-        comm.all_reduce(data.ptr, data.nbytes, dtype="i32")
+        out["result"] = _summed(comm, seed, rank, 64, "i32")
         out["rebuilt_at"] = time.time()
-        out["result"] = _read(data, 0, data.nbytes)
         comm.barrier()
     return out
 
