@@ -16,6 +16,7 @@ from .errors import (
     DaemonInternalError,
     DaemonShutdown,
     DaemonUnavailable,
+    EngineError,
     LimitExceeded,
     MismatchError,
     MisuseError,
@@ -27,7 +28,7 @@ from .hostmem import HostBuffer, HostMemory
 
 __all__ = [
     "AccessDenied", "CommBackend", "CommError", "CommTimeout", "DaemonBackend",
-    "DaemonInternalError", "DaemonShutdown", "DaemonUnavailable", "HostBuffer", "HostMemory",
+    "DaemonInternalError", "DaemonShutdown", "DaemonUnavailable", "EngineError", "HostBuffer", "HostMemory",
     "LimitExceeded", "MismatchError", "MisuseError", "PeerLost", "ProtocolError", "SingleGpuBackend",
     "WorldFailed", "hostmem",
 ]

@@ -10,7 +10,8 @@
     ├── CommTimeout               a deadline passed (join, call completion)
     ├── WorldFailed               the world failed (a rank lost, ...); call attempt_reconnect
     │   ├── MismatchError         ranks called different collectives as call k
-    │   └── PeerLost              another daemon of the world is unreachable or was lost
+    │   ├── PeerLost              another daemon of the world is unreachable or was lost
+    │   └── EngineError           the engine (NCCL) failed the world's communicator
     └── DaemonInternalError       a bug in the daemon
 
 Every error from the daemon keeps its wire code in `.code`.
@@ -69,6 +70,10 @@ class PeerLost(WorldFailed):
     """A daemon hosting other ranks of the world cannot be reached."""
 
 
+class EngineError(WorldFailed):
+    """The engine failed the world's communicator on its own (NCCL's async error)."""
+
+
 class DaemonInternalError(CommError):
     """The daemon hit a bug handling this request."""
 
@@ -92,6 +97,7 @@ _BY_CODE: dict[ErrorCode, type[CommError]] = {
     ErrorCode.SHUTDOWN: DaemonShutdown,
     ErrorCode.INTERNAL: DaemonInternalError,
     ErrorCode.PEER_LOST: PeerLost,
+    ErrorCode.ENGINE: EngineError,
 }
 
 

@@ -28,7 +28,7 @@ class Inbox:
     def __init__(self) -> None:
         self._ready: dict[tuple[str, int, int, int], tuple[p.Data, bytes | bytearray]] = {}
         self._waiting: dict[tuple[str, int, int, int], asyncio.Future[tuple[p.Data, bytes | bytearray]]] = {}
-        self._failed: BaseException | None = None
+        self._failed: CallError | None = None
 
     def deliver(self, msg: p.Data, payload: bytes | bytearray) -> None:
         waiter = self._waiting.pop(msg.key, None)
@@ -42,20 +42,33 @@ class Inbox:
         if ready is not None:
             return ready  # delivered before the failure: the op it belongs to can finish
         if self._failed is not None:
-            raise self._failed
+            raise self._fresh_failure()
         waiter: asyncio.Future[tuple[p.Data, bytes | bytearray]] = asyncio.get_running_loop().create_future()
         self._waiting[key] = waiter
-        return await waiter
+        try:
+            return await waiter
+        finally:
+            # A failed wait's traceback holds this frame, whose `waiter` holds the
+            # exception: a cycle only the collector (rarely run, see _tune_gc) would free,
+            # keeping alive the callers' frames and the views of buffers they hold.
+            del waiter
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: CallError) -> None:
         """Wake every wait with `error` (the world failed), and fail later waits for data
         that has not come. Links are FIFO, so what a peer sent before its failure notice
         is already here and stays readable."""
         self._failed = error
         for waiter in self._waiting.values():
             if not waiter.done():
-                waiter.set_exception(error)
+                waiter.set_exception(self._fresh_failure())
         self._waiting.clear()
+
+    def _fresh_failure(self) -> CallError:
+        """A new exception per wait: one shared instance would collect the traceback of
+        every raise, whose frames hold views of the ops' buffers, and so keep a failed
+        world's memory mapped for as long as this inbox lives."""
+        assert self._failed is not None
+        return CallError(self._failed.code, self._failed.message)
 
 
 class WorldNet:

@@ -44,6 +44,9 @@ from .recorder import CallRecord, FlightRecorder
 
 log = logging.getLogger("commd.world")
 _ROOT_GRACE_S = 2.0
+# How often a ready world asks its engine for async errors and checks call deadlines:
+# bounds the detection of an engine failure; one cheap wake-up per world.
+_WATCH_S = 0.25
 
 
 class Peer(Protocol):
@@ -211,8 +214,8 @@ class World:
             self.net.epoch = epoch
             self.net.inbox = Inbox()
         self._comm = self._engine.communicator(self.name, epoch, self.world_size, local_ranks, self.net)
-        if self.call_timeout_s is not None and (self._watchdog is None or self._watchdog.done()):
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch(self.call_timeout_s))
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}
         log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
                  self.world_size, len(local_ranks))
@@ -298,13 +301,25 @@ class World:
                 self._abort_when_idle = None
         self._finish(match)
 
-    async def _watch(self, timeout_s: float) -> None:
-        """Fail the world when a call stays open past its deadline: a rank that never made
-        its matching call, or an engine that never finished. recv_command_u32 has none."""
-        interval = min(1.0, timeout_s / 4)
+    async def _watch(self) -> None:
+        """Fail the world when its engine reports an error of its own (NCCL's async
+        errors), or when a call stays open past its deadline: a rank that never made its
+        matching call, or an engine that never finished. recv_command_u32 has none."""
+        timeout_s = self.call_timeout_s
+        interval = _WATCH_S if timeout_s is None else min(_WATCH_S, timeout_s / 4)
         while True:  # cancelled when the world empties
             await asyncio.sleep(interval)
-            if self.state is not WorldState.READY:
+            if self.state is not WorldState.READY or self._comm is None:
+                continue
+            try:
+                error = self._comm.async_error()
+            except Exception as exc:  # asking failed: as bad as an error, and the watch goes on
+                error = f"could not read the engine's state: {type(exc).__name__}: {exc}"
+            if error is not None:
+                log.error("world %s epoch %d: the engine failed: %s", self.name, self.epoch, error)
+                self.fail(ErrorCode.ENGINE, f"engine error: {error}")
+                continue
+            if timeout_s is None:
                 continue
             oldest = self.recorder.oldest_open()
             if oldest is not None and time.monotonic() - oldest.started > timeout_s:

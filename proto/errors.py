@@ -57,4 +57,5 @@ class ErrorCode(enum.Enum):
     LIMIT = "limit"  # a daemon limit was reached (connections, buffers, queue)
     SHUTDOWN = "shutdown"  # the daemon is stopping
     PEER_LOST = "peer_lost"  # another daemon of the world is unreachable or was lost
+    ENGINE = "engine"  # the engine (NCCL) reported an error of the world's communicator
     INTERNAL = "internal"  # a bug in the daemon; the connection is closed

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,27 +60,38 @@ def pool(_pools: _Pools) -> RankPool:
     return _pools.get()
 
 
-@pytest.fixture(scope="module")
-def steady(daemon: DaemonProcess) -> Iterator[Steady]:
-    """Two ranks of an unrelated world all_reduce and check, from first test to last."""
+@contextlib.contextmanager
+def steady_world(specs: Sequence[str]) -> Iterator[Steady]:
+    """Two ranks of an unrelated world, rank r through `specs[r]` (a socket path, or
+    `path@host:port` across daemons), all_reduce and check until the block ends; then
+    any error they saw fails the test."""
     ctx = mp.get_context("spawn")
     stop, running, results = ctx.Event(), ctx.Event(), ctx.Queue()
     errors = ctx.Value("i", 0)
     world = world_name("steady")
     procs = [ctx.Process(target=workers.steady_loop,
-                         args=(str(daemon.socket_path), world, r, 2, stop, results, running, errors))
-             for r in range(2)]
+                         args=(spec, world, r, len(specs), stop, results, running, errors))
+             for r, spec in enumerate(specs)]
     for p in procs:
         p.start()
-    assert running.wait(30), "the steady world never got going"
-    yield Steady(errors)
-    stop.set()
-    outcomes = [results.get(timeout=30) for _ in procs]
-    for p in procs:
-        p.join(10)
-    for rank, iterations, errors in outcomes:
-        assert errors == [], f"steady rank {rank} saw errors: {errors}"
+    try:
+        assert running.wait(30), "the steady world never got going"
+        yield Steady(errors)
+    finally:
+        stop.set()
+        outcomes = [results.get(timeout=30) for _ in procs]
+        for p in procs:
+            p.join(10)
+    for rank, iterations, seen in outcomes:
+        assert seen == [], f"steady rank {rank} saw errors: {seen}"
         assert iterations > 0, f"steady rank {rank} never ran"
+
+
+@pytest.fixture(scope="module")
+def steady(daemon: DaemonProcess) -> Iterator[Steady]:
+    """An unrelated world on the session's daemon, from the module's first test to its last."""
+    with steady_world([str(daemon.socket_path)] * 2) as running:
+        yield running
 
 
 class Steady:

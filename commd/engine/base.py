@@ -163,6 +163,12 @@ class Communicator(Protocol):
         """Stop using the communicator; pending and later runs fail."""
         ...
 
+    def async_error(self) -> str | None:
+        """A failure the engine found outside any one call (NCCL's `ncclCommGetAsyncError`:
+        a remote rank's error, a network failure), or None while healthy. Polled by the
+        world's watchdog, so it must be cheap and must not block."""
+        ...
+
 
 class Engine(Protocol):
     name: str

@@ -10,8 +10,8 @@ ranges, so the event loop stays free for heartbeats and small calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
+import gc
 import mmap
 import os
 import stat
@@ -57,10 +57,57 @@ class HostRegion:
         return int(self.array.nbytes)
 
 
-class HostMapping:
-    """A shared mapping of one memfd. Closing drops it; a running op keeps its view alive."""
+class Lingering:
+    """Mappings closed while something still held a view of them (an op in flight, or a
+    failed op's traceback in a reference cycle): retried until they unmap, so a
+    departed client's memory is let go within about a second, not at the next
+    collection, which the daemon's tuned collector may not run for a long time."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    RETRY_S = 0.5
+
+    def __init__(self) -> None:
+        self._maps: list[mmap.mmap] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, mapped: mmap.mmap) -> None:
+        self._maps.append(mapped)
+        self._schedule()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def _schedule(self) -> None:
+        if self._timer is None and self._maps:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (closed by hand): unmapped when the views go
+                self._maps.clear()
+                return
+            self._timer = loop.call_later(self.RETRY_S, self._sweep)
+
+    def _sweep(self) -> None:
+        self._timer = None
+        if not self._close_what_can():
+            gc.collect()  # views kept only by garbage cycles go now
+            self._close_what_can()
+        self._schedule()
+
+    def _close_what_can(self) -> bool:
+        still = []
+        for mapped in self._maps:
+            try:
+                mapped.close()
+            except BufferError:
+                still.append(mapped)
+        self._maps = still
+        return not still
+
+
+class HostMapping:
+    """A shared mapping of one memfd. Closing drops it; a view still held keeps it (see
+    Lingering)."""
+
+    def __init__(self, fd: int, size: int, lingering: Lingering | None = None) -> None:
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -82,6 +129,7 @@ class HostMapping:
             os.close(fd)
         self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self._size = size
+        self._lingering = lingering
 
     @property
     def size(self) -> int:
@@ -100,8 +148,11 @@ class HostMapping:
     def close(self) -> None:
         mapped, self._mmap, self._array = self._mmap, None, None
         if mapped is not None:
-            with contextlib.suppress(BufferError):  # an op in flight holds a view: unmapped when it lets go
+            try:
                 mapped.close()
+            except BufferError:
+                if self._lingering is not None:
+                    self._lingering.add(mapped)
 
 
 def create_memfd(nbytes: int, name: str) -> int:
@@ -217,6 +268,9 @@ class HostCommunicator:
     def abort(self) -> None:
         self._aborted = True
 
+    def async_error(self) -> str | None:
+        return None  # every host op reports its failure through its own run()
+
 
 class HostEngine:
     name = "host"
@@ -228,13 +282,14 @@ class HostEngine:
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="commd-host",
                                         initializer=quiet_float_errors)
         self._inline_bytes = inline_bytes
+        self.lingering = Lingering()
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> HostMapping:
         if kind is not MemKind.HOST or fd is None:
             if fd is not None:
                 os.close(fd)
             raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
-        return HostMapping(fd, size)
+        return HostMapping(fd, size, self.lingering)
 
     def allocate(self, nbytes: int) -> tuple[HostMapping, int]:
         try:
@@ -242,7 +297,7 @@ class HostEngine:
         except OSError as exc:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         try:
-            mapping = HostMapping(os.dup(fd), nbytes)
+            mapping = HostMapping(os.dup(fd), nbytes, self.lingering)
         except BaseException:
             os.close(fd)
             raise

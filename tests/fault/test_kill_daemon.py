@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from commd.launch import DaemonProcess
-from tests.conftest import FaultReport
+from tests.conftest import FaultReport, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, short_tmpdir, world_name
@@ -46,19 +46,23 @@ def tmp() -> Iterator[Path]:
 @pytest.mark.parametrize("victim", ["root", "member"])
 def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: FaultReport,
                                       victim: str) -> None:
-    ports = {"A": free_port(), "B": free_port()}
-    daemons = {name: start(tmp / name / "commd.sock", name, ports[name]) for name in "AB"}
+    ports = {name: free_port() for name in "ABC"}
+    daemons = {name: start(tmp / name / "commd.sock", name, ports[name]) for name in "ABC"}
+    dead, alive = ("A", "B") if victim == "root" else ("B", "A")
     try:
-        world, root = world_name("dd"), f"127.0.0.1:{ports['A']}"
-        args = [(f"{daemons[d].socket_path}@{root}", world, r, 2, 3) for r, d in enumerate("AB")]
-        started = pool.start(workers.through_a_daemon_death, args)
-        time.sleep(1.5)  # both joined and waiting in their second barrier... one of them
-        dead = "A" if victim == "root" else "B"
-        killed_at = time.time()
-        daemons[dead].kill()
-        time.sleep(0.5)
-        daemons[dead] = start(tmp / dead / "commd.sock", dead, ports[dead])
-        outcomes = [o.unwrap() for o in pool.collect(started, 90)]
+        # an unrelated world over a third daemon C (its root, rank 0's) and the survivor runs throughout
+        steady_root = f"127.0.0.1:{ports['C']}"
+        with steady_world([f"{daemons[d].socket_path}@{steady_root}" for d in ("C", alive)]) as steady:
+            world, root = world_name("dd"), f"127.0.0.1:{ports['A']}"
+            args = [(f"{daemons[d].socket_path}@{root}", world, r, 2, 3) for r, d in enumerate("AB")]
+            started = pool.start(workers.through_a_daemon_death, args)
+            time.sleep(1.5)  # both joined and waiting in their second barrier... one of them
+            killed_at = time.time()
+            daemons[dead].kill()
+            time.sleep(0.5)
+            daemons[dead] = start(tmp / dead / "commd.sock", dead, ports[dead])
+            outcomes = [o.unwrap() for o in pool.collect(started, 90)]
+            unrelated = steady.errors()
     finally:
         for daemon in daemons.values():
             daemon.stop()
@@ -70,7 +74,7 @@ def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: F
             assert res["error"] == "PeerLost"
             assert res["at"] - killed_at <= WINDOW_S + 1.0
             fault_report.add(f"kill -9 the {victim} daemon (window {WINDOW_S:g}s), restart it",
-                             res["at"] - killed_at, res["rebuilt_at"] - res["at"], None,
+                             res["at"] - killed_at, res["rebuilt_at"] - res["at"], unrelated,
                              "n/a (the daemon was replaced)")
         else:
             assert res["error"] == "DaemonUnavailable"

@@ -19,10 +19,10 @@ from commd.peering import PeerNode, PeerSettings
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
-from tests.conftest import FaultReport
+from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.harness import RankPool, memfd_mappings, short_tmpdir, world_name
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -47,6 +47,21 @@ def pair() -> Iterator[list[DaemonProcess]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.fixture
+def steady_ac(pair: list[DaemonProcess]) -> Iterator[Steady]:
+    """An unrelated world over the root daemon A and a third daemon C, running through
+    each scenario (faults hit daemon B or the A-B link): it must see no error."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "C" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", "C", *FAST]) as bystander:
+            root = pair[0]
+            with steady_world([spec(root, root), spec(bystander, root)]) as running:
+                yield running
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def spec(daemon: DaemonProcess, root: DaemonProcess) -> str:
     return f"{daemon.socket_path}@{root.peer_address()}"
 
@@ -54,6 +69,12 @@ def spec(daemon: DaemonProcess, root: DaemonProcess) -> str:
 def world_status(daemon: DaemonProcess, world: str) -> dict[str, object] | None:
     worlds = query_status(str(daemon.socket_path), 5)["worlds"]
     return next((w for w in worlds if w["name"] == world), None)
+
+
+def mappings_settle(daemon: DaemonProcess, base: int) -> str:
+    """The world's memory is let go on `daemon` (whose other worlds keep theirs)."""
+    wait_for(lambda: memfd_mappings(daemon.pid) == base, timeout=10)
+    return "none (memfd mappings at baseline on the surviving root daemon)"
 
 
 def wait_for(predicate: object, timeout: float = 15.0) -> None:
@@ -90,9 +111,10 @@ def test_a_peer_without_the_secret_is_refused(pool: RankPool, pair: list[DaemonP
 
 
 def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProcess],
-                                           fault_report: FaultReport) -> None:
+                                           fault_report: FaultReport, steady_ac: Steady) -> None:
     root, member = pair
     world = world_name()
+    base, unrelated = memfd_mappings(root.pid), steady_ac.errors()
     started = pool.start(workers.timed_barrier, [(spec(root, root), world, 0, 2, 4.0),
                                                 (spec(member, root), world, 1, 2, 4.0)])
     wait_for(lambda: (world_status(root, world) or {}).get("pending_calls") == 1)
@@ -103,14 +125,14 @@ def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProc
     rank0, rank1 = [o.unwrap() for o in pool.collect(started, 30)]
     assert rank0[0].startswith("PeerLost") and "daemon B was lost" in rank0[0]
     assert rank0[1] - stopped <= 1.0 + 1.0  # the window, plus a heartbeat and scheduling
-    fault_report.add("SIGSTOP a member daemon (window 1s), SIGCONT after 2.5 s", rank0[1] - stopped,
-                     float("nan"), None, "n/a")
     assert rank0[2] is False
     assert rank1[2] is False  # B found its link to the root gone when it woke
+    fault_report.add("SIGSTOP a member daemon (window 1s), SIGCONT after 2.5 s", rank0[1] - stopped,
+                     float("nan"), steady_ac.errors() - unrelated, mappings_settle(root, base))
 
 
-def test_a_lost_rank_fails_every_daemon_and_a_new_process_rejoins(pool: RankPool,
-                                                                  pair: list[DaemonProcess]) -> None:
+def test_a_lost_rank_fails_every_daemon_and_a_new_process_rejoins(
+        pool: RankPool, pair: list[DaemonProcess], steady_ac: Steady) -> None:
     root, member = pair
     world = world_name()
     outcomes = pool.run(workers.leave_early, [(spec(root, root), world, 0, 2),
@@ -121,9 +143,11 @@ def test_a_lost_rank_fails_every_daemon_and_a_new_process_rejoins(pool: RankPool
 
 
 @pytest.mark.parametrize("kind", ["bytes", "op"])
-def test_mismatch_across_daemons(pool: RankPool, pair: list[DaemonProcess], kind: str) -> None:
+def test_mismatch_across_daemons(pool: RankPool, pair: list[DaemonProcess], steady_ac: Steady,
+                                fault_report: FaultReport, kind: str) -> None:
     root, member = pair
     world = world_name()
+    base, unrelated = memfd_mappings(root.pid), steady_ac.errors()
     places = [root, member, member]
     results = [o.unwrap() for o in pool.run(workers.mismatch, [(spec(d, root), world, r, 3, kind)
                                                              for r, d in enumerate(places)])]
@@ -131,6 +155,8 @@ def test_mismatch_across_daemons(pool: RankPool, pair: list[DaemonProcess], kind
         name, message = res["error"]
         assert name == "MismatchError" and "call 1" in message and "rank 1 called" in message
         assert res["epoch"] == 2 and res["healthy_end"] is True
+    fault_report.add(f"mismatched collectives across 2 daemons ({kind})", float("nan"), float("nan"),
+                     steady_ac.errors() - unrelated, mappings_settle(root, base))
 
 
 def test_join_timeout_names_the_missing_ranks(pool: RankPool, pair: list[DaemonProcess]) -> None:
@@ -143,7 +169,8 @@ def test_join_timeout_names_the_missing_ranks(pool: RankPool, pair: list[DaemonP
         assert name == "CommTimeout" and "ranks [1] did not arrive" in message
 
 
-def test_stale_epoch_messages_are_refused(pool: RankPool, pair: list[DaemonProcess]) -> None:
+def test_stale_epoch_messages_are_refused(pool: RankPool, pair: list[DaemonProcess],
+                                         steady_ac: Steady) -> None:
     root, member = pair
     world = world_name()
     started = pool.start(workers.reconnect_then_wait, [(spec(root, root), world, 0, 2),
@@ -172,10 +199,11 @@ async def _send_stale(root: DaemonProcess, world: str) -> None:
 
 
 def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list[DaemonProcess],
-                                                      fault_report: FaultReport) -> None:
+                                                      fault_report: FaultReport, steady_ac: Steady) -> None:
     from tests.integration.faultproxy import FaultProxy
 
     root, member = pair
+    base, unrelated = memfd_mappings(root.pid), steady_ac.errors()
     host, port = parse_address(root.peer_address())
     proxy = FaultProxy(host, port)
     try:
@@ -199,17 +227,20 @@ def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list
         assert res["epoch"] == 2 and res["result"] == want.tobytes()
     fault_report.add("cut the network between 2 daemons for 1.5 s (TCP proxy), heal",
                      max(r["at"] for r in results) - cut_at,
-                     max(r["rebuilt_at"] for r in results) - healed_at, None, "n/a")
+                     max(r["rebuilt_at"] for r in results) - healed_at, steady_ac.errors() - unrelated,
+                     mappings_settle(root, base))
 
 
 @pytest.mark.parametrize("fault", ["drop", "half_open"])
 def test_a_silent_network_is_detected_by_heartbeats(pool: RankPool, pair: list[DaemonProcess],
-                                                    fault_report: FaultReport, fault: str) -> None:
+                                                    fault_report: FaultReport, steady_ac: Steady,
+                                                    fault: str) -> None:
     """Bytes vanish (both ways, or only toward the member) while TCP stays up: only the
     heartbeat window can tell; after the heal the world is rebuilt over new links."""
     from tests.integration.faultproxy import FaultProxy
 
     root, member = pair
+    base, unrelated = memfd_mappings(root.pid), steady_ac.errors()
     proxy = FaultProxy(*parse_address(root.peer_address()))
     try:
         world = world_name()
@@ -232,10 +263,12 @@ def test_a_silent_network_is_detected_by_heartbeats(pool: RankPool, pair: list[D
     assert detected <= 1.0 + 1.0  # the window (1 s), a heartbeat, scheduling
     fault_report.add(f"{'black-hole' if fault == 'drop' else 'half-open'} network between 2 daemons "
                      "for 2.5 s (window 1s), heal", detected,
-                     max(res["rebuilt_at"] for res in results) - healed_at, None, "n/a")
+                     max(res["rebuilt_at"] for res in results) - healed_at,
+                     steady_ac.errors() - unrelated, mappings_settle(root, base))
 
 
-def test_a_slow_network_is_not_a_failure(pool: RankPool, pair: list[DaemonProcess]) -> None:
+def test_a_slow_network_is_not_a_failure(pool: RankPool, pair: list[DaemonProcess],
+                                         fault_report: FaultReport, steady_ac: Steady) -> None:
     """40 ms each way between the daemons: every call is slower, and none fails."""
     from tests.integration.faultproxy import FaultProxy
 
@@ -249,3 +282,5 @@ def test_a_slow_network_is_not_a_failure(pool: RankPool, pair: list[DaemonProces
     finally:
         proxy.close()
     assert [o.unwrap() for o in outcomes] == [[1, 2, 3, 4, 5]] * 2
+    fault_report.add("delay 40 ms each way between 2 daemons (TCP proxy): no failure", float("nan"),
+                     float("nan"), steady_ac.errors(), "n/a (the world never failed)")

@@ -1,0 +1,69 @@
+"""A mapping closed while something still holds a view of it is unmapped once the view
+goes, even when only a garbage cycle held it and the collector has not run."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from commd.engine.host import HostEngine, create_memfd
+from proto import MemKind
+
+pytestmark = pytest.mark.timeout(30)
+NAME = "commd-lingering-test"
+
+
+def mapped() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if NAME in line)
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """As in the daemon, whose collector rarely runs (commd.daemon._tune_gc)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def until(predicate: object, timeout: float = 5.0) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if predicate():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_a_view_in_a_garbage_cycle_does_not_keep_the_mapping(no_collector: None) -> None:
+    engine = HostEngine(threads=1)
+    try:
+        mapping = engine.import_memory(MemKind.HOST, 4096, b"", create_memfd(4096, NAME))
+        cycle: list[object] = [mapping.region(0, 64)]
+        cycle.append(cycle)  # like a failed op's traceback: frame -> future -> exception -> frame
+        mapping.close()
+        assert mapped() == 1 and len(engine.lingering) == 1
+        del cycle
+        assert await until(lambda: mapped() == 0), "the mapping outlived its last (garbage) view"
+        assert len(engine.lingering) == 0
+    finally:
+        engine.close()
+
+
+async def test_a_view_in_use_keeps_the_mapping_until_it_goes(no_collector: None) -> None:
+    engine = HostEngine(threads=1)
+    try:
+        mapping = engine.import_memory(MemKind.HOST, 4096, b"", create_memfd(4096, NAME))
+        region = mapping.region(0, 64)
+        mapping.close()
+        await asyncio.sleep(3 * engine.lingering.RETRY_S)
+        region.array[:] = 7  # still mapped: an op in flight finishes on it
+        assert mapped() == 1 and len(engine.lingering) == 1
+        del region
+        assert await until(lambda: mapped() == 0)
+    finally:
+        engine.close()

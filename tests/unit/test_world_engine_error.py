@@ -1,0 +1,108 @@
+"""An engine's own error (NCCL's async error) fails the world like any other cause.
+
+The real source of such errors is NCCL on a GPU, which CI lacks; here the host engine's
+communicator is wrapped so that it reports one, and the world's handling is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+import proto
+from commd.engine.base import Communicator, Engine, EngineOp
+from commd.engine.host import HostEngine
+from commd.world import World, WorldState
+from proto import ErrorCode
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Reporting:
+    """A host communicator that reports `error` once it is set."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.error: str | None = None
+
+    def try_inline(self, op: EngineOp) -> bool:
+        return self.inner.try_inline(op)
+
+    async def run(self, op: EngineOp) -> None:
+        await self.inner.run(op)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def async_error(self) -> str | None:
+        return self.error
+
+
+class ReportingEngine:
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.memory_kinds = inner.memory_kinds
+        self.comms: list[Reporting] = []
+
+    def communicator(self, *args: object, **kwargs: object) -> Reporting:
+        comm = Reporting(self.inner.communicator(*args, **kwargs))  # type: ignore[arg-type]
+        self.comms.append(comm)
+        return comm
+
+
+class Rank:
+    """A rank's connection: what the world sends it."""
+
+    def __init__(self) -> None:
+        self.received: list[proto.Reply] = []
+
+    def send(self, msg: proto.Reply, fds: Sequence[int] = ()) -> None:
+        self.received.append(msg)
+
+
+def hello(rank: int) -> proto.Hello:
+    return proto.Hello(id=1, version=proto.PROTOCOL_VERSION, pid=100 + rank, world="w", rank=rank,
+                       world_size=2, timeout_ms=10_000)
+
+
+async def test_an_async_engine_error_fails_every_rank_and_a_reconnect_rebuilds() -> None:
+    host = HostEngine(threads=1)
+    engine = ReportingEngine(host)
+    world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
+    ranks = [Rank(), Rank()]
+    for r, peer in enumerate(ranks):
+        world.join(peer, hello(r))
+    assert world.state is WorldState.READY and world.epoch == 1
+    world.submit(0, 7, [(proto.Barrier(), ())])  # rank 0 waits in a barrier rank 1 never makes
+    engine.comms[-1].error = "ncclRemoteError: a remote rank's NCCL failed"
+    for _ in range(40):
+        if world.state is WorldState.FAILED:
+            break
+        await asyncio.sleep(0.05)
+    assert world.state is WorldState.FAILED and world.cause_code is ErrorCode.ENGINE
+    assert world.cause == "engine error: ncclRemoteError: a remote rank's NCCL failed"
+    (failed_call,) = [m for m in ranks[0].received if isinstance(m, proto.Error)]
+    assert failed_call.id == 7 and failed_call.code is ErrorCode.ENGINE
+    assert "ncclRemoteError" in failed_call.message
+    for peer in ranks:  # pushed to every rank, so one blocked elsewhere wakes too
+        events = [m for m in peer.received if isinstance(m, proto.Event)]
+        assert [(e.kind, e.code, e.epoch) for e in events] == [
+            (proto.EventKind.WORLD_FAILED, ErrorCode.ENGINE, 1)]
+    for r, peer in enumerate(ranks):
+        world.reconnect(r, peer, 20 + r, 10.0)
+    assert world.state is WorldState.READY and world.epoch == 2
+    assert [m.value for p in ranks for m in p.received if isinstance(m, proto.Ok)] == [2, 2]
+    for r in range(2):  # the new epoch's communicator is healthy: the barrier completes
+        world.submit(r, 30 + r, [(proto.Barrier(), ())])
+    for _ in range(40):
+        if all(any(isinstance(m, proto.Ok) and m.id == 30 + r for m in p.received)
+               for r, p in enumerate(ranks)):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the barrier after the rebuild never completed")
+    assert world.state is WorldState.READY
+    host.close()
