@@ -33,7 +33,13 @@ class PeerSettings:
     secret: bytes
     heartbeat_s: float = 0.5
     window_s: float = 3.0
-    handshake_s: float = 5.0
+    # A daemon silent this long in a handshake is as lost as one silent on a link (None:
+    # the window). Dials made while a network black-holes packets wait no longer.
+    handshake_timeout_s: float | None = None
+
+    @property
+    def handshake_s(self) -> float:
+        return self.window_s if self.handshake_timeout_s is None else self.handshake_timeout_s
 
 
 class PeerRefusedError(Exception):

@@ -12,13 +12,17 @@ def table(rows: list[dict[str, object]]) -> str:
     lines = ["| scenario | detection | recovery | errors in the unrelated world | leaked |",
              "|---|---|---|---|---|"]
     for row in rows:
-        recovery = float(row["recovery_s"])  # type: ignore[arg-type]
         unrelated = row["unrelated_errors"]
         lines.append(
-            f"| {row['scenario']} | {float(row['detection_s']):.3f} s "  # type: ignore[arg-type]
-            f"| {'—' if math.isnan(recovery) else f'{recovery:.3f} s'} "
+            f"| {row['scenario']} | {seconds(row['detection_s'])} | {seconds(row['recovery_s'])} "
             f"| {'—' if unrelated is None else unrelated} | {row['leaked']} |")
     return "\n".join(lines)
+
+
+def seconds(value: object) -> str:
+    """NaN: the scenario has no such moment (a refusal is immediate; nothing to rebuild)."""
+    number = float(value)  # type: ignore[arg-type]
+    return "—" if math.isnan(number) else f"{number:.3f} s"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 import proto
 from client import DaemonBackend, LimitExceeded, hostmem
 from commd.launch import DaemonProcess
+from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration.harness import short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
@@ -24,18 +25,26 @@ pytestmark = pytest.mark.timeout(60)
 def tight() -> Iterator[DaemonProcess]:
     tmp = short_tmpdir()
     daemon = DaemonProcess(Path(tmp) / "commd.sock", args=[
-        "--max-connections", "6", "--max-registrations", "5", "--max-pending-ops", "20",
+        "--max-connections", "8", "--max-registrations", "5", "--max-pending-ops", "20",
         "--max-queued-replies", "16"]).start()
     yield daemon
     daemon.stop()
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_connections(tight: DaemonProcess) -> None:
+@pytest.fixture(scope="module")
+def steady_t(tight: DaemonProcess) -> Iterator[Steady]:
+    """An unrelated world on the limited daemon (2 of its 8 connections), throughout."""
+    with steady_world([str(tight.socket_path)] * 2) as running:
+        yield running
+
+
+def test_connections(tight: DaemonProcess, steady_t: Steady, fault_report: FaultReport) -> None:
     sock = str(tight.socket_path)
-    held = [RawClient(sock) for _ in range(6)]
+    unrelated = steady_t.errors()
+    held = [RawClient(sock) for _ in range(6)]  # with the steady world's two: all 8
     try:
-        with pytest.raises(LimitExceeded, match="6 connections"):
+        with pytest.raises(LimitExceeded, match="8 connections"):
             DaemonBackend(sock, world_name(), 0, 1, timeout=5)
     finally:
         for client in held:
@@ -49,10 +58,14 @@ def test_connections(tight: DaemonProcess) -> None:
         except LimitExceeded:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+    fault_report.add("a client opens connections past the limit: LimitExceeded", float("nan"),
+                     float("nan"), steady_t.errors() - unrelated, "none (room again once closed)")
 
 
-def test_registrations_and_pending_calls(tight: DaemonProcess) -> None:
+def test_registrations_and_pending_calls(tight: DaemonProcess, steady_t: Steady,
+                                        fault_report: FaultReport) -> None:
     sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
     with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
         buf = hostmem.alloc(4096)
         handles = [comm.register_buffer(buf.ptr + 8 * i, 8) for i in range(5)]
@@ -66,6 +79,9 @@ def test_registrations_and_pending_calls(tight: DaemonProcess) -> None:
             a.barrier()
         with pytest.raises(LimitExceeded, match="limit is 20"):
             a.group_end()
+    fault_report.add("a client registers buffers and queues calls past the limits: LimitExceeded",
+                     float("nan"), float("nan"), steady_t.errors() - unrelated,
+                     "none (room again once deregistered)")
 
 
 class _two:
@@ -86,8 +102,10 @@ class _two:
         self.raw.close()
 
 
-def test_a_client_that_never_reads_is_dropped(tight: DaemonProcess) -> None:
+def test_a_client_that_never_reads_is_dropped(tight: DaemonProcess, steady_t: Steady,
+                                             fault_report: FaultReport) -> None:
     sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
     with RawClient(sock) as hoarder:
         assert isinstance(hoarder.join(world_name()), proto.Welcome)
         hoarder.sock.settimeout(5)
@@ -111,3 +129,5 @@ def test_a_client_that_never_reads_is_dropped(tight: DaemonProcess) -> None:
         assert replies < sent  # cut off, not served forever
     with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:  # and the daemon goes on
         comm.barrier()
+    fault_report.add("a client that never reads its replies: dropped", float("nan"), float("nan"),
+                     steady_t.errors() - unrelated, "none (its connection closed)")

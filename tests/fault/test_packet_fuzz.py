@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from proto import peer as p
 from proto.codec import encode_peer
-from tests.integration.harness import short_tmpdir, world_name
+from tests.conftest import FaultReport, Steady, steady_world
+from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(180)
@@ -60,8 +62,17 @@ def peer_daemon() -> Iterator[DaemonProcess]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_ten_thousand_bad_packets(peer_daemon: DaemonProcess, steady: None) -> None:
+@pytest.fixture(scope="module")
+def steady_f(peer_daemon: DaemonProcess) -> Iterator[Steady]:
+    """An unrelated world on the fuzzed daemon, through every test of the module."""
+    with steady_world([str(peer_daemon.socket_path)] * 2) as running:
+        yield running
+
+
+def test_ten_thousand_bad_packets(peer_daemon: DaemonProcess, steady_f: Steady,
+                                  fault_report: FaultReport) -> None:
     sock = str(peer_daemon.socket_path)
+    unrelated, base = steady_f.errors(), (open_fds(peer_daemon.pid), memfd_mappings(peer_daemon.pid))
     rng = random.Random(20261130)
     seeds = valid_packets()
     client = RawClient(sock)
@@ -84,9 +95,22 @@ def test_ten_thousand_bad_packets(peer_daemon: DaemonProcess, steady: None) -> N
     assert refused > PACKETS // 2 and answered > 0
     with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
         comm.barrier()  # alive and serving
+    fault_report.add(f"{PACKETS:,} random and mutated packets at the daemon socket", float("nan"),
+                     float("nan"), steady_f.errors() - unrelated, settled(peer_daemon, base))
 
 
-def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess) -> None:
+def settled(daemon: DaemonProcess, base: tuple[int, int]) -> str:
+    """Every connection the scenario opened is gone, and so is its memory."""
+    deadline = time.monotonic() + 10
+    while (open_fds(daemon.pid), memfd_mappings(daemon.pid)) != base:
+        assert time.monotonic() < deadline, ((open_fds(daemon.pid), memfd_mappings(daemon.pid)), base)
+        time.sleep(0.05)
+    return "none (fds, memfd mappings at baseline)"
+
+
+def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess, steady_f: Steady,
+                                  fault_report: FaultReport) -> None:
+    unrelated, base = steady_f.errors(), (open_fds(peer_daemon.pid), memfd_mappings(peer_daemon.pid))
     host, port = parse_address(peer_daemon.peer_address())
     rng = random.Random(7)
     hello = p.FRAME.pack(1, 0)
@@ -114,9 +138,12 @@ def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess) -> None:
     assert peers["refused_handshakes"] >= 250 and peers["links"] == []
     with DaemonBackend(str(peer_daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
         comm.barrier()
+    fault_report.add("300 garbage and mutated handshakes at the peer port", float("nan"), float("nan"),
+                     steady_f.errors() - unrelated, settled(peer_daemon, base))
 
 
-def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess) -> None:
+def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, steady_f: Steady,
+                                                fault_report: FaultReport) -> None:
     """A daemon that holds the secret but sends random, well-formed messages about real and
     made-up worlds: the daemon refuses or ignores them and keeps its own worlds working."""
     import asyncio
@@ -126,6 +153,7 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess) -> N
     from proto import ErrorCode
 
     sock = str(peer_daemon.socket_path)
+    unrelated = steady_f.errors()
     world = world_name("victim")
     ready = threading.Event()
     result: list[int] = []
@@ -186,3 +214,5 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess) -> N
     assert info["pid"] == peer_daemon.pid and info["peers"]["foreign_refused"] > 0
     with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
         comm.barrier()
+    fault_report.add("2,000 well-formed nonsense messages from an authenticated peer", float("nan"),
+                     float("nan"), steady_f.errors() - unrelated, "n/a (the intruder's link is kept)")

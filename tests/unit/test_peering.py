@@ -32,7 +32,7 @@ class Side:
     def __init__(self, name: str, secret: bytes = SECRET, fast: bool = False,
                  handshake_s: float = 5.0) -> None:
         timing = {"heartbeat_s": HEARTBEAT_S, "window_s": WINDOW_S} if fast else {}
-        self.settings = PeerSettings(name, secret, handshake_s=handshake_s, **timing)
+        self.settings = PeerSettings(name, secret, handshake_timeout_s=handshake_s, **timing)
         self.node = PeerNode(self.settings, self._on_message, self._on_lost)
         self.messages: asyncio.Queue[tuple[PeerLink, p.PeerMessage, bytes | bytearray]] = asyncio.Queue()
         self.lost: asyncio.Queue[tuple[PeerLink, str, float]] = asyncio.Queue()
