@@ -28,64 +28,80 @@ DEFAULT_CONFIG = "/etc/commd/commd.toml"
 ENV_PREFIX = "COMMD_"
 
 
-def _text(value: Any) -> str:
+# Each parser takes the value and whether it is text to convert (an environment
+# variable) rather than a typed TOML or flag value, where a string is not a number.
+Parser = Callable[[Any, bool], Any]
+
+
+def _text(value: Any, text: bool = False) -> str:
     if not isinstance(value, str):
         raise TypeError("expected a string")
     return value
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, str):
+def _int(value: Any, text: bool) -> int:
+    if text and isinstance(value, str):
         return int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError("expected an integer")
     return value
 
 
-def _float(value: Any) -> float:
-    if isinstance(value, str):
+def _float(value: Any, text: bool) -> float:
+    if text and isinstance(value, str):
         return float(value.strip())
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError("expected a number")
     return float(value)
 
 
-def _list(item: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A list (TOML array, or comma-separated in the environment) of `item`s."""
+def _list(item: Parser) -> Parser:
+    """A list (TOML array, repeated flag, or comma-separated in the environment) of `item`s."""
 
-    def parse(value: Any) -> tuple[Any, ...]:
-        if isinstance(value, str):
-            value = [part for part in value.split(",") if part.strip()]
+    def parse(value: Any, text: bool) -> tuple[Any, ...]:
+        if text and isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
         if not isinstance(value, list | tuple):
             raise TypeError("expected a list")
-        return tuple(item(v) for v in value)
+        return tuple(item(v, text) for v in value)
 
     return parse
 
 
-def _address(value: Any) -> tuple[str, int]:
+def _path(value: Any, text: bool) -> Path:
+    return Path(_text(value))
+
+
+def _upper(value: Any, text: bool) -> str:
+    return _text(value).upper()
+
+
+def _address(value: Any, text: bool) -> tuple[str, int]:
     from .cluster import parse_address
 
-    return parse_address(_text(value))
+    host, port = parse_address(_text(value))
+    if port > 65535:
+        raise ValueError(f"port {port} is not a TCP port")
+    return host, port
 
 
 @dataclass(frozen=True, slots=True)
 class Key:
     name: str
-    parse: Callable[[Any], Any]  # raises TypeError (wrong type) or ValueError (bad value)
+    parse: Parser  # raises TypeError (wrong type) or ValueError (bad value)
     field: str | None  # the ServerConfig field it sets (None: handled by `_fields`)
 
 
 _LIMIT_KEYS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
                "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes")
 KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("socket", lambda v: Path(_text(v)), "socket_path"),
+    Key("socket", _path, "socket_path"),
     Key("engine", _text, "engine"),
     Key("allow_uids", _list(_int), None),
     Key("allow_gids", _list(_int), None),
     Key("allow_groups", _list(_text), None),
     Key("threads", _int, "threads"),
-    Key("log_level", lambda v: _text(v).upper(), "log_level"),
+    Key("log_level", _upper, "log_level"),
     Key("log_format", _text, "log_format"),
     Key("metrics_listen", _address, "metrics_listen"),
     Key("peer_listen", _address, "peer_listen"),
@@ -104,6 +120,7 @@ class Value:
     raw: Any
     source: str  # "/etc/commd/commd.toml", "$COMMD_THREADS", "--threads"
     from_file: bool = False
+    text: bool = False  # from the environment: a string to convert
 
 
 def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
@@ -151,7 +168,7 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, Value]:
         if name not in KEYS or var != ENV_PREFIX + name.upper():
             raise ConfigError(f"${var}: unknown setting (the environment may set "
                               f"{ENV_PREFIX}<KEY> or {SECRET_ENV}){_known()}")
-        out[name] = Value(raw, "$" + var)
+        out[name] = Value(raw, "$" + var, text=True)
     return out
 
 
@@ -162,7 +179,7 @@ def flag_layer(flags: Mapping[str, Any]) -> dict[str, Value]:
 
 def _parse(key: Key, value: Value) -> Any:
     try:
-        return key.parse(value.raw)
+        return key.parse(value.raw, value.text)
     except TypeError as exc:
         raise ConfigError(f"{key.name} (from {value.source}): {exc}, got {value.raw!r}") from None
     except ValueError as exc:

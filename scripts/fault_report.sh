@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test
 out="$(mktemp -d)/faults.json"
-COMMD_FAULT_REPORT="$out" .venv/bin/pytest -q -p no:cacheprovider tests/fault \
+FAULT_REPORT_JSON="$out" .venv/bin/pytest -q -p no:cacheprovider tests/fault \
   tests/integration/test_multi_daemon_faults.py >&2
 exec .venv/bin/python -m tests.fault.report "$out"
