@@ -32,7 +32,8 @@ def _status(args: argparse.Namespace) -> int:
     from .status import query_status, render_status
 
     info = query_status(args.socket, args.timeout, args.world)
-    print(json.dumps(info, indent=2) if args.json else render_status(info))
+    # one world asked for: its whole flight recorder as sent (the last 8 calls per rank)
+    print(json.dumps(info, indent=2) if args.json else render_status(info, 8 if args.world else 1))
     return 0
 
 

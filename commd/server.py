@@ -99,7 +99,7 @@ class Server:
         self._listener.setblocking(False)
         asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
         log.info("listening on %s (engine %s%s)", self.config.socket_path, self.engine.name,
-                 "" if inherited is None else ", socket inherited from systemd")
+                 "" if inherited is None else ", socket inherited: socket activation")
 
     def _accept(self) -> None:
         assert self._listener is not None

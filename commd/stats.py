@@ -26,11 +26,7 @@ LATENCY_BOUNDS: tuple[float, ...] = (
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0)
 
-_OP_NAMES: dict[type, str] = {
-    proto.AllReduce: "all_reduce", proto.AllGather: "all_gather",
-    proto.ReduceScatter: "reduce_scatter", proto.Broadcast: "broadcast", proto.Barrier: "barrier",
-    proto.Send: "send", proto.Recv: "recv",
-}
+_OP_NAMES: dict[type, str] = ops._NAMES  # one table of op names, the one messages use
 COMMAND = "recv_command_u32"  # a broadcast that waits with no deadline: its own label
 
 
@@ -90,8 +86,13 @@ class DaemonStats:
     def transition(self, state: str) -> None:
         self.transitions[state] = self.transitions.get(state, 0) + 1
 
-    def world_failed(self, world: str, epoch: int, code: proto.ErrorCode, message: str) -> None:
+    def world_failed(self, world: str, epoch: int, code: proto.ErrorCode, message: str,
+                     job_ended: bool = False) -> None:
+        """READY -> FAILED. `job_ended`: a rank left an idle world, which is how jobs end:
+        a state change, not a failure to count or show."""
         self.transition("failed")
+        if job_ended:
+            return
         self.failures[code.name] = self.failures.get(code.name, 0) + 1
         self.last_failure[world] = {"epoch": epoch, "code": code.name, "message": message,
                                     "at": round(time.time(), 3)}

@@ -394,9 +394,9 @@ class World:
         message = clip(message)
         self.state = WorldState.FAILED
         self.cause, self.cause_code = message, code
-        self.stats.world_failed(self.name, self.epoch, code, message)
         # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
         level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
+        self.stats.world_failed(self.name, self.epoch, code, message, job_ended=level == logging.INFO)
         extra = self._log_extra()
         log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message, extra=extra)
         if level == logging.WARNING:
