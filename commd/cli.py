@@ -4,37 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from client.errors import CommError
 
-from .config import DEFAULT_SOCKET, ENGINES, SECRET_ENV, SECRET_FILE_ENV, ServerConfig, read_secret
+from .config import DEFAULT_SOCKET, ENGINES, LOG_FORMATS, LOG_LEVELS, SECRET_ENV, SECRET_FILE_ENV
 from .errors import ConfigError
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .daemon import run
+    from .logs import setup_logging
+    from .settings import load_config
 
-    config = ServerConfig(
-        socket_path=Path(args.socket),
-        engine=args.engine,
-        allow_uids=frozenset({os.getuid(), 0, *args.allow_uid}),
-        allow_gids=frozenset(args.allow_gid) | _group_ids(args.allow_group),
-        threads=args.threads,
-        log_level=args.log_level,
-        peer_listen=_address(args.peer_listen) if args.peer_listen else None,
-        peer_name=args.peer_name,
-        peer_secret=read_secret(args.peer_secret_file, dict(os.environ)),
-        peer_heartbeat_s=args.peer_heartbeat,
-        peer_window_s=args.peer_window,
-        **{name: value for name, value in vars(args).items() if name in _LIMITS and value is not None},
-    )
-    logging.basicConfig(level=config.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(vars(args), os.environ, args.config)
+    setup_logging(config.log_level, config.log_format)
     return run(config)
 
 
@@ -42,32 +28,12 @@ _LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_re
            "max_pending_ops")
 
 
-def _address(text: str) -> tuple[str, int]:
-    from .cluster import parse_address
-
-    try:
-        return parse_address(text)
-    except ValueError as exc:
-        raise ConfigError(f"peer-listen: {exc}") from None
-
-
-def _group_ids(names: list[str]) -> frozenset[int]:
-    import grp
-
-    gids = set()
-    for name in names:
-        try:
-            gids.add(grp.getgrnam(name).gr_gid)
-        except KeyError:
-            raise ConfigError(f"allow-group: no group named {name!r}") from None
-    return frozenset(gids)
-
-
 def _status(args: argparse.Namespace) -> int:
     from .status import query_status, render_status
 
     info = query_status(args.socket, args.timeout, args.world)
-    print(json.dumps(info, indent=2) if args.json else render_status(info))
+    # one world asked for: its whole flight recorder as sent (the last 8 calls per rank)
+    print(json.dumps(info, indent=2) if args.json else render_status(info, 8 if args.world else 1))
     return 0
 
 
@@ -87,30 +53,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="commd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the daemon")
-    serve.add_argument("--socket", default=DEFAULT_SOCKET, help="Unix socket path")
-    serve.add_argument("--engine", default="host", choices=ENGINES)
-    serve.add_argument("--allow-uid", type=int, action="append", default=[],
+    # Every flag defaults to None ("not given"), so the config file and COMMD_* variables
+    # show through; the defaults live in ServerConfig. dest= is the config key's name.
+    serve = sub.add_parser("serve", help="run the daemon",
+                           epilog="Settings: the config file, then COMMD_<KEY> variables, then "
+                                  "these flags, each overriding the one before (see deploy/commd.toml).")
+    serve.add_argument("--config", default=None, metavar="PATH",
+                       help="TOML config file (default: /etc/commd/commd.toml if it exists)")
+    serve.add_argument("--socket", help=f"Unix socket path ({DEFAULT_SOCKET})")
+    serve.add_argument("--engine", choices=ENGINES, help="host by default")
+    serve.add_argument("--allow-uid", dest="allow_uids", type=int, action="append",
                        help="also admit this uid (repeatable; own uid and root always)")
-    serve.add_argument("--allow-gid", type=int, action="append", default=[],
+    serve.add_argument("--allow-gid", dest="allow_gids", type=int, action="append",
                        help="admit members of this gid (repeatable)")
-    serve.add_argument("--allow-group", action="append", default=[],
+    serve.add_argument("--allow-group", dest="allow_groups", action="append",
                        help="admit members of this group, by name (repeatable)")
-    serve.add_argument("--threads", type=int, default=None, help="host engine threads")
-    serve.add_argument("--peer-listen", default=None, metavar="HOST:PORT",
+    serve.add_argument("--threads", type=int, help="host engine threads")
+    serve.add_argument("--peer-listen", metavar="HOST:PORT",
                        help="accept other daemons here (worlds across nodes; needs a secret)")
-    serve.add_argument("--peer-name", default=None,
-                       help="this daemon's name among its peers (default: hostname:port)")
-    serve.add_argument("--peer-secret-file", default=None, metavar="PATH",
+    serve.add_argument("--peer-name", help="this daemon's name among its peers (default: hostname:port)")
+    serve.add_argument("--peer-secret-file", metavar="PATH",
                        help=f"the shared secret (or ${SECRET_FILE_ENV} / ${SECRET_ENV})")
-    serve.add_argument("--peer-heartbeat", type=float, default=0.5, metavar="SECONDS")
-    serve.add_argument("--peer-window", type=float, default=3.0, metavar="SECONDS",
-                       help="a peer silent this long is lost")
+    serve.add_argument("--peer-heartbeat", type=float, metavar="SECONDS", help="0.5 by default")
+    serve.add_argument("--peer-window", type=float, metavar="SECONDS",
+                       help="a peer silent this long is lost (3.0 by default)")
     for limit in _LIMITS:
-        serve.add_argument("--" + limit.replace("_", "-"), type=int, default=None, metavar="N",
-                           help=f"limit ({ServerConfig.__dataclass_fields__[limit].default} by default)")
-    serve.add_argument("--log-level", default="INFO",
-                       choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+        serve.add_argument("--" + limit.replace("_", "-"), type=int, metavar="N", help="a limit")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")
+    serve.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")
+    serve.add_argument("--metrics", dest="metrics_listen", metavar="HOST:PORT",
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default)")
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="ask a running daemon what it is doing")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
@@ -13,22 +14,27 @@ SECRET_FILE_ENV = "COMMD_PEER_SECRET_FILE"
 SECRET_ENV = "COMMD_PEER_SECRET"
 
 
-def read_secret(path: str | None, environ: dict[str, str]) -> bytes | None:
-    """The shared peer secret: from `path`, else $COMMD_PEER_SECRET_FILE, else
-    $COMMD_PEER_SECRET. Never from the command line, where `ps` would show it."""
-    path = path or environ.get(SECRET_FILE_ENV)
-    if path:
-        try:
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"peer secret file {path}: {exc.strerror}") from None
-        if not secret:
-            raise ConfigError(f"peer secret file {path} is empty")
-        return secret
-    value = environ.get(SECRET_ENV)
-    return value.encode() if value else None
+def read_secret_file(path: str) -> bytes:
+    """The shared peer secret, from a file: never from the command line, where `ps` would
+    show it, nor from the config file itself, which is world-readable more often than not."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"peer secret file {path}: {exc.strerror}", key="peer_secret_file") from None
+    if not secret:
+        raise ConfigError(f"peer secret file {path} is empty", key="peer_secret_file")
+    return secret
+
+
 ENGINES = ("host", "auto")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+# The settings' names (config file, COMMD_<KEY>, --flag) where they differ from the fields'
+KEY_OF_FIELD = {"socket_path": "socket", "peer_heartbeat_s": "peer_heartbeat",
+                "peer_window_s": "peer_window", "peer_secret": "peer_secret_file"}
+_LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
+           "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,8 @@ class ServerConfig:
     max_daemon_bytes: int = 32 << 40  # address space the whole daemon maps
     threads: int | None = None  # host engine worker threads (default: cores, at most 8)
     log_level: str = "INFO"
+    log_format: str = "text"  # or "json": one object per line, for log shippers
+    metrics_listen: tuple[str, int] | None = None  # Prometheus /metrics (None: off)
     peer_listen: tuple[str, int] | None = None  # TCP address for other daemons
     peer_name: str | None = None  # this daemon's name among them (default: host:port)
     peer_secret: bytes | None = field(default=None, repr=False)  # never printed
@@ -54,20 +62,45 @@ class ServerConfig:
     peer_window_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
-        for name in ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
-                     "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes"):
+        for name, value, allowed in (("engine", self.engine, ENGINES),
+                                     ("log_level", self.log_level, LOG_LEVELS),
+                                     ("log_format", self.log_format, LOG_FORMATS)):
+            if value not in allowed:
+                raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}", key=name)
+        for name in _LIMITS:
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be at least 1")
+                raise ConfigError(f"{name}: must be at least 1", key=name)
         if self.threads is not None and not 1 <= self.threads <= 256:
-            raise ConfigError("threads: must be 1..256")
+            raise ConfigError("threads: must be 1..256", key="threads")
         if self.peer_secret is not None and len(self.peer_secret) < 16:
-            raise ConfigError("peer secret: must be at least 16 bytes")
+            raise ConfigError("peer secret: must be at least 16 bytes", key="peer_secret")
         if self.peer_listen is not None and self.peer_secret is None:
-            raise ConfigError("peer-listen: needs a shared secret (COMMD_PEER_SECRET_FILE or "
-                              "--peer-secret-file); daemons never talk unauthenticated")
-        if not 0 < self.peer_heartbeat_s < self.peer_window_s:
-            raise ConfigError("peer-window: must be longer than the heartbeat interval")
+            raise ConfigError("peer_listen: needs a shared secret (peer_secret_file, "
+                              "COMMD_PEER_SECRET_FILE or COMMD_PEER_SECRET); daemons never talk "
+                              "unauthenticated", key="peer_listen")
+        if self.peer_heartbeat_s <= 0:
+            raise ConfigError("peer_heartbeat: must be positive", key="peer_heartbeat_s")
+        if self.peer_window_s <= self.peer_heartbeat_s:
+            raise ConfigError("peer_window: must be longer than the heartbeat interval "
+                              f"({self.peer_heartbeat_s:g}s)", key="peer_window_s")
         if len(bytes(self.socket_path)) > 107:
-            raise ConfigError(f"socket: path {self.socket_path} is longer than a Unix socket allows")
+            raise ConfigError(f"socket: path {self.socket_path} is longer than a Unix socket allows",
+                              key="socket_path")
+
+    def public(self) -> dict[str, Any]:
+        """The settings by key name, as plain data for `commd status`; of the secret only
+        whether it is set."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "peer_secret":
+                out["peer_secret_set"] = value is not None
+                continue
+            elif isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, frozenset):
+                value = sorted(value)
+            elif isinstance(value, tuple):
+                value = f"{value[0]}:{value[1]}"
+            out[KEY_OF_FIELD.get(f.name, f.name)] = value
+        return out

@@ -9,44 +9,78 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import MutableMapping
 
 from .cluster import Cluster
 from .config import ServerConfig
 from .engine import create_engine
 from .peering import PeerSettings
 from .server import Server
+from .systemd import Notifier, inherited_listener, keep_alive, watchdog_interval
 
 log = logging.getLogger("commd")
 
 
-async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM or SIGINT; then fail pending calls, remove the socket, return 0."""
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
+                environ: MutableMapping[str, str] | None = None) -> int:
+    """Serve until SIGTERM or SIGINT; then fail pending calls, remove the socket, return 0.
+
+    `environ` (os.environ by default) carries what systemd passes: $NOTIFY_SOCKET,
+    $WATCHDOG_USEC, and the LISTEN_* variables of socket activation (removed once read)."""
+    environ = os.environ if environ is None else environ
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    notifier = Notifier.from_env(environ)
+    watchdog_s = watchdog_interval(environ, os.getpid())
+    inherited = inherited_listener(environ, os.getpid())
     engine = create_engine(config.engine, threads=config.threads)
     cluster = _cluster(config)
     server = Server(config, engine, cluster)
+    metrics: asyncio.Server | None = None
+    alive: asyncio.Task[None] | None = None
     try:
-        server.start()
+        server.start(inherited)
         if cluster is not None and config.peer_listen is not None:
             await cluster.listen(*config.peer_listen)
+        if config.metrics_listen is not None:
+            metrics = await _metrics(server, *config.metrics_listen)
         _tune_gc()
         _tune_malloc()
         if config.engine == "auto":
             log.info("engine auto: no usable GPU engine here, chose %s", engine.name)
+        # Only now: the socket accepts and the peer port listens, so clients that systemd
+        # starts "After=commd.service" find the daemon serving.
+        notifier.notify("READY=1", "STATUS=" + server.status_line())
+        if notifier.enabled:
+            alive = loop.create_task(keep_alive(notifier, watchdog_s, server.status_line))
         if ready is not None:
             ready.set()
         await stop.wait()
         log.info("stopping")
     finally:
+        notifier.notify("STOPPING=1", "STATUS=stopping")
+        if alive is not None:
+            alive.cancel()
+        if metrics is not None:
+            metrics.close()
         server.shutdown()
         if cluster is not None:
             cluster.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        notifier.close()
     return 0
+
+
+async def _metrics(server: Server, host: str, port: int) -> asyncio.Server:
+    from .metrics import bound_address, renderer, serve_metrics
+
+    metrics = await serve_metrics(host, port, renderer(server))
+    server.metrics_address = bound_address(metrics)
+    log.info("metrics on http://%s/metrics", server.metrics_address)
+    return metrics
 
 
 def _cluster(config: ServerConfig) -> Cluster | None:

@@ -38,4 +38,9 @@ class CallError(Exception):
 
 
 class ConfigError(Exception):
-    """A configuration value is missing or invalid."""
+    """A configuration value is missing or invalid; `key` names the setting when one is to
+    blame, so the loader can add where its value came from."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key

@@ -42,7 +42,9 @@ class DaemonProcess:
                  cpus: Sequence[int] | None = None, log_level: str = "WARNING",
                  env: dict[str, str] | None = None) -> None:
         self.socket_path = Path(socket_path)
-        self._cmd = [sys.executable, "-m", "commd", "serve", "--socket", str(self.socket_path),
+        # No --config: read none (not the host's /etc/commd/commd.toml, which is the service's)
+        config = () if "--config" in args else ("--config", "")
+        self._cmd = [sys.executable, "-m", "commd", "serve", *config, "--socket", str(self.socket_path),
                      "--engine", engine, "--log-level", log_level, *args]
         self._log = log
         self._cpus = cpus

@@ -17,12 +17,14 @@ from typing import Any
 import proto
 
 from . import ops
+from .stats import CallStats
 
 
 class CallRecord:
-    __slots__ = ("ended", "op", "rank", "seq", "started", "state", "waits_forever")
+    __slots__ = ("ended", "op", "rank", "seq", "started", "state", "stats", "waits_forever")
 
-    def __init__(self, rank: int, seq: int, op: proto.Op, waits_forever: bool) -> None:
+    def __init__(self, rank: int, seq: int, op: proto.Op, waits_forever: bool,
+                 stats: CallStats | None = None) -> None:
         self.rank = rank
         self.seq = seq
         self.op = op  # described only when read: formatting on every call costs latency
@@ -30,6 +32,7 @@ class CallRecord:
         self.started = time.monotonic()
         self.ended: float | None = None
         self.waits_forever = waits_forever  # recv_command_u32: no completion deadline
+        self.stats = stats  # the daemon's counters, told once when the call ends
 
     @property
     def call(self) -> str:
@@ -39,6 +42,8 @@ class CallRecord:
         if self.ended is None:
             self.state = state
             self.ended = time.monotonic()
+            if self.stats is not None:
+                self.stats.record(self, state)
 
     def as_dict(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -48,15 +53,16 @@ class CallRecord:
 
 
 class FlightRecorder:
-    def __init__(self, depth: int = 32) -> None:
+    def __init__(self, depth: int = 32, stats: CallStats | None = None) -> None:
         self._depth = depth
+        self._stats = stats
         self._by_rank: dict[int, collections.deque[CallRecord]] = {}
         self._seq: dict[int, int] = {}
 
     def start(self, rank: int, op: proto.Op) -> CallRecord:
         seq = self._seq.get(rank, 0)
         self._seq[rank] = seq + 1
-        record = CallRecord(rank, seq, op, ops.waits_forever(op))
+        record = CallRecord(rank, seq, op, ops.waits_forever(op), self._stats)
         ring = self._by_rank.get(rank)
         if ring is None:
             ring = self._by_rank[rank] = collections.deque(maxlen=self._depth)

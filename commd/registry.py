@@ -21,6 +21,7 @@ from .engine.hostnet import p2p_target
 from .errors import CallError
 from .membership import NetMembership
 from .peering import PeerLink
+from .stats import DaemonStats
 from .world import Peer, World, WorldState
 
 log = logging.getLogger("commd.registry")
@@ -28,8 +29,9 @@ log = logging.getLogger("commd.registry")
 
 class Registry:
     def __init__(self, engine: Engine, max_pending_ops: int = 4096,
-                 cluster: Cluster | None = None) -> None:
+                 cluster: Cluster | None = None, stats: DaemonStats | None = None) -> None:
         self._engine = engine
+        self.stats = stats if stats is not None else DaemonStats()
         self._max_pending_ops = max_pending_ops
         self.cluster = cluster
         self.worlds: dict[str, World] = {}
@@ -68,7 +70,7 @@ class Registry:
                                                   "cannot take part in a world spread over daemons")
             net = WorldNet(self.cluster, name, bootstrap)
         world = World(name, world_size, token, self._engine, self._forget, net, self._max_pending_ops,
-                      call_timeout_s)
+                      call_timeout_s, stats=self.stats)
         self.worlds[name] = world
         return world
 
@@ -87,6 +89,7 @@ class Registry:
     def _forget(self, world: World) -> None:
         if self.worlds.get(world.name) is world:
             del self.worlds[world.name]
+            self.stats.forget(world.name)
 
     # ---- other daemons ------------------------------------------------------------------
 
@@ -205,5 +208,9 @@ class Registry:
                 log.exception("world %s: shutdown failed", world.name)
 
     def status(self) -> list[dict[str, object]]:
-        return [w.status() for w in self.worlds.values()]
+        return [{**w.status(), "local_ranks": list(w.local_ranks),
+                 "last_failure": self.stats.last_failure.get(w.name)} for w in self.worlds.values()]
+
+    def connected_ranks(self) -> int:
+        return sum(len(w.members) for w in self.worlds.values())
 

@@ -29,6 +29,7 @@ from .engine.base import Engine
 from .errors import ConfigError
 from .registry import Registry
 from .session import DaemonContext, MemoryBudget, Session
+from .stats import DaemonStats
 
 log = logging.getLogger("commd.server")
 _UCRED = struct.Struct("3i")
@@ -74,18 +75,31 @@ class Server:
         self.config = config
         self.engine = engine
         self.cluster = cluster
-        self.registry = Registry(engine, config.max_pending_ops, cluster)
+        self.registry = Registry(engine, config.max_pending_ops, cluster, DaemonStats())
         self.sessions: set[Session] = set()
         self._listener: socket.socket | None = None
+        self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
         self._started = time.time()
+        self.metrics_address: str | None = None  # where /metrics is served, once it is
         budget = MemoryBudget(config.max_daemon_mappings, config.max_daemon_bytes)
         self._ctx = DaemonContext(config, engine, self.registry, self.status, budget)
 
-    def start(self) -> None:
-        self._listener = bind_socket(self.config.socket_path)
+    def start(self, inherited: socket.socket | None = None) -> None:
+        """Listen on the configured path, or on `inherited` (socket activation)."""
+        if inherited is None:
+            self._listener = bind_socket(self.config.socket_path)
+            self._owns_path = True
+        else:
+            self._listener = inherited
+            bound = inherited.getsockname()
+            if bound != os.fspath(self.config.socket_path):
+                log.warning("the inherited socket is bound to %r, not the configured %s: "
+                            "clients and `commd status` must use the former", bound,
+                            self.config.socket_path)
         self._listener.setblocking(False)
         asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
-        log.info("listening on %s (engine %s)", self.config.socket_path, self.engine.name)
+        log.info("listening on %s (engine %s%s)", self.config.socket_path, self.engine.name,
+                 "" if inherited is None else ", socket inherited: socket activation")
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -146,21 +160,39 @@ class Server:
             "version": __version__,
             "engine": self.engine.name,
             "pid": os.getpid(),
-            "uptime_s": round(time.time() - self._started, 3),
+            "uptime_s": self.uptime(),
             "connections": len(self.sessions),
+            "ranks_connected": self.registry.connected_ranks(),
+            "socket": os.fspath(self.config.socket_path),
+            "socket_activated": self._listener is not None and not self._owns_path,
+            "metrics": self.metrics_address,
+            "config": self.config.public(),
+            "counters": self.registry.stats.summary(),
             "worlds": self.registry.status(),
             "peers": self.cluster.status() if self.cluster is not None else None,
         }
 
+    def uptime(self) -> float:
+        return round(time.time() - self._started, 3)
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS= (what `systemctl status` shows)."""
+        worlds = self.registry.worlds.values()
+        ready = sum(1 for w in worlds if w.state.value == "ready")
+        return (f"serving {len(worlds)} worlds ({ready} ready), {self.registry.connected_ranks()} "
+                f"ranks, {len(self.sessions)} connections")
+
     def shutdown(self) -> None:
-        """Fail pending calls with SHUTDOWN, tell every client, close, remove the socket file."""
+        """Fail pending calls with SHUTDOWN, tell every client, close, remove the socket file
+        (only one we created: a socket-activated one belongs to systemd)."""
         loop = asyncio.get_running_loop()
         if self._listener is not None:
             loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.socket_path)
+            if self._owns_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.config.socket_path)
         message = "the daemon is shutting down"
         self.registry.shutdown(message)
         event = proto.Event(proto.EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, message)

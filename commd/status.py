@@ -30,23 +30,58 @@ def query_status(socket_path: str, timeout: float, world: str | None = None) -> 
     return reply.info
 
 
-def render_status(info: dict[str, Any]) -> str:
+def render_status(info: dict[str, Any], calls_per_rank: int = 1) -> str:
+    """A readable report: the daemon, its counters, a row per world, and each rank's newest
+    calls from the flight recorder (`calls_per_rank` of them; all it sent with --world)."""
+    metrics = f"  metrics=http://{info['metrics']}/metrics" if info.get("metrics") else ""
     lines = [
         f"commd {info.get('version')}  engine={info.get('engine')}  pid={info.get('pid')}  "
-        f"uptime={info.get('uptime_s')}s  connections={info.get('connections')}",
+        f"uptime={info.get('uptime_s')}s  connections={info.get('connections')}  "
+        f"ranks={info.get('ranks_connected')}{metrics}",
     ]
+    lines += _counters(info.get("counters") or {})
     worlds = info.get("worlds") or []
     if not worlds:
         return "\n".join([*lines, "no worlds"])
-    lines.append(f"{'world':<24} {'state':<8} {'epoch':>5} {'ranks':>9} {'pending':>7}  cause")
+    lines.append(f"{'world':<24} {'state':<8} {'epoch':>5} {'ranks':>9} {'here':<12} {'pending':>7}  "
+                 "last failure")
     for w in worlds:
         ranks = f"{len(w['ranks'])}/{w['world_size']}"
-        lines.append(f"{w['name']:<24} {w['state']:<8} {w['epoch']:>5} {ranks:>9} "
-                     f"{w['pending_calls']:>7}  {w.get('cause') or ''}")
-        # each rank's newest call: the one behind, or pending among done ones, is the suspect
+        here = _ranks(w.get("local_ranks") or w["ranks"])
+        lines.append(f"{w['name']:<24} {w['state']:<8} {w['epoch']:>5} {ranks:>9} {here:<12} "
+                     f"{w['pending_calls']:>7}  {_failure(w)}")
+        # each rank's newest calls: the one behind, or pending among done ones, is the suspect
         for rank, calls in (w.get("recent_calls") or {}).items():
-            if calls:
-                last = calls[-1]
-                lines.append(f"    rank {rank:>4}  #{last['seq']:<6} {last['state']:<8} "
-                             f"{last['seconds']:>9.3f}s  {last['call']}")
+            for call in calls[-calls_per_rank:]:
+                lines.append(f"    rank {rank:>4}  #{call['seq']:<6} {call['state']:<8} "
+                             f"{call['seconds']:>9.3f}s  {call['call']}")
     return "\n".join(lines)
+
+
+def _counters(counters: dict[str, Any]) -> list[str]:
+    calls = counters.get("calls") or {}
+    if not calls and not counters.get("world_failures"):
+        return []
+    done = ", ".join(f"{op} {c['done']}" + (f" ({c['failed']} failed)" if c["failed"] else "")
+                     for op, c in calls.items())
+    failures = ", ".join(f"{cause} {n}" for cause, n in (counters.get("world_failures") or {}).items())
+    return [f"calls: {done or 'none'}",
+            f"world failures: {failures or 'none'}  reconnects: {counters.get('reconnects', 0)}"]
+
+
+def _failure(world: dict[str, Any]) -> str:
+    last = world.get("last_failure")
+    if last:
+        return f"epoch {last['epoch']} {last['code']}: {last['message']}"
+    return world.get("cause") or ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"

@@ -41,6 +41,7 @@ from .errors import CallError, clip, rank_list
 from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
 from .membership import LocalMembership, NetMembership
 from .recorder import CallRecord, FlightRecorder
+from .stats import DaemonStats
 
 log = logging.getLogger("commd.world")
 _ROOT_GRACE_S = 2.0
@@ -109,7 +110,8 @@ class Waiter:
 class World:
     def __init__(self, name: str, world_size: int, token: str | None, engine: Engine,
                  on_empty: Callable[[World], None], net: WorldNet | None = None,
-                 max_pending_ops: int = 4096, call_timeout_s: float | None = None) -> None:
+                 max_pending_ops: int = 4096, call_timeout_s: float | None = None,
+                 stats: DaemonStats | None = None) -> None:
         self.name = name
         self.world_size = world_size
         self.token = token
@@ -133,7 +135,8 @@ class World:
         self._queued = 0  # matched ops waiting for or holding _exec_lock
         self._abort_when_idle: Communicator | None = None
         self._max_pending_ops = max_pending_ops
-        self.recorder = FlightRecorder()
+        self.stats = stats if stats is not None else DaemonStats()  # the daemon's: outlive worlds
+        self.recorder = FlightRecorder(stats=self.stats.calls)
         self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
         self._watchdog: asyncio.Task[None] | None = None
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
@@ -153,6 +156,7 @@ class World:
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
+        self.stats.reconnects += 1
         self.reconnect_requested(f"rank {rank} called attempt_reconnect")
         old = self._waiting.pop(rank, None)
         if old is not None:
@@ -168,7 +172,8 @@ class World:
 
     def start_forming(self) -> None:
         self.state = WorldState.FORMING
-        log.info("world %s epoch %d: forming", self.name, self.epoch)
+        self.stats.transition("forming")
+        log.info("world %s epoch %d: forming", self.name, self.epoch, extra=self._log_extra())
 
     def local_waiting(self) -> set[int]:
         return set(self._waiting)
@@ -207,6 +212,7 @@ class World:
         """The membership's verdict: ready at `epoch` with these ranks on this daemon."""
         self.epoch = epoch
         self.state = WorldState.READY
+        self.stats.transition("ready")
         self.cause, self.cause_code = None, ErrorCode.WORLD_FAILED
         self.local_ranks = local_ranks
         self._matcher = Matcher(self.world_size, local_ranks)
@@ -218,7 +224,7 @@ class World:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}
         log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
-                 self.world_size, len(local_ranks))
+                 self.world_size, len(local_ranks), extra=self._log_extra())
         for rank, waiter in waiting.items():
             if waiter.timer is not None:
                 waiter.timer.cancel()
@@ -252,7 +258,8 @@ class World:
             try:
                 match = self._matcher.add(Call(rank, op, Arrival(ticket, regions, record)))
             except Mismatch as exc:
-                log.warning("world %s epoch %d: %s", self.name, self.epoch, exc)
+                log.warning("world %s epoch %d: %s", self.name, self.epoch, exc,
+                            extra=self._log_extra(rank))
                 self.fail(ErrorCode.MISMATCH, str(exc))
                 return
             if match is not None:
@@ -316,7 +323,8 @@ class World:
             except Exception as exc:  # asking failed: as bad as an error, and the watch goes on
                 error = f"could not read the engine's state: {type(exc).__name__}: {exc}"
             if error is not None:
-                log.error("world %s epoch %d: the engine failed: %s", self.name, self.epoch, error)
+                log.error("world %s epoch %d: the engine failed: %s", self.name, self.epoch, error,
+                          extra=self._log_extra())
                 self.fail(ErrorCode.ENGINE, f"engine error: {error}")
                 continue
             if timeout_s is None:
@@ -334,7 +342,8 @@ class World:
         if isinstance(exc, CallError):
             code, message = exc.code, exc.message
         else:
-            log.error("world %s: engine failed", self.name, exc_info=exc)
+            log.error("world %s epoch %d: engine failed", self.name, self.epoch, exc_info=exc,
+                      extra=self._log_extra())
             code, message = ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}"
         if epoch == self.epoch:
             self.fail(code, message)
@@ -403,10 +412,13 @@ class World:
         self.cause, self.cause_code = message, code
         # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
         level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
-        log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message)
+        self.stats.world_failed(self.name, self.epoch, code, message, job_ended=level == logging.INFO)
+        extra = self._log_extra()
+        log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message, extra=extra)
         if level == logging.WARNING:
             for line in self.recorder.lines():
-                log.warning("world %s flight recorder: %s", self.name, line)
+                log.warning("world %s epoch %d flight recorder: %s", self.name, self.epoch, line,
+                            extra=extra)
         if self._comm is not None:
             if self._queued:  # ops in the engine's hands finish first (see _dispatch)
                 self._abort_when_idle = self._comm
@@ -466,6 +478,13 @@ class World:
                 self._comm.abort()
                 self._comm = None
             self._on_empty(self)
+
+    def _log_extra(self, rank: int | None = None) -> dict[str, object]:
+        """Fields for structured (JSON) logs; built only on lines that are logged anyway."""
+        extra: dict[str, object] = {"world": self.name, "epoch": self.epoch}
+        if rank is not None:
+            extra["rank"] = rank
+        return extra
 
     def _not_ready(self) -> str:
         if self.cause is None:

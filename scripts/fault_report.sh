@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test
 out="$(mktemp -d)/faults.json"
-COMMD_FAULT_REPORT="$out" .venv/bin/pytest -q -p no:cacheprovider tests/fault \
+FAULT_REPORT_JSON="$out" .venv/bin/pytest -q -p no:cacheprovider tests/fault \
   tests/integration/test_multi_daemon_faults.py \
   tests/integration/test_bad_input.py::test_mismatched_collectives >&2
 exec .venv/bin/python -m tests.fault.report "$out"

@@ -105,7 +105,7 @@ class Steady:
 
 
 class FaultReport:
-    """Rows for scripts/fault_report.sh: written as JSON where $COMMD_FAULT_REPORT says."""
+    """Rows for scripts/fault_report.sh: written as JSON where $FAULT_REPORT_JSON says."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -121,7 +121,7 @@ class FaultReport:
 def fault_report() -> Iterator[FaultReport]:
     report = FaultReport()
     yield report
-    path = os.environ.get("COMMD_FAULT_REPORT")
+    path = os.environ.get("FAULT_REPORT_JSON")
     if path:
         with open(path, "w") as out:
             json.dump(report.rows, out, indent=2)

@@ -1,5 +1,5 @@
 """Print the fault scenarios' table from the JSON the fault tests wrote
-($COMMD_FAULT_REPORT); run by scripts/fault_report.sh."""
+($FAULT_REPORT_JSON); run by scripts/fault_report.sh."""
 
 from __future__ import annotations
 

@@ -1,0 +1,150 @@
+"""Prometheus metrics (`--metrics HOST:PORT`): optional, off by default.
+
+Nothing is counted for Prometheus on the call path. The daemon keeps plain
+counters (`commd.stats`) and its own state; a custom collector turns them into
+metric families when a scrape arrives. /metrics is served by a small HTTP
+handler on the daemon's own event loop, so the collector reads that state on
+the thread that writes it: no locks, no torn reads, and no second thread
+competing for the GIL with the call path between scrapes.
+
+prometheus-client is imported only here, only when metrics are on: the daemon
+runs without it installed (`pip install commd[metrics]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger("commd.metrics")
+_REQUEST_TIMEOUT_S = 5.0
+_MAX_REQUEST = 8192
+
+
+class DaemonCollector:
+    """Reads the daemon's counters and state at scrape time (on the event loop)."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def describe(self) -> list[Any]:
+        return []  # registering must not call collect(); the families are built per scrape
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        server = self._server
+        stats = server.registry.stats
+        calls = CounterMetricFamily("commd_calls", "Calls by op and outcome", labels=["op", "outcome"])
+        nbytes = CounterMetricFamily("commd_call_bytes", "Bytes given by completed calls, per rank "
+                                     "call (send buffer size)", labels=["op"])
+        latency = HistogramMetricFamily("commd_call_latency_seconds", "From a call's arrival at the "
+                                        "daemon to its completion (completed calls)", labels=["op"])
+        for op, s in sorted(stats.calls.by_op.items()):
+            calls.add_metric([op, "done"], s.done)
+            calls.add_metric([op, "failed"], s.failed)
+            nbytes.add_metric([op], s.bytes)
+            latency.add_metric([op], s.cumulative(), s.seconds)
+        yield from (calls, nbytes, latency)
+
+        transitions = CounterMetricFamily("commd_world_transitions", "World state changes, by the "
+                                          "state entered", labels=["state"])
+        for state, count in sorted(stats.transitions.items()):
+            transitions.add_metric([state], count)
+        failures = CounterMetricFamily("commd_world_failures", "World failures by cause",
+                                       labels=["cause"])
+        for cause, count in sorted(stats.failures.items()):
+            failures.add_metric([cause], count)
+        yield transitions
+        yield failures
+        yield CounterMetricFamily("commd_reconnects", "attempt_reconnect calls of ranks",
+                                  value=stats.reconnects)
+
+        worlds = GaugeMetricFamily("commd_worlds", "Worlds by state", labels=["state"])
+        by_state: dict[str, int] = {"forming": 0, "ready": 0, "failed": 0}
+        for world in server.registry.worlds.values():
+            by_state[world.state.value] += 1
+        for state, count in by_state.items():
+            worlds.add_metric([state], count)
+        yield worlds
+        yield GaugeMetricFamily("commd_connections", "Open client connections",
+                                value=len(server.sessions))
+        yield GaugeMetricFamily("commd_ranks_connected", "Ranks that are members of a world here",
+                                value=server.registry.connected_ranks())
+        yield GaugeMetricFamily("commd_uptime_seconds", "Seconds since the daemon started",
+                                value=server.uptime())
+        yield from self._peers()
+
+    def _peers(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cluster = self._server.cluster
+        if cluster is None:
+            return
+        yield GaugeMetricFamily("commd_peer_links", "Authenticated links to other daemons",
+                                value=len(cluster.links))
+        refused = CounterMetricFamily("commd_peer_refused", "Peer messages and handshakes refused",
+                                      labels=["why"])
+        refused.add_metric(["handshake"], cluster.refused)
+        refused.add_metric(["stale_epoch"], cluster.stale_refused)
+        refused.add_metric(["foreign"], cluster.foreign_refused)
+        yield refused
+
+
+def renderer(server: Server) -> Callable[[], bytes]:
+    """The exposition text of the daemon's metrics, built anew on each call."""
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+    except ImportError:
+        raise ConfigError("metrics_listen: needs prometheus-client (pip install 'commd[metrics]')",
+                          key="metrics_listen") from None
+    registry = CollectorRegistry()  # ours alone: the library's global one holds process metrics
+    registry.register(DaemonCollector(server))
+    return lambda: bytes(generate_latest(registry))
+
+
+async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> asyncio.Server:
+    """Serve GET /metrics on (host, port) from this event loop."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
+            if method != b"GET":
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif target.split(b"?", 1)[0] not in (b"/metrics", b"/"):
+                status, ctype, body = "404 Not Found", "text/plain", b"see /metrics\n"
+            else:
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, render()
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}"
+                         "\r\nConnection: close\r\n\r\n".encode() + body)
+            await asyncio.wait_for(writer.drain(), _REQUEST_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a scraper that went away or talks nonsense: nothing to answer
+        except Exception:
+            log.exception("metrics request failed")
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST)
+    except OSError as exc:
+        raise ConfigError(f"metrics_listen: cannot listen on {host}:{port}: {exc.strerror}",
+                          key="metrics_listen") from None
+
+
+def bound_address(server: asyncio.Server) -> str:
+    host, port = server.sockets[0].getsockname()[:2]
+    return f"{host}:{port}"

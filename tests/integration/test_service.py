@@ -1,0 +1,349 @@
+"""The daemon as a service: sd_notify, socket activation, configuration layers, status
+with several worlds, JSON logs and a metrics scrape, each against real daemon processes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from commd.launch import DaemonProcess
+from commd.status import query_status
+from tests.integration import service_workers
+from tests.integration.harness import RankPool, short_tmpdir, world_name
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(short_tmpdir())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMD_", "NOTIFY_", "LISTEN_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return {**env, **extra}
+
+
+def serve_cmd(sock: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(sock),
+            "--log-level", "WARNING", *args]
+
+
+class Spawned:
+    """A daemon started by hand (the test decides what it inherits); killed if still alive."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+
+    def terminate(self, timeout: float = 20) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.finish(timeout)
+
+    def finish(self, timeout: float = 20) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err.decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=10)
+
+
+def receive(rx: socket.socket, until: str, deadline: float) -> list[str]:
+    """sd_notify messages as they come, up to and including the first that has line `until`."""
+    got = []
+    while True:
+        rx.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            message = rx.recv(4096).decode()
+        except TimeoutError:
+            raise AssertionError(f"no {until} within the deadline; got {got}") from None
+        got.append(message)
+        if until in message.split("\n"):
+            return got
+
+
+# ---- sd_notify ----------------------------------------------------------------------------
+
+
+def test_ready_after_the_socket_accepts_then_watchdog_status_and_stopping(tmp: Path,
+                                                                            pool: RankPool) -> None:
+    sock = tmp / "run" / "commd.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(tmp / "notify"))
+    daemon = Spawned(serve_cmd(sock), child_env(NOTIFY_SOCKET=str(tmp / "notify"), WATCHDOG_USEC="100000"))
+    try:
+        before_ready = receive(rx, "READY=1", time.monotonic() + 20)
+        # READY is the first word it says, and when it comes the socket takes connections
+        assert len(before_ready) == 1 and before_ready[0].startswith("READY=1\nSTATUS=serving 0 worlds")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.settimeout(5)
+        probe.connect(str(sock))
+        probe.close()
+        assert query_status(str(sock), 5)["pid"] == daemon.proc.pid
+
+        # WATCHDOG_USEC=0.1 s: a ping every 50 ms from the event loop
+        started = time.monotonic()
+        pings = [m for m in receive_n(rx, 10, time.monotonic() + 10) if "WATCHDOG=1" in m.split("\n")]
+        assert len(pings) == 10 and time.monotonic() - started < 5
+
+        # STATUS follows the worlds
+        world = world_name("notify")
+        held = pool.start(service_workers.reduce_then_wait,
+                          [(str(sock), world, r, 2, 1, 4, True) for r in range(2)])
+        status = receive(rx, "STATUS=serving 1 worlds (1 ready), 2 ranks, 2 connections",
+                         time.monotonic() + 20)
+        assert "WATCHDOG=1" in status[-1]
+
+        code, err = daemon.terminate()
+        assert code == 0, err
+        assert [o.unwrap() for o in pool.collect(held, 20)] == [([1], "DaemonShutdown")] * 2
+        stopping = receive(rx, "STOPPING=1", time.monotonic() + 5)
+        assert stopping[-1].startswith("STOPPING=1")
+    finally:
+        daemon.kill()
+        rx.close()
+
+
+def receive_n(rx: socket.socket, n: int, deadline: float) -> list[str]:
+    got: list[str] = []
+    while len(got) < n:
+        rx.settimeout(max(0.01, deadline - time.monotonic()))
+        got.append(rx.recv(4096).decode())
+    return got
+
+
+# ---- socket activation ---------------------------------------------------------------------
+
+
+def activated(cmd: list[str], fd: int, env: dict[str, str]) -> Spawned:
+    """`cmd` with `fd` as its fd 3 and LISTEN_PID equal to its own pid, as systemd starts it:
+    a small trampoline moves the fd, sets its own pid and execs the daemon in its place (a
+    shell would do, but dash cannot name fds above 9)."""
+    trampoline = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); os.close(fd); "
+                  "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1'); "
+                  "os.execv(sys.argv[2], sys.argv[2:])")
+    return Spawned([sys.executable, "-c", trampoline, str(fd), *cmd], env, pass_fds=(fd,))
+
+
+def listener(path: Path, kind: int = socket.SOCK_SEQPACKET) -> tuple[socket.socket, int]:
+    """A listening socket at `path`, and a duplicate of it numbered above 3 to pass on."""
+    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, kind)
+    sock.bind(str(path))
+    sock.listen(16)
+    fd = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD, 10)
+    os.set_inheritable(fd, True)
+    return sock, fd
+
+
+def test_socket_activation_serves_calls_on_the_inherited_socket(tmp: Path, pool: RankPool) -> None:
+    path = tmp / "run" / "commd.sock"
+    sock, fd = listener(path)
+    daemon = activated(serve_cmd(path), fd, child_env())
+    os.close(fd)
+    sock.close()  # the daemon holds the only copy now, as it would under systemd
+    try:
+        world = world_name("activated")
+        outcomes = pool.run(service_workers.reduce_then_wait,
+                            [(str(path), world, r, 3, 4, 16, False) for r in range(3)], timeout=30)
+        # rank r gives r + i: the sum over 3 ranks is 3 + 3i
+        assert [o.unwrap() for o in outcomes] == [([3, 6, 9, 12], "done")] * 3
+        info = query_status(str(path), 5)
+        assert info["socket_activated"] is True and info["pid"] == daemon.proc.pid
+        code, err = daemon.terminate()
+        assert code == 0, err
+        assert path.is_socket(), "the daemon removed a socket file that systemd owns"
+    finally:
+        daemon.kill()
+
+
+@pytest.mark.parametrize(("kind", "listen", "words"), [
+    (socket.SOCK_STREAM, True, "not SOCK_SEQPACKET"),
+    (socket.SOCK_SEQPACKET, False, "not listening"),
+])
+def test_socket_activation_refuses_a_socket_it_cannot_serve(tmp: Path, kind: int, listen: bool,
+                                                            words: str) -> None:
+    path = tmp / "run" / "commd.sock"
+    path.parent.mkdir(parents=True)
+    sock = socket.socket(socket.AF_UNIX, kind)
+    sock.bind(str(path))
+    if listen:
+        sock.listen(4)
+    fd = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD, 10)
+    os.set_inheritable(fd, True)
+    daemon = activated(serve_cmd(path), fd, child_env())
+    os.close(fd)
+    try:
+        code, err = daemon.finish()
+        assert code == 2 and "socket activation" in err and words in err, err
+    finally:
+        daemon.kill()
+        sock.close()
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+def test_config_layers_and_json_logs_through_a_real_daemon(tmp: Path, pool: RankPool) -> None:
+    config = tmp / "commd.toml"
+    config.write_text('threads = 2\nmax_buffers = 10\nmax_pending_ops = 100\nlog_format = "json"\n'
+                      'log_level = "ERROR"\n')
+    log_path = tmp / "daemon.log"
+    with open(log_path, "wb") as log, DaemonProcess(
+            tmp / "run" / "commd.sock", args=["--config", str(config), "--threads", "4"], log=log,
+            log_level="INFO", env={"COMMD_MAX_BUFFERS": "20", "COMMD_THREADS": "3"}) as daemon:
+        settings = query_status(str(daemon.socket_path), 5)["config"]
+        # file < environment < flags; the file alone sets max_pending_ops and the format
+        assert (settings["threads"], settings["max_buffers"], settings["max_pending_ops"]) == (4, 20, 100)
+        assert (settings["log_format"], settings["log_level"]) == ("json", "INFO")
+        world = world_name("logs")
+        outcomes = pool.run(service_workers.reduce_then_wait,
+                            [(str(daemon.socket_path), world, r, 2, 1, 4, False) for r in range(2)])
+        assert [o.unwrap() for o in outcomes] == [([1], "done")] * 2
+        wait_until(lambda: not query_status(str(daemon.socket_path), 5)["worlds"], "the world to end")
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    ready = [line for line in lines if line.get("world") == world and "ready" in line["message"]]
+    assert len(ready) == 1 and ready[0]["epoch"] == 1 and ready[0]["logger"] == "commd.world"
+    assert {"ts", "level", "logger", "message"} <= set(ready[0])
+
+
+@pytest.mark.parametrize(("toml", "env", "args", "words"), [
+    ("thread_count = 4\n", {}, (), ["thread_count", "commd.toml", "unknown key"]),
+    ("", {"COMMD_THREAD_COUNT": "4"}, (), ["$COMMD_THREAD_COUNT", "unknown setting"]),
+    ('threads = "4"\n', {}, (), ["threads", "commd.toml", "expected an integer"]),
+    ("", {"COMMD_MAX_BUFFERS": "-1"}, (), ["max_buffers", "$COMMD_MAX_BUFFERS", "at least 1"]),
+    ("", {}, ("--peer-window", "0.1"), ["peer_window", "--peer-window", "heartbeat"]),
+    ("threads = [\n", {}, (), ["commd.toml", "not valid TOML"]),
+    (None, {}, (), ["does-not-exist.toml", "does not exist"]),
+])
+def test_config_errors_exit_2_naming_key_and_source(tmp: Path, toml: str | None, env: dict[str, str],
+                                                    args: tuple[str, ...], words: list[str]) -> None:
+    config = tmp / ("commd.toml" if toml is not None else "does-not-exist.toml")
+    if toml is not None:
+        config.write_text(toml)
+    cmd = [sys.executable, "-m", "commd", "serve", "--config", str(config), "--socket",
+           str(tmp / "c.sock"), *args]
+    done = subprocess.run(cmd, env=child_env(**env), capture_output=True, timeout=30)
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert err.startswith("commd: configuration error:") and all(w in err for w in words), err
+    assert not (tmp / "c.sock").exists()
+
+
+# ---- status and metrics ------------------------------------------------------------------
+
+
+def wait_until(condition: Any, what: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_status_shows_two_worlds(tmp: Path, pool: RankPool) -> None:
+    with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
+        sock = str(daemon.socket_path)
+        a, b = world_name("alpha"), world_name("beta")
+        held = pool.start(service_workers.reduce_then_wait,
+                          [(sock, a, 0, 2, 3, 4, True), (sock, a, 1, 2, 3, 4, True),
+                           (sock, b, 0, 2, 1, 4, True), (sock, b, 1, 2, 1, 4, True)])
+
+        def both_waiting() -> bool:
+            worlds = {w["name"]: w for w in query_status(sock, 5)["worlds"]}
+            return all(name in worlds and worlds[name]["pending_calls"] == 2 for name in (a, b))
+
+        wait_until(both_waiting, "both worlds to hold two pending calls")
+        info = query_status(sock, 5)
+        assert info["engine"] == "host" and info["version"] and info["uptime_s"] > 0
+        assert info["connections"] == 4 + 1 and info["ranks_connected"] == 4  # + this query
+        worlds = {w["name"]: w for w in info["worlds"]}
+        for name, calls in ((a, 3), (b, 1)):
+            w = worlds[name]
+            assert (w["state"], w["epoch"], w["ranks"], w["local_ranks"]) == ("ready", 1, [0, 1], [0, 1])
+            assert w["last_failure"] is None
+            states = [c["state"] for c in w["recent_calls"]["1"]]
+            assert states == ["done"] * calls + ["pending"]
+        assert info["counters"]["calls"]["all_reduce"]["done"] == 2 * 3 + 2 * 1
+
+        table = run_cli("status", "--socket", sock)
+        assert a in table and b in table and "ready" in table and "2/2" in table
+        one = run_cli("status", "--socket", sock, "--world", a)
+        assert a in one and b not in one and "recv_command_u32" in one and "all_reduce" in one
+        as_json = json.loads(run_cli("status", "--socket", sock, "--json"))
+        assert {w["name"] for w in as_json["worlds"]} == {a, b}
+        assert daemon.stop() == 0
+        assert [o.unwrap()[1] for o in pool.collect(held, 20)] == ["DaemonShutdown"] * 4
+
+
+def run_cli(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "commd", *args], env=child_env(), capture_output=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
+    pytest.importorskip("prometheus_client")
+    with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
+        sock = str(daemon.socket_path)
+        address = query_status(sock, 5)["metrics"]
+        before = scrape(address)
+        assert before[("commd_connections", ())] == 0
+        assert ("commd_calls_total", (("op", "all_reduce"), ("outcome", "done"))) not in before
+
+        world, calls, nelem = world_name("metrics"), 5, 256
+        outcomes = pool.run(service_workers.reduce_then_wait,
+                            [(sock, world, r, 2, calls, nelem, False) for r in range(2)])
+        assert [o.unwrap() for o in outcomes] == [([1, 3, 5, 7, 9], "done")] * 2
+        wait_until(lambda: not query_status(sock, 5)["worlds"], "the world to end")
+
+        after = scrape(address)
+        op = (("op", "all_reduce"),)
+        assert after[("commd_calls_total", (*op, ("outcome", "done")))] == 2 * calls
+        assert after[("commd_calls_total", (*op, ("outcome", "failed")))] == 0
+        assert after[("commd_call_bytes_total", op)] == 2 * calls * nelem * 4
+        assert after[("commd_call_latency_seconds_count", op)] == 2 * calls
+        assert after[("commd_call_latency_seconds_bucket", (("le", "+Inf"), *op))] == 2 * calls
+        assert after[("commd_calls_total", (("op", "barrier"), ("outcome", "done")))] == 2
+        assert after[("commd_world_transitions_total", (("state", "ready"),))] == 1
+        # the job ended (ranks left an idle world): a state change, not a failure
+        assert after[("commd_world_transitions_total", (("state", "failed"),))] == 1
+        assert not any(name == "commd_world_failures_total" for name, _ in after)
+        assert after[("commd_ranks_connected", ())] == 0
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://{address}/other", timeout=5)
+        assert missing.value.code == 404
+
+
+def test_metrics_need_the_flag(tmp: Path) -> None:
+    with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
+        assert query_status(str(daemon.socket_path), 5)["metrics"] is None
