@@ -190,7 +190,7 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
                         lambda link, msg, payload: None, lambda link, reason: None)
         sent = 0
         link = await node.dial(*parse_address(peer_daemon.peer_address()))
-        for _ in range(2000):
+        for _ in range(PACKETS):
             if link.closed:  # the daemon dropped us for something it could not take: dial again
                 link = await node.dial(*parse_address(peer_daemon.peer_address()))
             link.send(nonsense(), bytes(rng.randint(0, 64)))
@@ -205,7 +205,7 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
     thread = threading.Thread(target=victim)
     thread.start()
     assert ready.wait(10)
-    assert asyncio.run(talk()) == 2000
+    assert asyncio.run(talk()) == PACKETS
     thread.join(60)
     assert result == [1]  # the victim world ran its 200 calls, untouched at epoch 1
     from commd.status import query_status
@@ -214,5 +214,5 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
     assert info["pid"] == peer_daemon.pid and info["peers"]["foreign_refused"] > 0
     with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
         comm.barrier()
-    fault_report.add("2,000 well-formed nonsense messages from an authenticated peer", float("nan"),
+    fault_report.add(f"{PACKETS:,} well-formed nonsense messages from an authenticated peer", float("nan"),
                      float("nan"), steady_f.errors() - unrelated, "n/a (the intruder's link is kept)")
