@@ -27,7 +27,7 @@ def read_secret_file(path: str) -> bytes:
     return secret
 
 
-ENGINES = ("host", "auto")
+ENGINES = ("host", "nccl", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 # The settings' names (config file, COMMD_<KEY>, --flag) where they differ from the fields'

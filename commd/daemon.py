@@ -48,8 +48,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
             metrics = await _metrics(server, *config.metrics_listen)
         _tune_gc()
         _tune_malloc()
-        if config.engine == "auto":
-            log.info("engine auto: no usable GPU engine here, chose %s", engine.name)
         # Only now: the socket accepts and the peer port listens, so clients that systemd
         # starts "After=commd.service" find the daemon serving.
         notifier.notify("READY=1", "STATUS=" + server.status_line())

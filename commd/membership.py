@@ -36,7 +36,10 @@ class Formable(Protocol):
     world_size: int
     epoch: int
 
-    def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...]) -> None: ...
+    def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...],
+             engine_id: bytes = b"") -> None: ...
+
+    def engine_id(self) -> bytes: ...
 
     def refuse(self, rank: int, code: ErrorCode, message: str) -> None: ...
 
@@ -168,11 +171,14 @@ class NetMembership:
                              f"rank 0; that is daemon {placement[0]}, not {self.net.me}")
             return
         epoch = self._world.epoch + 1
-        ready = p.WorldReady(self._world.name, epoch, placement)
         try:
+            ready = p.WorldReady(self._world.name, epoch, placement, self._world.engine_id())
             codec.encode_peer(ready)
         except ProtoError as exc:  # a placement too big for one frame (thousands of ranks)
             self._refuse_all(f"world {self._world.name} cannot be announced to its daemons: {exc}")
+            return
+        except CallError as exc:  # the engine could not make the communicators' id
+            self._refuse_all(f"world {self._world.name}: {exc.message}")
             return
         self._votes.clear()
         self._arrived.clear()
@@ -185,7 +191,7 @@ class NetMembership:
                 self.net.send(daemon, ready)
             except CallError as exc:
                 log.warning("world %s: %s", self._world.name, exc.message)
-        self._world.form(epoch, self.net.ranks_of(self.net.me), placement)
+        self._world.form(epoch, self.net.ranks_of(self.net.me), placement, ready.engine_id)
 
     def _refuse_all(self, message: str) -> None:
         for rank, daemon in list(self._votes.items()):
@@ -203,7 +209,7 @@ class NetMembership:
         if set(local) != self._world.local_waiting():
             log.warning("world %s: the root placed ranks %s here; waiting are %s",
                         self._world.name, local, sorted(self._world.local_waiting()))
-        self._world.form(msg.epoch, local, msg.placement)
+        self._world.form(msg.epoch, local, msg.placement, msg.engine_id)
 
     def failed(self, code: ErrorCode, message: str) -> None:
         """The world failed here: tell the root, or (as root) every member."""

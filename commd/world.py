@@ -140,6 +140,7 @@ class World:
         self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
         self._watchdog: asyncio.Task[None] | None = None
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
+        self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
 
     # ---- forming ----------------------------------------------------------------
 
@@ -153,6 +154,7 @@ class World:
         if self.state is WorldState.FORMING:
             # a rank back from a daemon restart: this (new) world continues its numbering
             self.epoch = max(self.epoch, hello.epoch)
+        self._devices[hello.rank] = hello.device or 0
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
@@ -208,18 +210,32 @@ class World:
             waiter.timer.cancel()
         waiter.peer.send(proto.Error(waiter.request_id, code, clip(message)))
 
-    def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...]) -> None:
+    def engine_id(self) -> bytes:
+        """The root's: what every daemon builds this epoch's communicators from."""
+        return self._engine.unique_id()
+
+    def form(self, epoch: int, local_ranks: tuple[int, ...], placement: tuple[str, ...],
+             engine_id: bytes = b"") -> None:
         """The membership's verdict: ready at `epoch` with these ranks on this daemon."""
+        if self.net is not None:  # before the communicator, which takes this epoch's inbox
+            self.net.epoch = epoch
+            self.net.inbox = Inbox()
+        try:
+            comm = self._engine.communicator(
+                self.name, epoch, self.world_size, local_ranks, self.net,
+                devices={r: self._devices.get(r, 0) for r in local_ranks}, unique_id=engine_id)
+        except CallError as exc:  # (NCCL) this daemon cannot build its communicators
+            log.error("world %s epoch %d: %s", self.name, epoch, exc.message, extra=self._log_extra())
+            for rank in sorted(self._waiting):
+                self.refuse(rank, exc.code, f"world {self.name} epoch {epoch}: {exc.message}")
+            return
         self.epoch = epoch
         self.state = WorldState.READY
         self.stats.transition("ready")
         self.cause, self.cause_code = None, ErrorCode.WORLD_FAILED
         self.local_ranks = local_ranks
         self._matcher = Matcher(self.world_size, local_ranks)
-        if self.net is not None:
-            self.net.epoch = epoch
-            self.net.inbox = Inbox()
-        self._comm = self._engine.communicator(self.name, epoch, self.world_size, local_ranks, self.net)
+        self._comm = comm
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}

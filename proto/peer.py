@@ -35,6 +35,7 @@ from .messages import (
 PEER_VERSION = 1
 NONCE_BYTES = 32
 MAX_PAYLOAD_BYTES = 16 << 20
+MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
 FRAME = struct.Struct(">II")
 
 
@@ -163,6 +164,7 @@ class WorldReady:
     world: str
     epoch: int
     placement: tuple[str, ...]
+    engine_id: bytes = b""  # the root engine's unique_id() (NCCL's ncclUniqueId), if it needs one
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
@@ -171,6 +173,8 @@ class WorldReady:
             raise InvalidMessage("placement names 1..MAX_RANKS daemons")
         for daemon in self.placement:
             _name("daemon", daemon)
+        if not isinstance(self.engine_id, bytes) or len(self.engine_id) > MAX_ENGINE_ID:
+            raise InvalidMessage(f"engine_id must be bytes of at most {MAX_ENGINE_ID}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import logging
+
 from ..errors import ConfigError
 from .base import Engine
 
+log = logging.getLogger("commd")
+
 
 def create_engine(name: str, threads: int | None = None) -> Engine:
-    """The engine called `name`; `auto` picks NCCL where a GPU is usable, else host."""
+    """The engine called `name`; `auto` picks NCCL where a GPU is usable, else host, and
+    logs why."""
+    if name in ("nccl", "auto"):
+        from .gpu import GpuError, load
+        from .nccl import NcclEngine
+
+        try:
+            engine = NcclEngine(load())
+        except GpuError as exc:
+            if name == "nccl":
+                raise ConfigError(f"engine 'nccl' is not available here: {exc}") from None
+            log.info("engine auto: host (NCCL is not usable here: %s)", exc)
+        else:
+            if name == "auto":
+                log.info("engine auto: nccl (%d GPUs)", engine.gpu.device_count())
+            return engine
     if name in ("host", "auto"):
         from .host import HostEngine
 
         return HostEngine(threads=threads)
-    raise ConfigError(f"engine {name!r} is not available (choose host or auto)")
+    raise ConfigError(f"engine {name!r} is not one of host, nccl, auto")

@@ -183,9 +183,17 @@ class Engine(Protocol):
         ...
 
     def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
-                     net: WorldNet | None) -> Communicator:
+                     net: WorldNet | None, *, devices: Mapping[int, int] | None = None,
+                     unique_id: bytes = b"") -> Communicator:
         """`net` is None when every rank is here; otherwise the engine reaches the other
-        daemons of the world through it (the host engine moves data over it; NCCL does not)."""
+        daemons of the world through it (the host engine moves data over it; NCCL does not).
+        `devices`: each local rank's GPU (from its hello). `unique_id`: the root's
+        `unique_id()` for a world across daemons, empty when every rank is here."""
+        ...
+
+    def unique_id(self) -> bytes:
+        """What the root hands every daemon of a new world to build its communicators
+        from (NCCL's ncclUniqueId); empty for engines that need none."""
         ...
 
     def close(self) -> None: ...

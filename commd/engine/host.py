@@ -15,7 +15,7 @@ import gc
 import mmap
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -304,8 +304,12 @@ class HostEngine:
         return mapping, fd
 
     def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
-                     net: WorldNet | None = None) -> HostCommunicator:
+                     net: WorldNet | None = None, *, devices: Mapping[int, int] | None = None,
+                     unique_id: bytes = b"") -> HostCommunicator:
         return HostCommunicator(self._pool, self._threads, self._inline_bytes, net)
+
+    def unique_id(self) -> bytes:
+        return b""  # the host engine's data path is the daemons' own links
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -26,8 +26,10 @@ from commd.engine.base import (
     Region,
     TransferOp,
 )
+from commd.engine.nccl import NcclEngine
 from commd.errors import CallError, ConfigError
 from proto import DType, ErrorCode, MemKind, ReduceOp
+from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,15 +43,33 @@ class HostAdapter:
         return bytes(region.array)  # type: ignore[attr-defined]
 
 
-ADAPTERS: dict[str, Any] = {"host": HostAdapter()}
+class DeviceAdapter:
+    """Device memory, through the NCCL engine's own seam (a real GPU or the fake)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.gpu = engine.gpu
+
+    def write(self, region: Region, data: bytes) -> None:
+        self.gpu.copy_in(region.ptr, data)  # type: ignore[attr-defined]
+
+    def read(self, region: Region) -> bytes:
+        return bytes(self.gpu.copy_out(region.ptr, region.nbytes))  # type: ignore[attr-defined]
 
 
-@pytest.fixture(params=["host", "nccl"])
+def adapter(engine: Engine) -> Any:
+    return HostAdapter() if engine.name == "host" else DeviceAdapter(engine)
+
+
+@pytest.fixture(params=["host", "nccl", "nccl-fake"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    try:
-        eng = create_engine(request.param)
-    except ConfigError as exc:
-        pytest.skip(f"engine {request.param} is not available here: {exc}")
+    """`nccl-fake`: the NCCL engine's own logic over a stand-in for CUDA and NCCL."""
+    if request.param == "nccl-fake":
+        eng: Engine = NcclEngine(FakeGpu())
+    else:
+        try:
+            eng = create_engine(request.param)
+        except ConfigError as exc:
+            pytest.skip(str(exc))
     yield eng
     eng.close()
 
@@ -59,7 +79,7 @@ class World:
 
     def __init__(self, engine: Engine, n: int) -> None:
         self.engine, self.n = engine, n
-        self.io = ADAPTERS[engine.name]
+        self.io = adapter(engine)
         self.mappings: list[MemoryMapping] = []
 
     def region(self, data: bytes, size: int | None = None) -> Region:

@@ -1,0 +1,357 @@
+"""The seam between the NCCL engine and CUDA/NCCL themselves (DESIGN §8).
+
+`Gpu` is everything the engine asks of the driver and of NCCL, in plain ints and
+bytes. `BindingsGpu` implements it over cuda-bindings (`cuda.bindings.driver`) and
+nccl4py's low-level `nccl.bindings.nccl`, both imported only when it is built, so
+the daemon runs without them. Tests drive the engine through a fake `Gpu` that
+keeps "device memory" in host buffers, which lets the engine's logic (bounds,
+grouping, completion, abort) run on machines without a GPU.
+
+Errors: every failed call raises `GpuError` with the call's name and the
+driver's or NCCL's own text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proto import DType, ReduceOp
+
+
+class GpuError(Exception):
+    """A CUDA or NCCL call failed."""
+
+
+class CommState(enum.Enum):
+    """A communicator's state, from ncclCommGetAsyncError."""
+
+    READY = "ready"
+    IN_PROGRESS = "in_progress"  # non-blocking init or op still being set up
+    FAILED = "failed"
+
+
+class Origin(enum.Enum):
+    """How device memory came to the daemon, which decides how it is let go."""
+
+    IPC = "ipc"  # a worker's cudaMalloc memory, opened by IPC handle
+    VMM = "vmm"  # a worker's cuMem allocation, imported from its fd and mapped here
+    NCCL = "nccl"  # ncclMemAlloc'd here (symmetric memory)
+    PLAIN = "plain"  # cuMemAlloc'd here (the engine's own scratch)
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    """Device memory the daemon holds: its pointer here, size, device, and origin."""
+
+    ptr: int
+    size: int
+    device: int
+    origin: Origin
+
+
+class Gpu(Protocol):
+    """What the NCCL engine needs; pointers, streams, events and comms are opaque ints."""
+
+    def device_count(self) -> int: ...
+
+    # ---- memory ---------------------------------------------------------------------
+    def ipc_open(self, handle: bytes, size: int) -> Imported:
+        """Open a worker's cudaIpcMemHandle (64 bytes) of an allocation of `size` bytes."""
+        ...
+
+    def vmm_import(self, fd: int, size: int) -> Imported:
+        """Import a worker's VMM allocation (POSIX fd, not consumed) and map it here."""
+        ...
+
+    def release(self, memory: Imported) -> None: ...
+
+    def alloc(self, nbytes: int, device: int) -> Imported:
+        """Device memory for the engine's own use."""
+        ...
+
+    def alloc_shared(self, nbytes: int, device: int) -> tuple[Imported, int]:
+        """Memory for symmetric_alloc (ncclMemAlloc) and a POSIX fd a worker can import."""
+        ...
+
+    def copy_in(self, ptr: int, data: bytes) -> None:
+        """Host to device, synchronous (tests and checks only, never on a call's path)."""
+        ...
+
+    def copy_out(self, ptr: int, nbytes: int) -> bytes: ...
+
+    # ---- streams and events ---------------------------------------------------------
+    def stream_create(self, device: int) -> int: ...
+
+    def stream_destroy(self, stream: int) -> None: ...
+
+    def event_create(self, device: int) -> int: ...
+
+    def event_destroy(self, event: int) -> None: ...
+
+    def event_record(self, event: int, stream: int) -> None: ...
+
+    def event_wait(self, event: int) -> None:
+        """Block the calling thread (never the event loop's) until the event completed."""
+        ...
+
+    # ---- NCCL -----------------------------------------------------------------------
+    def unique_id(self) -> bytes: ...
+
+    def comm_init(self, world_size: int, unique_id: bytes, rank: int, device: int) -> int:
+        """A non-blocking communicator (it can be aborted); call inside a group when one
+        thread creates several."""
+        ...
+
+    def comm_state(self, comm: int) -> tuple[CommState, str]: ...
+
+    def comm_abort(self, comm: int) -> None: ...
+
+    def group_start(self) -> None: ...
+
+    def group_end(self) -> None: ...
+
+    def use_device(self, device: int) -> None:
+        """Make `device` current on this thread: NCCL launches on the current device."""
+        ...
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype: DType, op: ReduceOp, comm: int,
+                   stream: int) -> None: ...
+
+    def all_gather(self, send: int, recv: int, count: int, dtype: DType, comm: int,
+                   stream: int) -> None: ...
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: DType, op: ReduceOp, comm: int,
+                       stream: int) -> None: ...
+
+    def broadcast(self, send: int, recv: int, count: int, dtype: DType, root: int, comm: int,
+                  stream: int) -> None: ...
+
+    def send(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None: ...
+
+    def recv(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None: ...
+
+
+def load() -> Gpu:
+    """The real thing, or GpuError saying what is missing (no bindings, no driver, no GPU)."""
+    gpu = BindingsGpu()
+    if gpu.device_count() < 1:
+        raise GpuError("the CUDA driver sees no GPU")
+    return gpu
+
+
+class BindingsGpu:
+    """`Gpu` over cuda-bindings and nccl4py. Only the event loop's thread calls NCCL;
+    event waits run on helper threads and touch nothing else."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver
+            from nccl.bindings import nccl
+        except ImportError as exc:
+            raise GpuError(f"the NCCL engine needs the cuda12 or cuda13 extra: {exc}") from None
+        self._cu: Any = driver
+        self._nccl: Any = nccl
+        try:
+            self._check(driver.cuInit(0), "cuInit")
+        except GpuError:
+            raise
+        except Exception as exc:  # cuda-bindings raises when it finds no driver library at all
+            raise GpuError(f"no CUDA driver: {exc}") from None
+        self._contexts: dict[int, Any] = {}
+        self._comms: dict[int, Any] = {}  # our int -> nccl4py's Comm (it refuses plain ints)
+        self._lock = threading.Lock()
+        self._dtypes = {
+            DType.U8: nccl.DataType.Uint8, DType.I32: nccl.DataType.Int32, DType.I64: nccl.DataType.Int64,
+            DType.F16: nccl.DataType.Float16, DType.F32: nccl.DataType.Float32,
+            DType.F64: nccl.DataType.Float64, DType.BF16: nccl.DataType.Bfloat16,
+        }
+        self._ops = {ReduceOp.SUM: nccl.RedOp.Sum, ReduceOp.PROD: nccl.RedOp.Prod,
+                     ReduceOp.MAX: nccl.RedOp.Max, ReduceOp.MIN: nccl.RedOp.Min}
+
+    def _check(self, result: tuple[Any, ...], call: str) -> Any:
+        err = result[0]
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            _, text = self._cu.cuGetErrorString(err)
+            raise GpuError(f"{call}: {text.decode() if isinstance(text, bytes) else err}")
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _nccl_call(self, call: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except self._nccl.NCCLError as exc:
+            raise GpuError(f"{call}: {exc}") from None
+
+    def device_count(self) -> int:
+        return int(self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+    def use_device(self, device: int) -> None:
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            with self._lock:
+                dev = self._check(self._cu.cuDeviceGet(device), "cuDeviceGet")
+                ctx = self._check(self._cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                self._contexts[device] = ctx
+        self._check(self._cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def _device_of(self, ptr: int) -> int:
+        attr = self._cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        return int(self._check(self._cu.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
+
+    def ipc_open(self, handle: bytes, size: int) -> Imported:
+        cu = self._cu
+        ipc = cu.CUipcMemHandle()
+        ctypes.memmove(ipc.getPtr(), handle, 64)  # no .reserved since cuda-bindings 13.4
+        self.use_device(0)  # any context opens it; the pointer says where it lives
+        ptr = self._check(cu.cuIpcOpenMemHandle(
+            ipc, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        return Imported(int(ptr), size, self._device_of(int(ptr)), Origin.IPC)
+
+    def vmm_import(self, fd: int, size: int) -> Imported:
+        cu = self._cu
+        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        handle = self._check(cu.cuMemImportFromShareableHandle(fd, kind), "cuMemImportFromShareableHandle")
+        try:
+            prop = self._check(cu.cuMemGetAllocationPropertiesFromHandle(handle),
+                               "cuMemGetAllocationPropertiesFromHandle")
+            device = int(prop.location.id)
+            va = self._check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+            self._check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
+            access = cu.CUmemAccessDesc()
+            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = device
+            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._check(cu.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
+        finally:
+            cu.cuMemRelease(handle)  # the mapping keeps the memory
+        return Imported(int(va), size, device, Origin.VMM)
+
+    def release(self, memory: Imported) -> None:
+        cu = self._cu
+        if memory.origin is Origin.IPC:
+            self._check(cu.cuIpcCloseMemHandle(memory.ptr), "cuIpcCloseMemHandle")
+        elif memory.origin is Origin.VMM:
+            self._check(cu.cuMemUnmap(memory.ptr, memory.size), "cuMemUnmap")
+            self._check(cu.cuMemAddressFree(memory.ptr, memory.size), "cuMemAddressFree")
+        elif memory.origin is Origin.NCCL:
+            self._nccl_call("ncclMemFree", self._nccl.mem_free, memory.ptr)
+        else:
+            self._check(cu.cuMemFree(memory.ptr), "cuMemFree")
+
+    def alloc(self, nbytes: int, device: int) -> Imported:
+        self.use_device(device)
+        ptr = self._check(self._cu.cuMemAlloc(nbytes), "cuMemAlloc")
+        return Imported(int(ptr), nbytes, device, Origin.PLAIN)
+
+    def alloc_shared(self, nbytes: int, device: int) -> tuple[Imported, int]:
+        cu = self._cu
+        self.use_device(device)
+        ptr = int(self._nccl_call("ncclMemAlloc", self._nccl.mem_alloc, nbytes))
+        try:
+            handle = self._check(cu.cuMemRetainAllocationHandle(ptr), "cuMemRetainAllocationHandle")
+            try:
+                kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                fd = int(self._check(cu.cuMemExportToShareableHandle(handle, kind, 0),
+                                     "cuMemExportToShareableHandle"))
+            finally:
+                cu.cuMemRelease(handle)
+        except BaseException:
+            self._nccl.mem_free(ptr)
+            raise
+        return Imported(ptr, nbytes, device, Origin.NCCL), fd
+
+    def copy_in(self, ptr: int, data: bytes) -> None:
+        self._check(self._cu.cuMemcpyHtoD(ptr, data, len(data)), "cuMemcpyHtoD")
+
+    def copy_out(self, ptr: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        self._check(self._cu.cuMemcpyDtoH(out, ptr, nbytes), "cuMemcpyDtoH")
+        return bytes(out)
+
+    def stream_create(self, device: int) -> int:
+        self.use_device(device)
+        flags = self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        return int(self._check(self._cu.cuStreamCreate(flags), "cuStreamCreate"))
+
+    def stream_destroy(self, stream: int) -> None:
+        self._cu.cuStreamDestroy(stream)
+
+    def event_create(self, device: int) -> int:
+        self.use_device(device)
+        flags = self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return int(self._check(self._cu.cuEventCreate(flags), "cuEventCreate"))
+
+    def event_destroy(self, event: int) -> None:
+        self._cu.cuEventDestroy(event)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._cu.cuEventRecord(event, stream), "cuEventRecord")
+
+    def event_wait(self, event: int) -> None:
+        self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def unique_id(self) -> bytes:
+        return bytes(self._nccl_call("ncclGetUniqueId", self._nccl.get_unique_id))
+
+    def comm_init(self, world_size: int, unique_id: bytes, rank: int, device: int) -> int:
+        nccl = self._nccl
+        self.use_device(device)
+        uid = nccl.UniqueId()
+        ctypes.memmove(uid.ptr, unique_id, len(unique_id))
+        config = nccl.Config()
+        config.blocking = 0  # so a hung or failed communicator can be aborted
+        comm = self._nccl_call("ncclCommInitRankConfig", nccl.comm_init_rank_config,
+                               world_size, uid, rank, config)
+        key = int(comm.handle)
+        self._comms[key] = comm
+        return key
+
+    def comm_state(self, comm: int) -> tuple[CommState, str]:
+        nccl = self._nccl
+        state = self._nccl_call("ncclCommGetAsyncError", nccl.comm_get_async_error, self._comms[comm])
+        if state == nccl.Result.Success:
+            return CommState.READY, ""
+        if state == nccl.Result.InProgress:
+            return CommState.IN_PROGRESS, ""
+        return CommState.FAILED, f"{nccl.get_error_string(state)} ({nccl.get_last_error(self._comms[comm])})"
+
+    def comm_abort(self, comm: int) -> None:
+        handle = self._comms.pop(comm, None)
+        if handle is not None:
+            self._nccl.comm_abort(handle)
+
+    def group_start(self) -> None:
+        self._nccl_call("ncclGroupStart", self._nccl.group_start)
+
+    def group_end(self) -> None:
+        self._nccl_call("ncclGroupEnd", self._nccl.group_end)
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype: DType, op: ReduceOp, comm: int,
+                   stream: int) -> None:
+        self._nccl_call("ncclAllReduce", self._nccl.all_reduce, send, recv, count, self._dtypes[dtype],
+                        self._ops[op], self._comms[comm], stream)
+
+    def all_gather(self, send: int, recv: int, count: int, dtype: DType, comm: int, stream: int) -> None:
+        self._nccl_call("ncclAllGather", self._nccl.all_gather, send, recv, count, self._dtypes[dtype],
+                        self._comms[comm], stream)
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: DType, op: ReduceOp, comm: int,
+                       stream: int) -> None:
+        self._nccl_call("ncclReduceScatter", self._nccl.reduce_scatter, send, recv, count,
+                        self._dtypes[dtype], self._ops[op], self._comms[comm], stream)
+
+    def broadcast(self, send: int, recv: int, count: int, dtype: DType, root: int, comm: int,
+                  stream: int) -> None:
+        self._nccl_call("ncclBroadcast", self._nccl.broadcast, send, recv, count, self._dtypes[dtype],
+                        root, self._comms[comm], stream)
+
+    def send(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None:
+        self._nccl_call("ncclSend", self._nccl.send, buf, count, self._dtypes[dtype], peer,
+                        self._comms[comm], stream)
+
+    def recv(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None:
+        self._nccl_call("ncclRecv", self._nccl.recv, buf, count, self._dtypes[dtype], peer,
+                        self._comms[comm], stream)

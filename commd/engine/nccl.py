@@ -1,0 +1,356 @@
+"""The NCCL engine: workers' device memory opened by CUDA IPC, ops run by NCCL (DESIGN §4-5).
+
+One communicator per (world, epoch, local rank), created non-blocking so that a
+hung or failed one can be aborted; the ranks a daemon hosts are initialised, and
+their ops launched, inside one NCCL group (NCCL's rule for one thread driving
+several ranks). Each local rank has its own stream. An op is launched on the
+event loop's thread (the only thread that calls NCCL), then its completion is
+awaited on a helper thread that blocks in cuEventSynchronize, so the loop never
+waits on the device.
+
+Everything CUDA and NCCL is behind `gpu.Gpu`: the logic here runs in CI against
+a fake that keeps device memory in host buffers (tests/contract/fakegpu.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from proto import DType, ErrorCode, MemKind, ReduceOp
+
+from ..errors import CallError
+from .base import (
+    AllGatherOp,
+    AllReduceOp,
+    BarrierOp,
+    BroadcastOp,
+    EngineOp,
+    RecvOp,
+    ReduceScatterOp,
+    Region,
+    SendOp,
+    TransferOp,
+)
+from .gpu import CommState, Gpu, GpuError, Imported
+
+if TYPE_CHECKING:
+    from ..cluster import WorldNet
+
+IPC_HANDLE_BYTES = 64
+_SETTLE_MAX_S = 0.005  # longest pause between polls of a communicator still in progress
+
+
+class NcclRegion:
+    """A bounds-checked window of device memory, valid in the daemon's contexts."""
+
+    __slots__ = ("mapping", "nbytes", "ptr")
+
+    def __init__(self, mapping: NcclMapping, ptr: int, nbytes: int) -> None:
+        self.mapping = mapping
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def device(self) -> int:
+        return self.mapping.device
+
+
+class NcclMapping:
+    """Device memory the daemon opened (or allocated). Closing lets it go once no op
+    in flight uses it: releasing memory under a running kernel would fault the GPU."""
+
+    def __init__(self, gpu: Gpu, memory: Imported) -> None:
+        self._gpu = gpu
+        self._memory: Imported | None = memory
+        self.size = memory.size
+        self.device = memory.device
+        self._users = 0
+        self._closing = False
+
+    def region(self, offset: int, nbytes: int) -> NcclRegion:
+        if self._memory is None or self._closing:
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, "buffer was released")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise CallError(ErrorCode.BAD_MEMORY, f"bytes [{offset}, {offset + nbytes}) are outside "
+                                                  f"the {self.size}-byte allocation")
+        return NcclRegion(self, self._memory.ptr + offset, nbytes)
+
+    def hold(self) -> None:
+        self._users += 1
+
+    def let_go(self) -> None:
+        self._users -= 1
+        if self._closing and self._users == 0:
+            self._release()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._users == 0:
+            self._release()
+
+    def _release(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self._gpu.release(memory)
+
+
+class NcclCommunicator:
+    """One world's communicators (one per local rank) for one epoch."""
+
+    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, world: str, world_size: int,
+                 local_ranks: Sequence[int], devices: Mapping[int, int], unique_id: bytes) -> None:
+        self._gpu = gpu
+        self._waiters = waiters
+        self._world = world
+        self._ranks = tuple(local_ranks)
+        self._devices = {r: devices.get(r, 0) for r in self._ranks}
+        self._aborted = False
+        self._failure: str | None = None
+        self._running = 0
+        self._streams: dict[int, int] = {}
+        self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
+        self._scratch: dict[int, NcclMapping] = {}
+        self._comms: dict[int, int] = {}
+        try:
+            for rank in self._ranks:
+                self._streams[rank] = gpu.stream_create(self._devices[rank])
+            gpu.group_start()
+            try:
+                for rank in self._ranks:
+                    self._comms[rank] = gpu.comm_init(world_size, unique_id, rank, self._devices[rank])
+            finally:
+                gpu.group_end()
+        except GpuError as exc:
+            self._teardown()
+            raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
+
+    # ---- Communicator -----------------------------------------------------------------
+
+    def try_inline(self, op: EngineOp) -> bool:
+        return False  # every op goes to the device, and its completion is awaited off the loop
+
+    async def run(self, op: EngineOp) -> None:
+        self._check()
+        await self._settle()  # a fresh communicator finishes its (non-blocking) init first
+        regions = _regions(op)
+        for region in regions:
+            region.mapping.hold()
+        self._running += 1
+        try:
+            touched = self._launch(op)
+            await self._settle()
+            await self._complete(touched)
+            self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
+        finally:
+            self._running -= 1
+            for region in regions:
+                region.mapping.let_go()
+            if self._aborted and self._running == 0:
+                self._teardown()
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        for comm in self._comms.values():
+            with contextlib.suppress(GpuError):  # already broken: nothing more to stop
+                self._gpu.comm_abort(comm)  # ends kernels still waiting on peers
+        self._comms.clear()
+        if self._running == 0:
+            self._teardown()
+
+    def async_error(self) -> str | None:
+        if self._aborted:
+            return None
+        for rank, comm in self._comms.items():
+            state, why = self._gpu.comm_state(comm)
+            if state is CommState.FAILED:
+                return f"rank {rank}'s NCCL communicator failed: {why}"
+        return None
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._aborted:
+            raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
+
+    async def _settle(self) -> None:
+        """Wait while NCCL is still setting a communicator up (init, or a group's launch
+        returning ncclInProgress); fail if one failed."""
+        pause = 0.0
+        while True:
+            self._check()
+            pending = False
+            for rank, comm in self._comms.items():
+                state, why = self._gpu.comm_state(comm)
+                if state is CommState.FAILED:
+                    raise CallError(ErrorCode.ENGINE, f"rank {rank}'s NCCL communicator failed: {why}")
+                pending |= state is CommState.IN_PROGRESS
+            if not pending:
+                return
+            await asyncio.sleep(pause)
+            pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
+
+    def _launch(self, op: EngineOp) -> list[int]:
+        """Enqueue the op's NCCL calls, all local ranks in one group; the ranks whose
+        streams got work."""
+        calls = self._calls(op)
+        gpu = self._gpu
+        try:
+            gpu.group_start()
+            try:
+                for rank, call in calls:
+                    gpu.use_device(self._devices[rank])
+                    call(self._comms[rank], self._streams[rank])
+            finally:
+                gpu.group_end()
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
+        return sorted({rank for rank, _ in calls})
+
+    async def _complete(self, ranks: Iterable[int]) -> None:
+        """Record an event behind the op on each stream and wait for all of them."""
+        events: dict[int, int] = {}
+        try:
+            for rank in ranks:
+                free = self._free_events[rank]
+                events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
+                self._gpu.event_record(events[rank], self._streams[rank])
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._waiters, self._gpu.event_wait, event)
+                                   for event in events.values()))
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        finally:
+            for rank, event in events.items():
+                self._free_events[rank].append(event)
+
+    def _calls(self, op: EngineOp) -> list[tuple[int, Callable[[int, int], None]]]:
+        """Each local rank's NCCL call for the op (in place where the op is)."""
+        gpu = self._gpu
+        if isinstance(op, AllReduceOp):
+            return [(r, _bind(gpu.all_reduce, _ptr(b), _ptr(b), b.nbytes // op.dtype.itemsize,
+                              op.dtype, op.op)) for r, b in sorted(op.bufs.items())]
+        if isinstance(op, AllGatherOp):
+            return [(r, _bind(gpu.all_gather, _ptr(op.sends[r]), _ptr(op.recvs[r]), op.sends[r].nbytes,
+                              DType.U8)) for r in sorted(op.sends)]
+        if isinstance(op, ReduceScatterOp):
+            return [(r, _bind(gpu.reduce_scatter, _ptr(op.sends[r]), _ptr(op.recvs[r]),
+                              op.recvs[r].nbytes // op.dtype.itemsize, op.dtype, op.op))
+                    for r in sorted(op.sends)]
+        if isinstance(op, BroadcastOp):
+            return [(r, _bind(gpu.broadcast, _ptr(b), _ptr(b), b.nbytes, DType.U8, op.root))
+                    for r, b in sorted(op.bufs.items())]
+        if isinstance(op, BarrierOp):  # NCCL has none: a one-byte all_reduce meets every rank
+            return [(r, _bind(gpu.all_reduce, self._scratch_ptr(r), self._scratch_ptr(r), 1, DType.U8,
+                              ReduceOp.MAX)) for r in sorted(set(op.ranks) & set(self._ranks))]
+        if isinstance(op, TransferOp):
+            return [(op.src_rank, _bind(gpu.send, _ptr(op.src), op.src.nbytes, DType.U8, op.dst_rank)),
+                    (op.dst_rank, _bind(gpu.recv, _ptr(op.dst), op.dst.nbytes, DType.U8, op.src_rank))]
+        if isinstance(op, SendOp):
+            return [(op.src_rank, _bind(gpu.send, _ptr(op.src), op.src.nbytes, DType.U8, op.dst_rank))]
+        assert isinstance(op, RecvOp)
+        return [(op.dst_rank, _bind(gpu.recv, _ptr(op.dst), op.dst.nbytes, DType.U8, op.src_rank))]
+
+    def _scratch_ptr(self, rank: int) -> int:
+        mapping = self._scratch.get(rank)
+        if mapping is None:
+            mapping = self._scratch[rank] = NcclMapping(self._gpu, self._gpu.alloc(8, self._devices[rank]))
+        return mapping.region(0, 1).ptr
+
+    def _teardown(self) -> None:
+        """Free streams, events and scratch once nothing runs on them."""
+        for rank, stream in self._streams.items():
+            for event in self._free_events.get(rank, ()):
+                self._gpu.event_destroy(event)
+            self._gpu.stream_destroy(stream)
+        self._streams.clear()
+        self._free_events = {r: [] for r in self._ranks}
+        for mapping in self._scratch.values():
+            mapping.close()
+        self._scratch.clear()
+
+
+def _ptr(region: Region) -> int:
+    """A zero-byte span has no memory: NCCL takes a null pointer with a zero count."""
+    return region.ptr if isinstance(region, NcclRegion) else 0
+
+
+def _bind(fn: Callable[..., None], *args: object) -> Callable[[int, int], None]:
+    """A call with everything but the communicator and stream, which come last."""
+    return lambda comm, stream: fn(*args, comm, stream)
+
+
+def _regions(op: EngineOp) -> list[NcclRegion]:
+    found: list[object] = []
+    if isinstance(op, AllReduceOp | BroadcastOp):
+        found += op.bufs.values()
+    elif isinstance(op, AllGatherOp | ReduceScatterOp):
+        found += [*op.sends.values(), *op.recvs.values()]
+    elif isinstance(op, TransferOp):
+        found += [op.src, op.dst]
+    elif isinstance(op, SendOp):
+        found.append(op.src)
+    elif isinstance(op, RecvOp):
+        found.append(op.dst)
+    return [r for r in found if isinstance(r, NcclRegion)]  # zero-byte spans carry no memory
+
+
+class NcclEngine:
+    name = "nccl"
+    memory_kinds = frozenset({MemKind.CUDA_IPC, MemKind.CUDA_VMM})
+
+    def __init__(self, gpu: Gpu, waiters: int = 8) -> None:
+        self.gpu = gpu
+        # Threads that block in cuEventSynchronize, one per op awaited at once.
+        self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
+
+    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> NcclMapping:
+        try:
+            if kind is MemKind.CUDA_IPC:
+                if len(handle) != IPC_HANDLE_BYTES:
+                    raise CallError(ErrorCode.BAD_MEMORY, f"a cuda-ipc handle is {IPC_HANDLE_BYTES} bytes, "
+                                                          f"got {len(handle)}")
+                return NcclMapping(self.gpu, self.gpu.ipc_open(handle, size))
+            if kind is MemKind.CUDA_VMM and fd is not None:
+                return NcclMapping(self.gpu, self.gpu.vmm_import(fd, size))
+            raise CallError(ErrorCode.MISUSE, f"the nccl engine cannot open {kind.value} memory")
+        except GpuError as exc:
+            raise CallError(ErrorCode.BAD_MEMORY, f"cannot open {kind.value} memory: {exc}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def allocate(self, nbytes: int) -> tuple[NcclMapping, int]:
+        try:
+            memory, fd = self.gpu.alloc_shared(nbytes, 0)
+        except GpuError as exc:
+            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
+        return NcclMapping(self.gpu, memory), fd
+
+    def unique_id(self) -> bytes:
+        """The bootstrap handle of a new communicator (the root's, handed to the others)."""
+        try:
+            return self.gpu.unique_id()
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"ncclGetUniqueId failed: {exc}") from None
+
+    def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
+                     net: WorldNet | None = None, *, devices: Mapping[int, int] | None = None,
+                     unique_id: bytes = b"") -> NcclCommunicator:
+        if not unique_id:
+            if len(local_ranks) != world_size:
+                raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
+                                                  f"root's NCCL id")
+            unique_id = self.unique_id()
+        return NcclCommunicator(self.gpu, self._waiters, world, world_size, local_ranks,
+                                devices or {}, unique_id)
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+

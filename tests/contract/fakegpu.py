@@ -1,0 +1,357 @@
+"""A stand-in for CUDA and NCCL behind `commd.engine.gpu.Gpu`, so the NCCL engine's
+own logic runs in CI (DESIGN §8).
+
+Device memory is host memory. Streams are in-order queues: an NCCL call is work
+on its rank's stream, and a collective runs only when every rank's call of it
+is at the head of its stream, as on a GPU; an event completes when the stream
+reaches it. Communicators created non-blocking stay "in progress" for a few
+polls. A communicator can be failed (NCCL's async error) or aborted (its
+waiting work is dropped, which unblocks its streams). The arithmetic is the
+tests' reference, so results compare exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from commd.engine.gpu import CommState, GpuError, Imported, Origin
+from proto import DType, ReduceOp
+from tests.integration.data import reduce_reference
+
+_NP = {DType.U8: np.uint8, DType.I32: np.int32, DType.I64: np.int64, DType.F16: np.float16,
+       DType.F32: np.float32, DType.F64: np.float64}
+
+
+def _np(dtype: DType) -> Any:
+    if dtype is DType.BF16:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return _NP[dtype]
+
+
+@dataclass
+class _Comm:
+    unique_id: bytes
+    rank: int
+    size: int
+    device: int
+    polls_left: int
+    failed: str | None = None
+    aborted: bool = False
+    collectives: int = 0
+    p2p: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class _Work:
+    comm: _Comm
+    key: tuple[object, ...]
+    kind: str
+    args: tuple[Any, ...]
+    done: bool = False
+
+
+@dataclass
+class _Mark:
+    event: int
+    generation: int
+
+
+class FakeGpu:
+    def __init__(self, devices: int = 1, init_polls: int = 2) -> None:
+        self.devices = devices
+        self.init_polls = init_polls
+        self._cv = threading.Condition()
+        self._bases: list[int] = []
+        self._allocs: dict[int, tuple[bytearray, int]] = {}  # base -> (bytes, device)
+        self._next_ptr = 0x7F00_0000_0000
+        self._ids = itertools.count(1)
+        self._streams: dict[int, deque[_Work | _Mark]] = {}
+        self._recorded: dict[int, int] = {}
+        self._reached: dict[int, int] = {}
+        self._comms: dict[int, _Comm] = {}
+        self._exported: dict[bytes, int] = {}  # IPC handle -> base, of "worker" memory
+        self._vmm: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of an exported fd -> base
+        self.launches = 0  # group_end calls: how many NCCL submissions the engine made
+        self.current_device: int | None = None
+
+    # ---- what a test does as the worker -------------------------------------------------
+    def worker_alloc(self, data: bytes, device: int = 0) -> int:
+        return self._new(bytearray(data), device)
+
+    def export_ipc(self, ptr: int) -> bytes:
+        handle = os.urandom(64)
+        self._exported[handle] = ptr
+        return handle
+
+    def export_vmm(self, ptr: int) -> int:
+        fd = os.memfd_create("fake-vmm")
+        info = os.fstat(fd)
+        self._vmm[(info.st_dev, info.st_ino)] = ptr
+        return fd
+
+    def fail(self, rank: int, why: str) -> None:
+        """NCCL's async error on rank `rank`'s communicators."""
+        with self._cv:
+            for comm in self._comms.values():
+                if comm.rank == rank:
+                    comm.failed = why
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        buf, offset = self._find(ptr, nbytes)
+        return bytes(buf[offset:offset + nbytes])
+
+    @property
+    def allocations(self) -> int:
+        return len(self._allocs)
+
+    # ---- Gpu: memory --------------------------------------------------------------------
+    def device_count(self) -> int:
+        return self.devices
+
+    def _new(self, buf: bytearray, device: int) -> int:
+        base = self._next_ptr
+        self._next_ptr += (len(buf) + 0xFFFF) & ~0xFFF
+        self._allocs[base] = (buf, device)
+        bisect.insort(self._bases, base)
+        return base
+
+    def _find(self, ptr: int, nbytes: int) -> tuple[bytearray, int]:
+        if nbytes == 0:
+            return bytearray(), 0  # NCCL touches no memory for a zero count, so any pointer goes
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i < 0:
+            raise GpuError(f"illegal address {ptr:#x}")
+        base = self._bases[i]
+        buf, _ = self._allocs[base]
+        if ptr + nbytes > base + len(buf):
+            raise GpuError(f"illegal address: [{ptr:#x}, +{nbytes}) leaves its allocation")
+        return buf, ptr - base
+
+    def _alias(self, base: int, size: int, origin: Origin) -> Imported:
+        buf, device = self._allocs[base]
+        if size > len(buf):
+            raise GpuError(f"the allocation holds {len(buf)} bytes, not {size}")
+        alias = self._next_ptr
+        self._next_ptr += (len(buf) + 0xFFFF) & ~0xFFF
+        self._allocs[alias] = (buf, device)  # the same bytes at another address, as IPC maps them
+        bisect.insort(self._bases, alias)
+        return Imported(alias, size, device, origin)
+
+    def ipc_open(self, handle: bytes, size: int) -> Imported:
+        base = self._exported.get(bytes(handle))
+        if base is None:
+            raise GpuError("cuIpcOpenMemHandle: invalid argument")
+        return self._alias(base, size, Origin.IPC)
+
+    def vmm_import(self, fd: int, size: int) -> Imported:
+        info = os.fstat(fd)
+        base = self._vmm.get((info.st_dev, info.st_ino))
+        if base is None:
+            raise GpuError("cuMemImportFromShareableHandle: invalid handle")
+        return self._alias(base, size, Origin.VMM)
+
+    def release(self, memory: Imported) -> None:
+        if memory.ptr not in self._allocs:
+            raise GpuError(f"release of unknown memory {memory.ptr:#x}")
+        del self._allocs[memory.ptr]
+        self._bases.remove(memory.ptr)
+
+    def alloc(self, nbytes: int, device: int) -> Imported:
+        return Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.PLAIN)
+
+    def alloc_shared(self, nbytes: int, device: int) -> tuple[Imported, int]:
+        memory = Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.NCCL)
+        return memory, os.memfd_create("fake-nccl-mem")
+
+    def copy_in(self, ptr: int, data: bytes) -> None:
+        buf, offset = self._find(ptr, len(data))
+        buf[offset:offset + len(data)] = data
+
+    def copy_out(self, ptr: int, nbytes: int) -> bytes:
+        return self.read(ptr, nbytes)
+
+    # ---- Gpu: streams and events --------------------------------------------------------
+    def stream_create(self, device: int) -> int:
+        stream = next(self._ids)
+        self._streams[stream] = deque()
+        return stream
+
+    def stream_destroy(self, stream: int) -> None:
+        self._streams.pop(stream)
+
+    def event_create(self, device: int) -> int:
+        event = next(self._ids)
+        self._recorded[event] = self._reached[event] = 0
+        return event
+
+    def event_destroy(self, event: int) -> None:
+        with self._cv:
+            del self._recorded[event], self._reached[event]
+
+    def event_record(self, event: int, stream: int) -> None:
+        with self._cv:
+            self._recorded[event] += 1
+            self._streams[stream].append(_Mark(event, self._recorded[event]))
+            self._progress()
+
+    def event_wait(self, event: int) -> None:
+        with self._cv:
+            want = self._recorded[event]
+            if not self._cv.wait_for(lambda: self._reached.get(event, want) >= want, timeout=30):
+                raise GpuError("cuEventSynchronize: the fake device never got there (a hang)")
+
+    # ---- Gpu: NCCL ------------------------------------------------------------------------
+    def unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def comm_init(self, world_size: int, unique_id: bytes, rank: int, device: int) -> int:
+        if not 0 <= rank < world_size or len(unique_id) != 128:
+            raise GpuError("ncclCommInitRankConfig: invalid argument")
+        comm = next(self._ids)
+        self._comms[comm] = _Comm(unique_id, rank, world_size, device, self.init_polls)
+        return comm
+
+    def comm_state(self, comm: int) -> tuple[CommState, str]:
+        c = self._comms.get(comm)
+        if c is None:
+            raise GpuError("ncclCommGetAsyncError: invalid argument")
+        if c.failed is not None:
+            return CommState.FAILED, c.failed
+        if c.polls_left > 0:
+            c.polls_left -= 1
+            return CommState.IN_PROGRESS, ""
+        return CommState.READY, ""
+
+    def comm_abort(self, comm: int) -> None:
+        with self._cv:
+            c = self._comms.pop(comm)
+            c.aborted = True
+            self._progress()
+
+    def group_start(self) -> None:
+        pass
+
+    def group_end(self) -> None:
+        self.launches += 1
+        with self._cv:
+            self._progress()
+
+    def use_device(self, device: int) -> None:
+        if not 0 <= device < self.devices:
+            raise GpuError(f"cuDeviceGet: invalid device {device}")
+        self.current_device = device
+
+    def _enqueue(self, comm_id: int, stream: int, kind: str, key: tuple[object, ...],
+                 args: tuple[Any, ...]) -> None:
+        comm = self._comms.get(comm_id)
+        if comm is None:
+            raise GpuError(f"{kind}: invalid communicator")
+        if self.current_device != comm.device:
+            raise GpuError(f"{kind}: launched with device {self.current_device} current, "
+                           f"the communicator's is {comm.device}")
+        with self._cv:
+            self._streams[stream].append(_Work(comm, (comm.unique_id, *key), kind, args))
+
+    def _collective(self, comm_id: int, stream: int, kind: str, args: tuple[Any, ...]) -> None:
+        comm = self._comms.get(comm_id)
+        seq = comm.collectives if comm else 0
+        if comm is not None:
+            comm.collectives += 1
+        self._enqueue(comm_id, stream, kind, ("coll", seq), args)
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype: DType, op: ReduceOp, comm: int,
+                   stream: int) -> None:
+        self._collective(comm, stream, "all_reduce", (send, recv, count, dtype, op))
+
+    def all_gather(self, send: int, recv: int, count: int, dtype: DType, comm: int, stream: int) -> None:
+        self._collective(comm, stream, "all_gather", (send, recv, count, dtype))
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: DType, op: ReduceOp, comm: int,
+                       stream: int) -> None:
+        self._collective(comm, stream, "reduce_scatter", (send, recv, count, dtype, op))
+
+    def broadcast(self, send: int, recv: int, count: int, dtype: DType, root: int, comm: int,
+                  stream: int) -> None:
+        self._collective(comm, stream, "broadcast", (send, recv, count, dtype, root))
+
+    def _p2p(self, comm_id: int, stream: int, kind: str, src: int, dst: int, args: tuple[Any, ...]) -> None:
+        comm = self._comms.get(comm_id)
+        seq = comm.p2p.get((src, dst), 0) if comm else 0
+        if comm is not None:
+            comm.p2p[(src, dst)] = seq + 1
+        self._enqueue(comm_id, stream, kind, ("p2p", src, dst, seq), args)
+
+    def send(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None:
+        rank = self._comms[comm].rank if comm in self._comms else -1
+        self._p2p(comm, stream, "send", rank, peer, (buf, count * dtype.itemsize))
+
+    def recv(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None:
+        rank = self._comms[comm].rank if comm in self._comms else -1
+        self._p2p(comm, stream, "recv", peer, rank, (buf, count * dtype.itemsize))
+
+    # ---- the device ------------------------------------------------------------------------
+    def _progress(self) -> None:
+        """Run what the heads of the streams allow, until nothing moves (holds _cv)."""
+        moved = True
+        while moved:
+            moved = False
+            heads: dict[tuple[object, ...], list[tuple[int, _Work]]] = {}
+            for stream, queue in self._streams.items():
+                while queue and (isinstance(queue[0], _Mark) or queue[0].comm.aborted):
+                    item = queue.popleft()  # work of an aborted communicator never runs
+                    if isinstance(item, _Mark):
+                        self._reached[item.event] = max(self._reached.get(item.event, 0), item.generation)
+                    moved = True
+                if queue:
+                    head = queue[0]
+                    assert isinstance(head, _Work)
+                    heads.setdefault(head.key, []).append((stream, head))
+            for key, works in heads.items():
+                expected = 2 if key[1] == "p2p" else works[0][1].comm.size
+                if len(works) == expected:
+                    self._execute([w for _, w in works])
+                    for stream, _ in works:
+                        self._streams[stream].popleft()
+                    moved = True
+        self._cv.notify_all()
+
+    def _execute(self, works: list[_Work]) -> None:
+        works.sort(key=lambda w: w.comm.rank)
+        kind = works[0].kind
+        if kind in ("send", "recv"):
+            (src_buf, nbytes), (dst_buf, _) = [w.args for w in sorted(works, key=lambda w: w.kind != "send")]
+            self.copy_in(dst_buf, self.read(src_buf, nbytes))
+            return
+        if kind == "all_reduce":
+            _, _, count, dtype, op = works[0].args
+            inputs = [np.frombuffer(self.read(w.args[0], count * dtype.itemsize), _np(dtype)) for w in works]
+            out = reduce_reference(inputs, dtype.value, op.value).tobytes()
+            for w in works:
+                self.copy_in(w.args[1], out)
+        elif kind == "all_gather":
+            _, _, count, dtype = works[0].args
+            out = b"".join(self.read(w.args[0], count * dtype.itemsize) for w in works)
+            for w in works:
+                self.copy_in(w.args[1], out)
+        elif kind == "reduce_scatter":
+            _, _, count, dtype, op = works[0].args
+            share = count * dtype.itemsize
+            inputs = [np.frombuffer(self.read(w.args[0], share * len(works)), _np(dtype)) for w in works]
+            out = reduce_reference(inputs, dtype.value, op.value).tobytes()
+            for w in works:
+                self.copy_in(w.args[1], out[w.comm.rank * share:(w.comm.rank + 1) * share])
+        else:
+            _, _, count, dtype, root = works[0].args
+            out = self.read(works[root].args[0], count * dtype.itemsize)
+            for w in works:
+                self.copy_in(w.args[1], out)

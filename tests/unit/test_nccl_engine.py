@@ -1,0 +1,161 @@
+"""The NCCL engine's own logic, over the stand-in for CUDA and NCCL (tests/contract/fakegpu.py):
+opening workers' memory, non-blocking init, ops that wait on other daemons, async
+errors, abort, and memory let go only when no op uses it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, RecvOp, SendOp
+from commd.engine.nccl import NcclEngine, NcclMapping, NcclRegion
+from commd.errors import CallError
+from proto import DType, ErrorCode, MemKind, ReduceOp
+from tests.contract.fakegpu import FakeGpu
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def gpu() -> FakeGpu:
+    return FakeGpu(devices=2, init_polls=3)
+
+
+@pytest.fixture
+def engine(gpu: FakeGpu) -> Iterator[NcclEngine]:
+    eng = NcclEngine(gpu)
+    yield eng
+    eng.close()
+
+
+def ipc_mapping(engine: NcclEngine, gpu: FakeGpu, data: bytes, device: int = 0) -> NcclMapping:
+    ptr = gpu.worker_alloc(data, device)
+    return engine.import_memory(MemKind.CUDA_IPC, len(data), gpu.export_ipc(ptr), None)
+
+
+def fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_ipc_memory_is_opened_at_another_address_over_the_same_bytes(engine: NcclEngine,
+                                                                     gpu: FakeGpu) -> None:
+    ptr = gpu.worker_alloc(b"abcdefgh")
+    mapping = engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(ptr), None)
+    region = mapping.region(2, 4)
+    assert region.ptr != ptr + 2 and gpu.read(region.ptr, 4) == b"cdef"
+    gpu.copy_in(region.ptr, b"WXYZ")
+    assert gpu.read(ptr, 8) == b"abWXYZgh"  # the worker sees the daemon's writes
+    with pytest.raises(CallError) as info:
+        mapping.region(6, 3)
+    assert info.value.code is ErrorCode.BAD_MEMORY and "outside the 8-byte allocation" in info.value.message
+    mapping.close()
+    with pytest.raises(CallError) as info:
+        mapping.region(0, 1)
+    assert info.value.code is ErrorCode.UNKNOWN_BUFFER
+
+
+def test_bad_handles_are_typed_errors_and_fds_are_always_closed(engine: NcclEngine, gpu: FakeGpu) -> None:
+    for handle in (b"short", b"\x00" * 64):
+        with pytest.raises(CallError) as info:
+            engine.import_memory(MemKind.CUDA_IPC, 8, handle, None)
+        assert info.value.code is ErrorCode.BAD_MEMORY
+    stranger = os.memfd_create("not-exported")
+    with pytest.raises(CallError) as info:
+        engine.import_memory(MemKind.CUDA_VMM, 8, b"", stranger)
+    assert info.value.code is ErrorCode.BAD_MEMORY and not fd_is_open(stranger)
+    host = os.memfd_create("host")
+    with pytest.raises(CallError) as info:
+        engine.import_memory(MemKind.HOST, 8, b"", host)
+    assert info.value.code is ErrorCode.MISUSE and not fd_is_open(host)
+
+
+def test_vmm_memory_is_imported_from_its_fd(engine: NcclEngine, gpu: FakeGpu) -> None:
+    ptr = gpu.worker_alloc(b"\x01" * 64, device=1)
+    fd = gpu.export_vmm(ptr)
+    mapping = engine.import_memory(MemKind.CUDA_VMM, 64, b"", fd)
+    assert not fd_is_open(fd) and mapping.device == 1
+    assert gpu.read(mapping.region(0, 64).ptr, 64) == b"\x01" * 64
+    mapping.close()
+
+
+async def test_an_op_waits_for_the_non_blocking_init_then_runs_on_each_ranks_device(
+        engine: NcclEngine, gpu: FakeGpu) -> None:
+    bufs = {r: ipc_mapping(engine, gpu, bytes([r + 1]) * 8, device=r).region(0, 8) for r in range(2)}
+    comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+    await comm.run(AllReduceOp(bufs, DType.U8, ReduceOp.SUM))
+    assert [gpu.read(b.ptr, 8) for b in bufs.values()] == [b"\x03" * 8] * 2
+    assert gpu.launches == 2  # the init group, then one group for both ranks' all_reduce
+
+
+async def test_two_daemons_meet_through_the_roots_unique_id(gpu: FakeGpu) -> None:
+    """Two engines on one fake device stand for two daemons: each holds one rank."""
+    root, member = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = root.unique_id()
+        a = ipc_mapping(root, gpu, b"\x05" * 4).region(0, 4)
+        b = ipc_mapping(member, gpu, b"\x07" * 4).region(0, 4)
+        ca = root.communicator("w", 1, 2, [0], devices={0: 0}, unique_id=uid)
+        cb = member.communicator("w", 1, 2, [1], devices={1: 0}, unique_id=uid)
+        first = asyncio.ensure_future(ca.run(AllReduceOp({0: a}, DType.U8, ReduceOp.MAX)))
+        await asyncio.sleep(0.2)
+        assert not first.done()  # rank 0's all_reduce waits on the device for rank 1
+        await cb.run(AllReduceOp({1: b}, DType.U8, ReduceOp.MAX))
+        await asyncio.wait_for(first, 5)
+        assert gpu.read(a.ptr, 4) == gpu.read(b.ptr, 4) == b"\x07" * 4
+        payload = ipc_mapping(root, gpu, b"hello").region(0, 5)
+        landing = ipc_mapping(member, gpu, b"\x00" * 5).region(0, 5)
+        await asyncio.gather(ca.run(SendOp(0, 1, payload, NO_TAG)), cb.run(RecvOp(0, 1, landing, NO_TAG)))
+        assert gpu.read(landing.ptr, 5) == b"hello"
+    finally:
+        root.close()
+        member.close()
+
+
+async def test_a_world_across_daemons_needs_the_roots_id(engine: NcclEngine) -> None:
+    with pytest.raises(CallError) as info:
+        engine.communicator("w", 1, 2, [0])
+    assert info.value.code is ErrorCode.ENGINE and "root's NCCL id" in info.value.message
+
+
+async def test_an_async_error_is_reported_and_fails_the_next_op(engine: NcclEngine, gpu: FakeGpu) -> None:
+    comm = engine.communicator("w", 1, 1, [0])
+    await comm.run(BarrierOp((0,)))
+    assert comm.async_error() is None
+    gpu.fail(0, "ncclRemoteError: a peer's network failed")
+    assert comm.async_error() == "rank 0's NCCL communicator failed: ncclRemoteError: a peer's network failed"
+    with pytest.raises(CallError) as info:
+        await comm.run(BarrierOp((0,)))
+    assert info.value.code is ErrorCode.ENGINE
+
+
+async def test_abort_ends_an_op_stuck_on_a_missing_peer(gpu: FakeGpu) -> None:
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0], unique_id=engine.unique_id())
+        mapping = ipc_mapping(engine, gpu, b"\x01" * 4)
+        stuck = asyncio.ensure_future(comm.run(AllReduceOp({0: mapping.region(0, 4)}, DType.U8,
+                                                           ReduceOp.SUM)))
+        await asyncio.sleep(0.2)
+        before = gpu.allocations
+        mapping.close()  # the worker left: its memory must outlive the kernel that uses it
+        assert gpu.allocations == before and not stuck.done()
+        comm.abort()
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(stuck, 5)
+        assert info.value.code is ErrorCode.WORLD_FAILED
+        assert gpu.allocations == before - 1  # let go once the op was over
+    finally:
+        engine.close()
+
+
+async def test_zero_byte_ops_pass_null_pointers(engine: NcclEngine, gpu: FakeGpu) -> None:
+    comm = engine.communicator("w", 1, 1, [0])
+    await comm.run(AllReduceOp({0: EMPTY}, DType.BF16, ReduceOp.SUM))
+    assert isinstance(ipc_mapping(engine, gpu, b"x").region(0, 1), NcclRegion)
