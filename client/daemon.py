@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import proto
 from proto import DType, ReduceOp
 
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_op
+from .cuda import available_driver
 from .errors import (
     UNHEALTHY,
     CommError,
@@ -22,7 +25,7 @@ from .errors import (
     from_code,
 )
 from .hostmem import HostBuffer, HostMemory, default_memory
-from .memory import resolve
+from .memory import DriverFactory, MemoryResolver
 from .transport import Transport
 
 T = TypeVar("T")
@@ -37,12 +40,17 @@ class DaemonBackend(CommBackend):
     ranks have joined (or `timeout` seconds pass). Every call takes `timeout`
     as its deadline, except `recv_command_u32`, which waits without one but
     wakes on any failure. Safe to use from several threads.
+
+    Pointers may be host memory (`client.hostmem`) or, when a CUDA driver is
+    available, CUDA device memory of `device`. `cuda_driver` is asked once, on the
+    first pointer that is not host memory (tests pass a fake).
     """
 
     def __init__(self, socket_path: str | os.PathLike[str], world: str, rank: int,
                  world_size: int, *, device: int | None = None, bootstrap: str | None = None,
                  timeout: float = 60.0, token: str | None = None,
-                 memory: HostMemory | None = None) -> None:
+                 memory: HostMemory | None = None, stream: int = 0,
+                 cuda_driver: DriverFactory = available_driver) -> None:
         if not timeout > 0:
             raise MisuseError(f"timeout must be positive, got {timeout}")
         self._rank = rank
@@ -57,9 +65,13 @@ class DaemonBackend(CommBackend):
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
-        self._ops: dict[tuple[object, ...], proto.Op] = {}
+        self._ops: dict[tuple[object, ...], proto.Op] = {}  # ops on host memory only
+        # ops naming CUDA allocations, with their ids: reused only once those are re-checked alive
+        self._device_ops: dict[tuple[object, ...], tuple[proto.Op, tuple[int, ...]]] = {}
         self._group: list[proto.Op] | None = None
         self._group_depth = 0
+        self._stream = stream  # the worker's stream its calls follow (0: the whole context)
+        self._group_streams: set[int] = set()  # streams whose work the open group's calls follow
         self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
@@ -67,6 +79,8 @@ class DaemonBackend(CommBackend):
         self._next_handle = 1
         self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
         self.epoch = 0
+        self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
+                                        on_forget=_weak_listener(self._on_buffer_released))
         self._transport = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
@@ -115,11 +129,11 @@ class DaemonBackend(CommBackend):
 
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
         self._call(("send", ptr, bytes, dest_rank, stream),
-                   lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream))
+                   lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream), stream=stream or None)
 
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
         self._call(("recv", ptr, bytes, src_rank, stream),
-                   lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream))
+                   lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream), stream=stream or None)
 
     def recv_command_u32(self, ptr: int, root: int) -> None:
         if root == self._rank:
@@ -129,8 +143,11 @@ class DaemonBackend(CommBackend):
 
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
                          dtype: DTypeLike = DType.BF16, op: OpLike = ReduceOp.SUM) -> None:
-        # Host memory has no streams: the result is in place when this returns.
-        self.all_reduce(ptr, bytes, dtype=dtype, op=op)
+        # Completes before returning (stronger than "ordered on the stream"): host memory has
+        # no streams, and device memory waits for `compute_stream`, then for the daemon's op.
+        d, o = as_dtype(dtype), as_op(op)
+        self._call(("ar", ptr, bytes, d, o), lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o),
+                   stream=compute_stream or None)
 
     def rank(self) -> int:
         return self._rank
@@ -207,6 +224,9 @@ class DaemonBackend(CommBackend):
             if self._group_depth:
                 return
             ops, self._group = self._group or [], None
+            streams, self._group_streams = self._group_streams, set()
+        for stream in sorted(streams):
+            self._resolver.wait_for_device(stream)
         if ops:
             self._submit(tuple(ops), deadline=True)
 
@@ -240,6 +260,7 @@ class DaemonBackend(CommBackend):
             self._imported.clear()
             self._released.clear()
             self._ops.clear()
+            self._device_ops.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
         delay = 0.05
         while True:
@@ -298,40 +319,61 @@ class DaemonBackend(CommBackend):
         """Resolve a span, importing its allocation into the daemon the first time."""
         if nbytes < 0:
             raise MisuseError(f"bytes must not be negative, got {nbytes}")
-        ref = resolve(self._memory, ptr, nbytes)
+        ref = self._resolver.resolve(ptr, nbytes)
         if ref is None:
             return None
         # Its own lock, held over the round trip: a thread reading replies for another call
         # (and taking _lock for an event) must never wait for this one.
         with self._import_lock:
             if ref.buffer_id not in self._imported:
-                self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
-                                                   ref.kind, ref.size, ref.handle),
-                              fds=[ref.fd] if ref.fd is not None else [])
+                with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
+                    self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
+                                                       ref.kind, ref.size, ref.handle), fds=fds)
                 with self._lock:
                     self._imported.add(ref.buffer_id)
         return proto.Mem(ref.buffer_id, ref.offset)
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
-              deadline: bool = True) -> None:
+              deadline: bool = True, stream: int | None = None) -> None:
         """Submit one op, or add it to the open group. Steady-state loops repeat the same
-        calls: the built op is cached by its arguments until a buffer is released."""
+        calls: the built op is cached by its arguments until a buffer is released. An op
+        on device memory waits for `stream` (default: the backend's) to finish first."""
         self._check_open()
         with self._lock:
             op = self._ops.get(key)
+        on_device = False
         if op is None:
-            op = self._build(make_op)  # may import a buffer: a round trip, outside _lock
-            with self._lock:
-                if len(self._ops) >= _OP_CACHE_SIZE:
-                    self._ops.clear()
-                self._ops[key] = op
+            op, on_device = self._build_or_revalidate(key, make_op)
+        follows = self._stream if stream is None else stream
         with self._lock:
             if self._group is not None:
                 if len(self._group) >= proto.MAX_GROUP_OPS:
                     raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
                 self._group.append(op)
+                if on_device:
+                    self._group_streams.add(follows)
                 return
+        if on_device:
+            self._resolver.wait_for_device(follows)
         self._submit((op,), deadline)
+
+    def _build_or_revalidate(self, key: tuple[object, ...],
+                             make_op: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
+        """Not a cached host op: a cached op on CUDA memory whose allocations still live (one
+        BUFFER_ID query each: an address freed and reused must not reach the daemon), or a
+        new op, cached by the memory it names."""
+        with self._lock:
+            cached = self._device_ops.get(key)
+        if cached is not None and self._resolver.still_valid(cached[1]):
+            return cached[0], True
+        op = self._build(make_op)  # may import a buffer: a round trip, outside _lock
+        device = self._resolver.device_buffers(mem.buf for mem in _mems(op))
+        with self._lock:
+            if device:
+                _put(self._device_ops, key, (op, device))
+            else:
+                _put(self._ops, key, op)
+        return op, bool(device)
 
     def _submit(self, ops: tuple[proto.Op, ...], deadline: bool) -> None:
         failure = self._failure
@@ -374,6 +416,7 @@ class DaemonBackend(CommBackend):
     def _on_buffer_released(self, buffer_id: int) -> None:
         with self._lock:
             self._ops.clear()  # a cached op may name the buffer; its address may be reused
+            self._device_ops.clear()
             if buffer_id in self._imported:
                 self._imported.discard(buffer_id)
                 self._released.append(buffer_id)
@@ -383,6 +426,32 @@ class DaemonBackend(CommBackend):
             released, self._released = self._released, []
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             self._transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
+
+
+def _put(cache: dict[tuple[object, ...], T], key: tuple[object, ...], value: T) -> None:
+    if len(cache) >= _OP_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+
+
+def _mems(op: proto.Op) -> Iterator[proto.Mem]:
+    """The memory an op names."""
+    for field in dataclasses.fields(op):
+        value = getattr(op, field.name)
+        if isinstance(value, proto.Mem):
+            yield value
+
+
+def _weak_listener(method: Callable[[int], None]) -> Callable[[int], None]:
+    """`method`, held weakly: the backend's own resolver must not keep the backend alive."""
+    ref = weakref.WeakMethod(method)
+
+    def listener(buffer_id: int) -> None:
+        target = ref()
+        if target is not None:
+            target(buffer_id)
+
+    return listener
 
 
 __all__ = ["DaemonBackend"]

@@ -70,6 +70,15 @@ class HostBuffer:
         dt = np.dtype(dtype)
         return self._bytes[: self.nbytes - self.nbytes % dt.itemsize].view(dt)
 
+    def offset_of(self, ptr: int, nbytes: int) -> int:
+        """The offset of `ptr` in this buffer; MisuseError if [ptr, ptr+nbytes) runs past its end."""
+        offset = ptr - self.ptr
+        if offset + nbytes > self.nbytes:
+            raise MisuseError(
+                f"[0x{ptr:x}, +{nbytes}) runs past the end of host buffer {self.id} "
+                f"({self.nbytes} bytes at 0x{self.ptr:x})")
+        return offset
+
     def close(self) -> None:
         """Unmap and free. Views returned by `view()` must be gone first."""
         if self._mmap is None:
@@ -131,19 +140,21 @@ class HostMemory:
 
     def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:
         """The buffer holding [ptr, ptr+nbytes) and the offset of ptr in it."""
+        buffer = self.locate(ptr)
+        if buffer is None:
+            raise MisuseError(
+                f"pointer 0x{ptr:x} is not in host memory the daemon can open "
+                "(allocate it with client.hostmem.alloc)")
+        return buffer, buffer.offset_of(ptr, nbytes)
+
+    def locate(self, ptr: int) -> HostBuffer | None:
+        """The live buffer whose mapping holds `ptr`, or None (it may be device memory)."""
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
             buffer = self._by_start[self._starts[i]][1]() if i >= 0 else None
         if buffer is None or ptr >= buffer.ptr + buffer.size:
-            raise MisuseError(
-                f"pointer 0x{ptr:x} is not in host memory the daemon can open "
-                "(allocate it with client.hostmem.alloc)")
-        offset = ptr - buffer.ptr
-        if offset + nbytes > buffer.nbytes:
-            raise MisuseError(
-                f"[0x{ptr:x}, +{nbytes}) runs past the end of host buffer {buffer.id} "
-                f"({buffer.nbytes} bytes at 0x{buffer.ptr:x})")
-        return buffer, offset
+            return None
+        return buffer
 
     def on_release(self, listener: ReleaseListener) -> None:
         """Call `listener(buffer_id)` when a buffer is freed (held weakly: a bound method)."""

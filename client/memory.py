@@ -1,16 +1,30 @@
 """Turning a worker's (pointer, bytes) into something the daemon can open (DESIGN §4).
 
-`resolve` is the one place that knows memory kinds. Host memory today; the
-cuda-ipc and cuda-vmm kinds of the GPU engine plug in here.
+`MemoryResolver` is the one place that knows memory kinds: host buffers first
+(a bisect in the process's table), then CUDA device memory (`client.cuda`) when
+a driver is available. The CUDA side starts lazily, on the first pointer that
+is not host memory, so a host-only process never imports cuda-bindings.
+
+fd ownership for an Import: a host buffer owns its memfd and keeps it open (the
+daemon gets its own copy by SCM_RIGHTS); a VMM allocation's fd is exported for
+that one Import and closed right after it is sent (`import_fds`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from proto import MemKind
 
+from .cuda import CudaDriver, CudaMemory, available_driver
+from .errors import MisuseError
 from .hostmem import HostMemory
+
+DriverFactory = Callable[[], CudaDriver | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +35,12 @@ class MemoryRef:
     buffer_id: int
     size: int
     offset: int
-    fd: int | None  # sent beside the first Import; the backend keeps it open
+    fd: int | None  # a host buffer's own fd, sent beside the first Import; the buffer keeps it open
     handle: bytes = b""
 
 
 def resolve(memory: HostMemory, ptr: int, nbytes: int) -> MemoryRef | None:
-    """The allocation holding [ptr, ptr+nbytes), or None for an empty span.
+    """The host allocation holding [ptr, ptr+nbytes), or None for an empty span.
 
     Raises MisuseError for a pointer the daemon could not open or a span that
     runs past its allocation.
@@ -35,3 +49,92 @@ def resolve(memory: HostMemory, ptr: int, nbytes: int) -> MemoryRef | None:
         return None
     buffer, offset = memory.find(ptr, nbytes)
     return MemoryRef(MemKind.HOST, buffer.id, buffer.size, offset, buffer.fd)
+
+
+class MemoryResolver:
+    """One backend's view of the memory it hands its daemon.
+
+    CUDA buffer ids come from `host.next_id()`, the counter host buffers use, so ids on
+    one connection never collide. `on_forget(id)` hears of CUDA allocations found freed
+    (or evicted); the backend tells the daemon to close them.
+    """
+
+    def __init__(self, host: HostMemory, *, driver: DriverFactory = available_driver,
+                 device: int | None = None, on_forget: Callable[[int], None] = lambda _id: None) -> None:
+        self._host = host
+        self._driver_factory = driver
+        self._device = device
+        self._on_forget = on_forget
+        self._probe_lock = threading.Lock()
+        self._probed = False
+        self._cuda: CudaMemory | None = None
+
+    def resolve(self, ptr: int, nbytes: int) -> MemoryRef | None:
+        """The allocation holding [ptr, ptr+nbytes), or None for an empty span.
+
+        Raises MisuseError for a pointer the daemon could not open, a span that runs
+        past its allocation, or device memory of another device than the backend's.
+        """
+        if nbytes == 0:
+            return None
+        buffer = self._host.locate(ptr)
+        if buffer is not None:
+            return MemoryRef(MemKind.HOST, buffer.id, buffer.size, buffer.offset_of(ptr, nbytes), buffer.fd)
+        cuda = self._cuda_memory()
+        if cuda is None:
+            return resolve(self._host, ptr, nbytes)  # raises the host table's own error
+        found = cuda.find(ptr, nbytes)
+        if found is None:
+            raise MisuseError(
+                f"pointer 0x{ptr:x} is neither in host memory the daemon can open "
+                "(client.hostmem.alloc) nor in CUDA device memory")
+        allocation, offset = found
+        return MemoryRef(allocation.kind, allocation.id, allocation.size, offset, None, allocation.handle)
+
+    def device_buffers(self, buffer_ids: Iterable[int]) -> tuple[int, ...]:
+        """Those of `buffer_ids` that are CUDA allocations (whose liveness a cached op must check)."""
+        cuda = self._cuda
+        if cuda is None:
+            return ()
+        return tuple(b for b in buffer_ids if cuda.owns(b))
+
+    def wait_for_device(self, stream: int) -> None:
+        """Let the worker's queued device work finish before the daemon touches its memory.
+
+        Until calls carry CUDA events (the daemon's stream waiting on the worker's, DESIGN
+        §5), this is how a call is ordered after the kernels that wrote its buffers."""
+        if self._cuda is not None:
+            self._cuda.synchronize(stream)
+
+    def still_valid(self, buffer_ids: Iterable[int]) -> bool:
+        """Whether these CUDA allocations are all alive; the freed ones are forgotten."""
+        cuda = self._cuda
+        return cuda is not None and cuda.still_valid(buffer_ids)
+
+    @contextlib.contextmanager
+    def import_fds(self, ref: MemoryRef) -> Iterator[list[int]]:
+        """The fds to send beside `ref`'s Import. An fd exported for it (VMM) is ours and closed
+        on exit, sent or not: the daemon holds its own copy once SCM_RIGHTS delivered it."""
+        if ref.kind is not MemKind.CUDA_VMM:
+            yield [ref.fd] if ref.fd is not None else []
+            return
+        cuda = self._cuda
+        if cuda is None:
+            raise MisuseError(f"buffer {ref.buffer_id} is not CUDA memory")
+        fd = cuda.export_fd(ref.buffer_id)
+        try:
+            yield [fd]
+        finally:
+            os.close(fd)
+
+    def _cuda_memory(self) -> CudaMemory | None:
+        """The CUDA side, started once: None without a driver (asked once, then remembered)."""
+        if not self._probed:
+            with self._probe_lock:
+                if not self._probed:
+                    driver = self._driver_factory()
+                    if driver is not None:
+                        self._cuda = CudaMemory(driver, self._host.next_id, device=self._device,
+                                                on_forget=self._on_forget)
+                    self._probed = True
+        return self._cuda

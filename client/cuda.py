@@ -1,0 +1,322 @@
+"""CUDA device memory the daemon can open: the driver seam and the allocation cache (DESIGN §4).
+
+    CudaDriver        what the client asks the CUDA driver (a Protocol: tests use a fake)
+    ├── BindingsDriver  the real one, over cuda-bindings' `cuda.bindings.driver`
+    CudaMemory        one backend's cache of device allocations, keyed by CUDA BUFFER_ID
+
+cuda-bindings is optional: it is imported only when a backend first meets a
+pointer that is not host memory, and `available_driver()` answers None when it
+is missing or there is no driver or GPU, so the client runs on the host engine
+without it. The client never creates a CUDA context: pointer queries run in the
+calling thread's current context (torch makes the primary context current).
+
+Allocation ids on the wire are the backend's own, drawn from the same counter
+as host buffer ids, so the two kinds never collide on a connection. CUDA's
+BUFFER_ID is only the cache key: a freed and re-used address has a new
+BUFFER_ID, so the cache never hands the daemon stale memory, and the old id is
+reported (`on_forget`) so the daemon closes its mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proto import MemKind
+
+from .errors import MisuseError
+
+IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+DEFAULT_MAX_ALLOCATIONS = 1024  # well under the daemon's per-connection buffer limit (4096)
+
+
+@dataclass(frozen=True, slots=True)
+class PointerInfo:
+    """The device allocation holding a pointer, as the driver reports it."""
+
+    base: int
+    size: int
+    buffer_id: int  # CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation for the process's life
+    device: int  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    legacy_ipc: bool  # cudaMalloc memory (CUDA IPC handle); False: VMM memory (POSIX fd)
+
+
+class CudaDriver(Protocol):
+    """The few driver queries the client needs. Methods raise MisuseError on driver errors."""
+
+    def buffer_id(self, ptr: int) -> int | None:
+        """The BUFFER_ID of the allocation holding `ptr`, or None if CUDA does not know the address.
+
+        The one query on a steady-state call, so it must stay cheap (one attribute read).
+        """
+        ...
+
+    def pointer_info(self, ptr: int) -> PointerInfo | None:
+        """The allocation holding `ptr`, or None if CUDA does not know the address."""
+        ...
+
+    def ipc_handle(self, base: int) -> bytes:
+        """The 64-byte CUDA IPC handle of the cudaMalloc allocation at `base`."""
+        ...
+
+    def export_fd(self, base: int) -> int:
+        """A POSIX fd for the VMM allocation at `base`; the caller owns (and closes) it."""
+        ...
+
+    def synchronize(self, stream: int) -> None:
+        """Wait until the work queued on `stream` (0: every stream of the current context)
+        is done, so the daemon reads what the worker's kernels wrote."""
+        ...
+
+
+class BindingsDriver:
+    """`CudaDriver` over cuda-bindings (13.x). Every call returns `(CUresult, values...)`;
+    a failure becomes a MisuseError naming the call and the driver's error string.
+
+    `module` is `cuda.bindings.driver`, imported here when not given. Raises ImportError
+    without cuda-bindings, and whatever `cuInit` raises without a driver (cuda-bindings
+    raises `cuda.pathfinder.DynamicLibNotFoundError` then, rather than returning an error).
+    """
+
+    def __init__(self, module: Any = None) -> None:
+        cu = module if module is not None else importlib.import_module("cuda.bindings.driver")
+        self._cu = cu
+        self._success = cu.CUresult.CUDA_SUCCESS
+        # what the driver answers for an address it has no allocation for
+        self._unknown = (cu.CUresult.CUDA_ERROR_INVALID_VALUE, cu.CUresult.CUDA_ERROR_NOT_FOUND)
+        attr = cu.CUpointer_attribute
+        self._buffer_id_attr = attr.CU_POINTER_ATTRIBUTE_BUFFER_ID
+        self._device_attr = attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        self._legacy_attr = attr.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+        self._type_attr = attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+        self._managed_attr = attr.CU_POINTER_ATTRIBUTE_IS_MANAGED
+        self._device_type = int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+        self._posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._check("cuInit", cu.cuInit(0))  # idempotent; creates no context
+        (count,) = self._check("cuDeviceGetCount", cu.cuDeviceGetCount())
+        if int(count) < 1:
+            raise MisuseError("the CUDA driver reports no device")
+
+    def buffer_id(self, ptr: int) -> int | None:
+        err, value = self._cu.cuPointerGetAttribute(self._buffer_id_attr, ptr)
+        if err in self._unknown:
+            return None
+        self._check("cuPointerGetAttribute(BUFFER_ID)", (err, value))
+        return int(value) or None  # 0 is never a live allocation's id
+
+    def pointer_info(self, ptr: int) -> PointerInfo | None:
+        buffer_id = self.buffer_id(ptr)
+        if buffer_id is None:
+            return None
+        (mem_type,) = self._attribute("MEMORY_TYPE", self._type_attr, ptr)
+        (managed,) = self._attribute("IS_MANAGED", self._managed_attr, ptr)
+        if int(mem_type) != self._device_type or managed:
+            what = "managed" if managed else "pinned host"
+            raise MisuseError(
+                f"pointer 0x{ptr:x} is CUDA {what} memory: the daemon opens device memory "
+                "(cudaMalloc or cuMemCreate) or host memory from client.hostmem.alloc")
+        base, size = self._check("cuMemGetAddressRange", self._cu.cuMemGetAddressRange(ptr))
+        (device,) = self._attribute("DEVICE_ORDINAL", self._device_attr, ptr)
+        (legacy,) = self._attribute("IS_LEGACY_CUDA_IPC_CAPABLE", self._legacy_attr, ptr)
+        return PointerInfo(int(base), int(size), buffer_id, int(device), bool(legacy))
+
+    def ipc_handle(self, base: int) -> bytes:
+        (handle,) = self._check("cuIpcGetMemHandle", self._cu.cuIpcGetMemHandle(base))
+        # cuda-bindings >= 13.4 has no `.reserved`: copy the struct's bytes out (DESIGN §4)
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+    def export_fd(self, base: int) -> int:
+        cu = self._cu
+        (handle,) = self._check("cuMemRetainAllocationHandle", cu.cuMemRetainAllocationHandle(base))
+        try:
+            (fd,) = self._check(
+                "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)",
+                cu.cuMemExportToShareableHandle(handle, self._posix_fd, 0),
+                hint="VMM memory must be created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "
+                     "in requestedHandleTypes to be shared with the daemon")
+        finally:
+            cu.cuMemRelease(handle)  # the retain's reference; the fd keeps the memory alive
+        return int(fd)
+
+    def synchronize(self, stream: int) -> None:
+        if stream:
+            self._check("cuStreamSynchronize", self._cu.cuStreamSynchronize(stream))
+        else:
+            self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
+
+    def _attribute(self, name: str, attribute: Any, ptr: int) -> tuple[Any, ...]:
+        return self._check(f"cuPointerGetAttribute({name})", self._cu.cuPointerGetAttribute(attribute, ptr))
+
+    def _check(self, call: str, result: tuple[Any, ...], hint: str = "") -> tuple[Any, ...]:
+        err = result[0]
+        if err == self._success:
+            return tuple(result[1:])
+        message = f"{call} failed: {self._describe(err)}"
+        if err == self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            hint = hint or "make the pointer's device current in this thread (torch.cuda.set_device)"
+        raise MisuseError(f"{message}; {hint}" if hint else message)
+
+    def _describe(self, err: Any) -> str:
+        name_err, name = self._cu.cuGetErrorName(err)
+        text_err, text = self._cu.cuGetErrorString(err)
+        name = _text(name) if name_err == self._success else f"CUresult {int(err)}"
+        return f"{name}: {_text(text)}" if text_err == self._success else name
+
+
+def _text(value: bytes | str | None) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value)
+
+
+def available_driver() -> CudaDriver | None:
+    """The CUDA driver through cuda-bindings, or None without cuda-bindings, a driver or a GPU."""
+    try:
+        return BindingsDriver()
+    except Exception:  # ImportError (no cuda-bindings), pathfinder's (no driver), no device, cuInit
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CudaAllocation:
+    """One cached device allocation: our wire id and how the daemon opens it."""
+
+    id: int  # the backend's buffer id on the wire
+    cuda_id: int  # CUDA's BUFFER_ID: the cache key, and the proof the allocation still lives
+    base: int
+    size: int
+    device: int
+    kind: MemKind  # CUDA_IPC (handle below) or CUDA_VMM (an fd exported per Import)
+    handle: bytes = b""
+
+    def offset_of(self, ptr: int, nbytes: int) -> int:
+        offset = ptr - self.base
+        if offset < 0 or offset + nbytes > self.size:
+            raise MisuseError(
+                f"[0x{ptr:x}, +{nbytes}) runs past the end of the CUDA allocation at 0x{self.base:x} "
+                f"({self.size} bytes)")
+        return offset
+
+
+class CudaMemory:
+    """One backend's cache of device allocations it has handed the daemon.
+
+    Keyed by CUDA BUFFER_ID, so a resolve costs one attribute query once the allocation is
+    known. We cannot observe frees, so a stale entry is dropped when it is noticed: a new
+    allocation overlapping its range, a failed `still_valid`, or a sweep when the cache is
+    full; each dropped id goes to `on_forget` (outside our lock) so the daemon forgets it.
+    """
+
+    def __init__(self, driver: CudaDriver, next_id: Callable[[], int], *, device: int | None = None,
+                 on_forget: Callable[[int], None] = lambda _id: None,
+                 max_allocations: int = DEFAULT_MAX_ALLOCATIONS) -> None:
+        self._driver = driver
+        self._next_id = next_id
+        self._device = device
+        self._on_forget = on_forget
+        self._max = max_allocations
+        self._lock = threading.Lock()
+        self._by_cuda_id: dict[int, CudaAllocation] = {}  # insertion order: oldest first
+        self._by_id: dict[int, CudaAllocation] = {}
+
+    def synchronize(self, stream: int) -> None:
+        self._driver.synchronize(stream)
+
+    def find(self, ptr: int, nbytes: int) -> tuple[CudaAllocation, int] | None:
+        """The allocation holding [ptr, ptr+nbytes) and ptr's offset in it; None if CUDA does
+        not know `ptr`. Raises MisuseError for a span past the end or a wrong device."""
+        cuda_id = self._driver.buffer_id(ptr)
+        if cuda_id is None:
+            return None
+        with self._lock:
+            allocation = self._by_cuda_id.get(cuda_id)
+        if allocation is None:
+            allocation = self._add(ptr)
+            if allocation is None:
+                return None
+        return allocation, allocation.offset_of(ptr, nbytes)
+
+    # owns() and still_valid() read without the lock: they run on every call of a cached op, a
+    # dict read is atomic, and a racing eviction only makes the next call rebuild its op.
+    def owns(self, buffer_id: int) -> bool:
+        return buffer_id in self._by_id
+
+    def still_valid(self, buffer_ids: Iterable[int]) -> bool:
+        """Whether these ids' allocations are all alive (a cached op may be reused): one BUFFER_ID
+        query at each base. An allocation found freed is forgotten."""
+        for buffer_id in buffer_ids:
+            allocation = self._by_id.get(buffer_id)
+            if allocation is None:
+                return False
+            if self._driver.buffer_id(allocation.base) != allocation.cuda_id:
+                self._forget([allocation])
+                return False
+        return True
+
+    def export_fd(self, buffer_id: int) -> int:
+        """A fresh fd for a VMM allocation's Import; the caller owns it (SCM_RIGHTS copies it)."""
+        allocation = self._by_id.get(buffer_id)
+        if allocation is None or allocation.kind is not MemKind.CUDA_VMM:
+            raise MisuseError(f"buffer {buffer_id} is not a live VMM allocation")
+        return self._driver.export_fd(allocation.base)
+
+    def _add(self, ptr: int) -> CudaAllocation | None:
+        info = self._driver.pointer_info(ptr)
+        if info is None:  # freed since the BUFFER_ID query
+            return None
+        if self._device is not None and info.device != self._device:
+            raise MisuseError(
+                f"pointer 0x{ptr:x} is memory of CUDA device {info.device}, "
+                f"but this backend serves device {self._device}")
+        if info.legacy_ipc:
+            kind, handle = MemKind.CUDA_IPC, self._driver.ipc_handle(info.base)
+        else:
+            kind, handle = MemKind.CUDA_VMM, b""  # the fd is exported when the daemon imports it
+        with self._lock:
+            known = self._by_cuda_id.get(info.buffer_id)
+            if known is not None:  # another thread added it meanwhile
+                return known
+            # Live allocations never overlap: any cached one that does was freed.
+            stale = self._drop([a for a in self._by_cuda_id.values()
+                                if a.base < info.base + info.size and info.base < a.base + a.size])
+            allocation = CudaAllocation(self._next_id(), info.buffer_id, info.base, info.size,
+                                        info.device, kind, handle)
+            self._by_cuda_id[allocation.cuda_id] = allocation
+            self._by_id[allocation.id] = allocation
+        self._notify(stale)
+        if len(self._by_id) > self._max:
+            self._shrink()
+        return allocation
+
+    def _shrink(self) -> None:
+        """Over the limit: drop freed allocations, then the oldest (re-imported if used again)."""
+        with self._lock:
+            candidates = list(self._by_cuda_id.values())
+        freed = [a for a in candidates if self._driver.buffer_id(a.base) != a.cuda_id]
+        self._forget(freed)
+        with self._lock:
+            excess = len(self._by_id) - self._max
+            oldest = list(self._by_cuda_id.values())[:max(0, excess)]
+        self._forget(oldest)
+
+    def _forget(self, allocations: list[CudaAllocation]) -> None:
+        with self._lock:
+            dropped = self._drop(allocations)
+        self._notify(dropped)
+
+    def _drop(self, allocations: list[CudaAllocation]) -> list[CudaAllocation]:
+        """Remove from the tables (lock held); returns those that were still there."""
+        dropped = []
+        for allocation in allocations:
+            if self._by_id.pop(allocation.id, None) is not None:
+                del self._by_cuda_id[allocation.cuda_id]
+                dropped.append(allocation)
+        return dropped
+
+    def _notify(self, allocations: list[CudaAllocation]) -> None:
+        for allocation in allocations:
+            self._on_forget(allocation.id)
