@@ -96,6 +96,7 @@ class Session:
         self.world: World | None = None
         self.rank = -1
         self._timeout_s = 60.0
+        self._device: int | None = None  # the GPU its hello named
         self._handlers: dict[type, Callable[[Any, list[int]], None]] = {
             proto.Hello: self._hello,
             proto.StatusQuery: self._status,
@@ -169,6 +170,7 @@ class Session:
                             f"protocol version {msg.version} is not supported; "
                             f"this daemon speaks {proto.PROTOCOL_VERSION}")
         self._timeout_s = msg.timeout_ms / 1000
+        self._device = msg.device
         world = self._ctx.registry.join(self, msg)
         self.world, self.rank = world, msg.rank
         if self.channel.closed:  # it went away while joining: on_close ran before we knew the world
@@ -191,7 +193,12 @@ class Session:
         def open_mapping() -> MemoryMapping:
             nonlocal handed_over
             handed_over = True  # from here the engine owns the fd, and closes it on failure
-            return self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd)
+            mapping = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd)
+            if mapping.device is not None and self._device is not None and mapping.device != self._device:
+                mapping.close()  # NCCL would run this rank's op on another GPU's memory
+                raise CallError(ErrorCode.MISUSE, f"buffer {msg.buf} lives on GPU {mapping.device}; "
+                                                  f"this rank's device is {self._device}")
+            return mapping
 
         try:
             self._add_buffer(msg.buf, msg.size, open_mapping)
@@ -267,7 +274,7 @@ class Session:
         exported: list[int] = []
 
         def allocate() -> MemoryMapping:
-            mapping, fd = self._ctx.engine.allocate(msg.nbytes)
+            mapping, fd = self._ctx.engine.allocate(msg.nbytes, self._device)
             exported.append(fd)
             return mapping
 

@@ -43,6 +43,11 @@ class MemoryMapping(Protocol):
     @property
     def size(self) -> int: ...
 
+    @property
+    def device(self) -> int | None:
+        """The GPU the memory lives on (None: host memory)."""
+        ...
+
     def region(self, offset: int, nbytes: int) -> Region:
         """The window [offset, offset+nbytes); raises CallError(BAD_MEMORY) outside."""
         ...
@@ -178,8 +183,9 @@ class Engine(Protocol):
         """Open a worker's allocation; takes ownership of `fd`. CallError on refusal."""
         ...
 
-    def allocate(self, nbytes: int) -> tuple[MemoryMapping, int]:
-        """Allocate `nbytes` to share with a worker: the mapping and an fd to send it."""
+    def allocate(self, nbytes: int, device: int | None = None) -> tuple[MemoryMapping, int]:
+        """Allocate `nbytes` (on `device`, for a GPU engine) to share with a worker: the
+        mapping and an fd to send it."""
         ...
 
     def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],

@@ -135,6 +135,10 @@ class HostMapping:
     def size(self) -> int:
         return self._size
 
+    @property
+    def device(self) -> int | None:
+        return None
+
     def region(self, offset: int, nbytes: int) -> HostRegion:
         if self._array is None:
             raise CallError(ErrorCode.UNKNOWN_BUFFER, "buffer was released")
@@ -291,7 +295,7 @@ class HostEngine:
             raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
         return HostMapping(fd, size, self.lingering)
 
-    def allocate(self, nbytes: int) -> tuple[HostMapping, int]:
+    def allocate(self, nbytes: int, device: int | None = None) -> tuple[HostMapping, int]:
         try:
             fd = create_memfd(nbytes, "commd-symmetric")
         except OSError as exc:

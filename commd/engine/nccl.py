@@ -67,17 +67,25 @@ class NcclMapping:
     def __init__(self, gpu: Gpu, memory: Imported) -> None:
         self._gpu = gpu
         self._memory: Imported | None = memory
-        self.size = memory.size
-        self.device = memory.device
+        self._size = memory.size
+        self._device = memory.device
         self._users = 0
         self._closing = False
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def device(self) -> int:
+        return self._device
 
     def region(self, offset: int, nbytes: int) -> NcclRegion:
         if self._memory is None or self._closing:
             raise CallError(ErrorCode.UNKNOWN_BUFFER, "buffer was released")
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self._size:
             raise CallError(ErrorCode.BAD_MEMORY, f"bytes [{offset}, {offset + nbytes}) are outside "
-                                                  f"the {self.size}-byte allocation")
+                                                  f"the {self._size}-byte allocation")
         return NcclRegion(self, self._memory.ptr + offset, nbytes)
 
     def hold(self) -> None:
@@ -326,9 +334,9 @@ class NcclEngine:
             if fd is not None:
                 os.close(fd)
 
-    def allocate(self, nbytes: int) -> tuple[NcclMapping, int]:
+    def allocate(self, nbytes: int, device: int | None = None) -> tuple[NcclMapping, int]:
         try:
-            memory, fd = self.gpu.alloc_shared(nbytes, 0)
+            memory, fd = self.gpu.alloc_shared(nbytes, device or 0)
         except GpuError as exc:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         return NcclMapping(self.gpu, memory), fd

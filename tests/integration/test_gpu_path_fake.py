@@ -1,0 +1,172 @@
+"""The GPU path end to end without a GPU: `DaemonBackend` resolves "device pointers" to
+cuda-ipc handles, the daemon's NCCL engine opens them and runs the ops, and the
+workers see the results in their own memory.
+
+Only CUDA and NCCL themselves are stand-ins, and both sides share one (workers and
+daemon live in this process, as threads, so they can): the client's `CudaDriver` and
+the engine's `Gpu` answer from the same fake device (tests/contract/fakegpu.py). The
+socket, the protocol, the daemon's server, sessions, worlds and matching are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import DaemonBackend, MisuseError
+from client.cuda import PointerInfo
+from commd.config import ServerConfig
+from commd.engine.nccl import NcclEngine
+from commd.server import Server
+from tests.contract.fakegpu import FakeGpu
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import short_tmpdir, world_name
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class WorkerDriver:
+    """The client's view of the fake device: what a worker's CUDA driver would answer."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.sizes: dict[int, tuple[int, int]] = {}  # base -> (size, device) of worker allocations
+        self.synced: list[int] = []
+
+    def alloc(self, data: bytes, device: int = 0) -> int:
+        base = self.gpu.worker_alloc(data, device)
+        self.sizes[base] = (len(data), device)
+        return base
+
+    def _base(self, ptr: int) -> int | None:
+        return next((b for b, (n, _) in self.sizes.items() if b <= ptr < b + n), None)
+
+    def buffer_id(self, ptr: int) -> int | None:
+        return self._base(ptr)  # the fake never reuses an address: the base names the allocation
+
+    def pointer_info(self, ptr: int) -> PointerInfo | None:
+        base = self._base(ptr)
+        if base is None:
+            return None
+        size, device = self.sizes[base]
+        return PointerInfo(base, size, base, device, True)
+
+    def ipc_handle(self, base: int) -> bytes:
+        return self.gpu.export_ipc(base)
+
+    def export_fd(self, base: int) -> int:
+        return self.gpu.export_vmm(base)
+
+    def synchronize(self, stream: int) -> None:
+        self.synced.append(stream)
+
+
+class FakeGpuDaemon:
+    """A real commd Server with the NCCL engine over the fake device, on its own loop thread."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.tmp = short_tmpdir()
+        self.socket_path = Path(self.tmp) / "commd.sock"
+        self.engine = NcclEngine(gpu)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        stop = asyncio.Event()
+
+        async def serve() -> None:
+            server = Server(ServerConfig(socket_path=self.socket_path), self.engine, None)
+            server.start()
+            started.set()
+            try:
+                await stop.wait()
+            finally:
+                server.shutdown()
+
+        self.stop = stop
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(serve(),), daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(10)
+        self.loop.close()
+        self.engine.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def gpu() -> FakeGpu:
+    return FakeGpu(devices=2)
+
+
+@pytest.fixture
+def daemon(gpu: FakeGpu) -> Iterator[FakeGpuDaemon]:
+    d = FakeGpuDaemon(gpu)
+    yield d
+    d.close()
+
+
+def run_ranks(n: int, body: object) -> list[object]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(body, range(n)))  # type: ignore[arg-type]
+
+
+def test_every_collective_on_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+    world, n = world_name("gpu"), 2
+    driver = WorkerDriver(gpu)
+    inputs = [make_input(11, r, 1000, "bf16", "sum") for r in range(n)]
+    gathered_parts = [make_input(12, r, 64, "u8", "sum").tobytes() for r in range(n)]
+
+    def rank(r: int) -> dict[str, bytes]:
+        with DaemonBackend(str(daemon.socket_path), world, r, n, device=r, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            data = driver.alloc(inputs[r].tobytes(), device=r)
+            comm.all_reduce(data, inputs[r].nbytes)
+            send = driver.alloc(gathered_parts[r], device=r)
+            recv = driver.alloc(bytes(64 * n), device=r)
+            comm.all_gather(send, recv, 64)
+            cast = driver.alloc(bytes([r + 1]) * 16, device=r)
+            comm.broadcast(cast, 16, 1)
+            comm.barrier()
+            if r == 0:
+                comm.send_to(send, 64, 1)
+            else:
+                comm.recv_from(recv, 64, 0)
+            return {"sum": gpu.read(data, inputs[r].nbytes), "gathered": gpu.read(recv, 64 * n),
+                    "cast": gpu.read(cast, 16)}
+
+    out = run_ranks(n, rank)
+    want = reduce_reference(inputs, "bf16", "sum").tobytes()
+    for r, res in enumerate(out):
+        assert isinstance(res, dict)
+        assert res["sum"] == want
+        assert res["cast"] == b"\x02" * 16
+        expect_gathered = b"".join(gathered_parts)
+        if r == 1:  # then overwritten at the front by rank 0's send
+            expect_gathered = gathered_parts[0] + expect_gathered[64:]
+        assert res["gathered"] == expect_gathered
+    assert set(driver.synced) == {0}  # each call first waited for the worker's stream
+    assert gpu.allocations == 2 * 4  # the daemon let go of every opened buffer (the workers' remain)
+
+
+def test_memory_of_another_gpu_is_refused(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        elsewhere = driver.alloc(b"\x01" * 8, device=1)
+        with pytest.raises(MisuseError, match="device"):  # the client checks it...
+            comm.all_reduce(elsewhere, 8)
+        mislabelled = driver.alloc(b"\x01" * 8, device=1)
+        driver.sizes[mislabelled] = (8, 0)  # ...and a client that got it wrong meets the daemon's check
+        with pytest.raises(MisuseError, match="lives on GPU 1; this rank's device is 0"):
+            comm.all_reduce(mislabelled, 8)
+        here = driver.alloc(np.arange(4, dtype=np.float32).tobytes(), device=0)
+        comm.all_reduce(here, 16, dtype="f32")
+        assert np.frombuffer(gpu.read(here, 16), np.float32).tolist() == [0.0, 1.0, 2.0, 3.0]
