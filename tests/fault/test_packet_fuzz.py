@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import proto
 from client import DaemonBackend
@@ -97,6 +99,54 @@ def test_ten_thousand_bad_packets(peer_daemon: DaemonProcess, steady_f: Steady,
         comm.barrier()  # alive and serving
     fault_report.add(f"{PACKETS:,} random and mutated packets at the daemon socket", float("nan"),
                      float("nan"), steady_f.errors() - unrelated, settled(peer_daemon, base))
+
+
+def test_hypothesis_packets(peer_daemon: DaemonProcess, steady_f: Steady) -> None:
+    """Packets hypothesis draws (raw bytes, and valid packets with bytes changed, inserted
+    or cut) each get a typed answer or none, never a crash; the daemon serves on."""
+    sock = str(peer_daemon.socket_path)
+    unrelated = steady_f.errors()
+    seeds = valid_packets()
+    edits = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 16), st.integers(0, 255)), max_size=6)
+
+    def edited(seed: bytes, changes: list[tuple[int, int, int]]) -> bytes:
+        out = bytearray(seed)
+        for kind, where, byte in changes:
+            at = where % (len(out) + 1)
+            if kind == 0 and out:
+                out[at % len(out)] = byte
+            elif kind == 1:
+                out.insert(at, byte)
+            elif kind == 2 and len(out) > 1:
+                del out[at % len(out)]
+            else:
+                out = out[:at]
+        return bytes(out) or b"\x00"
+
+    packets = st.one_of(st.binary(min_size=1, max_size=128),
+                        st.builds(edited, st.sampled_from(seeds), edits))
+    conn = [RawClient(sock, timeout=0.5)]  # a Hello may wait for its world: do not wait long
+
+    @settings(max_examples=2000, deadline=None, derandomize=True, database=None)
+    @given(packet=packets)
+    def one(packet: bytes) -> None:
+        try:
+            conn[0].send_bytes(packet)
+            reply = conn[0].recv()
+        except OSError:
+            reply = None
+        assert reply is None or isinstance(reply, proto.Error | proto.Welcome | proto.Ok | proto.StatusReport)
+        if not isinstance(reply, proto.StatusReport | proto.Welcome | proto.Ok):
+            conn[0].close()
+            conn[0] = RawClient(sock, timeout=0.5)
+
+    try:
+        one()
+    finally:
+        conn[0].close()
+    with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+        comm.barrier()
+    assert steady_f.errors() == unrelated
 
 
 def settled(daemon: DaemonProcess, base: tuple[int, int]) -> str:
