@@ -118,7 +118,7 @@ class Server:
                 return
             pid, uid, gid = _UCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            refusal = self._refusal(uid, gid)
+            refusal = self._refusal(pid, uid, gid)
             if refusal is not None:
                 log.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
                 _refuse(sock, *refusal)
@@ -137,8 +137,10 @@ class Server:
 
         loop.call_later(seconds, resume)
 
-    def _refusal(self, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
-        if uid not in self.config.allow_uids and gid not in self.config.allow_gids:
+    def _refusal(self, pid: int, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
+        allowed = self.config.allow_gids
+        if uid not in self.config.allow_uids and gid not in allowed and not (
+                allowed and allowed & supplementary_groups(pid)):
             return ErrorCode.PERMISSION, f"uid {uid} / gid {gid} may not use this daemon"
         if len(self.sessions) >= self.config.max_connections:
             return ErrorCode.LIMIT, f"the daemon holds its limit of {self.config.max_connections} connections"
@@ -200,6 +202,20 @@ class Server:
             session.send(event)
             session.channel.close("shutdown")
         self.engine.close()
+
+
+def supplementary_groups(pid: int) -> frozenset[int]:
+    """The groups a connecting process holds besides its primary one (SO_PEERCRED tells
+    only that): a worker admitted as a member of `commd` has it as a supplementary group.
+    Read from /proc at connect time; a process gone meanwhile holds none."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
 
 
 def _refuse(sock: socket.socket, code: ErrorCode, message: str) -> None:

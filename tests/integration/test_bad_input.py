@@ -5,9 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import shutil
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ from proto import ErrorCode
 from tests.conftest import FaultReport, Steady
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, memfd_mappings, open_fds, world_name
+from tests.integration.harness import RankPool, memfd_mappings, open_fds, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -274,14 +276,41 @@ def test_peer_credentials_are_checked(daemon: DaemonProcess, steady: None) -> No
     assert outcome[0] == "AccessDenied" and "uid 65534" in outcome[1]
 
 
-def _connect_as_nobody(sock: str, results: Any) -> None:
+def _connect_as_nobody(sock: str, results: Any, groups: list[int] | None = None) -> None:
+    os.setgroups(groups or [])
     os.setgid(65534)
     os.setuid(65534)
     try:
-        DaemonBackend(sock, world_name(), 0, 1, timeout=5)
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+            comm.barrier()
         results.put(("joined", ""))
     except Exception as exc:
         results.put((type(exc).__name__, str(exc)))
+
+
+@pytest.mark.parametrize("member", [True, False])
+def test_a_supplementary_group_admits(member: bool) -> None:
+    """`--allow-gid G` admits a process holding G only as a supplementary group (a worker
+    added to the group `commd`), which SO_PEERCRED alone does not show."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "run" / "commd.sock", args=["--allow-gid", "4242"]) as d:
+            os.chmod(tmp, 0o711)
+            os.chmod(d.socket_path.parent, 0o755)
+            os.chmod(d.socket_path, 0o666)
+            ctx = mp.get_context("spawn")
+            results = ctx.Queue()
+            proc = ctx.Process(target=_connect_as_nobody, args=(str(d.socket_path), results,
+                                                                [4242] if member else []))
+            proc.start()
+            outcome = results.get(timeout=20)
+            proc.join(10)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if member:
+        assert outcome == ("joined", "")
+    else:
+        assert outcome[0] == "AccessDenied" and "uid 65534" in outcome[1]
 
 
 def test_socket_is_private(daemon: DaemonProcess) -> None:
