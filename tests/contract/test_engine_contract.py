@@ -20,6 +20,7 @@ from commd.engine.base import (
     AllReduceOp,
     BarrierOp,
     BroadcastOp,
+    Communicator,
     Engine,
     MemoryMapping,
     ReduceScatterOp,
@@ -62,9 +63,10 @@ def adapter(engine: Engine) -> Any:
 
 @pytest.fixture(params=["host", "nccl", "nccl-fake"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    """`nccl-fake`: the NCCL engine's own logic over a stand-in for CUDA and NCCL."""
+    """`nccl-fake`: the NCCL engine's own logic over a stand-in for CUDA and NCCL (two
+    devices, so ranks spread over GPUs as on a real node)."""
     if request.param == "nccl-fake":
-        eng: Engine = NcclEngine(FakeGpu())
+        eng: Engine = NcclEngine(FakeGpu(devices=2))
     else:
         try:
             eng = create_engine(request.param)
@@ -75,16 +77,21 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
 
 
 class World:
-    """Per-rank engine memory for one test."""
+    """The ranks of one test, their devices, and their engine memory. Four ranks, but at
+    most two per GPU on a real one (NCCL's limit with NCCL_MULTI_RANK_GPU_ENABLE=1)."""
 
-    def __init__(self, engine: Engine, n: int) -> None:
-        self.engine, self.n = engine, n
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        gpus = engine.gpu.device_count() if isinstance(engine, NcclEngine) else 1
+        real_gpu = isinstance(engine, NcclEngine) and not isinstance(engine.gpu, FakeGpu)
+        self.n = min(4, 2 * gpus) if real_gpu else 4
+        self.devices = {r: r % gpus for r in range(self.n)}
         self.io = adapter(engine)
         self.mappings: list[MemoryMapping] = []
 
-    def region(self, data: bytes, size: int | None = None) -> Region:
+    def region(self, data: bytes, size: int | None = None, rank: int = 0) -> Region:
         size = size if size is not None else len(data)
-        mapping, fd = self.engine.allocate(max(size, 1))
+        mapping, fd = self.engine.allocate(max(size, 1), self.devices[rank])
         os.close(fd)
         self.mappings.append(mapping)
         region = mapping.region(0, size)
@@ -92,88 +99,93 @@ class World:
             self.io.write(region, data)
         return region
 
+    def communicator(self) -> Communicator:
+        return self.engine.communicator("c", 1, self.n, range(self.n), None, devices=self.devices)
+
     def close(self) -> None:
         for m in self.mappings:
             m.close()
 
 
 @pytest.fixture
-def world4(engine: Engine) -> Iterator[World]:
-    w = World(engine, 4)
+def world(engine: Engine) -> Iterator[World]:
+    w = World(engine)
     yield w
     w.close()
 
 
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("op", list(ReduceOp))
-async def test_all_reduce(engine: Engine, world4: World, dtype: DType, op: ReduceOp) -> None:
-    inputs = [make_input(3, r, 1027, dtype.value, op.value) for r in range(4)]
-    bufs = {r: world4.region(x.tobytes()) for r, x in enumerate(inputs)}
-    await engine.communicator("c", 1, 4, range(4)).run(AllReduceOp(bufs, dtype, op))
+async def test_all_reduce(engine: Engine, world: World, dtype: DType, op: ReduceOp) -> None:
+    inputs = [make_input(3, r, 1027, dtype.value, op.value) for r in range(world.n)]
+    bufs = {r: world.region(x.tobytes(), rank=r) for r, x in enumerate(inputs)}
+    await world.communicator().run(AllReduceOp(bufs, dtype, op))
     want = reduce_reference(inputs, dtype.value, op.value).tobytes()
-    assert all(world4.io.read(b) == want for b in bufs.values())
+    assert all(world.io.read(b) == want for b in bufs.values())
 
 
 @pytest.mark.parametrize("nelem", [1, 65536 * 2 + 3, 3 * 1024 * 1024])
-async def test_all_reduce_sizes_cross_the_inline_and_chunk_limits(engine: Engine, world4: World,
+async def test_all_reduce_sizes_cross_the_inline_and_chunk_limits(engine: Engine, world: World,
                                                                   nelem: int) -> None:
-    inputs = [make_input(4, r, nelem, "bf16", "sum") for r in range(4)]
-    bufs = {r: world4.region(x.tobytes()) for r, x in enumerate(inputs)}
-    comm = engine.communicator("c", 1, 4, range(4))
+    inputs = [make_input(4, r, nelem, "bf16", "sum") for r in range(world.n)]
+    bufs = {r: world.region(x.tobytes(), rank=r) for r, x in enumerate(inputs)}
+    comm = world.communicator()
     await comm.run(AllReduceOp(bufs, DType.BF16, ReduceOp.SUM))
     want = reduce_reference(inputs, "bf16", "sum").tobytes()
-    assert all(world4.io.read(b) == want for b in bufs.values())
+    assert all(world.io.read(b) == want for b in bufs.values())
 
 
-async def test_rank_order_decides_float_sums(engine: Engine, world4: World) -> None:
-    inputs = [np.array([1e8, 1.0, -1e8, 3.0][r:] + [0.0] * r, np.float32) for r in range(4)]
-    bufs = {r: world4.region(inputs[r].tobytes()) for r in (3, 1, 0, 2)}  # given out of order
-    await engine.communicator("c", 1, 4, range(4)).run(AllReduceOp(bufs, DType.F32, ReduceOp.SUM))
+async def test_rank_order_decides_float_sums(engine: Engine, world: World) -> None:
+    inputs = [np.array([1e8, 1.0, -1e8, 3.0][r:] + [0.0] * r, np.float32) for r in range(world.n)]
+    order = [*range(1, world.n, 2), *range(0, world.n, 2)]  # given out of order
+    bufs = {r: world.region(inputs[r].tobytes(), rank=r) for r in order}
+    await world.communicator().run(AllReduceOp(bufs, DType.F32, ReduceOp.SUM))
     want = reduce_reference(inputs, "f32", "sum").tobytes()
-    assert all(world4.io.read(b) == want for b in bufs.values())
+    assert all(world.io.read(b) == want for b in bufs.values())
 
 
-async def test_all_gather(engine: Engine, world4: World) -> None:
-    parts = [make_input(5, r, 1001, "u8", "sum").tobytes() for r in range(4)]
-    sends = {r: world4.region(p) for r, p in enumerate(parts)}
-    recvs = {r: world4.region(b"", 4 * 1001) for r in range(4)}
-    await engine.communicator("c", 1, 4, range(4)).run(AllGatherOp(sends, recvs))
-    assert all(world4.io.read(r) == b"".join(parts) for r in recvs.values())
+async def test_all_gather(engine: Engine, world: World) -> None:
+    parts = [make_input(5, r, 1001, "u8", "sum").tobytes() for r in range(world.n)]
+    sends = {r: world.region(p, rank=r) for r, p in enumerate(parts)}
+    recvs = {r: world.region(b"", world.n * 1001, rank=r) for r in range(world.n)}
+    await world.communicator().run(AllGatherOp(sends, recvs))
+    assert all(world.io.read(r) == b"".join(parts) for r in recvs.values())
 
 
 @pytest.mark.parametrize("dtype,op", [(DType.U8, ReduceOp.SUM), (DType.BF16, ReduceOp.MAX),
                                       (DType.F64, ReduceOp.PROD)])
-async def test_reduce_scatter(engine: Engine, world4: World, dtype: DType, op: ReduceOp) -> None:
+async def test_reduce_scatter(engine: Engine, world: World, dtype: DType, op: ReduceOp) -> None:
     share = 700
-    inputs = [make_input(6, r, share * 4, dtype.value, op.value) for r in range(4)]
-    sends = {r: world4.region(x.tobytes()) for r, x in enumerate(inputs)}
-    recvs = {r: world4.region(b"", share * dtype.itemsize) for r in range(4)}
-    await engine.communicator("c", 1, 4, range(4)).run(ReduceScatterOp(sends, recvs, dtype, op))
+    inputs = [make_input(6, r, share * world.n, dtype.value, op.value) for r in range(world.n)]
+    sends = {r: world.region(x.tobytes(), rank=r) for r, x in enumerate(inputs)}
+    recvs = {r: world.region(b"", share * dtype.itemsize, rank=r) for r in range(world.n)}
+    await world.communicator().run(ReduceScatterOp(sends, recvs, dtype, op))
     full = reduce_reference(inputs, dtype.value, op.value)
     for r, region in recvs.items():
-        assert world4.io.read(region) == full[r * share:(r + 1) * share].tobytes()
+        assert world.io.read(region) == full[r * share:(r + 1) * share].tobytes()
 
 
-@pytest.mark.parametrize("root", [0, 3])
-async def test_broadcast(engine: Engine, world4: World, root: int) -> None:
-    parts = [make_input(7, r, 5000, "u8", "sum").tobytes() for r in range(4)]
-    bufs = {r: world4.region(p) for r, p in enumerate(parts)}
-    await engine.communicator("c", 1, 4, range(4)).run(BroadcastOp(bufs, root))
-    assert all(world4.io.read(b) == parts[root] for b in bufs.values())
+@pytest.mark.parametrize("last", [False, True])
+async def test_broadcast(engine: Engine, world: World, last: bool) -> None:
+    root = world.n - 1 if last else 0
+    parts = [make_input(7, r, 5000, "u8", "sum").tobytes() for r in range(world.n)]
+    bufs = {r: world.region(p, rank=r) for r, p in enumerate(parts)}
+    await world.communicator().run(BroadcastOp(bufs, root))
+    assert all(world.io.read(b) == parts[root] for b in bufs.values())
 
 
-async def test_transfer_and_barrier(engine: Engine, world4: World) -> None:
+async def test_transfer_and_barrier(engine: Engine, world: World) -> None:
     payload = make_input(8, 0, 3000, "u8", "sum").tobytes()
-    src, dst = world4.region(payload), world4.region(b"\x00" * 3000)
-    comm = engine.communicator("c", 1, 4, range(4))
-    await comm.run(TransferOp(1, src, 2, dst))
-    await comm.run(BarrierOp((0, 1, 2, 3)))
-    assert world4.io.read(dst) == payload
+    src, dst = world.region(payload, rank=1), world.region(b"\x00" * 3000, rank=0)
+    comm = world.communicator()
+    await comm.run(TransferOp(1, src, 0, dst))
+    await comm.run(BarrierOp(tuple(range(world.n))))
+    assert world.io.read(dst) == payload
 
 
-async def test_abort_fails_later_runs(engine: Engine, world4: World) -> None:
-    bufs = {r: world4.region(b"\x01\x00" * 8) for r in range(4)}
-    comm = engine.communicator("c", 1, 4, range(4))
+async def test_abort_fails_later_runs(engine: Engine, world: World) -> None:
+    bufs = {r: world.region(b"\x01\x00" * 8, rank=r) for r in range(world.n)}
+    comm = world.communicator()
     comm.abort()
     with pytest.raises(CallError) as info:
         await comm.run(AllReduceOp(bufs, DType.BF16, ReduceOp.SUM))

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Prepare what scripts/gpu_check.sh carries to the GPU machine (which has no network):
+# nccl4py and pytest-asyncio wheels for its Python 3.12 in .whl/, fallbacks for nccl4py's
+# cuda-core/cuda-pathfinder pins in .whl/fallback/, and ../shared/gpu/probe.py in .probe/.
+# Both folders are ignored by git (.git/info/exclude) and never committed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+for d in /.whl/ /.probe/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+mkdir -p .probe .whl/fallback
+cp ../shared/gpu/probe.py .probe/
+py=$(command -v python3)
+flags=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+"$py" -m pip download -q "${flags[@]}" -d .whl nccl4py==0.6.0 pytest-asyncio==1.5.0
+"$py" -m pip download -q "${flags[@]}" -d .whl/fallback cuda-core==1.2.2 cuda-pathfinder==1.9.0
+du -sh .whl .probe
+ls .whl .whl/fallback
