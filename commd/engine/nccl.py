@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from proto import DType, ErrorCode, MemKind, ReduceOp
+from proto import peer as p
 
 from ..errors import CallError
 from .base import (
@@ -111,8 +112,14 @@ class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, world: str, world_size: int,
-                 local_ranks: Sequence[int], devices: Mapping[int, int], unique_id: bytes) -> None:
+                 local_ranks: Sequence[int], devices: Mapping[int, int], unique_id: bytes,
+                 net: WorldNet | None = None) -> None:
         self._gpu = gpu
+        # NCCL moves the data; the daemons' links only carry each collective's fingerprint
+        # to the root, so that ranks calling different things fail as a mismatch, not a hang.
+        self._net = net if net is not None and net.members() else None
+        self._inbox = net.inbox if net is not None else None  # this epoch's (see NetRunner)
+        self._epoch = net.epoch if net is not None else 0
         self._waiters = waiters
         self._world = world
         self._ranks = tuple(local_ranks)
@@ -152,7 +159,11 @@ class NcclCommunicator:
         try:
             touched = self._launch(op)
             await self._settle()
-            await self._complete(touched)
+            verdict = self._compare(op)
+            if verdict is None:
+                await self._complete(touched)
+            else:
+                await self._complete_unless_mismatched(touched, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         finally:
             self._running -= 1
@@ -220,6 +231,46 @@ class NcclCommunicator:
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
         return sorted({rank for rank, _ in calls})
+
+    def _compare(self, op: EngineOp) -> Coroutine[None, None, None] | None:
+        """Across daemons: members send the root the fingerprint of each collective; the
+        root gets a coroutine that compares every member's with its own."""
+        net, inbox = self._net, self._inbox
+        if net is None or inbox is None or isinstance(op, TransferOp | SendOp | RecvOp):
+            return None
+        tag = op.tag
+        if not net.is_root:
+            net.send("root", p.Data(net.world, self._epoch, "check", tag.index, 0, min(self._ranks),
+                                    tag.fingerprint))
+            return None
+
+        async def compare() -> None:
+            for member in net.members():
+                source = min(net.ranks_of(member))
+                msg, _ = await inbox.get(("check", tag.index, 0, source))
+                if msg.fingerprint != tag.fingerprint:
+                    raise CallError(ErrorCode.MISMATCH,
+                                    f"mismatched collective call {tag.index}: rank {min(self._ranks)} called "
+                                    f"{tag.fingerprint}, rank {source} called {msg.fingerprint}")
+
+        return compare()
+
+    async def _complete_unless_mismatched(self, ranks: Iterable[int],
+                                          verdict: Coroutine[None, None, None]) -> None:
+        """Wait for the device and for the members' fingerprints. On a mismatch NCCL may
+        wait forever (or run calls that differ): abort it, and let go of the memory only
+        once the device is done with it."""
+        device = asyncio.ensure_future(self._complete(ranks))
+        compared = asyncio.ensure_future(verdict)
+        await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
+        if compared.done() and compared.exception() is not None:
+            self.abort()
+            await asyncio.wait({device})
+            if not device.cancelled():
+                device.exception()  # the aborted op's own error says less than the mismatch
+            compared.result()
+        await device
+        await compared
 
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
@@ -357,7 +408,7 @@ class NcclEngine:
                                                   f"root's NCCL id")
             unique_id = self.unique_id()
         return NcclCommunicator(self.gpu, self._waiters, world, world_size, local_ranks,
-                                devices or {}, unique_id)
+                                devices or {}, unique_id, net)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)

@@ -10,10 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, RecvOp, SendOp
+from commd.cluster import Inbox
+from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, RecvOp, SendOp
 from commd.engine.nccl import NcclEngine, NcclMapping, NcclRegion
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
+from proto import peer as p
 from tests.contract.fakegpu import FakeGpu
 
 pytestmark = pytest.mark.timeout(30)
@@ -159,3 +161,86 @@ async def test_zero_byte_ops_pass_null_pointers(engine: NcclEngine, gpu: FakeGpu
     comm = engine.communicator("w", 1, 1, [0])
     await comm.run(AllReduceOp({0: EMPTY}, DType.BF16, ReduceOp.SUM))
     assert isinstance(ipc_mapping(engine, gpu, b"x").region(0, 1), NcclRegion)
+
+
+class PairNet:
+    """The two daemons' view of a world across them, linked in memory: what the NCCL
+    communicator uses of a WorldNet (the fingerprints travel over it, the data does not)."""
+
+    def __init__(self, me: str, placement: tuple[str, ...]) -> None:
+        self.world, self.epoch, self.me, self.placement = "w", 1, me, placement
+        self.inbox = Inbox()
+        self.other: PairNet | None = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.me == self.placement[0]
+
+    def members(self) -> list[str]:
+        return sorted(set(self.placement) - {self.placement[0]})
+
+    def ranks_of(self, daemon: str) -> tuple[int, ...]:
+        return tuple(r for r, d in enumerate(self.placement) if d == daemon)
+
+    def send(self, daemon: str, msg: p.Data, payload: bytes = b"") -> None:
+        assert self.other is not None
+        self.other.inbox.deliver(msg, payload)
+
+
+def across_two_daemons(gpu: FakeGpu) -> tuple[NcclEngine, NcclEngine, PairNet, PairNet]:
+    root, member = NcclEngine(gpu), NcclEngine(gpu)
+    placement = ("A", "B")
+    a, b = PairNet("A", placement), PairNet("B", placement)
+    a.other, b.other = b, a
+    return root, member, a, b
+
+
+async def test_fingerprints_cross_to_the_root_and_a_mismatch_fails_it(gpu: FakeGpu) -> None:
+    root, member, a, b = across_two_daemons(gpu)
+    try:
+        uid = root.unique_id()
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
+        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
+        x = ipc_mapping(root, gpu, b"\x02" * 8).region(0, 8)
+        y = ipc_mapping(member, gpu, b"\x03" * 8).region(0, 8)
+        same = CallTag(0, "all_reduce(bytes=8, dtype=u8, op=sum)")
+        await asyncio.gather(ca.run(AllReduceOp({0: x}, DType.U8, ReduceOp.SUM, same)),
+                             cb.run(AllReduceOp({1: y}, DType.U8, ReduceOp.SUM, same)))
+        assert gpu.read(x.ptr, 8) == gpu.read(y.ptr, 8) == b"\x05" * 8
+        # call 1: the same bytes to NCCL, but the ranks meant different calls (a u8 sum and
+        # a u8 max of the same size): NCCL runs it; the root's comparison fails it
+        mine = CallTag(1, "all_reduce(bytes=8, dtype=u8, op=sum)")
+        theirs = CallTag(1, "all_reduce(bytes=8, dtype=u8, op=max)")
+        outcomes = await asyncio.gather(ca.run(AllReduceOp({0: x}, DType.U8, ReduceOp.SUM, mine)),
+                                        cb.run(AllReduceOp({1: y}, DType.U8, ReduceOp.MAX, theirs)),
+                                        return_exceptions=True)
+        assert isinstance(outcomes[0], CallError) and outcomes[0].code is ErrorCode.MISMATCH
+        assert "rank 0 called all_reduce(bytes=8, dtype=u8, op=sum), rank 1 called" in outcomes[0].message
+    finally:
+        root.close()
+        member.close()
+
+
+async def test_a_mismatch_that_would_hang_nccl_is_aborted(gpu: FakeGpu) -> None:
+    """The member called something else, which NCCL would wait on forever: the root
+    aborts its communicator, lets the device finish, and reports the mismatch."""
+    root, member, a, b = across_two_daemons(gpu)
+    try:
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=root.unique_id())  # type: ignore[arg-type]
+        mapping = ipc_mapping(root, gpu, b"\x01" * 4)
+        tag = CallTag(0, "all_reduce(bytes=4, dtype=u8, op=sum)")
+        run = asyncio.ensure_future(ca.run(AllReduceOp({0: mapping.region(0, 4)}, DType.U8, ReduceOp.SUM,
+                                                       tag)))
+        await asyncio.sleep(0.2)
+        assert not run.done()  # waiting on the device for rank 1
+        before = gpu.allocations
+        mapping.close()  # its memory stays until the aborted op is over
+        b.send("root", p.Data("w", 1, "check", 0, 0, 1, "broadcast(bytes=4, root=1)"))
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(run, 5)
+        assert info.value.code is ErrorCode.MISMATCH and "rank 1 called broadcast" in info.value.message
+        assert gpu.allocations == before - 1
+        assert ca.async_error() is None  # aborted: nothing more to report
+    finally:
+        root.close()
+        member.close()
