@@ -119,20 +119,22 @@ class FakeGpu:
         return self.devices
 
     def _new(self, buf: bytearray, device: int) -> int:
-        base = self._next_ptr
-        self._next_ptr += (len(buf) + 0xFFFF) & ~0xFFF
-        self._allocs[base] = (buf, device)
-        bisect.insort(self._bases, base)
-        return base
+        with self._cv:  # workers' threads and the daemon's share the device
+            base = self._next_ptr
+            self._next_ptr += (len(buf) + 0xFFFF) & ~0xFFF
+            self._allocs[base] = (buf, device)
+            bisect.insort(self._bases, base)
+            return base
 
     def _find(self, ptr: int, nbytes: int) -> tuple[bytearray, int]:
         if nbytes == 0:
             return bytearray(), 0  # NCCL touches no memory for a zero count, so any pointer goes
-        i = bisect.bisect_right(self._bases, ptr) - 1
-        if i < 0:
-            raise GpuError(f"illegal address {ptr:#x}")
-        base = self._bases[i]
-        buf, _ = self._allocs[base]
+        with self._cv:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            if i < 0:
+                raise GpuError(f"illegal address {ptr:#x}")
+            base = self._bases[i]
+            buf, _ = self._allocs[base]
         if ptr + nbytes > base + len(buf):
             raise GpuError(f"illegal address: [{ptr:#x}, +{nbytes}) leaves its allocation")
         return buf, ptr - base
@@ -141,10 +143,11 @@ class FakeGpu:
         buf, device = self._allocs[base]
         if size > len(buf):
             raise GpuError(f"the allocation holds {len(buf)} bytes, not {size}")
-        alias = self._next_ptr
-        self._next_ptr += (len(buf) + 0xFFFF) & ~0xFFF
-        self._allocs[alias] = (buf, device)  # the same bytes at another address, as IPC maps them
-        bisect.insort(self._bases, alias)
+        with self._cv:
+            alias = self._next_ptr
+            self._next_ptr += (len(buf) + 0xFFFF) & ~0xFFF
+            self._allocs[alias] = (buf, device)  # the same bytes at another address, as IPC maps them
+            bisect.insort(self._bases, alias)
         return Imported(alias, size, device, origin)
 
     def ipc_open(self, handle: bytes, size: int) -> Imported:
@@ -161,10 +164,11 @@ class FakeGpu:
         return self._alias(base, size, Origin.VMM)
 
     def release(self, memory: Imported) -> None:
-        if memory.ptr not in self._allocs:
-            raise GpuError(f"release of unknown memory {memory.ptr:#x}")
-        del self._allocs[memory.ptr]
-        self._bases.remove(memory.ptr)
+        with self._cv:
+            if memory.ptr not in self._allocs:
+                raise GpuError(f"release of unknown memory {memory.ptr:#x}")
+            del self._allocs[memory.ptr]
+            self._bases.remove(memory.ptr)
 
     def alloc(self, nbytes: int, device: int) -> Imported:
         return Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.PLAIN)
