@@ -35,6 +35,8 @@ from .messages import (
     SetAddKernel,
     StatusQuery,
     StatusReport,
+    StreamEvents,
+    StreamSubmit,
     Submit,
     SymAlloc,
     SymFree,
@@ -48,6 +50,6 @@ __all__ = [
     "ErrorCode", "Event", "EventKind", "Forget", "Hello", "Import", "InvalidMessage", "Mem",
     "MemKind", "Message", "MessageTooLarge", "Ok", "Op", "ProtoError", "Recv", "Reconnect",
     "ReduceOp", "ReduceScatter", "Register", "Reply", "Request", "Role", "Send",
-    "SetAddKernel", "State", "StateError", "StatusQuery", "StatusReport", "Submit",
-    "SymAlloc", "SymFree", "Welcome", "decode", "encode", "expected_fds",
+    "SetAddKernel", "State", "StateError", "StatusQuery", "StatusReport", "StreamEvents",
+    "StreamSubmit", "Submit", "SymAlloc", "SymFree", "Welcome", "decode", "encode", "expected_fds",
 ]

@@ -31,6 +31,8 @@ TAGS: dict[type, str] = {
     m.Import: "import",
     m.Forget: "forget",
     m.Submit: "submit",
+    m.StreamEvents: "stream_events",
+    m.StreamSubmit: "stream_submit",
     m.Register: "register",
     m.Deregister: "deregister",
     m.SymAlloc: "sym_alloc",

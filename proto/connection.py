@@ -36,8 +36,8 @@ class State(enum.Enum):
 
 
 _READY_REQUESTS: frozenset[type] = frozenset(
-    {m.Import, m.Forget, m.Submit, m.Register, m.Deregister, m.SymAlloc, m.SymFree,
-     m.SetAddKernel, m.Reconnect, m.StatusQuery}
+    {m.Import, m.Forget, m.Submit, m.StreamEvents, m.StreamSubmit, m.Register, m.Deregister,
+     m.SymAlloc, m.SymFree, m.SetAddKernel, m.Reconnect, m.StatusQuery}
 )
 _LEGAL: dict[tuple[Role, State], frozenset[type]] = {
     (Role.CLIENT, State.AWAIT_HELLO): frozenset({m.Hello, m.StatusQuery}),

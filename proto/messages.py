@@ -235,12 +235,54 @@ class Submit:
     ops: tuple[Op, ...]
 
     def __post_init__(self) -> None:
+        _check_submit(self.id, self.ops)
+
+
+def _check_submit(request_id: int, ops: tuple[Op, ...]) -> None:
+    _positive("id", request_id)
+    if not 0 < len(ops) <= MAX_GROUP_OPS:
+        raise InvalidMessage(f"a submit carries 1..{MAX_GROUP_OPS} ops")
+    for op in ops:
+        if not isinstance(op, OP_TYPES):
+            raise InvalidMessage(f"{type(op).__name__} is not an op")
+
+
+IPC_EVENT_BYTES = 64  # a cudaIpcEventHandle_t
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvents:
+    """A worker's two interprocess CUDA events for its calls that follow `stream` (DESIGN
+    §5): it records `ready` on the stream before each such call, the daemon's stream waits
+    for it before the op and records `done` after it, for the worker's stream to wait on."""
+
+    id: int
+    stream: int  # the worker's stream handle: only a name for the pair here
+    ready: bytes
+    done: bytes
+
+    def __post_init__(self) -> None:
         _positive("id", self.id)
-        if not 0 < len(self.ops) <= MAX_GROUP_OPS:
-            raise InvalidMessage(f"a submit carries 1..{MAX_GROUP_OPS} ops")
-        for op in self.ops:
-            if not isinstance(op, OP_TYPES):
-                raise InvalidMessage(f"{type(op).__name__} is not an op")
+        _u64("stream", self.stream)
+        for name in ("ready", "done"):
+            if len(getattr(self, name)) != IPC_EVENT_BYTES:
+                raise InvalidMessage(f"{name} must be a {IPC_EVENT_BYTES}-byte CUDA IPC event handle")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSubmit:
+    """A Submit ordered on the worker's `stream` through its StreamEvents. `early`: reply
+    once the ops are ordered on the device (all_reduce_async, send_to, recv_from), not
+    once they are done; a later failure then fails the world."""
+
+    id: int
+    ops: tuple[Op, ...]
+    stream: int
+    early: bool = False
+
+    def __post_init__(self) -> None:
+        _check_submit(self.id, self.ops)
+        _u64("stream", self.stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,8 +431,8 @@ class StatusReport:
 
 
 Request = (
-    Hello | Import | Forget | Submit | Register | Deregister | SymAlloc | SymFree | SetAddKernel
-    | Reconnect | StatusQuery
+    Hello | Import | Forget | Submit | StreamEvents | StreamSubmit | Register | Deregister | SymAlloc
+    | SymFree | SetAddKernel | Reconnect | StatusQuery
 )
 Reply = Welcome | Ok | Error | Event | StatusReport
 Message = Request | Reply

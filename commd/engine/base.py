@@ -152,6 +152,20 @@ def op_nbytes(op: EngineOp) -> int:
     return max((r.nbytes for r in bufs.values()), default=0)
 
 
+class EventPair(Protocol):
+    """A worker's ready/done events, opened by the engine (see `proto.StreamEvents`)."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """How an op is ordered with its workers' streams (host memory has none)."""
+
+    events: Mapping[int, EventPair]  # local rank -> its worker's events for this call
+    early: bool = False  # answer the op's calls once it is ordered on the device, not done
+
+
 class Communicator(Protocol):
     """One world's communicator for one epoch, over the ranks local to this daemon."""
 
@@ -160,8 +174,9 @@ class Communicator(Protocol):
         False (nothing done) if it must go through `run`. Saves a task hop per small call."""
         ...
 
-    async def run(self, op: EngineOp) -> None:
-        """Run one matched op to completion; raises CallError on failure."""
+    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+        """Run one matched op to completion, or with `order.early` until it is ordered on
+        the device (a later failure is then an `async_error`); raises CallError."""
         ...
 
     def abort(self) -> None:
@@ -181,6 +196,11 @@ class Engine(Protocol):
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> MemoryMapping:
         """Open a worker's allocation; takes ownership of `fd`. CallError on refusal."""
+        ...
+
+    def import_events(self, ready: bytes, done: bytes) -> EventPair:
+        """Open a worker's interprocess events; CallError(MISUSE) from an engine without
+        streams."""
         ...
 
     def allocate(self, nbytes: int, device: int | None = None) -> tuple[MemoryMapping, int]:
@@ -207,6 +227,6 @@ class Engine(Protocol):
 
 __all__ = [
     "EMPTY", "NO_TAG", "AllGatherOp", "AllReduceOp", "BarrierOp", "BroadcastOp", "CallError", "CallTag",
-    "Communicator", "Engine", "EngineOp", "MemoryMapping", "RecvOp", "ReduceScatterOp", "Region",
-    "SendOp", "TransferOp", "op_nbytes",
+    "Communicator", "Engine", "EngineOp", "EventPair", "MemoryMapping", "Order", "RecvOp",
+    "ReduceScatterOp", "Region", "SendOp", "TransferOp", "op_nbytes",
 ]

@@ -94,6 +94,14 @@ class Gpu(Protocol):
 
     def event_record(self, event: int, stream: int) -> None: ...
 
+    def event_open(self, handle: bytes) -> int:
+        """A worker's interprocess event (64-byte cudaIpcEventHandle_t), opened here."""
+        ...
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work queued on `stream` from now on waits for `event`'s latest record."""
+        ...
+
     def event_wait(self, event: int) -> None:
         """Block the calling thread (never the event loop's) until the event completed."""
         ...
@@ -292,6 +300,15 @@ class BindingsGpu:
 
     def event_wait(self, event: int) -> None:
         self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def event_open(self, handle: bytes) -> int:
+        ipc = self._cu.CUipcEventHandle()
+        ctypes.memmove(ipc.getPtr(), handle, 64)
+        self.use_device(0)  # any context opens it
+        return int(self._check(self._cu.cuIpcOpenEventHandle(ipc), "cuIpcOpenEventHandle"))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._check(self._cu.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
 
     def unique_id(self) -> bytes:
         return bytes(self._nccl_call("ncclGetUniqueId", self._nccl.get_unique_id))

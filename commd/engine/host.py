@@ -31,6 +31,8 @@ from .base import (
     BarrierOp,
     BroadcastOp,
     EngineOp,
+    EventPair,
+    Order,
     ReduceScatterOp,
     Region,
     TransferOp,
@@ -254,7 +256,7 @@ class HostCommunicator:
             job()
         return True
 
-    async def run(self, op: EngineOp) -> None:
+    async def run(self, op: EngineOp, order: Order | None = None) -> None:
         if self.try_inline(op):
             return
         self._check()
@@ -294,6 +296,9 @@ class HostEngine:
                 os.close(fd)
             raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
         return HostMapping(fd, size, self.lingering)
+
+    def import_events(self, ready: bytes, done: bytes) -> EventPair:
+        raise CallError(ErrorCode.MISUSE, "the host engine has no streams: stream events need a GPU engine")
 
     def allocate(self, nbytes: int, device: int | None = None) -> tuple[HostMapping, int]:
         try:

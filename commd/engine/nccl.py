@@ -31,6 +31,7 @@ from .base import (
     BarrierOp,
     BroadcastOp,
     EngineOp,
+    Order,
     RecvOp,
     ReduceScatterOp,
     Region,
@@ -108,6 +109,20 @@ class NcclMapping:
             self._gpu.release(memory)
 
 
+class NcclEvents:
+    """A worker's ready and done events, opened in the daemon."""
+
+    def __init__(self, gpu: Gpu, ready: int, done: int) -> None:
+        self._gpu = gpu
+        self.ready = ready
+        self.done = done
+
+    def close(self) -> None:
+        # CUDA lets an event go once work recorded on it is done, so this is safe mid-op.
+        for event in (self.ready, self.done):
+            self._gpu.event_destroy(event)
+
+
 class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
@@ -125,7 +140,8 @@ class NcclCommunicator:
         self._ranks = tuple(local_ranks)
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
         self._aborted = False
-        self._failure: str | None = None
+        self._failure: str | None = None  # of an op answered before it was done
+        self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
         self._running = 0
         self._streams: dict[int, int] = {}
         self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
@@ -149,28 +165,61 @@ class NcclCommunicator:
     def try_inline(self, op: EngineOp) -> bool:
         return False  # every op goes to the device, and its completion is awaited off the loop
 
-    async def run(self, op: EngineOp) -> None:
+    async def run(self, op: EngineOp, order: Order | None = None) -> None:
         self._check()
         await self._settle()  # a fresh communicator finishes its (non-blocking) init first
         regions = _regions(op)
-        for region in regions:
-            region.mapping.hold()
-        self._running += 1
+        self._hold(regions)
         try:
-            touched = self._launch(op)
+            touched = self._launch(op, order)
             await self._settle()
             verdict = self._compare(op)
+            if order is not None:  # the workers' streams wait for this, not for our reply
+                for rank in touched:
+                    pair = order.events.get(rank)
+                    if isinstance(pair, NcclEvents):
+                        self._gpu.event_record(pair.done, self._streams[rank])
+        except BaseException:
+            self._let_go(regions)
+            raise
+        finished = self._finish(touched, verdict, regions)
+        if order is None or not order.early:
+            await finished
+            return
+        # Ordered: the calls are answered now; what goes wrong later fails the world.
+        task = asyncio.get_running_loop().create_task(finished)
+        self._later.add(task)
+        task.add_done_callback(self._landed)
+
+    async def _finish(self, touched: list[int], verdict: Coroutine[None, None, None] | None,
+                      regions: list[NcclRegion]) -> None:
+        try:
             if verdict is None:
                 await self._complete(touched)
             else:
                 await self._complete_unless_mismatched(touched, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         finally:
-            self._running -= 1
-            for region in regions:
-                region.mapping.let_go()
-            if self._aborted and self._running == 0:
-                self._teardown()
+            self._let_go(regions)
+
+    def _landed(self, task: asyncio.Task[None]) -> None:
+        """An op answered early finished: its failure is the world's (see async_error)."""
+        self._later.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._aborted:
+            exc = task.exception()
+            self._failure = exc.message if isinstance(exc, CallError) else f"{type(exc).__name__}: {exc}"
+
+    def _hold(self, regions: list[NcclRegion]) -> None:
+        for region in regions:
+            region.mapping.hold()
+        self._running += 1
+
+    def _let_go(self, regions: list[NcclRegion]) -> None:
+        self._running -= 1
+        for region in regions:
+            region.mapping.let_go()
+        if self._aborted and self._running == 0:
+            self._teardown()
 
     def abort(self) -> None:
         if self._aborted:
@@ -186,6 +235,8 @@ class NcclCommunicator:
     def async_error(self) -> str | None:
         if self._aborted:
             return None
+        if self._failure is not None:
+            return self._failure
         for rank, comm in self._comms.items():
             state, why = self._gpu.comm_state(comm)
             if state is CommState.FAILED:
@@ -215,12 +266,17 @@ class NcclCommunicator:
             await asyncio.sleep(pause)
             pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
 
-    def _launch(self, op: EngineOp) -> list[int]:
-        """Enqueue the op's NCCL calls, all local ranks in one group; the ranks whose
-        streams got work."""
+    def _launch(self, op: EngineOp, order: Order | None = None) -> list[int]:
+        """Enqueue the op's NCCL calls, all local ranks in one group, each behind its
+        worker's ready event if it has one; the ranks whose streams got work."""
         calls = self._calls(op)
         gpu = self._gpu
         try:
+            if order is not None:
+                for rank in {rank for rank, _ in calls}:
+                    pair = order.events.get(rank)
+                    if isinstance(pair, NcclEvents):
+                        gpu.stream_wait_event(self._streams[rank], pair.ready)
             gpu.group_start()
             try:
                 for rank, call in calls:
@@ -384,6 +440,17 @@ class NcclEngine:
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def import_events(self, ready: bytes, done: bytes) -> NcclEvents:
+        try:
+            first = self.gpu.event_open(ready)
+            try:
+                return NcclEvents(self.gpu, first, self.gpu.event_open(done))
+            except GpuError:
+                self.gpu.event_destroy(first)
+                raise
+        except GpuError as exc:
+            raise CallError(ErrorCode.MISUSE, f"cannot open the worker's CUDA events: {exc}") from None
 
     def allocate(self, nbytes: int, device: int | None = None) -> tuple[NcclMapping, int]:
         try:

@@ -66,6 +66,23 @@ class _Mark:
     generation: int
 
 
+@dataclass
+class _Wait:
+    """The stream waits until the event reaches this record (cuStreamWaitEvent)."""
+
+    event: int
+    generation: int
+
+
+@dataclass
+class _Kernel:
+    """A worker's kernel: writes `data` at `ptr` once the test lets it run."""
+
+    ptr: int
+    data: bytes
+    released: bool = False
+
+
 class FakeGpu:
     def __init__(self, devices: int = 1, init_polls: int = 2) -> None:
         self.devices = devices
@@ -75,7 +92,8 @@ class FakeGpu:
         self._allocs: dict[int, tuple[bytearray, int]] = {}  # base -> (bytes, device)
         self._next_ptr = 0x7F00_0000_0000
         self._ids = itertools.count(1)
-        self._streams: dict[int, deque[_Work | _Mark]] = {}
+        self._streams: dict[int, deque[_Work | _Mark | _Wait | _Kernel]] = {}
+        self._event_handles: dict[bytes, int] = {}  # IPC handle -> the worker's event
         self._recorded: dict[int, int] = {}
         self._reached: dict[int, int] = {}
         self._comms: dict[int, _Comm] = {}
@@ -98,6 +116,28 @@ class FakeGpu:
         info = os.fstat(fd)
         self._vmm[(info.st_dev, info.st_ino)] = ptr
         return fd
+
+    def worker_stream(self) -> int:
+        return self.stream_create(0)
+
+    def worker_event(self) -> tuple[int, bytes]:
+        """An interprocess event of the worker, and its IPC handle."""
+        event = self.event_create(0)
+        handle = os.urandom(64)
+        self._event_handles[handle] = event
+        return event, handle
+
+    def worker_kernel(self, stream: int, ptr: int, data: bytes) -> _Kernel:
+        """A long kernel on the worker's stream that writes `data` at `ptr` when released."""
+        kernel = _Kernel(ptr, data)
+        with self._cv:
+            self._streams[stream].append(kernel)
+        return kernel
+
+    def finish_kernel(self, kernel: _Kernel) -> None:
+        with self._cv:
+            kernel.released = True
+            self._progress()
 
     def fail(self, rank: int, why: str) -> None:
         """NCCL's async error on rank `rank`'s communicators."""
@@ -208,6 +248,17 @@ class FakeGpu:
             self._streams[stream].append(_Mark(event, self._recorded[event]))
             self._progress()
 
+    def event_open(self, handle: bytes) -> int:
+        event = self._event_handles.get(bytes(handle))
+        if event is None:
+            raise GpuError("cuIpcOpenEventHandle: invalid handle")
+        return event  # one process here: the opened event is the worker's own
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        with self._cv:
+            self._streams[stream].append(_Wait(event, self._recorded[event]))
+            self._progress()
+
     def event_wait(self, event: int) -> None:
         with self._cv:
             want = self._recorded[event]
@@ -311,15 +362,15 @@ class FakeGpu:
             moved = False
             heads: dict[tuple[object, ...], list[tuple[int, _Work]]] = {}
             for stream, queue in self._streams.items():
-                while queue and (isinstance(queue[0], _Mark) or queue[0].comm.aborted):
+                while queue and self._passes(queue[0]):
                     item = queue.popleft()  # work of an aborted communicator never runs
                     if isinstance(item, _Mark):
                         self._reached[item.event] = max(self._reached.get(item.event, 0), item.generation)
+                    elif isinstance(item, _Kernel):
+                        self.copy_in(item.ptr, item.data)
                     moved = True
-                if queue:
-                    head = queue[0]
-                    assert isinstance(head, _Work)
-                    heads.setdefault(head.key, []).append((stream, head))
+                if queue and isinstance(queue[0], _Work):  # else it waits on an event or a kernel
+                    heads.setdefault(queue[0].key, []).append((stream, queue[0]))
             for key, works in heads.items():
                 expected = 2 if key[1] == "p2p" else works[0][1].comm.size
                 if len(works) == expected:
@@ -328,6 +379,16 @@ class FakeGpu:
                         self._streams[stream].popleft()
                     moved = True
         self._cv.notify_all()
+
+    def _passes(self, item: _Work | _Mark | _Wait | _Kernel) -> bool:
+        """Whether a stream's head item is done as soon as the stream gets to it."""
+        if isinstance(item, _Mark):
+            return True
+        if isinstance(item, _Wait):
+            return self._reached.get(item.event, item.generation) >= item.generation
+        if isinstance(item, _Kernel):
+            return item.released
+        return item.comm.aborted
 
     def _execute(self, works: list[_Work]) -> None:
         works.sort(key=lambda w: w.comm.rank)

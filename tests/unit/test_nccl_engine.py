@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from commd.cluster import Inbox
-from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, RecvOp, SendOp
-from commd.engine.nccl import NcclEngine, NcclMapping, NcclRegion
+from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, Order, RecvOp, SendOp
+from commd.engine.nccl import NcclEngine, NcclEvents, NcclMapping, NcclRegion
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p
@@ -244,3 +244,57 @@ async def test_a_mismatch_that_would_hang_nccl_is_aborted(gpu: FakeGpu) -> None:
     finally:
         root.close()
         member.close()
+
+
+def worker_events(engine: NcclEngine, gpu: FakeGpu) -> tuple[int, int, NcclEvents]:
+    ready, ready_handle = gpu.worker_event()
+    done, done_handle = gpu.worker_event()
+    return ready, done, engine.import_events(ready_handle, done_handle)
+
+
+async def test_an_op_waits_for_the_workers_kernel_and_its_stream_for_the_op(engine: NcclEngine,
+                                                                           gpu: FakeGpu) -> None:
+    """The ordering proof on the fake device: rank 0's long kernel writes its buffer right
+    before all_reduce_async; the sum includes that write, the call is answered before the
+    op is done, and the worker's stream waits for the op."""
+    comm = engine.communicator("w", 1, 2, [0, 1])
+    streams = [gpu.worker_stream(), gpu.worker_stream()]
+    ptrs = [gpu.worker_alloc(b"\x00" * 4), gpu.worker_alloc(b"\x01" * 4)]
+    regions = {r: engine.import_memory(MemKind.CUDA_IPC, 4, gpu.export_ipc(ptr), None).region(0, 4)
+               for r, ptr in enumerate(ptrs)}
+    events = [worker_events(engine, gpu) for _ in range(2)]
+    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x07" * 4)  # still running at the call
+    for r in range(2):
+        gpu.event_record(events[r][0], streams[r])
+    order = Order({r: events[r][2] for r in range(2)}, early=True)
+    await asyncio.wait_for(comm.run(AllReduceOp(regions, DType.U8, ReduceOp.SUM), order), 5)  # ordered
+    after = gpu.worker_kernel(streams[0], ptrs[0], b"\x09" * 4)  # rank 0's next kernel...
+    gpu.stream_wait_event(streams[0], events[0][1])  # ...behind the op (what the client does)
+    assert [gpu.read(p, 4) for p in ptrs] == [b"\x00" * 4, b"\x01" * 4]  # the op waits for the kernel
+    gpu.finish_kernel(kernel)
+    await asyncio.sleep(0.1)
+    assert [gpu.read(p, 4) for p in ptrs] == [b"\x08" * 4] * 2  # 7 + 1: the sum saw the kernel's write
+    gpu.finish_kernel(after)
+    assert gpu.read(ptrs[0], 4) == b"\x09" * 4
+    assert comm.async_error() is None
+
+
+async def test_a_failure_after_an_early_answer_is_the_worlds(gpu: FakeGpu) -> None:
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0], unique_id=engine.unique_id())  # rank 1 never comes
+        region = ipc_mapping(engine, gpu, b"\x01" * 4).region(0, 4)
+        _, _, pair = worker_events(engine, gpu)
+        await asyncio.wait_for(comm.run(AllReduceOp({0: region}, DType.U8, ReduceOp.SUM),
+                                        Order({0: pair}, early=True)), 5)
+        assert comm.async_error() is None  # still waiting on the device for rank 1
+        gpu.fail(0, "ncclRemoteError: rank 1's node went away")
+        assert comm.async_error() is not None and "rank 1's node went away" in str(comm.async_error())
+    finally:
+        engine.close()
+
+
+def test_worker_events_that_do_not_open_are_misuse(engine: NcclEngine) -> None:
+    with pytest.raises(CallError) as info:
+        engine.import_events(bytes(64), bytes(64))
+    assert info.value.code is ErrorCode.MISUSE and "CUDA events" in info.value.message

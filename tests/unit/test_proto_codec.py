@@ -45,6 +45,8 @@ from proto import (
     SetAddKernel,
     StatusQuery,
     StatusReport,
+    StreamEvents,
+    StreamSubmit,
     Submit,
     SymAlloc,
     SymFree,
@@ -117,6 +119,10 @@ EXAMPLES: tuple[Any, ...] = (
     Forget(tuple(range(1, proto.MAX_GROUP_OPS + 1))),
     Submit(5, (AllReduce(Mem(1, 0), 8),)),
     Submit(6, ALL_OPS),
+    StreamEvents(16, 0, b"\x01" * 64, b"\xfe" * 64),
+    StreamEvents(17, U64_MAX, bytes(64), bytes(range(64))),
+    StreamSubmit(18, (AllReduce(Mem(1, 0), 8),), 0),
+    StreamSubmit(U64_MAX, ALL_OPS, U64_MAX, early=True),
     Register(7, M, 4096),
     Register(8, Mem(1, 0), 0),
     Deregister(9, 0),
@@ -149,7 +155,7 @@ def test_examples_cover_every_tag() -> None:
     assert seen == set(TAGS) - set(PEER_MESSAGES)
     assert set(MESSAGE_TYPES) == {type(msg) for msg in EXAMPLES}
     assert {type(op) for op in ALL_OPS} == set(OP_TYPES)
-    assert len(TAGS) == len(set(TAGS.values())) == 23 + len(PEER_MESSAGES)
+    assert len(TAGS) == len(set(TAGS.values())) == 25 + len(PEER_MESSAGES)
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -353,6 +359,9 @@ messages: st.SearchStrategy[Any] = st.one_of(
     st.builds(Import, pos, pos, st.sampled_from(MemKind), pos, st.binary(max_size=256)),
     st.builds(Forget, st.lists(pos, min_size=1, max_size=32).map(tuple)),
     st.builds(Submit, pos, st.lists(ops, min_size=1, max_size=6).map(tuple)),
+    st.builds(StreamEvents, pos, u64, st.binary(min_size=64, max_size=64),
+              st.binary(min_size=64, max_size=64)),
+    st.builds(StreamSubmit, pos, st.lists(ops, min_size=1, max_size=6).map(tuple), u64, st.booleans()),
     st.builds(Register, pos, mems, u64),
     st.builds(Deregister, pos, u64),
     st.builds(SymAlloc, pos, pos, pos),

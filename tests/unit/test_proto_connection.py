@@ -34,6 +34,8 @@ from proto import (
     StateError,
     StatusQuery,
     StatusReport,
+    StreamEvents,
+    StreamSubmit,
     Submit,
     SymAlloc,
     SymFree,
@@ -54,6 +56,8 @@ EXAMPLE: dict[type, Any] = {
     Import: Import(2, 1, MemKind.HOST, 4096),
     Forget: Forget((1,)),
     Submit: Submit(3, (AllReduce(Mem(1, 0), 4096),)),
+    StreamEvents: StreamEvents(11, 5, bytes(64), bytes(64)),
+    StreamSubmit: StreamSubmit(12, (Barrier(),), 5, early=True),
     Register: Register(4, Mem(1, 0), 64),
     Deregister: Deregister(5, 1),
     SymAlloc: SymAlloc(6, 2, 4096),
@@ -68,8 +72,8 @@ EXAMPLE: dict[type, Any] = {
     StatusReport: StatusReport(10, {"connections": 1}),
 }
 
-READY_REQUESTS = {Import, Forget, Submit, Register, Deregister, SymAlloc, SymFree, SetAddKernel,
-                  Reconnect, StatusQuery}
+READY_REQUESTS = {Import, Forget, Submit, StreamEvents, StreamSubmit, Register, Deregister, SymAlloc,
+                  SymFree, SetAddKernel, Reconnect, StatusQuery}
 # The table of WIRE.md §5, written out independently of proto/connection.py.
 LEGAL: dict[tuple[Role, State], set[type]] = {
     (Role.CLIENT, State.AWAIT_HELLO): {Hello, StatusQuery},
