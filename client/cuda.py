@@ -72,6 +72,18 @@ class CudaDriver(Protocol):
         is done, so the daemon reads what the worker's kernels wrote."""
         ...
 
+    def create_ipc_event(self) -> tuple[int, bytes]:
+        """An interprocess event (no timing) and its 64-byte IPC handle for the daemon."""
+        ...
+
+    def record_event(self, event: int, stream: int) -> None: ...
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work queued on `stream` from now on waits for `event`'s latest record."""
+        ...
+
+    def destroy_event(self, event: int) -> None: ...
+
 
 class BindingsDriver:
     """`CudaDriver` over cuda-bindings (13.x). Every call returns `(CUresult, values...)`;
@@ -141,6 +153,26 @@ class BindingsDriver:
         finally:
             cu.cuMemRelease(handle)  # the retain's reference; the fd keeps the memory alive
         return int(fd)
+
+    def create_ipc_event(self) -> tuple[int, bytes]:
+        cu = self._cu
+        flags = int(cu.CUevent_flags.CU_EVENT_INTERPROCESS) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        (event,) = self._check("cuEventCreate(INTERPROCESS)", cu.cuEventCreate(flags))
+        try:
+            (handle,) = self._check("cuIpcGetEventHandle", cu.cuIpcGetEventHandle(event))
+        except MisuseError:
+            cu.cuEventDestroy(event)
+            raise
+        return int(event), ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+    def record_event(self, event: int, stream: int) -> None:
+        self._check("cuEventRecord", self._cu.cuEventRecord(event, stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._check("cuStreamWaitEvent", self._cu.cuStreamWaitEvent(stream, event, 0))
+
+    def destroy_event(self, event: int) -> None:
+        self._cu.cuEventDestroy(event)
 
     def synchronize(self, stream: int) -> None:
         if stream:
@@ -222,6 +254,10 @@ class CudaMemory:
         self._lock = threading.Lock()
         self._by_cuda_id: dict[int, CudaAllocation] = {}  # insertion order: oldest first
         self._by_id: dict[int, CudaAllocation] = {}
+
+    @property
+    def driver(self) -> CudaDriver:
+        return self._driver
 
     def synchronize(self, stream: int) -> None:
         self._driver.synchronize(stream)

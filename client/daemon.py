@@ -15,7 +15,7 @@ import proto
 from proto import DType, ReduceOp
 
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_op
-from .cuda import available_driver
+from .cuda import CudaDriver, available_driver
 from .errors import (
     UNHEALTHY,
     CommError,
@@ -71,7 +71,17 @@ class DaemonBackend(CommBackend):
         self._group: list[proto.Op] | None = None
         self._group_depth = 0
         self._stream = stream  # the worker's stream its calls follow (0: the whole context)
-        self._group_streams: set[int] = set()  # streams whose work the open group's calls follow
+        # the streams the open group's device calls follow (in order), and whether all may
+        # be answered once ordered
+        self._group_streams: dict[int, None] = {}
+        self._group_early = True
+        # Stream ordering (DESIGN §5), with an engine that has streams: per stream of the
+        # worker, two interprocess events (ready, done) and their IPC handles; which streams'
+        # events the daemon of this connection holds; one ordered call at a time per backend,
+        # since a stream's events serve one call at a time.
+        self._stream_events: dict[int, tuple[int, int, bytes, bytes]] = {}
+        self._events_sent: set[int] = set()
+        self._order_lock = threading.Lock()
         self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
@@ -129,11 +139,13 @@ class DaemonBackend(CommBackend):
 
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
         self._call(("send", ptr, bytes, dest_rank, stream),
-                   lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream), stream=stream or None)
+                   lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream), stream=stream or None,
+                   early=True)
 
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
         self._call(("recv", ptr, bytes, src_rank, stream),
-                   lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream), stream=stream or None)
+                   lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream), stream=stream or None,
+                   early=True)
 
     def recv_command_u32(self, ptr: int, root: int) -> None:
         if root == self._rank:
@@ -147,7 +159,7 @@ class DaemonBackend(CommBackend):
         # no streams, and device memory waits for `compute_stream`, then for the daemon's op.
         d, o = as_dtype(dtype), as_op(op)
         self._call(("ar", ptr, bytes, d, o), lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o),
-                   stream=compute_stream or None)
+                   stream=compute_stream or None, early=True)
 
     def rank(self) -> int:
         return self._rank
@@ -224,11 +236,10 @@ class DaemonBackend(CommBackend):
             if self._group_depth:
                 return
             ops, self._group = self._group or [], None
-            streams, self._group_streams = self._group_streams, set()
-        for stream in sorted(streams):
-            self._resolver.wait_for_device(stream)
+            streams, self._group_streams = list(self._group_streams), {}
+            early, self._group_early = self._group_early, True
         if ops:
-            self._submit(tuple(ops), deadline=True)
+            self._device_submit(tuple(ops), streams, early, deadline=True)
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -258,6 +269,7 @@ class DaemonBackend(CommBackend):
     def _rejoin(self, deadline: float) -> None:
         with self._lock:  # the new daemon knows none of our buffers
             self._imported.clear()
+            self._events_sent.clear()
             self._released.clear()
             self._ops.clear()
             self._device_ops.clear()
@@ -289,6 +301,11 @@ class DaemonBackend(CommBackend):
             self._closed = True
             symmetric, self._symmetric = list(self._symmetric.values()), {}
         self._transport.close()
+        driver = self._resolver.driver
+        for ready, done, _, _ in self._stream_events.values():
+            if driver is not None:
+                driver.destroy_event(ready)
+                driver.destroy_event(done)
         for buffer in symmetric:
             with contextlib.suppress(MisuseError):  # the worker holds views: mapped until they go
                 buffer.close()
@@ -334,10 +351,11 @@ class DaemonBackend(CommBackend):
         return proto.Mem(ref.buffer_id, ref.offset)
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
-              deadline: bool = True, stream: int | None = None) -> None:
+              deadline: bool = True, stream: int | None = None, early: bool = False) -> None:
         """Submit one op, or add it to the open group. Steady-state loops repeat the same
         calls: the built op is cached by its arguments until a buffer is released. An op
-        on device memory waits for `stream` (default: the backend's) to finish first."""
+        on device memory follows `stream` (default: the backend's); `early`: it may be
+        answered once ordered on the device (the async calls)."""
         self._check_open()
         with self._lock:
             op = self._ops.get(key)
@@ -351,11 +369,47 @@ class DaemonBackend(CommBackend):
                     raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
                 self._group.append(op)
                 if on_device:
-                    self._group_streams.add(follows)
+                    self._group_streams[follows] = None
+                    self._group_early &= early
                 return
-        if on_device:
-            self._resolver.wait_for_device(follows)
-        self._submit((op,), deadline)
+        self._device_submit((op,), [follows] if on_device else [], early, deadline)
+
+    def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
+                       deadline: bool) -> None:
+        """Submit ops; those on device memory follow the worker's `streams`. With an engine
+        that has streams, the daemon's stream waits for the first of them through its
+        events (the others are waited for here); otherwise all are waited for here."""
+        driver = self._resolver.driver
+        if not streams or driver is None:
+            self._submit(ops, deadline)
+            return
+        if self.engine == "host":  # it refuses device memory anyway; nothing to order
+            for stream in streams:
+                driver.synchronize(stream)
+            self._submit(ops, deadline)
+            return
+        first, *others = streams
+        for stream in others:
+            driver.synchronize(stream)
+        with self._order_lock:  # the stream's events serve one call at a time
+            ready, done = self._events_for(first, driver)
+            driver.record_event(ready, first)
+            self._submit(ops, deadline, stream=first, early=early)
+            if early:  # answered once ordered: the worker's stream waits for the op on the device
+                driver.stream_wait_event(first, done)
+
+    def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
+        """The stream's (ready, done) events, created once and handed to this connection's
+        daemon once (again after a reconnect to a restarted daemon)."""
+        pair = self._stream_events.get(stream)
+        if pair is None:
+            ready, ready_handle = driver.create_ipc_event()
+            done, done_handle = driver.create_ipc_event()
+            pair = self._stream_events[stream] = (ready, done, ready_handle, done_handle)
+        if stream not in self._events_sent:
+            self._request(lambda: proto.StreamEvents(self._transport.next_id(), stream, pair[2], pair[3]))
+            self._events_sent.add(stream)
+        return pair[0], pair[1]
 
     def _build_or_revalidate(self, key: tuple[object, ...],
                              make_op: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
@@ -375,15 +429,18 @@ class DaemonBackend(CommBackend):
                 _put(self._ops, key, op)
         return op, bool(device)
 
-    def _submit(self, ops: tuple[proto.Op, ...], deadline: bool) -> None:
+    def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, stream: int | None = None,
+                early: bool = False) -> None:
         failure = self._failure
         if failure is not None:
             raise type(failure)(f"world {self._world} is not healthy: {failure}; "
                                 "call attempt_reconnect", failure.code)
         # The daemon fails a call open past the timeout and says which rank is behind;
         # wait a little longer than that for its answer before deciding alone.
-        self._request(lambda: proto.Submit(self._transport.next_id(), ops), deadline=deadline,
-                      grace=_JOIN_GRACE_S)
+        make: Callable[[], proto.Request] = (
+            (lambda: proto.Submit(self._transport.next_id(), ops)) if stream is None
+            else (lambda: proto.StreamSubmit(self._transport.next_id(), ops, stream, early)))
+        self._request(make, deadline=deadline, grace=_JOIN_GRACE_S)
 
     def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
                  deadline: bool = True, grace: float = 0.0) -> tuple[proto.Message, list[int]]:

@@ -98,13 +98,10 @@ class MemoryResolver:
             return ()
         return tuple(b for b in buffer_ids if cuda.owns(b))
 
-    def wait_for_device(self, stream: int) -> None:
-        """Let the worker's queued device work finish before the daemon touches its memory.
-
-        Until calls carry CUDA events (the daemon's stream waiting on the worker's, DESIGN
-        §5), this is how a call is ordered after the kernels that wrote its buffers."""
-        if self._cuda is not None:
-            self._cuda.synchronize(stream)
+    @property
+    def driver(self) -> CudaDriver | None:
+        """The CUDA driver, once a device pointer was seen (None before, and without one)."""
+        return self._cuda.driver if self._cuda is not None else None
 
     def still_valid(self, buffer_ids: Iterable[int]) -> bool:
         """Whether these CUDA allocations are all alive; the freed ones are forgotten."""

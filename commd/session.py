@@ -19,12 +19,13 @@ from proto import ErrorCode
 from . import ops
 from .channel import PacketChannel, close_fds
 from .config import ServerConfig
-from .engine.base import Engine, MemoryMapping, Region
+from .engine.base import Engine, EventPair, MemoryMapping, Region
 from .errors import CallError
 from .registry import Registry
 from .world import World
 
 log = logging.getLogger("commd.session")
+_MAX_STREAMS = 64  # per connection: a worker has a handful of streams it calls on
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +98,15 @@ class Session:
         self.rank = -1
         self._timeout_s = 60.0
         self._device: int | None = None  # the GPU its hello named
+        self._events: dict[int, EventPair] = {}  # the worker's stream -> its ready/done events
         self._handlers: dict[type, Callable[[Any, list[int]], None]] = {
             proto.Hello: self._hello,
             proto.StatusQuery: self._status,
             proto.Import: self._import,
             proto.Forget: self._forget,
             proto.Submit: self._submit,
+            proto.StreamEvents: self._stream_events,
+            proto.StreamSubmit: self._stream_submit,
             proto.Register: self._register,
             proto.Deregister: self._deregister,
             proto.SymAlloc: self._sym_alloc,
@@ -161,6 +165,9 @@ class Session:
         for buf in list(self._buffers):
             self._drop_buffer(buf)
         self._registrations.clear()
+        events, self._events = self._events, {}
+        for pair in events.values():
+            pair.close()
 
     # ---- handlers ---------------------------------------------------------------
 
@@ -237,14 +244,32 @@ class Session:
             if buf not in self._symmetric and buf in self._buffers:
                 self._drop_buffer(buf)
 
-    def _submit(self, msg: proto.Submit, fds: list[int]) -> None:
+    def _submit(self, msg: proto.Submit | proto.StreamSubmit, fds: list[int],
+                events: EventPair | None = None) -> None:
         world = self._member_world()
         calls = []
         for op in msg.ops:
             ops.check_ranks(op, self.rank, world.world_size)
             regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
             calls.append((op, regions))
-        world.submit(self.rank, msg.id, calls)
+        world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)
+
+    def _stream_events(self, msg: proto.StreamEvents, fds: list[int]) -> None:
+        self._member_world()
+        if msg.stream not in self._events and len(self._events) >= _MAX_STREAMS:
+            raise CallError(ErrorCode.LIMIT, f"a connection may name at most {_MAX_STREAMS} streams")
+        pair = self._ctx.engine.import_events(msg.ready, msg.done)
+        old = self._events.pop(msg.stream, None)
+        if old is not None:
+            old.close()
+        self._events[msg.stream] = pair
+        self.send(proto.Ok(msg.id))
+
+    def _stream_submit(self, msg: proto.StreamSubmit, fds: list[int]) -> None:
+        events = self._events.get(msg.stream)
+        if events is None:
+            raise CallError(ErrorCode.MISUSE, f"stream {msg.stream} has no events: send stream_events first")
+        self._submit(msg, fds, events)
 
     def _region(self, mem: proto.Mem | None, nbytes: int) -> Region | None:
         if nbytes == 0 or mem is None:

@@ -32,6 +32,8 @@ from .engine.base import (
     Communicator,
     Engine,
     EngineOp,
+    EventPair,
+    Order,
     RecvOp,
     Region,
     SendOp,
@@ -95,6 +97,8 @@ class Arrival:
     ticket: Ticket
     regions: tuple[Region | None, ...]
     record: CallRecord
+    events: EventPair | None = None  # the worker's stream events (a stream_submit)
+    early: bool = False  # answer once ordered on the device
 
 
 @dataclass(slots=True)
@@ -256,7 +260,8 @@ class World:
     # ---- calls ------------------------------------------------------------------
 
     def submit(self, rank: int, request_id: int,
-               calls: Sequence[tuple[proto.Op, tuple[Region | None, ...]]]) -> None:
+               calls: Sequence[tuple[proto.Op, tuple[Region | None, ...]]],
+               events: EventPair | None = None, early: bool = False) -> None:
         """Enter one request's calls into matching; the ticket replies when all ran."""
         peer = self.members.get(rank)
         if self.state is not WorldState.READY or peer is None:
@@ -272,7 +277,7 @@ class World:
             record = self.recorder.start(rank, op)
             ticket.records.append(record)
             try:
-                match = self._matcher.add(Call(rank, op, Arrival(ticket, regions, record)))
+                match = self._matcher.add(Call(rank, op, Arrival(ticket, regions, record, events, early)))
             except Mismatch as exc:
                 log.warning("world %s epoch %d: %s", self.name, self.epoch, exc,
                             extra=self._log_extra(rank))
@@ -313,7 +318,7 @@ class World:
         try:
             async with self._exec_lock if ordered else contextlib.nullcontext():
                 if engine_op is not None:
-                    await comm.run(engine_op)
+                    await comm.run(engine_op, _order(self._arrivals(match)))
         except Exception as exc:
             self._op_failed(match, exc, epoch)
             return
@@ -522,6 +527,15 @@ class World:
             "call_timeout_s": self.call_timeout_s,
             "recent_calls": self.recorder.dump(last=8),
         }
+
+
+def _order(arrivals: list[Arrival]) -> Order | None:
+    """The op's order with its workers' streams: each rank's events; early only when
+    every call asked (one waiting for its result holds the reply of all)."""
+    events = {a.ticket.rank: a.events for a in arrivals if a.events is not None}
+    if not events:
+        return None
+    return Order(events, early=all(a.early for a in arrivals))
 
 
 def _welcome(request_id: int, engine: str, epoch: int) -> proto.Welcome:

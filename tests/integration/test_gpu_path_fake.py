@@ -40,6 +40,8 @@ class WorkerDriver:
         self.gpu = gpu
         self.sizes: dict[int, tuple[int, int]] = {}  # base -> (size, device) of worker allocations
         self.synced: list[int] = []
+        self.recorded: list[int] = []  # the streams a ready event was recorded on, per call
+        self.defaults: dict[int, int] = {}
 
     def alloc(self, data: bytes, device: int = 0) -> int:
         base = self.gpu.worker_alloc(data, device)
@@ -67,6 +69,28 @@ class WorkerDriver:
 
     def synchronize(self, stream: int) -> None:
         self.synced.append(stream)
+
+    # The worker's streams live on the fake device; stream 0 is each thread's default.
+    def device_stream(self, stream: int) -> int:
+        if stream:
+            return stream
+        local = self.defaults.get(threading.get_ident())
+        if local is None:
+            local = self.defaults[threading.get_ident()] = self.gpu.worker_stream()
+        return local
+
+    def create_ipc_event(self) -> tuple[int, bytes]:
+        return self.gpu.worker_event()
+
+    def record_event(self, event: int, stream: int) -> None:
+        self.recorded.append(stream)
+        self.gpu.event_record(event, self.device_stream(stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self.gpu.stream_wait_event(self.device_stream(stream), event)
+
+    def destroy_event(self, event: int) -> None:
+        pass  # the fake keeps its events
 
 
 class FakeGpuDaemon:
@@ -153,7 +177,7 @@ def test_every_collective_on_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) 
         if r == 1:  # then overwritten at the front by rank 0's send
             expect_gathered = gathered_parts[0] + expect_gathered[64:]
         assert res["gathered"] == expect_gathered
-    assert set(driver.synced) == {0}  # each call first waited for the worker's stream
+    assert driver.synced == [] and set(driver.recorded) == {0}  # each call ordered by events
     deadline = time.monotonic() + 10  # the daemon's loop sees the connections close in its own time
     while gpu.allocations != 2 * 4:  # it let go of every buffer it opened (the workers' remain)
         assert time.monotonic() < deadline, gpu.allocations
@@ -174,3 +198,38 @@ def test_memory_of_another_gpu_is_refused(daemon: FakeGpuDaemon, gpu: FakeGpu) -
         here = driver.alloc(np.arange(4, dtype=np.float32).tobytes(), device=0)
         comm.all_reduce(here, 16, dtype="f32")
         assert np.frombuffer(gpu.read(here, 16), np.float32).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+    """The ordering proof through the whole stack: rank 0's long kernel writes its buffer
+    right before all_reduce_async. The call returns before the kernel ran (ordered, not
+    done); the sum includes the kernel's write; rank 0's next kernel runs after the sum."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    streams = [gpu.worker_stream(), gpu.worker_stream()]
+    ptrs = [driver.alloc(b"\x00" * 8), driver.alloc(b"\x01" * 8)]
+    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x07" * 8)
+    returned = threading.Barrier(3)
+
+    def rank(r: int) -> None:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            comm.all_reduce_async(ptrs[r], 8, streams[r], dtype="u8")
+            returned.wait(10)
+            returned.wait(10)  # until the test has looked, the connection stays
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(rank, r) for r in range(2)]
+        returned.wait(10)  # both calls returned...
+        assert [gpu.read(p, 8) for p in ptrs] == [b"\x00" * 8, b"\x01" * 8]  # ...the sum has not run
+        after = gpu.worker_kernel(streams[0], ptrs[0], b"\x09" * 8)  # queued behind the sum
+        gpu.finish_kernel(kernel)
+        deadline = time.monotonic() + 5
+        while gpu.read(ptrs[1], 8) != b"\x08" * 8:  # 7 + 1: the sum saw the kernel's write
+            assert time.monotonic() < deadline, gpu.read(ptrs[1], 8)
+            time.sleep(0.01)
+        assert gpu.read(ptrs[0], 8) == b"\x08" * 8
+        gpu.finish_kernel(after)
+        assert gpu.read(ptrs[0], 8) == b"\x09" * 8
+        returned.wait(10)
+        for future in running:
+            future.result(10)

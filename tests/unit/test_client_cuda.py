@@ -508,8 +508,9 @@ def test_a_cached_op_on_cuda_memory_is_rechecked_every_call(sock: str) -> None:
 
 
 def test_calls_on_device_memory_wait_for_the_workers_stream_first(sock: str) -> None:
-    """Until calls carry CUDA events, the client waits for the stream the call follows: the
-    backend's, an async call's compute stream, each stream of a group at group_end."""
+    """With an engine without streams (host), the client waits for the stream a call on
+    device memory follows: the backend's, an async call's compute stream, each stream of
+    a group at group_end."""
     driver = FakeDriver()
     driver.alloc(BASE, MIB)
     comm = AcceptingCuda(sock, world_name("cuda"), 0, 1, timeout=10, cuda_driver=lambda: driver, stream=77)
@@ -526,4 +527,4 @@ def test_calls_on_device_memory_wait_for_the_workers_stream_first(sock: str) -> 
     seen = [m if isinstance(m, tuple) else type(m).__name__ for m in comm.sent
             if isinstance(m, tuple | proto.AllReduce)]
     assert seen == [("synchronize", 77), "AllReduce", ("synchronize", 99), "AllReduce",
-                    ("synchronize", 5), ("synchronize", 77), "AllReduce", "AllReduce"]
+                    ("synchronize", 77), ("synchronize", 5), "AllReduce", "AllReduce"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 import proto
-from commd.engine.base import Communicator, Engine, EngineOp
+from commd.engine.base import Communicator, Engine, EngineOp, Order
 from commd.engine.host import HostEngine
 from commd.world import World, WorldState
 from proto import ErrorCode
@@ -30,8 +30,8 @@ class Reporting:
     def try_inline(self, op: EngineOp) -> bool:
         return self.inner.try_inline(op)
 
-    async def run(self, op: EngineOp) -> None:
-        await self.inner.run(op)
+    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+        await self.inner.run(op, order)
 
     def abort(self) -> None:
         self.inner.abort()
