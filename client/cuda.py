@@ -84,6 +84,13 @@ class CudaDriver(Protocol):
 
     def destroy_event(self, event: int) -> None: ...
 
+    def map_shared(self, fd: int, nbytes: int, device: int) -> tuple[int, int]:
+        """Map the daemon's symmetric allocation (a VMM fd; not consumed) for `device`:
+        its pointer here and the size mapped (the allocation's, at least `nbytes`)."""
+        ...
+
+    def unmap_shared(self, ptr: int, size: int) -> None: ...
+
 
 class BindingsDriver:
     """`CudaDriver` over cuda-bindings (13.x). Every call returns `(CUresult, values...)`;
@@ -173,6 +180,36 @@ class BindingsDriver:
 
     def destroy_event(self, event: int) -> None:
         self._cu.cuEventDestroy(event)
+
+    def map_shared(self, fd: int, nbytes: int, device: int) -> tuple[int, int]:
+        cu = self._cu
+        (handle,) = self._check("cuMemImportFromShareableHandle",
+                                cu.cuMemImportFromShareableHandle(fd, self._posix_fd))
+        try:
+            (prop,) = self._check("cuMemGetAllocationPropertiesFromHandle",
+                                  cu.cuMemGetAllocationPropertiesFromHandle(handle))
+            (granularity,) = self._check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+            size = -(-nbytes // int(granularity)) * int(granularity)
+            (ptr,) = self._check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0))
+            try:
+                self._check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
+                access = cu.CUmemAccessDesc()
+                access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = device
+                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                self._check("cuMemSetAccess", cu.cuMemSetAccess(ptr, size, [access], 1))
+            except MisuseError:
+                cu.cuMemUnmap(ptr, size)
+                cu.cuMemAddressFree(ptr, size)
+                raise
+        finally:
+            cu.cuMemRelease(handle)  # the mapping keeps the memory
+        return int(ptr), size
+
+    def unmap_shared(self, ptr: int, size: int) -> None:
+        self._check("cuMemUnmap", self._cu.cuMemUnmap(ptr, size))
+        self._check("cuMemAddressFree", self._cu.cuMemAddressFree(ptr, size))
 
     def synchronize(self, stream: int) -> None:
         if stream:
@@ -292,6 +329,25 @@ class CudaMemory:
                 self._forget([allocation])
                 return False
         return True
+
+    def adopt(self, ptr: int, buffer_id: int) -> None:
+        """Memory the daemon allocated as `buffer_id` (symmetric_alloc), mapped here at `ptr`:
+        calls on it name that id, with no Import (the daemon has it)."""
+        info = self._driver.pointer_info(ptr)
+        if info is None:
+            raise MisuseError(f"the daemon's allocation mapped at 0x{ptr:x} is not known to CUDA")
+        allocation = CudaAllocation(buffer_id, info.buffer_id, info.base, info.size, info.device,
+                                    MemKind.CUDA_VMM)
+        with self._lock:
+            self._by_cuda_id[allocation.cuda_id] = allocation
+            self._by_id[allocation.id] = allocation
+
+    def discard(self, buffer_id: int) -> None:
+        """Drop an adopted allocation (symmetric_free told the daemon already)."""
+        with self._lock:
+            allocation = self._by_id.get(buffer_id)
+            if allocation is not None:
+                self._drop([allocation])
 
     def export_fd(self, buffer_id: int) -> int:
         """A fresh fd for a VMM allocation's Import; the caller owns it (SCM_RIGHTS copies it)."""

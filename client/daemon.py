@@ -65,6 +65,7 @@ class DaemonBackend(CommBackend):
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
+        self._device_symmetric: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
         self._ops: dict[tuple[object, ...], proto.Op] = {}  # ops on host memory only
         # ops naming CUDA allocations, with their ids: reused only once those are re-checked alive
         self._device_ops: dict[tuple[object, ...], tuple[proto.Op, tuple[int, ...]]] = {}
@@ -200,6 +201,15 @@ class DaemonBackend(CommBackend):
             lambda: proto.SymAlloc(self._transport.next_id(), buffer_id, bytes))
         if len(fds) != 1:
             raise ProtocolError(f"symmetric_alloc reply carried {len(fds)} fds, expected 1")
+        if self.engine != "host":  # device memory (ncclMemAlloc): mapped through the driver
+            try:
+                ptr, size = self._resolver.map_symmetric(fds[0], bytes, buffer_id)
+            finally:
+                os.close(fds[0])
+            with self._lock:
+                self._imported.add(buffer_id)
+                self._device_symmetric[ptr] = (buffer_id, size)
+            return ptr
         buffer = self._memory.adopt(fds[0], bytes, buffer_id)
         with self._lock:
             self._imported.add(buffer_id)
@@ -209,6 +219,16 @@ class DaemonBackend(CommBackend):
     def symmetric_free(self, ptr: int) -> None:
         with self._lock:
             buffer = self._symmetric.get(ptr)
+            device = self._device_symmetric.get(ptr)
+        if device is not None:
+            buffer_id, size = device
+            if buffer_id not in self._orphans:
+                self._request(lambda: proto.SymFree(self._transport.next_id(), buffer_id))
+            with self._lock:
+                del self._device_symmetric[ptr]
+                self._imported.discard(buffer_id)
+            self._resolver.unmap_symmetric(buffer_id, ptr, size)
+            return
         if buffer is None:
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
         if buffer.id not in self._orphans:  # an orphan's daemon is gone: ours is the only copy
@@ -274,6 +294,7 @@ class DaemonBackend(CommBackend):
             self._ops.clear()
             self._device_ops.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
+            self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
         delay = 0.05
         while True:
             try:
@@ -306,6 +327,10 @@ class DaemonBackend(CommBackend):
             if driver is not None:
                 driver.destroy_event(ready)
                 driver.destroy_event(done)
+        for ptr, (buffer_id, size) in list(self._device_symmetric.items()):
+            with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo
+                self._resolver.unmap_symmetric(buffer_id, ptr, size)
+        self._device_symmetric.clear()
         for buffer in symmetric:
             with contextlib.suppress(MisuseError):  # the worker holds views: mapped until they go
                 buffer.close()

@@ -98,6 +98,26 @@ class MemoryResolver:
             return ()
         return tuple(b for b in buffer_ids if cuda.owns(b))
 
+    def map_symmetric(self, fd: int, nbytes: int, buffer_id: int) -> tuple[int, int]:
+        """Map the daemon's device allocation `buffer_id` (its fd, not consumed): the pointer
+        and the size mapped."""
+        cuda = self._cuda_memory()
+        if cuda is None:
+            raise MisuseError("the daemon allocated device memory, but this process has no CUDA driver")
+        ptr, size = cuda.driver.map_shared(fd, nbytes, self._device or 0)
+        try:
+            cuda.adopt(ptr, buffer_id)
+        except BaseException:
+            cuda.driver.unmap_shared(ptr, size)
+            raise
+        return ptr, size
+
+    def unmap_symmetric(self, buffer_id: int, ptr: int, size: int) -> None:
+        cuda = self._cuda
+        if cuda is not None:
+            cuda.discard(buffer_id)
+            cuda.driver.unmap_shared(ptr, size)
+
     @property
     def driver(self) -> CudaDriver | None:
         """The CUDA driver, once a device pointer was seen (None before, and without one)."""

@@ -215,7 +215,10 @@ class FakeGpu:
 
     def alloc_shared(self, nbytes: int, device: int) -> tuple[Imported, int]:
         memory = Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.NCCL)
-        return memory, os.memfd_create("fake-nccl-mem")
+        fd = os.memfd_create("fake-nccl-mem")  # stands for its VMM export: a worker imports it
+        info = os.fstat(fd)
+        self._vmm[(info.st_dev, info.st_ino)] = memory.ptr
+        return memory, fd
 
     def copy_in(self, ptr: int, data: bytes) -> None:
         buf, offset = self._find(ptr, len(data))

@@ -24,6 +24,7 @@ import pytest
 from client import DaemonBackend, MisuseError
 from client.cuda import PointerInfo
 from commd.config import ServerConfig
+from commd.engine.gpu import Imported
 from commd.engine.nccl import NcclEngine
 from commd.server import Server
 from tests.contract.fakegpu import FakeGpu
@@ -41,6 +42,7 @@ class WorkerDriver:
         self.sizes: dict[int, tuple[int, int]] = {}  # base -> (size, device) of worker allocations
         self.synced: list[int] = []
         self.recorded: list[int] = []  # the streams a ready event was recorded on, per call
+        self.mapped: dict[int, Imported] = {}  # the daemon's symmetric memory, mapped here
         self.defaults: dict[int, int] = {}
 
     def alloc(self, data: bytes, device: int = 0) -> int:
@@ -91,6 +93,16 @@ class WorkerDriver:
 
     def destroy_event(self, event: int) -> None:
         pass  # the fake keeps its events
+
+    def map_shared(self, fd: int, nbytes: int, device: int) -> tuple[int, int]:
+        memory = self.gpu.vmm_import(fd, nbytes)
+        self.sizes[memory.ptr] = (memory.size, memory.device)
+        self.mapped[memory.ptr] = memory
+        return memory.ptr, memory.size
+
+    def unmap_shared(self, ptr: int, size: int) -> None:
+        del self.sizes[ptr]
+        self.gpu.release(self.mapped.pop(ptr))
 
 
 class FakeGpuDaemon:
@@ -233,3 +245,29 @@ def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon, gp
         returned.wait(10)
         for future in running:
             future.result(10)
+
+
+def test_symmetric_memory_is_the_daemons_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+    """symmetric_alloc on a GPU engine: the daemon allocates (ncclMemAlloc), the worker maps
+    its export and gets a device pointer; calls on it need no import; free lets both go."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    before = gpu.allocations
+
+    def rank(r: int) -> bytes:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            ptr = comm.symmetric_alloc(16)
+            gpu.copy_in(ptr, bytes([r + 2]) * 16)  # the worker's kernel writes it
+            comm.all_reduce(ptr, 16, dtype="u8", op="prod")
+            out = gpu.read(ptr, 16)
+            comm.symmetric_free(ptr)
+            with pytest.raises(MisuseError):
+                comm.symmetric_free(ptr)
+            comm.barrier()
+            return out
+
+    assert run_ranks(2, rank) == [b"\x06" * 16] * 2  # 2 * 3
+    deadline = time.monotonic() + 10
+    while gpu.allocations != before:  # the daemon's allocations and the workers' mappings are gone
+        assert time.monotonic() < deadline, (gpu.allocations, before)
+        time.sleep(0.02)
