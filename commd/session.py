@@ -234,6 +234,8 @@ class Session:
         self._mapped += size
 
     def _drop_buffer(self, buf: int) -> None:
+        for handle in [h for h, r in self._registrations.items() if r.buf == buf]:
+            self._drop_registration(handle)  # the engine must not keep freed memory registered
         mapping = self._buffers.pop(buf)
         mapping.close()
         self._mapped -= mapping.size
@@ -283,16 +285,25 @@ class Session:
         self._member_world()
         if len(self._registrations) >= self._ctx.config.max_registrations:
             raise CallError(ErrorCode.LIMIT, f"at most {self._ctx.config.max_registrations} registrations")
-        self._region(msg.buf, msg.nbytes)  # bounds check now, as the NCCL engine would
+        world = self._member_world()
+        region = self._region(msg.buf, msg.nbytes)  # bounds-checked now
         handle = self._next_handle
         self._next_handle += 1
         self._registrations[handle] = Registration(msg.buf.buf, msg.buf.offset, msg.nbytes)
+        if region is not None:
+            world.register(self.rank, handle, region)
         self.send(proto.Ok(msg.id, value=handle))
 
     def _deregister(self, msg: proto.Deregister, fds: list[int]) -> None:
-        if self._registrations.pop(msg.handle, None) is None:
+        if msg.handle not in self._registrations:
             raise CallError(ErrorCode.UNKNOWN_HANDLE, f"handle {msg.handle} is not registered")
+        self._drop_registration(msg.handle)
         self.send(proto.Ok(msg.id))
+
+    def _drop_registration(self, handle: int) -> None:
+        del self._registrations[handle]
+        if self.world is not None:
+            self.world.deregister(self.rank, handle)
 
     def _sym_alloc(self, msg: proto.SymAlloc, fds: list[int]) -> None:
         self._member_world()

@@ -145,6 +145,7 @@ class World:
         self._watchdog: asyncio.Task[None] | None = None
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
+        self._registered: dict[int, dict[int, Region]] = {}  # rank -> register_buffer's, by handle
 
     # ---- forming ----------------------------------------------------------------
 
@@ -240,6 +241,9 @@ class World:
         self.local_ranks = local_ranks
         self._matcher = Matcher(self.world_size, local_ranks)
         self._comm = comm
+        for rank in local_ranks:  # a rebuilt world's communicator gets them again
+            for key, region in self._registered.get(rank, {}).items():
+                comm.register(rank, key, region)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}
@@ -462,6 +466,17 @@ class World:
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
             peer.send(event)
 
+    def register(self, rank: int, key: int, region: Region) -> None:
+        """register_buffer: the engine may prepare the memory (NCCL registers it)."""
+        self._registered.setdefault(rank, {})[key] = region
+        if self._comm is not None:
+            self._comm.register(rank, key, region)
+
+    def deregister(self, rank: int, key: int) -> None:
+        self._registered.get(rank, {}).pop(key, None)
+        if self._comm is not None:
+            self._comm.deregister(rank, key)
+
     def leave(self, rank: int, peer: Peer) -> None:
         """A rank's connection is gone (closed, killed, or refused)."""
         waiter = self._waiting.get(rank)
@@ -473,6 +488,7 @@ class World:
         if self.members.get(rank) is peer:
             del self.members[rank]
             self.add_kernel.pop(rank, None)
+            self._registered.pop(rank, None)
             self.fail(ErrorCode.WORLD_FAILED, f"rank {rank}'s connection was lost")
         self._maybe_empty()
 

@@ -183,6 +183,13 @@ class Communicator(Protocol):
         """Stop using the communicator; pending and later runs fail."""
         ...
 
+    def register(self, rank: int, key: int, region: Region) -> None:
+        """Register a rank's memory with the engine under `key` (NCCL's ncclCommRegister,
+        where NCCL takes the memory); best effort: unregistered memory works the same."""
+        ...
+
+    def deregister(self, rank: int, key: int) -> None: ...
+
     def async_error(self) -> str | None:
         """A failure the engine found outside any one call (NCCL's `ncclCommGetAsyncError`:
         a remote rank's error, a network failure), or None while healthy. Polled by the

@@ -120,6 +120,12 @@ class Gpu(Protocol):
 
     def group_start(self) -> None: ...
 
+    def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
+        """ncclCommRegister: a handle, for comm_deregister."""
+        ...
+
+    def comm_deregister(self, comm: int, handle: int) -> None: ...
+
     def group_end(self) -> None: ...
 
     def use_device(self, device: int) -> None:
@@ -342,6 +348,13 @@ class BindingsGpu:
 
     def group_start(self) -> None:
         self._nccl_call("ncclGroupStart", self._nccl.group_start)
+
+    def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
+        handle = self._nccl_call("ncclCommRegister", self._nccl.comm_register, self._comms[comm], ptr, nbytes)
+        return int(handle)
+
+    def comm_deregister(self, comm: int, handle: int) -> None:
+        self._nccl_call("ncclCommDeregister", self._nccl.comm_deregister, self._comms[comm], handle)
 
     def group_end(self) -> None:
         self._nccl_call("ncclGroupEnd", self._nccl.group_end)

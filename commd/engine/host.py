@@ -277,6 +277,12 @@ class HostCommunicator:
     def async_error(self) -> str | None:
         return None  # every host op reports its failure through its own run()
 
+    def register(self, rank: int, key: int, region: Region) -> None:
+        pass  # host memory is mapped once at import: nothing more to prepare
+
+    def deregister(self, rank: int, key: int) -> None:
+        pass
+
 
 class HostEngine:
     name = "host"

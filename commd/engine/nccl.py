@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ..cluster import WorldNet
 
 IPC_HANDLE_BYTES = 64
+log = logging.getLogger("commd.engine.nccl")
 _SETTLE_MAX_S = 0.005  # longest pause between polls of a communicator still in progress
 
 
@@ -147,6 +149,10 @@ class NcclCommunicator:
         self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
         self._scratch: dict[int, NcclMapping] = {}
         self._comms: dict[int, int] = {}
+        # register_buffer's memory: registered with NCCL once the communicator is ready
+        # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
+        self._to_register: dict[tuple[int, int], NcclRegion] = {}
+        self._registered: dict[tuple[int, int], int] = {}
         try:
             for rank in self._ranks:
                 self._streams[rank] = gpu.stream_create(self._devices[rank])
@@ -168,6 +174,7 @@ class NcclCommunicator:
     async def run(self, op: EngineOp, order: Order | None = None) -> None:
         self._check()
         await self._settle()  # a fresh communicator finishes its (non-blocking) init first
+        self._register_pending()
         regions = _regions(op)
         self._hold(regions)
         try:
@@ -231,6 +238,26 @@ class NcclCommunicator:
         self._comms.clear()
         if self._running == 0:
             self._teardown()
+
+    def register(self, rank: int, key: int, region: Region) -> None:
+        if isinstance(region, NcclRegion) and rank in self._comms:
+            self._to_register[(rank, key)] = region
+
+    def deregister(self, rank: int, key: int) -> None:
+        self._to_register.pop((rank, key), None)
+        handle = self._registered.pop((rank, key), None)
+        if handle is not None and not self._aborted:
+            with contextlib.suppress(GpuError):  # NCCL forgets it with the communicator anyway
+                self._gpu.comm_deregister(self._comms[rank], handle)
+
+    def _register_pending(self) -> None:
+        pending, self._to_register = self._to_register, {}
+        for (rank, key), region in pending.items():
+            try:
+                self._registered[(rank, key)] = self._gpu.comm_register(self._comms[rank], region.ptr,
+                                                                        region.nbytes)
+            except GpuError as exc:  # NCCL refuses some memory (legacy cudaMalloc by default): fine
+                log.debug("rank %d: NCCL did not register %d bytes: %s", rank, region.nbytes, exc)
 
     def async_error(self) -> str | None:
         if self._aborted:

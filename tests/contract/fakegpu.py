@@ -100,6 +100,7 @@ class FakeGpu:
         self._exported: dict[bytes, int] = {}  # IPC handle -> base, of "worker" memory
         self._vmm: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of an exported fd -> base
         self.launches = 0  # group_end calls: how many NCCL submissions the engine made
+        self.registered: dict[int, tuple[int, int, int]] = {}  # handle -> (comm, ptr, bytes)
         self.current_device: int | None = None
 
     # ---- what a test does as the worker -------------------------------------------------
@@ -294,10 +295,24 @@ class FakeGpu:
         with self._cv:
             c = self._comms.pop(comm)
             c.aborted = True
+            self.registered = {h: r for h, r in self.registered.items() if r[0] != comm}
             self._progress()
 
     def group_start(self) -> None:
         pass
+
+    def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
+        c = self._comms.get(comm)
+        if c is None or c.polls_left > 0:
+            raise GpuError("ncclCommRegister: invalid usage (communicator not ready)")
+        self._find(ptr, nbytes)  # NCCL checks the memory exists
+        handle = next(self._ids)
+        self.registered[handle] = (comm, ptr, nbytes)
+        return handle
+
+    def comm_deregister(self, comm: int, handle: int) -> None:
+        if self.registered.pop(handle, (None,))[0] != comm:
+            raise GpuError("ncclCommDeregister: invalid argument")
 
     def group_end(self) -> None:
         self.launches += 1

@@ -271,3 +271,23 @@ def test_symmetric_memory_is_the_daemons_device_memory(daemon: FakeGpuDaemon, gp
     while gpu.allocations != before:  # the daemon's allocations and the workers' mappings are gone
         assert time.monotonic() < deadline, (gpu.allocations, before)
         time.sleep(0.02)
+
+
+def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemon: FakeGpuDaemon,
+                                                                          gpu: FakeGpu) -> None:
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        ptr = driver.alloc(b"\x01" * 256)
+        handle = comm.register_buffer(ptr + 64, 128)
+        comm.all_reduce(ptr, 256, dtype="u8")
+        assert [n for _, _, n in gpu.registered.values()] == [128]
+        comm.attempt_reconnect()  # a new epoch, a new communicator: registered again
+        comm.all_reduce(ptr, 256, dtype="u8")
+        assert [n for _, _, n in gpu.registered.values()] == [128]
+        comm.deregister_buffer(handle)
+        deadline = time.monotonic() + 5
+        while gpu.registered:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert gpu.read(ptr, 256) == b"\x01" * 256

@@ -298,3 +298,21 @@ def test_worker_events_that_do_not_open_are_misuse(engine: NcclEngine) -> None:
     with pytest.raises(CallError) as info:
         engine.import_events(bytes(64), bytes(64))
     assert info.value.code is ErrorCode.MISUSE and "CUDA events" in info.value.message
+
+
+async def test_registered_memory_reaches_nccl_once_the_communicator_is_ready(engine: NcclEngine,
+                                                                             gpu: FakeGpu) -> None:
+    comm = engine.communicator("w", 1, 1, [0])
+    region = ipc_mapping(engine, gpu, b"\x01" * 64).region(0, 64)
+    comm.register(0, 7, region)
+    assert gpu.registered == {}  # a non-blocking communicator takes no call while it starts
+    await comm.run(BarrierOp((0,)))
+    assert [(ptr, n) for _, ptr, n in gpu.registered.values()] == [(region.ptr, 64)]
+    comm.deregister(0, 7)
+    assert gpu.registered == {}
+    comm.register(0, 8, region)
+    await comm.run(BarrierOp((0,)))
+    assert len(gpu.registered) == 1
+    comm.abort()  # NCCL drops registrations with the communicator; nothing to undo after
+    comm.deregister(0, 8)
+    assert gpu.registered == {}
