@@ -438,7 +438,7 @@ def test_host_daemon_refuses_cuda_memory_and_keeps_serving_host_calls(sock: str)
             buffer.view(np.uint16)[:] = 0x3F80  # bf16 1.0
             comm.all_reduce(buffer.ptr, 16)
             assert (buffer.view(np.uint16) == 0x3F80).all()
-    assert open_fds() == before
+    assert open_fds() <= before  # no leak (other tests' leftovers may close meanwhile)
 
 
 class AcceptingCuda(DaemonBackend):
