@@ -329,7 +329,7 @@ class Session:
         self.send(proto.Ok(msg.id))
 
     def _set_add_kernel(self, msg: proto.SetAddKernel, fds: list[int]) -> None:
-        self._member_world().add_kernel[self.rank] = msg.handle
+        self._member_world().set_add_kernel(self.rank, msg.handle)
         self.send(proto.Ok(msg.id))
 
     def _reconnect(self, msg: proto.Reconnect, fds: list[int]) -> None:

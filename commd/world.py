@@ -244,6 +244,7 @@ class World:
         for rank in local_ranks:  # a rebuilt world's communicator gets them again
             for key, region in self._registered.get(rank, {}).items():
                 comm.register(rank, key, region)
+        self._use_add_kernel()
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}
@@ -465,6 +466,17 @@ class World:
         event = proto.Event(proto.EventKind.WORLD_FAILED, code, clip(message), self.epoch)
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
             peer.send(event)
+
+    def set_add_kernel(self, rank: int, handle: int) -> None:
+        self.add_kernel[rank] = handle
+        self._use_add_kernel()
+
+    def _use_add_kernel(self) -> None:
+        """The add-kernel path changes which NCCL calls each rank makes, so it is taken only
+        when both ranks of a 2-rank world asked for it, on this daemon (where it is known)."""
+        if self._comm is not None:
+            self._comm.use_add_kernel(self.world_size == 2 and self.net is None
+                                      and set(self.add_kernel) == {0, 1})
 
     def register(self, rank: int, key: int, region: Region) -> None:
         """register_buffer: the engine may prepare the memory (NCCL registers it)."""

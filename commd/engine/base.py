@@ -183,6 +183,12 @@ class Communicator(Protocol):
         """Stop using the communicator; pending and later runs fail."""
         ...
 
+    def use_add_kernel(self, enabled: bool) -> None:
+        """Every rank of this 2-rank world called set_add_kernel: a GPU engine may sum bf16
+        by exchanging buffers and adding them with its own kernel (the seed's NcclBackend
+        path). Engines without one ignore it."""
+        ...
+
     def register(self, rank: int, key: int, region: Region) -> None:
         """Register a rank's memory with the engine under `key` (NCCL's ncclCommRegister,
         where NCCL takes the memory); best effort: unregistered memory works the same."""

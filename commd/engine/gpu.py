@@ -124,6 +124,11 @@ class Gpu(Protocol):
         """ncclCommRegister: a handle, for comm_deregister."""
         ...
 
+    def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
+        """dst[i] += src[i] over `count` bf16 values, rounded to nearest even, queued on
+        `stream` (the daemon's own kernel, compiled with NVRTC)."""
+        ...
+
     def comm_deregister(self, comm: int, handle: int) -> None: ...
 
     def group_end(self) -> None: ...
@@ -147,6 +152,38 @@ class Gpu(Protocol):
     def send(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None: ...
 
     def recv(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None: ...
+
+
+# dst[i] += src[i] in bf16: __hadd adds in f32 and rounds once, which for two operands is
+# the host engine's (and NCCL's) sum exactly.
+_ADD_BF16 = b"""#include <cuda_bf16.h>
+extern "C" __global__ void commd_add_bf16(__nv_bfloat16* dst, const __nv_bfloat16* src,
+                                          unsigned long long n) {
+  unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += stride)
+    dst[i] = __hadd(dst[i], src[i]);
+}
+"""
+
+
+def _cuda_include_dir() -> str | None:
+    """Where cuda_bf16.h is: NVRTC does not look anywhere by itself. The CUDA runtime
+    wheel's headers (found by cuda-pathfinder), else a toolkit's."""
+    try:
+        from cuda import pathfinder
+
+        found: str | None = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            return found
+    except Exception:  # an older pathfinder, or no headers in the wheels
+        pass
+    import os
+
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "include", "cuda_bf16.h")):
+            return os.path.join(root, "include")
+    return None
 
 
 def load() -> Gpu:
@@ -177,6 +214,7 @@ class BindingsGpu:
             raise GpuError(f"no CUDA driver: {exc}") from None
         self._contexts: dict[int, Any] = {}
         self._comms: dict[int, Any] = {}  # our int -> nccl4py's Comm (it refuses plain ints)
+        self._kernels: dict[int, Any] = {}  # device -> the add kernel loaded in its context
         self._lock = threading.Lock()
         self._dtypes = {
             DType.U8: nccl.DataType.Uint8, DType.I32: nccl.DataType.Int32, DType.I64: nccl.DataType.Int64,
@@ -348,6 +386,55 @@ class BindingsGpu:
 
     def group_start(self) -> None:
         self._nccl_call("ncclGroupStart", self._nccl.group_start)
+
+    def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
+        kernel = self._kernels.get(device)
+        if kernel is None:
+            kernel = self._kernels[device] = self._compile_add(device)
+        threads = 256
+        blocks = max(1, min(-(-count // threads), 4096))
+        args = ((dst, src, count), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64))
+        self._check(self._cu.cuLaunchKernel(kernel, blocks, 1, 1, threads, 1, 1, 0, stream, args, 0),
+                    "cuLaunchKernel(commd_add_bf16)")
+
+    def _compile_add(self, device: int) -> Any:
+        """The add kernel for `device`'s architecture: NVRTC, then a module in its context."""
+        from cuda.bindings import nvrtc
+
+        cu = self._cu
+        dev = self._check(cu.cuDeviceGet(device), "cuDeviceGet")
+        attr = cu.CUdevice_attribute
+        major = self._check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+                            "cuDeviceGetAttribute")
+        minor = self._check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+                            "cuDeviceGetAttribute")
+        options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+        include = _cuda_include_dir()
+        if include:
+            options.append(b"--include-path=" + include.encode())
+
+        def ok(result: tuple[Any, ...], call: str) -> Any:
+            if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                raise GpuError(f"{call}: {result[0]}")
+            return result[1] if len(result) == 2 else None
+
+        program = ok(nvrtc.nvrtcCreateProgram(_ADD_BF16, b"commd_add_bf16.cu", 0, [], []),
+                     "nvrtcCreateProgram")
+        try:
+            compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+            if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                size = ok(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+                text = b" " * size
+                nvrtc.nvrtcGetProgramLog(program, text)
+                raise GpuError(f"NVRTC could not compile the add kernel: {text.decode(errors='replace')}")
+            size = ok(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+            cubin = b" " * size
+            ok(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        finally:
+            nvrtc.nvrtcDestroyProgram(program)
+        self.use_device(device)
+        module = self._check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        return self._check(cu.cuModuleGetFunction(module, b"commd_add_bf16"), "cuModuleGetFunction")
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
         handle = self._nccl_call("ncclCommRegister", self._nccl.comm_register, self._comms[comm], ptr, nbytes)

@@ -140,6 +140,9 @@ class NcclCommunicator:
         self._waiters = waiters
         self._world = world
         self._ranks = tuple(local_ranks)
+        self._world_size = world_size
+        self._add_kernel = False  # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
+        self._exchange: dict[int, NcclMapping] = {}  # rank -> where the peer's buffer lands
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
         self._aborted = False
         self._failure: str | None = None  # of an op answered before it was done
@@ -175,10 +178,11 @@ class NcclCommunicator:
         self._check()
         await self._settle()  # a fresh communicator finishes its (non-blocking) init first
         self._register_pending()
-        regions = _regions(op)
+        adds = self._add_plan(op)
+        regions = _regions(op) + [scratch for _, _, scratch in adds]
         self._hold(regions)
         try:
-            touched = self._launch(op, order)
+            touched = self._launch(op, order, adds)
             await self._settle()
             verdict = self._compare(op)
             if order is not None:  # the workers' streams wait for this, not for our reply
@@ -293,11 +297,40 @@ class NcclCommunicator:
             await asyncio.sleep(pause)
             pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
 
-    def _launch(self, op: EngineOp, order: Order | None = None) -> list[int]:
+    def use_add_kernel(self, enabled: bool) -> None:
+        self._add_kernel = enabled
+
+    def _add_plan(self, op: EngineOp) -> list[tuple[int, NcclRegion, NcclRegion]]:
+        """With the add kernel, a 2-rank bf16 sum is an exchange then an add: for each rank
+        (rank, its buffer, where the peer's lands). Empty when the op is summed by NCCL."""
+        if not (self._add_kernel and isinstance(op, AllReduceOp) and op.dtype is DType.BF16
+                and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2):
+            return []
+        plan = []
+        for rank, buf in sorted(op.bufs.items()):
+            if not isinstance(buf, NcclRegion):
+                return []  # nothing to add
+            plan.append((rank, buf, self._exchange_region(rank, buf.nbytes)))
+        return plan
+
+    def _exchange_region(self, rank: int, nbytes: int) -> NcclRegion:
+        mapping = self._exchange.get(rank)
+        if mapping is None or mapping.size < nbytes:
+            if mapping is not None:
+                mapping.close()  # let go once the ops that use it are done
+            memory = self._gpu.alloc(nbytes, self._devices[rank])
+            mapping = self._exchange[rank] = NcclMapping(self._gpu, memory)
+        return mapping.region(0, nbytes)
+
+    def _launch(self, op: EngineOp, order: Order | None = None,
+                adds: Sequence[tuple[int, NcclRegion, NcclRegion]] = ()) -> list[int]:
         """Enqueue the op's NCCL calls, all local ranks in one group, each behind its
         worker's ready event if it has one; the ranks whose streams got work."""
-        calls = self._calls(op)
         gpu = self._gpu
+        calls = self._calls(op) if not adds else [
+            call for rank, buf, scratch in adds
+            for call in ((rank, _bind(gpu.send, buf.ptr, buf.nbytes, DType.U8, 1 - rank)),
+                         (rank, _bind(gpu.recv, scratch.ptr, scratch.nbytes, DType.U8, 1 - rank)))]
         try:
             if order is not None:
                 for rank in {rank for rank, _ in calls}:
@@ -311,6 +344,8 @@ class NcclCommunicator:
                     call(self._comms[rank], self._streams[rank])
             finally:
                 gpu.group_end()
+            for rank, buf, scratch in adds:  # on each stream, after the exchange
+                gpu.add_bf16(buf.ptr, scratch.ptr, buf.nbytes // 2, self._devices[rank], self._streams[rank])
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
         return sorted({rank for rank, _ in calls})
@@ -413,9 +448,10 @@ class NcclCommunicator:
             self._gpu.stream_destroy(stream)
         self._streams.clear()
         self._free_events = {r: [] for r in self._ranks}
-        for mapping in self._scratch.values():
+        for mapping in [*self._scratch.values(), *self._exchange.values()]:
             mapping.close()
         self._scratch.clear()
+        self._exchange.clear()
 
 
 def _ptr(region: Region) -> int:

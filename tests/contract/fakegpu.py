@@ -17,6 +17,7 @@ import itertools
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,14 @@ class _Work:
 
 
 @dataclass
+class _Batch:
+    """The calls one NCCL group put on a stream: they run concurrently (a send and a recv
+    of one group do not wait for each other), and the stream moves on when all are done."""
+
+    works: list[_Work]
+
+
+@dataclass
 class _Mark:
     event: int
     generation: int
@@ -81,6 +90,7 @@ class _Kernel:
     ptr: int
     data: bytes
     released: bool = False
+    run: Callable[[], None] | None = None  # instead of writing `data`: the daemon's own kernel
 
 
 class FakeGpu:
@@ -92,7 +102,9 @@ class FakeGpu:
         self._allocs: dict[int, tuple[bytearray, int]] = {}  # base -> (bytes, device)
         self._next_ptr = 0x7F00_0000_0000
         self._ids = itertools.count(1)
-        self._streams: dict[int, deque[_Work | _Mark | _Wait | _Kernel]] = {}
+        self._streams: dict[int, deque[_Batch | _Mark | _Wait | _Kernel]] = {}
+        self._group_depth = 0
+        self._grouped: dict[int, list[_Work]] = {}  # stream -> the open group's calls on it
         self._event_handles: dict[bytes, int] = {}  # IPC handle -> the worker's event
         self._recorded: dict[int, int] = {}
         self._reached: dict[int, int] = {}
@@ -101,6 +113,7 @@ class FakeGpu:
         self._vmm: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of an exported fd -> base
         self.launches = 0  # group_end calls: how many NCCL submissions the engine made
         self.registered: dict[int, tuple[int, int, int]] = {}  # handle -> (comm, ptr, bytes)
+        self.adds = 0  # launches of the daemon's add kernel
         self.current_device: int | None = None
 
     # ---- what a test does as the worker -------------------------------------------------
@@ -299,7 +312,21 @@ class FakeGpu:
             self._progress()
 
     def group_start(self) -> None:
-        pass
+        self._group_depth += 1
+
+    def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
+        import ml_dtypes
+
+        def add() -> None:
+            a = np.frombuffer(self.read(dst, 2 * count), ml_dtypes.bfloat16)
+            b = np.frombuffer(self.read(src, 2 * count), ml_dtypes.bfloat16)
+            total = a.astype(np.float32) + b.astype(np.float32)  # rounded once, as __hadd does
+            self.copy_in(dst, total.astype(ml_dtypes.bfloat16).tobytes())
+
+        self.adds += 1
+        with self._cv:
+            self._streams[stream].append(_Kernel(0, b"", released=True, run=add))
+            self._progress()
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
         c = self._comms.get(comm)
@@ -316,7 +343,13 @@ class FakeGpu:
 
     def group_end(self) -> None:
         self.launches += 1
+        self._group_depth -= 1
+        if self._group_depth:
+            return
         with self._cv:
+            grouped, self._grouped = self._grouped, {}
+            for stream, works in grouped.items():
+                self._streams[stream].append(_Batch(works))
             self._progress()
 
     def use_device(self, device: int) -> None:
@@ -332,8 +365,13 @@ class FakeGpu:
         if self.current_device != comm.device:
             raise GpuError(f"{kind}: launched with device {self.current_device} current, "
                            f"the communicator's is {comm.device}")
+        work = _Work(comm, (comm.unique_id, *key), kind, args)
         with self._cv:
-            self._streams[stream].append(_Work(comm, (comm.unique_id, *key), kind, args))
+            if self._group_depth:
+                self._grouped.setdefault(stream, []).append(work)
+            else:
+                self._streams[stream].append(_Batch([work]))
+                self._progress()
 
     def _collective(self, comm_id: int, stream: int, kind: str, args: tuple[Any, ...]) -> None:
         comm = self._comms.get(comm_id)
@@ -378,27 +416,29 @@ class FakeGpu:
         moved = True
         while moved:
             moved = False
-            heads: dict[tuple[object, ...], list[tuple[int, _Work]]] = {}
-            for stream, queue in self._streams.items():
+            heads: dict[tuple[object, ...], list[_Work]] = {}
+            for queue in self._streams.values():
                 while queue and self._passes(queue[0]):
                     item = queue.popleft()  # work of an aborted communicator never runs
                     if isinstance(item, _Mark):
                         self._reached[item.event] = max(self._reached.get(item.event, 0), item.generation)
                     elif isinstance(item, _Kernel):
-                        self.copy_in(item.ptr, item.data)
+                        item.run() if item.run is not None else self.copy_in(item.ptr, item.data)
                     moved = True
-                if queue and isinstance(queue[0], _Work):  # else it waits on an event or a kernel
-                    heads.setdefault(queue[0].key, []).append((stream, queue[0]))
+                if queue and isinstance(queue[0], _Batch):  # else it waits on an event or a kernel
+                    for work in queue[0].works:
+                        if not work.done:
+                            heads.setdefault(work.key, []).append(work)
             for key, works in heads.items():
-                expected = 2 if key[1] == "p2p" else works[0][1].comm.size
+                expected = 2 if key[1] == "p2p" else works[0].comm.size
                 if len(works) == expected:
-                    self._execute([w for _, w in works])
-                    for stream, _ in works:
-                        self._streams[stream].popleft()
+                    self._execute(works)
+                    for work in works:
+                        work.done = True
                     moved = True
         self._cv.notify_all()
 
-    def _passes(self, item: _Work | _Mark | _Wait | _Kernel) -> bool:
+    def _passes(self, item: _Batch | _Mark | _Wait | _Kernel) -> bool:
         """Whether a stream's head item is done as soon as the stream gets to it."""
         if isinstance(item, _Mark):
             return True
@@ -406,7 +446,7 @@ class FakeGpu:
             return self._reached.get(item.event, item.generation) >= item.generation
         if isinstance(item, _Kernel):
             return item.released
-        return item.comm.aborted
+        return all(work.done or work.comm.aborted for work in item.works)
 
     def _execute(self, works: list[_Work]) -> None:
         works.sort(key=lambda w: w.comm.rank)

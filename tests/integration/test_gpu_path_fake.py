@@ -291,3 +291,30 @@ def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemo
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert gpu.read(ptr, 256) == b"\x01" * 256
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_the_add_kernel_path_sums_two_ranks_by_exchange(daemon: FakeGpuDaemon, gpu: FakeGpu,
+                                                        both: bool) -> None:
+    """set_add_kernel on both ranks of a 2-rank world: bf16 sums go through a send/recv
+    exchange and the daemon's own add kernel, with the same result as NCCL's all_reduce;
+    with only one rank asking, NCCL sums as before (the ranks must agree on the calls)."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    inputs = [make_input(21, r, 4096, "bf16", "sum") for r in range(2)]
+
+    def rank(r: int) -> bytes:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            if both or r == 0:
+                comm.set_add_kernel(0xADD)
+            comm.barrier()  # both have said it before the sum
+            ptr = driver.alloc(inputs[r].tobytes())
+            comm.all_reduce(ptr, inputs[r].nbytes)
+            summed = gpu.read(ptr, inputs[r].nbytes)
+            comm.all_reduce(ptr, 16, dtype="f32")  # not bf16: NCCL's all_reduce either way
+            return summed
+
+    adds = gpu.adds
+    out = run_ranks(2, rank)
+    assert out == [reduce_reference(inputs, "bf16", "sum").tobytes()] * 2
+    assert gpu.adds - adds == (2 if both else 0)  # one add per rank, for the bf16 sum only

@@ -39,6 +39,9 @@ class Reporting:
     def async_error(self) -> str | None:
         return self.error
 
+    def __getattr__(self, name: str) -> object:  # the rest of the Communicator, as it is
+        return getattr(self.inner, name)
+
 
 class ReportingEngine:
     def __init__(self, inner: Engine) -> None:
