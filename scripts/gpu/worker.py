@@ -245,6 +245,11 @@ def role_calls(a: dict[str, Any]) -> dict[str, Any]:
             note = f"handle {handle}; {note}".rstrip("; ")
         return note
 
+    def add_kernel() -> str:
+        comm.set_add_kernel(0xADD)  # the worker's kernel handle means nothing to the daemon
+        comm.barrier()  # both ranks have set it before the sum
+        return all_reduce(None, None)
+
     def all_gather() -> str:
         nbytes = (1 << 20) + 5
         data = [gen(seed + 1, r, nbytes, "u8") for r in range(n)]
@@ -338,6 +343,8 @@ def role_calls(a: dict[str, Any]) -> dict[str, Any]:
         ("register_buffer + all_reduce", lambda: all_reduce("f32", "sum", register=True)),
         ("symmetric_alloc + all_reduce", symmetric),
         ("group_start/end", group),
+        # last: from here on a 2-rank world sums bf16 by exchange + the daemon's add kernel
+        ("set_add_kernel + all_reduce bf16", add_kernel),
     ]
     for i, (name, check) in enumerate(checks):
         if n == 1 and name in ("send_to/recv_from", "recv_command_u32"):
