@@ -200,7 +200,7 @@ class Session:
         def open_mapping() -> MemoryMapping:
             nonlocal handed_over
             handed_over = True  # from here the engine owns the fd, and closes it on failure
-            mapping = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd)
+            mapping = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd, self._device)
             if mapping.device is not None and self._device is not None and mapping.device != self._device:
                 mapping.close()  # NCCL would run this rank's op on another GPU's memory
                 raise CallError(ErrorCode.MISUSE, f"buffer {msg.buf} lives on GPU {mapping.device}; "
@@ -260,7 +260,7 @@ class Session:
         self._member_world()
         if msg.stream not in self._events and len(self._events) >= _MAX_STREAMS:
             raise CallError(ErrorCode.LIMIT, f"a connection may name at most {_MAX_STREAMS} streams")
-        pair = self._ctx.engine.import_events(msg.ready, msg.done)
+        pair = self._ctx.engine.import_events(msg.ready, msg.done, self._device)
         old = self._events.pop(msg.stream, None)
         if old is not None:
             old.close()

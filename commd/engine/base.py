@@ -207,11 +207,13 @@ class Engine(Protocol):
     name: str
     memory_kinds: frozenset[MemKind]
 
-    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> MemoryMapping:
-        """Open a worker's allocation; takes ownership of `fd`. CallError on refusal."""
+    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
+                      device: int | None = None) -> MemoryMapping:
+        """Open a worker's allocation (for `device`, the rank's GPU); takes ownership of
+        `fd`. CallError on refusal."""
         ...
 
-    def import_events(self, ready: bytes, done: bytes) -> EventPair:
+    def import_events(self, ready: bytes, done: bytes, device: int | None = None) -> EventPair:
         """Open a worker's interprocess events; CallError(MISUSE) from an engine without
         streams."""
         ...

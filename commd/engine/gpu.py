@@ -59,8 +59,9 @@ class Gpu(Protocol):
     def device_count(self) -> int: ...
 
     # ---- memory ---------------------------------------------------------------------
-    def ipc_open(self, handle: bytes, size: int) -> Imported:
-        """Open a worker's cudaIpcMemHandle (64 bytes) of an allocation of `size` bytes."""
+    def ipc_open(self, handle: bytes, size: int, device: int) -> Imported:
+        """Open a worker's cudaIpcMemHandle (64 bytes) in `device`'s context (where the
+        rank's kernels run); GpuError if the allocation is smaller than `size`."""
         ...
 
     def vmm_import(self, fd: int, size: int) -> Imported:
@@ -94,16 +95,18 @@ class Gpu(Protocol):
 
     def event_record(self, event: int, stream: int) -> None: ...
 
-    def event_open(self, handle: bytes) -> int:
-        """A worker's interprocess event (64-byte cudaIpcEventHandle_t), opened here."""
+    def event_open(self, handle: bytes, device: int) -> int:
+        """A worker's interprocess event (64-byte cudaIpcEventHandle_t), opened in `device`'s
+        context, the one its stream's work runs in."""
         ...
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         """Work queued on `stream` from now on waits for `event`'s latest record."""
         ...
 
-    def event_wait(self, event: int) -> None:
-        """Block the calling thread (never the event loop's) until the event completed."""
+    def event_wait(self, event: int, device: int) -> None:
+        """Block the calling thread (never the event loop's) until the event completed;
+        `device` is the event's, made current on this (helper) thread first."""
         ...
 
     # ---- NCCL -----------------------------------------------------------------------
@@ -186,6 +189,9 @@ def _cuda_include_dir() -> str | None:
     return None
 
 
+_UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+
+
 def load() -> Gpu:
     """The real thing, or GpuError saying what is missing (no bindings, no driver, no GPU)."""
     gpu = BindingsGpu()
@@ -253,14 +259,22 @@ class BindingsGpu:
         attr = self._cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
         return int(self._check(self._cu.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute"))
 
-    def ipc_open(self, handle: bytes, size: int) -> Imported:
+    def ipc_open(self, handle: bytes, size: int, device: int) -> Imported:
         cu = self._cu
         ipc = cu.CUipcMemHandle()
         ctypes.memmove(ipc.getPtr(), handle, 64)  # no .reserved since cuda-bindings 13.4
-        self.use_device(0)  # any context opens it; the pointer says where it lives
-        ptr = self._check(cu.cuIpcOpenMemHandle(
-            ipc, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
-        return Imported(int(ptr), size, self._device_of(int(ptr)), Origin.IPC)
+        self.use_device(device)
+        ptr = int(self._check(cu.cuIpcOpenMemHandle(
+            ipc, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"))
+        try:
+            # The worker's word for the size is checked: every bounds check rests on it.
+            _, real = self._check(cu.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+            if int(real) < size:
+                raise GpuError(f"the allocation holds {int(real)} bytes, not the {size} claimed")
+            return Imported(ptr, size, self._device_of(ptr), Origin.IPC)
+        except BaseException:
+            cu.cuIpcCloseMemHandle(ptr)
+            raise
 
     def vmm_import(self, fd: int, size: int) -> Imported:
         cu = self._cu
@@ -271,12 +285,20 @@ class BindingsGpu:
                                "cuMemGetAllocationPropertiesFromHandle")
             device = int(prop.location.id)
             va = self._check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
-            self._check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
-            access = cu.CUmemAccessDesc()
-            access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = device
-            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            self._check(cu.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
+            mapped = False
+            try:
+                self._check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
+                mapped = True
+                access = cu.CUmemAccessDesc()
+                access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = device
+                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                self._check(cu.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
+            except BaseException:
+                if mapped:
+                    cu.cuMemUnmap(va, size)
+                cu.cuMemAddressFree(va, size)
+                raise
         finally:
             cu.cuMemRelease(handle)  # the mapping keeps the memory
         return Imported(int(va), size, device, Origin.VMM)
@@ -342,13 +364,14 @@ class BindingsGpu:
     def event_record(self, event: int, stream: int) -> None:
         self._check(self._cu.cuEventRecord(event, stream), "cuEventRecord")
 
-    def event_wait(self, event: int) -> None:
+    def event_wait(self, event: int, device: int) -> None:
+        self.use_device(device)  # a helper thread has no current context of its own
         self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
 
-    def event_open(self, handle: bytes) -> int:
+    def event_open(self, handle: bytes, device: int) -> int:
         ipc = self._cu.CUipcEventHandle()
         ctypes.memmove(ipc.getPtr(), handle, 64)
-        self.use_device(0)  # any context opens it
+        self.use_device(device)
         return int(self._check(self._cu.cuIpcOpenEventHandle(ipc), "cuIpcOpenEventHandle"))
 
     def stream_wait_event(self, stream: int, event: int) -> None:
@@ -361,7 +384,9 @@ class BindingsGpu:
         nccl = self._nccl
         self.use_device(device)
         uid = nccl.UniqueId()
-        ctypes.memmove(uid.ptr, unique_id, len(unique_id))
+        if len(unique_id) != _UNIQUE_ID_BYTES:  # it came over the network: never copy more
+            raise GpuError(f"an ncclUniqueId is {_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        ctypes.memmove(uid.ptr, unique_id, _UNIQUE_ID_BYTES)
         config = nccl.Config()
         config.blocking = 0  # so a hung or failed communicator can be aborted
         comm = self._nccl_call("ncclCommInitRankConfig", nccl.comm_init_rank_config,
@@ -382,7 +407,7 @@ class BindingsGpu:
     def comm_abort(self, comm: int) -> None:
         handle = self._comms.pop(comm, None)
         if handle is not None:
-            self._nccl.comm_abort(handle)
+            self._nccl_call("ncclCommAbort", self._nccl.comm_abort, handle)
 
     def group_start(self) -> None:
         self._nccl_call("ncclGroupStart", self._nccl.group_start)
@@ -391,6 +416,7 @@ class BindingsGpu:
         kernel = self._kernels.get(device)
         if kernel is None:
             kernel = self._kernels[device] = self._compile_add(device)
+        self.use_device(device)
         threads = 256
         blocks = max(1, min(-(-count // threads), 4096))
         args = ((dst, src, count), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64))

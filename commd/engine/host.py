@@ -299,14 +299,15 @@ class HostEngine:
         self._inline_bytes = inline_bytes
         self.lingering = Lingering()
 
-    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> HostMapping:
+    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
+                      device: int | None = None) -> HostMapping:
         if kind is not MemKind.HOST or fd is None:
             if fd is not None:
                 os.close(fd)
             raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
         return HostMapping(fd, size, self.lingering)
 
-    def import_events(self, ready: bytes, done: bytes) -> EventPair:
+    def import_events(self, ready: bytes, done: bytes, device: int | None = None) -> EventPair:
         raise CallError(ErrorCode.MISUSE, "the host engine has no streams: stream events need a GPU engine")
 
     def allocate(self, nbytes: int, device: int | None = None) -> tuple[HostMapping, int]:

@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proto import DType, ErrorCode, MemKind, ReduceOp
@@ -112,17 +113,42 @@ class NcclMapping:
 
 
 class NcclEvents:
-    """A worker's ready and done events, opened in the daemon."""
+    """A worker's ready and done events, opened in the daemon. Closing destroys them once
+    no op that names them is queued or running (an op records `done` after it launched)."""
 
     def __init__(self, gpu: Gpu, ready: int, done: int) -> None:
         self._gpu = gpu
         self.ready = ready
         self.done = done
+        self._users = 0
+        self._closing = False
+
+    def hold(self) -> None:
+        self._users += 1
+
+    def let_go(self) -> None:
+        self._users -= 1
+        if self._closing and self._users == 0:
+            self._destroy()
 
     def close(self) -> None:
-        # CUDA lets an event go once work recorded on it is done, so this is safe mid-op.
+        self._closing = True
+        if self._users == 0:
+            self._destroy()
+
+    def _destroy(self) -> None:
         for event in (self.ready, self.done):
-            self._gpu.event_destroy(event)
+            with contextlib.suppress(GpuError):  # the driver has let it go already
+                self._gpu.event_destroy(event)
+        self.ready = self.done = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """What an op uses until the device is done with it."""
+
+    regions: list[NcclRegion]
+    events: list[NcclEvents]
 
 
 class NcclCommunicator:
@@ -179,21 +205,31 @@ class NcclCommunicator:
         await self._settle()  # a fresh communicator finishes its (non-blocking) init first
         self._register_pending()
         adds = self._add_plan(op)
-        regions = _regions(op) + [scratch for _, _, scratch in adds]
-        self._hold(regions)
+        calls = self._calls(op) if not adds else self._exchanges(adds)
+        touched = sorted({rank for rank, _ in calls})
+        held = _Held(_regions(op) + [scratch for _, _, scratch in adds],
+                     [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
+        self._hold(held)
+        launched = False
         try:
-            touched = self._launch(op, order, adds)
-            await self._settle()
+            launched = True  # from here work may be on the streams, even if the launch fails
+            self._launch(calls, order)
+            await self._settle()  # NCCL may still be enqueueing (a non-blocking group's end)
+            self._launch_adds(adds)
             verdict = self._compare(op)
             if order is not None:  # the workers' streams wait for this, not for our reply
                 for rank in touched:
                     pair = order.events.get(rank)
                     if isinstance(pair, NcclEvents):
-                        self._gpu.event_record(pair.done, self._streams[rank])
+                        self._device_call(self._gpu.event_record, pair.done, self._streams[rank])
         except BaseException:
-            self._let_go(regions)
+            if launched:  # stop what was queued; the memory goes once the device let go of it
+                self.abort()
+                with contextlib.suppress(Exception):
+                    await self._complete(touched)
+            self._let_go(held)
             raise
-        finished = self._finish(touched, verdict, regions)
+        finished = self._finish(touched, verdict, held)
         if order is None or not order.early:
             await finished
             return
@@ -203,7 +239,7 @@ class NcclCommunicator:
         task.add_done_callback(self._landed)
 
     async def _finish(self, touched: list[int], verdict: Coroutine[None, None, None] | None,
-                      regions: list[NcclRegion]) -> None:
+                      held: _Held) -> None:
         try:
             if verdict is None:
                 await self._complete(touched)
@@ -211,26 +247,37 @@ class NcclCommunicator:
                 await self._complete_unless_mismatched(touched, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         finally:
-            self._let_go(regions)
+            self._let_go(held)
 
     def _landed(self, task: asyncio.Task[None]) -> None:
-        """An op answered early finished: its failure is the world's (see async_error)."""
+        """An op answered early finished: its failure is the world's (see async_error), also
+        when it aborted the communicator itself (a mismatch found by the root)."""
         self._later.discard(task)
-        if not task.cancelled() and task.exception() is not None and not self._aborted:
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
             exc = task.exception()
             self._failure = exc.message if isinstance(exc, CallError) else f"{type(exc).__name__}: {exc}"
 
-    def _hold(self, regions: list[NcclRegion]) -> None:
-        for region in regions:
+    def _hold(self, held: _Held) -> None:
+        for region in held.regions:
             region.mapping.hold()
+        for pair in held.events:
+            pair.hold()
         self._running += 1
 
-    def _let_go(self, regions: list[NcclRegion]) -> None:
+    def _let_go(self, held: _Held) -> None:
         self._running -= 1
-        for region in regions:
+        for region in held.regions:
             region.mapping.let_go()
+        for pair in held.events:
+            pair.let_go()
         if self._aborted and self._running == 0:
             self._teardown()
+
+    def _device_call(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, str(exc)) from None
 
     def abort(self) -> None:
         if self._aborted:
@@ -264,10 +311,10 @@ class NcclCommunicator:
                 log.debug("rank %d: NCCL did not register %d bytes: %s", rank, region.nbytes, exc)
 
     def async_error(self) -> str | None:
-        if self._aborted:
-            return None
         if self._failure is not None:
             return self._failure
+        if self._aborted:
+            return None
         for rank, comm in self._comms.items():
             state, why = self._gpu.comm_state(comm)
             if state is CommState.FAILED:
@@ -322,15 +369,24 @@ class NcclCommunicator:
             mapping = self._exchange[rank] = NcclMapping(self._gpu, memory)
         return mapping.region(0, nbytes)
 
-    def _launch(self, op: EngineOp, order: Order | None = None,
-                adds: Sequence[tuple[int, NcclRegion, NcclRegion]] = ()) -> list[int]:
-        """Enqueue the op's NCCL calls, all local ranks in one group, each behind its
-        worker's ready event if it has one; the ranks whose streams got work."""
+    def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]
+                   ) -> list[tuple[int, Callable[[int, int], None]]]:
+        """The add-kernel path's NCCL part: each rank sends its buffer to the other."""
         gpu = self._gpu
-        calls = self._calls(op) if not adds else [
-            call for rank, buf, scratch in adds
-            for call in ((rank, _bind(gpu.send, buf.ptr, buf.nbytes, DType.U8, 1 - rank)),
-                         (rank, _bind(gpu.recv, scratch.ptr, scratch.nbytes, DType.U8, 1 - rank)))]
+        return [call for rank, buf, scratch in adds
+                for call in ((rank, _bind(gpu.send, buf.ptr, buf.nbytes, DType.U8, 1 - rank)),
+                             (rank, _bind(gpu.recv, scratch.ptr, scratch.nbytes, DType.U8, 1 - rank)))]
+
+    def _launch_adds(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]) -> None:
+        """On each stream, after the exchange: buffer += what the peer sent."""
+        for rank, buf, scratch in adds:
+            self._device_call(self._gpu.add_bf16, buf.ptr, scratch.ptr, buf.nbytes // 2,
+                              self._devices[rank], self._streams[rank])
+
+    def _launch(self, calls: list[tuple[int, Callable[[int, int], None]]], order: Order | None) -> None:
+        """Enqueue NCCL calls, all local ranks in one group, each behind its worker's ready
+        event if it has one."""
+        gpu = self._gpu
         try:
             if order is not None:
                 for rank in {rank for rank, _ in calls}:
@@ -344,11 +400,8 @@ class NcclCommunicator:
                     call(self._comms[rank], self._streams[rank])
             finally:
                 gpu.group_end()
-            for rank, buf, scratch in adds:  # on each stream, after the exchange
-                gpu.add_bf16(buf.ptr, scratch.ptr, buf.nbytes // 2, self._devices[rank], self._streams[rank])
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
-        return sorted({rank for rank, _ in calls})
 
     def _compare(self, op: EngineOp) -> Coroutine[None, None, None] | None:
         """Across daemons: members send the root the fingerprint of each collective; the
@@ -399,8 +452,9 @@ class NcclCommunicator:
                 events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
                 self._gpu.event_record(events[rank], self._streams[rank])
             loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self._waiters, self._gpu.event_wait, event)
-                                   for event in events.values()))
+            await asyncio.gather(*(loop.run_in_executor(self._waiters, self._gpu.event_wait, event,
+                                                        self._devices[rank])
+                                   for rank, event in events.items()))
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
         finally:
@@ -488,13 +542,14 @@ class NcclEngine:
         # Threads that block in cuEventSynchronize, one per op awaited at once.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
 
-    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None) -> NcclMapping:
+    def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
+                      device: int | None = None) -> NcclMapping:
         try:
             if kind is MemKind.CUDA_IPC:
                 if len(handle) != IPC_HANDLE_BYTES:
                     raise CallError(ErrorCode.BAD_MEMORY, f"a cuda-ipc handle is {IPC_HANDLE_BYTES} bytes, "
                                                           f"got {len(handle)}")
-                return NcclMapping(self.gpu, self.gpu.ipc_open(handle, size))
+                return NcclMapping(self.gpu, self.gpu.ipc_open(handle, size, device or 0))
             if kind is MemKind.CUDA_VMM and fd is not None:
                 return NcclMapping(self.gpu, self.gpu.vmm_import(fd, size))
             raise CallError(ErrorCode.MISUSE, f"the nccl engine cannot open {kind.value} memory")
@@ -504,11 +559,11 @@ class NcclEngine:
             if fd is not None:
                 os.close(fd)
 
-    def import_events(self, ready: bytes, done: bytes) -> NcclEvents:
+    def import_events(self, ready: bytes, done: bytes, device: int | None = None) -> NcclEvents:
         try:
-            first = self.gpu.event_open(ready)
+            first = self.gpu.event_open(ready, device or 0)
             try:
-                return NcclEvents(self.gpu, first, self.gpu.event_open(done))
+                return NcclEvents(self.gpu, first, self.gpu.event_open(done, device or 0))
             except GpuError:
                 self.gpu.event_destroy(first)
                 raise

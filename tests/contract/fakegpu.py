@@ -106,6 +106,8 @@ class FakeGpu:
         self._group_depth = 0
         self._grouped: dict[int, list[_Work]] = {}  # stream -> the open group's calls on it
         self._event_handles: dict[bytes, int] = {}  # IPC handle -> the worker's event
+        self._device_of: dict[int, int] = {}  # stream or event -> the device whose context has it
+        self._same: dict[int, int] = {}  # an event opened by IPC -> the worker's event it is
         self._recorded: dict[int, int] = {}
         self._reached: dict[int, int] = {}
         self._comms: dict[int, _Comm] = {}
@@ -131,12 +133,12 @@ class FakeGpu:
         self._vmm[(info.st_dev, info.st_ino)] = ptr
         return fd
 
-    def worker_stream(self) -> int:
-        return self.stream_create(0)
+    def worker_stream(self, device: int = 0) -> int:
+        return self.stream_create(device)
 
-    def worker_event(self) -> tuple[int, bytes]:
+    def worker_event(self, device: int = 0) -> tuple[int, bytes]:
         """An interprocess event of the worker, and its IPC handle."""
-        event = self.event_create(0)
+        event = self.event_create(device)
         handle = os.urandom(64)
         self._event_handles[handle] = event
         return event, handle
@@ -204,7 +206,7 @@ class FakeGpu:
             bisect.insort(self._bases, alias)
         return Imported(alias, size, device, origin)
 
-    def ipc_open(self, handle: bytes, size: int) -> Imported:
+    def ipc_open(self, handle: bytes, size: int, device: int) -> Imported:
         base = self._exported.get(bytes(handle))
         if base is None:
             raise GpuError("cuIpcOpenMemHandle: invalid argument")
@@ -245,6 +247,7 @@ class FakeGpu:
     def stream_create(self, device: int) -> int:
         stream = next(self._ids)
         self._streams[stream] = deque()
+        self._device_of[stream] = device
         return stream
 
     def stream_destroy(self, stream: int) -> None:
@@ -253,30 +256,42 @@ class FakeGpu:
     def event_create(self, device: int) -> int:
         event = next(self._ids)
         self._recorded[event] = self._reached[event] = 0
+        self._device_of[event] = device
         return event
 
     def event_destroy(self, event: int) -> None:
         with self._cv:
-            del self._recorded[event], self._reached[event]
+            if self._same.pop(event, None) is None:  # an opened copy goes alone
+                del self._recorded[event], self._reached[event]
+            del self._device_of[event]
 
     def event_record(self, event: int, stream: int) -> None:
+        if self._device_of.get(event) != self._device_of.get(stream):
+            raise GpuError("cuEventRecord: invalid resource handle (the event and the stream "
+                           "belong to different contexts)")
+        event = self._same.get(event, event)
         with self._cv:
             self._recorded[event] += 1
             self._streams[stream].append(_Mark(event, self._recorded[event]))
             self._progress()
 
-    def event_open(self, handle: bytes) -> int:
+    def event_open(self, handle: bytes, device: int) -> int:
         event = self._event_handles.get(bytes(handle))
         if event is None:
             raise GpuError("cuIpcOpenEventHandle: invalid handle")
-        return event  # one process here: the opened event is the worker's own
+        opened = next(self._ids)  # the same event, as another context sees it
+        self._same[opened] = event
+        self._device_of[opened] = device
+        return opened
 
     def stream_wait_event(self, stream: int, event: int) -> None:
+        event = self._same.get(event, event)
         with self._cv:
             self._streams[stream].append(_Wait(event, self._recorded[event]))
             self._progress()
 
-    def event_wait(self, event: int) -> None:
+    def event_wait(self, event: int, device: int) -> None:
+        event = self._same.get(event, event)
         with self._cv:
             want = self._recorded[event]
             if not self._cv.wait_for(lambda: self._reached.get(event, want) >= want, timeout=30):

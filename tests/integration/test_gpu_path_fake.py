@@ -44,6 +44,7 @@ class WorkerDriver:
         self.recorded: list[int] = []  # the streams a ready event was recorded on, per call
         self.mapped: dict[int, Imported] = {}  # the daemon's symmetric memory, mapped here
         self.defaults: dict[int, int] = {}
+        self.current: dict[int, int] = {}  # thread -> its current device
 
     def alloc(self, data: bytes, device: int = 0) -> int:
         base = self.gpu.worker_alloc(data, device)
@@ -72,17 +73,24 @@ class WorkerDriver:
     def synchronize(self, stream: int) -> None:
         self.synced.append(stream)
 
-    # The worker's streams live on the fake device; stream 0 is each thread's default.
+    # The worker's streams live on the fake device; stream 0 is each thread's default, on
+    # the thread's current device (set_device, as torch.cuda.set_device makes it).
+    def set_device(self, device: int) -> None:
+        self.current[threading.get_ident()] = device
+
     def device_stream(self, stream: int) -> int:
         if stream:
             return stream
         local = self.defaults.get(threading.get_ident())
         if local is None:
-            local = self.defaults[threading.get_ident()] = self.gpu.worker_stream()
+            local = self.defaults[threading.get_ident()] = self.gpu.worker_stream(self._device())
         return local
 
+    def _device(self) -> int:
+        return self.current.get(threading.get_ident(), 0)
+
     def create_ipc_event(self) -> tuple[int, bytes]:
-        return self.gpu.worker_event()
+        return self.gpu.worker_event(self._device())
 
     def record_event(self, event: int, stream: int) -> None:
         self.recorded.append(stream)
@@ -162,6 +170,7 @@ def test_every_collective_on_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) 
     gathered_parts = [make_input(12, r, 64, "u8", "sum").tobytes() for r in range(n)]
 
     def rank(r: int) -> dict[str, bytes]:
+        driver.set_device(r)
         with DaemonBackend(str(daemon.socket_path), world, r, n, device=r, timeout=20,
                            cuda_driver=lambda: driver) as comm:
             data = driver.alloc(inputs[r].tobytes(), device=r)
