@@ -78,11 +78,10 @@ class DaemonBackend(CommBackend):
         self._group_early = True
         # Stream ordering (DESIGN §5), with an engine that has streams: per stream of the
         # worker, two interprocess events (ready, done) and their IPC handles; which streams'
-        # events the daemon of this connection holds; one ordered call at a time per backend,
-        # since a stream's events serve one call at a time.
+        # events the daemon of this connection holds.
         self._stream_events: dict[int, tuple[int, int, bytes, bytes]] = {}
         self._events_sent: set[int] = set()
-        self._order_lock = threading.Lock()
+        self._order_locks: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
         self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
@@ -416,7 +415,9 @@ class DaemonBackend(CommBackend):
         first, *others = streams
         for stream in others:
             driver.synchronize(stream)
-        with self._order_lock:  # the stream's events serve one call at a time
+        with self._lock:
+            order_lock = self._order_locks.setdefault(first, threading.Lock())
+        with order_lock:  # the stream's events serve one call at a time
             ready, done = self._events_for(first, driver)
             driver.record_event(ready, first)
             self._submit(ops, deadline, stream=first, early=early)

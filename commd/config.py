@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -78,6 +79,9 @@ class ServerConfig:
             raise ConfigError("peer_listen: needs a shared secret (peer_secret_file, "
                               "COMMD_PEER_SECRET_FILE or COMMD_PEER_SECRET); daemons never talk "
                               "unauthenticated", key="peer_listen")
+        for name in ("peer_heartbeat_s", "peer_window_s"):  # nan compares false to everything
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{KEY_OF_FIELD[name]}: must be a finite number of seconds", key=name)
         if self.peer_heartbeat_s <= 0:
             raise ConfigError("peer_heartbeat: must be positive", key="peer_heartbeat_s")
         if self.peer_window_s <= self.peer_heartbeat_s:

@@ -7,6 +7,7 @@ the allow-list before a single byte is read from it.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
@@ -118,7 +119,7 @@ class Server:
                 return
             pid, uid, gid = _UCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            refusal = self._refusal(pid, uid, gid)
+            refusal = self._refusal(sock, pid, uid, gid)
             if refusal is not None:
                 log.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
                 _refuse(sock, *refusal)
@@ -137,10 +138,10 @@ class Server:
 
         loop.call_later(seconds, resume)
 
-    def _refusal(self, pid: int, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
+    def _refusal(self, sock: socket.socket, pid: int, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
         allowed = self.config.allow_gids
         if uid not in self.config.allow_uids and gid not in allowed and not (
-                allowed and allowed & supplementary_groups(pid)):
+                allowed and allowed & supplementary_groups(sock, pid)):
             return ErrorCode.PERMISSION, f"uid {uid} / gid {gid} may not use this daemon"
         if len(self.sessions) >= self.config.max_connections:
             return ErrorCode.LIMIT, f"the daemon holds its limit of {self.config.max_connections} connections"
@@ -204,10 +205,22 @@ class Server:
         self.engine.close()
 
 
-def supplementary_groups(pid: int) -> frozenset[int]:
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+
+
+def supplementary_groups(sock: socket.socket, pid: int) -> frozenset[int]:
     """The groups a connecting process holds besides its primary one (SO_PEERCRED tells
     only that): a worker admitted as a member of `commd` has it as a supplementary group.
-    Read from /proc at connect time; a process gone meanwhile holds none."""
+    SO_PEERGROUPS gives the groups of the socket's peer as they were at connect, also
+    from another PID namespace (a pod); /proc/PID/status is the fallback."""
+    for size in (4 * 256, 4 * 65536):  # gid_t each; retried once when they do not fit
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                continue
+            break  # an older kernel: ask /proc
+        return frozenset(array.array("I", raw[:len(raw) - len(raw) % 4]))
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:

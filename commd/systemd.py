@@ -89,7 +89,10 @@ async def keep_alive(notifier: Notifier, watchdog_s: float | None, status: Calla
     while True:
         await asyncio.sleep(tick)
         lines = ["WATCHDOG=1"] if watchdog_s is not None else []
-        line = status()
+        try:
+            line = status()
+        except Exception as exc:  # a status that cannot be told must not stop the pings
+            line = f"status unavailable: {type(exc).__name__}"
         if line != last:
             lines.append("STATUS=" + line)
             last = line

@@ -50,6 +50,9 @@ _ROOT_GRACE_S = 2.0
 # How often a ready world asks its engine for async errors and checks call deadlines:
 # bounds the detection of an engine failure; one cheap wake-up per world.
 _WATCH_S = 0.25
+# How long the ops of a failed world may go on finishing before its communicator is aborted
+# under them: long enough for ops every rank joined, short enough to free a hung one.
+_ABORT_GRACE_S = 2.0
 
 
 class Peer(Protocol):
@@ -137,7 +140,9 @@ class World:
         self._tickets: set[Ticket] = set()
         self._exec_lock = asyncio.Lock()
         self._queued = 0  # matched ops waiting for or holding _exec_lock
-        self._abort_when_idle: Communicator | None = None
+        # Communicators of failed epochs whose ops are still in the engine: aborted when those
+        # finish, or after _ABORT_GRACE_S at the latest (an op waiting on a lost peer never does).
+        self._abort_when_idle: set[Communicator] = set()
         self._max_pending_ops = max_pending_ops
         self.stats = stats if stats is not None else DaemonStats()  # the daemon's: outlive worlds
         self.recorder = FlightRecorder(stats=self.stats.calls)
@@ -146,6 +151,7 @@ class World:
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
         self._registered: dict[int, dict[int, Region]] = {}  # rank -> register_buffer's, by handle
+        self._handed = False  # whether the communicator has them (see _hand_registrations)
 
     # ---- forming ----------------------------------------------------------------
 
@@ -241,9 +247,8 @@ class World:
         self.local_ranks = local_ranks
         self._matcher = Matcher(self.world_size, local_ranks)
         self._comm = comm
-        for rank in local_ranks:  # a rebuilt world's communicator gets them again
-            for key, region in self._registered.get(rank, {}).items():
-                comm.register(rank, key, region)
+        self._handed = False  # a rebuilt world's communicator gets the registrations again
+        self._hand_registrations()
         self._use_add_kernel()
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -329,9 +334,10 @@ class World:
             return
         finally:
             self._queued -= 1
-            if self._queued == 0 and self._abort_when_idle is not None:
-                self._abort_when_idle.abort()
-                self._abort_when_idle = None
+            if self._queued == 0:
+                retired, self._abort_when_idle = self._abort_when_idle, set()
+                for old in retired:
+                    old.abort()
         self._finish(match)
 
     async def _watch(self) -> None:
@@ -447,7 +453,9 @@ class World:
                             extra=extra)
         if self._comm is not None:
             if self._queued:  # ops in the engine's hands finish first (see _dispatch)
-                self._abort_when_idle = self._comm
+                comm = self._comm
+                self._abort_when_idle.add(comm)
+                asyncio.get_running_loop().call_later(_ABORT_GRACE_S, self._abort_late, comm)
             else:
                 self._comm.abort()
             self._comm = None
@@ -481,13 +489,33 @@ class World:
     def register(self, rank: int, key: int, region: Region) -> None:
         """register_buffer: the engine may prepare the memory (NCCL registers it)."""
         self._registered.setdefault(rank, {})[key] = region
-        if self._comm is not None:
+        if self._comm is not None and self._handed:
             self._comm.register(rank, key, region)
+        self._hand_registrations()
 
     def deregister(self, rank: int, key: int) -> None:
         self._registered.get(rank, {}).pop(key, None)
-        if self._comm is not None:
+        if self._comm is not None and self._handed:
             self._comm.deregister(rank, key)
+        self._hand_registrations()
+
+    def _hand_registrations(self) -> None:
+        """NCCL leaves an op undefined when some ranks pass registered buffers and some do
+        not, so the engine gets the registrations only while every rank of the world has
+        some, all on this daemon (where that is known); otherwise none."""
+        comm = self._comm
+        if comm is None:
+            return
+        wanted = self.net is None and all(self._registered.get(r) for r in range(self.world_size))
+        if wanted == self._handed:
+            return
+        self._handed = wanted
+        for rank, regions in self._registered.items():
+            for key, region in regions.items():
+                if wanted:
+                    comm.register(rank, key, region)
+                else:
+                    comm.deregister(rank, key)
 
     def leave(self, rank: int, peer: Peer) -> None:
         """A rank's connection is gone (closed, killed, or refused)."""
@@ -517,6 +545,11 @@ class World:
         if self._comm is not None:
             self._comm.abort()
             self._comm = None
+
+    def _abort_late(self, comm: Communicator) -> None:
+        if comm in self._abort_when_idle:
+            self._abort_when_idle.discard(comm)
+            comm.abort()
 
     def _maybe_empty(self) -> None:
         if not self.members and not self._waiting:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -74,14 +75,21 @@ def steady_world(specs: Sequence[str]) -> Iterator[Steady]:
              for r, spec in enumerate(specs)]
     for p in procs:
         p.start()
+    outcomes = []
     try:
         assert running.wait(30), "the steady world never got going"
         yield Steady(errors)
     finally:
         stop.set()
-        outcomes = [results.get(timeout=30) for _ in procs]
+        with contextlib.suppress(queue.Empty):  # a rank that died says nothing: the check below tells
+            for _ in procs:
+                outcomes.append(results.get(timeout=30))
         for p in procs:
             p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert len(outcomes) == len(procs), f"only {len(outcomes)} of the steady world's ranks reported"
     for rank, iterations, seen in outcomes:
         assert seen == [], f"steady rank {rank} saw errors: {seen}"
         assert iterations > 0, f"steady rank {rank} never ran"

@@ -327,3 +327,33 @@ def test_the_add_kernel_path_sums_two_ranks_by_exchange(daemon: FakeGpuDaemon, g
     out = run_ranks(2, rank)
     assert out == [reduce_reference(inputs, "bf16", "sum").tobytes()] * 2
     assert gpu.adds - adds == (2 if both else 0)  # one add per rank, for the bf16 sum only
+
+
+def test_nccl_gets_registrations_only_while_every_rank_has_some(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+    """Some ranks passing registered buffers and some not is undefined in NCCL."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    seen: list[int] = []
+    step = threading.Barrier(2)
+
+    def rank(r: int) -> None:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            ptr = driver.alloc(b"\x01" * 64)
+            if r == 0:
+                comm.register_buffer(ptr, 64)
+            comm.all_reduce(ptr, 64, dtype="u8")
+            step.wait(10)
+            if r == 0:
+                seen.append(len(gpu.registered))  # rank 1 has none: NCCL gets none
+            step.wait(10)
+            if r == 1:
+                comm.register_buffer(ptr, 64)
+            comm.barrier()
+            comm.all_reduce(ptr, 64, dtype="u8")
+            step.wait(10)
+            if r == 0:
+                seen.append(len(gpu.registered))  # every rank has some: NCCL gets them all
+            step.wait(10)
+
+    run_ranks(2, rank)
+    assert seen == [0, 2]

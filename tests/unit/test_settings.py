@@ -159,6 +159,8 @@ def test_wrong_type_in_file(tmp_path: Path, text: str, words: list[str]) -> None
     ("", {"COMMD_PEER_LISTEN": "127.0.0.1:99999"}, (), ["peer_listen", "$COMMD_PEER_LISTEN", "port"]),
     ("", {"COMMD_PEER_LISTEN": "127.0.0.1:7420"}, (), ["peer_listen", "secret"]),
     ("peer_window = 0.2\n", {}, (), ["peer_window", "heartbeat", "commd.toml"]),
+    ("", {"COMMD_PEER_HEARTBEAT": "nan"}, (), ["peer_heartbeat", "finite", "$COMMD_PEER_HEARTBEAT"]),
+    ("peer_window = inf\n", {}, (), ["peer_window", "finite", "commd.toml"]),
     ('allow_groups = ["no-such-group-xyz"]\n', {}, (), ["allow_groups", "no-such-group-xyz"]),
     ('peer_secret_file = "/nonexistent/s"\n', {}, (), ["peer secret file", "/nonexistent/s"]),
     ("", {"COMMD_PEER_SECRET": "short"}, (), ["at least 16 bytes", "$COMMD_PEER_SECRET"]),

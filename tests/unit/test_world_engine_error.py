@@ -14,6 +14,7 @@ import pytest
 import proto
 from commd.engine.base import Communicator, Engine, EngineOp, Order
 from commd.engine.host import HostEngine
+from commd.errors import CallError
 from commd.world import World, WorldState
 from proto import ErrorCode
 
@@ -49,9 +50,10 @@ class ReportingEngine:
         self.name = inner.name
         self.memory_kinds = inner.memory_kinds
         self.comms: list[Reporting] = []
+        self.wrap: type[Reporting] = Reporting
 
     def communicator(self, *args: object, **kwargs: object) -> Reporting:
-        comm = Reporting(self.inner.communicator(*args, **kwargs))  # type: ignore[arg-type]
+        comm = self.wrap(self.inner.communicator(*args, **kwargs))  # type: ignore[arg-type]
         self.comms.append(comm)
         return comm
 
@@ -108,4 +110,49 @@ async def test_an_async_engine_error_fails_every_rank_and_a_reconnect_rebuilds()
     else:
         raise AssertionError("the barrier after the rebuild never completed")
     assert world.state is WorldState.READY
+    host.close()
+
+
+class Hanging(Reporting):
+    """An engine whose op never finishes until the communicator is aborted (an NCCL kernel
+    waiting on a peer that is gone)."""
+
+    def __init__(self, inner: Communicator) -> None:
+        super().__init__(inner)
+        self.aborted = asyncio.Event()
+
+    def try_inline(self, op: EngineOp) -> bool:
+        return False
+
+    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+        await self.aborted.wait()
+        raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
+
+    def abort(self) -> None:
+        self.aborted.set()
+        self.inner.abort()
+
+
+async def test_a_failed_worlds_hung_op_is_aborted_after_a_grace() -> None:
+    host = HostEngine(threads=1)
+    engine = ReportingEngine(host)
+    engine.wrap = Hanging
+    world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
+    ranks = [Rank(), Rank()]
+    for r, peer in enumerate(ranks):
+        world.join(peer, hello(r))
+    for r in range(2):
+        world.submit(r, 40 + r, [(proto.Barrier(), ())])  # matched, in the engine, never done
+    await asyncio.sleep(0.1)
+    comm = engine.comms[-1]
+    assert isinstance(comm, Hanging) and not comm.aborted.is_set()
+    world.leave(1, ranks[1])  # the world fails; its op is still in the engine's hands
+    assert not comm.aborted.is_set()  # ops in the engine get their chance to finish...
+    await asyncio.wait_for(comm.aborted.wait(), 5)  # ...but one that cannot is aborted
+    for _ in range(40):
+        if any(isinstance(m, proto.Error) and m.id == 40 for m in ranks[0].received):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("rank 0's call was never answered")
     host.close()
