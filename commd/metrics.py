@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("commd.metrics")
 _REQUEST_TIMEOUT_S = 5.0
+_MAX_SCRAPERS = 16  # connections served at once; more are closed at once
 _MAX_REQUEST = 8192
 
 
@@ -118,7 +119,14 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
     """Serve GET /metrics on (host, port) from this event loop."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
+    open_connections = 0
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_connections
+        if open_connections >= _MAX_SCRAPERS:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
+            writer.close()
+            return
+        open_connections += 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
             method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
@@ -136,6 +144,7 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         except Exception:
             log.exception("metrics request failed")
         finally:
+            open_connections -= 1
             writer.close()
 
     try:
