@@ -105,6 +105,7 @@ class FakeGpu:
         self._streams: dict[int, deque[_Batch | _Mark | _Wait | _Kernel]] = {}
         self._group_depth = 0
         self._grouped: dict[int, list[_Work]] = {}  # stream -> the open group's calls on it
+        self._enqueuing: list[dict[int, list[_Work]]] = []  # ended groups NCCL still enqueues
         self._event_handles: dict[bytes, int] = {}  # IPC handle -> the worker's event
         self._device_of: dict[int, int] = {}  # stream or event -> the device whose context has it
         self._same: dict[int, int] = {}  # an event opened by IPC -> the worker's event it is
@@ -312,6 +313,7 @@ class FakeGpu:
         c = self._comms.get(comm)
         if c is None:
             raise GpuError("ncclCommGetAsyncError: invalid argument")
+        self._finish_enqueuing()
         if c.failed is not None:
             return CommState.FAILED, c.failed
         if c.polls_left > 0:
@@ -319,7 +321,17 @@ class FakeGpu:
             return CommState.IN_PROGRESS, ""
         return CommState.READY, ""
 
+    def _finish_enqueuing(self) -> None:
+        with self._cv:
+            enqueuing, self._enqueuing = self._enqueuing, []
+            for grouped in enqueuing:
+                for stream, works in grouped.items():
+                    self._streams[stream].append(_Batch(works))
+            if enqueuing:
+                self._progress()
+
     def comm_abort(self, comm: int) -> None:
+        self._finish_enqueuing()
         with self._cv:
             c = self._comms.pop(comm)
             c.aborted = True
@@ -363,9 +375,14 @@ class FakeGpu:
             return
         with self._cv:
             grouped, self._grouped = self._grouped, {}
-            for stream, works in grouped.items():
-                self._streams[stream].append(_Batch(works))
-            self._progress()
+            if grouped:
+                # As a non-blocking communicator's group end may do: return ncclInProgress and
+                # enqueue the kernels later. They reach the streams at the next state poll, so
+                # work queued on a stream before the engine waited for that comes first (wrongly).
+                self._enqueuing.append(grouped)
+                for works in grouped.values():
+                    for work in works:
+                        work.comm.polls_left = max(work.comm.polls_left, 1)
 
     def use_device(self, device: int) -> None:
         if not 0 <= device < self.devices:
