@@ -65,17 +65,40 @@ class NcclRegion:
         return self.mapping.device
 
 
-class NcclMapping:
+class _UsedByOps:
+    """Something ops on the device may still use: closing lets it go once none holds it."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._closing = False
+
+    def hold(self) -> None:
+        self._users += 1
+
+    def let_go(self) -> None:
+        self._users -= 1
+        if self._closing and self._users == 0:
+            self._release()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._users == 0:
+            self._release()
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+
+class NcclMapping(_UsedByOps):
     """Device memory the daemon opened (or allocated). Closing lets it go once no op
     in flight uses it: releasing memory under a running kernel would fault the GPU."""
 
     def __init__(self, gpu: Gpu, memory: Imported) -> None:
+        super().__init__()
         self._gpu = gpu
         self._memory: Imported | None = memory
         self._size = memory.size
         self._device = memory.device
-        self._users = 0
-        self._closing = False
 
     @property
     def size(self) -> int:
@@ -93,50 +116,23 @@ class NcclMapping:
                                                   f"the {self._size}-byte allocation")
         return NcclRegion(self, self._memory.ptr + offset, nbytes)
 
-    def hold(self) -> None:
-        self._users += 1
-
-    def let_go(self) -> None:
-        self._users -= 1
-        if self._closing and self._users == 0:
-            self._release()
-
-    def close(self) -> None:
-        self._closing = True
-        if self._users == 0:
-            self._release()
-
     def _release(self) -> None:
         memory, self._memory = self._memory, None
         if memory is not None:
             self._gpu.release(memory)
 
 
-class NcclEvents:
+class NcclEvents(_UsedByOps):
     """A worker's ready and done events, opened in the daemon. Closing destroys them once
     no op that names them is queued or running (an op records `done` after it launched)."""
 
     def __init__(self, gpu: Gpu, ready: int, done: int) -> None:
+        super().__init__()
         self._gpu = gpu
         self.ready = ready
         self.done = done
-        self._users = 0
-        self._closing = False
 
-    def hold(self) -> None:
-        self._users += 1
-
-    def let_go(self) -> None:
-        self._users -= 1
-        if self._closing and self._users == 0:
-            self._destroy()
-
-    def close(self) -> None:
-        self._closing = True
-        if self._users == 0:
-            self._destroy()
-
-    def _destroy(self) -> None:
+    def _release(self) -> None:
         for event in (self.ready, self.done):
             with contextlib.suppress(GpuError):  # the driver has let it go already
                 self._gpu.event_destroy(event)
