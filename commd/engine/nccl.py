@@ -169,6 +169,9 @@ class NcclCommunicator:
         self._aborted = False
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
+        # ops to launch at the end of this turn of the loop, together (see _launch_soon)
+        self._batch: list[tuple[list[tuple[int, Callable[[int, int], None]]], Order | None,
+                                asyncio.Future[None]]] = []
         self._running = 0
         self._streams: dict[int, int] = {}
         self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
@@ -209,7 +212,7 @@ class NcclCommunicator:
         launched = False
         try:
             launched = True  # from here work may be on the streams, even if the launch fails
-            self._launch(calls, order)
+            await self._launch_soon(calls, order)
             await self._settle()  # NCCL may still be enqueueing (a non-blocking group's end)
             self._launch_adds(adds)
             verdict = self._compare(op)
@@ -379,21 +382,49 @@ class NcclCommunicator:
             self._device_call(self._gpu.add_bf16, buf.ptr, scratch.ptr, buf.nbytes // 2,
                               self._devices[rank], self._streams[rank])
 
-    def _launch(self, calls: list[tuple[int, Callable[[int, int], None]]], order: Order | None) -> None:
-        """Enqueue NCCL calls, all local ranks in one group, each behind its worker's ready
-        event if it has one."""
+    async def _launch_soon(self, calls: list[tuple[int, Callable[[int, int], None]]],
+                           order: Order | None) -> None:
+        """Launch with every op that starts in this turn of the event loop, in one NCCL
+        group: the sends and receives of one client group (matched one by one) then pair
+        up inside NCCL, as they must: two ranks sending each other large messages in
+        separate groups would each wait for the other's receive forever."""
+        loop = asyncio.get_running_loop()
+        if not self._batch:
+            loop.call_soon(self._flush)
+        launched: asyncio.Future[None] = loop.create_future()
+        self._batch.append((calls, order, launched))
+        await launched
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        try:
+            self._check()
+            self._launch([(calls, order) for calls, order, _ in batch])
+        except CallError as exc:
+            for _, _, launched in batch:  # each its own: a shared one would gather tracebacks
+                launched.set_exception(CallError(exc.code, exc.message))
+            return
+        for _, _, launched in batch:
+            launched.set_result(None)
+
+    def _launch(self, entries: list[tuple[list[tuple[int, Callable[[int, int], None]]], Order | None]]
+                ) -> None:
+        """Enqueue NCCL calls, all in one group, each behind its worker's ready event if it
+        has one."""
         gpu = self._gpu
         try:
-            if order is not None:
-                for rank in {rank for rank, _ in calls}:
-                    pair = order.events.get(rank)
-                    if isinstance(pair, NcclEvents):
-                        gpu.stream_wait_event(self._streams[rank], pair.ready)
+            for calls, order in entries:
+                if order is not None:
+                    for rank in {rank for rank, _ in calls}:
+                        pair = order.events.get(rank)
+                        if isinstance(pair, NcclEvents):
+                            gpu.stream_wait_event(self._streams[rank], pair.ready)
             gpu.group_start()
             try:
-                for rank, call in calls:
-                    gpu.use_device(self._devices[rank])
-                    call(self._comms[rank], self._streams[rank])
+                for calls, _ in entries:
+                    for rank, call in calls:
+                        gpu.use_device(self._devices[rank])
+                        call(self._comms[rank], self._streams[rank])
             finally:
                 gpu.group_end()
         except GpuError as exc:

@@ -316,3 +316,29 @@ async def test_registered_memory_reaches_nccl_once_the_communicator_is_ready(eng
     comm.abort()  # NCCL drops registrations with the communicator; nothing to undo after
     comm.deregister(0, 8)
     assert gpu.registered == {}
+
+
+async def test_a_send_and_a_receive_started_together_pair_up_in_one_nccl_group(gpu: FakeGpu) -> None:
+    """Two ranks (on two daemons) each send the other a message and receive the other's,
+    as one client group: launched apart, both sends would wait for the other's receive
+    forever (the fake device, like NCCL with large messages, pairs them at the streams'
+    heads); launched in one NCCL group they pair up."""
+    root, member, a, b = across_two_daemons(gpu)
+    try:
+        uid = root.unique_id()
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
+        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
+        tag = CallTag(0, "barrier()")
+        await asyncio.gather(ca.run(BarrierOp((0, 1), tag)), cb.run(BarrierOp((0, 1), tag)))  # both ready
+        engines = (root, member)
+        out = [ipc_mapping(e, gpu, bytes([r + 1]) * 32).region(0, 32) for r, e in enumerate(engines)]
+        into = [ipc_mapping(engine, gpu, b"\x00" * 32).region(0, 32) for engine in engines]
+        launches = gpu.launches
+        await asyncio.wait_for(asyncio.gather(
+            ca.run(SendOp(0, 1, out[0], NO_TAG)), ca.run(RecvOp(1, 0, into[0], NO_TAG)),
+            cb.run(SendOp(1, 0, out[1], NO_TAG)), cb.run(RecvOp(0, 1, into[1], NO_TAG))), 10)
+        assert gpu.read(into[0].ptr, 32) == b"\x02" * 32 and gpu.read(into[1].ptr, 32) == b"\x01" * 32
+        assert gpu.launches - launches == 2  # one group per daemon
+    finally:
+        root.close()
+        member.close()
