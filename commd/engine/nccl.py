@@ -150,10 +150,12 @@ class _Held:
 class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
-    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, world: str, world_size: int,
-                 local_ranks: Sequence[int], devices: Mapping[int, int], unique_id: bytes,
-                 net: WorldNet | None = None) -> None:
+    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, aborter: ThreadPoolExecutor, world: str,
+                 world_size: int, local_ranks: Sequence[int], devices: Mapping[int, int],
+                 unique_id: bytes, net: WorldNet | None = None) -> None:
         self._gpu = gpu
+        self._aborter = aborter
+        self._aborting = False  # ncclCommAbort still running on the abort thread
         # NCCL moves the data; the daemons' links only carry each collective's fingerprint
         # to the root, so that ranks calling different things fail as a mismatch, not a hang.
         self._net = net if net is not None and net.members() else None
@@ -269,8 +271,7 @@ class NcclCommunicator:
             region.mapping.let_go()
         for pair in held.events:
             pair.let_go()
-        if self._aborted and self._running == 0:
-            self._teardown()
+        self._maybe_teardown()
 
     def _device_call(self, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -279,14 +280,40 @@ class NcclCommunicator:
             raise CallError(ErrorCode.ENGINE, str(exc)) from None
 
     def abort(self) -> None:
+        """Stop the communicators: ncclCommAbort ends kernels still waiting on peers, and
+        may itself take long (a wedged network), so it runs on the engine's abort thread,
+        never on the event loop, which other worlds and the heartbeats need. Nothing calls
+        these communicators after this; streams go once the abort and the ops are done."""
         if self._aborted:
             return
         self._aborted = True
-        for comm in self._comms.values():
-            with contextlib.suppress(GpuError):  # already broken: nothing more to stop
-                self._gpu.comm_abort(comm)  # ends kernels still waiting on peers
+        comms = [(self._devices[rank], comm) for rank, comm in self._comms.items()]
         self._comms.clear()
-        if self._running == 0:
+        if not comms:
+            self._maybe_teardown()
+            return
+        self._aborting = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the loop (an engine closing): abort here
+            self._abort_all(comms)
+            self._aborted_all()
+            return
+        done = self._aborter.submit(self._abort_all, comms)
+        done.add_done_callback(lambda _: loop.call_soon_threadsafe(self._aborted_all))
+
+    def _abort_all(self, comms: list[tuple[int, int]]) -> None:
+        for device, comm in comms:
+            with contextlib.suppress(GpuError):  # already broken: nothing more to stop
+                self._gpu.use_device(device)
+                self._gpu.comm_abort(comm)
+
+    def _aborted_all(self) -> None:
+        self._aborting = False
+        self._maybe_teardown()
+
+    def _maybe_teardown(self) -> None:
+        if self._aborted and not self._aborting and self._running == 0:
             self._teardown()
 
     def register(self, rank: int, key: int, region: Region) -> None:
@@ -568,6 +595,7 @@ class NcclEngine:
         self.gpu = gpu
         # Threads that block in cuEventSynchronize, one per op awaited at once.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
+        self._aborter = ThreadPoolExecutor(1, thread_name_prefix="commd-nccl-abort")
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> NcclMapping:
@@ -619,9 +647,10 @@ class NcclEngine:
                 raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
                                                   f"root's NCCL id")
             unique_id = self.unique_id()
-        return NcclCommunicator(self.gpu, self._waiters, world, world_size, local_ranks,
+        return NcclCommunicator(self.gpu, self._waiters, self._aborter, world, world_size, local_ranks,
                                 devices or {}, unique_id, net)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
+        self._aborter.shutdown(wait=False)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -342,3 +343,24 @@ async def test_a_send_and_a_receive_started_together_pair_up_in_one_nccl_group(g
     finally:
         root.close()
         member.close()
+
+
+async def test_a_slow_abort_does_not_stop_the_event_loop(gpu: FakeGpu) -> None:
+    """ncclCommAbort may take long (a wedged network): it runs on the engine's abort thread
+    while the loop serves everything else; the op it ends fails then."""
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0], unique_id=engine.unique_id())  # rank 1 never comes
+        region = ipc_mapping(engine, gpu, b"\x01" * 4).region(0, 4)
+        stuck = asyncio.ensure_future(comm.run(AllReduceOp({0: region}, DType.U8, ReduceOp.SUM)))
+        await asyncio.sleep(0.1)
+        gpu.abort_gate = threading.Event()
+        comm.abort()  # returns while NCCL is still aborting...
+        assert await asyncio.get_running_loop().run_in_executor(None, gpu.aborting.wait, 5)
+        await asyncio.sleep(0.05)  # ...and the loop runs meanwhile
+        assert not stuck.done() and not gpu.abort_gate.is_set()
+        gpu.abort_gate.set()
+        with pytest.raises(CallError):
+            await asyncio.wait_for(stuck, 5)
+    finally:
+        engine.close()
