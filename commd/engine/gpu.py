@@ -129,7 +129,16 @@ class Gpu(Protocol):
 
     def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
         """dst[i] += src[i] over `count` bf16 values, rounded to nearest even, queued on
-        `stream` (the daemon's own kernel, compiled with NVRTC)."""
+        `stream` (the daemon's own kernel, compiled with NVRTC: see prepare_add)."""
+        ...
+
+    def add_ready(self, device: int) -> bool:
+        """Whether the add kernel is loaded for `device`."""
+        ...
+
+    def prepare_add(self, device: int) -> None:
+        """Compile and load the add kernel for `device`: slow (NVRTC), so never on the
+        event loop; safe from any thread."""
         ...
 
     def comm_deregister(self, comm: int, handle: int) -> None: ...
@@ -221,6 +230,7 @@ class BindingsGpu:
         self._contexts: dict[int, Any] = {}
         self._comms: dict[int, Any] = {}  # our int -> nccl4py's Comm (it refuses plain ints)
         self._kernels: dict[int, Any] = {}  # device -> the add kernel loaded in its context
+        self._compile_lock = threading.Lock()
         self._lock = threading.Lock()
         self._dtypes = {
             DType.U8: nccl.DataType.Uint8, DType.I32: nccl.DataType.Int32, DType.I64: nccl.DataType.Int64,
@@ -412,10 +422,18 @@ class BindingsGpu:
     def group_start(self) -> None:
         self._nccl_call("ncclGroupStart", self._nccl.group_start)
 
+    def add_ready(self, device: int) -> bool:
+        return device in self._kernels
+
+    def prepare_add(self, device: int) -> None:
+        with self._compile_lock:  # not _lock: compiling makes the device current, which takes it
+            if device not in self._kernels:
+                self._kernels[device] = self._compile_add(device)
+
     def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
         kernel = self._kernels.get(device)
         if kernel is None:
-            kernel = self._kernels[device] = self._compile_add(device)
+            raise GpuError(f"the add kernel is not loaded for device {device} (prepare_add)")
         self.use_device(device)
         threads = 256
         blocks = max(1, min(-(-count // threads), 4096))

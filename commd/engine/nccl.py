@@ -371,13 +371,29 @@ class NcclCommunicator:
             pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
 
     def use_add_kernel(self, enabled: bool) -> None:
+        """The path is taken once the kernel is loaded on every local device; compiling
+        it (NVRTC) runs on the engine's thread, so until then NCCL sums as before: both
+        ranks share this communicator, so they always agree."""
         self._add_kernel = enabled
+        devices = sorted(set(self._devices.values()))
+        if not enabled or all(self._gpu.add_ready(d) for d in devices):
+            return
+        def prepare() -> None:
+            try:
+                for device in devices:
+                    self._gpu.prepare_add(device)
+            except GpuError as exc:
+                log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
+
+        self._aborter.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
+
 
     def _add_plan(self, op: EngineOp) -> list[tuple[int, NcclRegion, NcclRegion]]:
         """With the add kernel, a 2-rank bf16 sum is an exchange then an add: for each rank
         (rank, its buffer, where the peer's lands). Empty when the op is summed by NCCL."""
         if not (self._add_kernel and isinstance(op, AllReduceOp) and op.dtype is DType.BF16
-                and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2):
+                and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2
+                and all(self._gpu.add_ready(d) for d in set(self._devices.values()))):
             return []
         plan = []
         for rank, buf in sorted(op.bufs.items()):

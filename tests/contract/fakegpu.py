@@ -117,6 +117,8 @@ class FakeGpu:
         self.launches = 0  # group_end calls: how many NCCL submissions the engine made
         self.registered: dict[int, tuple[int, int, int]] = {}  # handle -> (comm, ptr, bytes)
         self.adds = 0  # launches of the daemon's add kernel
+        self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
+        self.compile_thread = ""
         self.abort_gate: threading.Event | None = None  # comm_abort waits for it, when set
         self.aborting = threading.Event()  # a comm_abort is waiting at the gate
         self.current_device: int | None = None
@@ -359,6 +361,14 @@ class FakeGpu:
         with self._cv:
             self._streams[stream].append(_Kernel(0, b"", released=True, run=add))
             self._progress()
+
+    def add_ready(self, device: int) -> bool:
+        return self.compiled is None or device in self.compiled
+
+    def prepare_add(self, device: int) -> None:
+        if self.compiled is not None:
+            self.compile_thread = threading.current_thread().name
+            self.compiled.add(device)
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
         c = self._comms.get(comm)

@@ -18,6 +18,7 @@ from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p
 from tests.contract.fakegpu import FakeGpu
+from tests.integration.data import make_input, reduce_reference
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -364,3 +365,21 @@ async def test_a_slow_abort_does_not_stop_the_event_loop(gpu: FakeGpu) -> None:
             await asyncio.wait_for(stuck, 5)
     finally:
         engine.close()
+
+
+async def test_the_add_kernel_is_compiled_off_the_loop_and_used_once_loaded(engine: NcclEngine,
+                                                                           gpu: FakeGpu) -> None:
+    gpu.compiled = set()  # as on a GPU: NVRTC has to compile it first
+    comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+    comm.use_add_kernel(True)
+    for _ in range(100):
+        if gpu.compiled == {0, 1}:
+            break
+        await asyncio.sleep(0.01)
+    assert gpu.compiled == {0, 1} and gpu.compile_thread.startswith("commd-nccl")  # not the loop's
+    inputs = [make_input(5, r, 64, "bf16", "sum") for r in range(2)]
+    bufs = {r: ipc_mapping(engine, gpu, inputs[r].tobytes(), device=r).region(0, 128) for r in range(2)}
+    await comm.run(AllReduceOp(bufs, DType.BF16, ReduceOp.SUM))
+    assert gpu.adds == 2
+    want = reduce_reference(inputs, "bf16", "sum").tobytes()
+    assert [gpu.read(b.ptr, 128) for b in bufs.values()] == [want, want]
