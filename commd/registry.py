@@ -17,7 +17,7 @@ from proto import peer as p
 
 from .cluster import Cluster, WorldNet
 from .engine.base import Engine
-from .engine.hostnet import p2p_target
+from .engine.crosscheck import p2p_target
 from .errors import CallError
 from .membership import NetMembership
 from .peering import PeerLink

@@ -51,13 +51,13 @@ from .base import (
     Region,
     SendOp,
 )
+from .crosscheck import collective_mismatch, p2p_mismatch, pair_of
 from .hostreduce import accumulate, accumulator, fold, narrow
 
 if TYPE_CHECKING:
     from ..cluster import WorldNet
 
 CHUNK_BYTES = 4 << 20
-PAIR = 1 << 16  # p2p transfers are named by src * PAIR + dst (ranks are < 65536)
 R = TypeVar("R")
 ArrayOf = Callable[[Region], np.ndarray]
 
@@ -109,10 +109,8 @@ class NetRunner:
         source = min(self.net.ranks_of(member))
         msg, payload = await self.inbox.get(("up", tag.index, chunk, source))
         if msg.fingerprint != tag.fingerprint:
-            mine = min(self.net.ranks_of(self.net.me))
-            raise CallError(ErrorCode.MISMATCH,
-                            f"mismatched collective call {tag.index}: rank {mine} called "
-                            f"{tag.fingerprint}, rank {source} called {msg.fingerprint}")
+            raise collective_mismatch(tag.index, min(self.net.ranks_of(self.net.me)), tag.fingerprint,
+                                      source, msg.fingerprint)
         return payload
 
     async def _down(self, tag: CallTag, chunk: int) -> bytes | bytearray:
@@ -282,7 +280,7 @@ class NetRunner:
         self.net.send(daemon, msg, payload)
 
     async def _send(self, op: SendOp) -> None:
-        pair = op.src_rank * PAIR + op.dst_rank
+        pair = pair_of(op.src_rank, op.dst_rank)
         data = self._array(op.src) if op.src.nbytes else np.zeros(0, np.uint8)
         for i, (lo, hi) in enumerate(chunks(len(data), CHUNK_BYTES)):
             msg = self._data("p2p", op.tag, i, pair, (op.dst_rank,), fingerprint=str(len(data)))
@@ -291,26 +289,13 @@ class NetRunner:
         await self.inbox.get(("p2p-ack", op.tag.index, 0, pair))
 
     async def _recv(self, op: RecvOp) -> None:
-        pair = op.src_rank * PAIR + op.dst_rank
+        pair = pair_of(op.src_rank, op.dst_rank)
         out = self._array(op.dst) if op.dst.nbytes else np.zeros(0, np.uint8)
         for i, (lo, hi) in enumerate(chunks(len(out), CHUNK_BYTES)):
             msg, payload = await self.inbox.get(("p2p", op.tag.index, i, pair))
             if msg.fingerprint != str(len(out)):
-                raise CallError(ErrorCode.MISMATCH,
-                                f"mismatched point-to-point {op.src_rank}->{op.dst_rank} call "
-                                f"{op.tag.index}: rank {op.src_rank} called send_to(bytes="
-                                f"{msg.fingerprint}), rank {op.dst_rank} called "
-                                f"recv_from(bytes={len(out)})")
+                raise p2p_mismatch(op.src_rank, op.dst_rank, op.tag.index, msg.fingerprint, len(out))
             out[lo:hi] = np.frombuffer(payload, np.uint8)
         ack = self._data("p2p-ack", op.tag, 0, pair, (op.src_rank,))
         self._route(op.src_rank, ack, b"")
         await self.net.drain()
-
-
-def p2p_target(msg: p.Data) -> int | None:
-    """The rank a relayed p2p message is for (the root forwards it to that rank's daemon)."""
-    if msg.step == "p2p":
-        return msg.source % PAIR
-    if msg.step == "p2p-ack":
-        return msg.source // PAIR
-    return None

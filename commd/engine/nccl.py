@@ -40,6 +40,7 @@ from .base import (
     SendOp,
     TransferOp,
 )
+from .crosscheck import collective_mismatch, p2p_mismatch, pair_of
 from .gpu import CommState, Gpu, GpuError, Imported
 
 if TYPE_CHECKING:
@@ -474,11 +475,28 @@ class NcclCommunicator:
             raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
 
     def _compare(self, op: EngineOp) -> Coroutine[None, None, None] | None:
-        """Across daemons: members send the root the fingerprint of each collective; the
-        root gets a coroutine that compares every member's with its own."""
+        """Across daemons (see crosscheck): members send the root the fingerprint of each
+        collective, and the root gets a coroutine that compares every member's with its
+        own; a send's daemon sends its size to the receiver's, whose receive compares."""
         net, inbox = self._net, self._inbox
-        if net is None or inbox is None or isinstance(op, TransferOp | SendOp | RecvOp):
+        if net is None or inbox is None or isinstance(op, TransferOp):
             return None
+        if isinstance(op, SendOp):
+            pair = pair_of(op.src_rank, op.dst_rank)
+            net.send("root" if not net.is_root else net.placement[op.dst_rank],
+                     p.Data(net.world, self._epoch, "p2p-check", op.tag.index, 0, pair, str(op.src.nbytes)))
+            return None
+        if isinstance(op, RecvOp):
+            recv = op
+
+            async def compare_sizes() -> None:
+                pair = pair_of(recv.src_rank, recv.dst_rank)
+                msg, _ = await inbox.get(("p2p-check", recv.tag.index, 0, pair))
+                if msg.fingerprint != str(recv.dst.nbytes):
+                    raise p2p_mismatch(recv.src_rank, recv.dst_rank, recv.tag.index, msg.fingerprint,
+                                       recv.dst.nbytes)
+
+            return compare_sizes()
         tag = op.tag
         if not net.is_root:
             net.send("root", p.Data(net.world, self._epoch, "check", tag.index, 0, min(self._ranks),
@@ -490,9 +508,8 @@ class NcclCommunicator:
                 source = min(net.ranks_of(member))
                 msg, _ = await inbox.get(("check", tag.index, 0, source))
                 if msg.fingerprint != tag.fingerprint:
-                    raise CallError(ErrorCode.MISMATCH,
-                                    f"mismatched collective call {tag.index}: rank {min(self._ranks)} called "
-                                    f"{tag.fingerprint}, rank {source} called {msg.fingerprint}")
+                    raise collective_mismatch(tag.index, min(self._ranks), tag.fingerprint, source,
+                                              msg.fingerprint)
 
         return compare()
 

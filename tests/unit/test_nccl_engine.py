@@ -383,3 +383,24 @@ async def test_the_add_kernel_is_compiled_off_the_loop_and_used_once_loaded(engi
     assert gpu.adds == 2
     want = reduce_reference(inputs, "bf16", "sum").tobytes()
     assert [gpu.read(b.ptr, 128) for b in bufs.values()] == [want, want]
+
+
+async def test_a_send_and_a_receive_of_different_sizes_across_daemons_are_a_mismatch(gpu: FakeGpu) -> None:
+    """The sender's daemon tells the receiver's the size it sends; a receive of another
+    size fails as a mismatch (NCCL would truncate, fail or wait), its communicator aborted."""
+    root, member, a, b = across_two_daemons(gpu)
+    try:
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=root.unique_id())  # type: ignore[arg-type]
+        landing = ipc_mapping(root, gpu, b"\x00" * 16).region(0, 16)
+        tag = CallTag(0, "recv_from(bytes=16, peer=1)")
+        run = asyncio.ensure_future(ca.run(RecvOp(1, 0, landing, tag)))
+        await asyncio.sleep(0.1)
+        b.send("root", p.Data("w", 1, "p2p-check", 0, 0, (1 << 16) * 1 + 0, "32"))  # rank 1 sends 32
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(run, 5)
+        assert info.value.code is ErrorCode.MISMATCH
+        assert info.value.message == ("mismatched point-to-point 1->0 call 0: rank 1 called "
+                                      "send_to(bytes=32), rank 0 called recv_from(bytes=16)")
+    finally:
+        root.close()
+        member.close()
