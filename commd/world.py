@@ -334,9 +334,10 @@ class World:
             return
         finally:
             self._queued -= 1
-            if self._queued == 0:
-                retired, self._abort_when_idle = self._abort_when_idle, set()
-                for old in retired:
+            if self._queued == 0:  # those still busy with early-answered ops: the grace decides
+                idle = {old for old in self._abort_when_idle if not old.busy()}
+                self._abort_when_idle -= idle
+                for old in idle:
                     old.abort()
         self._finish(match)
 
@@ -452,7 +453,7 @@ class World:
                 log.warning("world %s epoch %d flight recorder: %s", self.name, self.epoch, line,
                             extra=extra)
         if self._comm is not None:
-            if self._queued:  # ops in the engine's hands finish first (see _dispatch)
+            if self._queued or self._comm.busy():  # ops in the engine's hands finish first (_dispatch)
                 comm = self._comm
                 self._abort_when_idle.add(comm)
                 asyncio.get_running_loop().call_later(_ABORT_GRACE_S, self._abort_late, comm)

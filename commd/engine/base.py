@@ -196,6 +196,10 @@ class Communicator(Protocol):
 
     def deregister(self, rank: int, key: int) -> None: ...
 
+    def busy(self) -> bool:
+        """Ops it answered early are still running (a GPU engine's async calls)."""
+        ...
+
     def async_error(self) -> str | None:
         """A failure the engine found outside any one call (NCCL's `ncclCommGetAsyncError`:
         a remote rank's error, a network failure), or None while healthy. Polled by the

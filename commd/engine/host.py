@@ -274,6 +274,9 @@ class HostCommunicator:
     def abort(self) -> None:
         self._aborted = True
 
+    def busy(self) -> bool:
+        return False  # a host op is answered when it is done
+
     def async_error(self) -> str | None:
         return None  # every host op reports its failure through its own run()
 

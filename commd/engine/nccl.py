@@ -74,6 +74,10 @@ class _UsedByOps:
         self._closing = False
 
     def hold(self) -> None:
+        """An op will use it: refused once it is closing (released, or about to be), so an
+        op queued before its buffer was forgotten never runs on freed memory."""
+        if self._closing:
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, "memory of this op was released before it ran")
         self._users += 1
 
     def let_go(self) -> None:
@@ -151,12 +155,11 @@ class _Held:
 class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
-    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, aborter: ThreadPoolExecutor, world: str,
+    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, world: str,
                  world_size: int, local_ranks: Sequence[int], devices: Mapping[int, int],
                  unique_id: bytes, net: WorldNet | None = None) -> None:
         self._gpu = gpu
-        self._aborter = aborter
-        self._aborting = False  # ncclCommAbort still running on the abort thread
+        self._compiler = compiler  # where NVRTC compiles the add kernel, off the loop
         # NCCL moves the data; the daemons' links only carry each collective's fingerprint
         # to the root, so that ranks calling different things fail as a mismatch, not a hang.
         self._net = net if net is not None and net.members() else None
@@ -194,6 +197,10 @@ class NcclCommunicator:
             finally:
                 gpu.group_end()
         except GpuError as exc:
+            for comm in self._comms.values():  # those that started: never left half-made
+                with contextlib.suppress(GpuError):
+                    gpu.comm_abort(comm)
+            self._comms.clear()
             self._teardown()
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
 
@@ -260,10 +267,15 @@ class NcclCommunicator:
             self._failure = exc.message if isinstance(exc, CallError) else f"{type(exc).__name__}: {exc}"
 
     def _hold(self, held: _Held) -> None:
-        for region in held.regions:
-            region.mapping.hold()
-        for pair in held.events:
-            pair.hold()
+        taken: list[_UsedByOps] = []
+        try:
+            for thing in [*(region.mapping for region in held.regions), *held.events]:
+                thing.hold()
+                taken.append(thing)
+        except CallError:
+            for thing in taken:
+                thing.let_go()
+            raise
         self._running += 1
 
     def _let_go(self, held: _Held) -> None:
@@ -281,40 +293,25 @@ class NcclCommunicator:
             raise CallError(ErrorCode.ENGINE, str(exc)) from None
 
     def abort(self) -> None:
-        """Stop the communicators: ncclCommAbort ends kernels still waiting on peers, and
-        may itself take long (a wedged network), so it runs on the engine's abort thread,
-        never on the event loop, which other worlds and the heartbeats need. Nothing calls
-        these communicators after this; streams go once the abort and the ops are done."""
+        """Stop the communicators: ncclCommAbort ends kernels still waiting on peers. It
+        runs here, on the thread that makes every other NCCL call: NCCL forbids any NCCL
+        call while an abort runs, even on other communicators of the device. Nothing calls
+        these communicators after this; streams go once the ops are done."""
         if self._aborted:
             return
         self._aborted = True
-        comms = [(self._devices[rank], comm) for rank, comm in self._comms.items()]
-        self._comms.clear()
-        if not comms:
-            self._maybe_teardown()
-            return
-        self._aborting = True
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not on the loop (an engine closing): abort here
-            self._abort_all(comms)
-            self._aborted_all()
-            return
-        done = self._aborter.submit(self._abort_all, comms)
-        done.add_done_callback(lambda _: loop.call_soon_threadsafe(self._aborted_all))
-
-    def _abort_all(self, comms: list[tuple[int, int]]) -> None:
-        for device, comm in comms:
+        comms, self._comms = self._comms, {}
+        for rank, comm in comms.items():
             with contextlib.suppress(GpuError):  # already broken: nothing more to stop
-                self._gpu.use_device(device)
+                self._gpu.use_device(self._devices[rank])
                 self._gpu.comm_abort(comm)
-
-    def _aborted_all(self) -> None:
-        self._aborting = False
         self._maybe_teardown()
 
+    def busy(self) -> bool:
+        return self._running > 0
+
     def _maybe_teardown(self) -> None:
-        if self._aborted and not self._aborting and self._running == 0:
+        if self._aborted and self._running == 0:
             self._teardown()
 
     def register(self, rank: int, key: int, region: Region) -> None:
@@ -362,7 +359,10 @@ class NcclCommunicator:
             self._check()
             pending = False
             for rank, comm in self._comms.items():
-                state, why = self._gpu.comm_state(comm)
+                try:
+                    state, why = self._gpu.comm_state(comm)
+                except GpuError as exc:
+                    raise CallError(ErrorCode.ENGINE, f"rank {rank}'s NCCL communicator: {exc}") from None
                 if state is CommState.FAILED:
                     raise CallError(ErrorCode.ENGINE, f"rank {rank}'s NCCL communicator failed: {why}")
                 pending |= state is CommState.IN_PROGRESS
@@ -386,7 +386,7 @@ class NcclCommunicator:
             except GpuError as exc:
                 log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
 
-        self._aborter.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
+        self._compiler.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
 
 
     def _add_plan(self, op: EngineOp) -> list[tuple[int, NcclRegion, NcclRegion]]:
@@ -408,8 +408,7 @@ class NcclCommunicator:
         if mapping is None or mapping.size < nbytes:
             if mapping is not None:
                 mapping.close()  # let go once the ops that use it are done
-            memory = self._gpu.alloc(nbytes, self._devices[rank])
-            mapping = self._exchange[rank] = NcclMapping(self._gpu, memory)
+            mapping = self._exchange[rank] = NcclMapping(self._gpu, self._alloc(nbytes, rank))
         return mapping.region(0, nbytes)
 
     def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]
@@ -444,12 +443,16 @@ class NcclCommunicator:
         try:
             self._check()
             self._launch([(calls, order) for calls, order, _ in batch])
-        except CallError as exc:
+        except Exception as exc:  # whatever it was, every op of the batch must hear of it
+            code, message = (exc.code, exc.message) if isinstance(exc, CallError) else (
+                ErrorCode.ENGINE, f"NCCL launch failed: {type(exc).__name__}: {exc}")
             for _, _, launched in batch:  # each its own: a shared one would gather tracebacks
-                launched.set_exception(CallError(exc.code, exc.message))
+                if not launched.done():
+                    launched.set_exception(CallError(code, message))
             return
         for _, _, launched in batch:
-            launched.set_result(None)
+            if not launched.done():  # its run was cancelled meanwhile
+                launched.set_result(None)
 
     def _launch(self, entries: list[tuple[list[tuple[int, Callable[[int, int], None]]], Order | None]]
                 ) -> None:
@@ -520,15 +523,18 @@ class NcclCommunicator:
         once the device is done with it."""
         device = asyncio.ensure_future(self._complete(ranks))
         compared = asyncio.ensure_future(verdict)
-        await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
-        if compared.done() and compared.exception() is not None:
-            self.abort()
-            await asyncio.wait({device})
-            if not device.cancelled():
-                device.exception()  # the aborted op's own error says less than the mismatch
-            compared.result()
-        await device
-        await compared
+        try:
+            await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
+            if compared.done() and compared.exception() is not None:
+                self.abort()
+                await asyncio.wait({device})
+                if not device.cancelled():
+                    device.exception()  # the aborted op's own error says less than the mismatch
+                compared.result()
+            await device
+            await compared
+        finally:
+            compared.cancel()  # the device failed first: nobody waits for the peers' word now
 
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
@@ -578,8 +584,15 @@ class NcclCommunicator:
     def _scratch_ptr(self, rank: int) -> int:
         mapping = self._scratch.get(rank)
         if mapping is None:
-            mapping = self._scratch[rank] = NcclMapping(self._gpu, self._gpu.alloc(8, self._devices[rank]))
+            mapping = self._scratch[rank] = NcclMapping(self._gpu, self._alloc(8, rank))
         return mapping.region(0, 1).ptr
+
+    def _alloc(self, nbytes: int, rank: int) -> Imported:
+        try:
+            return self._gpu.alloc(nbytes, self._devices[rank])
+        except GpuError as exc:
+            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes on GPU "
+                                             f"{self._devices[rank]}: {exc}") from None
 
     def _teardown(self) -> None:
         """Free streams, events and scratch once nothing runs on them."""
@@ -628,7 +641,7 @@ class NcclEngine:
         self.gpu = gpu
         # Threads that block in cuEventSynchronize, one per op awaited at once.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
-        self._aborter = ThreadPoolExecutor(1, thread_name_prefix="commd-nccl-abort")
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> NcclMapping:
@@ -680,10 +693,10 @@ class NcclEngine:
                 raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
                                                   f"root's NCCL id")
             unique_id = self.unique_id()
-        return NcclCommunicator(self.gpu, self._waiters, self._aborter, world, world_size, local_ranks,
+        return NcclCommunicator(self.gpu, self._waiters, self._compiler, world, world_size, local_ranks,
                                 devices or {}, unique_id, net)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
-        self._aborter.shutdown(wait=False)
+        self._compiler.shutdown(wait=False)
 

@@ -119,8 +119,6 @@ class FakeGpu:
         self.adds = 0  # launches of the daemon's add kernel
         self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
         self.compile_thread = ""
-        self.abort_gate: threading.Event | None = None  # comm_abort waits for it, when set
-        self.aborting = threading.Event()  # a comm_abort is waiting at the gate
         self.current_device: int | None = None
 
     # ---- what a test does as the worker -------------------------------------------------
@@ -335,9 +333,6 @@ class FakeGpu:
                 self._progress()
 
     def comm_abort(self, comm: int) -> None:
-        if self.abort_gate is not None:  # ncclCommAbort can take long (a wedged network)
-            self.aborting.set()
-            self.abort_gate.wait(10)
         self._finish_enqueuing()
         with self._cv:
             c = self._comms.pop(comm)
