@@ -319,7 +319,7 @@ class World:
         self._queued += 1
         # Sends and receives to other daemons are paired there, not here: they must not
         # queue behind each other (a group's send and recv would wait for one another).
-        ordered = not isinstance(engine_op, SendOp | RecvOp)
+        ordered = not isinstance(engine_op, SendOp | RecvOp) and not self._comm.launches_in_order
         asyncio.get_running_loop().create_task(
             self._execute(match, engine_op, self._comm, self.epoch, ordered))
 

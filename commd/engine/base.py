@@ -169,6 +169,12 @@ class Order:
 class Communicator(Protocol):
     """One world's communicator for one epoch, over the ranks local to this daemon."""
 
+    # True: run() puts ops on the device in the order it is called (NCCL: a stream per
+    # rank), so the world starts them as they match, without its own queue. The world's
+    # queue would let sends and receives overtake collectives waiting in it, and a
+    # device would then run them in another order than the peers' (a deadlock).
+    launches_in_order: bool
+
     def try_inline(self, op: EngineOp) -> bool:
         """Run a small op right now on the caller's thread and return True, or return
         False (nothing done) if it must go through `run`. Saves a task hop per small call."""

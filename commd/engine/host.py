@@ -237,6 +237,8 @@ def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
 
 
 class HostCommunicator:
+    launches_in_order = False  # ops run on threads: the world queues them
+
     def __init__(self, pool: ThreadPoolExecutor, parts: int, inline_bytes: int,
                  net: WorldNet | None = None) -> None:
         self._pool = pool

@@ -155,6 +155,8 @@ class _Held:
 class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
+    launches_in_order = True  # see _ready and _launch_soon
+
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, world: str,
                  world_size: int, local_ranks: Sequence[int], devices: Mapping[int, int],
                  unique_id: bytes, net: WorldNet | None = None) -> None:
@@ -179,6 +181,7 @@ class NcclCommunicator:
         self._batch: list[tuple[list[tuple[int, Callable[[int, int], None]]], Order | None,
                                 asyncio.Future[None]]] = []
         self._running = 0
+        self._started: asyncio.Future[None] | None = None  # the first settle (see _ready)
         self._streams: dict[int, int] = {}
         self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
         self._scratch: dict[int, NcclMapping] = {}
@@ -211,7 +214,7 @@ class NcclCommunicator:
 
     async def run(self, op: EngineOp, order: Order | None = None) -> None:
         self._check()
-        await self._settle()  # a fresh communicator finishes its (non-blocking) init first
+        await self._ready()  # a fresh communicator finishes its (non-blocking) init first
         self._register_pending()
         adds = self._add_plan(op)
         calls = self._calls(op) if not adds else self._exchanges(adds)
@@ -350,6 +353,14 @@ class NcclCommunicator:
     def _check(self) -> None:
         if self._aborted:
             raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
+
+    async def _ready(self) -> None:
+        """Until the communicators are set up, every run waits on one future, so they go on
+        in the order they came (and reach the launch batch in that order); after that,
+        without suspending at all."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._settle())
+        await asyncio.shield(self._started)  # a cancelled run must not cancel the others' wait
 
     async def _settle(self) -> None:
         """Wait while NCCL is still setting a communicator up (init, or a group's launch
