@@ -548,12 +548,7 @@ def role_survivor(a: dict[str, Any]) -> dict[str, Any]:
                 return out
             time.sleep(0.2)
     out.update(rebuilt=True, reconnect_errors=errors[-5:], epoch=getattr(comm, "epoch", None))
-    try:
-        out["check"] = checked_sum(comm, mem, a.get("seed", 9), a["rank"], a["n"])
-        comm.barrier()
-        out["ok_after"] = True
-    except Exception as exc:
-        out.update(ok_after=False, check=error_text(exc))
+    check_after_rebuild(comm, mem, a, out)
     out["rebuilt_at"] = time.time()
     comm.close()
     return out
@@ -564,14 +559,19 @@ def role_replacement(a: dict[str, Any]) -> dict[str, Any]:
     mem = Mem(a["mem"])
     comm = connect(a)
     out: dict[str, Any] = {"epoch": getattr(comm, "epoch", None)}
+    check_after_rebuild(comm, mem, a, out)
+    comm.close()
+    return out
+
+
+def check_after_rebuild(comm: Any, mem: Mem, a: dict[str, Any], out: dict[str, Any]) -> None:
+    """One checked all_reduce and a barrier in the rebuilt world; the outcome goes in `out`."""
     try:
         out["check"] = checked_sum(comm, mem, a.get("seed", 9), a["rank"], a["n"])
         comm.barrier()
         out["ok_after"] = True
     except Exception as exc:
         out.update(ok_after=False, check=error_text(exc))
-    comm.close()
-    return out
 
 
 # ---- roles: benchmark ----------------------------------------------------------------------------
