@@ -67,9 +67,11 @@ class NcclRegion:
 
 
 class _UsedByOps:
-    """Something ops on the device may still use: closing lets it go once none holds it."""
+    """Something ops on the device may still use: closing lets it go (`free`) once none
+    holds it."""
 
-    def __init__(self) -> None:
+    def __init__(self, free: Callable[[], None]) -> None:
+        self._free = free
         self._users = 0
         self._closing = False
 
@@ -83,15 +85,12 @@ class _UsedByOps:
     def let_go(self) -> None:
         self._users -= 1
         if self._closing and self._users == 0:
-            self._release()
+            self._free()
 
     def close(self) -> None:
         self._closing = True
         if self._users == 0:
-            self._release()
-
-    def _release(self) -> None:
-        raise NotImplementedError
+            self._free()
 
 
 class NcclMapping(_UsedByOps):
@@ -99,7 +98,7 @@ class NcclMapping(_UsedByOps):
     in flight uses it: releasing memory under a running kernel would fault the GPU."""
 
     def __init__(self, gpu: Gpu, memory: Imported) -> None:
-        super().__init__()
+        super().__init__(self._release)
         self._gpu = gpu
         self._memory: Imported | None = memory
         self._size = memory.size
@@ -132,7 +131,7 @@ class NcclEvents(_UsedByOps):
     no op that names them is queued or running (an op records `done` after it launched)."""
 
     def __init__(self, gpu: Gpu, ready: int, done: int) -> None:
-        super().__init__()
+        super().__init__(self._release)
         self._gpu = gpu
         self.ready = ready
         self.done = done
