@@ -22,7 +22,7 @@ from proto import MemKind
 
 from .cuda import CudaDriver, CudaMemory, available_driver
 from .errors import MisuseError
-from .hostmem import HostMemory
+from .hostmem import HostBuffer, HostMemory
 
 DriverFactory = Callable[[], CudaDriver | None]
 
@@ -48,6 +48,10 @@ def resolve(memory: HostMemory, ptr: int, nbytes: int) -> MemoryRef | None:
     if nbytes == 0:
         return None
     buffer, offset = memory.find(ptr, nbytes)
+    return _host_ref(buffer, offset)
+
+
+def _host_ref(buffer: HostBuffer, offset: int) -> MemoryRef:
     return MemoryRef(MemKind.HOST, buffer.id, buffer.size, offset, buffer.fd)
 
 
@@ -79,7 +83,7 @@ class MemoryResolver:
             return None
         buffer = self._host.locate(ptr)
         if buffer is not None:
-            return MemoryRef(MemKind.HOST, buffer.id, buffer.size, buffer.offset_of(ptr, nbytes), buffer.fd)
+            return _host_ref(buffer, buffer.offset_of(ptr, nbytes))
         cuda = self._cuda_memory()
         if cuda is None:
             return resolve(self._host, ptr, nbytes)  # raises the host table's own error
