@@ -296,9 +296,6 @@ class CudaMemory:
     def driver(self) -> CudaDriver:
         return self._driver
 
-    def synchronize(self, stream: int) -> None:
-        self._driver.synchronize(stream)
-
     def find(self, ptr: int, nbytes: int) -> tuple[CudaAllocation, int] | None:
         """The allocation holding [ptr, ptr+nbytes) and ptr's offset in it; None if CUDA does
         not know `ptr`. Raises MisuseError for a span past the end or a wrong device."""

@@ -407,14 +407,13 @@ class DaemonBackend(CommBackend):
         if not streams or driver is None:
             self._submit(ops, deadline)
             return
-        if self.engine == "host":  # it refuses device memory anyway; nothing to order
-            for stream in streams:
-                driver.synchronize(stream)
+        by_events = self.engine != "host"  # the host engine has no streams (and refuses device memory)
+        for stream in streams[1:] if by_events else streams:
+            driver.synchronize(stream)
+        if not by_events:
             self._submit(ops, deadline)
             return
-        first, *others = streams
-        for stream in others:
-            driver.synchronize(stream)
+        first = streams[0]
         with self._lock:
             order_lock = self._order_locks.setdefault(first, threading.Lock())
         with order_lock:  # the stream's events serve one call at a time
