@@ -166,36 +166,27 @@ class Gpu(Protocol):
     def recv(self, buf: int, count: int, dtype: DType, peer: int, comm: int, stream: int) -> None: ...
 
 
-# dst[i] += src[i] in bf16: __hadd adds in f32 and rounds once, which for two operands is
-# the host engine's (and NCCL's) sum exactly.
-_ADD_BF16 = b"""#include <cuda_bf16.h>
-extern "C" __global__ void commd_add_bf16(__nv_bfloat16* dst, const __nv_bfloat16* src,
+# dst[i] += src[i] in bf16, from the bits: widen both to f32 (exact), add in f32, round
+# the sum to nearest even. That is __hadd's arithmetic and, for two operands, the host
+# engine's and NCCL's sum exactly; written without cuda_bf16.h so that NVRTC needs no
+# CUDA headers on the machine. tests/unit/test_add_kernel.py runs this same source on
+# the CPU against the host engine's reference.
+ADD_BF16_SOURCE = b"""
+__device__ static unsigned short commd_bf16_add(unsigned short a, unsigned short b) {
+  float sum = __uint_as_float((unsigned)a << 16) + __uint_as_float((unsigned)b << 16);
+  unsigned bits = __float_as_uint(sum);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u); /* NaN */
+  return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+extern "C" __global__ void commd_add_bf16(unsigned short* dst, const unsigned short* src,
                                           unsigned long long n) {
   unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
   for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += stride)
-    dst[i] = __hadd(dst[i], src[i]);
+    dst[i] = commd_bf16_add(dst[i], src[i]);
 }
 """
-
-
-def _cuda_include_dir() -> str | None:
-    """Where cuda_bf16.h is: NVRTC does not look anywhere by itself. The CUDA runtime
-    wheel's headers (found by cuda-pathfinder), else a toolkit's."""
-    try:
-        from cuda import pathfinder
-
-        found: str | None = pathfinder.find_nvidia_header_directory("cudart")
-        if found:
-            return found
-    except Exception:  # an older pathfinder, or no headers in the wheels
-        pass
-    import os
-
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and os.path.exists(os.path.join(root, "include", "cuda_bf16.h")):
-            return os.path.join(root, "include")
-    return None
 
 
 _UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
@@ -428,7 +419,12 @@ class BindingsGpu:
     def prepare_add(self, device: int) -> None:
         with self._compile_lock:  # not _lock: compiling makes the device current, which takes it
             if device not in self._kernels:
-                self._kernels[device] = self._compile_add(device)
+                try:
+                    self._kernels[device] = self._compile_add(device)
+                except GpuError:
+                    raise
+                except Exception as exc:  # no NVRTC library: cuda-pathfinder raises its own error
+                    raise GpuError(f"cannot build the add kernel: {type(exc).__name__}: {exc}") from None
 
     def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
         kernel = self._kernels.get(device)
@@ -453,31 +449,31 @@ class BindingsGpu:
         minor = self._check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
                             "cuDeviceGetAttribute")
         options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-        include = _cuda_include_dir()
-        if include:
-            options.append(b"--include-path=" + include.encode())
 
         def ok(result: tuple[Any, ...], call: str) -> Any:
             if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
                 raise GpuError(f"{call}: {result[0]}")
             return result[1] if len(result) == 2 else None
 
-        program = ok(nvrtc.nvrtcCreateProgram(_ADD_BF16, b"commd_add_bf16.cu", 0, [], []),
+        program = ok(nvrtc.nvrtcCreateProgram(ADD_BF16_SOURCE, b"commd_add_bf16.cu", 0, [], []),
                      "nvrtcCreateProgram")
         try:
             compiled = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
             if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
                 size = ok(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-                text = b" " * size
+                # Writable buffers: filling `b" " * size` in place, as NVRTC's samples do,
+                # overwrites CPython's shared one-byte b" " when the log is empty (size 1).
+                text = bytearray(size)
                 nvrtc.nvrtcGetProgramLog(program, text)
-                raise GpuError(f"NVRTC could not compile the add kernel: {text.decode(errors='replace')}")
+                log = text.rstrip(b"\0").decode(errors="replace")
+                raise GpuError(f"NVRTC could not compile the add kernel: {log or compiled}")
             size = ok(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-            cubin = b" " * size
+            cubin = bytearray(size)
             ok(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
         finally:
             nvrtc.nvrtcDestroyProgram(program)
         self.use_device(device)
-        module = self._check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        module = self._check(cu.cuModuleLoadData(bytes(cubin)), "cuModuleLoadData")
         return self._check(cu.cuModuleGetFunction(module, b"commd_add_bf16"), "cuModuleGetFunction")
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
