@@ -169,9 +169,53 @@ class FakeGpu:
         buf, offset = self._find(ptr, nbytes)
         return bytes(buf[offset:offset + nbytes])
 
+    # ---- what a driver over this device asks (tests/fakecuda) ----------------------------
+    def locate(self, ptr: int) -> tuple[int, int, int] | None:
+        """The allocation holding `ptr`: (base, size, device), or None."""
+        with self._cv:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            if i < 0:
+                return None
+            base = self._bases[i]
+            buf, device = self._allocs[base]
+        return (base, len(buf), device) if ptr < base + max(len(buf), 1) else None
+
+    def reserve(self, size: int) -> int:
+        """An address range nothing is at yet (cuMemAddressReserve)."""
+        with self._cv:
+            va = self._next_ptr
+            self._next_ptr += (size + 0xFFFF) & ~0xFFF
+            return va
+
+    def map_at(self, va: int, base: int) -> None:
+        """The allocation at `base`, seen at `va` as well (cuMemMap)."""
+        with self._cv:
+            self._allocs[va] = self._allocs[base]
+            bisect.insort(self._bases, va)
+
+    def exported(self, handle: bytes) -> int | None:
+        """The allocation an IPC handle names."""
+        return self._exported.get(bytes(handle))
+
+    def imported(self, fd: int) -> int | None:
+        """The allocation a VMM fd (one of export_vmm's or alloc_shared's) shares."""
+        info = os.fstat(fd)
+        return self._vmm.get((info.st_dev, info.st_ino))
+
+    def export_event(self, event: int) -> bytes:
+        handle = os.urandom(64)
+        self._event_handles[handle] = event
+        return handle
+
     @property
     def allocations(self) -> int:
         return len(self._allocs)
+
+    @property
+    def enqueuing(self) -> bool:
+        """Whether ended groups are still being enqueued (a non-blocking group end's
+        ncclInProgress)."""
+        return bool(self._enqueuing)
 
     # ---- Gpu: memory --------------------------------------------------------------------
     def device_count(self) -> int:

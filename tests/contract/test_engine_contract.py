@@ -27,9 +27,11 @@ from commd.engine.base import (
     Region,
     TransferOp,
 )
+from commd.engine.gpu import BindingsGpu
 from commd.engine.nccl import NcclEngine
 from commd.errors import CallError, ConfigError
 from proto import DType, ErrorCode, MemKind, ReduceOp
+from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 
@@ -61,12 +63,20 @@ def adapter(engine: Engine) -> Any:
     return HostAdapter() if engine.name == "host" else DeviceAdapter(engine)
 
 
-@pytest.fixture(params=["host", "nccl", "nccl-fake"])
+@pytest.fixture(params=["host", "nccl", "nccl-fake", "nccl-abi"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     """`nccl-fake`: the NCCL engine's own logic over a stand-in for CUDA and NCCL (two
-    devices, so ranks spread over GPUs as on a real node)."""
+    devices, so ranks spread over GPUs as on a real node). `nccl-abi`: the same stand-in
+    behind the real cuda-bindings and nccl4py (tests/fakecuda), so the engine's calls
+    into them run too."""
     if request.param == "nccl-fake":
         eng: Engine = NcclEngine(FakeGpu(devices=2))
+    elif request.param == "nccl-abi":
+        with fakecuda.bound(FakeGpu(devices=2)):
+            eng = NcclEngine(BindingsGpu())
+            yield eng
+            eng.close()
+        return
     else:
         try:
             eng = create_engine(request.param)

@@ -1,0 +1,295 @@
+"""The GPU path through the real cuda-bindings and nccl4py, on both sides, without a GPU.
+
+test_gpu_path_fake.py runs the same stack with Python stand-ins for the client's
+`CudaDriver` and the engine's `Gpu`. Here those are the real ones (`BindingsDriver`,
+`BindingsGpu`), and so are the bindings under them; only the libraries the bindings
+load are fakes (tests/fakecuda: the C ABI of libcuda and libnccl over the fake
+device). The workers' own CUDA calls (cudaMalloc, cuMemCreate, streams) go through
+the same bindings, as torch's would go through the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client import DaemonBackend, MisuseError
+from commd.engine.gpu import BindingsGpu
+from tests import fakecuda
+from tests.contract.fakegpu import FakeGpu
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import world_name
+from tests.integration.test_gpu_path_fake import FakeGpuDaemon
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Worker:
+    """One worker thread's CUDA, through cuda-bindings (as torch's calls reach the driver)."""
+
+    def __init__(self, device: int) -> None:
+        from cuda.bindings import driver
+
+        self.cu: Any = driver
+        self.device = device
+        ctx = self._ok(driver.cuDevicePrimaryCtxRetain(self._ok(driver.cuDeviceGet(device))))
+        self._ok(driver.cuCtxSetCurrent(ctx))  # this thread's, as torch.cuda.set_device makes it
+
+    def _ok(self, result: tuple[Any, ...]) -> Any:
+        assert result[0] == self.cu.CUresult.CUDA_SUCCESS, result
+        return result[1] if len(result) == 2 else None
+
+    def alloc(self, data: bytes) -> int:
+        """cudaMalloc'd memory holding `data`."""
+        ptr = int(self._ok(self.cu.cuMemAlloc(len(data))))
+        self._ok(self.cu.cuMemcpyHtoD(ptr, data, len(data)))
+        return ptr
+
+    def vmm_alloc(self, data: bytes, shareable: bool = True) -> int:
+        """cuMemCreate'd memory mapped here, exportable as a POSIX fd when `shareable`."""
+        cu = self.cu
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        if shareable:
+            prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        size = -(-len(data) // fakecuda.GRANULARITY) * fakecuda.GRANULARITY
+        handle = self._ok(cu.cuMemCreate(size, prop, 0))
+        ptr = self._ok(cu.cuMemAddressReserve(size, 0, 0, 0))
+        self._ok(cu.cuMemMap(ptr, size, 0, handle, 0))
+        self._ok(cu.cuMemRelease(handle))
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._ok(cu.cuMemSetAccess(ptr, size, [access], 1))
+        self._ok(cu.cuMemcpyHtoD(int(ptr), data, len(data)))
+        return int(ptr)
+
+    def stream(self) -> int:
+        return int(self._ok(self.cu.cuStreamCreate(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        self._ok(self.cu.cuMemcpyDtoH(out, ptr, nbytes))
+        return bytes(out)
+
+
+@pytest.fixture
+def device() -> Iterator[fakecuda.AbiDevice]:
+    with fakecuda.bound(FakeGpu(devices=2)) as abi:
+        yield abi
+
+
+@pytest.fixture
+def daemon(device: fakecuda.AbiDevice) -> Iterator[FakeGpuDaemon]:
+    d = FakeGpuDaemon(BindingsGpu())
+    yield d
+    d.close()
+
+
+def run_ranks(n: int, body: Any) -> list[Any]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(body, range(n)))
+
+
+def wait_for(condition: Any, what: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout  # the daemon's loop sees connections close in its own time
+    while not condition():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.02)
+
+
+def test_every_call_on_cudamalloc_memory(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice) -> None:
+    world, n, gpu = world_name("abi"), 2, device.gpu
+    inputs = [make_input(31, r, 1000, "bf16", "sum") for r in range(n)]
+    parts = [make_input(32, r, 64, "u8", "sum").tobytes() for r in range(n)]
+    shares = [make_input(33, r, 2 * 96, "f32", "max") for r in range(n)]
+    baseline = gpu.allocations
+
+    def rank(r: int) -> dict[str, bytes]:
+        worker = Worker(r)
+        with DaemonBackend(str(daemon.socket_path), world, r, n, device=r, timeout=20) as comm:
+            data = worker.alloc(inputs[r].tobytes())
+            comm.all_reduce(data, inputs[r].nbytes)
+            send, recv = worker.alloc(parts[r]), worker.alloc(bytes(64 * n))
+            comm.all_gather(send, recv, 64)
+            full, mine = worker.alloc(shares[r].tobytes()), worker.alloc(bytes(96 * 4))
+            comm.reduce_scatter(full, mine, 96 * 4, dtype="f32", op="max")
+            cast = worker.alloc(bytes([r + 1]) * 16)
+            comm.broadcast(cast, 16, 1)
+            comm.barrier()
+            p2p = worker.alloc(bytes([r + 5]) * 32)
+            if r == 0:
+                comm.send_to(p2p, 32, 1)
+            else:
+                comm.recv_from(p2p, 32, 0)
+            comm.barrier()  # recv_from returns once ordered: read after the next call is done
+            return {"sum": worker.read(data, inputs[r].nbytes), "gathered": worker.read(recv, 64 * n),
+                    "share": worker.read(mine, 96 * 4), "cast": worker.read(cast, 16),
+                    "p2p": worker.read(p2p, 32)}
+
+    out = run_ranks(n, rank)
+    maxed = reduce_reference(shares, "f32", "max").tobytes()
+    for r, res in enumerate(out):
+        assert res["sum"] == reduce_reference(inputs, "bf16", "sum").tobytes()
+        assert res["gathered"] == b"".join(parts)
+        assert res["share"] == maxed[r * 384:(r + 1) * 384]
+        assert res["cast"] == b"\x02" * 16
+        assert res["p2p"] == b"\x05" * 32
+    assert device.calls.get("cuIpcOpenMemHandle", 0) >= 2 * 6  # every buffer went by IPC handle
+    assert device.calls["cuIpcOpenEventHandle"] >= 2  # and every call was ordered by events
+    # the daemon let go of every buffer it opened: the workers' own allocations remain
+    wait_for(lambda: gpu.allocations == baseline + 2 * 7, lambda: gpu.allocations)
+
+
+def test_vmm_memory_goes_by_file_descriptor(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice) -> None:
+    world = world_name("abi")
+    inputs = [np.arange(r, r + 300, dtype=np.int64) for r in range(2)]
+
+    def rank(r: int) -> bytes:
+        worker = Worker(r)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
+            ptr = worker.vmm_alloc(inputs[r].tobytes())
+            comm.all_reduce(ptr + 8, 8 * 299, dtype="i64")  # an offset into the allocation
+            comm.barrier()
+            return worker.read(ptr, 8 * 300)
+
+    summed = inputs[0][1:] + inputs[1][1:]
+    assert run_ranks(2, rank) == [np.concatenate([inputs[r][:1], summed]).tobytes() for r in range(2)]
+    assert device.calls["cuMemImportFromShareableHandle"] == 2 and "cuIpcOpenMemHandle" not in device.calls
+
+
+def test_vmm_memory_that_cannot_be_shared_is_a_misuse_error(daemon: FakeGpuDaemon,
+                                                           device: fakecuda.AbiDevice) -> None:
+    worker = Worker(0)
+    with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
+        ptr = worker.vmm_alloc(b"\x01" * 64, shareable=False)
+        with pytest.raises(MisuseError, match="CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"):
+            comm.all_reduce(ptr, 64, dtype="u8")
+        ok = worker.alloc(b"\x03" * 64)
+        comm.all_reduce(ok, 64, dtype="u8")  # the connection serves on
+        comm.barrier()
+        assert worker.read(ok, 64) == b"\x03" * 64
+
+
+def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon,
+                                                        device: fakecuda.AbiDevice) -> None:
+    """all_reduce_async returns before a kernel queued ahead of it ran, and the sum
+    includes what that kernel wrote: the worker's stream and the daemon's are tied by
+    interprocess events through the real bindings."""
+    world, gpu = world_name("abi"), device.gpu
+    ready, release = threading.Barrier(3), threading.Barrier(3)
+    workers: dict[int, tuple[Worker, int, int]] = {}
+
+    def rank(r: int) -> bytes:
+        worker = Worker(0)
+        stream = worker.stream()
+        ptr = worker.alloc(bytes([r]) * 8)
+        workers[r] = (worker, stream, ptr)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=0, timeout=20) as comm:
+            kernel = gpu.worker_kernel(stream, ptr, b"\x07" * 8) if r == 0 else None
+            comm.all_reduce_async(ptr, 8, stream, dtype="u8")
+            ready.wait(10)
+            release.wait(10)
+            if kernel is not None:
+                gpu.finish_kernel(kernel)
+            comm.barrier()
+            worker._ok(worker.cu.cuStreamSynchronize(stream))
+            return worker.read(ptr, 8)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(rank, r) for r in range(2)]
+        ready.wait(10)  # both calls returned; rank 0's kernel has not run, so neither has the sum
+        assert [gpu.read(workers[r][2], 8) for r in range(2)] == [b"\x00" * 8, b"\x01" * 8]
+        release.wait(10)
+        assert [f.result(20) for f in running] == [b"\x08" * 8] * 2  # 7 + 1
+
+
+def test_symmetric_memory_maps_the_daemons_allocation(daemon: FakeGpuDaemon,
+                                                      device: fakecuda.AbiDevice) -> None:
+    world, gpu = world_name("abi"), device.gpu
+    baseline = gpu.allocations
+
+    def rank(r: int) -> bytes:
+        worker = Worker(r)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
+            ptr = comm.symmetric_alloc(100)
+            worker._ok(worker.cu.cuMemcpyHtoD(ptr, bytes([r + 2]) * 100, 100))  # the worker writes it
+            comm.all_reduce(ptr, 100, dtype="u8", op="prod")
+            comm.barrier()
+            out = worker.read(ptr, 100)
+            comm.symmetric_free(ptr)
+            comm.barrier()
+            return out
+
+    assert run_ranks(2, rank) == [b"\x06" * 100] * 2
+    assert device.calls["ncclMemAlloc"] == 2 and device.calls["cuMemMap"] == 2
+    wait_for(lambda: gpu.allocations == baseline, lambda: (gpu.allocations, baseline))
+
+
+@pytest.mark.parametrize("log", [None, b"error: no such architecture", b""])
+def test_the_add_kernel_path(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice, log: bytes | None,
+                             caplog: pytest.LogCaptureFixture) -> None:
+    """set_add_kernel on both ranks: NVRTC compiles the kernel for the device's
+    architecture, the module loads, and each rank's bf16 sum is an exchange then one
+    launch, with the kernel's arguments where it reads them. When NVRTC fails, its log is
+    a warning and NCCL sums; the result is the same either way. (An empty log once
+    overwrote CPython's shared one-byte b" ", which the log buffer was made from.)"""
+    world = world_name("abi")
+    device.compile_error = log
+    inputs = [make_input(34, r, 512, "bf16", "sum") for r in range(2)]
+    loaded = threading.Barrier(2)
+
+    def rank(r: int) -> bytes:
+        worker = Worker(0)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=0, timeout=20) as comm:
+            comm.set_add_kernel(0xADD)
+            comm.barrier()
+            if r == 0:  # compiling happens off the daemon's loop: sums wait for nothing
+                wait_for(lambda: device.calls.get("nvrtcDestroyProgram", 0) == 1, lambda: device.calls)
+            loaded.wait(10)
+            ptr = worker.alloc(inputs[r].tobytes())
+            comm.all_reduce(ptr, inputs[r].nbytes)
+            comm.barrier()
+            return worker.read(ptr, inputs[r].nbytes)
+
+    with caplog.at_level(logging.WARNING, logger="commd"):
+        assert run_ranks(2, rank) == [reduce_reference(inputs, "bf16", "sum").tobytes()] * 2
+    if log is None:
+        assert device.calls["cuLaunchKernel"] == 2 and device.gpu.adds == 2
+    else:
+        assert "cuLaunchKernel" not in device.calls and device.gpu.adds == 0
+        assert "add kernel is not available" in caplog.text and log.decode() in caplog.text
+    assert ord(bytes([0x20])) == 0x20  # the interpreter's shared b" " is still a space
+
+
+def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice) -> None:
+    """Each rank sends on one stream and receives on another inside a group: the pair
+    goes to NCCL as one group (no deadlock), and the second stream is waited for here."""
+    world = world_name("abi")
+
+    def rank(r: int) -> bytes:
+        worker = Worker(r)
+        sending, receiving = worker.stream(), worker.stream()
+        mine, theirs = worker.alloc(bytes([r + 1]) * 48), worker.alloc(bytes(48))
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
+            comm.group_start()
+            comm.send_to(mine, 48, 1 - r, stream=sending)
+            comm.recv_from(theirs, 48, 1 - r, stream=receiving)
+            comm.group_end()
+            comm.barrier()
+            worker._ok(worker.cu.cuStreamSynchronize(receiving))
+            return worker.read(theirs, 48)
+
+    assert run_ranks(2, rank) == [b"\x02" * 48, b"\x01" * 48]
+    # the client waited for its second stream (once per rank), then the test for it (once per rank)
+    assert device.calls["cuStreamSynchronize"] == 4
