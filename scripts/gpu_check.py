@@ -396,9 +396,17 @@ def step_imports(ctx: Ctx) -> Result:
     return Result("FAIL" if problems else "PASS", key, note, info)
 
 
+def stand_in_or_real(param_id: str, engine: str) -> str:
+    """"fake" for the CPU stand-ins of an engine (`<engine>-fake`, and `<engine>-abi`, which
+    declines to run where a real driver is), "real" for the engine itself, else "other"."""
+    if any(param_id.startswith(f"{engine}-{stand_in}") for stand_in in ("fake", "abi")):
+        return "fake"
+    return "real" if param_id == engine or param_id.startswith(f"{engine}-") else "other"
+
+
 def contract_outcomes(xml: Path, engine: str) -> dict[str, dict[str, int]]:
-    """Per variant ("real": the engine itself, "fake": `<engine>-fake`, the CPU stand-in) the
-    count of each outcome, from pytest's junit XML."""
+    """Per variant ("real": the engine itself, "fake": its CPU stand-ins) the count of each
+    outcome, from pytest's junit XML."""
     import xml.etree.ElementTree as ET
 
     counts: dict[str, dict[str, int]] = {}
@@ -407,8 +415,7 @@ def contract_outcomes(xml: Path, engine: str) -> dict[str, dict[str, int]]:
         name = case.get("name", "")
         m = re.search(r"\[(.*)\]$", name)
         pid = m.group(1) if m else ""
-        variant = "fake" if pid.startswith(f"{engine}-fake") else "real" if (
-            pid == engine or pid.startswith(f"{engine}-")) else "other"
+        variant = stand_in_or_real(pid, engine)
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -444,7 +451,7 @@ def step_contract(ctx: Ctx) -> Result:
     if timed_out or not xml.exists():
         seen: dict[str, int] = {}
         for m in re.finditer(r"\[([^\]]*)\] (PASSED|FAILED|SKIPPED|ERROR)", "\n".join(lines)):
-            variant = "fake" if m.group(1).startswith(f"{ctx.engine}-fake") else "real"
+            variant = stand_in_or_real(m.group(1), ctx.engine)
             seen[f"{variant} {m.group(2).lower()}"] = seen.get(f"{variant} {m.group(2).lower()}", 0) + 1
         key = ", ".join(f"{v} {k}" for k, v in sorted(seen.items())) or "-"
         rc = proc.popen.returncode
@@ -467,6 +474,13 @@ def step_contract(ctx: Ctx) -> Result:
     return Result("PASS" if ok else "FAIL", key, " | ".join(notes), {"counts": counts, "tail": lines[-40:]})
 
 
+def add_kernel_note(ctx: Ctx, since: int) -> str:
+    """What the daemons started since `since` logged about the add kernel (whether the
+    2-rank bf16 sum took the kernel path: its result is the same either way)."""
+    lines = [line for text in ctx.daemon_logs[since:] for line in text.splitlines() if "add kernel" in line]
+    return f"daemon: {lines[-1].strip()[-160:]}" if lines else ""
+
+
 def step_one_rank(ctx: Ctx) -> Result:
     with world(ctx, 1, "one-daemon", "one") as w:
         res = judge_calls(run_ranks(ctx, w, "calls", {"timeout": 15.0, "seed": 3}, ctx.left() - 10), 1)
@@ -486,11 +500,13 @@ def step_two_ranks(ctx: Ctx) -> Result:
     ctx.two_rank_tried = True
     for i, mode in enumerate(modes):
         share = ctx.left() / (len(modes) - i) if i < len(modes) - 1 else ctx.left()
+        logs_before = len(ctx.daemon_logs)
         try:
             with world(ctx, 2, mode, f"two{i}") as w:
                 res = judge_calls(run_ranks(ctx, w, "calls", {"timeout": 15.0, "seed": 5}, share - 10), 2)
                 if w.notes:
                     res.note = "; ".join([*w.notes, res.note]).strip("; ")
+            res.note = "; ".join(filter(None, [res.note, add_kernel_note(ctx, logs_before)]))
         except Exception as exc:
             res = Result("FAIL", "world not started", f"{type(exc).__name__}: {exc}"[:400])
         res.key = f"{res.key} ({mode})"

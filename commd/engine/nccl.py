@@ -395,6 +395,9 @@ class NcclCommunicator:
                     self._gpu.prepare_add(device)
             except GpuError as exc:
                 log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
+            else:
+                log.info("world %s: the add kernel is ready on GPU %s", self._world,
+                         ", ".join(map(str, devices)))
 
         self._compiler.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import DaemonBackend, MisuseError
+from client import DaemonBackend, EngineError, MisuseError, WorldFailed
 from commd.engine.gpu import BindingsGpu
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
@@ -293,3 +293,50 @@ def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: f
     assert run_ranks(2, rank) == [b"\x02" * 48, b"\x01" * 48]
     # the client waited for its second stream (once per rank), then the test for it (once per rank)
     assert device.calls["cuStreamSynchronize"] == 4
+
+
+def test_registration_and_an_nccl_failure_through_the_bindings(daemon: FakeGpuDaemon,
+                                                              device: fakecuda.AbiDevice) -> None:
+    """register_buffer reaches ncclCommRegister (handle out through a void**); NCCL's
+    async error (with ncclGetLastError's text) fails the world with EngineError; the
+    failed communicators are aborted, and after attempt_reconnect the new ones sum, with
+    the registrations made again."""
+    world, gpu = world_name("abi"), device.gpu
+    failed, rebuilt = threading.Barrier(3), threading.Barrier(3)
+
+    def rank(r: int) -> tuple[str, bytes]:
+        worker = Worker(r)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
+            ptr = worker.alloc(bytes([r + 1]) * 64)
+            comm.register_buffer(ptr, 64)
+            comm.all_reduce(ptr, 64, dtype="u8")
+            comm.barrier()
+            failed.wait(10)  # the test injects NCCL's error now
+            with pytest.raises(EngineError) as info:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    comm.barrier()
+                    time.sleep(0.05)
+            rebuilt.wait(10)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    comm.attempt_reconnect()
+                    break
+                except WorldFailed:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            comm.all_reduce(ptr, 64, dtype="u8")
+            comm.barrier()
+            return str(info.value), worker.read(ptr, 64)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(rank, r) for r in range(2)]
+        failed.wait(10)
+        assert device.calls["ncclCommRegister"] == 2
+        gpu.fail(0, "injected: an NVLink error")
+        rebuilt.wait(10)
+        out = [f.result(30) for f in running]
+    assert all("injected: an NVLink error" in message for message, _ in out)
+    assert [data for _, data in out] == [b"\x06" * 64] * 2  # (1 + 2) summed twice
+    assert device.calls["ncclCommAbort"] >= 2 and device.calls["ncclCommRegister"] == 4
