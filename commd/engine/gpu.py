@@ -242,7 +242,16 @@ class BindingsGpu:
         try:
             return fn(*args)
         except self._nccl.NCCLError as exc:
-            raise GpuError(f"{call}: {exc}") from None
+            raise GpuError(f"{call}: {exc}{self._nccl_detail()}") from None
+
+    def _nccl_detail(self) -> str:
+        """NCCL's own account of the thread's last error (ncclGetLastError(NULL)): the
+        result code alone only says "run with NCCL_DEBUG=WARN for details"."""
+        try:
+            detail = str(self._nccl.get_last_error(self._nccl.Comm(0))).strip()
+        except Exception:  # an older NCCL without it: the code has to do
+            return ""
+        return f" ({detail})" if detail else ""
 
     def device_count(self) -> int:
         return int(self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount"))

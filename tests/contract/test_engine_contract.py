@@ -73,7 +73,8 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
         eng: Engine = NcclEngine(FakeGpu(devices=2))
     elif request.param == "nccl-abi":
         with fakecuda.bound(FakeGpu(devices=2)):
-            eng = NcclEngine(BindingsGpu())
+            eng = create_engine("auto")  # as `commd serve --engine auto` picks it, over the bindings
+            assert isinstance(eng, NcclEngine) and isinstance(eng.gpu, BindingsGpu)
             yield eng
             eng.close()
         return

@@ -128,12 +128,12 @@ class AbiDevice:
         try:
             result = getattr(self, call)(*values)
             return int(result or 0)
-        except FakeDriverError as exc:
-            self._local.error = (exc.code, f"{call}: {exc}")
+        except FakeDriverError as exc:  # the error's text, as the driver's own (it names no call)
+            self._local.error = (exc.code, str(exc))
             return exc.code
         except GpuError as exc:  # the device refused (what a real one would report as an error)
             code = NCCL_INVALID_USAGE if nccl else CUDA_ERROR_INVALID_VALUE
-            self._local.error = (code, f"{call}: {exc}")
+            self._local.error = (code, str(exc))
             return code
         except Exception:
             self.crashes.append(f"{call}{tuple(values)}:\n{traceback.format_exc()}")
@@ -473,10 +473,14 @@ class AbiDevice:
 
     # ---- NCCL -------------------------------------------------------------------------
     def ncclGetErrorString(self, code: int, out: int, size: int) -> None:
-        self._text(code, out, size, _NCCL_NAMES)
+        text = _NCCL_NAMES.get(code, f"error {code}").encode()[:size - 1] + b"\0"  # fixed texts, as NCCL's
+        ctypes.memmove(out, text, len(text))
 
     def ncclGetLastError(self, comm: int, out: int, size: int) -> None:
-        text = self._comm_errors.get(comm, "").encode()[:size - 1] + b"\0"
+        """A communicator's last error, or with NULL the thread's last (NCCL: "comm may be NULL")."""
+        last = getattr(self._local, "error", None)
+        message = self._comm_errors.get(comm, "") if comm else (last[1] if last else "")
+        text = message.encode()[:size - 1] + b"\0"
         ctypes.memmove(out, text, len(text))
 
     def ncclGetUniqueId(self, out: int) -> None:

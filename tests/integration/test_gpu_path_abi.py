@@ -10,7 +10,9 @@ the same bindings, as torch's would go through the driver.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 
 from client import DaemonBackend, EngineError, MisuseError, WorldFailed
-from commd.engine.gpu import BindingsGpu
+from commd.engine.gpu import BindingsGpu, GpuError
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
@@ -168,13 +170,15 @@ def test_vmm_memory_goes_by_file_descriptor(daemon: FakeGpuDaemon, device: fakec
     assert device.calls["cuMemImportFromShareableHandle"] == 2 and "cuIpcOpenMemHandle" not in device.calls
 
 
-def test_vmm_memory_that_cannot_be_shared_is_a_misuse_error(daemon: FakeGpuDaemon,
+def test_memory_the_daemon_cannot_open_is_a_misuse_error(daemon: FakeGpuDaemon,
                                                            device: fakecuda.AbiDevice) -> None:
     worker = Worker(0)
     with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
         ptr = worker.vmm_alloc(b"\x01" * 64, shareable=False)
         with pytest.raises(MisuseError, match="CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"):
             comm.all_reduce(ptr, 64, dtype="u8")
+        with pytest.raises(MisuseError, match=r"neither in host memory .* nor in CUDA device memory"):
+            comm.all_reduce(0xDEAD_0000, 64, dtype="u8")  # an address no one allocated
         ok = worker.alloc(b"\x03" * 64)
         comm.all_reduce(ok, 64, dtype="u8")  # the connection serves on
         comm.barrier()
@@ -272,14 +276,17 @@ def test_the_add_kernel_path(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice, 
     assert ord(bytes([0x20])) == 0x20  # the interpreter's shared b" " is still a space
 
 
-def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice) -> None:
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice,
+                                                legacy: bool) -> None:
     """Each rank sends on one stream and receives on another inside a group: the pair
-    goes to NCCL as one group (no deadlock), and the second stream is waited for here."""
+    goes to NCCL as one group (no deadlock), and the second stream is waited for here
+    (`legacy`: it is the legacy default stream, waited for as the whole context)."""
     world = world_name("abi")
 
     def rank(r: int) -> bytes:
         worker = Worker(r)
-        sending, receiving = worker.stream(), worker.stream()
+        sending, receiving = worker.stream(), 0 if legacy else worker.stream()
         mine, theirs = worker.alloc(bytes([r + 1]) * 48), worker.alloc(bytes(48))
         with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
             comm.group_start()
@@ -292,7 +299,10 @@ def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: f
 
     assert run_ranks(2, rank) == [b"\x02" * 48, b"\x01" * 48]
     # the client waited for its second stream (once per rank), then the test for it (once per rank)
-    assert device.calls["cuStreamSynchronize"] == 4
+    if legacy:
+        assert device.calls["cuCtxSynchronize"] == 2 and device.calls["cuStreamSynchronize"] == 2
+    else:
+        assert device.calls["cuStreamSynchronize"] == 4 and "cuCtxSynchronize" not in device.calls
 
 
 def test_registration_and_an_nccl_failure_through_the_bindings(daemon: FakeGpuDaemon,
@@ -308,7 +318,7 @@ def test_registration_and_an_nccl_failure_through_the_bindings(daemon: FakeGpuDa
         worker = Worker(r)
         with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
             ptr = worker.alloc(bytes([r + 1]) * 64)
-            comm.register_buffer(ptr, 64)
+            handle = comm.register_buffer(ptr, 64)
             comm.all_reduce(ptr, 64, dtype="u8")
             comm.barrier()
             failed.wait(10)  # the test injects NCCL's error now
@@ -328,6 +338,8 @@ def test_registration_and_an_nccl_failure_through_the_bindings(daemon: FakeGpuDa
                     time.sleep(0.05)
             comm.all_reduce(ptr, 64, dtype="u8")
             comm.barrier()
+            comm.deregister_buffer(handle)
+            comm.barrier()  # the daemon has acted on the deregistration when the barrier returns
             return str(info.value), worker.read(ptr, 64)
 
     with ThreadPoolExecutor(2) as pool:
@@ -340,3 +352,26 @@ def test_registration_and_an_nccl_failure_through_the_bindings(daemon: FakeGpuDa
     assert all("injected: an NVLink error" in message for message, _ in out)
     assert [data for _, data in out] == [b"\x06" * 64] * 2  # (1 + 2) summed twice
     assert device.calls["ncclCommAbort"] >= 2 and device.calls["ncclCommRegister"] == 4
+    assert device.calls["ncclCommDeregister"] == 2 and not gpu.registered
+
+
+def test_cuda_and_nccl_errors_name_the_call_and_the_reason(device: fakecuda.AbiDevice) -> None:
+    """The error paths of BindingsGpu through the bindings: a CUDA error's text comes
+    from cuGetErrorString, an NCCL error from nccl4py's NCCLError; each names the call."""
+    gpu = BindingsGpu()
+    with pytest.raises(GpuError, match=r"cuIpcOpenMemHandle: .*no such IPC handle"):
+        gpu.ipc_open(os.urandom(64), 64, 0)
+    worker = Worker(0)
+    ptr = worker.alloc(bytes(100))
+    ipc = worker._ok(worker.cu.cuIpcGetMemHandle(ptr))  # kept: string_at reads its memory
+    handle = ctypes.string_at(ipc.getPtr(), 64)
+    with pytest.raises(GpuError, match="the allocation holds 100 bytes, not the 101 claimed"):
+        gpu.ipc_open(handle, 101, 0)
+    opened = gpu.ipc_open(handle, 100, 0)  # the failed open was closed; this one is the only one
+    gpu.release(opened)
+    with pytest.raises(GpuError, match=r"ncclCommInitRankConfig: InvalidUsage \(5\): invalid usage "
+                                       r"\(ncclCommInitRankConfig: invalid argument\)"):
+        gpu.comm_init(2, gpu.unique_id(), 7, 0)  # rank 7 of 2
+    with pytest.raises(GpuError, match=r"cuDeviceGet: .*no device 5"):
+        gpu.use_device(5)
+    assert device.gpu.allocations == 1  # the worker's allocation; every open was closed
