@@ -27,8 +27,8 @@ from commd.engine.gpu import BindingsGpu, GpuError
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
+from tests.integration.gpu_daemon import GpuDaemon
 from tests.integration.harness import world_name
-from tests.integration.test_gpu_path_fake import FakeGpuDaemon
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,8 +92,8 @@ def device() -> Iterator[fakecuda.AbiDevice]:
 
 
 @pytest.fixture
-def daemon(device: fakecuda.AbiDevice) -> Iterator[FakeGpuDaemon]:
-    d = FakeGpuDaemon(BindingsGpu())
+def daemon(device: fakecuda.AbiDevice) -> Iterator[GpuDaemon]:
+    d = GpuDaemon(BindingsGpu())
     yield d
     d.close()
 
@@ -110,7 +110,7 @@ def wait_for(condition: Any, what: Any, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
-def test_every_call_on_cudamalloc_memory(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice) -> None:
+def test_every_call_on_cudamalloc_memory(daemon: GpuDaemon, device: fakecuda.AbiDevice) -> None:
     world, n, gpu = world_name("abi"), 2, device.gpu
     inputs = [make_input(31, r, 1000, "bf16", "sum") for r in range(n)]
     parts = [make_input(32, r, 64, "u8", "sum").tobytes() for r in range(n)]
@@ -153,7 +153,7 @@ def test_every_call_on_cudamalloc_memory(daemon: FakeGpuDaemon, device: fakecuda
     wait_for(lambda: gpu.allocations == baseline + 2 * 7, lambda: gpu.allocations)
 
 
-def test_vmm_memory_goes_by_file_descriptor(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice) -> None:
+def test_vmm_memory_goes_by_file_descriptor(daemon: GpuDaemon, device: fakecuda.AbiDevice) -> None:
     world = world_name("abi")
     inputs = [np.arange(r, r + 300, dtype=np.int64) for r in range(2)]
 
@@ -170,7 +170,7 @@ def test_vmm_memory_goes_by_file_descriptor(daemon: FakeGpuDaemon, device: fakec
     assert device.calls["cuMemImportFromShareableHandle"] == 2 and "cuIpcOpenMemHandle" not in device.calls
 
 
-def test_memory_the_daemon_cannot_open_is_a_misuse_error(daemon: FakeGpuDaemon,
+def test_memory_the_daemon_cannot_open_is_a_misuse_error(daemon: GpuDaemon,
                                                            device: fakecuda.AbiDevice) -> None:
     worker = Worker(0)
     with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
@@ -185,7 +185,7 @@ def test_memory_the_daemon_cannot_open_is_a_misuse_error(daemon: FakeGpuDaemon,
         assert worker.read(ok, 64) == b"\x03" * 64
 
 
-def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon,
+def test_async_calls_are_ordered_on_the_workers_stream(daemon: GpuDaemon,
                                                         device: fakecuda.AbiDevice) -> None:
     """all_reduce_async returns before a kernel queued ahead of it ran, and the sum
     includes what that kernel wrote: the worker's stream and the daemon's are tied by
@@ -218,7 +218,7 @@ def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon,
         assert [f.result(20) for f in running] == [b"\x08" * 8] * 2  # 7 + 1
 
 
-def test_symmetric_memory_maps_the_daemons_allocation(daemon: FakeGpuDaemon,
+def test_symmetric_memory_maps_the_daemons_allocation(daemon: GpuDaemon,
                                                       device: fakecuda.AbiDevice) -> None:
     world, gpu = world_name("abi"), device.gpu
     baseline = gpu.allocations
@@ -241,7 +241,7 @@ def test_symmetric_memory_maps_the_daemons_allocation(daemon: FakeGpuDaemon,
 
 
 @pytest.mark.parametrize("log", [None, b"error: no such architecture", b""])
-def test_the_add_kernel_path(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice, log: bytes | None,
+def test_the_add_kernel_path(daemon: GpuDaemon, device: fakecuda.AbiDevice, log: bytes | None,
                              caplog: pytest.LogCaptureFixture) -> None:
     """set_add_kernel on both ranks: NVRTC compiles the kernel for the device's
     architecture, the module loads, and each rank's bf16 sum is an exchange then one
@@ -277,7 +277,7 @@ def test_the_add_kernel_path(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice, 
 
 
 @pytest.mark.parametrize("legacy", [False, True])
-def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: fakecuda.AbiDevice,
+def test_a_group_over_two_streams_swaps_buffers(daemon: GpuDaemon, device: fakecuda.AbiDevice,
                                                 legacy: bool) -> None:
     """Each rank sends on one stream and receives on another inside a group: the pair
     goes to NCCL as one group (no deadlock), and the second stream is waited for here
@@ -305,7 +305,7 @@ def test_a_group_over_two_streams_swaps_buffers(daemon: FakeGpuDaemon, device: f
         assert device.calls["cuStreamSynchronize"] == 4 and "cuCtxSynchronize" not in device.calls
 
 
-def test_registration_and_an_nccl_failure_through_the_bindings(daemon: FakeGpuDaemon,
+def test_registration_and_an_nccl_failure_through_the_bindings(daemon: GpuDaemon,
                                                               device: fakecuda.AbiDevice) -> None:
     """register_buffer reaches ncclCommRegister (handle out through a void**); NCCL's
     async error (with ncclGetLastError's text) fails the world with EngineError; the

@@ -10,26 +10,21 @@ socket, the protocol, the daemon's server, sessions, worlds and matching are rea
 
 from __future__ import annotations
 
-import asyncio
-import shutil
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from client import DaemonBackend, MisuseError
 from client.cuda import PointerInfo
-from commd.config import ServerConfig
 from commd.engine.gpu import Imported
-from commd.engine.nccl import NcclEngine
-from commd.server import Server
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import short_tmpdir, world_name
+from tests.integration.gpu_daemon import GpuDaemon
+from tests.integration.harness import world_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,47 +108,14 @@ class WorkerDriver:
         self.gpu.release(self.mapped.pop(ptr))
 
 
-class FakeGpuDaemon:
-    """A real commd Server with the NCCL engine over the fake device, on its own loop thread."""
-
-    def __init__(self, gpu: FakeGpu) -> None:
-        self.tmp = short_tmpdir()
-        self.socket_path = Path(self.tmp) / "commd.sock"
-        self.engine = NcclEngine(gpu)
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        stop = asyncio.Event()
-
-        async def serve() -> None:
-            server = Server(ServerConfig(socket_path=self.socket_path), self.engine, None)
-            server.start()
-            started.set()
-            try:
-                await stop.wait()
-            finally:
-                server.shutdown()
-
-        self.stop = stop
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(serve(),), daemon=True)
-        self.thread.start()
-        assert started.wait(10)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(10)
-        self.loop.close()
-        self.engine.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 @pytest.fixture
 def gpu() -> FakeGpu:
     return FakeGpu(devices=2)
 
 
 @pytest.fixture
-def daemon(gpu: FakeGpu) -> Iterator[FakeGpuDaemon]:
-    d = FakeGpuDaemon(gpu)
+def daemon(gpu: FakeGpu) -> Iterator[GpuDaemon]:
+    d = GpuDaemon(gpu)
     yield d
     d.close()
 
@@ -163,7 +125,7 @@ def run_ranks(n: int, body: object) -> list[object]:
         return list(pool.map(body, range(n)))  # type: ignore[arg-type]
 
 
-def test_every_collective_on_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+def test_every_collective_on_device_memory(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     world, n = world_name("gpu"), 2
     driver = WorkerDriver(gpu)
     inputs = [make_input(11, r, 1000, "bf16", "sum") for r in range(n)]
@@ -205,7 +167,7 @@ def test_every_collective_on_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) 
         time.sleep(0.02)
 
 
-def test_memory_of_another_gpu_is_refused(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+def test_memory_of_another_gpu_is_refused(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     driver = WorkerDriver(gpu)
     with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
                        cuda_driver=lambda: driver) as comm:
@@ -221,7 +183,7 @@ def test_memory_of_another_gpu_is_refused(daemon: FakeGpuDaemon, gpu: FakeGpu) -
         assert np.frombuffer(gpu.read(here, 16), np.float32).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+def test_async_calls_are_ordered_on_the_workers_stream(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     """The ordering proof through the whole stack: rank 0's long kernel writes its buffer
     right before all_reduce_async. The call returns before the kernel ran (ordered, not
     done); the sum includes the kernel's write; rank 0's next kernel runs after the sum."""
@@ -256,7 +218,7 @@ def test_async_calls_are_ordered_on_the_workers_stream(daemon: FakeGpuDaemon, gp
             future.result(10)
 
 
-def test_symmetric_memory_is_the_daemons_device_memory(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+def test_symmetric_memory_is_the_daemons_device_memory(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     """symmetric_alloc on a GPU engine: the daemon allocates (ncclMemAlloc), the worker maps
     its export and gets a device pointer; calls on it need no import; free lets both go."""
     world, driver = world_name("gpu"), WorkerDriver(gpu)
@@ -282,7 +244,7 @@ def test_symmetric_memory_is_the_daemons_device_memory(daemon: FakeGpuDaemon, gp
         time.sleep(0.02)
 
 
-def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemon: FakeGpuDaemon,
+def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemon: GpuDaemon,
                                                                           gpu: FakeGpu) -> None:
     driver = WorkerDriver(gpu)
     with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=10,
@@ -303,7 +265,7 @@ def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemo
 
 
 @pytest.mark.parametrize("both", [True, False])
-def test_the_add_kernel_path_sums_two_ranks_by_exchange(daemon: FakeGpuDaemon, gpu: FakeGpu,
+def test_the_add_kernel_path_sums_two_ranks_by_exchange(daemon: GpuDaemon, gpu: FakeGpu,
                                                         both: bool) -> None:
     """set_add_kernel on both ranks of a 2-rank world: bf16 sums go through a send/recv
     exchange and the daemon's own add kernel, with the same result as NCCL's all_reduce;
@@ -329,7 +291,7 @@ def test_the_add_kernel_path_sums_two_ranks_by_exchange(daemon: FakeGpuDaemon, g
     assert gpu.adds - adds == (2 if both else 0)  # one add per rank, for the bf16 sum only
 
 
-def test_nccl_gets_registrations_only_while_every_rank_has_some(daemon: FakeGpuDaemon, gpu: FakeGpu) -> None:
+def test_nccl_gets_registrations_only_while_every_rank_has_some(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     """Some ranks passing registered buffers and some not is undefined in NCCL."""
     world, driver = world_name("gpu"), WorkerDriver(gpu)
     seen: list[int] = []
