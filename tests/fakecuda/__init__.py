@@ -112,6 +112,8 @@ class AbiDevice:
         self._next_handle = 0x4000
         self._reserved: dict[int, int] = {}  # address ranges reserved: base -> size
         self._event_flags: dict[int, int] = {}
+        self._ipc_open: dict[tuple[bytes, int], tuple[int, int]] = {}  # (handle, device) -> (ptr, opens)
+        self._ipc_handles: dict[int, bytes] = {}
         self._defaults: dict[int, int] = {}  # device -> its legacy default stream
         self._comm_errors: dict[int, str] = {}
         self._modules: dict[int, bytes] = {}
@@ -254,21 +256,38 @@ class AbiDevice:
         base, _, _ = self._memory(ptr)
         if base != ptr or base in self._vmm_bases:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "not the base of a cudaMalloc allocation")
-        ctypes.memmove(out, self.gpu.export_ipc(ptr), 64)
+        if base not in self._ipc_handles:  # one handle per allocation, however often asked
+            self._ipc_handles[base] = self.gpu.export_ipc(base)
+        ctypes.memmove(out, self._ipc_handles[base], 64)
 
     def cuIpcOpenMemHandle(self, out: int, handle: int, flags: int) -> None:
+        """As the driver: a handle this context has open already gives the same pointer
+        again, counted (cuda.h: "the reference count on the handle is incremented")."""
         if flags != _IPC_LAZY_PEER_ACCESS:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE,
                                   f"flags {flags}: want CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS")
-        base = self.gpu.exported(ctypes.string_at(handle, 64))
+        key = (ctypes.string_at(handle, 64), self._device())
+        base = self.gpu.exported(key[0])
         if base is None:
             raise FakeDriverError(CUDA_ERROR_INVALID_HANDLE, "no such IPC handle")
-        _, size, _ = self._memory(base)
-        self._device()  # it opens in the current context
-        opened = self.gpu.ipc_open(ctypes.string_at(handle, 64), size, 0)
-        _put(out, ctypes.c_uint64, opened.ptr)
+        with self._launch:
+            if key in self._ipc_open:
+                ptr, count = self._ipc_open[key]
+            else:
+                ptr, count = self.gpu.ipc_open(key[0], self._memory(base)[1], 0).ptr, 0
+            self._ipc_open[key] = (ptr, count + 1)
+        _put(out, ctypes.c_uint64, ptr)
 
     def cuIpcCloseMemHandle(self, ptr: int) -> None:
+        with self._launch:
+            key = next((k for k, (p, _) in self._ipc_open.items() if p == ptr), None)
+            if key is None:
+                raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is no open IPC mapping")
+            _, count = self._ipc_open[key]
+            if count > 1:
+                self._ipc_open[key] = (ptr, count - 1)
+                return
+            del self._ipc_open[key]
         self.gpu.release(Imported(ptr, 0, 0, Origin.IPC))
 
     def cuIpcGetEventHandle(self, out: int, event: int) -> None:

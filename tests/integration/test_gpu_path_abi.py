@@ -375,3 +375,34 @@ def test_cuda_and_nccl_errors_name_the_call_and_the_reason(device: fakecuda.AbiD
     with pytest.raises(GpuError, match=r"cuDeviceGet: .*no device 5"):
         gpu.use_device(5)
     assert device.gpu.allocations == 1  # the worker's allocation; every open was closed
+
+
+def test_one_allocation_in_two_worlds_is_one_mapping_counted_twice(daemon: GpuDaemon,
+                                                                   device: fakecuda.AbiDevice) -> None:
+    """A worker in two worlds (say tensor- and pipeline-parallel) uses one allocation in
+    both: the daemon opens its IPC handle once per connection and the driver hands back
+    the same pointer, counted. One world's connection closing lets go of its opening
+    only: the other world's calls on the allocation still run."""
+    tp, pp, gpu = world_name("abi-tp"), world_name("abi-pp"), device.gpu
+    baseline = gpu.allocations
+
+    def rank(r: int) -> bytes:
+        worker = Worker(r)
+        ptr = worker.alloc(bytes([r + 1]) * 64)
+        sock = str(daemon.socket_path)
+        with DaemonBackend(sock, pp, r, 2, device=r, timeout=20) as second:
+            with DaemonBackend(sock, tp, r, 2, device=r, timeout=20) as first:
+                first.all_reduce(ptr, 64, dtype="u8")
+                second.all_reduce(ptr, 64, dtype="u8")
+                first.barrier()
+            second.barrier()  # both ranks have closed their first world
+            wait_for(lambda: all(opens == 1 for _, opens in device._ipc_open.values()),
+                     lambda: device._ipc_open)
+            second.all_reduce(ptr, 64, dtype="u8")
+            second.barrier()
+        return worker.read(ptr, 64)
+
+    assert run_ranks(2, rank) == [bytes([12]) * 64] * 2  # (1 + 2) * 2 * 2
+    assert device.calls["cuIpcOpenMemHandle"] == 4 and len(set(device._ipc_handles.values())) == 2
+    wait_for(lambda: not device._ipc_open and gpu.allocations == baseline + 2,
+             lambda: (device._ipc_open, gpu.allocations))
