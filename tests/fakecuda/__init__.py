@@ -594,7 +594,8 @@ class _NoDevice:
             _put(int(args[0]), ctypes.c_int, 0)
             return CUDA_SUCCESS
         if name in (b"cuGetErrorString", b"ncclGetErrorString", b"ncclGetLastError"):
-            ctypes.memmove(int(args[1]), b"no device\0", 10)
+            text = b"no device (tests/fakecuda's stand-in driver, loaded by an earlier test)\0"
+            ctypes.memmove(int(args[1]), text, len(text))
             return CUDA_SUCCESS
         return CUDA_ERROR_NO_DEVICE
 
