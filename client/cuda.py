@@ -265,9 +265,12 @@ class CudaAllocation:
     def offset_of(self, ptr: int, nbytes: int) -> int:
         offset = ptr - self.base
         if offset < 0 or offset + nbytes > self.size:
+            spans = ("; VMM memory is shared one allocation at a time, and a buffer that spans "
+                     "several (as PyTorch's expandable segments can place it) cannot be used"
+                     if self.kind is MemKind.CUDA_VMM else "")
             raise MisuseError(
                 f"[0x{ptr:x}, +{nbytes}) runs past the end of the CUDA allocation at 0x{self.base:x} "
-                f"({self.size} bytes)")
+                f"({self.size} bytes){spans}")
         return offset
 
 

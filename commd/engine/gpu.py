@@ -45,12 +45,16 @@ class Origin(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Imported:
-    """Device memory the daemon holds: its pointer here, size, device, and origin."""
+    """Device memory the daemon holds: its pointer here, size, device, and origin.
+    `context`: the device whose context opened it, where that is not `device` (an IPC
+    handle of another GPU's memory, opened for a rank and then refused): the driver
+    lets go of a mapping in the context that made it."""
 
     ptr: int
     size: int
     device: int
     origin: Origin
+    context: int | None = None
 
 
 class Gpu(Protocol):
@@ -220,6 +224,7 @@ class BindingsGpu:
             raise GpuError(f"no CUDA driver: {exc}") from None
         self._contexts: dict[int, Any] = {}
         self._comms: dict[int, Any] = {}  # our int -> nccl4py's Comm (it refuses plain ints)
+        self._comm_devices: dict[int, int] = {}
         self._kernels: dict[int, Any] = {}  # device -> the add kernel loaded in its context
         self._compile_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -245,13 +250,14 @@ class BindingsGpu:
             raise GpuError(f"{call}: {exc}{self._nccl_detail()}") from None
 
     def _nccl_detail(self) -> str:
-        """NCCL's own account of the thread's last error (ncclGetLastError(NULL)): the
-        result code alone only says "run with NCCL_DEBUG=WARN for details"."""
+        """NCCL's last error text (ncclGetLastError): the result code alone only says "run
+        with NCCL_DEBUG=WARN for details". NCCL keeps one such text for the whole process
+        until the next error, so it may be about an earlier call, and is labelled so."""
         try:
             detail = str(self._nccl.get_last_error(self._nccl.Comm(0))).strip()
         except Exception:  # an older NCCL without it: the code has to do
             return ""
-        return f" ({detail})" if detail else ""
+        return f" (NCCL's last error, maybe an earlier one: {detail})" if detail else ""
 
     def device_count(self) -> int:
         return int(self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount"))
@@ -281,7 +287,7 @@ class BindingsGpu:
             _, real = self._check(cu.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
             if int(real) < size:
                 raise GpuError(f"the allocation holds {int(real)} bytes, not the {size} claimed")
-            return Imported(ptr, size, self._device_of(ptr), Origin.IPC)
+            return Imported(ptr, size, self._device_of(ptr), Origin.IPC, context=device)
         except BaseException:
             cu.cuIpcCloseMemHandle(ptr)
             raise
@@ -315,6 +321,7 @@ class BindingsGpu:
 
     def release(self, memory: Imported) -> None:
         cu = self._cu
+        self.use_device(memory.device if memory.context is None else memory.context)
         if memory.origin is Origin.IPC:
             self._check(cu.cuIpcCloseMemHandle(memory.ptr), "cuIpcCloseMemHandle")
         elif memory.origin is Origin.VMM:
@@ -403,6 +410,7 @@ class BindingsGpu:
                                world_size, uid, rank, config)
         key = int(comm.handle)
         self._comms[key] = comm
+        self._comm_devices[key] = device
         return key
 
     def comm_state(self, comm: int) -> tuple[CommState, str]:
@@ -412,9 +420,10 @@ class BindingsGpu:
             return CommState.READY, ""
         if state == nccl.Result.InProgress:
             return CommState.IN_PROGRESS, ""
-        return CommState.FAILED, f"{nccl.get_error_string(state)} ({nccl.get_last_error(self._comms[comm])})"
+        return CommState.FAILED, f"{nccl.get_error_string(state)}{self._nccl_detail()}"
 
     def comm_abort(self, comm: int) -> None:
+        self._comm_devices.pop(comm, None)
         handle = self._comms.pop(comm, None)
         if handle is not None:
             self._nccl_call("ncclCommAbort", self._nccl.comm_abort, handle)
@@ -486,10 +495,12 @@ class BindingsGpu:
         return self._check(cu.cuModuleGetFunction(module, b"commd_add_bf16"), "cuModuleGetFunction")
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
+        self.use_device(self._comm_devices[comm])  # as for a launch: the communicator's device
         handle = self._nccl_call("ncclCommRegister", self._nccl.comm_register, self._comms[comm], ptr, nbytes)
         return int(handle)
 
     def comm_deregister(self, comm: int, handle: int) -> None:
+        self.use_device(self._comm_devices[comm])
         self._nccl_call("ncclCommDeregister", self._nccl.comm_deregister, self._comms[comm], handle)
 
     def group_end(self) -> None:

@@ -41,7 +41,7 @@ from .base import (
     TransferOp,
 )
 from .crosscheck import collective_mismatch, p2p_mismatch, pair_of
-from .gpu import CommState, Gpu, GpuError, Imported
+from .gpu import CommState, Gpu, GpuError, Imported, Origin
 
 if TYPE_CHECKING:
     from ..cluster import WorldNet
@@ -93,13 +93,43 @@ class _UsedByOps:
             self._free()
 
 
+class Freer:
+    """Lets go of device memory off the event loop's thread. cuMemFree and cuMemUnmap may
+    wait for the whole device, and a kernel in flight there may wait for an op only the
+    loop would launch (a send whose receive is the worker's next call): on the loop that
+    would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so on
+    the loop's thread like every NCCL call (none may run while an abort does)."""
+
+    def __init__(self, gpu: Gpu) -> None:
+        self._gpu = gpu
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-cuda-free")
+        self._closed = False
+
+    def free(self, memory: Imported) -> None:
+        if memory.origin is Origin.NCCL or self._closed:
+            self._release(memory)
+        else:
+            self._thread.submit(self._release, memory)
+
+    def _release(self, memory: Imported) -> None:
+        try:
+            self._gpu.release(memory)
+        except GpuError as exc:  # nothing waits for it; the driver frees it with the process
+            log.warning("could not let go of device memory at %#x: %s", memory.ptr, exc)
+
+    def close(self) -> None:
+        """Wait for the frees asked so far; later ones run on the caller's thread."""
+        self._closed = True
+        self._thread.shutdown(wait=True)
+
+
 class NcclMapping(_UsedByOps):
     """Device memory the daemon opened (or allocated). Closing lets it go once no op
     in flight uses it: releasing memory under a running kernel would fault the GPU."""
 
-    def __init__(self, gpu: Gpu, memory: Imported) -> None:
+    def __init__(self, freer: Freer, memory: Imported) -> None:
         super().__init__(self._release)
-        self._gpu = gpu
+        self._freer = freer
         self._memory: Imported | None = memory
         self._size = memory.size
         self._device = memory.device
@@ -123,7 +153,7 @@ class NcclMapping(_UsedByOps):
     def _release(self) -> None:
         memory, self._memory = self._memory, None
         if memory is not None:
-            self._gpu.release(memory)
+            self._freer.free(memory)
 
 
 class NcclEvents(_UsedByOps):
@@ -156,10 +186,11 @@ class NcclCommunicator:
 
     launches_in_order = True  # see _ready and _launch_soon
 
-    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, world: str,
-                 world_size: int, local_ranks: Sequence[int], devices: Mapping[int, int],
+    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
+                 world: str, world_size: int, local_ranks: Sequence[int], devices: Mapping[int, int],
                  unique_id: bytes, net: WorldNet | None = None) -> None:
         self._gpu = gpu
+        self._freer = freer
         self._compiler = compiler  # where NVRTC compiles the add kernel, off the loop
         # NCCL moves the data; the daemons' links only carry each collective's fingerprint
         # to the root, so that ranks calling different things fail as a mismatch, not a hang.
@@ -421,7 +452,7 @@ class NcclCommunicator:
         if mapping is None or mapping.size < nbytes:
             if mapping is not None:
                 mapping.close()  # let go once the ops that use it are done
-            mapping = self._exchange[rank] = NcclMapping(self._gpu, self._alloc(nbytes, rank))
+            mapping = self._exchange[rank] = NcclMapping(self._freer, self._alloc(nbytes, rank))
         return mapping.region(0, nbytes)
 
     def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]
@@ -597,7 +628,7 @@ class NcclCommunicator:
     def _scratch_ptr(self, rank: int) -> int:
         mapping = self._scratch.get(rank)
         if mapping is None:
-            mapping = self._scratch[rank] = NcclMapping(self._gpu, self._alloc(8, rank))
+            mapping = self._scratch[rank] = NcclMapping(self._freer, self._alloc(8, rank))
         return mapping.region(0, 1).ptr
 
     def _alloc(self, nbytes: int, rank: int) -> Imported:
@@ -655,6 +686,7 @@ class NcclEngine:
         # Threads that block in cuEventSynchronize, one per op awaited at once.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
+        self._freer = Freer(gpu)
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> NcclMapping:
@@ -663,9 +695,9 @@ class NcclEngine:
                 if len(handle) != IPC_HANDLE_BYTES:
                     raise CallError(ErrorCode.BAD_MEMORY, f"a cuda-ipc handle is {IPC_HANDLE_BYTES} bytes, "
                                                           f"got {len(handle)}")
-                return NcclMapping(self.gpu, self.gpu.ipc_open(handle, size, device or 0))
+                return NcclMapping(self._freer, self.gpu.ipc_open(handle, size, device or 0))
             if kind is MemKind.CUDA_VMM and fd is not None:
-                return NcclMapping(self.gpu, self.gpu.vmm_import(fd, size))
+                return NcclMapping(self._freer, self.gpu.vmm_import(fd, size))
             raise CallError(ErrorCode.MISUSE, f"the nccl engine cannot open {kind.value} memory")
         except GpuError as exc:
             raise CallError(ErrorCode.BAD_MEMORY, f"cannot open {kind.value} memory: {exc}") from None
@@ -689,7 +721,7 @@ class NcclEngine:
             memory, fd = self.gpu.alloc_shared(nbytes, device or 0)
         except GpuError as exc:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
-        return NcclMapping(self.gpu, memory), fd
+        return NcclMapping(self._freer, memory), fd
 
     def unique_id(self) -> bytes:
         """The bootstrap handle of a new communicator (the root's, handed to the others)."""
@@ -706,10 +738,11 @@ class NcclEngine:
                 raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
                                                   f"root's NCCL id")
             unique_id = self.unique_id()
-        return NcclCommunicator(self.gpu, self._waiters, self._compiler, world, world_size, local_ranks,
-                                devices or {}, unique_id, net)
+        return NcclCommunicator(self.gpu, self._waiters, self._compiler, self._freer, world, world_size,
+                                local_ranks, devices or {}, unique_id, net)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self._compiler.shutdown(wait=False)
+        self._freer.close()
 

@@ -94,9 +94,12 @@ class _Kernel:
 
 
 class FakeGpu:
-    def __init__(self, devices: int = 1, init_polls: int = 2) -> None:
+    def __init__(self, devices: int = 1, init_polls: int = 2, multi_rank_gpu: bool = False) -> None:
         self.devices = devices
         self.init_polls = init_polls
+        # NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1: ranks of one communicator may
+        # share a GPU; else its init refuses ("Duplicate GPU detected")
+        self.multi_rank_gpu = multi_rank_gpu
         self._cv = threading.Condition()
         self._bases: list[int] = []
         self._allocs: dict[int, tuple[bytearray, int]] = {}  # base -> (bytes, device)
@@ -120,6 +123,7 @@ class FakeGpu:
         self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
         self.compile_thread = ""
         self.current_device: int | None = None
+        self.released_on: list[tuple[Origin, str]] = []  # each release: the memory's origin, the thread
 
     # ---- what a test does as the worker -------------------------------------------------
     def worker_alloc(self, data: bytes, device: int = 0) -> int:
@@ -272,6 +276,7 @@ class FakeGpu:
                 raise GpuError(f"release of unknown memory {memory.ptr:#x}")
             del self._allocs[memory.ptr]
             self._bases.remove(memory.ptr)
+            self.released_on.append((memory.origin, threading.current_thread().name))
 
     def alloc(self, nbytes: int, device: int) -> Imported:
         return Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.PLAIN)
@@ -291,20 +296,30 @@ class FakeGpu:
         return self.read(ptr, nbytes)
 
     # ---- Gpu: streams and events --------------------------------------------------------
+    # Workers' threads, the daemon's loop and its helper threads all come here: every
+    # table changes under _cv, which _progress holds while it walks them.
     def stream_create(self, device: int) -> int:
-        stream = next(self._ids)
-        self._streams[stream] = deque()
-        self._device_of[stream] = device
-        return stream
+        with self._cv:
+            stream = next(self._ids)
+            self._streams[stream] = deque()
+            self._device_of[stream] = device
+            return stream
 
     def stream_destroy(self, stream: int) -> None:
-        self._streams.pop(stream)
+        with self._cv:
+            self._streams.pop(stream)
+
+    def streams_of(self, device: int) -> list[int]:
+        """Every stream of `device` (what cuCtxSynchronize waits for)."""
+        with self._cv:
+            return [s for s in self._streams if self._device_of.get(s) == device]
 
     def event_create(self, device: int) -> int:
-        event = next(self._ids)
-        self._recorded[event] = self._reached[event] = 0
-        self._device_of[event] = device
-        return event
+        with self._cv:
+            event = next(self._ids)
+            self._recorded[event] = self._reached[event] = 0
+            self._device_of[event] = device
+            return event
 
     def event_destroy(self, event: int) -> None:
         with self._cv:
@@ -350,10 +365,20 @@ class FakeGpu:
 
     def comm_init(self, world_size: int, unique_id: bytes, rank: int, device: int) -> int:
         if not 0 <= rank < world_size or len(unique_id) != 128:
-            raise GpuError("ncclCommInitRankConfig: invalid argument")
+            raise GpuError(f"Invalid rank requested : {rank}/{world_size}")
+        if not self.multi_rank_gpu and any(c.unique_id == unique_id and c.device == device and not c.aborted
+                                           for c in self._comms.values()):
+            raise GpuError(f"Duplicate GPU detected : rank {rank} and another rank both on CUDA device "
+                           f"{device}")
         comm = next(self._ids)
         self._comms[comm] = _Comm(unique_id, rank, world_size, device, self.init_polls)
         return comm
+
+    def comm_device(self, comm: int) -> int:
+        c = self._comms.get(comm)
+        if c is None:
+            raise GpuError("invalid communicator")
+        return c.device
 
     def comm_state(self, comm: int) -> tuple[CommState, str]:
         c = self._comms.get(comm)
@@ -503,7 +528,7 @@ class FakeGpu:
         while moved:
             moved = False
             heads: dict[tuple[object, ...], list[_Work]] = {}
-            for queue in self._streams.values():
+            for queue in list(self._streams.values()):
                 while queue and self._passes(queue[0]):
                     item = queue.popleft()  # work of an aborted communicator never runs
                     if isinstance(item, _Mark):

@@ -70,9 +70,9 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     behind the real cuda-bindings and nccl4py (tests/fakecuda), so the engine's calls
     into them run too."""
     if request.param == "nccl-fake":
-        eng: Engine = NcclEngine(FakeGpu(devices=2))
+        eng: Engine = NcclEngine(FakeGpu(devices=2, multi_rank_gpu=True))
     elif request.param == "nccl-abi":
-        with fakecuda.bound(FakeGpu(devices=2)):
+        with fakecuda.bound(FakeGpu(devices=2, multi_rank_gpu=True)):
             eng = create_engine("auto")  # as `commd serve --engine auto` picks it, over the bindings
             assert isinstance(eng, NcclEngine) and isinstance(eng.gpu, BindingsGpu)
             yield eng

@@ -38,20 +38,30 @@ from tests.contract.fakegpu import FakeGpu
 
 _SOURCE = Path(__file__).with_name("fakecuda.c")
 _LIBRARIES = ("libcuda.so.1", "libnccl.so.2", "libnvrtc.so.13")  # the sonames the bindings look for
+COMPILE_FLAGS = ("-O1", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
+SOURCE = _SOURCE
 _DISPATCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int)
 
 # CUresult and ncclResult_t values (cuda.h, nccl.h)
 CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE = 0, 1, 100
 CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE = 101, 201, 400
 CUDA_ERROR_NOT_FOUND, CUDA_ERROR_UNKNOWN = 500, 999
-NCCL_INTERNAL_ERROR, NCCL_INVALID_USAGE, NCCL_REMOTE_ERROR, NCCL_IN_PROGRESS = 3, 5, 6, 7
+NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_REMOTE_ERROR = 3, 4, 5, 6
+NCCL_IN_PROGRESS = 7
 _CUDA_NAMES = {0: "CUDA_SUCCESS", 1: "CUDA_ERROR_INVALID_VALUE", 100: "CUDA_ERROR_NO_DEVICE",
                101: "CUDA_ERROR_INVALID_DEVICE", 201: "CUDA_ERROR_INVALID_CONTEXT",
                400: "CUDA_ERROR_INVALID_HANDLE", 500: "CUDA_ERROR_NOT_FOUND", 999: "CUDA_ERROR_UNKNOWN"}
-_NCCL_NAMES = {0: "no error", 1: "unhandled cuda error", 2: "unhandled system error", 3: "internal error",
-               4: "invalid argument", 5: "invalid usage",
-               6: "remote process exited or there was a network error",
-               7: "NCCL operation in progress"}
+# what cuGetErrorString answers: the driver's fixed texts (cuda.h), never why this call failed
+_CUDA_TEXTS = {0: "no error", 1: "invalid argument", 100: "no CUDA-capable device is detected",
+               101: "invalid device ordinal", 201: "invalid device context", 400: "invalid resource handle",
+               500: "named symbol not found", 999: "unknown error"}
+_NCCL_NAMES = {0: "no error", 1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+               2: "unhandled system error (run with NCCL_DEBUG=INFO for details)",
+               3: "internal error - please report this issue to the NCCL developers",
+               4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
+               5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
+               6: "remote process exited or there was a network error", 7: "NCCL operation in progress"}
+_BLOCKING = {"cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize"}  # run without the fake's lock
 
 # the enums commd passes, by their cuda.h / nccl.h values
 _ATTR_MEMORY_TYPE, _ATTR_BUFFER_ID, _ATTR_IS_MANAGED, _ATTR_DEVICE_ORDINAL, _ATTR_LEGACY_IPC = 2, 7, 8, 9, 10
@@ -100,9 +110,13 @@ class AbiDevice:
         self.gpu = gpu
         self.compute_capability = compute_capability
         self.crashes: list[str] = []  # the fake's own bugs: a test fails on any
+        self.refusals: list[str] = []  # why each refused call was refused (the driver says less)
         self.calls: dict[str, int] = {}
-        self._local = threading.local()  # current device, last error text
-        self._launch = threading.Lock()  # NCCL checks the device current when a call launches
+        self._local = threading.local()  # the thread's current device
+        # Held for every call but the blocking ones: the fake's tables are shared by the
+        # daemon's loop, its helper threads and the workers' threads.
+        self._book = threading.RLock()
+        self._nccl_last_error = ""  # NCCL's is one string for the process, kept until the next
         self._buffer_ids: dict[int, int] = {}
         self._next_buffer_id = 1
         self._vmm_bases: set[int] = set()  # not cudaMalloc memory: no legacy IPC
@@ -115,7 +129,8 @@ class AbiDevice:
         self._ipc_open: dict[tuple[bytes, int], tuple[int, int]] = {}  # (handle, device) -> (ptr, opens)
         self._ipc_handles: dict[int, bytes] = {}
         self._defaults: dict[int, int] = {}  # device -> its legacy default stream
-        self._comm_errors: dict[int, str] = {}
+        self._plain: set[int] = set()  # cuMemAlloc'd: what cuMemFree takes
+        self._mapped: dict[int, int] = {}  # a VMM mapping -> the size mapped
         self._modules: dict[int, bytes] = {}
         self._programs: dict[int, list[bytes]] = {}  # NVRTC program -> [source, log, cubin]
         self._next_program = 0x9000
@@ -125,25 +140,30 @@ class AbiDevice:
     def dispatch(self, name: bytes, args: Any, nargs: int) -> int:
         call = name.decode()
         values = [int(args[i]) for i in range(nargs)]
-        self.calls[call] = self.calls.get(call, 0) + 1
         nccl = call.startswith("nccl")
+        with self._book:
+            self.calls[call] = self.calls.get(call, 0) + 1
         try:
-            result = getattr(self, call)(*values)
+            if call in _BLOCKING:
+                result = getattr(self, call)(*values)
+            else:
+                with self._book:
+                    result = getattr(self, call)(*values)
             return int(result or 0)
-        except FakeDriverError as exc:  # the error's text, as the driver's own (it names no call)
-            self._local.error = (exc.code, str(exc))
-            return exc.code
-        except GpuError as exc:  # the device refused (what a real one would report as an error)
-            code = NCCL_INVALID_USAGE if nccl else CUDA_ERROR_INVALID_VALUE
-            self._local.error = (code, str(exc))
+        except (FakeDriverError, GpuError) as exc:  # refused, as the driver or NCCL would
+            code = exc.code if isinstance(exc, FakeDriverError) else (
+                NCCL_INVALID_USAGE if nccl else CUDA_ERROR_INVALID_VALUE)
+            with self._book:
+                self.refusals.append(f"{call}: {exc}")
+                if nccl:
+                    self._nccl_last_error = str(exc)
             return code
         except Exception:
             self.crashes.append(f"{call}{tuple(values)}:\n{traceback.format_exc()}")
             return NCCL_INTERNAL_ERROR if nccl else CUDA_ERROR_UNKNOWN
 
-    def _text(self, code: int, out: int, size: int, names: dict[int, str]) -> None:
-        last = getattr(self._local, "error", None)
-        text = last[1] if last is not None and last[0] == code else names.get(code, f"error {code}")
+    @staticmethod
+    def _text(text: str, out: int, size: int) -> None:
         data = text.encode()[:size - 1] + b"\0"
         ctypes.memmove(out, data, len(data))
 
@@ -157,9 +177,34 @@ class AbiDevice:
         if stream:
             return stream
         device = self._device()
-        if device not in self._defaults:
-            self._defaults[device] = self.gpu.worker_stream(device)
-        return self._defaults[device]
+        with self._book:
+            if device not in self._defaults:
+                self._defaults[device] = self.gpu.worker_stream(device)
+            return self._defaults[device]
+
+    def leaked_handles(self) -> list[int]:
+        """Generic allocation handles retained or imported and never cuMemRelease'd."""
+        with self._book:
+            return sorted(self._handles)
+
+    def ipc_opens(self) -> dict[tuple[bytes, int], tuple[int, int]]:
+        """The IPC handles open now: (handle, context's device) -> (pointer, times opened)."""
+        with self._book:
+            return dict(self._ipc_open)
+
+    def _wait_streams(self, streams: list[int]) -> None:
+        device = self._device()
+        events = []
+        with self._book:
+            for stream in streams:
+                event = self.gpu.event_create(device)
+                self.gpu.event_record(event, stream)
+                events.append(event)
+        for event in events:
+            self.gpu.event_wait(event, device)
+        with self._book:
+            for event in events:
+                self.gpu.event_destroy(event)
 
     def _memory(self, ptr: int) -> tuple[int, int, int]:
         found = self.gpu.locate(ptr)
@@ -174,11 +219,10 @@ class AbiDevice:
 
     # ---- the driver -------------------------------------------------------------------
     def cuGetErrorString(self, code: int, out: int, size: int) -> None:
-        self._text(code, out, size, _CUDA_NAMES)
+        self._text(_CUDA_TEXTS.get(code, "unknown error"), out, size)
 
     def cuGetErrorName(self, code: int, out: int, size: int) -> None:
-        text = _CUDA_NAMES.get(code, f"CUDA_ERROR_{code}").encode() + b"\0"
-        ctypes.memmove(out, text, min(len(text), size))
+        self._text(_CUDA_NAMES.get(code, f"CUDA_ERROR_{code}"), out, size)
 
     def cuInit(self, flags: int) -> None:
         if flags != 0:
@@ -209,7 +253,9 @@ class AbiDevice:
         self._local.device = device
 
     def cuCtxSynchronize(self) -> None:
-        self.cuStreamSynchronize(0)
+        """Every stream of the context, the legacy one too, as the driver waits for them."""
+        self._stream(0)
+        self._wait_streams(self.gpu.streams_of(self._device()))
 
     def cuPointerGetAttribute(self, out: int, attribute: int, ptr: int) -> None:
         found = self.gpu.locate(ptr)
@@ -240,9 +286,15 @@ class AbiDevice:
             _put(size_out, ctypes.c_size_t, size)
 
     def cuMemAlloc(self, out: int, nbytes: int) -> None:
-        _put(out, ctypes.c_uint64, self.gpu.alloc(nbytes, self._device()).ptr)
+        ptr = self.gpu.alloc(nbytes, self._device()).ptr
+        self._plain.add(ptr)
+        _put(out, ctypes.c_uint64, ptr)
 
     def cuMemFree(self, ptr: int) -> None:
+        self._device()  # a context must be current
+        if ptr not in self._plain:  # an IPC mapping, a VMM mapping, ncclMemAlloc's: each has its own call
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is not from cuMemAlloc")
+        self._plain.discard(ptr)
         self.gpu.release(Imported(ptr, 0, 0, Origin.PLAIN))
 
     def cuMemcpyHtoD(self, dst: int, src: int, nbytes: int) -> None:
@@ -270,24 +322,25 @@ class AbiDevice:
         base = self.gpu.exported(key[0])
         if base is None:
             raise FakeDriverError(CUDA_ERROR_INVALID_HANDLE, "no such IPC handle")
-        with self._launch:
-            if key in self._ipc_open:
-                ptr, count = self._ipc_open[key]
-            else:
-                ptr, count = self.gpu.ipc_open(key[0], self._memory(base)[1], 0).ptr, 0
-            self._ipc_open[key] = (ptr, count + 1)
+        if key in self._ipc_open:
+            ptr, count = self._ipc_open[key]
+        else:
+            ptr, count = self.gpu.ipc_open(key[0], self._memory(base)[1], 0).ptr, 0
+        self._ipc_open[key] = (ptr, count + 1)
         _put(out, ctypes.c_uint64, ptr)
 
     def cuIpcCloseMemHandle(self, ptr: int) -> None:
-        with self._launch:
-            key = next((k for k, (p, _) in self._ipc_open.items() if p == ptr), None)
-            if key is None:
-                raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is no open IPC mapping")
-            _, count = self._ipc_open[key]
-            if count > 1:
-                self._ipc_open[key] = (ptr, count - 1)
-                return
-            del self._ipc_open[key]
+        key = next((k for k, (p, _) in self._ipc_open.items() if p == ptr), None)
+        if key is None:
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is no open IPC mapping")
+        if key[1] != self._device():  # the mapping is the opening context's
+            raise FakeDriverError(CUDA_ERROR_INVALID_CONTEXT, f"{ptr:#x} was opened in device "
+                                                              f"{key[1]}'s context, not {self._device()}'s")
+        _, count = self._ipc_open[key]
+        if count > 1:
+            self._ipc_open[key] = (ptr, count - 1)
+            return
+        del self._ipc_open[key]
         self.gpu.release(Imported(ptr, 0, 0, Origin.IPC))
 
     def cuIpcGetEventHandle(self, out: int, event: int) -> None:
@@ -353,25 +406,32 @@ class AbiDevice:
     def cuMemAddressReserve(self, out: int, size: int, alignment: int, addr: int, flags: int) -> None:
         if size % GRANULARITY:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"size {size}: not a multiple of the granularity")
-        va = self.gpu.reserve(size)
+        va = -(-self.gpu.reserve(size + GRANULARITY) // GRANULARITY) * GRANULARITY  # aligned, as the driver's
         self._reserved[va] = size
         _put(out, ctypes.c_uint64, va)
 
     def cuMemAddressFree(self, va: int, size: int) -> None:
-        if self._reserved.get(va) != size or (self.gpu.locate(va) is not None and va in self._physical):
+        if self._reserved.get(va) != size or any(va <= m < va + size for m in self._mapped):
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "not a reserved, unmapped range")
         del self._reserved[va]
 
     def cuMemMap(self, va: int, size: int, offset: int, handle: int, flags: int) -> None:
+        """Anywhere in a reservation, so several allocations can sit side by side in one
+        (as PyTorch's expandable segments map theirs)."""
         memory = self._handles.get(handle)
-        if memory is None or offset or flags or self._reserved.get(va, -1) < size:
+        reserved = any(r <= va and va + size <= r + n for r, n in self._reserved.items())
+        overlaps = any(m < va + size and va < m + n for m, n in self._mapped.items())
+        if memory is None or offset or flags or not reserved or overlaps:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "cuMemMap: bad handle, range or flags")
+        if va % GRANULARITY or size % GRANULARITY:  # cuda.h: "multiple of ... granularity"
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"cuMemMap of [{va:#x}, +{size}): not aligned")
         _, memory_size, _ = self._memory(memory)
         if size > memory_size:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE,
                                   f"maps {size} bytes of a {memory_size}-byte allocation")
         self.gpu.map_at(va, memory)
         self._physical[va] = memory
+        self._mapped[va] = size
         self._vmm_bases.add(va)
 
     def cuMemSetAccess(self, va: int, size: int, desc: int, count: int) -> None:
@@ -384,9 +444,9 @@ class AbiDevice:
                                   f"access descriptor ({location}, {device}, {flags})")
 
     def cuMemUnmap(self, va: int, size: int) -> None:
-        if va not in self._physical:
-            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"{va:#x} is not mapped")
-        del self._physical[va]
+        if self._mapped.get(va) != size:  # cuda.h: "the entire contiguous address range that was mapped"
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"[{va:#x}, +{size}) is not one whole mapping")
+        del self._physical[va], self._mapped[va]
         self._vmm_bases.discard(va)
         self.gpu.release(Imported(va, size, 0, Origin.VMM))
 
@@ -401,10 +461,7 @@ class AbiDevice:
         self.gpu.stream_destroy(stream)
 
     def cuStreamSynchronize(self, stream: int) -> None:
-        event = self.gpu.event_create(self._device())
-        self.gpu.event_record(event, self._stream(stream))
-        self.gpu.event_wait(event, self._device())
-        self.gpu.event_destroy(event)
+        self._wait_streams([self._stream(stream)])
 
     def cuStreamWaitEvent(self, stream: int, event: int, flags: int) -> None:
         self.gpu.stream_wait_event(self._stream(stream), event)
@@ -422,7 +479,7 @@ class AbiDevice:
         self.gpu.event_record(event, self._stream(stream))
 
     def cuEventSynchronize(self, event: int) -> None:
-        self.gpu.event_wait(event, self._device())
+        self.gpu.event_wait(event, self._device())  # blocks: without the fake's lock
 
     def cuModuleLoadData(self, out: int, image: int) -> None:
         arch = "sm_{}{}".format(*self.compute_capability).encode()
@@ -442,8 +499,9 @@ class AbiDevice:
         if function != _ADD_KERNEL or extra or not params or gy != 1 or gz != 1 or by != 1 or bz != 1:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "cuLaunchKernel: not the add kernel's launch")
         slots = (ctypes.c_void_p * 3).from_address(params)  # each points at one argument's value
-        dst, src = (_get(int(slots[i] or 0), ctypes.c_uint64) for i in (0, 1))
-        count = _get(int(slots[2] or 0), ctypes.c_uint64)
+        if not all(slots):
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "a kernel argument slot is NULL")
+        dst, src, count = (_get(int(slots[i] or 0), ctypes.c_uint64) for i in range(3))
         if gx * bx < 1:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "an empty grid")
         self.gpu.add_bf16(dst, src, count, self._device(), self._stream(stream))
@@ -451,7 +509,8 @@ class AbiDevice:
     # ---- NVRTC ------------------------------------------------------------------------
     # A "compile" checks the source and options and yields a marker the module load checks.
     def nvrtcGetErrorString(self, code: int, out: int, size: int) -> None:
-        self._text(code, out, size, {0: "NVRTC_SUCCESS", 6: "NVRTC_ERROR_COMPILATION"})
+        text = {0: "NVRTC_SUCCESS", 6: "NVRTC_ERROR_COMPILATION"}.get(code, f"NVRTC error {code}")
+        self._text(text, out, size)
 
     def nvrtcCreateProgram(self, out: int, source: int, name: int, headers: int, contents: int,
                            names: int) -> None:
@@ -492,29 +551,27 @@ class AbiDevice:
 
     # ---- NCCL -------------------------------------------------------------------------
     def ncclGetErrorString(self, code: int, out: int, size: int) -> None:
-        text = _NCCL_NAMES.get(code, f"error {code}").encode()[:size - 1] + b"\0"  # fixed texts, as NCCL's
-        ctypes.memmove(out, text, len(text))
+        self._text(_NCCL_NAMES.get(code, "unknown result code"), out, size)
 
     def ncclGetLastError(self, comm: int, out: int, size: int) -> None:
-        """A communicator's last error, or with NULL the thread's last (NCCL: "comm may be NULL")."""
-        last = getattr(self._local, "error", None)
-        message = self._comm_errors.get(comm, "") if comm else (last[1] if last else "")
-        text = message.encode()[:size - 1] + b"\0"
-        ctypes.memmove(out, text, len(text))
+        """NCCL's last error of the whole process, whatever `comm` (its docs: "currently
+        unused"), kept until the next: it may be about another call."""
+        self._text(self._nccl_last_error, out, size)
 
     def ncclGetUniqueId(self, out: int) -> None:
         ctypes.memmove(out, self.gpu.unique_id(), 128)
 
     def ncclCommInitRankConfig(self, out: int, nranks: int, unique_id: int, rank: int, config: int) -> int:
+        if not 0 <= _signed(rank) < _signed(nranks):
+            raise FakeDriverError(NCCL_INVALID_ARGUMENT, f"Invalid rank requested : {_signed(rank)}/{nranks}")
         if not config:
             raise FakeDriverError(NCCL_INVALID_USAGE, "no config: the communicator would be blocking")
         magic, blocking = _get(config + 8, ctypes.c_uint), _get(config + 16, ctypes.c_int)
         if magic != _NCCL_CONFIG_MAGIC or blocking != 0:
             raise FakeDriverError(NCCL_INVALID_USAGE, f"config magic {magic:#x}, blocking {blocking}: "
                                                       "commd's communicators must be non-blocking")
-        with self._launch:
-            self.gpu.use_device(self._device())
-            comm = self.gpu.comm_init(nranks, ctypes.string_at(unique_id, 128), rank, self._device())
+        self.gpu.use_device(self._device())
+        comm = self.gpu.comm_init(nranks, ctypes.string_at(unique_id, 128), rank, self._device())
         _put(out, ctypes.c_uint64, comm)
         return NCCL_IN_PROGRESS  # what a non-blocking init answers
 
@@ -523,7 +580,7 @@ class AbiDevice:
 
         state, why = self.gpu.comm_state(comm)
         if state is CommState.FAILED:
-            self._comm_errors[comm] = why
+            self._nccl_last_error = why  # NCCL's WARN of the failure set it
         _put(out, ctypes.c_int, {CommState.READY: 0, CommState.IN_PROGRESS: NCCL_IN_PROGRESS,
                                  CommState.FAILED: NCCL_REMOTE_ERROR}[state])
 
@@ -537,10 +594,17 @@ class AbiDevice:
         self.gpu.group_end()
         return NCCL_IN_PROGRESS if self.gpu.enqueuing else 0  # as with non-blocking communicators
 
+    def _comm_device_current(self, comm: int) -> None:
+        if self.gpu.comm_device(comm) != self._device():
+            raise FakeDriverError(NCCL_INVALID_USAGE, f"communicator of device {self.gpu.comm_device(comm)} "
+                                                      f"used with device {self._device()} current")
+
     def ncclCommRegister(self, comm: int, ptr: int, size: int, out: int) -> None:
+        self._comm_device_current(comm)
         _put(out, ctypes.c_uint64, self.gpu.comm_register(comm, ptr, size))
 
     def ncclCommDeregister(self, comm: int, handle: int) -> None:
+        self._comm_device_current(comm)
         self.gpu.comm_deregister(comm, handle)
 
     def ncclMemAlloc(self, out: int, size: int) -> None:
@@ -557,9 +621,8 @@ class AbiDevice:
         self.gpu.release(Imported(ptr, 0, 0, Origin.NCCL))
 
     def _nccl(self, launch: Callable[..., None], *args: Any) -> None:
-        with self._launch:
-            self.gpu.use_device(self._device())
-            launch(*args)
+        self.gpu.use_device(self._device())  # the fake device checks it against the communicator's
+        launch(*args)
 
     def ncclAllReduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int,
                       stream: int) -> None:
@@ -653,8 +716,8 @@ def _build() -> Path:
         raise RuntimeError("no C compiler to build the fake CUDA driver")
     building = Path(tempfile.mkdtemp(prefix="commd-fakecuda-"))
     for name in _LIBRARIES:
-        subprocess.run([compiler, "-O1", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o",
-                        str(building / name), str(_SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *COMPILE_FLAGS, f"-Wl,-soname,{name}", "-o", str(building / name),
+                        str(_SOURCE)], check=True, capture_output=True, timeout=120)
     try:
         building.rename(directory)  # atomic: a concurrent build of the same source loses harmlessly
     except OSError:
@@ -680,3 +743,4 @@ def bound(gpu: FakeGpu, compute_capability: tuple[int, int] = (9, 0)) -> Iterato
     finally:
         libraries.unbind()
     assert not device.crashes, "the fake driver broke:\n" + "\n".join(device.crashes)
+    assert not device.leaked_handles(), f"allocation handles never released: {device.leaked_handles()}"

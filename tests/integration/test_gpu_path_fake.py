@@ -110,7 +110,7 @@ class WorkerDriver:
 
 @pytest.fixture
 def gpu() -> FakeGpu:
-    return FakeGpu(devices=2)
+    return FakeGpu(devices=2, multi_rank_gpu=True)  # as with NCCL_MULTI_RANK_GPU_ENABLE=1
 
 
 @pytest.fixture

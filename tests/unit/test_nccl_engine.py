@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from commd.cluster import Inbox
 from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, Order, RecvOp, SendOp
+from commd.engine.gpu import Origin
 from commd.engine.nccl import NcclEngine, NcclEvents, NcclMapping, NcclRegion
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def gpu() -> FakeGpu:
-    return FakeGpu(devices=2, init_polls=3)
+    return FakeGpu(devices=2, init_polls=3, multi_rank_gpu=True)
 
 
 @pytest.fixture
@@ -64,6 +66,26 @@ def test_ipc_memory_is_opened_at_another_address_over_the_same_bytes(engine: Ncc
     assert info.value.code is ErrorCode.UNKNOWN_BUFFER
 
 
+def test_device_memory_is_let_go_off_the_loops_thread_but_ncclmemalloc_memory_on_it(engine: NcclEngine,
+                                                                                     gpu: FakeGpu) -> None:
+    """cuMemFree and cuMemUnmap may wait for the whole device, where a kernel may wait for
+    an op only the loop would launch: they run on a thread of their own. ncclMemFree is an
+    NCCL call, which stays on the loop's thread (none may run while an abort does)."""
+    before = gpu.allocations
+    ipc = engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(gpu.worker_alloc(b"x" * 8)), None)
+    vmm = engine.import_memory(MemKind.CUDA_VMM, 8, b"", gpu.export_vmm(gpu.worker_alloc(b"y" * 8)))
+    shared, fd = engine.allocate(64)
+    os.close(fd)
+    for mapping in (ipc, vmm, shared):
+        mapping.close()
+    engine.close()  # waits for the frees it was asked for
+    here = threading.current_thread().name
+    assert dict(gpu.released_on) == {Origin.IPC: "commd-cuda-free_0", Origin.VMM: "commd-cuda-free_0",
+                                     Origin.NCCL: here}
+    assert len(gpu.released_on) == 3
+    assert gpu.allocations == before + 2  # the workers' own two remain
+
+
 def test_bad_handles_are_typed_errors_and_fds_are_always_closed(engine: NcclEngine, gpu: FakeGpu) -> None:
     for handle in (b"short", b"\x00" * 64):
         with pytest.raises(CallError) as info:
@@ -98,14 +120,15 @@ async def test_an_op_waits_for_the_non_blocking_init_then_runs_on_each_ranks_dev
 
 
 async def test_two_daemons_meet_through_the_roots_unique_id(gpu: FakeGpu) -> None:
-    """Two engines on one fake device stand for two daemons: each holds one rank."""
+    """Two engines on one fake machine stand for two daemons: each holds one rank, on a
+    GPU of its own (NCCL refuses two ranks of a communicator on one GPU by default)."""
     root, member = NcclEngine(gpu), NcclEngine(gpu)
     try:
         uid = root.unique_id()
         a = ipc_mapping(root, gpu, b"\x05" * 4).region(0, 4)
-        b = ipc_mapping(member, gpu, b"\x07" * 4).region(0, 4)
+        b = ipc_mapping(member, gpu, b"\x07" * 4, device=1).region(0, 4)
         ca = root.communicator("w", 1, 2, [0], devices={0: 0}, unique_id=uid)
-        cb = member.communicator("w", 1, 2, [1], devices={1: 0}, unique_id=uid)
+        cb = member.communicator("w", 1, 2, [1], devices={1: 1}, unique_id=uid)
         first = asyncio.ensure_future(ca.run(AllReduceOp({0: a}, DType.U8, ReduceOp.MAX)))
         await asyncio.sleep(0.2)
         assert not first.done()  # rank 0's all_reduce waits on the device for rank 1
@@ -113,7 +136,7 @@ async def test_two_daemons_meet_through_the_roots_unique_id(gpu: FakeGpu) -> Non
         await asyncio.wait_for(first, 5)
         assert gpu.read(a.ptr, 4) == gpu.read(b.ptr, 4) == b"\x07" * 4
         payload = ipc_mapping(root, gpu, b"hello").region(0, 5)
-        landing = ipc_mapping(member, gpu, b"\x00" * 5).region(0, 5)
+        landing = ipc_mapping(member, gpu, b"\x00" * 5, device=1).region(0, 5)
         await asyncio.gather(ca.run(SendOp(0, 1, payload, NO_TAG)), cb.run(RecvOp(0, 1, landing, NO_TAG)))
         assert gpu.read(landing.ptr, 5) == b"hello"
     finally:
