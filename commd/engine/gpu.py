@@ -349,6 +349,11 @@ class BindingsGpu:
                                      "cuMemExportToShareableHandle"))
             finally:
                 cu.cuMemRelease(handle)
+        except GpuError as exc:
+            self._nccl.mem_free(ptr)
+            raise GpuError(f"ncclMemAlloc's memory cannot be handed to a worker as a POSIX fd: NCCL "
+                           f"allocates with cudaMalloc when its cuMem allocator is off (NCCL_CUMEM_ENABLE=0 "
+                           f"or unsupported) and with fabric handles on multi-node NVLink ({exc})") from None
         except BaseException:
             self._nccl.mem_free(ptr)
             raise

@@ -135,6 +135,8 @@ class AbiDevice:
         self._programs: dict[int, list[bytes]] = {}  # NVRTC program -> [source, log, cubin]
         self._next_program = 0x9000
         self.compile_error: bytes | None = None  # set: NVRTC fails with this log
+        self.nccl_cumem = True  # False: ncclMemAlloc falls back to cudaMalloc, as NCCL_CUMEM_ENABLE=0 makes it
+        self._nccl_memory: set[int] = set()
 
     # ---- plumbing ---------------------------------------------------------------------
     def dispatch(self, name: bytes, args: Any, nargs: int) -> int:
@@ -608,16 +610,22 @@ class AbiDevice:
         self.gpu.comm_deregister(comm, handle)
 
     def ncclMemAlloc(self, out: int, size: int) -> None:
+        """cuMem memory exportable as an fd; with `nccl_cumem` off, cudaMalloc memory, as NCCL
+        gives with NCCL_CUMEM_ENABLE=0 (or where cuMem is unsupported)."""
         rounded = -(-size // GRANULARITY) * GRANULARITY  # as NCCL rounds to the granularity
         memory = self.gpu.alloc(rounded, self._device()).ptr
-        self._vmm_bases.add(memory)
-        self._physical[memory] = memory
-        self._handle_props[memory] = _HANDLE_POSIX_FD
+        if self.nccl_cumem:
+            self._vmm_bases.add(memory)
+            self._physical[memory] = memory
+            self._handle_props[memory] = _HANDLE_POSIX_FD
+        self._nccl_memory.add(memory)
         _put(out, ctypes.c_uint64, memory)
 
     def ncclMemFree(self, ptr: int) -> None:
-        if self._physical.pop(ptr, None) != ptr:
+        if ptr not in self._nccl_memory:
             raise FakeDriverError(NCCL_INVALID_USAGE, f"{ptr:#x} is not from ncclMemAlloc")
+        self._nccl_memory.discard(ptr)
+        self._physical.pop(ptr, None)
         self.gpu.release(Imported(ptr, 0, 0, Origin.NCCL))
 
     def _nccl(self, launch: Callable[..., None], *args: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import DaemonBackend, EngineError, MisuseError, WorldFailed
+from client import CommError, DaemonBackend, EngineError, MisuseError, WorldFailed
 from commd.engine.gpu import BindingsGpu, GpuError
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
@@ -262,6 +262,24 @@ def test_symmetric_memory_maps_the_daemons_allocation(daemon: GpuDaemon,
     assert run_ranks(2, rank) == [b"\x06" * 100] * 2
     assert device.calls["ncclMemAlloc"] == 2 and device.calls["cuMemMap"] == 2
     wait_for(lambda: gpu.allocations == baseline, lambda: (gpu.allocations, baseline))
+
+
+def test_symmetric_alloc_where_ncclmemalloc_gives_cudamalloc_memory(daemon: GpuDaemon,
+                                                                    device: fakecuda.AbiDevice) -> None:
+    """With NCCL's cuMem allocator off, ncclMemAlloc's memory has no fd to hand over:
+    symmetric_alloc is then an error saying so, the memory is freed, and the connection
+    serves on."""
+    device.nccl_cumem = False
+    baseline = device.gpu.allocations
+    worker = Worker(0)
+    with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
+        with pytest.raises(CommError, match="NCCL_CUMEM_ENABLE=0"):
+            comm.symmetric_alloc(4096)
+        assert device.gpu.allocations == baseline and device.calls["ncclMemFree"] == 1
+        ptr = worker.alloc(b"\x02" * 8)
+        comm.all_reduce(ptr, 8, dtype="u8")
+        comm.barrier()
+        assert worker.read(ptr, 8) == b"\x02" * 8
 
 
 @pytest.mark.parametrize("log", [None, b"error: no such architecture", b""])
