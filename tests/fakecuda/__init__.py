@@ -135,7 +135,7 @@ class AbiDevice:
         self._programs: dict[int, list[bytes]] = {}  # NVRTC program -> [source, log, cubin]
         self._next_program = 0x9000
         self.compile_error: bytes | None = None  # set: NVRTC fails with this log
-        self.nccl_cumem = True  # False: ncclMemAlloc falls back to cudaMalloc, as NCCL_CUMEM_ENABLE=0 makes it
+        self.nccl_cumem = True  # False: ncclMemAlloc gives cudaMalloc memory (NCCL_CUMEM_ENABLE=0)
         self._nccl_memory: set[int] = set()
 
     # ---- plumbing ---------------------------------------------------------------------
