@@ -482,3 +482,29 @@ def test_two_ranks_on_one_gpu_without_nccls_leave_is_an_engine_error() -> None:
     assert all(isinstance(m, str) and "Duplicate GPU detected" in m for m in shared), shared
     assert apart == [b"\x03" * 16] * 2
     assert any("Duplicate GPU" in r for r in device.refusals)
+
+
+def test_a_thread_without_a_current_context_gets_the_hint(daemon: GpuDaemon,
+                                                          device: fakecuda.AbiDevice) -> None:
+    """The client creates no CUDA context: a worker thread that never made its device
+    current (torch.cuda.set_device) gets a MisuseError saying so, and once it has, the
+    same call works."""
+    ptr = Worker(0).alloc(b"\x04" * 32)  # allocated here, used from a thread with no context
+    outcome: list[object] = []
+
+    def bare_thread() -> None:
+        with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
+            try:
+                comm.all_reduce(ptr, 32, dtype="u8")
+            except MisuseError as exc:
+                outcome.append(str(exc))
+            Worker(0)  # makes device 0 current on this thread, as torch.cuda.set_device(0)
+            comm.all_reduce(ptr, 32, dtype="u8")
+            comm.barrier()
+            outcome.append(Worker(0).read(ptr, 32))
+
+    thread = threading.Thread(target=bare_thread)
+    thread.start()
+    thread.join(30)
+    assert len(outcome) == 2 and "torch.cuda.set_device" in str(outcome[0]), outcome
+    assert outcome[1] == b"\x04" * 32
