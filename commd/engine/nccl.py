@@ -106,10 +106,13 @@ class Freer:
         self._closed = False
 
     def free(self, memory: Imported) -> None:
-        if memory.origin is Origin.NCCL or self._closed:
-            self._release(memory)
-        else:
-            self._thread.submit(self._release, memory)
+        if memory.origin is not Origin.NCCL and not self._closed:
+            try:
+                self._thread.submit(self._release, memory)
+                return
+            except RuntimeError:  # closed meanwhile: free it here
+                pass
+        self._release(memory)
 
     def _release(self, memory: Imported) -> None:
         try:
