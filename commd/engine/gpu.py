@@ -305,11 +305,8 @@ class BindingsGpu:
             try:
                 self._check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
                 mapped = True
-                access = cu.CUmemAccessDesc()
-                access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                access.location.id = device
-                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                self._check(cu.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
+                access = self._access_from_peers(device)
+                self._check(cu.cuMemSetAccess(va, size, access, len(access)), "cuMemSetAccess")
             except BaseException:
                 if mapped:
                     cu.cuMemUnmap(va, size)
@@ -318,6 +315,25 @@ class BindingsGpu:
         finally:
             cu.cuMemRelease(handle)  # the mapping keeps the memory
         return Imported(int(va), size, device, Origin.VMM)
+
+    def _access_from_peers(self, device: int) -> list[Any]:
+        """Read-write access to `device`'s memory from it and from every GPU that can reach
+        it: the kernels of a world's other ranks (other GPUs, same daemon) read and write
+        it directly (NCCL's P2P transport within a process), as ncclMemAlloc grants."""
+        cu = self._cu
+        owner = self._check(cu.cuDeviceGet(device), "cuDeviceGet")
+        descs = []
+        for other in range(self.device_count()):
+            if other != device:
+                peer = self._check(cu.cuDeviceGet(other), "cuDeviceGet")
+                if not self._check(cu.cuDeviceCanAccessPeer(peer, owner), "cuDeviceCanAccessPeer"):
+                    continue
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = other
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs.append(desc)
+        return descs
 
     def release(self, memory: Imported) -> None:
         cu = self._cu

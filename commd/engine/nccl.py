@@ -177,6 +177,18 @@ class NcclEvents(_UsedByOps):
 
 
 @dataclass(frozen=True, slots=True)
+class _Launch:
+    """One op's part of a launch: its NCCL calls, what orders it (the workers' events),
+    its add-kernel plan, the ranks it touches, and the future its run awaits."""
+
+    calls: list[tuple[int, Callable[[int, int], None]]]
+    order: Order | None
+    adds: list[tuple[int, NcclRegion, NcclRegion]]
+    touched: list[int]
+    launched: asyncio.Future[None]
+
+
+@dataclass(frozen=True, slots=True)
 class _Held:
     """What an op uses until the device is done with it."""
 
@@ -205,14 +217,18 @@ class NcclCommunicator:
         self._ranks = tuple(local_ranks)
         self._world_size = world_size
         self._add_kernel = False  # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
-        self._exchange: dict[int, NcclMapping] = {}  # rank -> where the peer's buffer lands
+        self._exchange: dict[tuple[int, int], NcclMapping] = {}  # (rank, slot): where the peer sends
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
         self._aborted = False
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
         # ops to launch at the end of this turn of the loop, together (see _launch_soon)
-        self._batch: list[tuple[list[tuple[int, Callable[[int, int], None]]], Order | None,
-                                asyncio.Future[None]]] = []
+        self._batch: list[_Launch] = []
+        # A non-blocking communicator takes no NCCL call, and its streams no work, from a
+        # launch (or its init) until its state reads ncclSuccess again: everything that
+        # calls NCCL or queues work on the streams holds this until then (see _launch_batch).
+        self._device_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
         self._running = 0
         self._started: asyncio.Future[None] | None = None  # the first settle (see _ready)
         self._streams: dict[int, int] = {}
@@ -222,7 +238,7 @@ class NcclCommunicator:
         # register_buffer's memory: registered with NCCL once the communicator is ready
         # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
         self._to_register: dict[tuple[int, int], NcclRegion] = {}
-        self._registered: dict[tuple[int, int], int] = {}
+        self._registered: dict[tuple[int, int], tuple[int, NcclRegion]] = {}  # -> (NCCL's handle, memory)
         try:
             for rank in self._ranks:
                 self._streams[rank] = gpu.stream_create(self._devices[rank])
@@ -248,7 +264,6 @@ class NcclCommunicator:
     async def run(self, op: EngineOp, order: Order | None = None) -> None:
         self._check()
         await self._ready()  # a fresh communicator finishes its (non-blocking) init first
-        self._register_pending()
         adds = self._add_plan(op)
         calls = self._calls(op) if not adds else self._exchanges(adds)
         touched = sorted({rank for rank, _ in calls})
@@ -258,15 +273,9 @@ class NcclCommunicator:
         launched = False
         try:
             launched = True  # from here work may be on the streams, even if the launch fails
-            await self._launch_soon(calls, order)
-            await self._settle()  # NCCL may still be enqueueing (a non-blocking group's end)
-            self._launch_adds(adds)
+            await self._launch_soon(_Launch(calls, order, adds, touched,
+                                            asyncio.get_running_loop().create_future()))
             verdict = self._compare(op)
-            if order is not None:  # the workers' streams wait for this, not for our reply
-                for rank in touched:
-                    pair = order.events.get(rank)
-                    if isinstance(pair, NcclEvents):
-                        self._device_call(self._gpu.event_record, pair.done, self._streams[rank])
         except BaseException:
             if launched:  # stop what was queued; the memory goes once the device let go of it
                 self.abort()
@@ -356,17 +365,36 @@ class NcclCommunicator:
 
     def deregister(self, rank: int, key: int) -> None:
         self._to_register.pop((rank, key), None)
-        handle = self._registered.pop((rank, key), None)
-        if handle is not None and not self._aborted:
-            with contextlib.suppress(GpuError):  # NCCL forgets it with the communicator anyway
-                self._gpu.comm_deregister(self._comms[rank], handle)
+        registered = self._registered.pop((rank, key), None)
+        if registered is None or self._aborted:
+            return  # NCCL forgets registrations with the communicator
+        handle, region = registered
+        region.mapping.hold()  # the memory stays until NCCL let go of it
+        self._running += 1
+        self._spawn(self._deregister_when_idle(rank, handle, region))
+
+    async def _deregister_when_idle(self, rank: int, handle: int, region: NcclRegion) -> None:
+        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
+        work queued so far finished, and outside a launch (see _launch_batch)."""
+        try:
+            await self._complete(self._ranks)
+            async with self._device_lock:
+                if not self._aborted:
+                    await self._settle()
+                    self._gpu.comm_deregister(self._comms[rank], handle)
+        except (CallError, GpuError) as exc:  # NCCL forgets it with the communicator anyway
+            log.debug("rank %d: NCCL deregistration: %s", rank, exc)
+        finally:
+            region.mapping.let_go()
+            self._running -= 1
+            self._maybe_teardown()
 
     def _register_pending(self) -> None:
         pending, self._to_register = self._to_register, {}
         for (rank, key), region in pending.items():
             try:
-                self._registered[(rank, key)] = self._gpu.comm_register(self._comms[rank], region.ptr,
-                                                                        region.nbytes)
+                handle = self._gpu.comm_register(self._comms[rank], region.ptr, region.nbytes)
+                self._registered[(rank, key)] = (handle, region)
             except GpuError as exc:  # NCCL refuses some memory (legacy cudaMalloc by default): fine
                 log.debug("rank %d: NCCL did not register %d bytes: %s", rank, region.nbytes, exc)
 
@@ -443,19 +471,22 @@ class NcclCommunicator:
                 and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2
                 and all(self._gpu.add_ready(d) for d in set(self._devices.values()))):
             return []
+        # Each add-path op of one launch gets its own landing place: their receives run
+        # together. Launches follow one another on the streams, so the next may reuse them.
+        slot = sum(1 for entry in self._batch if entry.adds)
         plan = []
         for rank, buf in sorted(op.bufs.items()):
             if not isinstance(buf, NcclRegion):
                 return []  # nothing to add
-            plan.append((rank, buf, self._exchange_region(rank, buf.nbytes)))
+            plan.append((rank, buf, self._exchange_region(rank, slot, buf.nbytes)))
         return plan
 
-    def _exchange_region(self, rank: int, nbytes: int) -> NcclRegion:
-        mapping = self._exchange.get(rank)
+    def _exchange_region(self, rank: int, slot: int, nbytes: int) -> NcclRegion:
+        mapping = self._exchange.get((rank, slot))
         if mapping is None or mapping.size < nbytes:
             if mapping is not None:
                 mapping.close()  # let go once the ops that use it are done
-            mapping = self._exchange[rank] = NcclMapping(self._freer, self._alloc(nbytes, rank))
+            mapping = self._exchange[(rank, slot)] = NcclMapping(self._freer, self._alloc(nbytes, rank))
         return mapping.region(0, nbytes)
 
     def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]
@@ -472,34 +503,61 @@ class NcclCommunicator:
             self._device_call(self._gpu.add_bf16, buf.ptr, scratch.ptr, buf.nbytes // 2,
                               self._devices[rank], self._streams[rank])
 
-    async def _launch_soon(self, calls: list[tuple[int, Callable[[int, int], None]]],
-                           order: Order | None) -> None:
+    async def _launch_soon(self, entry: _Launch) -> None:
         """Launch with every op that starts in this turn of the event loop, in one NCCL
         group: the sends and receives of one client group (matched one by one) then pair
         up inside NCCL, as they must: two ranks sending each other large messages in
         separate groups would each wait for the other's receive forever."""
-        loop = asyncio.get_running_loop()
         if not self._batch:
-            loop.call_soon(self._flush)
-        launched: asyncio.Future[None] = loop.create_future()
-        self._batch.append((calls, order, launched))
-        await launched
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._batch.append(entry)
+        await entry.launched
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
+        self._spawn(self._launch_batch(batch))
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _launch_batch(self, batch: list[_Launch]) -> None:
+        """The launch, under the device lock from before NCCL is called until its state is
+        ncclSuccess again: only then are the kernels on the streams (a non-blocking group
+        end may return ncclInProgress and enqueue them later, from NCCL's own thread), so
+        only then may the add kernels and the done events follow them there."""
         try:
-            self._check()
-            self._launch([(calls, order) for calls, order, _ in batch])
-        except Exception as exc:  # whatever it was, every op of the batch must hear of it
+            async with self._device_lock:
+                self._check()
+                await self._settle()  # the previous launch (or the init) has returned ncclSuccess
+                self._register_pending()
+                self._launch([(entry.calls, entry.order) for entry in batch])
+                await self._settle()
+                for entry in batch:
+                    self._launch_adds(entry.adds)
+                    self._record_done(entry)
+        except BaseException as exc:  # whatever it was, every op of the batch must hear of it
             code, message = (exc.code, exc.message) if isinstance(exc, CallError) else (
                 ErrorCode.ENGINE, f"NCCL launch failed: {type(exc).__name__}: {exc}")
-            for _, _, launched in batch:  # each its own: a shared one would gather tracebacks
-                if not launched.done():
-                    launched.set_exception(CallError(code, message))
+            for entry in batch:  # each its own: a shared one would gather tracebacks
+                if not entry.launched.done():
+                    entry.launched.set_exception(CallError(code, message))
+            if not isinstance(exc, Exception):
+                raise
             return
-        for _, _, launched in batch:
-            if not launched.done():  # its run was cancelled meanwhile
-                launched.set_result(None)
+        for entry in batch:
+            if not entry.launched.done():  # its run was cancelled meanwhile
+                entry.launched.set_result(None)
+
+    def _record_done(self, entry: _Launch) -> None:
+        """The workers' streams wait for these, not for our reply."""
+        if entry.order is None:
+            return
+        for rank in entry.touched:
+            pair = entry.order.events.get(rank)
+            if isinstance(pair, NcclEvents):
+                self._device_call(self._gpu.event_record, pair.done, self._streams[rank])
 
     def _launch(self, entries: list[tuple[list[tuple[int, Callable[[int, int], None]]], Order | None]]
                 ) -> None:
@@ -587,10 +645,13 @@ class NcclCommunicator:
         """Record an event behind the op on each stream and wait for all of them."""
         events: dict[int, int] = {}
         try:
-            for rank in ranks:
-                free = self._free_events[rank]
-                events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
-                self._gpu.event_record(events[rank], self._streams[rank])
+            async with self._device_lock:  # no work on the streams during a launch
+                for rank in ranks:
+                    if rank not in self._streams:
+                        continue  # torn down: nothing of ours runs there any more
+                    free = self._free_events[rank]
+                    events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
+                    self._gpu.event_record(events[rank], self._streams[rank])
             loop = asyncio.get_running_loop()
             await asyncio.gather(*(loop.run_in_executor(self._waiters, self._gpu.event_wait, event,
                                                         self._devices[rank])

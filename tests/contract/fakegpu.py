@@ -94,9 +94,11 @@ class _Kernel:
 
 
 class FakeGpu:
-    def __init__(self, devices: int = 1, init_polls: int = 2, multi_rank_gpu: bool = False) -> None:
+    def __init__(self, devices: int = 1, init_polls: int = 2, multi_rank_gpu: bool = False,
+                 launch_polls: int = 1) -> None:
         self.devices = devices
         self.init_polls = init_polls
+        self.launch_polls = launch_polls  # state polls a launch stays ncclInProgress
         # NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1: ranks of one communicator may
         # share a GPU; else its init refuses ("Duplicate GPU detected")
         self.multi_rank_gpu = multi_rank_gpu
@@ -115,6 +117,7 @@ class FakeGpu:
         self._recorded: dict[int, int] = {}
         self._reached: dict[int, int] = {}
         self._comms: dict[int, _Comm] = {}
+        self._stream_comms: dict[int, list[_Comm]] = {}  # stream -> communicators launched on it
         self._exported: dict[bytes, int] = {}  # IPC handle -> base, of "worker" memory
         self._vmm: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of an exported fd -> base
         self.launches = 0  # group_end calls: how many NCCL submissions the engine made
@@ -331,6 +334,7 @@ class FakeGpu:
         if self._device_of.get(event) != self._device_of.get(stream):
             raise GpuError("cuEventRecord: invalid resource handle (the event and the stream "
                            "belong to different contexts)")
+        self._stream_free(stream)
         event = self._same.get(event, event)
         with self._cv:
             self._recorded[event] += 1
@@ -347,6 +351,7 @@ class FakeGpu:
         return opened
 
     def stream_wait_event(self, stream: int, event: int) -> None:
+        self._stream_free(stream)
         event = self._same.get(event, event)
         with self._cv:
             self._streams[stream].append(_Wait(event, self._recorded[event]))
@@ -421,6 +426,7 @@ class FakeGpu:
             total = a.astype(np.float32) + b.astype(np.float32)  # rounded once, as __hadd does
             self.copy_in(dst, total.astype(ml_dtypes.bfloat16).tobytes())
 
+        self._stream_free(stream)
         self.adds += 1
         with self._cv:
             self._streams[stream].append(_Kernel(0, b"", released=True, run=add))
@@ -434,16 +440,31 @@ class FakeGpu:
             self.compile_thread = threading.current_thread().name
             self.compiled.add(device)
 
+    def _ready_for_use(self, comm: _Comm) -> None:
+        """NCCL (ncclCommEnsureReady) refuses a non-blocking communicator any call until its
+        last launch or init answered ncclSuccess to a state poll."""
+        if comm.polls_left > 0:
+            raise GpuError("Attempt to use communicator before the previous operation returned ncclSuccess")
+
+    def _stream_free(self, stream: int) -> None:
+        """nccl4py: no work on a stream behind an NCCL launch still in progress."""
+        if any(c.polls_left > 0 and not c.aborted for c in self._stream_comms.get(stream, ())):
+            raise GpuError(f"work queued on stream {stream} while an NCCL launch on it is in progress")
+
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
         c = self._comms.get(comm)
-        if c is None or c.polls_left > 0:
-            raise GpuError("ncclCommRegister: invalid usage (communicator not ready)")
+        if c is None:
+            raise GpuError("ncclCommRegister: invalid argument")
+        self._ready_for_use(c)
         self._find(ptr, nbytes)  # NCCL checks the memory exists
         handle = next(self._ids)
         self.registered[handle] = (comm, ptr, nbytes)
         return handle
 
     def comm_deregister(self, comm: int, handle: int) -> None:
+        c = self._comms.get(comm)
+        if c is not None:
+            self._ready_for_use(c)
         if self.registered.pop(handle, (None,))[0] != comm:
             raise GpuError("ncclCommDeregister: invalid argument")
 
@@ -459,9 +480,12 @@ class FakeGpu:
                 # enqueue the kernels later. They reach the streams at the next state poll, so
                 # work queued on a stream before the engine waited for that comes first (wrongly).
                 self._enqueuing.append(grouped)
-                for works in grouped.values():
+                for stream, works in grouped.items():
                     for work in works:
-                        work.comm.polls_left = max(work.comm.polls_left, 1)
+                        work.comm.polls_left = max(work.comm.polls_left, self.launch_polls)
+                        launched_here = self._stream_comms.setdefault(stream, [])
+                        if not any(c is work.comm for c in launched_here):
+                            launched_here.append(work.comm)
 
     def use_device(self, device: int) -> None:
         if not 0 <= device < self.devices:
@@ -473,6 +497,7 @@ class FakeGpu:
         comm = self._comms.get(comm_id)
         if comm is None:
             raise GpuError(f"{kind}: invalid communicator")
+        self._ready_for_use(comm)
         if self.current_device != comm.device:
             raise GpuError(f"{kind}: launched with device {self.current_device} current, "
                            f"the communicator's is {comm.device}")

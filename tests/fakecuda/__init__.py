@@ -131,6 +131,7 @@ class AbiDevice:
         self._defaults: dict[int, int] = {}  # device -> its legacy default stream
         self._plain: set[int] = set()  # cuMemAlloc'd: what cuMemFree takes
         self._mapped: dict[int, int] = {}  # a VMM mapping -> the size mapped
+        self.access: dict[int, set[int]] = {}  # a VMM mapping -> the devices given access
         self._modules: dict[int, bytes] = {}
         self._programs: dict[int, list[bytes]] = {}  # NVRTC program -> [source, log, cubin]
         self._next_program = 0x9000
@@ -244,6 +245,11 @@ class AbiDevice:
         if attribute not in values:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, f"attribute {attribute} is not faked")
         _put(out, ctypes.c_int, values[attribute])
+
+    def cuDeviceCanAccessPeer(self, out: int, device: int, peer: int) -> None:
+        if not (0 <= device < self.gpu.devices and 0 <= peer < self.gpu.devices):
+            raise FakeDriverError(CUDA_ERROR_INVALID_DEVICE, f"no device {device} or {peer}")
+        _put(out, ctypes.c_int, int(device != peer))  # every pair of GPUs here is NVLinked
 
     def cuDevicePrimaryCtxRetain(self, out: int, device: int) -> None:
         _put(out, ctypes.c_uint64, _CONTEXT_BASE + device)
@@ -437,13 +443,22 @@ class AbiDevice:
         self._vmm_bases.add(va)
 
     def cuMemSetAccess(self, va: int, size: int, desc: int, count: int) -> None:
+        """Records which devices may touch the mapping (`access`): a test can check that
+        the GPUs of a world's other ranks were given it."""
         memory = self._physical.get(va)
-        if memory is None or count != 1:
-            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "cuMemSetAccess: not a mapping, or count != 1")
-        location, device, flags = (_get(desc + i, ctypes.c_int) for i in (0, 4, 8))
-        if location != _LOCATION_DEVICE or device != self._memory(memory)[2] or flags != _ACCESS_READWRITE:
-            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE,
-                                  f"access descriptor ({location}, {device}, {flags})")
+        if memory is None or count < 1 or self._mapped.get(va) != size:
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "cuMemSetAccess: not one whole mapping")
+        devices = set()
+        for i in range(count):  # CUmemAccessDesc: location {type, id}, flags: 12 bytes each
+            location, device, flags = (_get(desc + 12 * i + at, ctypes.c_int) for at in (0, 4, 8))
+            known = 0 <= device < self.gpu.devices
+            if location != _LOCATION_DEVICE or not known or flags != _ACCESS_READWRITE:
+                raise FakeDriverError(CUDA_ERROR_INVALID_VALUE,
+                                      f"access descriptor ({location}, {device}, {flags})")
+            devices.add(device)
+        if self._memory(memory)[2] not in devices:
+            raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "the owning device itself gets no access")
+        self.access[va] = devices
 
     def cuMemUnmap(self, va: int, size: int) -> None:
         if self._mapped.get(va) != size:  # cuda.h: "the entire contiguous address range that was mapped"

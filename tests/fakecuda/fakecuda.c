@@ -88,6 +88,9 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) { CALL("cuDeviceGet", U(devi
 CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, CUdevice device) {
   CALL("cuDeviceGetAttribute", U(value), (uint64_t)attribute, (uint64_t)device);
 }
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice device, CUdevice peer) {
+  CALL("cuDeviceCanAccessPeer", U(can), (uint64_t)device, (uint64_t)peer);
+}
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
   CALL("cuDevicePrimaryCtxRetain", U(ctx), (uint64_t)device);
 }
@@ -182,6 +185,7 @@ static const struct { const char *name; void *fn; } driver_table[] = {
   {"cuDeviceGetCount", (void *)cuDeviceGetCount}, {"cuDeviceGet", (void *)cuDeviceGet},
   {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
   {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
+  {"cuDeviceCanAccessPeer", (void *)cuDeviceCanAccessPeer},
   {"cuCtxSetCurrent", (void *)cuCtxSetCurrent}, {"cuCtxSynchronize", (void *)cuCtxSynchronize},
   {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
   {"cuMemGetAddressRange", (void *)cuMemGetAddressRange_v2},

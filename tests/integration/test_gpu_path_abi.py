@@ -173,6 +173,8 @@ def test_vmm_memory_goes_by_file_descriptor(daemon: GpuDaemon, device: fakecuda.
     summed = inputs[0][1:] + inputs[1][1:]
     assert run_ranks(2, rank) == [np.concatenate([inputs[r][:1], summed]).tobytes() for r in range(2)]
     assert device.calls["cuMemImportFromShareableHandle"] == 2 and "cuIpcOpenMemHandle" not in device.calls
+    # the daemon's two mappings are open to both GPUs: the other rank's kernels touch them
+    assert sorted(map(sorted, device.access.values())) == [[0], [0, 1], [0, 1], [1]]
 
 
 def test_a_buffer_across_two_vmm_allocations_is_refused_and_one_inside_either_works(

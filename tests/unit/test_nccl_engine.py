@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from commd.cluster import Inbox
@@ -333,13 +334,98 @@ async def test_registered_memory_reaches_nccl_once_the_communicator_is_ready(eng
     await comm.run(BarrierOp((0,)))
     assert [(ptr, n) for _, ptr, n in gpu.registered.values()] == [(region.ptr, 64)]
     comm.deregister(0, 7)
-    assert gpu.registered == {}
+    await until(lambda: gpu.registered == {})  # once the work queued so far is done
     comm.register(0, 8, region)
     await comm.run(BarrierOp((0,)))
     assert len(gpu.registered) == 1
     comm.abort()  # NCCL drops registrations with the communicator; nothing to undo after
     comm.deregister(0, 8)
     assert gpu.registered == {}
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.005)
+
+
+async def test_each_launch_waits_until_the_one_before_left_ncclinprogress() -> None:
+    """A non-blocking group end may leave its communicators in progress (kernels not yet
+    on the streams) until a state poll answers ncclSuccess; NCCL refuses them any call
+    before that, and nothing may be queued behind them. Ops that start turn after turn
+    (here: launches that stay in progress for three polls) go one launch after another."""
+    gpu = FakeGpu(devices=2, launch_polls=3)
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        await comm.run(BarrierOp((0, 1)))  # past the init
+        bufs = [{r: ipc_mapping(engine, gpu, bytes([i + r]) * 4, device=r).region(0, 4) for r in range(2)}
+                for i in range(3)]
+        launches = gpu.launches
+        runs = []
+        for op in bufs:
+            runs.append(asyncio.ensure_future(comm.run(AllReduceOp(op, DType.U8, ReduceOp.SUM))))
+            await asyncio.sleep(0)  # the next op starts a turn later: a launch of its own
+        await asyncio.wait_for(asyncio.gather(*runs), 5)
+        assert [gpu.read(op[r].ptr, 4) for op in bufs for r in range(2)] == [
+            bytes([2 * i + 1]) * 4 for i in range(3) for _ in range(2)]
+        assert gpu.launches - launches == 3
+    finally:
+        engine.close()
+
+
+async def test_add_path_sums_launched_together_each_land_in_their_own_place(gpu: FakeGpu) -> None:
+    """Two bf16 sums by exchange and add in one launch (one client group): their receives
+    run together, so each needs a landing place of its own."""
+    import ml_dtypes
+
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        comm.use_add_kernel(True)
+
+        def buf(rank: int, value: float) -> NcclRegion:
+            mapping, fd = engine.allocate(16, rank)
+            os.close(fd)
+            gpu.copy_in(mapping.region(0, 16).ptr, np.full(8, value, ml_dtypes.bfloat16).tobytes())
+            return mapping.region(0, 16)
+
+        x, y = {0: buf(0, 1.0), 1: buf(1, 2.0)}, {0: buf(0, 10.0), 1: buf(1, 20.0)}
+        await asyncio.gather(comm.run(AllReduceOp(x, DType.BF16, ReduceOp.SUM)),
+                             comm.run(AllReduceOp(y, DType.BF16, ReduceOp.SUM)))
+        got = {(name, r): float(np.frombuffer(gpu.copy_out(b[r].ptr, 16), ml_dtypes.bfloat16)[0])
+               for name, b in (("x", x), ("y", y)) for r in (0, 1)}
+        assert got == {("x", 0): 3.0, ("x", 1): 3.0, ("y", 0): 30.0, ("y", 1): 30.0}
+        assert gpu.adds == 4  # both took the add path
+    finally:
+        engine.close()
+
+
+async def test_deregistration_waits_for_the_ops_that_use_the_buffer(gpu: FakeGpu) -> None:
+    """ncclCommDeregister unmaps the peers' view of the buffer at once: never under an op
+    still on the device (here: waiting for the other daemon's rank)."""
+    root, member = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = root.unique_id()
+        mine = ipc_mapping(root, gpu, b"\x02" * 8)
+        theirs = ipc_mapping(member, gpu, b"\x03" * 8, device=1).region(0, 8)
+        ca = root.communicator("w", 1, 2, [0], devices={0: 0}, unique_id=uid)
+        cb = member.communicator("w", 1, 2, [1], devices={1: 1}, unique_id=uid)
+        ca.register(0, 1, mine.region(0, 8))
+        first = asyncio.ensure_future(ca.run(AllReduceOp({0: mine.region(0, 8)}, DType.U8, ReduceOp.SUM)))
+        await until(lambda: len(gpu.registered) == 1)
+        ca.deregister(0, 1)
+        mine.close()  # the session forgets the buffer: it goes once NCCL let go of it
+        await asyncio.sleep(0.2)
+        assert len(gpu.registered) == 1 and not first.done()  # the sum still waits for rank 1
+        await cb.run(AllReduceOp({1: theirs}, DType.U8, ReduceOp.SUM))
+        await asyncio.wait_for(first, 5)
+        await until(lambda: gpu.registered == {})
+        assert gpu.read(theirs.ptr, 8) == b"\x05" * 8
+    finally:
+        root.close()
+        member.close()
 
 
 async def test_a_send_and_a_receive_started_together_pair_up_in_one_nccl_group(gpu: FakeGpu) -> None:
