@@ -393,7 +393,10 @@ class BindingsGpu:
 
     def event_create(self, device: int) -> int:
         self.use_device(device)
-        flags = self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        # BLOCKING_SYNC: a helper thread waiting in cuEventSynchronize sleeps instead of
+        # spinning a core for as long as the op runs (the context's default may spin)
+        flags = int(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(
+            self._cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         return int(self._check(self._cu.cuEventCreate(flags), "cuEventCreate"))
 
     def event_destroy(self, event: int) -> None:

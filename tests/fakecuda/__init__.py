@@ -126,6 +126,7 @@ class AbiDevice:
         self._next_handle = 0x4000
         self._reserved: dict[int, int] = {}  # address ranges reserved: base -> size
         self._event_flags: dict[int, int] = {}
+        self._created_event_flags: list[int] = []
         self._ipc_open: dict[tuple[bytes, int], tuple[int, int]] = {}  # (handle, device) -> (ptr, opens)
         self._ipc_handles: dict[int, bytes] = {}
         self._defaults: dict[int, int] = {}  # device -> its legacy default stream
@@ -184,6 +185,11 @@ class AbiDevice:
             if device not in self._defaults:
                 self._defaults[device] = self.gpu.worker_stream(device)
             return self._defaults[device]
+
+    def event_flags(self) -> list[int]:
+        """The flags of every event created so far (cuEventCreate)."""
+        with self._book:
+            return list(self._created_event_flags)
 
     def leaked_handles(self) -> list[int]:
         """Generic allocation handles retained or imported and never cuMemRelease'd."""
@@ -486,6 +492,7 @@ class AbiDevice:
     def cuEventCreate(self, out: int, flags: int) -> None:
         event = self.gpu.event_create(self._device())
         self._event_flags[event] = flags
+        self._created_event_flags.append(flags)
         _put(out, ctypes.c_uint64, event)
 
     def cuEventDestroy(self, event: int) -> None:

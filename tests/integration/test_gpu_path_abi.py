@@ -154,6 +154,10 @@ def test_every_call_on_cudamalloc_memory(daemon: GpuDaemon, device: fakecuda.Abi
         assert res["p2p"] == b"\x05" * 32
     assert device.calls.get("cuIpcOpenMemHandle", 0) >= 2 * 6  # every buffer went by IPC handle
     assert device.calls["cuIpcOpenEventHandle"] >= 2  # and every call was ordered by events
+    # the workers' events are interprocess; the daemon's own let its waiting threads sleep
+    blocking_sync, interprocess = 1, 4
+    assert all(flags & (blocking_sync | interprocess) for flags in device.event_flags())
+    assert any(flags & blocking_sync for flags in device.event_flags())
     # the daemon let go of every buffer it opened: the workers' own allocations remain
     wait_for(lambda: gpu.allocations == baseline + 2 * 7, lambda: gpu.allocations)
 
