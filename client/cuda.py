@@ -63,6 +63,11 @@ class CudaDriver(Protocol):
         """The 64-byte CUDA IPC handle of the cudaMalloc allocation at `base`."""
         ...
 
+    def device_uuid(self, device: int) -> bytes:
+        """The 16-byte UUID of this process's CUDA device `device` (which another process,
+        with other CUDA_VISIBLE_DEVICES, numbers differently)."""
+        ...
+
     def export_fd(self, base: int) -> int:
         """A POSIX fd for the VMM allocation at `base`; the caller owns (and closes) it."""
         ...
@@ -142,6 +147,11 @@ class BindingsDriver:
         (device,) = self._attribute("DEVICE_ORDINAL", self._device_attr, ptr)
         (legacy,) = self._attribute("IS_LEGACY_CUDA_IPC_CAPABLE", self._legacy_attr, ptr)
         return PointerInfo(int(base), int(size), buffer_id, int(device), bool(legacy))
+
+    def device_uuid(self, device: int) -> bytes:
+        (dev,) = self._check("cuDeviceGet", self._cu.cuDeviceGet(device))
+        (uuid,) = self._check("cuDeviceGetUuid", self._cu.cuDeviceGetUuid(dev))
+        return bytes(uuid.bytes)
 
     def ipc_handle(self, base: int) -> bytes:
         (handle,) = self._check("cuIpcGetMemHandle", self._cu.cuIpcGetMemHandle(base))

@@ -96,10 +96,11 @@ class DaemonBackend(CommBackend):
 
     def _join(self, deadline: float) -> Transport:
         """Connect and say hello (at the last epoch seen); returns once the world is ready."""
+        uuid = self._resolver.device_uuid()
         hello = self._build(lambda: proto.Hello(
             1, proto.PROTOCOL_VERSION, os.getpid(), self._world, self._rank, self._world_size,
             max(1, int(self._timeout * 1000)), self._device, self._bootstrap, self._token,
-            self.epoch))
+            self.epoch, uuid))
         transport = Transport(self._path, self._timeout, self._on_event)
         try:
             reply, _ = transport.request(hello, deadline)

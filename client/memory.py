@@ -102,6 +102,19 @@ class MemoryResolver:
             return ()
         return tuple(b for b in buffer_ids if cuda.owns(b))
 
+    def device_uuid(self) -> bytes:
+        """The backend's GPU's CUDA UUID, for the daemon to find the GPU by (its ordinal of
+        it may differ from ours); empty without a device or a driver."""
+        if self._device is None:
+            return b""
+        cuda = self._cuda_memory()
+        if cuda is None:
+            return b""
+        try:
+            return cuda.driver.device_uuid(self._device)
+        except MisuseError:  # the daemon then takes our ordinal for its own, as before
+            return b""
+
     def map_symmetric(self, fd: int, nbytes: int, buffer_id: int) -> tuple[int, int]:
         """Map the daemon's device allocation `buffer_id` (its fd, not consumed): the pointer
         and the size mapped."""

@@ -8,6 +8,7 @@ closed (DESIGN §3); anything else is a daemon bug, answered INTERNAL and closed
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -177,6 +178,10 @@ class Session:
                             f"protocol version {msg.version} is not supported; "
                             f"this daemon speaks {proto.PROTOCOL_VERSION}")
         self._timeout_s = msg.timeout_ms / 1000
+        if msg.device_uuid:  # the worker's ordinal is its own numbering: the daemon's is found by UUID
+            ours = self._ctx.engine.device_of(msg.device_uuid)
+            if ours is not None:
+                msg = dataclasses.replace(msg, device=ours)
         self._device = msg.device
         world = self._ctx.registry.join(self, msg)
         self.world, self.rank = world, msg.rank

@@ -20,6 +20,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 MAX_GROUP_OPS = 512
 MAX_RANKS = 65536
 MAX_WORLD_NAME = 128
+DEVICE_UUID_BYTES = 16  # sizeof(CUuuid)
 U64_MAX = (1 << 64) - 1
 _WORLD_NAME = re.compile(r"[A-Za-z0-9._:@/-]+")
 
@@ -173,6 +174,10 @@ class Hello:
     bootstrap: str | None = None
     token: str | None = None
     epoch: int = 0  # the last epoch this rank saw (after a daemon restart): the world goes on past it
+    # The GPU's UUID (cuDeviceGetUuid), when the worker knows it: `device` is the worker's
+    # ordinal, which CUDA_VISIBLE_DEVICES (or a container's share of GPUs) renumbers, so
+    # the daemon finds its own ordinal for the GPU by this.
+    device_uuid: bytes = b""
 
     def __post_init__(self) -> None:
         _positive("id", self.id)
@@ -194,6 +199,11 @@ class Hello:
             value = getattr(self, name)
             if value is not None:
                 _short_text(name, value)
+        if len(self.device_uuid) not in (0, DEVICE_UUID_BYTES):
+            raise InvalidMessage(
+                f"device_uuid is {DEVICE_UUID_BYTES} bytes or none, not {len(self.device_uuid)}")
+        if self.device_uuid and self.device is None:
+            raise InvalidMessage("device_uuid names the GPU of a `device`: give both")
 
 
 @dataclass(frozen=True, slots=True)

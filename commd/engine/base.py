@@ -247,6 +247,12 @@ class Engine(Protocol):
         from (NCCL's ncclUniqueId); empty for engines that need none."""
         ...
 
+    def device_of(self, uuid: bytes) -> int | None:
+        """This daemon's ordinal of the GPU with CUDA UUID `uuid` (a worker's ordinal of it
+        may differ: CUDA_VISIBLE_DEVICES renumbers); None for engines without GPUs.
+        CallError (misuse) for a GPU this daemon does not see."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -62,6 +62,10 @@ class Gpu(Protocol):
 
     def device_count(self) -> int: ...
 
+    def device_uuid(self, device: int) -> bytes:
+        """The GPU's 16-byte CUDA UUID: the same whatever a process's CUDA_VISIBLE_DEVICES."""
+        ...
+
     # ---- memory ---------------------------------------------------------------------
     def ipc_open(self, handle: bytes, size: int, device: int) -> Imported:
         """Open a worker's cudaIpcMemHandle (64 bytes) in `device`'s context (where the
@@ -261,6 +265,10 @@ class BindingsGpu:
 
     def device_count(self) -> int:
         return int(self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+    def device_uuid(self, device: int) -> bytes:
+        dev = self._check(self._cu.cuDeviceGet(device), "cuDeviceGet")
+        return bytes(self._check(self._cu.cuDeviceGetUuid(dev), "cuDeviceGetUuid").bytes)
 
     def use_device(self, device: int) -> None:
         ctx = self._contexts.get(device)

@@ -335,5 +335,8 @@ class HostEngine:
     def unique_id(self) -> bytes:
         return b""  # the host engine's data path is the daemons' own links
 
+    def device_of(self, uuid: bytes) -> int | None:
+        return None  # host memory only: a worker's GPU is no concern of this engine
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

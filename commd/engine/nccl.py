@@ -787,6 +787,16 @@ class NcclEngine:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         return NcclMapping(self._freer, memory), fd
 
+    def device_of(self, uuid: bytes) -> int | None:
+        try:
+            for device in range(self.gpu.device_count()):
+                if self.gpu.device_uuid(device) == uuid:
+                    return device
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
+        raise CallError(ErrorCode.MISUSE, f"the worker's GPU (UUID {uuid.hex()}) is not one this daemon "
+                                          f"sees (is the daemon's CUDA_VISIBLE_DEVICES narrower?)")
+
     def unique_id(self) -> bytes:
         """The bootstrap handle of a new communicator (the root's, handed to the others)."""
         try:

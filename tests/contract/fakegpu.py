@@ -228,6 +228,11 @@ class FakeGpu:
     def device_count(self) -> int:
         return self.devices
 
+    def device_uuid(self, device: int) -> bytes:
+        if not 0 <= device < self.devices:
+            raise GpuError(f"cuDeviceGet: invalid device {device}")
+        return bytes([0xC0, 0xDA, device]) + bytes(13)
+
     def _new(self, buf: bytearray, device: int) -> int:
         with self._cv:  # workers' threads and the daemon's share the device
             base = self._next_ptr

@@ -171,6 +171,24 @@ class AbiDevice:
         data = text.encode()[:size - 1] + b"\0"
         ctypes.memmove(out, data, len(data))
 
+    # A worker thread may see the GPUs numbered otherwise (restrict: as CUDA_VISIBLE_DEVICES
+    # does to a process); CUdevice values and pointer attributes are in the thread's numbering.
+    def restrict(self, visible: list[int]) -> None:
+        """The calling thread sees GPUs `visible` (their real numbers) as 0, 1, ..."""
+        self._local.visible = list(visible)
+
+    def _real(self, ordinal: int) -> int:
+        visible = getattr(self._local, "visible", None)
+        if visible is None:
+            return ordinal
+        if not 0 <= ordinal < len(visible):
+            raise FakeDriverError(CUDA_ERROR_INVALID_DEVICE, f"no device {ordinal} here")
+        return int(visible[ordinal])
+
+    def _seen(self, real: int) -> int:
+        visible = getattr(self._local, "visible", None)
+        return real if visible is None else visible.index(real)
+
     def _device(self) -> int:
         device = getattr(self._local, "device", None)
         if device is None:
@@ -238,12 +256,18 @@ class AbiDevice:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "cuInit takes flags 0")
 
     def cuDeviceGetCount(self, out: int) -> None:
-        _put(out, ctypes.c_int, self.gpu.devices)
+        visible = getattr(self._local, "visible", None)
+        _put(out, ctypes.c_int, self.gpu.devices if visible is None else len(visible))
 
     def cuDeviceGet(self, out: int, ordinal: int) -> None:
-        if not 0 <= _signed(ordinal) < self.gpu.devices:
+        visible = getattr(self._local, "visible", None)
+        if not 0 <= _signed(ordinal) < (self.gpu.devices if visible is None else len(visible)):
             raise FakeDriverError(CUDA_ERROR_INVALID_DEVICE, f"no device {_signed(ordinal)}")
         _put(out, ctypes.c_int, ordinal)
+
+    def cuDeviceGetUuid(self, out: int, device: int) -> None:
+        real = self._real(device)  # a GPU's UUID is the same in every process's numbering
+        ctypes.memmove(out, bytes([0xC0, 0xDA, real]) + bytes(13), 16)
 
     def cuDeviceGetAttribute(self, out: int, attribute: int, device: int) -> None:
         values = {_DEVICE_ATTR_CC_MAJOR: self.compute_capability[0],
@@ -258,7 +282,7 @@ class AbiDevice:
         _put(out, ctypes.c_int, int(device != peer))  # every pair of GPUs here is NVLinked
 
     def cuDevicePrimaryCtxRetain(self, out: int, device: int) -> None:
-        _put(out, ctypes.c_uint64, _CONTEXT_BASE + device)
+        _put(out, ctypes.c_uint64, _CONTEXT_BASE + self._real(device))
 
     def cuCtxSetCurrent(self, context: int) -> None:
         device = context - _CONTEXT_BASE
@@ -282,7 +306,7 @@ class AbiDevice:
                 self._next_buffer_id += 1
             _put(out, ctypes.c_ulonglong, self._buffer_ids[base])
         elif attribute == _ATTR_DEVICE_ORDINAL:
-            _put(out, ctypes.c_int, device)
+            _put(out, ctypes.c_int, self._seen(device))
         elif attribute == _ATTR_MEMORY_TYPE:
             _put(out, ctypes.c_uint, _MEMORYTYPE_DEVICE)
         elif attribute == _ATTR_IS_MANAGED:
@@ -372,7 +396,7 @@ class AbiDevice:
     # VMM: "memory" is a FakeGpu allocation no one addresses directly; mappings alias it.
     def cuMemCreate(self, out: int, size: int, prop: int, flags: int) -> None:
         kind, handle_types = _get(prop, ctypes.c_int), _get(prop + 4, ctypes.c_int)
-        location, device = _get(prop + 8, ctypes.c_int), _get(prop + 12, ctypes.c_int)
+        location, device = _get(prop + 8, ctypes.c_int), self._real(_get(prop + 12, ctypes.c_int))
         if kind != _ALLOCATION_PINNED or location != _LOCATION_DEVICE or size % GRANULARITY or flags:
             raise FakeDriverError(CUDA_ERROR_INVALID_VALUE, "cuMemCreate: bad properties or size")
         memory = self.gpu.alloc(size, device).ptr
@@ -409,7 +433,7 @@ class AbiDevice:
             raise FakeDriverError(CUDA_ERROR_INVALID_HANDLE, f"no allocation handle {handle:#x}")
         _, _, device = self._memory(memory)
         for offset, value in ((0, _ALLOCATION_PINNED), (4, self._handle_props.get(memory, 0)),
-                              (8, _LOCATION_DEVICE), (12, device)):
+                              (8, _LOCATION_DEVICE), (12, self._seen(device))):
             _put(prop + offset, ctypes.c_int, value)
 
     def cuMemGetAllocationGranularity(self, out: int, prop: int, option: int) -> None:
@@ -457,6 +481,7 @@ class AbiDevice:
         devices = set()
         for i in range(count):  # CUmemAccessDesc: location {type, id}, flags: 12 bytes each
             location, device, flags = (_get(desc + 12 * i + at, ctypes.c_int) for at in (0, 4, 8))
+            device = self._real(device)
             known = 0 <= device < self.gpu.devices
             if location != _LOCATION_DEVICE or not known or flags != _ACCESS_READWRITE:
                 raise FakeDriverError(CUDA_ERROR_INVALID_VALUE,

@@ -35,6 +35,7 @@ typedef int CUmemAllocationGranularity_flags;
 typedef int CUdriverProcAddressQueryResult;
 typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { char reserved[64]; } CUipcEventHandle;
+typedef struct { char bytes[16]; } CUuuid;
 typedef struct CUmemAllocationProp_st CUmemAllocationProp;
 typedef struct CUmemAccessDesc_st CUmemAccessDesc;
 #endif
@@ -88,6 +89,7 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) { CALL("cuDeviceGet", U(devi
 CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, CUdevice device) {
   CALL("cuDeviceGetAttribute", U(value), (uint64_t)attribute, (uint64_t)device);
 }
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice device) { CALL("cuDeviceGetUuid", U(uuid), (uint64_t)device); }
 CUresult cuDeviceCanAccessPeer(int *can, CUdevice device, CUdevice peer) {
   CALL("cuDeviceCanAccessPeer", U(can), (uint64_t)device, (uint64_t)peer);
 }
@@ -186,6 +188,7 @@ static const struct { const char *name; void *fn; } driver_table[] = {
   {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
   {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
   {"cuDeviceCanAccessPeer", (void *)cuDeviceCanAccessPeer},
+  {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
   {"cuCtxSetCurrent", (void *)cuCtxSetCurrent}, {"cuCtxSynchronize", (void *)cuCtxSynchronize},
   {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
   {"cuMemGetAddressRange", (void *)cuMemGetAddressRange_v2},

@@ -514,3 +514,34 @@ def test_a_thread_without_a_current_context_gets_the_hint(daemon: GpuDaemon,
     thread.join(30)
     assert len(outcome) == 2 and "torch.cuda.set_device" in str(outcome[0]), outcome
     assert outcome[1] == b"\x04" * 32
+
+
+def test_a_worker_that_numbers_its_gpus_otherwise_is_placed_by_uuid(daemon: GpuDaemon,
+                                                                     device: fakecuda.AbiDevice) -> None:
+    """Rank 0's process sees only GPU 1, as its device 0 (CUDA_VISIBLE_DEVICES=1, or a
+    container given one GPU); rank 1 sees both and uses GPU 0. Both say device=0: the
+    daemon places them by their GPUs' UUIDs, opens rank 0's memory on GPU 1, and sums."""
+    world = world_name("abi")
+
+    def rank(r: int) -> bytes:
+        if r == 0:
+            device.restrict([1])
+        worker = Worker(0)
+        ptr = worker.alloc(bytes([r + 1]) * 32)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=0, timeout=20) as comm:
+            comm.all_reduce(ptr, 32, dtype="u8")
+            comm.barrier()
+        return worker.read(ptr, 32)
+
+    assert run_ranks(2, rank) == [b"\x03" * 32] * 2
+
+
+def test_a_gpu_the_daemon_does_not_see_is_refused_at_join(daemon: GpuDaemon,
+                                                           device: fakecuda.AbiDevice) -> None:
+    def join() -> None:
+        device.restrict([7])  # the worker's only GPU is none of the daemon's two
+        with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10):
+            pass
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(MisuseError, match="is not one this daemon sees"):
+        pool.submit(join).result(20)

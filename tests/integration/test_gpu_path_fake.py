@@ -62,6 +62,9 @@ class WorkerDriver:
     def ipc_handle(self, base: int) -> bytes:
         return self.gpu.export_ipc(base)
 
+    def device_uuid(self, device: int) -> bytes:
+        return self.gpu.device_uuid(device)
+
     def export_fd(self, base: int) -> int:
         return self.gpu.export_vmm(base)
 

@@ -78,6 +78,9 @@ class FakeDriver:
         a = self._at(ptr)
         return PointerInfo(a.base, a.size, a.buffer_id, a.device, a.legacy) if a else None
 
+    def device_uuid(self, device: int) -> bytes:
+        return bytes([device]) * 16
+
     def ipc_handle(self, base: int) -> bytes:
         self.calls["ipc_handle"] += 1
         allocation = self.allocations[base]  # only ever asked for an allocation's base

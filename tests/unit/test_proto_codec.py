@@ -189,7 +189,7 @@ def test_wire_shape_of_fields() -> None:
     }
     assert unpack(encode(Hello(1, 1, 9, "w", 0, 1, 5))) == {
         "t": "hello", "id": 1, "version": 1, "pid": 9, "world": "w", "rank": 0, "world_size": 1,
-        "timeout_ms": 5, "device": None, "bootstrap": None, "token": None, "epoch": 0,
+        "timeout_ms": 5, "device": None, "bootstrap": None, "token": None, "epoch": 0, "device_uuid": b"",
     }
     assert unpack(encode(Forget((4, 5)))) == {"t": "forget", "bufs": [4, 5]}
     assert unpack(encode(Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "bye"))) == {
@@ -831,3 +831,15 @@ def test_reshaped_packets_only_raise_proto_errors(case: tuple[bytes, int]) -> No
     st.one_of(st.sampled_from(sorted(set(TAGS.values()))), json_like), max_size=6))
 def test_random_maps_only_raise_proto_errors(raw: dict[str, Any]) -> None:
     check_decode_total(pack(raw), 0)
+
+
+def test_a_hellos_gpu_uuid_is_optional_sixteen_bytes_and_needs_a_device() -> None:
+    old_client = msgpack.packb({"t": "hello", "id": 1, "version": 1, "pid": 9, "world": "w", "rank": 0,
+                                "world_size": 1, "timeout_ms": 5, "device": 3})
+    assert decode(old_client) == Hello(1, 1, 9, "w", 0, 1, 5, device=3)  # no device_uuid: none
+    uuid = bytes(range(16))
+    assert decode(encode(Hello(1, 1, 9, "w", 0, 1, 5, device=0, device_uuid=uuid))).device_uuid == uuid
+    with pytest.raises(InvalidMessage, match="16 bytes"):
+        Hello(1, 1, 9, "w", 0, 1, 5, device=0, device_uuid=b"\x01" * 5)
+    with pytest.raises(InvalidMessage, match="give both"):
+        Hello(1, 1, 9, "w", 0, 1, 5, device_uuid=uuid)
