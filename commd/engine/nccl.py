@@ -665,6 +665,10 @@ class NcclCommunicator:
     def _calls(self, op: EngineOp) -> list[tuple[int, Callable[[int, int], None]]]:
         """Each local rank's NCCL call for the op (in place where the op is)."""
         gpu = self._gpu
+        if self._net is not None and _moves_nothing(op):
+            # NCCL drops a collective of no bytes at once; across daemons the call must still
+            # meet the other daemons' ranks (the world sends it here for that): a barrier's
+            op = BarrierOp(tuple(self._ranks))
         if isinstance(op, AllReduceOp):
             return [(r, _bind(gpu.all_reduce, _ptr(b), _ptr(b), b.nbytes // op.dtype.itemsize,
                               op.dtype, op.op)) for r, b in sorted(op.bufs.items())]
@@ -714,6 +718,15 @@ class NcclCommunicator:
             mapping.close()
         self._scratch.clear()
         self._exchange.clear()
+
+
+def _moves_nothing(op: EngineOp) -> bool:
+    """A collective whose every buffer is empty (a barrier is one on purpose)."""
+    if isinstance(op, AllReduceOp | BroadcastOp):
+        return all(region.nbytes == 0 for region in op.bufs.values())
+    if isinstance(op, AllGatherOp | ReduceScatterOp):
+        return all(region.nbytes == 0 for region in [*op.sends.values(), *op.recvs.values()])
+    return False
 
 
 def _ptr(region: Region) -> int:

@@ -515,6 +515,8 @@ class FakeGpu:
                 self._progress()
 
     def _collective(self, comm_id: int, stream: int, kind: str, args: tuple[Any, ...]) -> None:
+        if args[2] == 0:  # NCCL: "Empty collectives can be discarded" (no work, no meeting)
+            return
         comm = self._comms.get(comm_id)
         seq = comm.collectives if comm else 0
         if comm is not None:

@@ -188,6 +188,27 @@ async def test_zero_byte_ops_pass_null_pointers(engine: NcclEngine, gpu: FakeGpu
     assert isinstance(ipc_mapping(engine, gpu, b"x").region(0, 1), NcclRegion)
 
 
+async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
+    """NCCL drops a collective of no bytes at once; across daemons the world sends it to
+    the engine so that it still meets the other daemons' ranks: it runs as a barrier."""
+    root, member, a, b = across_two_daemons(gpu)
+    try:
+        uid = root.unique_id()
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
+        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
+        tag = CallTag(0, "all_reduce(bytes=0, dtype=u8, op=sum)")
+        # the member's rank first: nothing else holds it (the root's, it would wait for the
+        # member's fingerprint anyway)
+        first = asyncio.ensure_future(cb.run(AllReduceOp({1: EMPTY}, DType.U8, ReduceOp.SUM, tag)))
+        await asyncio.sleep(0.2)
+        assert not first.done()  # rank 0 has not called it yet
+        await ca.run(AllReduceOp({0: EMPTY}, DType.U8, ReduceOp.SUM, tag))
+        await asyncio.wait_for(first, 5)
+    finally:
+        root.close()
+        member.close()
+
+
 class PairNet:
     """The two daemons' view of a world across them, linked in memory: what the NCCL
     communicator uses of a WorldNet (the fingerprints travel over it, the data does not)."""
