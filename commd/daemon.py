@@ -14,6 +14,7 @@ from collections.abc import MutableMapping
 from .cluster import Cluster
 from .config import ServerConfig
 from .engine import create_engine
+from .engine.base import Engine
 from .peering import PeerSettings
 from .server import Server
 from .systemd import Notifier, inherited_listener, keep_alive, watchdog_interval
@@ -21,12 +22,18 @@ from .systemd import Notifier, inherited_listener, keep_alive, watchdog_interval
 log = logging.getLogger("commd")
 
 
+ENGINE_CHECK_S = 0.5  # how often the engine is asked whether its GPU is still usable
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
-                environ: MutableMapping[str, str] | None = None) -> int:
+                environ: MutableMapping[str, str] | None = None, engine: Engine | None = None) -> int:
     """Serve until SIGTERM or SIGINT; then fail pending calls, remove the socket, return 0.
+    Return 1 instead when the engine broke for good (a sticky CUDA error): the service
+    manager starts the daemon afresh (Restart=on-failure), which is the only recovery.
 
     `environ` (os.environ by default) carries what systemd passes: $NOTIFY_SOCKET,
-    $WATCHDOG_USEC, and the LISTEN_* variables of socket activation (removed once read)."""
+    $WATCHDOG_USEC, and the LISTEN_* variables of socket activation (removed once read).
+    `engine`: the one to serve with, instead of the configured one (tests)."""
     environ = os.environ if environ is None else environ
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -35,7 +42,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     notifier = Notifier.from_env(environ)
     watchdog_s = watchdog_interval(environ, os.getpid())
     inherited = inherited_listener(environ, os.getpid())
-    engine = create_engine(config.engine, threads=config.threads)
+    engine = engine if engine is not None else create_engine(config.engine, threads=config.threads)
+    broke: list[str] = []
     cluster = _cluster(config)
     server = Server(config, engine, cluster)
     metrics: asyncio.Server | None = None
@@ -53,9 +61,11 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         notifier.notify("READY=1", "STATUS=" + server.status_line())
         if notifier.enabled:
             alive = loop.create_task(keep_alive(notifier, watchdog_s, server.status_line))
+        watch = loop.create_task(_watch_engine(engine, stop, broke))
         if ready is not None:
             ready.set()
         await stop.wait()
+        watch.cancel()
         log.info("stopping")
     finally:
         notifier.notify("STOPPING=1", "STATUS=stopping")
@@ -69,7 +79,19 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         notifier.close()
-    return 0
+    return 1 if broke else 0
+
+
+async def _watch_engine(engine: Engine, stop: asyncio.Event, broke: list[str]) -> None:
+    while not stop.is_set():
+        why = engine.broken()
+        if why is not None:
+            log.critical("the engine can serve no more (%s): exiting, for the service manager "
+                         "to start the daemon afresh", why)
+            broke.append(why)
+            stop.set()
+            return
+        await asyncio.sleep(ENGINE_CHECK_S)
 
 
 async def _metrics(server: Server, host: str, port: int) -> asyncio.Server:

@@ -247,6 +247,11 @@ class Engine(Protocol):
         from (NCCL's ncclUniqueId); empty for engines that need none."""
         ...
 
+    def broken(self) -> str | None:
+        """Why the engine can serve no more (its GPU's context failed for good), or None:
+        the daemon then exits, for its service manager to start it afresh."""
+        ...
+
     def device_of(self, uuid: bytes) -> int | None:
         """This daemon's ordinal of the GPU with CUDA UUID `uuid` (a worker's ordinal of it
         may differ: CUDA_VISIBLE_DEVICES renumbers); None for engines without GPUs.

@@ -66,6 +66,11 @@ class Gpu(Protocol):
         """The GPU's 16-byte CUDA UUID: the same whatever a process's CUDA_VISIBLE_DEVICES."""
         ...
 
+    def broken(self) -> str | None:
+        """The first sticky CUDA error seen (an illegal address, a failed launch: the
+        process's context is unusable until it exits), or None."""
+        ...
+
     # ---- memory ---------------------------------------------------------------------
     def ipc_open(self, handle: bytes, size: int, device: int) -> Imported:
         """Open a worker's cudaIpcMemHandle (64 bytes) in `device`'s context (where the
@@ -198,6 +203,10 @@ extern "C" __global__ void commd_add_bf16(unsigned short* dst, const unsigned sh
 
 
 _UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+# CUresults after which the context stays unusable (cuda.h: "the process must be
+# terminated and relaunched"): ILLEGAL_ADDRESS, HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION,
+# MISALIGNED_ADDRESS, INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED
+_STICKY = frozenset({700, 714, 715, 716, 717, 718, 719})
 
 
 def load() -> Gpu:
@@ -220,6 +229,7 @@ class BindingsGpu:
             raise GpuError(f"the NCCL engine needs the cuda12 or cuda13 extra: {exc}") from None
         self._cu: Any = driver
         self._nccl: Any = nccl
+        self._broken: str | None = None
         try:
             self._check(driver.cuInit(0), "cuInit")
         except GpuError:
@@ -244,8 +254,14 @@ class BindingsGpu:
         err = result[0]
         if err != self._cu.CUresult.CUDA_SUCCESS:
             _, text = self._cu.cuGetErrorString(err)
-            raise GpuError(f"{call}: {text.decode() if isinstance(text, bytes) else err}")
+            message = f"{call}: {text.decode() if isinstance(text, bytes) else err}"
+            if int(err) in _STICKY and self._broken is None:
+                self._broken = message
+            raise GpuError(message)
         return result[1] if len(result) == 2 else result[1:]
+
+    def broken(self) -> str | None:
+        return self._broken
 
     def _nccl_call(self, call: str, fn: Any, *args: Any) -> Any:
         try:

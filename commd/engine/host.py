@@ -335,6 +335,9 @@ class HostEngine:
     def unique_id(self) -> bytes:
         return b""  # the host engine's data path is the daemons' own links
 
+    def broken(self) -> str | None:
+        return None
+
     def device_of(self, uuid: bytes) -> int | None:
         return None  # host memory only: a worker's GPU is no concern of this engine
 

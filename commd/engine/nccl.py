@@ -800,6 +800,9 @@ class NcclEngine:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         return NcclMapping(self._freer, memory), fd
 
+    def broken(self) -> str | None:
+        return self.gpu.broken()
+
     def device_of(self, uuid: bytes) -> int | None:
         try:
             for device in range(self.gpu.device_count()):

@@ -126,6 +126,7 @@ class FakeGpu:
         self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
         self.compile_thread = ""
         self.current_device: int | None = None
+        self.broken_reason: str | None = None  # set: a sticky CUDA error, as BindingsGpu reports it
         self.released_on: list[tuple[Origin, str]] = []  # each release: the memory's origin, the thread
 
     # ---- what a test does as the worker -------------------------------------------------
@@ -227,6 +228,9 @@ class FakeGpu:
     # ---- Gpu: memory --------------------------------------------------------------------
     def device_count(self) -> int:
         return self.devices
+
+    def broken(self) -> str | None:
+        return self.broken_reason
 
     def device_uuid(self, device: int) -> bytes:
         if not 0 <= device < self.devices:

@@ -54,7 +54,8 @@ _CUDA_NAMES = {0: "CUDA_SUCCESS", 1: "CUDA_ERROR_INVALID_VALUE", 100: "CUDA_ERRO
 # what cuGetErrorString answers: the driver's fixed texts (cuda.h), never why this call failed
 _CUDA_TEXTS = {0: "no error", 1: "invalid argument", 100: "no CUDA-capable device is detected",
                101: "invalid device ordinal", 201: "invalid device context", 400: "invalid resource handle",
-               500: "named symbol not found", 999: "unknown error"}
+               500: "named symbol not found", 700: "an illegal memory access was encountered",
+               999: "unknown error"}
 _NCCL_NAMES = {0: "no error", 1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
                2: "unhandled system error (run with NCCL_DEBUG=INFO for details)",
                3: "internal error - please report this issue to the NCCL developers",
@@ -137,6 +138,7 @@ class AbiDevice:
         self._programs: dict[int, list[bytes]] = {}  # NVRTC program -> [source, log, cubin]
         self._next_program = 0x9000
         self.compile_error: bytes | None = None  # set: NVRTC fails with this log
+        self.fail_with: dict[str, int] = {}  # call -> the result it answers from now on
         self.nccl_cumem = True  # False: ncclMemAlloc gives cudaMalloc memory (NCCL_CUMEM_ENABLE=0)
         self._nccl_memory: set[int] = set()
 
@@ -147,6 +149,9 @@ class AbiDevice:
         nccl = call.startswith("nccl")
         with self._book:
             self.calls[call] = self.calls.get(call, 0) + 1
+            failure = self.fail_with.get(call)
+        if failure is not None:  # as the device would answer after, say, a kernel's bad access
+            return failure
         try:
             if call in _BLOCKING:
                 result = getattr(self, call)(*values)

@@ -545,3 +545,17 @@ def test_a_gpu_the_daemon_does_not_see_is_refused_at_join(daemon: GpuDaemon,
 
     with ThreadPoolExecutor(1) as pool, pytest.raises(MisuseError, match="is not one this daemon sees"):
         pool.submit(join).result(20)
+
+
+def test_a_sticky_cuda_error_marks_the_engine_broken(daemon: GpuDaemon, device: fakecuda.AbiDevice) -> None:
+    """After an illegal address the context is unusable: the call fails, and the engine
+    says it is broken (the daemon then exits, for systemd to restart it)."""
+    worker = Worker(0)
+    with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
+        ptr = worker.alloc(b"\x01" * 8)
+        comm.all_reduce(ptr, 8, dtype="u8")
+        assert daemon.engine.broken() is None
+        device.fail_with["cuEventSynchronize"] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+        with pytest.raises(WorldFailed, match="illegal memory access"):
+            comm.all_reduce(ptr, 8, dtype="u8")
+    assert daemon.engine.broken() == "cuEventSynchronize: an illegal memory access was encountered"

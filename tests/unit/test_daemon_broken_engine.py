@@ -1,0 +1,56 @@
+"""A daemon whose GPU context failed for good (a sticky CUDA error) exits 1, so that its
+service manager (Restart=on-failure) starts it afresh: no call could succeed there.
+In a subprocess: serve() tunes the process's collector and allocator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import short_tmpdir
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = r"""
+import asyncio, sys
+from pathlib import Path
+from commd.config import ServerConfig
+from commd.daemon import serve
+from commd.engine.nccl import NcclEngine
+from tests.contract.fakegpu import FakeGpu
+
+gpu = FakeGpu()
+
+async def main() -> int:
+    ready = asyncio.Event()
+    config = ServerConfig(socket_path=Path(sys.argv[1]))
+    served = asyncio.ensure_future(serve(config, ready, {}, NcclEngine(gpu)))
+    await ready.wait()
+    if sys.argv[2] == "break":
+        gpu.broken_reason = "cuEventSynchronize: an illegal memory access was encountered"
+        return await asyncio.wait_for(served, 10)
+    await asyncio.sleep(1.5)  # several checks of the engine: it is fine
+    print("still serving", served.done(), flush=True)
+    served.cancel()
+    return 0
+
+sys.exit(asyncio.run(main()))
+"""
+
+
+@pytest.mark.parametrize("breaks", [True, False])
+def test_a_broken_engine_ends_the_daemon_with_status_1(breaks: bool) -> None:
+    socket = Path(short_tmpdir()) / "commd.sock"
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(socket), "break" if breaks else "keep"],
+                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=40)
+    if breaks:
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert "the engine can serve no more (cuEventSynchronize: an illegal memory access" in done.stderr
+        assert not socket.exists()  # it shut down cleanly on its way out
+    else:
+        assert done.returncode == 0 and "still serving False" in done.stdout, done.stderr[-2000:]
