@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
@@ -644,6 +645,7 @@ class NcclCommunicator:
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
         events: dict[int, int] = {}
+        waits: dict[int, asyncio.Future[None]] = {}
         try:
             async with self._device_lock:  # no work on the streams during a launch
                 for rank in ranks:
@@ -653,14 +655,28 @@ class NcclCommunicator:
                     events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
                     self._gpu.event_record(events[rank], self._streams[rank])
             loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self._waiters, self._gpu.event_wait, event,
-                                                        self._devices[rank])
-                                   for rank, event in events.items()))
+            for rank, event in events.items():
+                waits[rank] = loop.run_in_executor(self._waiters, self._gpu.event_wait, event,
+                                                   self._devices[rank])
+            await asyncio.gather(*waits.values())
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
         finally:
             for rank, event in events.items():
-                self._free_events[rank].append(event)
+                wait = waits.get(rank)
+                if wait is None or wait.done():
+                    self._free_events[rank].append(event)
+                else:  # given up on (cancelled): a thread still waits on it, so not reused yet
+                    wait.add_done_callback(functools.partial(self._event_back, rank, event))
+
+    def _event_back(self, rank: int, event: int, _wait: asyncio.Future[None]) -> None:
+        """A completion event whose waiting thread is done: reused, or destroyed when the
+        streams were torn down meanwhile."""
+        if rank in self._streams:
+            self._free_events[rank].append(event)
+        else:
+            with contextlib.suppress(GpuError):
+                self._gpu.event_destroy(event)
 
     def _calls(self, op: EngineOp) -> list[tuple[int, Callable[[int, int], None]]]:
         """Each local rank's NCCL call for the op (in place where the op is)."""
