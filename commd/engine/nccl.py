@@ -19,7 +19,9 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -127,6 +129,55 @@ class Freer:
         self._thread.shutdown(wait=True)
 
 
+ABORT_LIMIT_S = 60.0  # a normal ncclCommAbort takes well under a second
+
+
+def _exit_stuck(why: str) -> None:
+    log.critical("%s: the daemon's event loop is stuck in it; exiting, for the service manager to "
+                 "start the daemon afresh", why)
+    os._exit(1)  # the loop's thread is inside NCCL: nothing else can end it
+
+
+class StuckWatch:
+    """ncclCommAbort runs on the event loop's thread (as every NCCL call) and may not
+    return: it waits for the device, where another world's kernel or a dead worker's
+    event that never fires can hold it. Nothing on the loop can end that; past
+    `limit_s` this watch's own thread calls `on_stuck` (by default: end the process,
+    for its service manager to restart it, the only way out)."""
+
+    def __init__(self, limit_s: float = ABORT_LIMIT_S, on_stuck: Callable[[str], None] = _exit_stuck) -> None:
+        self._limit = limit_s
+        self._on_stuck = on_stuck
+        self._lock = threading.Lock()
+        self._current: tuple[str, float] | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        with self._lock:
+            self._current = (what, time.monotonic())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="commd-abort-watch", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._current = None
+
+    def _watch(self) -> None:
+        while not self._closed.wait(min(1.0, self._limit / 4)):
+            with self._lock:
+                current = self._current
+            if current is not None and time.monotonic() - current[1] > self._limit:
+                self._on_stuck(f"{current[0]} has not returned in {self._limit:g} s")
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+
+
 class NcclMapping(_UsedByOps):
     """Device memory the daemon opened (or allocated). Closing lets it go once no op
     in flight uses it: releasing memory under a running kernel would fault the GPU."""
@@ -203,10 +254,11 @@ class NcclCommunicator:
     launches_in_order = True  # see _ready and _launch_soon
 
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
-                 world: str, world_size: int, local_ranks: Sequence[int], devices: Mapping[int, int],
-                 unique_id: bytes, net: WorldNet | None = None) -> None:
+                 stuck: StuckWatch, world: str, world_size: int, local_ranks: Sequence[int],
+                 devices: Mapping[int, int], unique_id: bytes, net: WorldNet | None = None) -> None:
         self._gpu = gpu
         self._freer = freer
+        self._stuck = stuck
         self._compiler = compiler  # where NVRTC compiles the add kernel, off the loop
         # NCCL moves the data; the daemons' links only carry each collective's fingerprint
         # to the root, so that ranks calling different things fail as a mismatch, not a hang.
@@ -348,8 +400,9 @@ class NcclCommunicator:
         self._aborted = True
         comms, self._comms = self._comms, {}
         for rank, comm in comms.items():
-            with contextlib.suppress(GpuError):  # already broken: nothing more to stop
-                self._gpu.use_device(self._devices[rank])
+            with contextlib.suppress(GpuError), self._stuck.guard(f"ncclCommAbort (world {self._world}, "
+                                                                  f"rank {rank})"):
+                self._gpu.use_device(self._devices[rank])  # (already broken: nothing more to stop)
                 self._gpu.comm_abort(comm)
         self._maybe_teardown()
 
@@ -774,8 +827,9 @@ class NcclEngine:
     name = "nccl"
     memory_kinds = frozenset({MemKind.CUDA_IPC, MemKind.CUDA_VMM})
 
-    def __init__(self, gpu: Gpu, waiters: int = 8) -> None:
+    def __init__(self, gpu: Gpu, waiters: int = 8, stuck: StuckWatch | None = None) -> None:
         self.gpu = gpu
+        self._stuck = stuck if stuck is not None else StuckWatch()
         # Threads that block in cuEventSynchronize, one per op awaited at once.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
@@ -844,11 +898,12 @@ class NcclEngine:
                 raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
                                                   f"root's NCCL id")
             unique_id = self.unique_id()
-        return NcclCommunicator(self.gpu, self._waiters, self._compiler, self._freer, world, world_size,
-                                local_ranks, devices or {}, unique_id, net)
+        return NcclCommunicator(self.gpu, self._waiters, self._compiler, self._freer, self._stuck, world,
+                                world_size, local_ranks, devices or {}, unique_id, net)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self._compiler.shutdown(wait=False)
         self._freer.close()
+        self._stuck.close()
 

@@ -16,6 +16,7 @@ import bisect
 import itertools
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class FakeGpu:
         self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
         self.compile_thread = ""
         self.current_device: int | None = None
+        self.abort_takes_s = 0.0  # how long ncclCommAbort blocks
         self.broken_reason: str | None = None  # set: a sticky CUDA error, as BindingsGpu reports it
         self.released_on: list[tuple[Origin, str]] = []  # each release: the memory's origin, the thread
 
@@ -416,6 +418,8 @@ class FakeGpu:
                 self._progress()
 
     def comm_abort(self, comm: int) -> None:
+        if self.abort_takes_s:
+            time.sleep(self.abort_takes_s)  # as NCCL waiting for the device
         self._finish_enqueuing()
         with self._cv:
             c = self._comms.pop(comm)

@@ -15,7 +15,7 @@ import pytest
 from commd.cluster import Inbox
 from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, Order, RecvOp, SendOp
 from commd.engine.gpu import Origin
-from commd.engine.nccl import NcclEngine, NcclEvents, NcclMapping, NcclRegion
+from commd.engine.nccl import NcclEngine, NcclEvents, NcclMapping, NcclRegion, StuckWatch
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p
@@ -186,6 +186,25 @@ async def test_zero_byte_ops_pass_null_pointers(engine: NcclEngine, gpu: FakeGpu
     comm = engine.communicator("w", 1, 1, [0])
     await comm.run(AllReduceOp({0: EMPTY}, DType.BF16, ReduceOp.SUM))
     assert isinstance(ipc_mapping(engine, gpu, b"x").region(0, 1), NcclRegion)
+
+
+@pytest.mark.parametrize("abort_takes_s", [0.0, 1.0])
+async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abort_takes_s: float) -> None:
+    """ncclCommAbort blocks the loop's thread while it waits for the device; one that
+    takes past the limit (here 0.3 s) is reported from the watch's own thread, which by
+    default ends the daemon for its service manager to restart it."""
+    stuck: list[str] = []
+    engine = NcclEngine(gpu, stuck=StuckWatch(0.3, stuck.append))
+    try:
+        comm = engine.communicator("w", 1, 1, [0])
+        await comm.run(BarrierOp((0,)))
+        gpu.abort_takes_s = abort_takes_s
+        comm.abort()
+        await asyncio.sleep(0.5)
+        reported = ["ncclCommAbort (world w, rank 0) has not returned in 0.3 s"]
+        assert stuck == (reported if abort_takes_s else [])
+    finally:
+        engine.close()
 
 
 async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
