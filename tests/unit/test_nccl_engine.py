@@ -15,7 +15,7 @@ import pytest
 from commd.cluster import Inbox
 from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, Order, RecvOp, SendOp
 from commd.engine.gpu import Origin
-from commd.engine.nccl import NcclEngine, NcclEvents, NcclMapping, NcclRegion, StuckWatch
+from commd.engine.nccl import NcclCommunicator, NcclEngine, NcclEvents, NcclMapping, NcclRegion, StuckWatch
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p
@@ -210,11 +210,8 @@ async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abor
 async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
     """NCCL drops a collective of no bytes at once; across daemons the world sends it to
     the engine so that it still meets the other daemons' ranks: it runs as a barrier."""
-    root, member, a, b = across_two_daemons(gpu)
+    root, member, ca, cb = two_daemon_world(gpu)
     try:
-        uid = root.unique_id()
-        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
-        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
         tag = CallTag(0, "all_reduce(bytes=0, dtype=u8, op=sum)")
         # the member's rank first: nothing else holds it (the root's, it would wait for the
         # member's fingerprint anyway)
@@ -252,6 +249,15 @@ class PairNet:
         self.other.inbox.deliver(msg, payload)
 
 
+def two_daemon_world(gpu: FakeGpu) -> tuple[NcclEngine, NcclEngine, NcclCommunicator, NcclCommunicator]:
+    """Rank 0 on a root daemon's engine, rank 1 on a member's, one world: engines, then
+    their communicators."""
+    root, member, a, b = across_two_daemons(gpu)
+    uid = root.unique_id()
+    return (root, member, root.communicator("w", 1, 2, [0], a, unique_id=uid),  # type: ignore[arg-type]
+            member.communicator("w", 1, 2, [1], b, unique_id=uid))  # type: ignore[arg-type]
+
+
 def across_two_daemons(gpu: FakeGpu) -> tuple[NcclEngine, NcclEngine, PairNet, PairNet]:
     root, member = NcclEngine(gpu), NcclEngine(gpu)
     placement = ("A", "B")
@@ -261,11 +267,8 @@ def across_two_daemons(gpu: FakeGpu) -> tuple[NcclEngine, NcclEngine, PairNet, P
 
 
 async def test_fingerprints_cross_to_the_root_and_a_mismatch_fails_it(gpu: FakeGpu) -> None:
-    root, member, a, b = across_two_daemons(gpu)
+    root, member, ca, cb = two_daemon_world(gpu)
     try:
-        uid = root.unique_id()
-        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
-        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
         x = ipc_mapping(root, gpu, b"\x02" * 8).region(0, 8)
         y = ipc_mapping(member, gpu, b"\x03" * 8).region(0, 8)
         same = CallTag(0, "all_reduce(bytes=8, dtype=u8, op=sum)")
@@ -473,11 +476,8 @@ async def test_a_send_and_a_receive_started_together_pair_up_in_one_nccl_group(g
     as one client group: launched apart, both sends would wait for the other's receive
     forever (the fake device, like NCCL with large messages, pairs them at the streams'
     heads); launched in one NCCL group they pair up."""
-    root, member, a, b = across_two_daemons(gpu)
+    root, member, ca, cb = two_daemon_world(gpu)
     try:
-        uid = root.unique_id()
-        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
-        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
         tag = CallTag(0, "barrier()")
         await asyncio.gather(ca.run(BarrierOp((0, 1), tag)), cb.run(BarrierOp((0, 1), tag)))  # both ready
         engines = (root, member)
