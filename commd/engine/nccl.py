@@ -270,7 +270,7 @@ class NcclCommunicator:
         self._ranks = tuple(local_ranks)
         self._world_size = world_size
         self._add_kernel = False  # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
-        self._exchange: dict[tuple[int, int], NcclMapping] = {}  # (rank, slot): where the peer sends
+        self._exchange: dict[int, NcclMapping] = {}  # rank -> where the peer's buffer lands
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
         self._aborted = False
         self._failure: str | None = None  # of an op answered before it was done
@@ -525,22 +525,21 @@ class NcclCommunicator:
                 and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2
                 and all(self._gpu.add_ready(d) for d in set(self._devices.values()))):
             return []
-        # Each add-path op of one launch gets its own landing place: their receives run
-        # together. Launches follow one another on the streams, so the next may reuse them.
-        slot = sum(1 for entry in self._batch if entry.adds)
         plan = []
         for rank, buf in sorted(op.bufs.items()):
             if not isinstance(buf, NcclRegion):
                 return []  # nothing to add
-            plan.append((rank, buf, self._exchange_region(rank, slot, buf.nbytes)))
+            plan.append((rank, buf, self._exchange_region(rank, buf.nbytes)))
         return plan
 
-    def _exchange_region(self, rank: int, slot: int, nbytes: int) -> NcclRegion:
-        mapping = self._exchange.get((rank, slot))
+    def _exchange_region(self, rank: int, nbytes: int) -> NcclRegion:
+        """Where the peer's buffer lands: one per rank, as add-path ops launch alone and
+        launches follow one another on the streams."""
+        mapping = self._exchange.get(rank)
         if mapping is None or mapping.size < nbytes:
             if mapping is not None:
                 mapping.close()  # let go once the ops that use it are done
-            mapping = self._exchange[(rank, slot)] = NcclMapping(self._freer, self._alloc(nbytes, rank))
+            mapping = self._exchange[rank] = NcclMapping(self._freer, self._alloc(nbytes, rank))
         return mapping.region(0, nbytes)
 
     def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]
@@ -561,15 +560,25 @@ class NcclCommunicator:
         """Launch with every op that starts in this turn of the event loop, in one NCCL
         group: the sends and receives of one client group (matched one by one) then pair
         up inside NCCL, as they must: two ranks sending each other large messages in
-        separate groups would each wait for the other's receive forever."""
-        if not self._batch:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._batch.append(entry)
+        separate groups would each wait for the other's receive forever.
+
+        An add-path op launches alone: its sum lands in its buffer only with its add, after
+        every NCCL call of its launch, so an op launched with it could read (or write) the
+        buffer on the wrong side of that add. Its exchange is between ranks of this daemon,
+        so nothing waits for it elsewhere."""
+        if entry.adds:
+            self._flush()  # what gathered before it goes first
+            self._spawn(self._launch_batch([entry]))
+        else:
+            if not self._batch:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._batch.append(entry)
         await entry.launched
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
-        self._spawn(self._launch_batch(batch))
+        if batch:
+            self._spawn(self._launch_batch(batch))
 
     def _spawn(self, work: Coroutine[None, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

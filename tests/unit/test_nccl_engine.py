@@ -418,9 +418,12 @@ async def test_each_launch_waits_until_the_one_before_left_ncclinprogress() -> N
         engine.close()
 
 
-async def test_add_path_sums_launched_together_each_land_in_their_own_place(gpu: FakeGpu) -> None:
-    """Two bf16 sums by exchange and add in one launch (one client group): their receives
-    run together, so each needs a landing place of its own."""
+@pytest.mark.parametrize("same_buffer", [False, True])
+async def test_add_path_sums_started_together_each_see_the_others_result(gpu: FakeGpu,
+                                                                        same_buffer: bool) -> None:
+    """Two bf16 sums by exchange and add started in one turn (one client group): launched
+    together, their receives would share a landing place, and the second would read the
+    buffer before the first's add wrote it. Each launches alone."""
     import ml_dtypes
 
     engine = NcclEngine(gpu)
@@ -434,12 +437,14 @@ async def test_add_path_sums_launched_together_each_land_in_their_own_place(gpu:
             gpu.copy_in(mapping.region(0, 16).ptr, np.full(8, value, ml_dtypes.bfloat16).tobytes())
             return mapping.region(0, 16)
 
-        x, y = {0: buf(0, 1.0), 1: buf(1, 2.0)}, {0: buf(0, 10.0), 1: buf(1, 20.0)}
+        x = {0: buf(0, 1.0), 1: buf(1, 2.0)}
+        y = x if same_buffer else {0: buf(0, 10.0), 1: buf(1, 20.0)}
         await asyncio.gather(comm.run(AllReduceOp(x, DType.BF16, ReduceOp.SUM)),
                              comm.run(AllReduceOp(y, DType.BF16, ReduceOp.SUM)))
         got = {(name, r): float(np.frombuffer(gpu.copy_out(b[r].ptr, 16), ml_dtypes.bfloat16)[0])
                for name, b in (("x", x), ("y", y)) for r in (0, 1)}
-        assert got == {("x", 0): 3.0, ("x", 1): 3.0, ("y", 0): 30.0, ("y", 1): 30.0}
+        want = {"x": 6.0, "y": 6.0} if same_buffer else {"x": 3.0, "y": 30.0}  # (1 + 2) * 2 on one buffer
+        assert got == {(name, r): value for name, value in want.items() for r in (0, 1)}
         assert gpu.adds == 4  # both took the add path
     finally:
         engine.close()
