@@ -282,6 +282,8 @@ class NcclCommunicator:
         # calls NCCL or queues work on the streams holds this until then (see _launch_batch).
         self._device_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
+        self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
+        self._deregistering = False
         self._running = 0
         self._started: asyncio.Future[None] | None = None  # the first settle (see _ready)
         self._streams: dict[int, int] = {}
@@ -330,11 +332,13 @@ class NcclCommunicator:
                                             asyncio.get_running_loop().create_future()))
             verdict = self._compare(op)
         except BaseException:
-            if launched:  # stop what was queued; the memory goes once the device let go of it
-                self.abort()
-                with contextlib.suppress(Exception):
-                    await self._complete(touched)
-            self._let_go(held)
+            try:
+                if launched:  # stop what was queued; the memory goes once the device let go of it
+                    self.abort()
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self._complete(touched))
+            finally:
+                self._let_go(held)  # also when cancelled once more meanwhile
             raise
         finished = self._finish(touched, verdict, held)
         if order is None or not order.early:
@@ -353,6 +357,12 @@ class NcclCommunicator:
             else:
                 await self._complete_unless_mismatched(touched, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
+        except asyncio.CancelledError:
+            # Given up with the op still queued: stop the device before its memory goes.
+            self.abort()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._complete(touched))
+            raise
         finally:
             self._let_go(held)
 
@@ -420,26 +430,40 @@ class NcclCommunicator:
     def deregister(self, rank: int, key: int) -> None:
         self._to_register.pop((rank, key), None)
         registered = self._registered.pop((rank, key), None)
-        if registered is None or self._aborted:
-            return  # NCCL forgets registrations with the communicator
-        handle, region = registered
-        region.mapping.hold()  # the memory stays until NCCL let go of it
-        self._running += 1
-        self._spawn(self._deregister_when_idle(rank, handle, region))
+        if registered is None:
+            return
+        self._to_deregister.append((rank, *registered))
+        if not self._deregistering:  # one drain takes every deregistration asked by then
+            self._deregistering = True
+            self._running += 1
+            self._spawn(self._deregister_pending())
 
-    async def _deregister_when_idle(self, rank: int, handle: int, region: NcclRegion) -> None:
-        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
-        work queued so far finished, and outside a launch (see _launch_batch)."""
+    async def _deregister_pending(self) -> None:
+        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once every
+        op queued so far finished, with the device lock held throughout, so no launch
+        comes between (nor between the ranks' deregistrations: NCCL must see all of them
+        or none in an op)."""
         try:
-            await self._complete(self._ranks)
             async with self._device_lock:
-                if not self._aborted:
+                while self._to_deregister and not self._aborted:
+                    await self._wait_for(self._record_completion(self._ranks))
                     await self._settle()
-                    self._gpu.comm_deregister(self._comms[rank], handle)
-        except (CallError, GpuError) as exc:  # NCCL forgets it with the communicator anyway
-            log.debug("rank %d: NCCL deregistration: %s", rank, exc)
+                    pending, self._to_deregister = self._to_deregister, []
+                    for rank, handle, region in pending:
+                        try:
+                            self._gpu.use_device(self._devices[rank])
+                            self._gpu.comm_deregister(self._comms[rank], handle)
+                        except GpuError as exc:  # NCCL forgets it with the communicator anyway
+                            log.debug("rank %d: NCCL deregistration: %s", rank, exc)
+                        region.mapping.let_go()
+        except CallError as exc:  # aborted or failed meanwhile: NCCL forgets them with it
+            log.debug("world %s: deregistrations: %s", self._world, exc)
         finally:
-            region.mapping.let_go()
+            self._deregistering = False
+            if self._aborted:
+                pending, self._to_deregister = self._to_deregister, []
+                for _, _, region in pending:
+                    region.mapping.let_go()
             self._running -= 1
             self._maybe_teardown()
 
@@ -447,9 +471,14 @@ class NcclCommunicator:
         pending, self._to_register = self._to_register, {}
         for (rank, key), region in pending.items():
             try:
+                region.mapping.hold()  # registered memory stays until NCCL let go of it
+            except CallError:
+                continue  # forgotten meanwhile: nothing to register
+            try:
                 handle = self._gpu.comm_register(self._comms[rank], region.ptr, region.nbytes)
                 self._registered[(rank, key)] = (handle, region)
             except GpuError as exc:  # NCCL refuses some memory (legacy cudaMalloc by default): fine
+                region.mapping.let_go()
                 log.debug("rank %d: NCCL did not register %d bytes: %s", rank, region.nbytes, exc)
 
     def async_error(self) -> str | None:
@@ -706,39 +735,54 @@ class NcclCommunicator:
 
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
+        async with self._device_lock:  # no work on the streams during a launch
+            events = self._record_completion(ranks)
+        await self._wait_for(events)
+
+    def _record_completion(self, ranks: Iterable[int]) -> dict[int, int]:
         events: dict[int, int] = {}
-        waits: dict[int, asyncio.Future[None]] = {}
         try:
-            async with self._device_lock:  # no work on the streams during a launch
-                for rank in ranks:
-                    if rank not in self._streams:
-                        continue  # torn down: nothing of ours runs there any more
-                    free = self._free_events[rank]
-                    events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
-                    self._gpu.event_record(events[rank], self._streams[rank])
-            loop = asyncio.get_running_loop()
+            for rank in ranks:
+                if rank not in self._streams:
+                    continue  # torn down: nothing of ours runs there any more
+                free = self._free_events[rank]
+                events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
+                self._gpu.event_record(events[rank], self._streams[rank])
+        except GpuError as exc:
             for rank, event in events.items():
-                waits[rank] = loop.run_in_executor(self._waiters, self._gpu.event_wait, event,
-                                                   self._devices[rank])
-            await asyncio.gather(*waits.values())
+                self._free_events[rank].append(event)
+            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        return events
+
+    async def _wait_for(self, events: dict[int, int]) -> None:
+        """Wait on helper threads. An event is reused only once its thread is done with it:
+        a cancelled wait leaves the thread blocked in cuEventSynchronize."""
+        waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
+                 for rank, event in events.items()}
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(wait) for wait in waits.values()))
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
         finally:
+            loop = asyncio.get_running_loop()
             for rank, event in events.items():
-                wait = waits.get(rank)
-                if wait is None or wait.done():
+                if waits[rank].done():  # returned, or cancelled before its thread took it
                     self._free_events[rank].append(event)
-                else:  # given up on (cancelled): a thread still waits on it, so not reused yet
-                    wait.add_done_callback(functools.partial(self._event_back, rank, event))
+                else:
+                    waits[rank].add_done_callback(functools.partial(self._event_back, loop, rank, event))
 
-    def _event_back(self, rank: int, event: int, _wait: asyncio.Future[None]) -> None:
-        """A completion event whose waiting thread is done: reused, or destroyed when the
-        streams were torn down meanwhile."""
-        if rank in self._streams:
-            self._free_events[rank].append(event)
-        else:
-            with contextlib.suppress(GpuError):
-                self._gpu.event_destroy(event)
+    def _event_back(self, loop: asyncio.AbstractEventLoop, rank: int, event: int, _wait: object) -> None:
+        """(On the helper thread.) A completion event whose waiting thread is done: reused,
+        or destroyed when the streams were torn down meanwhile."""
+        def back() -> None:
+            if rank in self._streams:
+                self._free_events[rank].append(event)
+            else:
+                with contextlib.suppress(GpuError):
+                    self._gpu.event_destroy(event)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            loop.call_soon_threadsafe(back)
 
     def _calls(self, op: EngineOp) -> list[tuple[int, Callable[[int, int], None]]]:
         """Each local rank's NCCL call for the op (in place where the op is)."""
@@ -785,7 +829,11 @@ class NcclCommunicator:
                                              f"{self._devices[rank]}: {exc}") from None
 
     def _teardown(self) -> None:
-        """Free streams, events and scratch once nothing runs on them."""
+        """Free streams, events and scratch once nothing runs on them; NCCL dropped the
+        registrations with the aborted communicators, so their memory may go."""
+        registered, self._registered = self._registered, {}
+        for _, region in registered.values():
+            region.mapping.let_go()
         for rank, stream in self._streams.items():
             for event in self._free_events.get(rank, ()):
                 self._gpu.event_destroy(event)

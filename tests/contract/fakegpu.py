@@ -128,6 +128,7 @@ class FakeGpu:
         self.compile_thread = ""
         self.current_device: int | None = None
         self.abort_takes_s = 0.0  # how long ncclCommAbort blocks
+        self.violations: list[str] = []  # what a GPU would not have let pass (undefined behaviour)
         self.broken_reason: str | None = None  # set: a sticky CUDA error, as BindingsGpu reports it
         self.released_on: list[tuple[Origin, str]] = []  # each release: the memory's origin, the thread
 
@@ -478,8 +479,22 @@ class FakeGpu:
         c = self._comms.get(comm)
         if c is not None:
             self._ready_for_use(c)
-        if self.registered.pop(handle, (None,))[0] != comm:
+        registered = self.registered.get(handle)
+        if registered is None or registered[0] != comm:
             raise GpuError("ncclCommDeregister: invalid argument")
+        _, ptr, nbytes = registered
+        with self._cv:  # NCCL unmaps the peers' view at once: under an op still queued, undefined
+            if any(isinstance(item, _Batch) and any(not w.done and self._touches(w, ptr, nbytes)
+                                                    for w in item.works)
+                   for queue in self._streams.values() for item in queue):
+                self.violations.append(f"deregistered [{ptr:#x}, +{nbytes}) under an op on the device")
+        del self.registered[handle]
+
+    @staticmethod
+    def _touches(work: _Work, ptr: int, nbytes: int) -> bool:
+        pointers = [a for a in work.args[:2] if isinstance(a, int)] if work.kind not in ("send", "recv") \
+            else [work.args[0]]
+        return any(ptr <= p < ptr + nbytes for p in pointers)
 
     def group_end(self) -> None:
         self.launches += 1

@@ -450,6 +450,59 @@ async def test_add_path_sums_started_together_each_see_the_others_result(gpu: Fa
         engine.close()
 
 
+async def test_an_op_started_right_after_a_deregistration_runs_after_it(gpu: FakeGpu) -> None:
+    """The deregistration waits for the device with the device lock held: an op started
+    meanwhile on the same buffer launches after it, not under it."""
+    root, member, ca, cb = two_daemon_world(gpu)
+    try:
+        mine = ipc_mapping(root, gpu, b"\x02" * 8).region(0, 8)
+        theirs = ipc_mapping(member, gpu, b"\x03" * 8, device=1).region(0, 8)
+        ca.register(0, 1, mine)
+        tag = CallTag(0, "all_reduce(bytes=8, dtype=u8, op=sum)")
+        await asyncio.gather(ca.run(AllReduceOp({0: mine}, DType.U8, ReduceOp.SUM, tag)),
+                             cb.run(AllReduceOp({1: theirs}, DType.U8, ReduceOp.SUM, tag)))
+        assert len(gpu.registered) == 1
+        ca.deregister(0, 1)
+        tag = CallTag(1, "all_reduce(bytes=8, dtype=u8, op=sum)")
+        second = asyncio.ensure_future(ca.run(AllReduceOp({0: mine}, DType.U8, ReduceOp.SUM, tag)))
+        await asyncio.sleep(0.2)  # rank 0's op waits for rank 1 on the device
+        await cb.run(AllReduceOp({1: theirs}, DType.U8, ReduceOp.SUM, tag))
+        await asyncio.wait_for(second, 5)
+        assert gpu.registered == {} and gpu.violations == []
+        assert gpu.read(mine.ptr, 8) == b"\x0a" * 8  # (2 + 3) twice
+    finally:
+        root.close()
+        member.close()
+
+
+async def test_a_run_cancelled_on_the_device_stops_it_before_its_memory_goes(gpu: FakeGpu) -> None:
+    """A run given up while its op waits on the device (for the other daemon's rank):
+    the communicator is aborted (the op is dropped), and only then is the memory let go;
+    cancelled twice, nothing stays counted as running."""
+    root, member, ca, _ = two_daemon_world(gpu)
+    try:
+        mapping = ipc_mapping(root, gpu, b"\x02" * 8)
+        tag = CallTag(0, "all_reduce(bytes=8, dtype=u8, op=sum)")
+        op = AllReduceOp({0: mapping.region(0, 8)}, DType.U8, ReduceOp.SUM, tag)
+        run = asyncio.ensure_future(ca.run(op))
+        await asyncio.sleep(0.2)
+        mapping.close()  # the session forgot the buffer: it goes once the op is over
+        run.cancel()
+        await asyncio.sleep(0)
+        run.cancel()  # and again, while it stops
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        await until(lambda: not ca.busy())
+        with pytest.raises(CallError) as info:  # the communicator was aborted for it
+            await ca.run(BarrierOp((0, 1)))
+        assert info.value.code is ErrorCode.WORLD_FAILED
+        await until(lambda: (Origin.IPC, "commd-cuda-free_0") in gpu.released_on)
+        assert gpu.violations == []
+    finally:
+        root.close()
+        member.close()
+
+
 async def test_deregistration_waits_for_the_ops_that_use_the_buffer(gpu: FakeGpu) -> None:
     """ncclCommDeregister unmaps the peers' view of the buffer at once: never under an op
     still on the device (here: waiting for the other daemon's rank)."""
