@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -277,10 +277,13 @@ class NcclCommunicator:
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
         # ops to launch at the end of this turn of the loop, together (see _launch_soon)
         self._batch: list[_Launch] = []
-        # A non-blocking communicator takes no NCCL call, and its streams no work, from a
+        # A non-blocking communicator takes no NCCL call, and its stream no work, from a
         # launch (or its init) until its state reads ncclSuccess again: everything that
-        # calls NCCL or queues work on the streams holds this until then (see _launch_batch).
-        self._device_lock = asyncio.Lock()
+        # calls NCCL on a rank's communicator or queues work on its stream holds the rank's
+        # lock until then (see _launch_batch). One per rank, not one for all: a launch still
+        # in progress (NCCL connecting to a peer that has yet to post its side) must not
+        # hold back another rank's, which that peer may be waiting for first.
+        self._locks = {rank: asyncio.Lock() for rank in self._ranks}
         self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
@@ -440,14 +443,14 @@ class NcclCommunicator:
 
     async def _deregister_pending(self) -> None:
         """ncclCommDeregister unmaps the peers' view of the buffer at once: only once every
-        op queued so far finished, with the device lock held throughout, so no launch
+        op queued so far finished, with every rank's lock held throughout, so no launch
         comes between (nor between the ranks' deregistrations: NCCL must see all of them
         or none in an op)."""
         try:
-            async with self._device_lock:
+            async with self._holding(self._ranks):
                 while self._to_deregister and not self._aborted:
                     await self._wait_for(self._record_completion(self._ranks))
-                    await self._settle()
+                    await self._settle(self._ranks)
                     pending, self._to_deregister = self._to_deregister, []
                     for rank, handle, region in pending:
                         try:
@@ -467,8 +470,12 @@ class NcclCommunicator:
             self._running -= 1
             self._maybe_teardown()
 
-    def _register_pending(self) -> None:
-        pending, self._to_register = self._to_register, {}
+    def _register_pending(self, ranks: Iterable[int]) -> None:
+        """The registrations waiting for these ranks' communicators (their locks held)."""
+        wanted = set(ranks)
+        pending = {which: region for which, region in self._to_register.items() if which[0] in wanted}
+        for which in pending:
+            del self._to_register[which]
         for (rank, key), region in pending.items():
             try:
                 region.mapping.hold()  # registered memory stays until NCCL let go of it
@@ -506,14 +513,23 @@ class NcclCommunicator:
             self._started = asyncio.ensure_future(self._settle())
         await asyncio.shield(self._started)  # a cancelled run must not cancel the others' wait
 
-    async def _settle(self) -> None:
-        """Wait while NCCL is still setting a communicator up (init, or a group's launch
-        returning ncclInProgress); fail if one failed."""
+    @contextlib.asynccontextmanager
+    async def _holding(self, ranks: Iterable[int]) -> AsyncIterator[None]:
+        """The ranks' locks, taken in rank order (so two holders never wait on each other)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for rank in sorted(set(ranks) & self._locks.keys()):
+                await stack.enter_async_context(self._locks[rank])
+            yield
+
+    async def _settle(self, ranks: Iterable[int] | None = None) -> None:
+        """Wait while NCCL is still setting communicators up (init, or a group's launch
+        returning ncclInProgress): those of `ranks`, or all; fail if one failed."""
         pause = 0.0
+        wanted = set(self._ranks if ranks is None else ranks)
         while True:
             self._check()
             pending = False
-            for rank, comm in self._comms.items():
+            for rank, comm in [(r, c) for r, c in self._comms.items() if r in wanted]:
                 try:
                     state, why = self._gpu.comm_state(comm)
                 except GpuError as exc:
@@ -615,17 +631,18 @@ class NcclCommunicator:
         task.add_done_callback(self._tasks.discard)
 
     async def _launch_batch(self, batch: list[_Launch]) -> None:
-        """The launch, under the device lock from before NCCL is called until its state is
+        """The launch, under its ranks' locks from before NCCL is called until their state is
         ncclSuccess again: only then are the kernels on the streams (a non-blocking group
         end may return ncclInProgress and enqueue them later, from NCCL's own thread), so
         only then may the add kernels and the done events follow them there."""
+        ranks = sorted({rank for entry in batch for rank in entry.touched})
         try:
-            async with self._device_lock:
+            async with self._holding(ranks):
                 self._check()
-                await self._settle()  # the previous launch (or the init) has returned ncclSuccess
-                self._register_pending()
+                await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
+                self._register_pending(ranks)
                 self._launch([(entry.calls, entry.order) for entry in batch])
-                await self._settle()
+                await self._settle(ranks)
                 for entry in batch:
                     self._launch_adds(entry.adds)
                     self._record_done(entry)
@@ -735,7 +752,8 @@ class NcclCommunicator:
 
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
-        async with self._device_lock:  # no work on the streams during a launch
+        ranks = list(ranks)
+        async with self._holding(ranks):  # no work on a stream during its rank's launch
             events = self._record_completion(ranks)
         await self._wait_for(events)
 

@@ -129,6 +129,10 @@ class FakeGpu:
         self.current_device: int | None = None
         self.abort_takes_s = 0.0  # how long ncclCommAbort blocks
         self.violations: list[str] = []  # what a GPU would not have let pass (undefined behaviour)
+        # (src, dst) pairs NCCL has yet to connect: a send's launch stays in progress until
+        # the receiver launches its side (NCCL's runtime connect)
+        self.lazy_connect: set[tuple[int, int]] = set()
+        self._connecting: dict[int, tuple[int, int]] = {}
         self.broken_reason: str | None = None  # set: a sticky CUDA error, as BindingsGpu reports it
         self.released_on: list[tuple[Origin, str]] = []  # each release: the memory's origin, the thread
 
@@ -404,6 +408,8 @@ class FakeGpu:
         self._finish_enqueuing()
         if c.failed is not None:
             return CommState.FAILED, c.failed
+        if comm in self._connecting and not c.aborted:
+            return CommState.IN_PROGRESS, ""
         if c.polls_left > 0:
             c.polls_left -= 1
             return CommState.IN_PROGRESS, ""
@@ -562,6 +568,12 @@ class FakeGpu:
         self._collective(comm, stream, "broadcast", (send, recv, count, dtype, root))
 
     def _p2p(self, comm_id: int, stream: int, kind: str, src: int, dst: int, args: tuple[Any, ...]) -> None:
+        if (src, dst) in self.lazy_connect:  # NCCL connects a new pair at its first launch
+            if kind == "send":
+                self._connecting[comm_id] = (src, dst)  # the sender waits for the receiver's side
+            else:
+                self.lazy_connect.discard((src, dst))
+                self._connecting = {c: pair for c, pair in self._connecting.items() if pair != (src, dst)}
         comm = self._comms.get(comm_id)
         seq = comm.p2p.get((src, dst), 0) if comm else 0
         if comm is not None:

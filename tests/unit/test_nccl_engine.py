@@ -450,6 +450,35 @@ async def test_add_path_sums_started_together_each_see_the_others_result(gpu: Fa
         engine.close()
 
 
+async def test_a_launch_still_connecting_holds_back_only_its_own_ranks() -> None:
+    """NCCL connects a pair at its first launch, and the sender's launch stays in progress
+    until the receiver launches its side. Ranks 0 and 1 here, rank 2 on another daemon,
+    which receives from 1 before it receives from 0: rank 1's send must launch while rank
+    0's is still connecting (a valid program with a process per rank)."""
+    gpu = FakeGpu(devices=3)
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
+        gpu.lazy_connect = {(0, 2)}
+        x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
+        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
+        got_x = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+        got_z = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+        sent_x = asyncio.ensure_future(ca.run(SendOp(0, 2, x, NO_TAG)))
+        await asyncio.sleep(0.05)  # rank 0's launch: connecting
+        sent_z = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
+        await asyncio.wait_for(cb.run(RecvOp(1, 2, got_z, NO_TAG)), 5)
+        await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
+        await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
+        assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+    finally:
+        a.close()
+        b.close()
+
+
 async def test_an_op_started_right_after_a_deregistration_runs_after_it(gpu: FakeGpu) -> None:
     """The deregistration waits for the device with the device lock held: an op started
     meanwhile on the same buffer launches after it, not under it."""
