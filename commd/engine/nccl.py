@@ -21,7 +21,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -228,6 +229,60 @@ class NcclEvents(_UsedByOps):
         self.ready = self.done = 0
 
 
+class _Turns:
+    """Each local rank's work, in turn, in the order it was asked for (`take`, at once,
+    when the launch or wait is created), so that NCCL sees each rank's calls in the order
+    they matched, whatever other ranks a turn waits for too; ranks not shared go on
+    independently. A turn goes when it is first in every queue it is in: the oldest turn
+    always is, so none waits forever on another."""
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self._queues: dict[int, deque[asyncio.Future[None]]] = {rank: deque() for rank in ranks}
+
+    def take(self, ranks: Iterable[int]) -> _Turn:
+        turn = _Turn(self, sorted(set(ranks) & self._queues.keys()))
+        for rank in turn.ranks:
+            self._queues[rank].append(turn.ready)
+        self._wake(turn.ranks)
+        return turn
+
+    def leave(self, turn: _Turn) -> None:
+        for rank in turn.ranks:
+            queue = self._queues[rank]
+            if turn.ready in queue:
+                queue.remove(turn.ready)
+        self._wake(turn.ranks)
+
+    def _wake(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            queue = self._queues[rank]
+            head = queue[0] if queue else None
+            if head is not None and not head.done() and all(
+                    self._queues[r][0] is head for r in self._queues if head in self._queues[r]):
+                head.set_result(None)
+
+
+class _Turn:
+    """One holder's place in the ranks' queues; `async with` waits for it and leaves."""
+
+    def __init__(self, turns: _Turns, ranks: list[int]) -> None:
+        self._turns = turns
+        self.ranks = ranks
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not ranks:
+            self.ready.set_result(None)
+
+    async def __aenter__(self) -> None:
+        try:
+            await asyncio.shield(self.ready)
+        except BaseException:
+            self._turns.leave(self)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._turns.leave(self)
+
+
 @dataclass(frozen=True, slots=True)
 class _Launch:
     """One op's part of a launch: its NCCL calls, what orders it (the workers' events),
@@ -283,7 +338,7 @@ class NcclCommunicator:
         # lock until then (see _launch_batch). One per rank, not one for all: a launch still
         # in progress (NCCL connecting to a peer that has yet to post its side) must not
         # hold back another rank's, which that peer may be waiting for first.
-        self._locks = {rank: asyncio.Lock() for rank in self._ranks}
+        self._turns = _Turns(self._ranks)
         self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
@@ -439,15 +494,15 @@ class NcclCommunicator:
         if not self._deregistering:  # one drain takes every deregistration asked by then
             self._deregistering = True
             self._running += 1
-            self._spawn(self._deregister_pending())
+            self._spawn(self._deregister_pending(self._turns.take(self._ranks)))
 
-    async def _deregister_pending(self) -> None:
+    async def _deregister_pending(self, turn: _Turn) -> None:
         """ncclCommDeregister unmaps the peers' view of the buffer at once: only once every
         op queued so far finished, with every rank's lock held throughout, so no launch
         comes between (nor between the ranks' deregistrations: NCCL must see all of them
         or none in an op)."""
         try:
-            async with self._holding(self._ranks):
+            async with turn:
                 while self._to_deregister and not self._aborted:
                     await self._wait_for(self._record_completion(self._ranks))
                     await self._settle(self._ranks)
@@ -512,14 +567,6 @@ class NcclCommunicator:
         if self._started is None:
             self._started = asyncio.ensure_future(self._settle())
         await asyncio.shield(self._started)  # a cancelled run must not cancel the others' wait
-
-    @contextlib.asynccontextmanager
-    async def _holding(self, ranks: Iterable[int]) -> AsyncIterator[None]:
-        """The ranks' locks, taken in rank order (so two holders never wait on each other)."""
-        async with contextlib.AsyncExitStack() as stack:
-            for rank in sorted(set(ranks) & self._locks.keys()):
-                await stack.enter_async_context(self._locks[rank])
-            yield
 
     async def _settle(self, ranks: Iterable[int] | None = None) -> None:
         """Wait while NCCL is still setting communicators up (init, or a group's launch
@@ -613,7 +660,7 @@ class NcclCommunicator:
         so nothing waits for it elsewhere."""
         if entry.adds:
             self._flush()  # what gathered before it goes first
-            self._spawn(self._launch_batch([entry]))
+            self._spawn(self._launch_batch([entry], self._turns.take(entry.touched)))
         else:
             if not self._batch:
                 asyncio.get_running_loop().call_soon(self._flush)
@@ -623,21 +670,22 @@ class NcclCommunicator:
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         if batch:
-            self._spawn(self._launch_batch(batch))
+            self._spawn(self._launch_batch(batch, self._turns.take(
+                {rank for entry in batch for rank in entry.touched})))
 
     def _spawn(self, work: Coroutine[None, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _launch_batch(self, batch: list[_Launch]) -> None:
+    async def _launch_batch(self, batch: list[_Launch], turn: _Turn) -> None:
         """The launch, under its ranks' locks from before NCCL is called until their state is
         ncclSuccess again: only then are the kernels on the streams (a non-blocking group
         end may return ncclInProgress and enqueue them later, from NCCL's own thread), so
         only then may the add kernels and the done events follow them there."""
-        ranks = sorted({rank for entry in batch for rank in entry.touched})
+        ranks = turn.ranks
         try:
-            async with self._holding(ranks):
+            async with turn:
                 self._check()
                 await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
                 self._register_pending(ranks)
@@ -753,7 +801,7 @@ class NcclCommunicator:
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
         ranks = list(ranks)
-        async with self._holding(ranks):  # no work on a stream during its rank's launch
+        async with self._turns.take(ranks):  # no work on a stream during its rank's launch
             events = self._record_completion(ranks)
         await self._wait_for(events)
 

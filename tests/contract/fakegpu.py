@@ -132,6 +132,7 @@ class FakeGpu:
         # (src, dst) pairs NCCL has yet to connect: a send's launch stays in progress until
         # the receiver launches its side (NCCL's runtime connect)
         self.lazy_connect: set[tuple[int, int]] = set()
+        self.p2p_log: list[tuple[str, int, int]] = []  # each send and recv NCCL was given, in order
         self._connecting: dict[int, tuple[int, int]] = {}
         self.broken_reason: str | None = None  # set: a sticky CUDA error, as BindingsGpu reports it
         self.released_on: list[tuple[Origin, str]] = []  # each release: the memory's origin, the thread
@@ -568,6 +569,7 @@ class FakeGpu:
         self._collective(comm, stream, "broadcast", (send, recv, count, dtype, root))
 
     def _p2p(self, comm_id: int, stream: int, kind: str, src: int, dst: int, args: tuple[Any, ...]) -> None:
+        self.p2p_log.append((kind, src, dst))
         if (src, dst) in self.lazy_connect:  # NCCL connects a new pair at its first launch
             if kind == "send":
                 self._connecting[comm_id] = (src, dst)  # the sender waits for the receiver's side

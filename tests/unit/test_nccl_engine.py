@@ -13,7 +13,17 @@ import numpy as np
 import pytest
 
 from commd.cluster import Inbox
-from commd.engine.base import EMPTY, NO_TAG, AllReduceOp, BarrierOp, CallTag, Order, RecvOp, SendOp
+from commd.engine.base import (
+    EMPTY,
+    NO_TAG,
+    AllReduceOp,
+    BarrierOp,
+    CallTag,
+    Order,
+    RecvOp,
+    SendOp,
+    TransferOp,
+)
 from commd.engine.gpu import Origin
 from commd.engine.nccl import NcclCommunicator, NcclEngine, NcclEvents, NcclMapping, NcclRegion, StuckWatch
 from commd.errors import CallError
@@ -474,6 +484,41 @@ async def test_a_launch_still_connecting_holds_back_only_its_own_ranks() -> None
         await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
         await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
         assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_ranks_calls_reach_nccl_in_the_order_they_matched() -> None:
+    """Rank 0's send to rank 2 (elsewhere) is still connecting; a transfer from 0 to 1,
+    then rank 1's send to 2, follow. The transfer waits for rank 0; rank 1's send, which
+    matched after it, must not pass it on rank 1 (a peer expects rank 1's calls in that
+    order): each rank's calls keep their order, whatever else the first waits for."""
+    gpu = FakeGpu(devices=3)
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
+        gpu.lazy_connect = {(0, 2)}
+        buf = [ipc_mapping(a, gpu, bytes([65 + r]) * 4, device=r).region(0, 4) for r in (0, 1)]
+        there = [ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4) for _ in range(2)]
+        landing = ipc_mapping(a, gpu, b"." * 4, device=1).region(0, 4)
+        runs = [asyncio.ensure_future(ca.run(SendOp(0, 2, buf[0], NO_TAG)))]
+        await asyncio.sleep(0.05)  # connecting
+        runs.append(asyncio.ensure_future(ca.run(TransferOp(0, buf[0], 1, landing))))
+        await asyncio.sleep(0)
+        runs.append(asyncio.ensure_future(ca.run(SendOp(1, 2, buf[1], NO_TAG))))
+        await asyncio.sleep(0.1)
+        on_rank_1 = [(kind, src, dst) for kind, src, dst in gpu.p2p_log if 1 in (src, dst)]
+        assert on_rank_1 == []  # the transfer waits for rank 0, and rank 1's send behind it
+        await asyncio.wait_for(cb.run(RecvOp(0, 2, there[0], NO_TAG)), 5)
+        await asyncio.wait_for(cb.run(RecvOp(1, 2, there[1], NO_TAG)), 5)
+        await asyncio.wait_for(asyncio.gather(*runs), 5)
+        log = gpu.p2p_log
+        assert log.index(("recv", 0, 1)) < log.index(("send", 1, 2))  # rank 1: the transfer first
+        assert [gpu.read(r.ptr, 4) for r in (*there, landing)] == [b"AAAA", b"BBBB", b"AAAA"]
     finally:
         a.close()
         b.close()
