@@ -306,7 +306,7 @@ class _Held:
 class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
-    launches_in_order = True  # see _ready and _launch_soon
+    launches_in_order = True  # see run and _launch_soon
 
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
                  stuck: StuckWatch, world: str, world_size: int, local_ranks: Sequence[int],
@@ -343,7 +343,6 @@ class NcclCommunicator:
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
         self._running = 0
-        self._started: asyncio.Future[None] | None = None  # the first settle (see _ready)
         self._streams: dict[int, int] = {}
         self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
         self._scratch: dict[int, NcclMapping] = {}
@@ -375,8 +374,10 @@ class NcclCommunicator:
         return False  # every op goes to the device, and its completion is awaited off the loop
 
     async def run(self, op: EngineOp, order: Order | None = None) -> None:
+        # Nothing is awaited before the op joins a launch: launches form in the order the
+        # ops matched, which NCCL needs on every rank. (The init's settling is the first
+        # launch's: _launch_batch settles its ranks before it calls NCCL.)
         self._check()
-        await self._ready()  # a fresh communicator finishes its (non-blocking) init first
         adds = self._add_plan(op)
         calls = self._calls(op) if not adds else self._exchanges(adds)
         touched = sorted({rank for rank, _ in calls})
@@ -559,14 +560,6 @@ class NcclCommunicator:
     def _check(self) -> None:
         if self._aborted:
             raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
-
-    async def _ready(self) -> None:
-        """Until the communicators are set up, every run waits on one future, so they go on
-        in the order they came (and reach the launch batch in that order); after that,
-        without suspending at all."""
-        if self._started is None:
-            self._started = asyncio.ensure_future(self._settle())
-        await asyncio.shield(self._started)  # a cancelled run must not cancel the others' wait
 
     async def _settle(self, ranks: Iterable[int] | None = None) -> None:
         """Wait while NCCL is still setting communicators up (init, or a group's launch

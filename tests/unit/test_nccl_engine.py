@@ -24,7 +24,7 @@ from commd.engine.base import (
     SendOp,
     TransferOp,
 )
-from commd.engine.gpu import Origin
+from commd.engine.gpu import CommState, Origin
 from commd.engine.nccl import NcclCommunicator, NcclEngine, NcclEvents, NcclMapping, NcclRegion, StuckWatch
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
@@ -484,6 +484,42 @@ async def test_a_launch_still_connecting_holds_back_only_its_own_ranks() -> None
         await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
         await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
         assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_ops_launch_in_the_order_they_started_while_the_init_settles() -> None:
+    """Ops 1 and 2 start while the communicator still initialises, op 3 in the very turn
+    its init settles: NCCL must get them 1, 2, 3 (the other daemon's rank calls them in
+    that order), or the sums pair the wrong buffers."""
+    gpu = FakeGpu(devices=2, init_polls=3)
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 2, [0], devices={0: 0}, unique_id=uid)
+        cb = b.communicator("w", 1, 2, [1], devices={1: 1}, unique_id=uid)
+        mine = [ipc_mapping(a, gpu, bytes([v]) * 4).region(0, 4) for v in (1, 2, 3)]
+        theirs = [ipc_mapping(b, gpu, bytes([v]) * 4, device=1).region(0, 4) for v in (10, 20, 30)]
+        runs: list[asyncio.Future[None]] = []
+        polled = gpu.comm_state
+        comm_0 = ca._comms[0]
+        third: list[asyncio.Future[None]] = []
+
+        def state(comm: int) -> tuple[CommState, str]:
+            got = polled(comm)
+            if comm == comm_0 and got[0] is CommState.READY and not third:  # op 3 starts now
+                third.append(asyncio.ensure_future(ca.run(AllReduceOp({0: mine[2]}, DType.U8, ReduceOp.SUM))))
+            return got
+
+        gpu.comm_state = state  # type: ignore[method-assign]
+        runs += [asyncio.ensure_future(ca.run(AllReduceOp({0: mine[i]}, DType.U8, ReduceOp.SUM)))
+                 for i in (0, 1)]
+        for i in range(3):
+            runs.append(asyncio.ensure_future(cb.run(AllReduceOp({1: theirs[i]}, DType.U8, ReduceOp.SUM))))
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.gather(*runs, *third), 5)
+        assert [gpu.read(r.ptr, 1)[0] for r in mine] == [11, 22, 33]
     finally:
         a.close()
         b.close()
