@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proto import DType, ErrorCode, MemKind, ReduceOp
@@ -293,6 +293,9 @@ class _Launch:
     adds: list[tuple[int, NcclRegion, NcclRegion]]
     touched: list[int]
     launched: asyncio.Future[None]
+    # the events recorded behind the op at its launch, in its turn: one recorded later
+    # would follow whatever launched meanwhile, and wait for it (see _launch_batch)
+    completion: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,22 +387,24 @@ class NcclCommunicator:
         held = _Held(_regions(op) + [scratch for _, _, scratch in adds],
                      [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
         self._hold(held)
+        entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future())
         launched = False
         try:
             launched = True  # from here work may be on the streams, even if the launch fails
-            await self._launch_soon(_Launch(calls, order, adds, touched,
-                                            asyncio.get_running_loop().create_future()))
+            await self._launch_soon(entry)
             verdict = self._compare(op)
         except BaseException:
             try:
                 if launched:  # stop what was queued; the memory goes once the device let go of it
+                    for rank, event in entry.completion.items():  # not waited on: reusable
+                        self._free_events[rank].append(event)
                     self.abort()
                     with contextlib.suppress(Exception):
                         await asyncio.shield(self._complete(touched))
             finally:
                 self._let_go(held)  # also when cancelled once more meanwhile
             raise
-        finished = self._finish(touched, verdict, held)
+        finished = self._finish(touched, entry.completion, verdict, held)
         if order is None or not order.early:
             await finished
             return
@@ -408,13 +413,13 @@ class NcclCommunicator:
         self._later.add(task)
         task.add_done_callback(self._landed)
 
-    async def _finish(self, touched: list[int], verdict: Coroutine[None, None, None] | None,
-                      held: _Held) -> None:
+    async def _finish(self, touched: list[int], events: dict[int, int],
+                      verdict: Coroutine[None, None, None] | None, held: _Held) -> None:
         try:
             if verdict is None:
-                await self._complete(touched)
+                await self._wait_for(events)
             else:
-                await self._complete_unless_mismatched(touched, verdict)
+                await self._complete_unless_mismatched(events, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         except asyncio.CancelledError:
             # Given up with the op still queued: stop the device before its memory goes.
@@ -687,6 +692,7 @@ class NcclCommunicator:
                 for entry in batch:
                     self._launch_adds(entry.adds)
                     self._record_done(entry)
+                    entry.completion.update(self._record_completion(entry.touched))
         except BaseException as exc:  # whatever it was, every op of the batch must hear of it
             code, message = (exc.code, exc.message) if isinstance(exc, CallError) else (
                 ErrorCode.ENGINE, f"NCCL launch failed: {type(exc).__name__}: {exc}")
@@ -771,12 +777,12 @@ class NcclCommunicator:
 
         return compare()
 
-    async def _complete_unless_mismatched(self, ranks: Iterable[int],
+    async def _complete_unless_mismatched(self, events: dict[int, int],
                                           verdict: Coroutine[None, None, None]) -> None:
-        """Wait for the device and for the members' fingerprints. On a mismatch NCCL may
-        wait forever (or run calls that differ): abort it, and let go of the memory only
-        once the device is done with it."""
-        device = asyncio.ensure_future(self._complete(ranks))
+        """Wait for the device (the op's completion `events`) and for the members'
+        fingerprints. On a mismatch NCCL may wait forever (or run calls that differ): abort
+        it, and let go of the memory only once the device is done with it."""
+        device = asyncio.ensure_future(self._wait_for(events))
         compared = asyncio.ensure_future(verdict)
         try:
             await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)

@@ -525,6 +525,39 @@ async def test_ops_launch_in_the_order_they_started_while_the_init_settles() -> 
         b.close()
 
 
+async def test_an_ops_completion_does_not_wait_for_what_launched_after_it() -> None:
+    """Ranks 0 and 1 here, 2 elsewhere. All three sum C; rank 1 then sends to 2 (answered
+    early); rank 0 waits for its C, then sends to 2; rank 2 receives from 0, then from 1.
+    C's completion must be recorded behind C itself: recorded when C's run came back to
+    it, it sat behind rank 1's send, which waits for rank 2, which waits for rank 0."""
+    gpu = FakeGpu(devices=3)
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
+        c = {r: ipc_mapping(a, gpu, bytes([r + 1]) * 4, device=r).region(0, 4) for r in (0, 1)}
+        c2 = ipc_mapping(b, gpu, b"\x04" * 4, device=2).region(0, 4)
+        x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
+        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
+        got = [ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4) for _ in range(2)]
+        summed = asyncio.ensure_future(ca.run(AllReduceOp(c, DType.U8, ReduceOp.SUM)))
+        there = asyncio.ensure_future(cb.run(AllReduceOp({2: c2}, DType.U8, ReduceOp.SUM)))
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
+        await asyncio.wait_for(there, 5)
+        await asyncio.wait_for(summed, 5)  # rank 0's synchronous sum returns
+        first = asyncio.ensure_future(ca.run(SendOp(0, 2, x, NO_TAG)))
+        await asyncio.wait_for(cb.run(RecvOp(0, 2, got[0], NO_TAG)), 5)
+        await asyncio.wait_for(cb.run(RecvOp(1, 2, got[1], NO_TAG)), 5)
+        await asyncio.wait_for(asyncio.gather(later, first), 5)
+        assert [gpu.read(r.ptr, 4) for r in (c[0], c2, *got)] == [b"\x07" * 4, b"\x07" * 4, b"XXXX", b"ZZZZ"]
+    finally:
+        a.close()
+        b.close()
+
+
 async def test_a_ranks_calls_reach_nccl_in_the_order_they_matched() -> None:
     """Rank 0's send to rank 2 (elsewhere) is still connecting; a transfer from 0 to 1,
     then rank 1's send to 2, follow. The transfer waits for rank 0; rank 1's send, which
