@@ -337,11 +337,12 @@ class NcclCommunicator:
         self._batch: list[_Launch] = []
         # A non-blocking communicator takes no NCCL call, and its stream no work, from a
         # launch (or its init) until its state reads ncclSuccess again: everything that
-        # calls NCCL on a rank's communicator or queues work on its stream holds the rank's
-        # lock until then (see _launch_batch). One per rank, not one for all: a launch still
-        # in progress (NCCL connecting to a peer that has yet to post its side) must not
-        # hold back another rank's, which that peer may be waiting for first.
+        # calls NCCL on a rank's communicator or queues work on its stream does it in the
+        # rank's turn, until then (see _launch_batch, _Turns). Per rank, not for all: a
+        # launch still in progress (NCCL connecting to a peer that has yet to post its
+        # side) must not hold back another rank's, which that peer may be waiting for first.
         self._turns = _Turns(self._ranks)
+        self._launches = dict.fromkeys(self._ranks, 0)  # launches per rank (see _deregister_pending)
         self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
@@ -500,19 +501,27 @@ class NcclCommunicator:
         if not self._deregistering:  # one drain takes every deregistration asked by then
             self._deregistering = True
             self._running += 1
-            self._spawn(self._deregister_pending(self._turns.take(self._ranks)))
+            self._spawn(self._deregister_pending())
 
-    async def _deregister_pending(self, turn: _Turn) -> None:
-        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once every
-        op queued so far finished, with every rank's lock held throughout, so no launch
-        comes between (nor between the ranks' deregistrations: NCCL must see all of them
-        or none in an op)."""
+    async def _deregister_pending(self) -> None:
+        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
+        ops queued on those ranks finished. That wait holds no turn (an op there may wait
+        for a peer that waits for another launch of ours); if anything launched on those
+        ranks meanwhile, it drains again. The ranks' deregistrations then go together in
+        one turn (NCCL must see all of a world's registrations or none in an op)."""
         try:
-            async with turn:
-                while self._to_deregister and not self._aborted:
-                    await self._wait_for(self._record_completion(self._ranks))
-                    await self._settle(self._ranks)
-                    pending, self._to_deregister = self._to_deregister, []
+            while self._to_deregister and not self._aborted:
+                ranks = sorted({rank for rank, _, _ in self._to_deregister})
+                async with self._turns.take(ranks):
+                    drained = self._record_completion(ranks)
+                    seen = {rank: self._launches[rank] for rank in ranks}
+                await self._wait_for(drained)
+                async with self._turns.take(ranks):
+                    if any(self._launches[rank] != seen[rank] for rank in ranks):
+                        continue  # something launched there meanwhile: wait for that too
+                    await self._settle(ranks)
+                    pending = [p for p in self._to_deregister if p[0] in ranks]
+                    self._to_deregister = [p for p in self._to_deregister if p[0] not in ranks]
                     for rank, handle, region in pending:
                         try:
                             self._gpu.use_device(self._devices[rank])
@@ -532,7 +541,7 @@ class NcclCommunicator:
             self._maybe_teardown()
 
     def _register_pending(self, ranks: Iterable[int]) -> None:
-        """The registrations waiting for these ranks' communicators (their locks held)."""
+        """The registrations waiting for these ranks' communicators (in their turn)."""
         wanted = set(ranks)
         pending = {which: region for which, region in self._to_register.items() if which[0] in wanted}
         for which in pending:
@@ -677,7 +686,7 @@ class NcclCommunicator:
         task.add_done_callback(self._tasks.discard)
 
     async def _launch_batch(self, batch: list[_Launch], turn: _Turn) -> None:
-        """The launch, under its ranks' locks from before NCCL is called until their state is
+        """The launch, in its ranks' turn from before NCCL is called until their state is
         ncclSuccess again: only then are the kernels on the streams (a non-blocking group
         end may return ncclInProgress and enqueue them later, from NCCL's own thread), so
         only then may the add kernels and the done events follow them there."""
@@ -687,6 +696,8 @@ class NcclCommunicator:
                 self._check()
                 await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
                 self._register_pending(ranks)
+                for rank in ranks:
+                    self._launches[rank] += 1
                 self._launch([(entry.calls, entry.order) for entry in batch])
                 await self._settle(ranks)
                 for entry in batch:

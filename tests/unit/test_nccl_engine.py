@@ -558,6 +558,39 @@ async def test_an_ops_completion_does_not_wait_for_what_launched_after_it() -> N
         b.close()
 
 
+async def test_a_deregistration_holds_no_rank_while_it_waits_for_the_device() -> None:
+    """Rank 0's receive from rank 2 is queued; rank 0's worker drops a registered buffer;
+    rank 1 sends to 2, which rank 2 receives before it sends to 0. The deregistration
+    waits for rank 0's receive, but rank 1's send must launch meanwhile."""
+    gpu = FakeGpu(devices=3)
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+        ca.register(0, 7, ipc_mapping(a, gpu, b"R" * 4).region(0, 4))
+        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
+        assert len(gpu.registered) == 1
+        landing = ipc_mapping(a, gpu, b"." * 4).region(0, 4)
+        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
+        got, y = (ipc_mapping(b, gpu, data * 4, device=2).region(0, 4) for data in (b".", b"Y"))
+        received = asyncio.ensure_future(ca.run(RecvOp(2, 0, landing, NO_TAG)))
+        await asyncio.sleep(0.05)
+        ca.deregister(0, 7)
+        await asyncio.sleep(0)
+        sent = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
+        await asyncio.wait_for(cb.run(RecvOp(1, 2, got, NO_TAG)), 5)
+        await asyncio.wait_for(cb.run(SendOp(2, 0, y, NO_TAG)), 5)
+        await asyncio.wait_for(asyncio.gather(received, sent), 5)
+        await until(lambda: gpu.registered == {})
+        assert (gpu.read(landing.ptr, 4), gpu.read(got.ptr, 4)) == (b"YYYY", b"ZZZZ")
+        assert gpu.violations == []
+        await until(lambda: not ca.busy())
+    finally:
+        a.close()
+        b.close()
+
+
 async def test_a_ranks_calls_reach_nccl_in_the_order_they_matched() -> None:
     """Rank 0's send to rank 2 (elsewhere) is still connecting; a transfer from 0 to 1,
     then rank 1's send to 2, follow. The transfer waits for rank 0; rank 1's send, which
