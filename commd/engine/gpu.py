@@ -209,11 +209,19 @@ _UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
 _STICKY = frozenset({700, 714, 715, 716, 717, 718, 719})
 
 
+MIN_NCCL_VERSION = 22700  # 2.27: a group job per non-blocking group (older ones share one per thread)
+
+
 def load() -> Gpu:
-    """The real thing, or GpuError saying what is missing (no bindings, no driver, no GPU)."""
+    """The real thing, or GpuError saying what is missing (no bindings, no driver, no GPU,
+    an NCCL too old: the engine has several non-blocking groups in progress at once, which
+    NCCL before 2.27 cannot keep apart)."""
     gpu = BindingsGpu()
     if gpu.device_count() < 1:
         raise GpuError("the CUDA driver sees no GPU")
+    version = gpu.nccl_version()
+    if version < MIN_NCCL_VERSION:
+        raise GpuError(f"NCCL {version // 10000}.{version // 100 % 100}.{version % 100} is older than 2.27")
     return gpu
 
 
@@ -281,6 +289,10 @@ class BindingsGpu:
 
     def device_count(self) -> int:
         return int(self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+    def nccl_version(self) -> int:
+        """The loaded libnccl's version code (2.27.3 is 22703)."""
+        return int(self._nccl_call("ncclGetVersion", self._nccl.get_version))
 
     def device_uuid(self, device: int) -> bytes:
         dev = self._check(self._cu.cuDeviceGet(device), "cuDeviceGet")

@@ -400,10 +400,10 @@ class NcclCommunicator:
                     for rank, event in entry.completion.items():  # not waited on: reusable
                         self._free_events[rank].append(event)
                     self.abort()
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(BaseException):  # as in _finish: its error is raised below
                         await asyncio.shield(self._complete(touched))
             finally:
-                self._let_go(held)  # also when cancelled once more meanwhile
+                self._let_go(held)
             raise
         finished = self._finish(touched, entry.completion, verdict, held)
         if order is None or not order.early:

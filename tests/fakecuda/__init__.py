@@ -139,6 +139,7 @@ class AbiDevice:
         self._next_program = 0x9000
         self.compile_error: bytes | None = None  # set: NVRTC fails with this log
         self.fail_with: dict[str, int] = {}  # call -> the result it answers from now on
+        self.nccl_version = 23203  # what ncclGetVersion answers (2.32.3)
         self.nccl_cumem = True  # False: ncclMemAlloc gives cudaMalloc memory (NCCL_CUMEM_ENABLE=0)
         self._nccl_memory: set[int] = set()
 
@@ -611,6 +612,9 @@ class AbiDevice:
         """NCCL's last error of the whole process, whatever `comm` (its docs: "currently
         unused"), kept until the next: it may be about another call."""
         self._text(self._nccl_last_error, out, size)
+
+    def ncclGetVersion(self, out: int) -> None:
+        _put(out, ctypes.c_int, self.nccl_version)
 
     def ncclGetUniqueId(self, out: int) -> None:
         ctypes.memmove(out, self.gpu.unique_id(), 128)

@@ -229,7 +229,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint
 }
 
 /* ---- NCCL ------------------------------------------------------------------------ */
-ncclResult_t ncclGetVersion(int *version) { *version = 23203; return 0; }
+ncclResult_t ncclGetVersion(int *version) { CALL("ncclGetVersion", U(version)); }
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) { CALL("ncclGetUniqueId", U(id)); }
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
                                     ncclConfig_t *config) {

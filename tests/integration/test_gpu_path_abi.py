@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 from client import CommError, DaemonBackend, EngineError, MisuseError, WorldFailed
+from commd.engine import create_engine
 from commd.engine.gpu import BindingsGpu, GpuError
+from commd.errors import ConfigError
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
@@ -559,3 +561,17 @@ def test_a_sticky_cuda_error_marks_the_engine_broken(daemon: GpuDaemon, device: 
         with pytest.raises(WorldFailed, match="illegal memory access"):
             comm.all_reduce(ptr, 8, dtype="u8")
     assert daemon.engine.broken() == "cuEventSynchronize: an illegal memory access was encountered"
+
+
+def test_an_nccl_older_than_2_27_is_refused(device: fakecuda.AbiDevice) -> None:
+    """The engine keeps several non-blocking groups in progress at once; NCCL before 2.27
+    shares one group job per thread, so it is refused: `--engine nccl` says why, `auto`
+    falls back to the host engine."""
+    device.nccl_version = 22602
+    with pytest.raises(ConfigError, match=r"NCCL 2\.26\.2 is older than 2\.27"):
+        create_engine("nccl")
+    engine = create_engine("auto")
+    try:
+        assert engine.name == "host"
+    finally:
+        engine.close()
