@@ -960,10 +960,13 @@ class NcclEngine:
     name = "nccl"
     memory_kinds = frozenset({MemKind.CUDA_IPC, MemKind.CUDA_VMM})
 
-    def __init__(self, gpu: Gpu, waiters: int = 8, stuck: StuckWatch | None = None) -> None:
+    def __init__(self, gpu: Gpu, waiters: int = 64, stuck: StuckWatch | None = None) -> None:
         self.gpu = gpu
         self._stuck = stuck if stuck is not None else StuckWatch()
-        # Threads that block in cuEventSynchronize, one per op awaited at once.
+        # Threads that block in cuEventSynchronize, one per rank of each op awaited at once,
+        # shared by every world: enough that ops answered early (still on the device) or
+        # stuck in one world do not hold up completions in another. They sleep while they
+        # wait (the events are BLOCKING_SYNC), so idle ones cost little.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
         self._freer = Freer(gpu)
