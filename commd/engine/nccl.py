@@ -186,6 +186,7 @@ class NcclMapping(_UsedByOps):
     def __init__(self, freer: Freer, memory: Imported) -> None:
         super().__init__(self._release)
         self._freer = freer
+        self.launches = 0  # ops launched on it (a deregistration's drain watches this)
         self._memory: Imported | None = memory
         self._size = memory.size
         self._device = memory.device
@@ -293,6 +294,7 @@ class _Launch:
     adds: list[tuple[int, NcclRegion, NcclRegion]]
     touched: list[int]
     launched: asyncio.Future[None]
+    mappings: list[NcclMapping]  # the memory it uses
     # the events recorded behind the op at its launch, in its turn: one recorded later
     # would follow whatever launched meanwhile, and wait for it (see _launch_batch)
     completion: dict[int, int] = field(default_factory=dict)
@@ -342,7 +344,6 @@ class NcclCommunicator:
         # launch still in progress (NCCL connecting to a peer that has yet to post its
         # side) must not hold back another rank's, which that peer may be waiting for first.
         self._turns = _Turns(self._ranks)
-        self._launches = dict.fromkeys(self._ranks, 0)  # launches per rank (see _deregister_pending)
         self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
@@ -388,7 +389,8 @@ class NcclCommunicator:
         held = _Held(_regions(op) + [scratch for _, _, scratch in adds],
                      [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
         self._hold(held)
-        entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future())
+        entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future(),
+                        [region.mapping for region in held.regions])
         launched = False
         try:
             launched = True  # from here work may be on the streams, even if the launch fails
@@ -505,23 +507,25 @@ class NcclCommunicator:
 
     async def _deregister_pending(self) -> None:
         """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
-        ops queued on those ranks finished. That wait holds no turn (an op there may wait
-        for a peer that waits for another launch of ours); if anything launched on those
-        ranks meanwhile, it drains again. The ranks' deregistrations then go together in
-        one turn (NCCL must see all of a world's registrations or none in an op)."""
+        ops queued so far finished, on every local rank (a peer's kernel may still read the
+        buffer after its owner's ended). That wait holds no turn (an op may wait for a peer
+        that waits for another launch of ours); if an op launched on one of these buffers
+        meanwhile, it drains again (a buffer in constant use stays registered until it
+        rests). The deregistrations then go together in one turn (NCCL must see all of a
+        world's registrations or none in an op)."""
         try:
             while self._to_deregister and not self._aborted:
-                ranks = sorted({rank for rank, _, _ in self._to_deregister})
-                async with self._turns.take(ranks):
-                    drained = self._record_completion(ranks)
-                    seen = {rank: self._launches[rank] for rank in ranks}
+                pending = list(self._to_deregister)
+                async with self._turns.take(self._ranks):
+                    drained = self._record_completion(self._ranks)
+                seen = [region.mapping.launches for _, _, region in pending]
                 await self._wait_for(drained)
+                ranks = sorted({rank for rank, _, _ in pending})
                 async with self._turns.take(ranks):
-                    if any(self._launches[rank] != seen[rank] for rank in ranks):
-                        continue  # something launched there meanwhile: wait for that too
+                    if [region.mapping.launches for _, _, region in pending] != seen:
+                        continue  # one of them was launched on meanwhile: wait for that too
                     await self._settle(ranks)
-                    pending = [p for p in self._to_deregister if p[0] in ranks]
-                    self._to_deregister = [p for p in self._to_deregister if p[0] not in ranks]
+                    self._to_deregister = [p for p in self._to_deregister if p not in pending]
                     for rank, handle, region in pending:
                         try:
                             self._gpu.use_device(self._devices[rank])
@@ -637,6 +641,7 @@ class NcclCommunicator:
         mapping = self._exchange.get(rank)
         if mapping is None or mapping.size < nbytes:
             if mapping is not None:
+                del self._exchange[rank]  # (an allocation failing next leaves none, not a closed one)
                 mapping.close()  # let go once the ops that use it are done
             mapping = self._exchange[rank] = NcclMapping(self._freer, self._alloc(nbytes, rank))
         return mapping.region(0, nbytes)
@@ -667,7 +672,8 @@ class NcclCommunicator:
         so nothing waits for it elsewhere."""
         if entry.adds:
             self._flush()  # what gathered before it goes first
-            self._spawn(self._launch_batch([entry], self._turns.take(entry.touched)))
+            turn = self._turns.take(entry.touched)
+            self._spawn(self._launch_batch([entry], turn), turn)
         else:
             if not self._batch:
                 asyncio.get_running_loop().call_soon(self._flush)
@@ -677,13 +683,15 @@ class NcclCommunicator:
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         if batch:
-            self._spawn(self._launch_batch(batch, self._turns.take(
-                {rank for entry in batch for rank in entry.touched})))
+            turn = self._turns.take({rank for entry in batch for rank in entry.touched})
+            self._spawn(self._launch_batch(batch, turn), turn)
 
-    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+    def _spawn(self, work: Coroutine[None, None, None], turn: _Turn | None = None) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if turn is not None:  # cancelled before it began, it would keep its place for ever
+            task.add_done_callback(lambda _task: self._turns.leave(turn))
 
     async def _launch_batch(self, batch: list[_Launch], turn: _Turn) -> None:
         """The launch, in its ranks' turn from before NCCL is called until their state is
@@ -696,8 +704,9 @@ class NcclCommunicator:
                 self._check()
                 await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
                 self._register_pending(ranks)
-                for rank in ranks:
-                    self._launches[rank] += 1
+                for entry in batch:
+                    for mapping in entry.mappings:
+                        mapping.launches += 1
                 self._launch([(entry.calls, entry.order) for entry in batch])
                 await self._settle(ranks)
                 for entry in batch:
@@ -843,22 +852,22 @@ class NcclCommunicator:
             loop = asyncio.get_running_loop()
             for rank, event in events.items():
                 if waits[rank].done():  # returned, or cancelled before its thread took it
-                    self._free_events[rank].append(event)
+                    self._event_back_now(rank, event)
                 else:
                     waits[rank].add_done_callback(functools.partial(self._event_back, loop, rank, event))
 
     def _event_back(self, loop: asyncio.AbstractEventLoop, rank: int, event: int, _wait: object) -> None:
         """(On the helper thread.) A completion event whose waiting thread is done: reused,
         or destroyed when the streams were torn down meanwhile."""
-        def back() -> None:
-            if rank in self._streams:
-                self._free_events[rank].append(event)
-            else:
-                with contextlib.suppress(GpuError):
-                    self._gpu.event_destroy(event)
-
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
-            loop.call_soon_threadsafe(back)
+            loop.call_soon_threadsafe(self._event_back_now, rank, event)
+
+    def _event_back_now(self, rank: int, event: int) -> None:
+        if rank in self._streams:
+            self._free_events[rank].append(event)
+        else:  # torn down meanwhile
+            with contextlib.suppress(GpuError):
+                self._gpu.event_destroy(event)
 
     def _calls(self, op: EngineOp) -> list[tuple[int, Callable[[int, int], None]]]:
         """Each local rank's NCCL call for the op (in place where the op is)."""
@@ -912,8 +921,10 @@ class NcclCommunicator:
             region.mapping.let_go()
         for rank, stream in self._streams.items():
             for event in self._free_events.get(rank, ()):
-                self._gpu.event_destroy(event)
-            self._gpu.stream_destroy(stream)
+                with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
+                    self._gpu.event_destroy(event)
+            with contextlib.suppress(GpuError):
+                self._gpu.stream_destroy(stream)
         self._streams.clear()
         self._free_events = {r: [] for r in self._ranks}
         for mapping in [*self._scratch.values(), *self._exchange.values()]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -589,6 +590,42 @@ async def test_a_deregistration_holds_no_rank_while_it_waits_for_the_device() ->
     finally:
         a.close()
         b.close()
+
+
+async def test_a_deregistration_goes_through_while_other_buffers_keep_the_ranks_busy(gpu: FakeGpu) -> None:
+    """Ops on other buffers keep both ranks launching; the deregistration waits only for
+    what used its own buffer, so it does not wait for the traffic to stop."""
+    engine = NcclEngine(gpu)
+    waited = gpu.event_wait
+
+    def slow_wait(event: int, device: int) -> None:
+        time.sleep(0.002)  # the device's time for an op
+        waited(event, device)
+
+    gpu.event_wait = slow_wait  # type: ignore[method-assign]
+    stop = False
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        comm.register(0, 7, ipc_mapping(engine, gpu, b"R" * 4).region(0, 4))
+        await comm.run(BarrierOp((0, 1)))
+        assert len(gpu.registered) == 1
+
+        async def traffic() -> None:
+            bufs = {r: ipc_mapping(engine, gpu, b"\x01" * 4, device=r).region(0, 4) for r in (0, 1)}
+            while not stop:
+                await comm.run(AllReduceOp(bufs, DType.U8, ReduceOp.MAX))
+
+        loops = [asyncio.ensure_future(traffic()) for _ in range(4)]
+        await asyncio.sleep(0.1)
+        comm.deregister(0, 7)
+        await until(lambda: gpu.registered == {}, timeout=2)
+        assert not any(loop.done() for loop in loops)  # the traffic went on all along
+        stop = True
+        await asyncio.wait_for(asyncio.gather(*loops), 5)
+        assert gpu.violations == []
+    finally:
+        stop = True
+        engine.close()
 
 
 async def test_a_ranks_calls_reach_nccl_in_the_order_they_matched() -> None:
