@@ -260,6 +260,18 @@ class PairNet:
         self.other.inbox.deliver(msg, payload)
 
 
+async def three_rank_world(gpu: FakeGpu
+                           ) -> tuple[NcclEngine, NcclEngine, NcclCommunicator, NcclCommunicator]:
+    """Ranks 0 and 1 on one daemon's engine (GPUs 0, 1), rank 2 on another's (GPU 2), one
+    world, its communicators ready (a first barrier)."""
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    uid = a.unique_id()
+    ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+    cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+    await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
+    return a, b, ca, cb
+
+
 def two_daemon_world(gpu: FakeGpu) -> tuple[NcclEngine, NcclEngine, NcclCommunicator, NcclCommunicator]:
     """Rank 0 on a root daemon's engine, rank 1 on a member's, one world: engines, then
     their communicators."""
@@ -467,12 +479,8 @@ async def test_a_launch_still_connecting_holds_back_only_its_own_ranks() -> None
     which receives from 1 before it receives from 0: rank 1's send must launch while rank
     0's is still connecting (a valid program with a process per rank)."""
     gpu = FakeGpu(devices=3)
-    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    a, b, ca, cb = await three_rank_world(gpu)
     try:
-        uid = a.unique_id()
-        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
-        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
-        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
         gpu.lazy_connect = {(0, 2)}
         x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
         z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
@@ -532,12 +540,8 @@ async def test_an_ops_completion_does_not_wait_for_what_launched_after_it() -> N
     C's completion must be recorded behind C itself: recorded when C's run came back to
     it, it sat behind rank 1's send, which waits for rank 2, which waits for rank 0."""
     gpu = FakeGpu(devices=3)
-    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    a, b, ca, cb = await three_rank_world(gpu)
     try:
-        uid = a.unique_id()
-        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
-        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
-        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
         c = {r: ipc_mapping(a, gpu, bytes([r + 1]) * 4, device=r).region(0, 4) for r in (0, 1)}
         c2 = ipc_mapping(b, gpu, b"\x04" * 4, device=2).region(0, 4)
         x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
@@ -634,12 +638,8 @@ async def test_a_ranks_calls_reach_nccl_in_the_order_they_matched() -> None:
     matched after it, must not pass it on rank 1 (a peer expects rank 1's calls in that
     order): each rank's calls keep their order, whatever else the first waits for."""
     gpu = FakeGpu(devices=3)
-    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    a, b, ca, cb = await three_rank_world(gpu)
     try:
-        uid = a.unique_id()
-        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
-        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
-        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
         gpu.lazy_connect = {(0, 2)}
         buf = [ipc_mapping(a, gpu, bytes([65 + r]) * 4, device=r).region(0, 4) for r in (0, 1)]
         there = [ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4) for _ in range(2)]
