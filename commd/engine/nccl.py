@@ -391,19 +391,14 @@ class NcclCommunicator:
         self._hold(held)
         entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future(),
                         [region.mapping for region in held.regions])
-        launched = False
         try:
-            launched = True  # from here work may be on the streams, even if the launch fails
-            await self._launch_soon(entry)
+            await self._launch_soon(entry)  # from here work may be on the streams, even if it failed
             verdict = self._compare(op)
         except BaseException:
             try:
-                if launched:  # stop what was queued; the memory goes once the device let go of it
-                    for rank, event in entry.completion.items():  # not waited on: reusable
-                        self._free_events[rank].append(event)
-                    self.abort()
-                    with contextlib.suppress(BaseException):  # as in _finish: its error is raised below
-                        await asyncio.shield(self._complete(touched))
+                for rank, event in entry.completion.items():  # not waited on: reusable
+                    self._free_events[rank].append(event)
+                await self._stop_and_drain(touched)
             finally:
                 self._let_go(held)
             raise
@@ -425,13 +420,18 @@ class NcclCommunicator:
                 await self._complete_unless_mismatched(events, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         except asyncio.CancelledError:
-            # Given up with the op still queued: stop the device before its memory goes.
-            self.abort()
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(self._complete(touched))
+            await self._stop_and_drain(touched)
             raise
         finally:
             self._let_go(held)
+
+    async def _stop_and_drain(self, touched: list[int]) -> None:
+        """An op given up with work of it perhaps still queued: stop the communicators,
+        then wait for the device before its memory goes. The caller raises its own error,
+        so this one's (and a second cancellation meanwhile) is dropped."""
+        self.abort()
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(self._complete(touched))
 
     def _landed(self, task: asyncio.Task[None]) -> None:
         """An op answered early finished: its failure is the world's (see async_error), also
@@ -672,8 +672,7 @@ class NcclCommunicator:
         so nothing waits for it elsewhere."""
         if entry.adds:
             self._flush()  # what gathered before it goes first
-            turn = self._turns.take(entry.touched)
-            self._spawn(self._launch_batch([entry], turn), turn)
+            self._launch_now([entry])
         else:
             if not self._batch:
                 asyncio.get_running_loop().call_soon(self._flush)
@@ -683,8 +682,12 @@ class NcclCommunicator:
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         if batch:
-            turn = self._turns.take({rank for entry in batch for rank in entry.touched})
-            self._spawn(self._launch_batch(batch, turn), turn)
+            self._launch_now(batch)
+
+    def _launch_now(self, batch: list[_Launch]) -> None:
+        """Its turn is taken here, at once, so launches keep the order they were asked for."""
+        turn = self._turns.take({rank for entry in batch for rank in entry.touched})
+        self._spawn(self._launch_batch(batch, turn), turn)
 
     def _spawn(self, work: Coroutine[None, None, None], turn: _Turn | None = None) -> None:
         task = asyncio.get_running_loop().create_task(work)
