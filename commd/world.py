@@ -328,7 +328,8 @@ class World:
         try:
             async with self._exec_lock if ordered else contextlib.nullcontext():
                 if engine_op is not None:
-                    await comm.run(engine_op, _order(self._arrivals(match)))
+                    arrivals = self._arrivals(match)
+                    await comm.run(engine_op, _order(arrivals), frozenset(a.ticket for a in arrivals))
         except Exception as exc:
             self._op_failed(match, exc, epoch)
             return

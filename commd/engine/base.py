@@ -180,9 +180,14 @@ class Communicator(Protocol):
         False (nothing done) if it must go through `run`. Saves a task hop per small call."""
         ...
 
-    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
         """Run one matched op to completion, or with `order.early` until it is ordered on
-        the device (a later failure is then an `async_error`); raises CallError."""
+        the device (a later failure is then an `async_error`); raises CallError.
+
+        `requests` names the client requests the op's calls came in (a worker's group is
+        one request): an engine that hands the device several ops at once joins only ops
+        that share one, as the workers grouped them (NCCL's rule, see nccl._launch_soon)."""
         ...
 
     def abort(self) -> None:

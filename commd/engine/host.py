@@ -258,7 +258,8 @@ class HostCommunicator:
             job()
         return True
 
-    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
         if self.try_inline(op):
             return
         self._check()

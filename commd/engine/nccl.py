@@ -295,6 +295,7 @@ class _Launch:
     touched: list[int]
     launched: asyncio.Future[None]
     mappings: list[NcclMapping]  # the memory it uses
+    requests: frozenset[object]  # the client requests its calls came in (see _launch_soon)
     # the events recorded behind the op at its launch, in its turn: one recorded later
     # would follow whatever launched meanwhile, and wait for it (see _launch_batch)
     completion: dict[int, int] = field(default_factory=dict)
@@ -378,7 +379,8 @@ class NcclCommunicator:
     def try_inline(self, op: EngineOp) -> bool:
         return False  # every op goes to the device, and its completion is awaited off the loop
 
-    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
         # Nothing is awaited before the op joins a launch: launches form in the order the
         # ops matched, which NCCL needs on every rank. (The init's settling is the first
         # launch's: _launch_batch settles its ranks before it calls NCCL.)
@@ -390,7 +392,7 @@ class NcclCommunicator:
                      [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
         self._hold(held)
         entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future(),
-                        [region.mapping for region in held.regions])
+                        [region.mapping for region in held.regions], requests)
         try:
             await self._launch_soon(entry)  # from here work may be on the streams, even if it failed
             verdict = self._compare(op)
@@ -661,10 +663,16 @@ class NcclCommunicator:
                               self._devices[rank], self._streams[rank])
 
     async def _launch_soon(self, entry: _Launch) -> None:
-        """Launch with every op that starts in this turn of the event loop, in one NCCL
-        group: the sends and receives of one client group (matched one by one) then pair
-        up inside NCCL, as they must: two ranks sending each other large messages in
-        separate groups would each wait for the other's receive forever.
+        """Launch at the end of this turn of the event loop, in one NCCL group with the
+        ops of this turn that came in the same client request (a worker's group, whose
+        calls match one by one, all in the turn its last rank's request arrived): its
+        sends and receives then pair up inside NCCL, as they must (two ranks sending each
+        other large messages in separate groups would each wait for the other's receive
+        forever). Ops of other requests go in groups of their own: NCCL picks a
+        collective's algorithm by what else is in its group (enqueue.cc, updateCollCostTable's
+        numPipeOps), so every daemon must group a world's collectives alike, and only the
+        workers' requests are alike everywhere; an op merged with an unrelated one would
+        also complete only with it.
 
         An add-path op launches alone: its sum lands in its buffer only with its add, after
         every NCCL call of its launch, so an op launched with it could read (or write) the
@@ -681,8 +689,8 @@ class NcclCommunicator:
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
-        if batch:
-            self._launch_now(batch)
+        for launch in _by_request(batch):
+            self._launch_now(launch)
 
     def _launch_now(self, batch: list[_Launch]) -> None:
         """Its turn is taken here, at once, so launches keep the order they were asked for."""
@@ -934,6 +942,21 @@ class NcclCommunicator:
             mapping.close()
         self._scratch.clear()
         self._exchange.clear()
+
+
+def _by_request(batch: Sequence[_Launch]) -> list[list[_Launch]]:
+    """The batch cut into launches, in order: an op joins the launch of an earlier op
+    sharing a request with it, and so does every op between them (on a rank they share,
+    NCCL must see the calls in the order they matched)."""
+    last = {request: i for i, entry in enumerate(batch) for request in entry.requests}
+    launches: list[list[_Launch]] = []
+    reach = -1  # the last op the current launch must take in
+    for i, entry in enumerate(batch):
+        if i > reach:
+            launches.append([])
+        launches[-1].append(entry)
+        reach = max(reach, i, *(last[request] for request in entry.requests))
+    return launches
 
 
 def _moves_nothing(op: EngineOp) -> bool:

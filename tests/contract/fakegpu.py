@@ -17,7 +17,7 @@ import itertools
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +60,10 @@ class _Work:
     kind: str
     args: tuple[Any, ...]
     done: bool = False
+    # the collectives of its communicator in its NCCL group: NCCL picks a collective's
+    # algorithm by them (enqueue.cc, numPipeOps), so ranks grouping one differently may
+    # run different algorithms against each other
+    aggregated: int = 1
 
 
 @dataclass
@@ -515,6 +519,11 @@ class FakeGpu:
                 # enqueue the kernels later. They reach the streams at the next state poll, so
                 # work queued on a stream before the engine waited for that comes first (wrongly).
                 self._enqueuing.append(grouped)
+                collectives = Counter(id(w.comm) for works in grouped.values() for w in works
+                                      if w.key[1] == "coll")
+                for works in grouped.values():
+                    for work in works:
+                        work.aggregated = collectives[id(work.comm)]
                 for stream, works in grouped.items():
                     for work in works:
                         work.comm.polls_left = max(work.comm.polls_left, self.launch_polls)
@@ -612,6 +621,10 @@ class FakeGpu:
             for key, works in heads.items():
                 expected = 2 if key[1] == "p2p" else works[0].comm.size
                 if len(works) == expected:
+                    if len({w.aggregated for w in works}) > 1:
+                        self.violations.append(
+                            f"collective #{key[2]} grouped with different numbers of collectives "
+                            f"across ranks: {sorted((w.comm.rank, w.aggregated) for w in works)}")
                     self._execute(works)
                     for work in works:
                         work.done = True

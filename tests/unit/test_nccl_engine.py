@@ -26,7 +26,16 @@ from commd.engine.base import (
     TransferOp,
 )
 from commd.engine.gpu import CommState, Origin
-from commd.engine.nccl import NcclCommunicator, NcclEngine, NcclEvents, NcclMapping, NcclRegion, StuckWatch
+from commd.engine.nccl import (
+    NcclCommunicator,
+    NcclEngine,
+    NcclEvents,
+    NcclMapping,
+    NcclRegion,
+    StuckWatch,
+    _by_request,
+    _Launch,
+)
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p
@@ -37,8 +46,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def gpu() -> FakeGpu:
-    return FakeGpu(devices=2, init_polls=3, multi_rank_gpu=True)
+def gpu() -> Iterator[FakeGpu]:
+    device = FakeGpu(devices=2, init_polls=3, multi_rank_gpu=True)
+    yield device
+    assert device.violations == []  # nothing a GPU would not have let pass
 
 
 @pytest.fixture
@@ -757,14 +768,87 @@ async def test_a_send_and_a_receive_started_together_pair_up_in_one_nccl_group(g
         out = [ipc_mapping(e, gpu, bytes([r + 1]) * 32).region(0, 32) for r, e in enumerate(engines)]
         into = [ipc_mapping(engine, gpu, b"\x00" * 32).region(0, 32) for engine in engines]
         launches = gpu.launches
+        group_a, group_b = frozenset({"rank 0's group"}), frozenset({"rank 1's group"})
         await asyncio.wait_for(asyncio.gather(
-            ca.run(SendOp(0, 1, out[0], NO_TAG)), ca.run(RecvOp(1, 0, into[0], NO_TAG)),
-            cb.run(SendOp(1, 0, out[1], NO_TAG)), cb.run(RecvOp(0, 1, into[1], NO_TAG))), 10)
+            ca.run(SendOp(0, 1, out[0], NO_TAG), None, group_a),
+            ca.run(RecvOp(1, 0, into[0], NO_TAG), None, group_a),
+            cb.run(SendOp(1, 0, out[1], NO_TAG), None, group_b),
+            cb.run(RecvOp(0, 1, into[1], NO_TAG), None, group_b)), 10)
         assert gpu.read(into[0].ptr, 32) == b"\x02" * 32 and gpu.read(into[1].ptr, 32) == b"\x01" * 32
         assert gpu.launches - launches == 2  # one group per daemon
     finally:
         root.close()
         member.close()
+
+
+async def test_ops_of_other_requests_started_together_launch_apart() -> None:
+    """Rank 0 sends to rank 1 (both here) and, in another request of the same turn, to
+    rank 2 (elsewhere), which has not received yet. The local transfer completes on its
+    own: merged in one NCCL group with the send, it would wait for rank 2."""
+    gpu = FakeGpu(devices=3)
+    a, b, ca, cb = await three_rank_world(gpu)
+    try:
+        x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
+        landing = ipc_mapping(a, gpu, b"." * 4, device=1).region(0, 4)
+        y = ipc_mapping(a, gpu, b"Y" * 4).region(0, 4)
+        got = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+        launches = gpu.launches
+        local = asyncio.ensure_future(ca.run(TransferOp(0, x, 1, landing), None, frozenset({"t0", "t1"})))
+        remote = asyncio.ensure_future(ca.run(SendOp(0, 2, y, NO_TAG), None, frozenset({"t2"})))
+        await asyncio.wait_for(local, 5)
+        assert gpu.read(landing.ptr, 4) == b"XXXX" and not remote.done()
+        assert gpu.launches - launches == 2
+        await asyncio.wait_for(cb.run(RecvOp(0, 2, got, NO_TAG)), 5)
+        await asyncio.wait_for(remote, 5)
+        assert gpu.read(got.ptr, 4) == b"YYYY"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+async def test_collectives_are_grouped_alike_on_every_daemon(gpu: FakeGpu, grouped: bool) -> None:
+    """Two sums reach one daemon in the same turn, the other daemon one after the other.
+    NCCL picks a collective's algorithm by what else is in its group, so both daemons
+    must group them alike: apart, unless one request of each worker holds both (then
+    both daemons see them in one turn, and group them)."""
+    root, member, ca, cb = two_daemon_world(gpu)
+    try:
+        mine = [ipc_mapping(root, gpu, bytes([v]) * 4).region(0, 4) for v in (1, 2)]
+        theirs = [ipc_mapping(member, gpu, bytes([v]) * 4).region(0, 4) for v in (10, 20)]
+        tags = [CallTag(i, "all_reduce(bytes=4, dtype=u8, op=sum)") for i in (0, 1)]
+        requests_a = [frozenset({"a"})] * 2 if grouped else [frozenset({"a0"}), frozenset({"a1"})]
+        requests_b = [frozenset({"b"})] * 2 if grouped else [frozenset({"b0"}), frozenset({"b1"})]
+        here = [asyncio.ensure_future(ca.run(AllReduceOp({0: mine[i]}, DType.U8, ReduceOp.SUM, tags[i]),
+                                             None, requests_a[i])) for i in (0, 1)]
+        there = [cb.run(AllReduceOp({1: theirs[i]}, DType.U8, ReduceOp.SUM, tags[i]), None, requests_b[i])
+                 for i in (0, 1)]
+        if grouped:
+            await asyncio.wait_for(asyncio.gather(*there), 5)
+        else:
+            for run in there:
+                await asyncio.wait_for(run, 5)
+        await asyncio.wait_for(asyncio.gather(*here), 5)
+        assert [gpu.read(r.ptr, 1)[0] for r in (*mine, *theirs)] == [11, 22, 11, 22]
+        assert gpu.violations == []
+    finally:
+        root.close()
+        member.close()
+
+
+def test_a_batch_is_cut_into_launches_by_request_keeping_its_order() -> None:
+    def entry(*requests: str) -> _Launch:
+        return _Launch([], None, [], [], asyncio.Future(loop=loop), [], frozenset(requests))
+
+    loop = asyncio.new_event_loop()
+    try:
+        a1, b, a2, c, d1, d2, e = (entry("a"), entry("b"), entry("a"), entry(), entry("d", "x"),
+                                   entry("x"), entry("e"))
+        # b lies between a's two ops: on a rank they share it must stay between them
+        assert _by_request([a1, b, a2, c, d1, d2, e]) == [[a1, b, a2], [c], [d1, d2], [e]]
+        assert _by_request([]) == []
+    finally:
+        loop.close()
 
 
 async def test_the_add_kernel_is_compiled_off_the_loop_and_used_once_loaded(engine: NcclEngine,

@@ -2,6 +2,7 @@
 
 The real source of such errors is NCCL on a GPU, which CI lacks; here the host engine's
 communicator is wrapped so that it reports one, and the world's handling is checked.
+The same wrapping shows what else the world tells an engine: which ops came in one request.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class Reporting:
     def try_inline(self, op: EngineOp) -> bool:
         return self.inner.try_inline(op)
 
-    async def run(self, op: EngineOp, order: Order | None = None) -> None:
-        await self.inner.run(op, order)
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
+        await self.inner.run(op, order, requests)
 
     def abort(self) -> None:
         self.inner.abort()
@@ -124,7 +126,8 @@ class Hanging(Reporting):
     def try_inline(self, op: EngineOp) -> bool:
         return False
 
-    async def run(self, op: EngineOp, order: Order | None = None) -> None:
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
         await self.aborted.wait()
         raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
 
@@ -155,4 +158,47 @@ async def test_a_failed_worlds_hung_op_is_aborted_after_a_grace() -> None:
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("rank 0's call was never answered")
+    host.close()
+
+
+class Recording(Reporting):
+    """Every op goes to `run`, which records the requests it was told the op came in."""
+
+    def __init__(self, inner: Communicator) -> None:
+        super().__init__(inner)
+        self.requests: list[frozenset[object]] = []
+
+    def try_inline(self, op: EngineOp) -> bool:
+        return False
+
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
+        self.requests.append(requests)
+        await self.inner.run(op, order, requests)
+
+
+async def test_the_engine_is_told_which_ops_came_in_one_request() -> None:
+    """A worker's group is one request: the engine may hand its ops to the device
+    together, and must not join them with another request's (see nccl._launch_soon)."""
+    host = HostEngine(threads=1)
+    engine = ReportingEngine(host)
+    engine.wrap = Recording
+    world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
+    ranks = [Rank(), Rank()]
+    for r, peer in enumerate(ranks):
+        world.join(peer, hello(r))
+    for r in range(2):
+        world.submit(r, 50 + r, [(proto.Barrier(), ()), (proto.Barrier(), ())])  # a group of two
+        world.submit(r, 60 + r, [(proto.Barrier(), ())])
+    for _ in range(40):
+        if sum(isinstance(m, proto.Ok) for p in ranks for m in p.received) == 4:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the calls were never answered")
+    comm = engine.comms[-1]
+    assert isinstance(comm, Recording) and len(comm.requests) == 3
+    grouped, alone = comm.requests[:2], comm.requests[2]
+    assert grouped[0] == grouped[1] and len(grouped[0]) == 2  # one request of each rank
+    assert len(alone) == 2 and not alone & grouped[0]
     host.close()
