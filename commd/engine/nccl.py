@@ -345,7 +345,7 @@ class NcclCommunicator:
         # launch still in progress (NCCL connecting to a peer that has yet to post its
         # side) must not hold back another rank's, which that peer may be waiting for first.
         self._turns = _Turns(self._ranks)
-        self._tasks: set[asyncio.Task[None]] = set()  # launches and deregistrations under way
+        self._tasks: set[asyncio.Task[None]] = set()  # launches, drains, deregistrations under way
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
         self._running = 0
@@ -397,12 +397,9 @@ class NcclCommunicator:
             await self._launch_soon(entry)  # from here work may be on the streams, even if it failed
             verdict = self._compare(op)
         except BaseException:
-            try:
-                for rank, event in entry.completion.items():  # not waited on: reusable
-                    self._free_events[rank].append(event)
-                await self._stop_and_drain(touched)
-            finally:
-                self._let_go(held)
+            for rank, event in entry.completion.items():  # not waited on: reusable
+                self._free_events[rank].append(event)
+            await self._stop_and_drain(touched, held)
             raise
         finished = self._finish(touched, entry.completion, verdict, held)
         if order is None or not order.early:
@@ -422,18 +419,29 @@ class NcclCommunicator:
                 await self._complete_unless_mismatched(events, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         except asyncio.CancelledError:
-            await self._stop_and_drain(touched)
+            await self._stop_and_drain(touched, held)
             raise
-        finally:
+        except BaseException:
             self._let_go(held)
+            raise
+        self._let_go(held)
 
-    async def _stop_and_drain(self, touched: list[int]) -> None:
+    async def _stop_and_drain(self, touched: list[int], held: _Held) -> None:
         """An op given up with work of it perhaps still queued: stop the communicators,
-        then wait for the device before its memory goes. The caller raises its own error,
-        so this one's (and a second cancellation meanwhile) is dropped."""
+        and let go of its memory once the device is past it (an aborted kernel still
+        launches when its stream gets there). A cancellation ends the wait, not the
+        drain: the memory stays until then, for ever if the device never gets there.
+        The caller raises its own error, so the drain's is dropped."""
         self.abort()
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(self._complete(touched))
+        drained = self._spawn(self._complete(touched))
+        drained.add_done_callback(functools.partial(self._drained, held))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(drained)
+
+    def _drained(self, held: _Held, drained: asyncio.Future[None]) -> None:
+        if not drained.cancelled():
+            drained.exception()  # retrieved: the op's own error is the one to report
+        self._let_go(held)
 
     def _landed(self, task: asyncio.Task[None]) -> None:
         """An op answered early finished: its failure is the world's (see async_error), also
@@ -697,12 +705,13 @@ class NcclCommunicator:
         turn = self._turns.take({rank for entry in batch for rank in entry.touched})
         self._spawn(self._launch_batch(batch, turn), turn)
 
-    def _spawn(self, work: Coroutine[None, None, None], turn: _Turn | None = None) -> None:
+    def _spawn(self, work: Coroutine[None, None, None], turn: _Turn | None = None) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if turn is not None:  # cancelled before it began, it would keep its place for ever
             task.add_done_callback(lambda _task: self._turns.leave(turn))
+        return task
 
     async def _launch_batch(self, batch: list[_Launch], turn: _Turn) -> None:
         """The launch, in its ranks' turn from before NCCL is called until their state is

@@ -298,6 +298,9 @@ class FakeGpu:
         with self._cv:
             if memory.ptr not in self._allocs:
                 raise GpuError(f"release of unknown memory {memory.ptr:#x}")
+            if self._queued_on(memory.ptr, memory.size):
+                self.violations.append(f"released [{memory.ptr:#x}, +{memory.size}) under an op still "
+                                       f"queued on a stream")
             del self._allocs[memory.ptr]
             self._bases.remove(memory.ptr)
             self.released_on.append((memory.origin, threading.current_thread().name))
@@ -495,11 +498,16 @@ class FakeGpu:
             raise GpuError("ncclCommDeregister: invalid argument")
         _, ptr, nbytes = registered
         with self._cv:  # NCCL unmaps the peers' view at once: under an op still queued, undefined
-            if any(isinstance(item, _Batch) and any(not w.done and self._touches(w, ptr, nbytes)
-                                                    for w in item.works)
-                   for queue in self._streams.values() for item in queue):
+            if self._queued_on(ptr, nbytes):
                 self.violations.append(f"deregistered [{ptr:#x}, +{nbytes}) under an op on the device")
         del self.registered[handle]
+
+    def _queued_on(self, ptr: int, nbytes: int) -> bool:
+        """Whether an NCCL call not yet run, even of an aborted communicator (its kernel
+        still launches when its stream gets there), uses these bytes (holds _cv)."""
+        return any(isinstance(item, _Batch) and any(not w.done and self._touches(w, ptr, nbytes)
+                                                    for w in item.works)
+                   for queue in self._streams.values() for item in queue)
 
     @staticmethod
     def _touches(work: _Work, ptr: int, nbytes: int) -> bool:

@@ -69,14 +69,16 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     devices, so ranks spread over GPUs as on a real node). `nccl-abi`: the same stand-in
     behind the real cuda-bindings and nccl4py (tests/fakecuda), so the engine's calls
     into them run too."""
+    fake = FakeGpu(devices=2, multi_rank_gpu=True)
     if request.param == "nccl-fake":
-        eng: Engine = NcclEngine(FakeGpu(devices=2, multi_rank_gpu=True))
+        eng: Engine = NcclEngine(fake)
     elif request.param == "nccl-abi":
-        with fakecuda.bound(FakeGpu(devices=2, multi_rank_gpu=True)):
+        with fakecuda.bound(fake):
             eng = create_engine("auto")  # as `commd serve --engine auto` picks it, over the bindings
             assert isinstance(eng, NcclEngine) and isinstance(eng.gpu, BindingsGpu)
             yield eng
             eng.close()
+        assert fake.violations == []  # nothing a GPU would not have let pass
         return
     else:
         try:
@@ -85,6 +87,7 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
             pytest.skip(str(exc))
     yield eng
     eng.close()
+    assert fake.violations == []
 
 
 def ranks_per_gpu() -> int:

@@ -96,6 +96,7 @@ class Worker:
 def device() -> Iterator[fakecuda.AbiDevice]:
     with fakecuda.bound(FakeGpu(devices=2, multi_rank_gpu=True)) as abi:  # NCCL_MULTI_RANK_GPU_ENABLE=1
         yield abi
+    assert abi.gpu.violations == []  # nothing a GPU would not have let pass
 
 
 @pytest.fixture

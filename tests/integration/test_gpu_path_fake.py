@@ -112,8 +112,10 @@ class WorkerDriver:
 
 
 @pytest.fixture
-def gpu() -> FakeGpu:
-    return FakeGpu(devices=2, multi_rank_gpu=True)  # as with NCCL_MULTI_RANK_GPU_ENABLE=1
+def gpu() -> Iterator[FakeGpu]:
+    device = FakeGpu(devices=2, multi_rank_gpu=True)  # as with NCCL_MULTI_RANK_GPU_ENABLE=1
+    yield device
+    assert device.violations == []  # nothing a GPU would not have let pass
 
 
 @pytest.fixture

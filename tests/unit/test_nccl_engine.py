@@ -729,6 +729,39 @@ async def test_a_run_cancelled_on_the_device_stops_it_before_its_memory_goes(gpu
         member.close()
 
 
+async def test_memory_of_a_run_cancelled_twice_goes_only_once_the_device_let_go_of_it(gpu: FakeGpu) -> None:
+    """The op waits on the device behind the worker's kernel (its ready event). Cancelled,
+    the run aborts and waits for the stream; cancelled again meanwhile, it ends at once,
+    but the memory stays until the stream got past the op (the aborted kernel still
+    launches there), then goes."""
+    root, member, ca, _ = two_daemon_world(gpu)
+    try:
+        stream = gpu.worker_stream()
+        ptr = gpu.worker_alloc(b"\x02" * 8)
+        mapping = root.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(ptr), None)
+        ready, _, pair = worker_events(root, gpu)
+        kernel = gpu.worker_kernel(stream, ptr, b"\x03" * 8)
+        gpu.event_record(ready, stream)
+        tag = CallTag(0, "all_reduce(bytes=8, dtype=u8, op=sum)")
+        op = AllReduceOp({0: mapping.region(0, 8)}, DType.U8, ReduceOp.SUM, tag)
+        run = asyncio.ensure_future(ca.run(op, Order({0: pair})))
+        await asyncio.sleep(0.2)
+        mapping.close()
+        run.cancel()
+        await asyncio.sleep(0.05)
+        run.cancel()  # while it waits for the device
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(run, 5)
+        await asyncio.sleep(0.2)
+        assert ca.busy() and Origin.IPC not in dict(gpu.released_on)  # the op is still queued
+        gpu.finish_kernel(kernel)
+        await until(lambda: (Origin.IPC, "commd-cuda-free_0") in gpu.released_on)
+        await until(lambda: not ca.busy())
+    finally:
+        root.close()
+        member.close()
+
+
 async def test_deregistration_waits_for_the_ops_that_use_the_buffer(gpu: FakeGpu) -> None:
     """ncclCommDeregister unmaps the peers' view of the buffer at once: never under an op
     still on the device (here: waiting for the other daemon's rank)."""
