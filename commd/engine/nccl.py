@@ -1016,6 +1016,7 @@ class NcclEngine:
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
         self._freer = Freer(gpu)
+        self._uuids: dict[bytes, int] | None = None  # each GPU's UUID -> its ordinal here
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> NcclMapping:
@@ -1056,12 +1057,13 @@ class NcclEngine:
         return self.gpu.broken()
 
     def device_of(self, uuid: bytes) -> int | None:
-        try:
-            for device in range(self.gpu.device_count()):
-                if self.gpu.device_uuid(device) == uuid:
-                    return device
-        except GpuError as exc:
-            raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
+        if self._uuids is None:  # read once: the GPUs a process sees do not change
+            try:
+                self._uuids = {self.gpu.device_uuid(d): d for d in range(self.gpu.device_count())}
+            except GpuError as exc:
+                raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
+        if uuid in self._uuids:
+            return self._uuids[uuid]
         raise CallError(ErrorCode.MISUSE, f"the worker's GPU (UUID {uuid.hex()}) is not one this daemon "
                                           f"sees (is the daemon's CUDA_VISIBLE_DEVICES narrower?)")
 
