@@ -75,13 +75,22 @@ def hello(rank: int) -> proto.Hello:
                        world_size=2, timeout_ms=10_000)
 
 
-async def test_an_async_engine_error_fails_every_rank_and_a_reconnect_rebuilds() -> None:
+def two_rank_world(wrap: type[Reporting] = Reporting
+                   ) -> tuple[HostEngine, ReportingEngine, World, list[Rank]]:
+    """A 2-rank world over the host engine, its communicators wrapped in `wrap`, both
+    ranks joined (it is ready)."""
     host = HostEngine(threads=1)
     engine = ReportingEngine(host)
+    engine.wrap = wrap
     world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
     ranks = [Rank(), Rank()]
     for r, peer in enumerate(ranks):
         world.join(peer, hello(r))
+    return host, engine, world, ranks
+
+
+async def test_an_async_engine_error_fails_every_rank_and_a_reconnect_rebuilds() -> None:
+    host, engine, world, ranks = two_rank_world()
     assert world.state is WorldState.READY and world.epoch == 1
     world.submit(0, 7, [(proto.Barrier(), ())])  # rank 0 waits in a barrier rank 1 never makes
     engine.comms[-1].error = "ncclRemoteError: a remote rank's NCCL failed"
@@ -137,13 +146,7 @@ class Hanging(Reporting):
 
 
 async def test_a_failed_worlds_hung_op_is_aborted_after_a_grace() -> None:
-    host = HostEngine(threads=1)
-    engine = ReportingEngine(host)
-    engine.wrap = Hanging
-    world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
-    ranks = [Rank(), Rank()]
-    for r, peer in enumerate(ranks):
-        world.join(peer, hello(r))
+    host, engine, world, ranks = two_rank_world(Hanging)
     for r in range(2):
         world.submit(r, 40 + r, [(proto.Barrier(), ())])  # matched, in the engine, never done
     await asyncio.sleep(0.1)
@@ -180,13 +183,7 @@ class Recording(Reporting):
 async def test_the_engine_is_told_which_ops_came_in_one_request() -> None:
     """A worker's group is one request: the engine may hand its ops to the device
     together, and must not join them with another request's (see nccl._launch_soon)."""
-    host = HostEngine(threads=1)
-    engine = ReportingEngine(host)
-    engine.wrap = Recording
-    world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
-    ranks = [Rank(), Rank()]
-    for r, peer in enumerate(ranks):
-        world.join(peer, hello(r))
+    host, engine, world, ranks = two_rank_world(Recording)
     for r in range(2):
         world.submit(r, 50 + r, [(proto.Barrier(), ()), (proto.Barrier(), ())])  # a group of two
         world.submit(r, 60 + r, [(proto.Barrier(), ())])
