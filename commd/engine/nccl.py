@@ -432,8 +432,12 @@ class NcclCommunicator:
         launches when its stream gets there). A cancellation ends the wait, not the
         drain: the memory stays until then, for ever if the device never gets there.
         The caller raises its own error, so the drain's is dropped."""
-        self.abort()
-        drained = self._spawn(self._complete(touched))
+        try:
+            self.abort()
+            drained = self._spawn(self._complete(touched))
+        except BaseException:  # no drain to hand the memory to
+            self._let_go(held)
+            raise
         drained.add_done_callback(functools.partial(self._drained, held))
         with contextlib.suppress(Exception):
             await asyncio.shield(drained)
@@ -1059,7 +1063,10 @@ class NcclEngine:
     def device_of(self, uuid: bytes) -> int | None:
         if self._uuids is None:  # read once: the GPUs a process sees do not change
             try:
-                self._uuids = {self.gpu.device_uuid(d): d for d in range(self.gpu.device_count())}
+                uuids: dict[bytes, int] = {}
+                for device in range(self.gpu.device_count()):
+                    uuids.setdefault(self.gpu.device_uuid(device), device)
+                self._uuids = uuids
             except GpuError as exc:
                 raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
         if uuid in self._uuids:
