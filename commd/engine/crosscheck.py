@@ -8,10 +8,17 @@ when neither is the root), which compares it with its receive. The messages are
 
 from __future__ import annotations
 
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING
+
 from proto import ErrorCode
 from proto import peer as p
 
 from ..errors import CallError
+from .base import EngineOp, RecvOp, SendOp, TransferOp
+
+if TYPE_CHECKING:
+    from ..cluster import Inbox, WorldNet
 
 PAIR = 1 << 16  # p2p transfers are named by src * PAIR + dst (ranks are < 65536)
 
@@ -38,3 +45,43 @@ def p2p_mismatch(src: int, dst: int, index: int, sent: str, received: int) -> Ca
     return CallError(ErrorCode.MISMATCH, f"mismatched point-to-point {src}->{dst} call {index}: rank "
                                          f"{src} called send_to(bytes={sent}), rank {dst} called "
                                          f"recv_from(bytes={received})")
+
+
+def device_check(net: WorldNet | None, inbox: Inbox | None, epoch: int, local_ranks: Sequence[int],
+                 op: EngineOp) -> Coroutine[None, None, None] | None:
+    """For an engine whose data does not cross the daemons' links (NCCL): members send
+    the root the fingerprint of each collective, and the root gets a coroutine that
+    compares every member's with its own; a send's daemon sends its size to the
+    receiver's, whose receive gets a coroutine that compares."""
+    if net is None or inbox is None or isinstance(op, TransferOp):
+        return None
+    if isinstance(op, SendOp):
+        pair = pair_of(op.src_rank, op.dst_rank)
+        net.send("root" if not net.is_root else net.placement[op.dst_rank],
+                 p.Data(net.world, epoch, "p2p-check", op.tag.index, 0, pair, str(op.src.nbytes)))
+        return None
+    if isinstance(op, RecvOp):
+        recv = op
+
+        async def compare_sizes() -> None:
+            pair = pair_of(recv.src_rank, recv.dst_rank)
+            msg, _ = await inbox.get(("p2p-check", recv.tag.index, 0, pair))
+            if msg.fingerprint != str(recv.dst.nbytes):
+                raise p2p_mismatch(recv.src_rank, recv.dst_rank, recv.tag.index, msg.fingerprint,
+                                   recv.dst.nbytes)
+
+        return compare_sizes()
+    tag = op.tag
+    if not net.is_root:
+        net.send("root", p.Data(net.world, epoch, "check", tag.index, 0, min(local_ranks), tag.fingerprint))
+        return None
+
+    async def compare() -> None:
+        for member in net.members():
+            source = min(net.ranks_of(member))
+            msg, _ = await inbox.get(("check", tag.index, 0, source))
+            if msg.fingerprint != tag.fingerprint:
+                raise collective_mismatch(tag.index, min(local_ranks), tag.fingerprint, source,
+                                          msg.fingerprint)
+
+    return compare()

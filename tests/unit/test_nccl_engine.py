@@ -26,16 +26,10 @@ from commd.engine.base import (
     TransferOp,
 )
 from commd.engine.gpu import CommState, Origin
-from commd.engine.nccl import (
-    NcclCommunicator,
-    NcclEngine,
-    NcclEvents,
-    NcclMapping,
-    NcclRegion,
-    StuckWatch,
-    _by_request,
-    _Launch,
-)
+from commd.engine.nccl import NcclEngine
+from commd.engine.ncclcomm import NcclCommunicator, _by_request, _Launch
+from commd.engine.ncclmemory import NcclEvents, NcclMapping, NcclRegion
+from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p

@@ -1,0 +1,655 @@
+"""One world's NCCL communicators on this daemon, and how its ops reach them (DESIGN §4-5).
+
+One communicator per (world, epoch, local rank), created non-blocking so that a
+hung or failed one can be aborted; the ranks a daemon hosts are initialised, and
+their ops launched, inside one NCCL group (NCCL's rule for one thread driving
+several ranks). Each local rank has its own stream. An op is launched on the
+event loop's thread (the only thread that calls NCCL), then its completion is
+awaited on a helper thread that blocks in cuEventSynchronize, so the loop never
+waits on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from proto import DType, ErrorCode, ReduceOp
+
+from ..errors import CallError
+from .base import AllReduceOp, EngineOp, Order, Region
+from .crosscheck import device_check
+from .gpu import CommState, Gpu, GpuError, Imported
+from .ncclcalls import Call, bind, nccl_calls, regions_of
+from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
+from .stuckwatch import StuckWatch
+from .turns import Turn, Turns
+
+if TYPE_CHECKING:
+    from ..cluster import WorldNet
+
+log = logging.getLogger("commd.engine.nccl")
+_SETTLE_MAX_S = 0.005  # longest pause between polls of a communicator still in progress
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """One op's part of a launch: its NCCL calls, what orders it (the workers' events),
+    its add-kernel plan, the ranks it touches, and the future its run awaits."""
+
+    calls: list[Call]
+    order: Order | None
+    adds: list[tuple[int, NcclRegion, NcclRegion]]
+    touched: list[int]
+    launched: asyncio.Future[None]
+    mappings: list[NcclMapping]  # the memory it uses
+    requests: frozenset[object]  # the client requests its calls came in (see _launch_soon)
+    # the events recorded behind the op at its launch, in its turn: one recorded later
+    # would follow whatever launched meanwhile, and wait for it (see _launch_batch)
+    completion: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """What an op uses until the device is done with it."""
+
+    regions: list[NcclRegion]
+    events: list[NcclEvents]
+
+
+class NcclCommunicator:
+    """One world's communicators (one per local rank) for one epoch."""
+
+    launches_in_order = True  # see run and _launch_soon
+
+    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
+                 stuck: StuckWatch, world: str, world_size: int, local_ranks: Sequence[int],
+                 devices: Mapping[int, int], unique_id: bytes, net: WorldNet | None = None) -> None:
+        self._gpu = gpu
+        self._freer = freer
+        self._stuck = stuck
+        self._compiler = compiler  # where NVRTC compiles the add kernel, off the loop
+        # NCCL moves the data; the daemons' links only carry each collective's fingerprint
+        # to the root, so that ranks calling different things fail as a mismatch, not a hang.
+        self._net = net if net is not None and net.members() else None
+        self._inbox = net.inbox if net is not None else None  # this epoch's (see NetRunner)
+        self._epoch = net.epoch if net is not None else 0
+        self._waiters = waiters
+        self._world = world
+        self._ranks = tuple(local_ranks)
+        self._world_size = world_size
+        self._add_kernel = False  # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
+        self._exchange: dict[int, NcclMapping] = {}  # rank -> where the peer's buffer lands
+        self._devices = {r: devices.get(r, 0) for r in self._ranks}
+        self._aborted = False
+        self._failure: str | None = None  # of an op answered before it was done
+        self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
+        # ops to launch at the end of this turn of the loop, together (see _launch_soon)
+        self._batch: list[_Launch] = []
+        # A non-blocking communicator takes no NCCL call, and its stream no work, from a
+        # launch (or its init) until its state reads ncclSuccess again: everything that
+        # calls NCCL on a rank's communicator or queues work on its stream does it in the
+        # rank's turn, until then (see _launch_batch, Turns). Per rank, not for all: a
+        # launch still in progress (NCCL connecting to a peer that has yet to post its
+        # side) must not hold back another rank's, which that peer may be waiting for first.
+        self._turns = Turns(self._ranks)
+        self._tasks: set[asyncio.Task[None]] = set()  # launches, drains, deregistrations under way
+        self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
+        self._deregistering = False
+        self._running = 0
+        self._streams: dict[int, int] = {}
+        self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
+        self._scratch: dict[int, NcclMapping] = {}
+        self._comms: dict[int, int] = {}
+        # register_buffer's memory: registered with NCCL once the communicator is ready
+        # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
+        self._to_register: dict[tuple[int, int], NcclRegion] = {}
+        self._registered: dict[tuple[int, int], tuple[int, NcclRegion]] = {}  # -> (NCCL's handle, memory)
+        try:
+            for rank in self._ranks:
+                self._streams[rank] = gpu.stream_create(self._devices[rank])
+            gpu.group_start()
+            try:
+                for rank in self._ranks:
+                    self._comms[rank] = gpu.comm_init(world_size, unique_id, rank, self._devices[rank])
+            finally:
+                gpu.group_end()
+        except GpuError as exc:
+            for comm in self._comms.values():  # those that started: never left half-made
+                with contextlib.suppress(GpuError):
+                    gpu.comm_abort(comm)
+            self._comms.clear()
+            self._teardown()
+            raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
+
+    # ---- Communicator -----------------------------------------------------------------
+
+    def try_inline(self, op: EngineOp) -> bool:
+        return False  # every op goes to the device, and its completion is awaited off the loop
+
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
+        # Nothing is awaited before the op joins a launch: launches form in the order the
+        # ops matched, which NCCL needs on every rank. (The init's settling is the first
+        # launch's: _launch_batch settles its ranks before it calls NCCL.)
+        self._check()
+        adds = self._add_plan(op)
+        calls = (nccl_calls(self._gpu, op, self._ranks, self._scratch_ptr, self._net is not None)
+                 if not adds else self._exchanges(adds))
+        touched = sorted({rank for rank, _ in calls})
+        held = _Held(regions_of(op) + [scratch for _, _, scratch in adds],
+                     [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
+        self._hold(held)
+        entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future(),
+                        [region.mapping for region in held.regions], requests)
+        try:
+            await self._launch_soon(entry)  # from here work may be on the streams, even if it failed
+            verdict = device_check(self._net, self._inbox, self._epoch, self._ranks, op)
+        except BaseException:
+            for rank, event in entry.completion.items():  # not waited on: reusable
+                self._free_events[rank].append(event)
+            await self._stop_and_drain(touched, held)
+            raise
+        finished = self._finish(touched, entry.completion, verdict, held)
+        if order is None or not order.early:
+            await finished
+            return
+        # Ordered: the calls are answered now; what goes wrong later fails the world.
+        task = asyncio.get_running_loop().create_task(finished)
+        self._later.add(task)
+        task.add_done_callback(self._landed)
+
+    async def _finish(self, touched: list[int], events: dict[int, int],
+                      verdict: Coroutine[None, None, None] | None, held: _Held) -> None:
+        try:
+            if verdict is None:
+                await self._wait_for(events)
+            else:
+                await self._complete_unless_mismatched(events, verdict)
+            self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
+        except asyncio.CancelledError:
+            await self._stop_and_drain(touched, held)
+            raise
+        except BaseException:
+            self._let_go(held)
+            raise
+        self._let_go(held)
+
+    async def _stop_and_drain(self, touched: list[int], held: _Held) -> None:
+        """An op given up with work of it perhaps still queued: stop the communicators,
+        and let go of its memory once the device is past it (an aborted kernel still
+        launches when its stream gets there). A cancellation ends the wait, not the
+        drain: the memory stays until then, for ever if the device never gets there.
+        The caller raises its own error, so the drain's is dropped."""
+        try:
+            self.abort()
+            drained = self._spawn(self._complete(touched))
+        except BaseException:  # no drain to hand the memory to
+            self._let_go(held)
+            raise
+        drained.add_done_callback(functools.partial(self._drained, held))
+        with contextlib.suppress(Exception):
+            await asyncio.shield(drained)
+
+    def _drained(self, held: _Held, drained: asyncio.Future[None]) -> None:
+        if not drained.cancelled():
+            drained.exception()  # retrieved: the op's own error is the one to report
+        self._let_go(held)
+
+    def _landed(self, task: asyncio.Task[None]) -> None:
+        """An op answered early finished: its failure is the world's (see async_error), also
+        when it aborted the communicator itself (a mismatch found by the root)."""
+        self._later.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            exc = task.exception()
+            self._failure = exc.message if isinstance(exc, CallError) else f"{type(exc).__name__}: {exc}"
+
+    def _hold(self, held: _Held) -> None:
+        taken: list[UsedByOps] = []
+        try:
+            for thing in [*(region.mapping for region in held.regions), *held.events]:
+                thing.hold()
+                taken.append(thing)
+        except CallError:
+            for thing in taken:
+                thing.let_go()
+            raise
+        self._running += 1
+
+    def _let_go(self, held: _Held) -> None:
+        self._running -= 1
+        for region in held.regions:
+            region.mapping.let_go()
+        for pair in held.events:
+            pair.let_go()
+        self._maybe_teardown()
+
+    def _device_call(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, str(exc)) from None
+
+    def abort(self) -> None:
+        """Stop the communicators: ncclCommAbort ends kernels still waiting on peers. It
+        runs here, on the thread that makes every other NCCL call: NCCL forbids any NCCL
+        call while an abort runs, even on other communicators of the device. Nothing calls
+        these communicators after this; streams go once the ops are done."""
+        if self._aborted:
+            return
+        self._aborted = True
+        comms, self._comms = self._comms, {}
+        for rank, comm in comms.items():
+            with contextlib.suppress(GpuError), self._stuck.guard(f"ncclCommAbort (world {self._world}, "
+                                                                  f"rank {rank})"):
+                self._gpu.use_device(self._devices[rank])  # (already broken: nothing more to stop)
+                self._gpu.comm_abort(comm)
+        self._maybe_teardown()
+
+    def busy(self) -> bool:
+        return self._running > 0
+
+    def _maybe_teardown(self) -> None:
+        if self._aborted and self._running == 0:
+            self._teardown()
+
+    def register(self, rank: int, key: int, region: Region) -> None:
+        if isinstance(region, NcclRegion) and rank in self._comms:
+            self._to_register[(rank, key)] = region
+
+    def deregister(self, rank: int, key: int) -> None:
+        self._to_register.pop((rank, key), None)
+        registered = self._registered.pop((rank, key), None)
+        if registered is None:
+            return
+        self._to_deregister.append((rank, *registered))
+        if not self._deregistering:  # one drain takes every deregistration asked by then
+            self._deregistering = True
+            self._running += 1
+            self._spawn(self._deregister_pending())
+
+    async def _deregister_pending(self) -> None:
+        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
+        ops queued so far finished, on every local rank (a peer's kernel may still read the
+        buffer after its owner's ended). That wait holds no turn (an op may wait for a peer
+        that waits for another launch of ours); if an op launched on one of these buffers
+        meanwhile, it drains again (a buffer in constant use stays registered until it
+        rests). The deregistrations then go together in one turn (NCCL must see all of a
+        world's registrations or none in an op)."""
+        try:
+            while self._to_deregister and not self._aborted:
+                pending = list(self._to_deregister)
+                async with self._turns.take(self._ranks):
+                    drained = self._record_completion(self._ranks)
+                seen = [region.mapping.launches for _, _, region in pending]
+                await self._wait_for(drained)
+                ranks = sorted({rank for rank, _, _ in pending})
+                async with self._turns.take(ranks):
+                    if [region.mapping.launches for _, _, region in pending] != seen:
+                        continue  # one of them was launched on meanwhile: wait for that too
+                    await self._settle(ranks)
+                    self._to_deregister = [p for p in self._to_deregister if p not in pending]
+                    for rank, handle, region in pending:
+                        try:
+                            self._gpu.use_device(self._devices[rank])
+                            self._gpu.comm_deregister(self._comms[rank], handle)
+                        except GpuError as exc:  # NCCL forgets it with the communicator anyway
+                            log.debug("rank %d: NCCL deregistration: %s", rank, exc)
+                        region.mapping.let_go()
+        except CallError as exc:  # aborted or failed meanwhile: NCCL forgets them with it
+            log.debug("world %s: deregistrations: %s", self._world, exc)
+        finally:
+            self._deregistering = False
+            if self._aborted:
+                pending, self._to_deregister = self._to_deregister, []
+                for _, _, region in pending:
+                    region.mapping.let_go()
+            self._running -= 1
+            self._maybe_teardown()
+
+    def _register_pending(self, ranks: Iterable[int]) -> None:
+        """The registrations waiting for these ranks' communicators (in their turn)."""
+        wanted = set(ranks)
+        pending = {which: region for which, region in self._to_register.items() if which[0] in wanted}
+        for which in pending:
+            del self._to_register[which]
+        for (rank, key), region in pending.items():
+            try:
+                region.mapping.hold()  # registered memory stays until NCCL let go of it
+            except CallError:
+                continue  # forgotten meanwhile: nothing to register
+            try:
+                handle = self._gpu.comm_register(self._comms[rank], region.ptr, region.nbytes)
+                self._registered[(rank, key)] = (handle, region)
+            except GpuError as exc:  # NCCL refuses some memory (legacy cudaMalloc by default): fine
+                region.mapping.let_go()
+                log.debug("rank %d: NCCL did not register %d bytes: %s", rank, region.nbytes, exc)
+
+    def async_error(self) -> str | None:
+        if self._failure is not None:
+            return self._failure
+        if self._aborted:
+            return None
+        for rank, comm in self._comms.items():
+            state, why = self._gpu.comm_state(comm)
+            if state is CommState.FAILED:
+                return f"rank {rank}'s NCCL communicator failed: {why}"
+        return None
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._aborted:
+            raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
+
+    async def _settle(self, ranks: Iterable[int] | None = None) -> None:
+        """Wait while NCCL is still setting communicators up (init, or a group's launch
+        returning ncclInProgress): those of `ranks`, or all; fail if one failed."""
+        pause = 0.0
+        wanted = set(self._ranks if ranks is None else ranks)
+        while True:
+            self._check()
+            pending = False
+            for rank, comm in [(r, c) for r, c in self._comms.items() if r in wanted]:
+                try:
+                    state, why = self._gpu.comm_state(comm)
+                except GpuError as exc:
+                    raise CallError(ErrorCode.ENGINE, f"rank {rank}'s NCCL communicator: {exc}") from None
+                if state is CommState.FAILED:
+                    raise CallError(ErrorCode.ENGINE, f"rank {rank}'s NCCL communicator failed: {why}")
+                pending |= state is CommState.IN_PROGRESS
+            if not pending:
+                return
+            await asyncio.sleep(pause)
+            pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
+
+    def use_add_kernel(self, enabled: bool) -> None:
+        """The path is taken once the kernel is loaded on every local device; compiling
+        it (NVRTC) runs on the engine's thread, so until then NCCL sums as before: both
+        ranks share this communicator, so they always agree."""
+        self._add_kernel = enabled
+        devices = sorted(set(self._devices.values()))
+        if not enabled or all(self._gpu.add_ready(d) for d in devices):
+            return
+        def prepare() -> None:
+            try:
+                for device in devices:
+                    self._gpu.prepare_add(device)
+            except GpuError as exc:
+                log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
+            else:
+                log.info("world %s: the add kernel is ready on GPU %s", self._world,
+                         ", ".join(map(str, devices)))
+
+        self._compiler.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
+
+
+    def _add_plan(self, op: EngineOp) -> list[tuple[int, NcclRegion, NcclRegion]]:
+        """With the add kernel, a 2-rank bf16 sum is an exchange then an add: for each rank
+        (rank, its buffer, where the peer's lands). Empty when the op is summed by NCCL."""
+        if not (self._add_kernel and isinstance(op, AllReduceOp) and op.dtype is DType.BF16
+                and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2
+                and all(self._gpu.add_ready(d) for d in set(self._devices.values()))):
+            return []
+        plan = []
+        for rank, buf in sorted(op.bufs.items()):
+            if not isinstance(buf, NcclRegion):
+                return []  # nothing to add
+            plan.append((rank, buf, self._exchange_region(rank, buf.nbytes)))
+        return plan
+
+    def _exchange_region(self, rank: int, nbytes: int) -> NcclRegion:
+        """Where the peer's buffer lands: one per rank, as add-path ops launch alone and
+        launches follow one another on the streams."""
+        mapping = self._exchange.get(rank)
+        if mapping is None or mapping.size < nbytes:
+            if mapping is not None:
+                del self._exchange[rank]  # (an allocation failing next leaves none, not a closed one)
+                mapping.close()  # let go once the ops that use it are done
+            mapping = self._exchange[rank] = NcclMapping(self._freer, self._alloc(nbytes, rank))
+        return mapping.region(0, nbytes)
+
+    def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]) -> list[Call]:
+        """The add-kernel path's NCCL part: each rank sends its buffer to the other."""
+        gpu = self._gpu
+        return [call for rank, buf, scratch in adds
+                for call in ((rank, bind(gpu.send, buf.ptr, buf.nbytes, DType.U8, 1 - rank)),
+                             (rank, bind(gpu.recv, scratch.ptr, scratch.nbytes, DType.U8, 1 - rank)))]
+
+    def _launch_adds(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]) -> None:
+        """On each stream, after the exchange: buffer += what the peer sent."""
+        for rank, buf, scratch in adds:
+            self._device_call(self._gpu.add_bf16, buf.ptr, scratch.ptr, buf.nbytes // 2,
+                              self._devices[rank], self._streams[rank])
+
+    async def _launch_soon(self, entry: _Launch) -> None:
+        """Launch at the end of this turn of the event loop, in one NCCL group with the
+        ops of this turn that came in the same client request (a worker's group, whose
+        calls match one by one, all in the turn its last rank's request arrived): its
+        sends and receives then pair up inside NCCL, as they must (two ranks sending each
+        other large messages in separate groups would each wait for the other's receive
+        forever). Ops of other requests go in groups of their own: NCCL picks a
+        collective's algorithm by what else is in its group (enqueue.cc, updateCollCostTable's
+        numPipeOps), so every daemon must group a world's collectives alike, and only the
+        workers' requests are alike everywhere; an op merged with an unrelated one would
+        also complete only with it.
+
+        An add-path op launches alone: its sum lands in its buffer only with its add, after
+        every NCCL call of its launch, so an op launched with it could read (or write) the
+        buffer on the wrong side of that add. Its exchange is between ranks of this daemon,
+        so nothing waits for it elsewhere."""
+        if entry.adds:
+            self._flush()  # what gathered before it goes first
+            self._launch_now([entry])
+        else:
+            if not self._batch:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._batch.append(entry)
+        await entry.launched
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        for launch in _by_request(batch):
+            self._launch_now(launch)
+
+    def _launch_now(self, batch: list[_Launch]) -> None:
+        """Its turn is taken here, at once, so launches keep the order they were asked for."""
+        turn = self._turns.take({rank for entry in batch for rank in entry.touched})
+        self._spawn(self._launch_batch(batch, turn), turn)
+
+    def _spawn(self, work: Coroutine[None, None, None], turn: Turn | None = None) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if turn is not None:  # cancelled before it began, it would keep its place for ever
+            task.add_done_callback(lambda _task: self._turns.leave(turn))
+        return task
+
+    async def _launch_batch(self, batch: list[_Launch], turn: Turn) -> None:
+        """The launch, in its ranks' turn from before NCCL is called until their state is
+        ncclSuccess again: only then are the kernels on the streams (a non-blocking group
+        end may return ncclInProgress and enqueue them later, from NCCL's own thread), so
+        only then may the add kernels and the done events follow them there."""
+        ranks = turn.ranks
+        try:
+            async with turn:
+                self._check()
+                await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
+                self._register_pending(ranks)
+                for entry in batch:
+                    for mapping in entry.mappings:
+                        mapping.launches += 1
+                self._launch([(entry.calls, entry.order) for entry in batch])
+                await self._settle(ranks)
+                for entry in batch:
+                    self._launch_adds(entry.adds)
+                    self._record_done(entry)
+                    entry.completion.update(self._record_completion(entry.touched))
+        except BaseException as exc:  # whatever it was, every op of the batch must hear of it
+            code, message = (exc.code, exc.message) if isinstance(exc, CallError) else (
+                ErrorCode.ENGINE, f"NCCL launch failed: {type(exc).__name__}: {exc}")
+            for entry in batch:  # each its own: a shared one would gather tracebacks
+                if not entry.launched.done():
+                    entry.launched.set_exception(CallError(code, message))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for entry in batch:
+            if not entry.launched.done():  # its run was cancelled meanwhile
+                entry.launched.set_result(None)
+
+    def _record_done(self, entry: _Launch) -> None:
+        """The workers' streams wait for these, not for our reply."""
+        if entry.order is None:
+            return
+        for rank in entry.touched:
+            pair = entry.order.events.get(rank)
+            if isinstance(pair, NcclEvents):
+                self._device_call(self._gpu.event_record, pair.done, self._streams[rank])
+
+    def _launch(self, entries: list[tuple[list[Call], Order | None]]) -> None:
+        """Enqueue NCCL calls, all in one group, each behind its worker's ready event if it
+        has one."""
+        gpu = self._gpu
+        try:
+            for calls, order in entries:
+                if order is not None:
+                    for rank in {rank for rank, _ in calls}:
+                        pair = order.events.get(rank)
+                        if isinstance(pair, NcclEvents):
+                            gpu.stream_wait_event(self._streams[rank], pair.ready)
+            gpu.group_start()
+            try:
+                for calls, _ in entries:
+                    for rank, call in calls:
+                        gpu.use_device(self._devices[rank])
+                        call(self._comms[rank], self._streams[rank])
+            finally:
+                gpu.group_end()
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
+
+    async def _complete_unless_mismatched(self, events: dict[int, int],
+                                          verdict: Coroutine[None, None, None]) -> None:
+        """Wait for the device (the op's completion `events`) and for the members'
+        fingerprints. On a mismatch NCCL may wait forever (or run calls that differ): abort
+        it, and let go of the memory only once the device is done with it."""
+        device = asyncio.ensure_future(self._wait_for(events))
+        compared = asyncio.ensure_future(verdict)
+        try:
+            await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
+            if compared.done() and compared.exception() is not None:
+                self.abort()
+                await asyncio.wait({device})
+                if not device.cancelled():
+                    device.exception()  # the aborted op's own error says less than the mismatch
+                compared.result()
+            await device
+            await compared
+        finally:
+            compared.cancel()  # the device failed first: nobody waits for the peers' word now
+
+    async def _complete(self, ranks: Iterable[int]) -> None:
+        """Record an event behind the op on each stream and wait for all of them."""
+        ranks = list(ranks)
+        async with self._turns.take(ranks):  # no work on a stream during its rank's launch
+            events = self._record_completion(ranks)
+        await self._wait_for(events)
+
+    def _record_completion(self, ranks: Iterable[int]) -> dict[int, int]:
+        events: dict[int, int] = {}
+        try:
+            for rank in ranks:
+                if rank not in self._streams:
+                    continue  # torn down: nothing of ours runs there any more
+                free = self._free_events[rank]
+                events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
+                self._gpu.event_record(events[rank], self._streams[rank])
+        except GpuError as exc:
+            for rank, event in events.items():
+                self._free_events[rank].append(event)
+            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        return events
+
+    async def _wait_for(self, events: dict[int, int]) -> None:
+        """Wait on helper threads. An event is reused only once its thread is done with it:
+        a cancelled wait leaves the thread blocked in cuEventSynchronize."""
+        waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
+                 for rank, event in events.items()}
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(wait) for wait in waits.values()))
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        finally:
+            loop = asyncio.get_running_loop()
+            for rank, event in events.items():
+                if waits[rank].done():  # returned, or cancelled before its thread took it
+                    self._event_back_now(rank, event)
+                else:
+                    waits[rank].add_done_callback(functools.partial(self._event_back, loop, rank, event))
+
+    def _event_back(self, loop: asyncio.AbstractEventLoop, rank: int, event: int, _wait: object) -> None:
+        """(On the helper thread.) A completion event whose waiting thread is done: reused,
+        or destroyed when the streams were torn down meanwhile."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            loop.call_soon_threadsafe(self._event_back_now, rank, event)
+
+    def _event_back_now(self, rank: int, event: int) -> None:
+        if rank in self._streams:
+            self._free_events[rank].append(event)
+        else:  # torn down meanwhile
+            with contextlib.suppress(GpuError):
+                self._gpu.event_destroy(event)
+
+    def _scratch_ptr(self, rank: int) -> int:
+        mapping = self._scratch.get(rank)
+        if mapping is None:
+            mapping = self._scratch[rank] = NcclMapping(self._freer, self._alloc(8, rank))
+        return mapping.region(0, 1).ptr
+
+    def _alloc(self, nbytes: int, rank: int) -> Imported:
+        try:
+            return self._gpu.alloc(nbytes, self._devices[rank])
+        except GpuError as exc:
+            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes on GPU "
+                                             f"{self._devices[rank]}: {exc}") from None
+
+    def _teardown(self) -> None:
+        """Free streams, events and scratch once nothing runs on them; NCCL dropped the
+        registrations with the aborted communicators, so their memory may go."""
+        registered, self._registered = self._registered, {}
+        for _, region in registered.values():
+            region.mapping.let_go()
+        for rank, stream in self._streams.items():
+            for event in self._free_events.get(rank, ()):
+                with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
+                    self._gpu.event_destroy(event)
+            with contextlib.suppress(GpuError):
+                self._gpu.stream_destroy(stream)
+        self._streams.clear()
+        self._free_events = {r: [] for r in self._ranks}
+        for mapping in [*self._scratch.values(), *self._exchange.values()]:
+            mapping.close()
+        self._scratch.clear()
+        self._exchange.clear()
+
+
+def _by_request(batch: Sequence[_Launch]) -> list[list[_Launch]]:
+    """The batch cut into launches, in order: an op joins the launch of an earlier op
+    sharing a request with it, and so does every op between them (on a rank they share,
+    NCCL must see the calls in the order they matched)."""
+    last = {request: i for i, entry in enumerate(batch) for request in entry.requests}
+    launches: list[list[_Launch]] = []
+    reach = -1  # the last op the current launch must take in
+    for i, entry in enumerate(batch):
+        if i > reach:
+            launches.append([])
+        launches[-1].append(entry)
+        reach = max(reach, i, *(last[request] for request in entry.requests))
+    return launches

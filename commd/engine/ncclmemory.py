@@ -1,0 +1,145 @@
+"""Device memory and worker events the NCCL engine opened, and when they may go.
+
+Memory an op uses is held from the op's creation until the device is done with it;
+closing lets it go once nothing holds it (releasing memory under a running kernel
+would fault the GPU). The frees themselves run off the event loop (`Freer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from proto import ErrorCode
+
+from ..errors import CallError
+from .gpu import Gpu, GpuError, Imported, Origin
+
+log = logging.getLogger("commd.engine.nccl")
+
+class NcclRegion:
+    """A bounds-checked window of device memory, valid in the daemon's contexts."""
+
+    __slots__ = ("mapping", "nbytes", "ptr")
+
+    def __init__(self, mapping: NcclMapping, ptr: int, nbytes: int) -> None:
+        self.mapping = mapping
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def device(self) -> int:
+        return self.mapping.device
+
+
+class UsedByOps:
+    """Something ops on the device may still use: closing lets it go (`free`) once none
+    holds it."""
+
+    def __init__(self, free: Callable[[], None]) -> None:
+        self._free = free
+        self._users = 0
+        self._closing = False
+
+    def hold(self) -> None:
+        """An op will use it: refused once it is closing (released, or about to be), so an
+        op queued before its buffer was forgotten never runs on freed memory."""
+        if self._closing:
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, "memory of this op was released before it ran")
+        self._users += 1
+
+    def let_go(self) -> None:
+        self._users -= 1
+        if self._closing and self._users == 0:
+            self._free()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._users == 0:
+            self._free()
+
+
+class Freer:
+    """Lets go of device memory off the event loop's thread. cuMemFree and cuMemUnmap may
+    wait for the whole device, and a kernel in flight there may wait for an op only the
+    loop would launch (a send whose receive is the worker's next call): on the loop that
+    would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so on
+    the loop's thread like every NCCL call (none may run while an abort does)."""
+
+    def __init__(self, gpu: Gpu) -> None:
+        self._gpu = gpu
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-cuda-free")
+        self._closed = False
+
+    def free(self, memory: Imported) -> None:
+        if memory.origin is not Origin.NCCL and not self._closed:
+            try:
+                self._thread.submit(self._release, memory)
+                return
+            except RuntimeError:  # closed meanwhile: free it here
+                pass
+        self._release(memory)
+
+    def _release(self, memory: Imported) -> None:
+        try:
+            self._gpu.release(memory)
+        except GpuError as exc:  # nothing waits for it; the driver frees it with the process
+            log.warning("could not let go of device memory at %#x: %s", memory.ptr, exc)
+
+    def close(self) -> None:
+        """Wait for the frees asked so far; later ones run on the caller's thread."""
+        self._closed = True
+        self._thread.shutdown(wait=True)
+
+
+class NcclMapping(UsedByOps):
+    """Device memory the daemon opened (or allocated). Closing lets it go once no op
+    in flight uses it: releasing memory under a running kernel would fault the GPU."""
+
+    def __init__(self, freer: Freer, memory: Imported) -> None:
+        super().__init__(self._release)
+        self._freer = freer
+        self.launches = 0  # ops launched on it (a deregistration's drain watches this)
+        self._memory: Imported | None = memory
+        self._size = memory.size
+        self._device = memory.device
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    def region(self, offset: int, nbytes: int) -> NcclRegion:
+        if self._memory is None or self._closing:
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, "buffer was released")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self._size:
+            raise CallError(ErrorCode.BAD_MEMORY, f"bytes [{offset}, {offset + nbytes}) are outside "
+                                                  f"the {self._size}-byte allocation")
+        return NcclRegion(self, self._memory.ptr + offset, nbytes)
+
+    def _release(self) -> None:
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            self._freer.free(memory)
+
+
+class NcclEvents(UsedByOps):
+    """A worker's ready and done events, opened in the daemon. Closing destroys them once
+    no op that names them is queued or running (an op records `done` after it launched)."""
+
+    def __init__(self, gpu: Gpu, ready: int, done: int) -> None:
+        super().__init__(self._release)
+        self._gpu = gpu
+        self.ready = ready
+        self.done = done
+
+    def _release(self) -> None:
+        for event in (self.ready, self.done):
+            with contextlib.suppress(GpuError):  # the driver has let it go already
+                self._gpu.event_destroy(event)
+        self.ready = self.done = 0
