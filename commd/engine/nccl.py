@@ -6,6 +6,7 @@ communicators. Its parts, each in a module of its own:
 - ncclcomm: one world's communicators on this daemon, and how its ops reach NCCL
 - ncclcalls: the NCCL call each op becomes
 - ncclmemory: opened memory and events, held by ops, let go off the event loop
+- completion: events behind work on the streams, waited for on helper threads
 - turns: the per-rank order in which work reaches NCCL and the streams
 - stuckwatch: the way out of an ncclCommAbort that never returns
 - crosscheck: across daemons, the check that ranks called the same thing

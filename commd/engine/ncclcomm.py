@@ -24,6 +24,7 @@ from proto import DType, ErrorCode, ReduceOp
 
 from ..errors import CallError
 from .base import AllReduceOp, EngineOp, Order, Region
+from .completion import Completions
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError, Imported
 from .ncclcalls import Call, bind, nccl_calls, regions_of
@@ -80,7 +81,6 @@ class NcclCommunicator:
         self._net = net if net is not None and net.members() else None
         self._inbox = net.inbox if net is not None else None  # this epoch's (see NetRunner)
         self._epoch = net.epoch if net is not None else 0
-        self._waiters = waiters
         self._world = world
         self._ranks = tuple(local_ranks)
         self._world_size = world_size
@@ -104,7 +104,7 @@ class NcclCommunicator:
         self._deregistering = False
         self._running = 0
         self._streams: dict[int, int] = {}
-        self._free_events: dict[int, list[int]] = {r: [] for r in self._ranks}
+        self._completions = Completions(gpu, waiters, self._devices)  # events behind work on the streams
         self._scratch: dict[int, NcclMapping] = {}
         self._comms: dict[int, int] = {}
         # register_buffer's memory: registered with NCCL once the communicator is ready
@@ -152,8 +152,7 @@ class NcclCommunicator:
             await self._launch_soon(entry)  # from here work may be on the streams, even if it failed
             verdict = device_check(self._net, self._inbox, self._epoch, self._ranks, op)
         except BaseException:
-            for rank, event in entry.completion.items():  # not waited on: reusable
-                self._free_events[rank].append(event)
+            self._completions.give_back(entry.completion)  # not waited on: reusable
             await self._stop_and_drain(touched, held)
             raise
         finished = self._finish(touched, entry.completion, verdict, held)
@@ -169,7 +168,7 @@ class NcclCommunicator:
                       verdict: Coroutine[None, None, None] | None, held: _Held) -> None:
         try:
             if verdict is None:
-                await self._wait_for(events)
+                await self._completions.wait(events)
             else:
                 await self._complete_unless_mismatched(events, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
@@ -286,9 +285,9 @@ class NcclCommunicator:
             while self._to_deregister and not self._aborted:
                 pending = list(self._to_deregister)
                 async with self._turns.take(self._ranks):
-                    drained = self._record_completion(self._ranks)
+                    drained = self._completions.record(self._streams, self._ranks)
                 seen = [region.mapping.launches for _, _, region in pending]
-                await self._wait_for(drained)
+                await self._completions.wait(drained)
                 ranks = sorted({rank for rank, _, _ in pending})
                 async with self._turns.take(ranks):
                     if [region.mapping.launches for _, _, region in pending] != seen:
@@ -490,7 +489,7 @@ class NcclCommunicator:
                 for entry in batch:
                     self._launch_adds(entry.adds)
                     self._record_done(entry)
-                    entry.completion.update(self._record_completion(entry.touched))
+                    entry.completion.update(self._completions.record(self._streams, entry.touched))
         except BaseException as exc:  # whatever it was, every op of the batch must hear of it
             code, message = (exc.code, exc.message) if isinstance(exc, CallError) else (
                 ErrorCode.ENGINE, f"NCCL launch failed: {type(exc).__name__}: {exc}")
@@ -540,7 +539,7 @@ class NcclCommunicator:
         """Wait for the device (the op's completion `events`) and for the members'
         fingerprints. On a mismatch NCCL may wait forever (or run calls that differ): abort
         it, and let go of the memory only once the device is done with it."""
-        device = asyncio.ensure_future(self._wait_for(events))
+        device = asyncio.ensure_future(self._completions.wait(events))
         compared = asyncio.ensure_future(verdict)
         try:
             await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
@@ -559,53 +558,8 @@ class NcclCommunicator:
         """Record an event behind the op on each stream and wait for all of them."""
         ranks = list(ranks)
         async with self._turns.take(ranks):  # no work on a stream during its rank's launch
-            events = self._record_completion(ranks)
-        await self._wait_for(events)
-
-    def _record_completion(self, ranks: Iterable[int]) -> dict[int, int]:
-        events: dict[int, int] = {}
-        try:
-            for rank in ranks:
-                if rank not in self._streams:
-                    continue  # torn down: nothing of ours runs there any more
-                free = self._free_events[rank]
-                events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
-                self._gpu.event_record(events[rank], self._streams[rank])
-        except GpuError as exc:
-            for rank, event in events.items():
-                self._free_events[rank].append(event)
-            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
-        return events
-
-    async def _wait_for(self, events: dict[int, int]) -> None:
-        """Wait on helper threads. An event is reused only once its thread is done with it:
-        a cancelled wait leaves the thread blocked in cuEventSynchronize."""
-        waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
-                 for rank, event in events.items()}
-        try:
-            await asyncio.gather(*(asyncio.wrap_future(wait) for wait in waits.values()))
-        except GpuError as exc:
-            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
-        finally:
-            loop = asyncio.get_running_loop()
-            for rank, event in events.items():
-                if waits[rank].done():  # returned, or cancelled before its thread took it
-                    self._event_back_now(rank, event)
-                else:
-                    waits[rank].add_done_callback(functools.partial(self._event_back, loop, rank, event))
-
-    def _event_back(self, loop: asyncio.AbstractEventLoop, rank: int, event: int, _wait: object) -> None:
-        """(On the helper thread.) A completion event whose waiting thread is done: reused,
-        or destroyed when the streams were torn down meanwhile."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
-            loop.call_soon_threadsafe(self._event_back_now, rank, event)
-
-    def _event_back_now(self, rank: int, event: int) -> None:
-        if rank in self._streams:
-            self._free_events[rank].append(event)
-        else:  # torn down meanwhile
-            with contextlib.suppress(GpuError):
-                self._gpu.event_destroy(event)
+            events = self._completions.record(self._streams, ranks)
+        await self._completions.wait(events)
 
     def _scratch_ptr(self, rank: int) -> int:
         mapping = self._scratch.get(rank)
@@ -626,14 +580,11 @@ class NcclCommunicator:
         registered, self._registered = self._registered, {}
         for _, region in registered.values():
             region.mapping.let_go()
-        for rank, stream in self._streams.items():
-            for event in self._free_events.get(rank, ()):
-                with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
-                    self._gpu.event_destroy(event)
-            with contextlib.suppress(GpuError):
+        self._completions.close()
+        for stream in self._streams.values():
+            with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
                 self._gpu.stream_destroy(stream)
         self._streams.clear()
-        self._free_events = {r: [] for r in self._ranks}
         for mapping in [*self._scratch.values(), *self._exchange.values()]:
             mapping.close()
         self._scratch.clear()

@@ -1,0 +1,88 @@
+"""How the NCCL engine learns, without blocking the event loop, that its streams got somewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+from proto import ErrorCode
+
+from ..errors import CallError
+from .gpu import Gpu, GpuError
+
+
+class Completions:
+    """Events recorded on a world's streams (one per local rank), each waited for by a
+    helper thread blocked in cuEventSynchronize, then kept for reuse. Closed (the streams
+    torn down), it destroys its events, and each still being waited on once its thread
+    is done with it."""
+
+    def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, devices: Mapping[int, int]) -> None:
+        self._gpu = gpu
+        self._waiters = waiters  # shared by every world of the engine
+        self._devices = dict(devices)
+        self._free: dict[int, list[int]] = {rank: [] for rank in devices}
+        self._closed = False
+
+    def record(self, streams: Mapping[int, int], ranks: Iterable[int]) -> dict[int, int]:
+        """An event behind the work queued so far on each rank's stream (none for a rank
+        whose stream is gone)."""
+        events: dict[int, int] = {}
+        try:
+            for rank in ranks:
+                if rank not in streams or self._closed:
+                    continue  # torn down: nothing of ours runs there any more
+                free = self._free[rank]
+                events[rank] = free.pop() if free else self._gpu.event_create(self._devices[rank])
+                self._gpu.event_record(events[rank], streams[rank])
+        except GpuError as exc:
+            self.give_back(events)
+            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        return events
+
+    def give_back(self, events: Mapping[int, int]) -> None:
+        """Recorded events nobody waits on: reusable (or destroyed, once closed)."""
+        for rank, event in events.items():
+            self._back_now(rank, event)
+
+    async def wait(self, events: Mapping[int, int]) -> None:
+        """Wait on helper threads. An event is reused only once its thread is done with it:
+        a cancelled wait leaves the thread blocked in cuEventSynchronize."""
+        waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
+                 for rank, event in events.items()}
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(wait) for wait in waits.values()))
+        except GpuError as exc:
+            raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        finally:
+            loop = asyncio.get_running_loop()
+            for rank, event in events.items():
+                if waits[rank].done():  # returned, or cancelled before its thread took it
+                    self._back_now(rank, event)
+                else:
+                    waits[rank].add_done_callback(functools.partial(self._back, loop, rank, event))
+
+    def close(self) -> None:
+        self._closed = True
+        free, self._free = self._free, {rank: [] for rank in self._devices}
+        for events in free.values():
+            for event in events:
+                self._destroy(event)
+
+    def _back(self, loop: asyncio.AbstractEventLoop, rank: int, event: int, _wait: object) -> None:
+        """(On the helper thread.) An event whose waiting thread is done."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            loop.call_soon_threadsafe(self._back_now, rank, event)
+
+    def _back_now(self, rank: int, event: int) -> None:
+        if self._closed:
+            self._destroy(event)
+        else:
+            self._free[rank].append(event)
+
+    def _destroy(self, event: int) -> None:
+        with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
+            self._gpu.event_destroy(event)
