@@ -27,7 +27,7 @@ from commd.engine.base import (
     Region,
     TransferOp,
 )
-from commd.engine.gpu import BindingsGpu
+from commd.engine.bindings import BindingsGpu
 from commd.engine.nccl import NcclEngine
 from commd.errors import CallError, ConfigError
 from proto import DType, ErrorCode, MemKind, ReduceOp

@@ -24,7 +24,8 @@ import pytest
 
 from client import CommError, DaemonBackend, EngineError, MisuseError, WorldFailed
 from commd.engine import create_engine
-from commd.engine.gpu import BindingsGpu, GpuError
+from commd.engine.bindings import BindingsGpu
+from commd.engine.gpu import GpuError
 from commd.errors import ConfigError
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu

@@ -1,7 +1,7 @@
 """The daemon's bf16 add kernel, its very source, compiled for the CPU and checked bit for
 bit against the host engine's arithmetic (the reference every engine is held to).
 
-The CUDA source (commd.engine.gpu.ADD_BF16_SOURCE) uses only CUDA's bit-cast
+The CUDA source (commd.engine.addkernel.ADD_BF16_SOURCE) uses only CUDA's bit-cast
 intrinsics and the grid indices; a prelude gives the C++ compiler those, with a grid
 of one thread, so the grid-stride loop runs every element too. On a GPU, NVRTC
 compiles the same text (scripts/gpu_check.sh compares its results with torch's).
@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from commd.engine.gpu import ADD_BF16_SOURCE
+from commd.engine.addkernel import ADD_BF16_SOURCE
 from tests.integration.data import reduce_reference
 
 pytestmark = pytest.mark.timeout(120)
