@@ -22,7 +22,8 @@ from .errors import CallError
 from .membership import NetMembership
 from .peering import PeerLink
 from .stats import DaemonStats
-from .world import Peer, World, WorldState
+from .tickets import Peer
+from .world import World, WorldState
 
 log = logging.getLogger("commd.registry")
 

@@ -18,32 +18,26 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import proto
 from proto import ErrorCode
 
-from . import ops
 from .cluster import Inbox, WorldNet
 from .engine.base import (
-    EMPTY,
-    NO_TAG,
-    CallTag,
     Communicator,
     Engine,
     EngineOp,
     EventPair,
-    Order,
     RecvOp,
     Region,
     SendOp,
-    TransferOp,
 )
 from .errors import CallError, clip, rank_list
-from .matching import Call, CollectiveMatch, Match, Matcher, Mismatch, RemoteP2P
+from .matching import Call, Match, Matcher, Mismatch
 from .membership import LocalMembership, NetMembership
-from .recorder import CallRecord, FlightRecorder
+from .recorder import FlightRecorder
 from .stats import DaemonStats
+from .tickets import Arrival, Peer, Ticket, arrivals_of, engine_op_of, order_of
 
 log = logging.getLogger("commd.world")
 _ROOT_GRACE_S = 2.0
@@ -55,53 +49,10 @@ _WATCH_S = 0.25
 _ABORT_GRACE_S = 2.0
 
 
-class Peer(Protocol):
-    """What a world needs of a rank's connection."""
-
-    def send(self, msg: proto.Reply, fds: Sequence[int] = ()) -> None: ...
-
-
 class WorldState(enum.Enum):
     FORMING = "forming"
     READY = "ready"
     FAILED = "failed"
-
-
-class Ticket:
-    """One request (a call or a group of calls) of one rank; replied to exactly once."""
-
-    __slots__ = ("done", "executing", "peer", "rank", "records", "remaining", "request_id")
-
-    def __init__(self, peer: Peer, rank: int, request_id: int, count: int) -> None:
-        self.peer = peer
-        self.rank = rank
-        self.request_id = request_id
-        self.remaining = count
-        self.executing = 0  # of the remaining ops, those matched and handed to the engine
-        self.done = False
-        self.records: list[CallRecord] = []
-
-    def finish_one(self) -> None:
-        self.remaining -= 1
-        if self.remaining == 0 and not self.done:
-            self.done = True
-            self.peer.send(proto.Ok(self.request_id))
-
-    def fail(self, code: ErrorCode, message: str) -> None:
-        if not self.done:
-            self.done = True
-            for record in self.records:
-                record.close("failed")
-            self.peer.send(proto.Error(self.request_id, code, clip(message)))
-
-
-@dataclass(slots=True)  # per call: plain init is cheaper than frozen
-class Arrival:
-    ticket: Ticket
-    regions: tuple[Region | None, ...]
-    record: CallRecord
-    events: EventPair | None = None  # the worker's stream events (a stream_submit)
-    early: bool = False  # answer once ordered on the device
 
 
 @dataclass(slots=True)
@@ -303,8 +254,9 @@ class World:
         completes (or fails) on its own, so calls every rank already made are not
         failed by a rank that left after making them."""
         assert self._comm is not None
-        engine_op = self._engine_op(match)
-        for arrival in self._arrivals(match):
+        spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
+        engine_op = engine_op_of(match, spans_daemons)
+        for arrival in arrivals_of(match):
             arrival.ticket.executing += 1
             arrival.record.state = "running"
         if self._queued == 0:
@@ -328,8 +280,8 @@ class World:
         try:
             async with self._exec_lock if ordered else contextlib.nullcontext():
                 if engine_op is not None:
-                    arrivals = self._arrivals(match)
-                    await comm.run(engine_op, _order(arrivals), frozenset(a.ticket for a in arrivals))
+                    arrivals = arrivals_of(match)
+                    await comm.run(engine_op, order_of(arrivals), frozenset(a.ticket for a in arrivals))
         except Exception as exc:
             self._op_failed(match, exc, epoch)
             return
@@ -382,12 +334,12 @@ class World:
         if epoch == self.epoch:
             self.fail(code, message)
             code, message = self.cause_code, self.cause or message
-        for arrival in self._arrivals(match):
+        for arrival in arrivals_of(match):
             arrival.ticket.fail(code, message)
             self._tickets.discard(arrival.ticket)
 
     def _finish(self, match: Match[Arrival]) -> None:
-        for arrival in self._arrivals(match):
+        for arrival in arrivals_of(match):
             ticket = arrival.ticket
             if self._pending_ops.get(ticket.rank):  # cleared when the world failed
                 self._pending_ops[ticket.rank] -= 1
@@ -396,43 +348,6 @@ class World:
             ticket.finish_one()
             if ticket.done:
                 self._tickets.discard(ticket)
-
-    @staticmethod
-    def _arrivals(match: Match[Arrival]) -> list[Arrival]:
-        if isinstance(match, CollectiveMatch):
-            return [c.token for c in match.calls.values()]
-        if isinstance(match, RemoteP2P):
-            return [match.call.token]
-        return [match.send.token, match.recv.token]
-
-    def _engine_op(self, match: Match[Arrival]) -> EngineOp | None:
-        # Zero bytes move nothing on one daemon (matching every rank's call was the
-        # meeting). Across daemons the call still meets its peers there: ranks that leave
-        # right after it must not fail a world whose other ranks have not reached it yet.
-        spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
-        if isinstance(match, CollectiveMatch):
-            op = match.op
-            regions: dict[int, tuple[Region | None, ...]]
-            if ops.nbytes(op) == 0 and not isinstance(op, proto.Barrier):
-                if not spans_daemons:
-                    return None
-                regions = {rank: (EMPTY, EMPTY) for rank in match.calls}
-            else:
-                regions = {rank: c.token.regions for rank, c in match.calls.items()}
-            # the canonical form is what daemons compare; one daemon has no one to compare with
-            tag = CallTag(match.index, ops.describe(op, canonical=True)) if spans_daemons else NO_TAG
-            return ops.to_engine(op, regions, tag)
-        if isinstance(match, RemoteP2P):
-            call, region = match.call, match.call.token.regions[0] or EMPTY
-            tag = CallTag(match.index, ops.describe(call.op, canonical=True))
-            peer: int = call.op.peer  # type: ignore[union-attr]
-            if isinstance(call.op, proto.Send):
-                return SendOp(call.rank, peer, region, tag)
-            return RecvOp(peer, call.rank, region, tag)
-        src, dst = match.send.token.regions[0], match.recv.token.regions[0]
-        if src is None or dst is None:
-            return None
-        return TransferOp(match.send.rank, src, match.recv.rank, dst)
 
     # ---- failure and departure ----------------------------------------------------
 
@@ -590,15 +505,6 @@ class World:
             "call_timeout_s": self.call_timeout_s,
             "recent_calls": self.recorder.dump(last=8),
         }
-
-
-def _order(arrivals: list[Arrival]) -> Order | None:
-    """The op's order with its workers' streams: each rank's events; early only when
-    every call asked (one waiting for its result holds the reply of all)."""
-    events = {a.ticket.rank: a.events for a in arrivals if a.events is not None}
-    if not events:
-        return None
-    return Order(events, early=all(a.early for a in arrivals))
 
 
 def _welcome(request_id: int, engine: str, epoch: int) -> proto.Welcome:
