@@ -5,6 +5,7 @@ communicators. Its parts, each in a module of its own:
 
 - ncclcomm: one world's communicators on this daemon, and how its ops reach NCCL
 - ncclcalls: the NCCL call each op becomes
+- addpath: set_add_kernel's 2-rank bf16 sum (an exchange, then the daemon's own add)
 - ncclmemory: opened memory and events, held by ops, let go off the event loop
 - completion: events behind work on the streams, waited for on helper threads
 - turns: the per-rank order in which work reaches NCCL and the streams

@@ -20,14 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from proto import DType, ErrorCode, ReduceOp
+from proto import ErrorCode
 
 from ..errors import CallError
-from .base import AllReduceOp, EngineOp, Order, Region
+from .addpath import Add, AddPath
+from .base import EngineOp, Order, Region
 from .completion import Completions
 from .crosscheck import device_check
-from .gpu import CommState, Gpu, GpuError, Imported
-from .ncclcalls import Call, bind, nccl_calls, regions_of
+from .gpu import CommState, Gpu, GpuError
+from .ncclcalls import Call, nccl_calls, regions_of
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
 from .stuckwatch import StuckWatch
 from .turns import Turn, Turns
@@ -46,7 +47,7 @@ class _Launch:
 
     calls: list[Call]
     order: Order | None
-    adds: list[tuple[int, NcclRegion, NcclRegion]]
+    adds: list[Add]
     touched: list[int]
     launched: asyncio.Future[None]
     mappings: list[NcclMapping]  # the memory it uses
@@ -75,7 +76,6 @@ class NcclCommunicator:
         self._gpu = gpu
         self._freer = freer
         self._stuck = stuck
-        self._compiler = compiler  # where NVRTC compiles the add kernel, off the loop
         # NCCL moves the data; the daemons' links only carry each collective's fingerprint
         # to the root, so that ranks calling different things fail as a mismatch, not a hang.
         self._net = net if net is not None and net.members() else None
@@ -83,10 +83,9 @@ class NcclCommunicator:
         self._epoch = net.epoch if net is not None else 0
         self._world = world
         self._ranks = tuple(local_ranks)
-        self._world_size = world_size
-        self._add_kernel = False  # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
-        self._exchange: dict[int, NcclMapping] = {}  # rank -> where the peer's buffer lands
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
+        # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
+        self._adds = AddPath(gpu, compiler, world, world_size, self._devices, self._new_mapping)
         self._aborted = False
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
@@ -139,9 +138,9 @@ class NcclCommunicator:
         # ops matched, which NCCL needs on every rank. (The init's settling is the first
         # launch's: _launch_batch settles its ranks before it calls NCCL.)
         self._check()
-        adds = self._add_plan(op)
+        adds = self._adds.plan(op)
         calls = (nccl_calls(self._gpu, op, self._ranks, self._scratch_ptr, self._net is not None)
-                 if not adds else self._exchanges(adds))
+                 if not adds else self._adds.exchanges(adds))
         touched = sorted({rank for rank, _ in calls})
         held = _Held(regions_of(op) + [scratch for _, _, scratch in adds],
                      [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
@@ -369,63 +368,7 @@ class NcclCommunicator:
             pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
 
     def use_add_kernel(self, enabled: bool) -> None:
-        """The path is taken once the kernel is loaded on every local device; compiling
-        it (NVRTC) runs on the engine's thread, so until then NCCL sums as before: both
-        ranks share this communicator, so they always agree."""
-        self._add_kernel = enabled
-        devices = sorted(set(self._devices.values()))
-        if not enabled or all(self._gpu.add_ready(d) for d in devices):
-            return
-        def prepare() -> None:
-            try:
-                for device in devices:
-                    self._gpu.prepare_add(device)
-            except GpuError as exc:
-                log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
-            else:
-                log.info("world %s: the add kernel is ready on GPU %s", self._world,
-                         ", ".join(map(str, devices)))
-
-        self._compiler.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
-
-
-    def _add_plan(self, op: EngineOp) -> list[tuple[int, NcclRegion, NcclRegion]]:
-        """With the add kernel, a 2-rank bf16 sum is an exchange then an add: for each rank
-        (rank, its buffer, where the peer's lands). Empty when the op is summed by NCCL."""
-        if not (self._add_kernel and isinstance(op, AllReduceOp) and op.dtype is DType.BF16
-                and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2
-                and all(self._gpu.add_ready(d) for d in set(self._devices.values()))):
-            return []
-        plan = []
-        for rank, buf in sorted(op.bufs.items()):
-            if not isinstance(buf, NcclRegion):
-                return []  # nothing to add
-            plan.append((rank, buf, self._exchange_region(rank, buf.nbytes)))
-        return plan
-
-    def _exchange_region(self, rank: int, nbytes: int) -> NcclRegion:
-        """Where the peer's buffer lands: one per rank, as add-path ops launch alone and
-        launches follow one another on the streams."""
-        mapping = self._exchange.get(rank)
-        if mapping is None or mapping.size < nbytes:
-            if mapping is not None:
-                del self._exchange[rank]  # (an allocation failing next leaves none, not a closed one)
-                mapping.close()  # let go once the ops that use it are done
-            mapping = self._exchange[rank] = NcclMapping(self._freer, self._alloc(nbytes, rank))
-        return mapping.region(0, nbytes)
-
-    def _exchanges(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]) -> list[Call]:
-        """The add-kernel path's NCCL part: each rank sends its buffer to the other."""
-        gpu = self._gpu
-        return [call for rank, buf, scratch in adds
-                for call in ((rank, bind(gpu.send, buf.ptr, buf.nbytes, DType.U8, 1 - rank)),
-                             (rank, bind(gpu.recv, scratch.ptr, scratch.nbytes, DType.U8, 1 - rank)))]
-
-    def _launch_adds(self, adds: Sequence[tuple[int, NcclRegion, NcclRegion]]) -> None:
-        """On each stream, after the exchange: buffer += what the peer sent."""
-        for rank, buf, scratch in adds:
-            self._device_call(self._gpu.add_bf16, buf.ptr, scratch.ptr, buf.nbytes // 2,
-                              self._devices[rank], self._streams[rank])
+        self._adds.enable(enabled)
 
     async def _launch_soon(self, entry: _Launch) -> None:
         """Launch at the end of this turn of the event loop, in one NCCL group with the
@@ -487,7 +430,7 @@ class NcclCommunicator:
                 self._launch([(entry.calls, entry.order) for entry in batch])
                 await self._settle(ranks)
                 for entry in batch:
-                    self._launch_adds(entry.adds)
+                    self._adds.launch_adds(entry.adds, self._streams)
                     self._record_done(entry)
                     entry.completion.update(self._completions.record(self._streams, entry.touched))
         except BaseException as exc:  # whatever it was, every op of the batch must hear of it
@@ -564,12 +507,13 @@ class NcclCommunicator:
     def _scratch_ptr(self, rank: int) -> int:
         mapping = self._scratch.get(rank)
         if mapping is None:
-            mapping = self._scratch[rank] = NcclMapping(self._freer, self._alloc(8, rank))
+            mapping = self._scratch[rank] = self._new_mapping(8, rank)
         return mapping.region(0, 1).ptr
 
-    def _alloc(self, nbytes: int, rank: int) -> Imported:
+    def _new_mapping(self, nbytes: int, rank: int) -> NcclMapping:
+        """Device memory of the engine's own on the rank's GPU."""
         try:
-            return self._gpu.alloc(nbytes, self._devices[rank])
+            return NcclMapping(self._freer, self._gpu.alloc(nbytes, self._devices[rank]))
         except GpuError as exc:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes on GPU "
                                              f"{self._devices[rank]}: {exc}") from None
@@ -585,10 +529,10 @@ class NcclCommunicator:
             with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
                 self._gpu.stream_destroy(stream)
         self._streams.clear()
-        for mapping in [*self._scratch.values(), *self._exchange.values()]:
+        for mapping in self._scratch.values():
             mapping.close()
         self._scratch.clear()
-        self._exchange.clear()
+        self._adds.close()
 
 
 def _by_request(batch: Sequence[_Launch]) -> list[list[_Launch]]:
