@@ -19,6 +19,7 @@ from .gpu import Gpu, GpuError, Imported, Origin
 
 log = logging.getLogger("commd.engine.nccl")
 
+
 class NcclRegion:
     """A bounds-checked window of device memory, valid in the daemon's contexts."""
 
