@@ -120,6 +120,7 @@ class FakeGpu:
         self._device_of: dict[int, int] = {}  # stream or event -> the device whose context has it
         self._same: dict[int, int] = {}  # an event opened by IPC -> the worker's event it is
         self._recorded: dict[int, int] = {}
+        self._waited_on: dict[int, int] = {}  # event -> threads in event_wait on it
         self._reached: dict[int, int] = {}
         self._comms: dict[int, _Comm] = {}
         self._stream_comms: dict[int, list[_Comm]] = {}  # stream -> communicators launched on it
@@ -226,6 +227,12 @@ class FakeGpu:
         handle = os.urandom(64)
         self._event_handles[handle] = event
         return handle
+
+    @property
+    def live_events(self) -> int:
+        """Events that exist (created or opened, not destroyed)."""
+        with self._cv:
+            return sum(1 for handle in self._device_of if handle in self._recorded or handle in self._same)
 
     @property
     def allocations(self) -> int:
@@ -350,6 +357,8 @@ class FakeGpu:
 
     def event_destroy(self, event: int) -> None:
         with self._cv:
+            if self._waited_on.get(event):
+                self.violations.append(f"destroyed event {event} while a thread waits on it")
             if self._same.pop(event, None) is None:  # an opened copy goes alone
                 del self._recorded[event], self._reached[event]
             del self._device_of[event]
@@ -382,11 +391,15 @@ class FakeGpu:
             self._progress()
 
     def event_wait(self, event: int, device: int) -> None:
-        event = self._same.get(event, event)
+        handle, event = event, self._same.get(event, event)
         with self._cv:
             want = self._recorded[event]
-            if not self._cv.wait_for(lambda: self._reached.get(event, want) >= want, timeout=30):
-                raise GpuError("cuEventSynchronize: the fake device never got there (a hang)")
+            self._waited_on[handle] = self._waited_on.get(handle, 0) + 1
+            try:
+                if not self._cv.wait_for(lambda: self._reached.get(event, want) >= want, timeout=30):
+                    raise GpuError("cuEventSynchronize: the fake device never got there (a hang)")
+            finally:
+                self._waited_on[handle] -= 1
 
     # ---- Gpu: NCCL ------------------------------------------------------------------------
     def unique_id(self) -> bytes:
