@@ -99,7 +99,7 @@ class Server:
                             self.config.socket_path)
         self._listener.setblocking(False)
         asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
-        log.info("listening on %s (engine %s%s)", self.config.socket_path, self.engine.name,
+        log.info("listening on %s (engine %s%s)", self.config.socket_path, self.engine.describe(),
                  "" if inherited is None else ", socket inherited: socket activation")
 
     def _accept(self) -> None:
@@ -162,6 +162,7 @@ class Server:
         return {
             "version": __version__,
             "engine": self.engine.name,
+            "engine_detail": self.engine.describe(),
             "pid": os.getpid(),
             "uptime_s": self.uptime(),
             "connections": len(self.sessions),

@@ -35,7 +35,8 @@ def render_status(info: dict[str, Any], calls_per_rank: int = 1) -> str:
     calls from the flight recorder (`calls_per_rank` of them; all it sent with --world)."""
     metrics = f"  metrics=http://{info['metrics']}/metrics" if info.get("metrics") else ""
     lines = [
-        f"commd {info.get('version')}  engine={info.get('engine')}  pid={info.get('pid')}  "
+        f"commd {info.get('version')}  engine={info.get('engine_detail') or info.get('engine')}  "
+        f"pid={info.get('pid')}  "
         f"uptime={info.get('uptime_s')}s  connections={info.get('connections')}  "
         f"ranks={info.get('ranks_connected')}{metrics}",
     ]

@@ -25,7 +25,7 @@ def create_engine(name: str, threads: int | None = None) -> Engine:
             log.info("engine auto: host (NCCL is not usable here: %s)", exc)
         else:
             if name == "auto":
-                log.info("engine auto: nccl (%d GPUs)", engine.gpu.device_count())
+                log.info("engine auto: %s", engine.describe())
             return engine
     if name in ("host", "auto"):
         from .host import HostEngine

@@ -257,6 +257,10 @@ class Engine(Protocol):
         the daemon then exits, for its service manager to start it afresh."""
         ...
 
+    def describe(self) -> str:
+        """One line for logs and `commd status`: the engine and what it runs on."""
+        ...
+
     def device_of(self, uuid: bytes) -> int | None:
         """This daemon's ordinal of the GPU with CUDA UUID `uuid` (a worker's ordinal of it
         may differ: CUDA_VISIBLE_DEVICES renumbers); None for engines without GPUs.

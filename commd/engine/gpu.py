@@ -60,6 +60,10 @@ class Gpu(Protocol):
 
     def device_count(self) -> int: ...
 
+    def nccl_version(self) -> int:
+        """NCCL's version code (ncclGetVersion: 22803 is 2.28.3)."""
+        ...
+
     def device_uuid(self, device: int) -> bytes:
         """The GPU's 16-byte CUDA UUID: the same whatever a process's CUDA_VISIBLE_DEVICES."""
         ...

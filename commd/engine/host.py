@@ -342,5 +342,8 @@ class HostEngine:
     def device_of(self, uuid: bytes) -> int | None:
         return None  # host memory only: a worker's GPU is no concern of this engine
 
+    def describe(self) -> str:
+        return f"host ({self._threads} threads)"
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -92,6 +92,13 @@ class NcclEngine:
     def broken(self) -> str | None:
         return self.gpu.broken()
 
+    def describe(self) -> str:
+        try:
+            version, gpus = self.gpu.nccl_version(), self.gpu.device_count()
+        except GpuError as exc:
+            return f"nccl ({exc})"
+        return f"nccl (NCCL {version // 10000}.{version // 100 % 100}.{version % 100}, {gpus} GPUs)"
+
     def device_of(self, uuid: bytes) -> int | None:
         if self._uuids is None:  # read once: the GPUs a process sees do not change
             try:

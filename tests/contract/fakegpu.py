@@ -245,6 +245,9 @@ class FakeGpu:
         return bool(self._enqueuing)
 
     # ---- Gpu: memory --------------------------------------------------------------------
+    def nccl_version(self) -> int:
+        return 23000  # 2.30.0: the first with NCCL_MULTI_RANK_GPU_ENABLE
+
     def device_count(self) -> int:
         return self.devices
 

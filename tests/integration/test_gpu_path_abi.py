@@ -567,6 +567,14 @@ def test_a_sticky_cuda_error_marks_the_engine_broken(daemon: GpuDaemon, device: 
     assert daemon.engine.broken() == "cuEventSynchronize: an illegal memory access was encountered"
 
 
+def test_the_engine_names_its_nccl_and_gpus(device: fakecuda.AbiDevice) -> None:
+    engine = create_engine("auto")
+    try:
+        assert engine.describe() == "nccl (NCCL 2.32.3, 2 GPUs)"  # ncclGetVersion, cuDeviceGetCount
+    finally:
+        engine.close()
+
+
 def test_an_nccl_older_than_2_27_is_refused(device: fakecuda.AbiDevice) -> None:
     """The engine keeps several non-blocking groups in progress at once; NCCL before 2.27
     shares one group job per thread, so it is refused: `--engine nccl` says why, `auto`

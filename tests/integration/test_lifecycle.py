@@ -88,11 +88,13 @@ def test_status_reports_worlds_and_refuses_unknown_ones(pool: RankPool,
     (w,) = info["worlds"]
     assert (w["state"], w["epoch"], w["ranks"], w["world_size"]) == ("ready", 1, [0, 1], 2)
     assert info["engine"] == "host" and info["connections"] == 3  # two ranks and this query
+    assert info["engine_detail"] == f"host ({min(8, os.cpu_count() or 1)} threads)"
     with pytest.raises(MisuseError, match="no world named"):
         query_status(sock, 5, "no-such-world")
     text = subprocess.run([sys.executable, "-m", "commd", "status", "--socket", sock,
                            "--world", world], capture_output=True, text=True, timeout=30)
     assert text.returncode == 0 and world in text.stdout and "ready" in text.stdout
+    assert f"engine={info['engine_detail']}" in text.stdout
     assert own_daemon.stop() == 0  # ends the waiting calls
     assert all(o.unwrap()[0] == "DaemonShutdown" for o in pool.collect(started, 20))
 

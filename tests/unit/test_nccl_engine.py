@@ -25,7 +25,7 @@ from commd.engine.base import (
     SendOp,
     TransferOp,
 )
-from commd.engine.gpu import CommState, Origin
+from commd.engine.gpu import CommState, GpuError, Origin
 from commd.engine.nccl import NcclEngine
 from commd.engine.ncclcomm import NcclCommunicator, _by_request, _Launch
 from commd.engine.ncclmemory import NcclEvents, NcclMapping, NcclRegion
@@ -931,3 +931,13 @@ async def test_an_op_whose_memory_was_released_before_it_ran_is_refused(engine: 
         await comm.run(AllReduceOp({0: region}, DType.U8, ReduceOp.SUM))
     assert info.value.code is ErrorCode.UNKNOWN_BUFFER and gpu.launches == launches
     assert not comm.busy()
+
+
+def test_the_engine_describes_its_nccl_and_gpus_or_why_it_cannot(engine: NcclEngine, gpu: FakeGpu) -> None:
+    assert engine.describe() == "nccl (NCCL 2.30.0, 2 GPUs)"
+
+    def broken() -> int:
+        raise GpuError("ncclGetVersion: unhandled cuda error")
+
+    gpu.nccl_version = broken  # type: ignore[method-assign]
+    assert engine.describe() == "nccl (ncclGetVersion: unhandled cuda error)"
