@@ -97,7 +97,8 @@ class NcclEngine:
             version, gpus = self.gpu.nccl_version(), self.gpu.device_count()
         except GpuError as exc:
             return f"nccl ({exc})"
-        return f"nccl (NCCL {version // 10000}.{version // 100 % 100}.{version % 100}, {gpus} GPUs)"
+        return (f"nccl (NCCL {version // 10000}.{version // 100 % 100}.{version % 100}, "
+                f"{gpus} GPU{'' if gpus == 1 else 's'})")
 
     def device_of(self, uuid: bytes) -> int | None:
         if self._uuids is None:  # read once: the GPUs a process sees do not change
