@@ -403,7 +403,9 @@ class DaemonBackend(CommBackend):
                        deadline: bool) -> None:
         """Submit ops; those on device memory follow the worker's `streams`. With an engine
         that has streams, the daemon's stream waits for the first of them through its
-        events (the others are waited for here); otherwise all are waited for here."""
+        events (the others are waited for here), and, answered once ordered, every one
+        of them waits for the ops on the device (a group's receive may land on another
+        stream than its send); otherwise all are waited for here."""
         driver = self._resolver.driver
         if not streams or driver is None:
             self._submit(ops, deadline)
@@ -421,8 +423,9 @@ class DaemonBackend(CommBackend):
             ready, done = self._events_for(first, driver)
             driver.record_event(ready, first)
             self._submit(ops, deadline, stream=first, early=early)
-            if early:  # answered once ordered: the worker's stream waits for the op on the device
-                driver.stream_wait_event(first, done)
+            if early:  # answered once ordered: the worker's streams wait for the ops on the device
+                for stream in streams:
+                    driver.stream_wait_event(stream, done)
 
     def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
         """The stream's (ready, done) events, created once and handed to this connection's

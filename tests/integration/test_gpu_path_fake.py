@@ -223,6 +223,45 @@ def test_async_calls_are_ordered_on_the_workers_stream(daemon: GpuDaemon, gpu: F
             future.result(10)
 
 
+def test_every_stream_of_an_async_group_waits_for_the_op(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """Each rank sends on one stream and receives on another, in one group answered once
+    ordered. Rank 1's kernel still writes its send buffer, so the op waits. A kernel rank 0
+    then queues on its receiving stream must run after the op: else the op's landing
+    overwrites what that kernel wrote."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    sending = [gpu.worker_stream(), gpu.worker_stream()]
+    receiving = [gpu.worker_stream(), gpu.worker_stream()]
+    mine = [driver.alloc(bytes([r + 1]) * 8) for r in range(2)]
+    theirs = [driver.alloc(b"\x00" * 8) for _ in range(2)]
+    slow = gpu.worker_kernel(sending[1], mine[1], b"\x05" * 8)
+    returned = threading.Barrier(3)
+
+    def rank(r: int) -> None:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            comm.group_start()
+            comm.send_to(mine[r], 8, 1 - r, stream=sending[r])
+            comm.recv_from(theirs[r], 8, 1 - r, stream=receiving[r])
+            comm.group_end()
+            returned.wait(10)
+            returned.wait(10)  # until the test has looked, the connection stays
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(rank, r) for r in range(2)]
+        returned.wait(10)  # both groups returned, the op waits for rank 1's kernel
+        after = gpu.worker_kernel(receiving[0], theirs[0], b"Z" * 8)
+        gpu.finish_kernel(after)
+        assert gpu.read(theirs[0], 8) == b"\x00" * 8  # it waits for the op
+        gpu.finish_kernel(slow)
+        deadline = time.monotonic() + 5
+        while gpu.read(theirs[1], 8) != b"\x01" * 8 or gpu.read(theirs[0], 8) != b"Z" * 8:
+            assert time.monotonic() < deadline, (gpu.read(theirs[0], 8), gpu.read(theirs[1], 8))
+            time.sleep(0.01)
+        returned.wait(10)
+        for future in running:
+            future.result(10)
+
+
 def test_symmetric_memory_is_the_daemons_device_memory(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     """symmetric_alloc on a GPU engine: the daemon allocates (ncclMemAlloc), the worker maps
     its export and gets a device pointer; calls on it need no import; free lets both go."""
