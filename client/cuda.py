@@ -302,7 +302,9 @@ class CudaMemory:
         self._on_forget = on_forget
         self._max = max_allocations
         self._lock = threading.Lock()
-        self._by_cuda_id: dict[int, CudaAllocation] = {}  # insertion order: oldest first
+        # least recently found first: the op being built found its other buffers just now,
+        # so making room for one of them never drops another
+        self._by_cuda_id: dict[int, CudaAllocation] = {}
         self._by_id: dict[int, CudaAllocation] = {}
 
     @property
@@ -316,7 +318,9 @@ class CudaMemory:
         if cuda_id is None:
             return None
         with self._lock:
-            allocation = self._by_cuda_id.get(cuda_id)
+            allocation = self._by_cuda_id.pop(cuda_id, None)
+            if allocation is not None:  # now the newest: a full cache drops the least recently found
+                self._by_cuda_id[cuda_id] = allocation
         if allocation is None:
             allocation = self._add(ptr)
             if allocation is None:
@@ -395,7 +399,8 @@ class CudaMemory:
         return allocation
 
     def _shrink(self) -> None:
-        """Over the limit: drop freed allocations, then the oldest (re-imported if used again)."""
+        """Over the limit: drop freed allocations, then the least recently found (re-imported
+        if used again)."""
         with self._lock:
             candidates = list(self._by_cuda_id.values())
         freed = [a for a in candidates if self._driver.buffer_id(a.base) != a.cuda_id]

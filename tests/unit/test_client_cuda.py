@@ -241,6 +241,23 @@ def test_a_full_cache_drops_freed_allocations_then_the_oldest() -> None:
     assert not cuda.owns(a[0].id)
 
 
+def test_a_full_cache_keeps_what_was_found_last() -> None:
+    """An all_gather finds its send buffer (cached long ago), then its new receive buffer,
+    which fills the cache: the send buffer, found just now, must not be the one dropped
+    (the op would name memory the daemon was told to forget)."""
+    driver = FakeDriver()
+    forgotten: list[int] = []
+    ids = iter(range(1, 100))
+    cuda = CudaMemory(driver, lambda: next(ids), on_forget=forgotten.append, max_allocations=2)
+    for i in range(3):
+        driver.alloc(BASE + i * MIB, MIB)
+    send, other = (cuda.find(BASE + i * MIB, 8) for i in range(2))
+    assert send is not None and other is not None
+    assert cuda.find(BASE, 8) == send  # the op's send buffer, found again
+    assert cuda.find(BASE + 2 * MIB, 8) is not None  # its receive buffer: the cache is full
+    assert forgotten == [other[0].id] and cuda.owns(send[0].id)
+
+
 def test_host_and_cuda_buffer_ids_come_from_one_counter() -> None:
     host = HostMemory()
     driver = FakeDriver()
