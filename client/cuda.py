@@ -72,6 +72,11 @@ class CudaDriver(Protocol):
         """A POSIX fd for the VMM allocation at `base`; the caller owns (and closes) it."""
         ...
 
+    def current_device(self) -> int | None:
+        """The device of the calling thread's current CUDA context (None: no context is
+        current): where the legacy default stream, and events created now, belong."""
+        ...
+
     def synchronize(self, stream: int) -> None:
         """Wait until the work queued on `stream` (0: every stream of the current context)
         is done, so the daemon reads what the worker's kernels wrote."""
@@ -220,6 +225,13 @@ class BindingsDriver:
     def unmap_shared(self, ptr: int, size: int) -> None:
         self._check("cuMemUnmap", self._cu.cuMemUnmap(ptr, size))
         self._check("cuMemAddressFree", self._cu.cuMemAddressFree(ptr, size))
+
+    def current_device(self) -> int | None:
+        err, device = self._cu.cuCtxGetDevice()
+        if err == self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            return None
+        self._check("cuCtxGetDevice", (err, device))
+        return int(device)
 
     def synchronize(self, stream: int) -> None:
         if stream:

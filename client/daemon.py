@@ -71,7 +71,9 @@ class DaemonBackend(CommBackend):
         self._device_ops: dict[tuple[object, ...], tuple[proto.Op, tuple[int, ...]]] = {}
         self._group: list[proto.Op] | None = None
         self._group_depth = 0
-        self._stream = stream  # the worker's stream its calls follow (0: the whole context)
+        # the worker's stream its calls follow (0: the legacy default stream; the host engine
+        # waits for the whole context there)
+        self._stream = stream
         # the streams the open group's device calls follow (in order), and whether all may
         # be answered once ordered
         self._group_streams: dict[int, None] = {}
@@ -416,6 +418,7 @@ class DaemonBackend(CommBackend):
         if not by_events:
             self._submit(ops, deadline)
             return
+        self._check_current_device(driver)
         first = streams[0]
         with self._lock:
             order_lock = self._order_locks.setdefault(first, threading.Lock())
@@ -426,6 +429,17 @@ class DaemonBackend(CommBackend):
             if early:  # answered once ordered: the worker's streams wait for the ops on the device
                 for stream in streams:
                     driver.stream_wait_event(stream, done)
+
+    def _check_current_device(self, driver: CudaDriver) -> None:
+        """The stream events are created, and stream 0 is, in the thread's current context:
+        another device's would order the call after the wrong GPU's work (or fail)."""
+        if self._device is None:
+            return
+        current = driver.current_device()
+        if current != self._device:
+            now = "no CUDA context is current" if current is None else f"CUDA device {current} is current"
+            raise MisuseError(f"{now} in this thread, but this backend serves device {self._device}: "
+                              f"make it current first (torch.cuda.set_device({self._device}))")
 
     def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
         """The stream's (ready, done) events, created once and handed to this connection's

@@ -296,6 +296,9 @@ class AbiDevice:
             raise FakeDriverError(CUDA_ERROR_INVALID_CONTEXT, f"{context:#x} is no context")
         self._local.device = device
 
+    def cuCtxGetDevice(self, out: int) -> None:
+        _put(out, ctypes.c_int, self._seen(self._device()))  # as this thread numbers its GPUs
+
     def cuCtxSynchronize(self) -> None:
         """Every stream of the context, the legacy one too, as the driver waits for them."""
         self._stream(0)

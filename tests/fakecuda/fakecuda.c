@@ -98,6 +98,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
 }
 CUresult cuCtxSetCurrent(CUcontext ctx) { CALL("cuCtxSetCurrent", U(ctx)); }
 CUresult cuCtxSynchronize(void) { CALL0("cuCtxSynchronize"); }
+CUresult cuCtxGetDevice(CUdevice *device) { CALL("cuCtxGetDevice", U(device)); }
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
   CALL("cuPointerGetAttribute", U(data), (uint64_t)attribute, ptr);
 }
@@ -190,6 +191,7 @@ static const struct { const char *name; void *fn; } driver_table[] = {
   {"cuDeviceCanAccessPeer", (void *)cuDeviceCanAccessPeer},
   {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
   {"cuCtxSetCurrent", (void *)cuCtxSetCurrent}, {"cuCtxSynchronize", (void *)cuCtxSynchronize},
+  {"cuCtxGetDevice", (void *)cuCtxGetDevice},
   {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
   {"cuMemGetAddressRange", (void *)cuMemGetAddressRange_v2},
   {"cuMemAlloc", (void *)cuMemAlloc_v2}, {"cuMemFree", (void *)cuMemFree_v2},

@@ -522,6 +522,32 @@ def test_a_thread_without_a_current_context_gets_the_hint(daemon: GpuDaemon,
     assert outcome[1] == b"\x04" * 32
 
 
+def test_a_thread_with_another_gpu_current_is_refused(daemon: GpuDaemon, device: fakecuda.AbiDevice) -> None:
+    """The worker's stream events (and stream 0) belong to the thread's current context:
+    with GPU 1 current, a backend of GPU 0 would order its call after GPU 1's work. It is a
+    MisuseError naming both, and the call works once GPU 0 is current."""
+    ptr = Worker(0).alloc(b"\x06" * 16)
+    outcome: list[object] = []
+
+    def other_gpu_thread() -> None:
+        Worker(1)  # GPU 1 current here
+        with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
+            try:
+                comm.all_reduce(ptr, 16, dtype="u8")
+            except MisuseError as exc:
+                outcome.append(str(exc))
+            Worker(0)
+            comm.all_reduce(ptr, 16, dtype="u8")
+            outcome.append(Worker(0).read(ptr, 16))
+
+    thread = threading.Thread(target=other_gpu_thread)
+    thread.start()
+    thread.join(30)
+    assert len(outcome) == 2, outcome
+    assert "CUDA device 1 is current" in str(outcome[0]) and "serves device 0" in str(outcome[0])
+    assert outcome[1] == b"\x06" * 16
+
+
 def test_a_worker_that_numbers_its_gpus_otherwise_is_placed_by_uuid(daemon: GpuDaemon,
                                                                      device: fakecuda.AbiDevice) -> None:
     """Rank 0's process sees only GPU 1, as its device 0 (CUDA_VISIBLE_DEVICES=1, or a

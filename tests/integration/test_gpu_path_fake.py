@@ -71,6 +71,9 @@ class WorkerDriver:
     def synchronize(self, stream: int) -> None:
         self.synced.append(stream)
 
+    def current_device(self) -> int | None:
+        return self._device()
+
     # The worker's streams live on the fake device; stream 0 is each thread's default, on
     # the thread's current device (set_device, as torch.cuda.set_device makes it).
     def set_device(self, device: int) -> None:

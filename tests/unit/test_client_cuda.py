@@ -87,6 +87,9 @@ class FakeDriver:
         assert allocation.legacy
         return allocation.buffer_id.to_bytes(8, "little") * 8
 
+    def current_device(self) -> int | None:
+        return 0
+
     def synchronize(self, stream: int) -> None:
         self.log.append(("synchronize", stream))
 
