@@ -193,7 +193,12 @@ class DaemonBackend(CommBackend):
             registration = self._registrations.get(handle)
         if registration is None:
             raise MisuseError(f"handle {handle} is not registered")
-        self._request(lambda: proto.Deregister(self._transport.next_id(), registration[2]))
+        try:
+            self._request(lambda: proto.Deregister(self._transport.next_id(), registration[2]))
+        except MisuseError as exc:
+            if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
+                raise
+            # the daemon let go of it with its memory (freed, or dropped from our full cache)
         with self._lock:
             self._registrations.pop(handle, None)
 

@@ -338,6 +338,24 @@ def test_the_add_kernel_path_sums_two_ranks_by_exchange(daemon: GpuDaemon, gpu: 
     assert gpu.adds - adds == (2 if both else 0)  # one add per rank, for the bf16 sum only
 
 
+def test_a_registration_dropped_with_its_memory_still_deregisters(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """A full cache of allocations drops the least recently used one, and the daemon its
+    registration with it: deregister_buffer of the handle still succeeds (once)."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=20,
+                       cuda_driver=lambda: driver) as comm:
+        registered, other = driver.alloc(b"\x01" * 64), driver.alloc(b"\x02" * 64)
+        handle = comm.register_buffer(registered, 64)
+        comm._resolver._cuda._max = 1  # as after 1024 allocations
+        comm.all_reduce(other, 64, dtype="u8")  # drops the registered allocation
+        comm.barrier()  # (the daemon hears of it)
+        comm.deregister_buffer(handle)
+        with pytest.raises(MisuseError, match="not registered"):
+            comm.deregister_buffer(handle)
+        comm.all_reduce(registered, 64, dtype="u8")  # imported again
+        assert gpu.read(registered, 64) == b"\x01" * 64
+
+
 def test_nccl_gets_registrations_only_while_every_rank_has_some(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     """Some ranks passing registered buffers and some not is undefined in NCCL."""
     world, driver = world_name("gpu"), WorkerDriver(gpu)
