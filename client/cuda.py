@@ -165,7 +165,10 @@ class BindingsDriver:
 
     def export_fd(self, base: int) -> int:
         cu = self._cu
-        (handle,) = self._check("cuMemRetainAllocationHandle", cu.cuMemRetainAllocationHandle(base))
+        (handle,) = self._check(
+            "cuMemRetainAllocationHandle", cu.cuMemRetainAllocationHandle(base),
+            hint="only cudaMalloc and cuMemCreate memory can be shared with the daemon; memory of a "
+                 "stream-ordered pool (cudaMallocAsync, PyTorch's backend:cudaMallocAsync) cannot")
         try:
             (fd,) = self._check(
                 "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)",
@@ -247,8 +250,8 @@ class BindingsDriver:
         if err == self._success:
             return tuple(result[1:])
         message = f"{call} failed: {self._describe(err)}"
-        if err == self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-            hint = hint or "make the pointer's device current in this thread (torch.cuda.set_device)"
+        if err == self._cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # whatever the call's own hint says
+            hint = "make the pointer's device current in this thread (torch.cuda.set_device)"
         raise MisuseError(f"{message}; {hint}" if hint else message)
 
     def _describe(self, err: Any) -> str:

@@ -211,6 +211,10 @@ class DaemonBackend(CommBackend):
         if self.engine != "host":  # device memory (ncclMemAlloc): mapped through the driver
             try:
                 ptr, size = self._resolver.map_symmetric(fds[0], bytes, buffer_id)
+            except BaseException:  # unusable here: the daemon lets go of it now, not at our close
+                with contextlib.suppress(CommError):
+                    self._request(lambda: proto.SymFree(self._transport.next_id(), buffer_id))
+                raise
             finally:
                 os.close(fds[0])
             with self._lock:

@@ -291,6 +291,21 @@ def test_symmetric_memory_is_the_daemons_device_memory(daemon: GpuDaemon, gpu: F
         time.sleep(0.02)
 
 
+def test_symmetric_memory_the_worker_cannot_map_is_let_go_at_once(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    driver = WorkerDriver(gpu)
+    before = gpu.allocations
+
+    def refuse(fd: int, nbytes: int, device: int) -> tuple[int, int]:
+        raise MisuseError("cuMemMap: out of memory")
+
+    driver.map_shared = refuse  # type: ignore[method-assign]
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=20,
+                       cuda_driver=lambda: driver) as comm:
+        with pytest.raises(MisuseError, match="out of memory"):
+            comm.symmetric_alloc(16)
+        assert gpu.allocations == before  # the daemon's ncclMemAlloc'd memory went with the failure
+
+
 def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemon: GpuDaemon,
                                                                           gpu: FakeGpu) -> None:
     driver = WorkerDriver(gpu)
