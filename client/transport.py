@@ -123,7 +123,8 @@ class Transport:
         try:
             if not self._poll.poll(0):
                 return None
-            data, _, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            data, ancillary, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            close_fds(_take_fds(ancillary))  # a refusal carries none; a stray one is not ours to keep
             msg = proto.decode(data)
         except (OSError, proto.ProtoError):
             return None
@@ -202,6 +203,7 @@ class Transport:
         try:
             return self._conn.receive(data, len(fds)), fds
         except proto.ProtoError as exc:
+            close_fds(fds)  # nobody will take them
             raise self._break(ProtocolError(f"bad packet from the daemon: {exc}")) from exc
 
     def drain_events(self) -> None:
