@@ -19,6 +19,7 @@ from .cuda import CudaDriver, available_driver
 from .errors import (
     UNHEALTHY,
     CommError,
+    CommTimeout,
     DaemonUnavailable,
     MisuseError,
     ProtocolError,
@@ -431,13 +432,20 @@ class DaemonBackend(CommBackend):
         first = streams[0]
         with self._lock:
             order_lock = self._order_locks.setdefault(first, threading.Lock())
-        with order_lock:  # the stream's events serve one call at a time
+        # The stream's events serve one call at a time (until the daemon ordered it), and a
+        # call without a deadline (recv_command_u32) may hold them long: others keep theirs.
+        if not order_lock.acquire(timeout=self._timeout if deadline else -1):
+            raise CommTimeout(f"another call of this process on stream {first} held its events "
+                              f"for {self._timeout:g}s (a recv_command_u32 waiting on it?)")
+        try:
             ready, done = self._events_for(first, driver)
             driver.record_event(ready, first)
             self._submit(ops, deadline, stream=first, early=early)
             if early:  # answered once ordered: the worker's streams wait for the ops on the device
                 for stream in streams:
                     driver.stream_wait_event(stream, done)
+        finally:
+            order_lock.release()
 
     def _check_current_device(self, driver: CudaDriver) -> None:
         """The stream events are created, and stream 0 is, in the thread's current context:

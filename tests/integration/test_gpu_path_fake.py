@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from client import DaemonBackend, MisuseError
+from client import CommTimeout, DaemonBackend, MisuseError
 from client.cuda import PointerInfo
 from commd.engine.gpu import Imported
 from tests.contract.fakegpu import FakeGpu
@@ -263,6 +263,46 @@ def test_every_stream_of_an_async_group_waits_for_the_op(daemon: GpuDaemon, gpu:
         returned.wait(10)
         for future in running:
             future.result(10)
+
+
+def test_a_call_behind_a_waiting_command_on_its_stream_times_out(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """recv_command_u32 has no deadline and holds its stream's events until the command
+    comes; another thread's call on that stream gets CommTimeout after the backend's
+    timeout instead of waiting with it. The command still arrives."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    commands = [driver.alloc((7).to_bytes(4, "little")), driver.alloc(bytes(4))]
+    data = driver.alloc(b"\x01" * 8)
+    go = threading.Event()
+    outcome: list[object] = []
+
+    def root() -> None:
+        with DaemonBackend(str(daemon.socket_path), world, 0, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            go.wait(20)
+            comm.broadcast(commands[0], 4, 0)
+
+    def waiting_rank() -> None:
+        with DaemonBackend(str(daemon.socket_path), world, 1, 2, timeout=1,
+                           cuda_driver=lambda: driver) as comm:
+            receiving = threading.Thread(target=comm.recv_command_u32, args=(commands[1], 0))
+            receiving.start()
+            deadline = time.monotonic() + 10
+            while not driver.recorded:  # it holds the stream's events now
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            try:
+                comm.all_reduce(data, 8, dtype="u8")
+            except CommTimeout as exc:
+                outcome.append(str(exc))
+            go.set()
+            receiving.join(20)
+            outcome.append(gpu.read(commands[1], 4))
+
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(root), pool.submit(waiting_rank)]:
+            future.result(30)
+    assert len(outcome) == 2 and "held its events" in str(outcome[0]), outcome
+    assert outcome[1] == (7).to_bytes(4, "little")
 
 
 def test_symmetric_memory_is_the_daemons_device_memory(daemon: GpuDaemon, gpu: FakeGpu) -> None:
