@@ -379,7 +379,8 @@ def step_imports(ctx: Ctx) -> Result:
 
     torch_info: dict[str, Any] = info["torch"] if isinstance(info.get("torch"), dict) else {}
     nccl4py: dict[str, Any] = info["nccl4py"] if isinstance(info.get("nccl4py"), dict) else {}
-    problems = [k for k in ("repo", "engine") if err(k)]
+    # the workers need torch (a CPU build serves the dry run: tensors and gloo)
+    problems = [k for k in ("repo", "engine", "torch") if err(k)]
     if info.get("engine") not in (None, ctx.engine) and not err("engine"):
         problems.append(f"engine is {info.get('engine')}")
     if not ctx.dry:

@@ -21,7 +21,8 @@
 #   python3 -m pip download ...same flags... -d .whl/fallback cuda-core==1.2.2 cuda-pathfinder==1.9.0
 #   (.whl/fallback is installed only when the machine's cuda-core/cuda-pathfinder miss nccl4py's pins)
 #
-# Without a GPU (the harness on the host engine, no wheels, no probe):
+# Without a GPU (the harness on the host engine, no wheels, no probe; its workers need torch, and a
+# CPU build is enough: .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu):
 #   PYTHON=.venv/bin/python bash scripts/gpu_check.sh --dry-run
 # Arguments go to scripts/gpu_check.py (--skip-probe, --only 3,4, --force-mode two-daemons, --budget S).
 # GPU_CHECK_BUDGET (default 520) is the seconds from this script's start to the table; GPU_CHECK_TMP
