@@ -82,7 +82,9 @@ class Ctx:
     tmp: Path
     out: Path | None
     log_file: Any = None
-    deadline: float = 0.0  # the running step's
+    # each step thread's deadline: a step abandoned at its timeout keeps its own (past), so
+    # its waits end at once and it starts nothing on the next step's time
+    deadlines: dict[int, float] = field(default_factory=dict)
     mode: str | None = None  # how two ranks shared the GPU in step 4
     two_rank_tried: bool = False  # step 4 ran (and mode None means no placement worked)
     probe: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +98,10 @@ class Ctx:
     @property
     def mem(self) -> str:
         return "host" if self.dry else "cuda"
+
+    @property
+    def deadline(self) -> float:
+        return self.deadlines.get(threading.get_ident(), 0.0)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -369,6 +375,8 @@ print("@@RESULT " + json.dumps(info), flush=True)
 
 
 def step_imports(ctx: Ctx) -> Result:
+    ctx.log(f"    PYTORCH_CUDA_ALLOC_CONF here: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r} "
+            "(workers run without it: PyTorch's default allocator)")
     proc = Proc("imports", [sys.executable, "-c", IMPORTS, ctx.engine], log_dir=ctx.tmp)
     info = proc.wait_result(ctx.deadline)
     for k, v in info.items():
@@ -438,8 +446,10 @@ def step_contract(ctx: Ctx) -> Result:
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
     xml = ctx.tmp / "contract.xml"
     # -v: one line per test, so a run killed at its timeout still says how far it got
+    # only the plugins the suite uses: the GPU image has others (xdist, cov, benchmark...)
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-v", "tests/contract", "-k", ctx.engine, "-p", "no:cacheprovider",
-           f"--junitxml={xml}"]
+           "-p", "pytest_asyncio.plugin", "-p", "pytest_timeout", f"--junitxml={xml}"]
     proc = Proc("contract", cmd, env=env, log_dir=ctx.tmp)
     try:
         proc.popen.wait(max(1.0, ctx.left() - 2))
@@ -507,6 +517,9 @@ def step_two_ranks(ctx: Ctx) -> Result:
     best: Result | None = None
     ctx.two_rank_tried = True
     for i, mode in enumerate(modes):
+        if ctx.left() < 15:
+            ctx.log(f"    {mode}: not tried, the step's time is up")
+            break
         share = ctx.left() / (len(modes) - i) if i < len(modes) - 1 else ctx.left()
         logs_before = len(ctx.daemon_logs)
         try:
@@ -633,7 +646,9 @@ def step_bench(ctx: Ctx) -> Result:
         multi = ("NCCL_MULTI_RANK_GPU_ENABLE=1", {"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
         envs = [hostid, multi] if mode == "two-daemons" else [multi, hostid]
     torch_rows = None
-    for label, env in envs:
+    for i, (label, env) in enumerate(envs):
+        if ctx.left() < 8:
+            break
         port = free_port()
         procs_ = []
         for r in range(2):
@@ -643,7 +658,8 @@ def step_bench(ctx: Ctx) -> Result:
             procs_.append(worker(f"torchbench-r{r}", "torchbench",
                                  {"rank": r, "n": 2, "port": port, "mem": ctx.mem, "sizes": sizes,
                                   "per_size_s": 6}, log_dir=ctx.tmp, env=e))
-        deadline = ctx.until(max(10.0, ctx.left() - 3))
+        # a first placement whose NCCL init hangs leaves the other its share
+        deadline = ctx.until(max(10.0, (ctx.left() - 3) / (len(envs) - i)))
         outs = []
         for p in procs_:
             try:
@@ -713,14 +729,16 @@ def run_step(ctx: Ctx, step: Step, timeout: float) -> Result:
     """The step in a thread, so a step stuck past its timeout is abandoned (its processes killed)."""
     box: list[Result] = []
 
+    deadline = time.monotonic() + timeout
+
     def target() -> None:
+        ctx.deadlines[threading.get_ident()] = deadline
         try:
             box.append(step.fn(ctx))
         except Exception as exc:
             ctx.log(traceback.format_exc().rstrip())
             box.append(Result("FAIL", "-", f"{type(exc).__name__}: {exc}"[:500]))
 
-    ctx.deadline = time.monotonic() + timeout
     thread = threading.Thread(target=target, name=f"step-{step.id}", daemon=True)
     thread.start()
     thread.join(timeout + 3)  # the step's own waits end at its deadline; this is for a stuck one

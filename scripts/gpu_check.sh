@@ -2,10 +2,11 @@
 # The GPU proof of issue 5 in ONE device call. From a session that has a GPU (device `status`:
 # can_start_another true), after `ls .whl/*.whl .probe/probe.py` shows both here:
 #
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".probe"], timeout_s=540)
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".probe"], timeout_s=480)
 #
-# Expect ~5-6 min when things work (probe ~2 min, contract suite ~1-2 min); 540 s is the cap, and
-# the script keeps to GPU_CHECK_BUDGET (520 s) so the table always prints. With 15 min of device
+# Expect ~5-6 min when things work (probe ~2 min, contract suite ~1-2 min); 480 s is the cap (the
+# issue asks for under 8 minutes), and the script keeps to GPU_CHECK_BUDGET (460 s) so the table
+# always prints. With 15 min of device
 # time a session has room for one short rerun at once, of the failed steps only, e.g.
 #   run(command="GPU_CHECK_BUDGET=200 bash scripts/gpu_check.sh --skip-probe --only 4,5",
 #       carry=[".whl", ".probe"], timeout_s=220)
@@ -25,13 +26,13 @@
 # CPU build is enough: .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu):
 #   PYTHON=.venv/bin/python bash scripts/gpu_check.sh --dry-run
 # Arguments go to scripts/gpu_check.py (--skip-probe, --only 3,4, --force-mode two-daemons, --budget S).
-# GPU_CHECK_BUDGET (default 520) is the seconds from this script's start to the table; GPU_CHECK_TMP
+# GPU_CHECK_BUDGET (default 460) is the seconds from this script's start to the table; GPU_CHECK_TMP
 # (default /tmp) holds the sockets and logs of the run; GPU_CHECK_BREAK=<check name> makes the last
 # rank fail that check on its own (a self-test of the harness's recovery).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-520}
+BUDGET=${GPU_CHECK_BUDGET:-460}
 DRY=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && DRY=1; done
 [ "${COMMD_GPU_CHECK_DRY:-0}" = 1 ] && DRY=1

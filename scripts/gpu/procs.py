@@ -39,6 +39,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     paths = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["PYTHONUNBUFFERED"] = "1"
+    # The proof is of PyTorch's default allocator (cudaMalloc segments, shared by CUDA IPC);
+    # an image's cudaMallocAsync backend could not be shared at all (step 1 logs the setting).
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.update(extra or {})
     return env
 
