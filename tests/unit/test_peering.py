@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import uvloop
 
 import proto
 from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
@@ -30,8 +32,8 @@ class Side:
     """One PeerNode and everything its handlers saw."""
 
     def __init__(self, name: str, secret: bytes = SECRET, fast: bool = False,
-                 handshake_s: float = 5.0) -> None:
-        timing = {"heartbeat_s": HEARTBEAT_S, "window_s": WINDOW_S} if fast else {}
+                 handshake_s: float = 5.0, window_s: float = WINDOW_S) -> None:
+        timing = {"heartbeat_s": HEARTBEAT_S, "window_s": window_s} if fast else {}
         self.settings = PeerSettings(name, secret, handshake_timeout_s=handshake_s, **timing)
         self.node = PeerNode(self.settings, self._on_message, self._on_lost)
         self.messages: asyncio.Queue[tuple[PeerLink, p.PeerMessage, bytes | bytearray]] = asyncio.Queue()
@@ -503,3 +505,42 @@ async def test_a_garbage_frame_from_the_listener_closes_the_dialers_link() -> No
             assert lost is link and reason.startswith("bad frame"), reason
         finally:
             raw.close()
+
+
+def test_a_stall_of_our_own_loop_is_not_the_peers_silence() -> None:
+    """The daemon's loop can stall (an ncclCommAbort runs on it) while the peer goes on
+    sending heartbeats. Under uvloop, as the daemon runs, timers run before reads: after the
+    stall the watch must not count the time the frames waited unread as the peer's silence."""
+    port: list[int] = []
+    listening, stop = threading.Event(), threading.Event()
+
+    async def peer() -> None:  # on its own loop and thread: it goes on while ours stalls
+        b = Side("daemon-b", fast=True, window_s=10)  # (it does not hear us meanwhile: patient)
+        async with sides(b):
+            port.append(await b.listen())
+            listening.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+
+    thread = threading.Thread(target=asyncio.run, args=(peer(),))
+    thread.start()
+
+    async def ours() -> None:
+        a = Side("daemon-a", fast=True)
+        async with sides(a):
+            link = await a.dial(port[0])
+            await asyncio.sleep(HEARTBEAT_S * 4)
+            time.sleep(WINDOW_S * 3)  # the loop is stuck in a call that does not return soon
+            await asyncio.sleep(HEARTBEAT_S * 4)
+            assert not link.closed and a.lost.empty()
+
+    try:
+        assert listening.wait(10)
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(ours())
+        finally:
+            loop.close()
+    finally:
+        stop.set()
+        thread.join(10)
