@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -243,11 +244,16 @@ class NcclCommunicator:
             return
         self._aborted = True
         comms, self._comms = self._comms, {}
+        started = time.monotonic()
         for rank, comm in comms.items():
             with contextlib.suppress(GpuError), self._stuck.guard(f"ncclCommAbort (world {self._world}, "
                                                                   f"rank {rank})"):
                 self._gpu.use_device(self._devices[rank])  # (already broken: nothing more to stop)
                 self._gpu.comm_abort(comm)
+        if comms:  # the daemon's loop (its peer links too) waited this long
+            took = time.monotonic() - started
+            log.log(logging.WARNING if took > 1.0 else logging.INFO,
+                    "world %s: ncclCommAbort of %d communicators took %.2f s", self._world, len(comms), took)
         self._maybe_teardown()
 
     def busy(self) -> bool:

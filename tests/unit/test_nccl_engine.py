@@ -5,6 +5,7 @@ errors, abort, and memory let go only when no op uses it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -204,11 +205,14 @@ async def test_zero_byte_ops_pass_null_pointers(engine: NcclEngine, gpu: FakeGpu
     assert isinstance(ipc_mapping(engine, gpu, b"x").region(0, 1), NcclRegion)
 
 
-@pytest.mark.parametrize("abort_takes_s", [0.0, 1.0])
-async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abort_takes_s: float) -> None:
+@pytest.mark.parametrize("abort_takes_s", [0.0, 1.1])
+async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abort_takes_s: float,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     """ncclCommAbort blocks the loop's thread while it waits for the device; one that
     takes past the limit (here 0.3 s) is reported from the watch's own thread, which by
-    default ends the daemon for its service manager to restart it."""
+    default ends the daemon for its service manager to restart it. How long it took is
+    logged (a warning past 1 s: the peer links waited as long)."""
+    caplog.set_level(logging.INFO, logger="commd.engine.nccl")
     stuck: list[str] = []
     engine = NcclEngine(gpu, stuck=StuckWatch(0.3, stuck.append))
     try:
@@ -219,6 +223,8 @@ async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abor
         await asyncio.sleep(0.5)
         reported = ["ncclCommAbort (world w, rank 0) has not returned in 0.3 s"]
         assert stuck == (reported if abort_takes_s else [])
+        (record,) = [r for r in caplog.records if "ncclCommAbort of 1 communicators took" in r.message]
+        assert record.levelno == (logging.WARNING if abort_takes_s else logging.INFO)
     finally:
         engine.close()
 
