@@ -226,13 +226,20 @@ def test_still_valid_checks_each_allocation_and_forgets_the_freed() -> None:
     assert forgotten == [b.buffer_id]
 
 
-def test_a_full_cache_drops_freed_allocations_then_the_oldest() -> None:
+def full_cache_of_two() -> tuple[FakeDriver, CudaMemory, list[int]]:
+    """A cache that holds two allocations, three allocations made (none found yet), and
+    the ids it drops."""
     driver = FakeDriver()
     forgotten: list[int] = []
     ids = iter(range(1, 100))
     cuda = CudaMemory(driver, lambda: next(ids), on_forget=forgotten.append, max_allocations=2)
     for i in range(3):
         driver.alloc(BASE + i * MIB, MIB)
+    return driver, cuda, forgotten
+
+
+def test_a_full_cache_drops_freed_allocations_then_the_oldest() -> None:
+    driver, cuda, forgotten = full_cache_of_two()
     a, b = (cuda.find(BASE + i * MIB, 8) for i in range(2))
     assert a is not None and b is not None
     driver.free(BASE + MIB)
@@ -248,12 +255,7 @@ def test_a_full_cache_keeps_what_was_found_last() -> None:
     """An all_gather finds its send buffer (cached long ago), then its new receive buffer,
     which fills the cache: the send buffer, found just now, must not be the one dropped
     (the op would name memory the daemon was told to forget)."""
-    driver = FakeDriver()
-    forgotten: list[int] = []
-    ids = iter(range(1, 100))
-    cuda = CudaMemory(driver, lambda: next(ids), on_forget=forgotten.append, max_allocations=2)
-    for i in range(3):
-        driver.alloc(BASE + i * MIB, MIB)
+    _, cuda, forgotten = full_cache_of_two()
     send, other = (cuda.find(BASE + i * MIB, 8) for i in range(2))
     assert send is not None and other is not None
     assert cuda.find(BASE, 8) == send  # the op's send buffer, found again
