@@ -15,11 +15,10 @@ import proto
 from proto import DType, ReduceOp
 
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_op
-from .cuda import CudaDriver, available_driver
+from .cuda import available_driver
 from .errors import (
     UNHEALTHY,
     CommError,
-    CommTimeout,
     DaemonUnavailable,
     MisuseError,
     ProtocolError,
@@ -27,6 +26,7 @@ from .errors import (
 )
 from .hostmem import HostBuffer, HostMemory, default_memory
 from .memory import DriverFactory, MemoryResolver
+from .streams import StreamOrder
 from .transport import Transport
 
 T = TypeVar("T")
@@ -79,12 +79,7 @@ class DaemonBackend(CommBackend):
         # be answered once ordered
         self._group_streams: dict[int, None] = {}
         self._group_early = True
-        # Stream ordering (DESIGN §5), with an engine that has streams: per stream of the
-        # worker, two interprocess events (ready, done) and their IPC handles; which streams'
-        # events the daemon of this connection holds.
-        self._stream_events: dict[int, tuple[int, int, bytes, bytes]] = {}
-        self._events_sent: set[int] = set()
-        self._order_locks: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
+        self._order = StreamOrder(device, timeout, self._send_events)  # (with an engine with streams)
         self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
@@ -301,12 +296,12 @@ class DaemonBackend(CommBackend):
     def _rejoin(self, deadline: float) -> None:
         with self._lock:  # the new daemon knows none of our buffers
             self._imported.clear()
-            self._events_sent.clear()
             self._released.clear()
             self._ops.clear()
             self._device_ops.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
             self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
+        self._order.new_daemon()
         delay = 0.05
         while True:
             try:
@@ -334,11 +329,7 @@ class DaemonBackend(CommBackend):
             self._closed = True
             symmetric, self._symmetric = list(self._symmetric.values()), {}
         self._transport.close()
-        driver = self._resolver.driver
-        for ready, done, _, _ in self._stream_events.values():
-            if driver is not None:
-                driver.destroy_event(ready)
-                driver.destroy_event(done)
+        self._order.close(self._resolver.driver)
         for ptr, (buffer_id, size) in list(self._device_symmetric.items()):
             with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo
                 self._resolver.unmap_symmetric(buffer_id, ptr, size)
@@ -413,11 +404,9 @@ class DaemonBackend(CommBackend):
 
     def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
                        deadline: bool) -> None:
-        """Submit ops; those on device memory follow the worker's `streams`. With an engine
-        that has streams, the daemon's stream waits for the first of them through its
-        events (the others are waited for here), and, answered once ordered, every one
-        of them waits for the ops on the device (a group's receive may land on another
-        stream than its send); otherwise all are waited for here."""
+        """Submit ops; those on device memory follow the worker's `streams`: with an engine
+        that has streams, through their events (`StreamOrder`; all but the first are
+        waited for here); otherwise all are waited for here."""
         driver = self._resolver.driver
         if not streams or driver is None:
             self._submit(ops, deadline)
@@ -428,48 +417,11 @@ class DaemonBackend(CommBackend):
         if not by_events:
             self._submit(ops, deadline)
             return
-        self._check_current_device(driver)
-        first = streams[0]
-        with self._lock:
-            order_lock = self._order_locks.setdefault(first, threading.Lock())
-        # The stream's events serve one call at a time (until the daemon ordered it), and a
-        # call without a deadline (recv_command_u32) may hold them long: others keep theirs.
-        if not order_lock.acquire(timeout=self._timeout if deadline else -1):
-            raise CommTimeout(f"another call of this process on stream {first} held its events "
-                              f"for {self._timeout:g}s (a recv_command_u32 waiting on it?)")
-        try:
-            ready, done = self._events_for(first, driver)
-            driver.record_event(ready, first)
-            self._submit(ops, deadline, stream=first, early=early)
-            if early:  # answered once ordered: the worker's streams wait for the ops on the device
-                for stream in streams:
-                    driver.stream_wait_event(stream, done)
-        finally:
-            order_lock.release()
+        self._order.submit(driver, streams, early, deadline,
+                           lambda first: self._submit(ops, deadline, stream=first, early=early))
 
-    def _check_current_device(self, driver: CudaDriver) -> None:
-        """The stream events are created, and stream 0 is, in the thread's current context:
-        another device's would order the call after the wrong GPU's work (or fail)."""
-        if self._device is None:
-            return
-        current = driver.current_device()
-        if current != self._device:
-            now = "no CUDA context is current" if current is None else f"CUDA device {current} is current"
-            raise MisuseError(f"{now} in this thread, but this backend serves device {self._device}: "
-                              f"make it current first (torch.cuda.set_device({self._device}))")
-
-    def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
-        """The stream's (ready, done) events, created once and handed to this connection's
-        daemon once (again after a reconnect to a restarted daemon)."""
-        pair = self._stream_events.get(stream)
-        if pair is None:
-            ready, ready_handle = driver.create_ipc_event()
-            done, done_handle = driver.create_ipc_event()
-            pair = self._stream_events[stream] = (ready, done, ready_handle, done_handle)
-        if stream not in self._events_sent:
-            self._request(lambda: proto.StreamEvents(self._transport.next_id(), stream, pair[2], pair[3]))
-            self._events_sent.add(stream)
-        return pair[0], pair[1]
+    def _send_events(self, stream: int, ready: bytes, done: bytes) -> None:
+        self._request(lambda: proto.StreamEvents(self._transport.next_id(), stream, ready, done))
 
     def _build_or_revalidate(self, key: tuple[object, ...],
                              make_op: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
