@@ -9,6 +9,7 @@ closed (DESIGN §3); anything else is a daemon bug, answered INTERNAL and closed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -242,9 +243,13 @@ class Session:
         for handle in [h for h, r in self._registrations.items() if r.buf == buf]:
             self._drop_registration(handle)  # the engine must not keep freed memory registered
         mapping = self._buffers.pop(buf)
-        mapping.close()
-        self._mapped -= mapping.size
-        self._ctx.budget.give(mapping.size)
+        # counted against the limits until really unmapped: a call waiting for its match
+        # keeps forgotten memory mapped, and it must not let a client map past them
+        mapping.close(functools.partial(self._unmapped, mapping.size))
+
+    def _unmapped(self, size: int) -> None:
+        self._mapped -= size
+        self._ctx.budget.give(size)
 
     def _forget(self, msg: proto.Forget, fds: list[int]) -> None:
         for buf in msg.bufs:

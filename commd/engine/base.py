@@ -8,7 +8,7 @@ needs too. Nothing outside `commd/engine/` imports CUDA or NCCL.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,7 +52,10 @@ class MemoryMapping(Protocol):
         """The window [offset, offset+nbytes); raises CallError(BAD_MEMORY) outside."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, on_released: Callable[[], None] | None = None) -> None:
+        """Let it go; `on_released` runs once the memory is really unmapped, which an op
+        still using it (one in flight, or a call waiting for its match) defers."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,11 +68,11 @@ class Lingering:
     RETRY_S = 0.5
 
     def __init__(self) -> None:
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[tuple[mmap.mmap, Callable[[], None] | None]] = []  # and who waits for it
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, mapped: mmap.mmap) -> None:
-        self._maps.append(mapped)
+    def add(self, mapped: mmap.mmap, on_released: Callable[[], None] | None = None) -> None:
+        self._maps.append((mapped, on_released))
         self._schedule()
 
     def __len__(self) -> int:
@@ -83,7 +83,10 @@ class Lingering:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (closed by hand): unmapped when the views go
-                self._maps.clear()
+                maps, self._maps = self._maps, []
+                for _, on_released in maps:
+                    if on_released is not None:
+                        on_released()
                 return
             self._timer = loop.call_later(self.RETRY_S, self._sweep)
 
@@ -96,11 +99,14 @@ class Lingering:
 
     def _close_what_can(self) -> bool:
         still = []
-        for mapped in self._maps:
+        for mapped, on_released in self._maps:
             try:
                 mapped.close()
             except BufferError:
-                still.append(mapped)
+                still.append((mapped, on_released))
+                continue
+            if on_released is not None:
+                on_released()
         self._maps = still
         return not still
 
@@ -151,14 +157,18 @@ class HostMapping:
             )
         return HostRegion(self._array[offset:offset + nbytes])
 
-    def close(self) -> None:
+    def close(self, on_released: Callable[[], None] | None = None) -> None:
         mapped, self._mmap, self._array = self._mmap, None, None
-        if mapped is not None:
-            try:
-                mapped.close()
-            except BufferError:
-                if self._lingering is not None:
-                    self._lingering.add(mapped)
+        if mapped is None:
+            return
+        try:
+            mapped.close()
+        except BufferError:  # a view is still held: unmapped when it goes
+            if self._lingering is not None:
+                self._lingering.add(mapped, on_released)
+                return
+        if on_released is not None:
+            on_released()
 
 
 def create_memfd(nbytes: int, name: str) -> int:

@@ -43,6 +43,7 @@ class UsedByOps:
         self._free = free
         self._users = 0
         self._closing = False
+        self._on_released: Callable[[], None] | None = None
 
     def hold(self) -> None:
         """An op will use it: refused once it is closing (released, or about to be), so an
@@ -54,12 +55,21 @@ class UsedByOps:
     def let_go(self) -> None:
         self._users -= 1
         if self._closing and self._users == 0:
-            self._free()
+            self._release()
 
-    def close(self) -> None:
+    def close(self, on_released: Callable[[], None] | None = None) -> None:
+        if self._closing:
+            return
         self._closing = True
+        self._on_released = on_released
         if self._users == 0:
-            self._free()
+            self._release()
+
+    def _release(self) -> None:
+        self._free()
+        on_released, self._on_released = self._on_released, None
+        if on_released is not None:
+            on_released()
 
 
 class Freer:

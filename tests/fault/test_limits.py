@@ -14,6 +14,7 @@ import pytest
 import proto
 from client import DaemonBackend, LimitExceeded, hostmem
 from commd.launch import DaemonProcess
+from proto import ErrorCode
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration.harness import short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
@@ -26,7 +27,7 @@ def tight() -> Iterator[DaemonProcess]:
     tmp = short_tmpdir()
     daemon = DaemonProcess(Path(tmp) / "commd.sock", args=[
         "--max-connections", "8", "--max-registrations", "5", "--max-pending-ops", "20",
-        "--max-queued-replies", "16"]).start()
+        "--max-queued-replies", "16"], env={"COMMD_MAX_MAPPED_BYTES": str(4 << 20)}).start()
     yield daemon
     daemon.stop()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -82,6 +83,36 @@ def test_registrations_and_pending_calls(tight: DaemonProcess, steady_t: Steady,
     fault_report.add("a client registers buffers and queues calls past the limits: LimitExceeded",
                      float("nan"), float("nan"), steady_t.errors() - unrelated,
                      "none (room again once deregistered)")
+
+
+def test_forgotten_memory_a_waiting_call_still_holds_counts_until_it_goes(
+        tight: DaemonProcess, steady_t: Steady, fault_report: FaultReport) -> None:
+    """A call waiting for its match holds its buffer's memory; the client forgetting the
+    buffer does not give the connection room to map more until the call has let go."""
+    sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
+    world = world_name()
+    with RawClient(sock) as a, RawClient(sock) as b:
+        for client, rank in ((a, 0), (b, 1)):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 60_000))
+        assert isinstance(a.recv(), proto.Welcome) and isinstance(b.recv(), proto.Welcome)
+        for i in range(4):  # 4 MiB: the connection's limit
+            assert isinstance(a.import_memfd(100 + i, 1 + i, 1 << 20), proto.Ok)
+            a.send(proto.Submit(200 + i, (proto.AllReduce(proto.Mem(1 + i, 0), 1 << 20, proto.DType.U8),)))
+            a.send(proto.Forget((1 + i,)))  # (rank 1 never calls: each call waits, holding its buffer)
+        refused = a.import_memfd(300, 9, 1 << 20)
+        assert isinstance(refused, proto.Error) and refused.code is ErrorCode.LIMIT, refused
+        b.close()  # the world fails: the waiting calls let go of the memory
+        deadline = time.monotonic() + 10
+        while True:
+            reply = a.import_memfd(400, 10, 1 << 20)
+            if isinstance(reply, proto.Ok):
+                break
+            assert isinstance(reply, proto.Error | proto.Event), reply
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.1)
+    fault_report.add("a client forgets buffers its waiting calls hold: LimitExceeded until they go",
+                     float("nan"), float("nan"), steady_t.errors() - unrelated, "none")
 
 
 class _two:
