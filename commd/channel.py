@@ -20,6 +20,12 @@ from collections.abc import Callable, Sequence
 log = logging.getLogger("commd.channel")
 
 MAX_FDS = 4
+# Besides the packet count (max_queue): what unread replies may hold. A reply is small
+# (an Ok is ~20 bytes; a status report up to 64 KiB), and one carrying an fd keeps its
+# memory alive (a symmetric allocation): a client that does not read them is dropped
+# before they cost the daemon much memory or many fds.
+MAX_QUEUED_BYTES = 4 << 20
+MAX_QUEUED_FDS = 64
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 # One packet per wakeup: readiness is level-triggered, so a second packet brings another
 # wakeup anyway, and reading until EAGAIN costs a failed syscall and an exception per
@@ -99,6 +105,7 @@ class PacketChannel:
         self._on_packet = on_packet
         self._on_close = on_close
         self._queue: collections.deque[tuple[bytes, list[int]]] = collections.deque()
+        self._queued_bytes = self._queued_fds = 0
         self._loop = asyncio.get_running_loop()
         self.closed = False
         sock.setblocking(False)
@@ -120,10 +127,22 @@ class PacketChannel:
             except OSError as exc:
                 self.close(f"send failed: {exc}")
                 return
-        if len(self._queue) >= self._max_queue:
-            self.close(f"client did not read its replies ({self._max_queue} queued)")
+        if (len(self._queue) >= self._max_queue or self._queued_bytes + len(data) > MAX_QUEUED_BYTES
+                or self._queued_fds + len(fds) > MAX_QUEUED_FDS):
+            self.close(f"client did not read its replies ({len(self._queue)} queued, "
+                       f"{self._queued_bytes} bytes, {self._queued_fds} fds)")
             return
-        self._queue.append((data, [os.dup(fd) for fd in fds]))
+        copies: list[int] = []
+        try:
+            for fd in fds:
+                copies.append(os.dup(fd))
+        except OSError as exc:  # out of fds: this reply cannot wait
+            close_fds(copies)
+            self.close(f"cannot keep a reply's fd: {exc}")
+            return
+        self._queue.append((data, copies))
+        self._queued_bytes += len(data)
+        self._queued_fds += len(copies)
 
     def _writable(self) -> None:
         while self._queue:
@@ -136,6 +155,8 @@ class PacketChannel:
                 self.close(f"send failed: {exc}")
                 return
             self._queue.popleft()
+            self._queued_bytes -= len(data)
+            self._queued_fds -= len(fds)
             close_fds(fds)
         self._loop.remove_writer(self._fd)
 
@@ -167,6 +188,7 @@ class PacketChannel:
         for _, fds in self._queue:
             close_fds(fds)
         self._queue.clear()
+        self._queued_bytes = self._queued_fds = 0
         if linger:
             linger_close(self._sock)
         else:

@@ -333,6 +333,9 @@ class HostEngine:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         try:
             mapping = HostMapping(os.dup(fd), nbytes, self.lingering)
+        except OSError as exc:  # out of fds
+            os.close(fd)
+            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         except BaseException:
             os.close(fd)
             raise

@@ -1,0 +1,75 @@
+"""The daemon's packet channel (commd/channel.py) against a peer that does not read: its
+unread replies are bounded in packets, bytes and fds, and it is dropped past any of them
+with every queued fd closed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from commd.channel import MAX_QUEUED_BYTES, MAX_QUEUED_FDS, PacketChannel
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def channel_to_a_peer_that_never_reads(max_queue: int = 100_000
+                                       ) -> tuple[PacketChannel, socket.socket, list[str]]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    closed: list[str] = []
+    channel = PacketChannel(ours, 65536, max_queue, lambda data, fds, truncated: None, closed.append)
+    return channel, theirs, closed
+
+
+async def test_replies_holding_fds_drop_the_client_past_the_fd_limit() -> None:
+    before = open_fds()
+    channel, theirs, closed = channel_to_a_peer_that_never_reads()
+    memfd = os.memfd_create("reply")
+    try:
+        for _ in range(10_000):
+            channel.send(b"a reply with its memory", [memfd])
+            if closed:
+                break
+        assert closed and "fds" in closed[0], closed
+        assert closed[0].endswith(f"{MAX_QUEUED_FDS} fds)")  # it held no more than the limit
+    finally:
+        os.close(memfd)
+        theirs.close()
+    await asyncio.sleep(0)
+    assert open_fds() <= before  # what the kernel and the queue held is gone with the sockets
+
+
+async def test_large_unread_replies_drop_the_client_past_the_byte_limit() -> None:
+    channel, theirs, closed = channel_to_a_peer_that_never_reads()
+    try:
+        sent = 0
+        while not closed and sent < 4 * MAX_QUEUED_BYTES:
+            channel.send(b"s" * 60_000)
+            sent += 60_000
+        assert closed and "bytes" in closed[0], closed
+        queued = int(closed[0].split(", ")[1].split()[0])
+        assert MAX_QUEUED_BYTES - 60_000 < queued <= MAX_QUEUED_BYTES
+    finally:
+        theirs.close()
+
+
+async def test_a_peer_that_reads_gets_every_reply_in_order() -> None:
+    channel, theirs, closed = channel_to_a_peer_that_never_reads()
+    theirs.setblocking(False)
+    got: list[bytes] = []
+    for i in range(2000):  # more than the socket buffer holds: some wait in the queue
+        channel.send(i.to_bytes(4, "little") * 64)
+    while len(got) < 2000:
+        try:
+            got.append(theirs.recv(65536))
+        except BlockingIOError:
+            await asyncio.sleep(0.001)  # the loop sends what waited
+    assert not closed and [int.from_bytes(g[:4], "little") for g in got] == list(range(2000))
+    channel.close("test over")
+    theirs.close()
