@@ -106,6 +106,7 @@ class PacketChannel:
         self._on_close = on_close
         self._queue: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         self._queued_bytes = self._queued_fds = 0
+        self._flushing: asyncio.TimerHandle | None = None  # closing: what waits goes first
         self._loop = asyncio.get_running_loop()
         self.closed = False
         sock.setblocking(False)
@@ -152,13 +153,20 @@ class PacketChannel:
             except BlockingIOError:
                 return
             except OSError as exc:
-                self.close(f"send failed: {exc}")
+                if self.closed:  # flushing before a linger: the peer went, nothing more to say
+                    self._abandon()
+                else:
+                    self.close(f"send failed: {exc}")
                 return
             self._queue.popleft()
             self._queued_bytes -= len(data)
             self._queued_fds -= len(fds)
             close_fds(fds)
         self._loop.remove_writer(self._fd)
+        if self.closed and self._flushing is not None:  # all sent: now linger
+            self._flushing.cancel()
+            self._flushing = None
+            linger_close(self._sock)
 
     def _readable(self) -> None:
         for _ in range(_READS_PER_WAKEUP):
@@ -179,18 +187,34 @@ class PacketChannel:
             self._on_packet(data, fds, truncated)
 
     def close(self, reason: str, linger: bool = False) -> None:
-        """Stop; with `linger`, let the peer read what was sent first (see linger_close)."""
+        """Stop; with `linger`, send what waits first (the error that explains the close is
+        last in it), for at most LINGER_S, then let the peer read it (see linger_close)."""
         if self.closed:
             return
         self.closed = True
         self._loop.remove_reader(self._fd)
+        if linger and self._queue:
+            self._flushing = self._loop.call_later(LINGER_S, self._abandon)  # the writer goes on
+        else:
+            self._loop.remove_writer(self._fd)
+            self._drop_queue()
+            if linger:
+                linger_close(self._sock)
+            else:
+                self._sock.close()
+        self._on_close(reason)
+
+    def _abandon(self) -> None:
+        """A flush before a linger that did not finish: drop what is left and the socket."""
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
         self._loop.remove_writer(self._fd)
+        self._drop_queue()
+        self._sock.close()
+
+    def _drop_queue(self) -> None:
         for _, fds in self._queue:
             close_fds(fds)
         self._queue.clear()
         self._queued_bytes = self._queued_fds = 0
-        if linger:
-            linger_close(self._sock)
-        else:
-            self._sock.close()
-        self._on_close(reason)

@@ -73,3 +73,28 @@ async def test_a_peer_that_reads_gets_every_reply_in_order() -> None:
     assert not closed and [int.from_bytes(g[:4], "little") for g in got] == list(range(2000))
     channel.close("test over")
     theirs.close()
+
+
+async def test_closing_with_linger_sends_what_waits_and_the_error_last() -> None:
+    """A client whose replies are backed up sends garbage: the daemon closes it with an
+    error, which must reach it after the replies it has yet to read, not be dropped."""
+    channel, theirs, closed = channel_to_a_peer_that_never_reads()
+    for i in range(2000):  # more than the socket buffer holds
+        channel.send(i.to_bytes(4, "little") * 64)
+    channel.send(b"error: bad message")
+    channel.close("bad message", linger=True)
+    theirs.setblocking(False)
+    got: list[bytes] = []
+    while True:
+        try:
+            packet = theirs.recv(65536)
+        except BlockingIOError:
+            await asyncio.sleep(0.001)
+            continue
+        if not packet:
+            break  # the daemon's side shut down after the last one
+        got.append(packet)
+    theirs.close()
+    assert closed == ["bad message"]
+    assert len(got) == 2001 and got[-1] == b"error: bad message"
+    assert [int.from_bytes(g[:4], "little") for g in got[:-1]] == list(range(2000))
