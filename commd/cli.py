@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peer-heartbeat", type=float, metavar="SECONDS", help="0.5 by default")
     serve.add_argument("--peer-window", type=float, metavar="SECONDS",
                        help="a peer silent this long is lost (3.0 by default)")
+    serve.add_argument("--hello-timeout", type=float, metavar="SECONDS",
+                       help="a connection that says nothing this long is closed (10 by default)")
     for limit in _LIMITS:
         serve.add_argument("--" + limit.replace("_", "-"), type=int, metavar="N", help="a limit")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")

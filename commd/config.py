@@ -33,7 +33,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 # The settings' names (config file, COMMD_<KEY>, --flag) where they differ from the fields'
 KEY_OF_FIELD = {"socket_path": "socket", "peer_heartbeat_s": "peer_heartbeat",
-                "peer_window_s": "peer_window", "peer_secret": "peer_secret_file"}
+                "peer_window_s": "peer_window", "peer_secret": "peer_secret_file",
+                "hello_timeout_s": "hello_timeout"}
 _LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
            "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes")
 
@@ -61,6 +62,9 @@ class ServerConfig:
     peer_secret: bytes | None = field(default=None, repr=False)  # never printed
     peer_heartbeat_s: float = 0.5
     peer_window_s: float = 3.0
+    # a connection says something (its hello, a status query) within this, or is closed:
+    # an idle one would hold one of max_connections for ever
+    hello_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("engine", self.engine, ENGINES),
@@ -79,9 +83,11 @@ class ServerConfig:
             raise ConfigError("peer_listen: needs a shared secret (peer_secret_file, "
                               "COMMD_PEER_SECRET_FILE or COMMD_PEER_SECRET); daemons never talk "
                               "unauthenticated", key="peer_listen")
-        for name in ("peer_heartbeat_s", "peer_window_s"):  # nan compares false to everything
+        for name in ("peer_heartbeat_s", "peer_window_s", "hello_timeout_s"):  # nan compares false
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{KEY_OF_FIELD[name]}: must be a finite number of seconds", key=name)
+        if self.hello_timeout_s <= 0:
+            raise ConfigError("hello_timeout: must be positive", key="hello_timeout_s")
         if self.peer_heartbeat_s <= 0:
             raise ConfigError("peer_heartbeat: must be positive", key="peer_heartbeat_s")
         if self.peer_window_s <= self.peer_heartbeat_s:

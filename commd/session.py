@@ -8,6 +8,7 @@ closed (DESIGN §3); anything else is a daemon bug, answered INTERNAL and closed
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -117,6 +118,8 @@ class Session:
             proto.Reconnect: self._reconnect,
         }
         self.channel = make_channel(self)
+        self._silent: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            ctx.config.hello_timeout_s, self._said_nothing)
 
     # ---- I/O ------------------------------------------------------------------
 
@@ -134,6 +137,9 @@ class Session:
             self.channel.close("join refused", linger=True)
 
     def on_packet(self, data: bytes, fds: list[int], truncated: bool) -> None:
+        if self._silent is not None:
+            self._silent.cancel()
+            self._silent = None
         try:
             if truncated:
                 raise proto.MessageTooLarge("packet (or its fds) was truncated: over the limit")
@@ -153,6 +159,13 @@ class Session:
             self.send(proto.Error(request_id, ErrorCode.INTERNAL, f"daemon bug: {exc!r}"))
             self.channel.close("internal error")
 
+    def _said_nothing(self) -> None:
+        self._silent = None
+        if not self.channel.closed:
+            why = f"nothing said within {self._ctx.config.hello_timeout_s:g}s of connecting"
+            self.channel.send(proto.encode(proto.Error(0, ErrorCode.TIMEOUT, why)))  # (no request to answer)
+            self.channel.close(why, linger=True)
+
     def _refuse(self, exc: proto.ProtoError) -> None:
         log.warning("bad packet from pid %d: %s", self.peer_pid, exc)
         packet = proto.encode(proto.Error(0, ErrorCode.BAD_MESSAGE, str(exc)[:4000]))
@@ -160,6 +173,9 @@ class Session:
         self.channel.close(f"bad packet: {exc}", linger=True)
 
     def on_close(self, reason: str) -> None:
+        if self._silent is not None:
+            self._silent.cancel()
+            self._silent = None
         log.debug("connection of pid %d closed: %s", self.peer_pid, reason)
         if self.world is not None:
             self.world.leave(self.rank, self)

@@ -109,6 +109,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("peer_secret_file", _text, None),
     Key("peer_heartbeat", _float, "peer_heartbeat_s"),
     Key("peer_window", _float, "peer_window_s"),
+    Key("hello_timeout", _float, "hello_timeout_s"),
     *(Key(name, _int, name) for name in _LIMIT_KEYS),
 )}
 _FORBIDDEN_IN_FILE = {"peer_secret": "secrets never go in the config file; name a file "

@@ -27,7 +27,8 @@ def tight() -> Iterator[DaemonProcess]:
     tmp = short_tmpdir()
     daemon = DaemonProcess(Path(tmp) / "commd.sock", args=[
         "--max-connections", "8", "--max-registrations", "5", "--max-pending-ops", "20",
-        "--max-queued-replies", "16"], env={"COMMD_MAX_MAPPED_BYTES": str(4 << 20)}).start()
+        "--max-queued-replies", "16", "--hello-timeout", "2"],
+        env={"COMMD_MAX_MAPPED_BYTES": str(4 << 20)}).start()
     yield daemon
     daemon.stop()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -61,6 +62,36 @@ def test_connections(tight: DaemonProcess, steady_t: Steady, fault_report: Fault
             time.sleep(0.05)
     fault_report.add("a client opens connections past the limit: LimitExceeded", float("nan"),
                      float("nan"), steady_t.errors() - unrelated, "none (room again once closed)")
+
+
+def test_a_connection_that_says_nothing_is_closed_with_a_timeout(tight: DaemonProcess,
+                                                                  steady_t: Steady) -> None:
+    """An idle connection would hold one of the 8 for ever: after --hello-timeout it gets
+    a timeout error and is closed, and the slot is free again."""
+    sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
+    idle = [RawClient(sock, timeout=10) for _ in range(6)]  # with the steady world's two: all 8
+    try:
+        started = time.monotonic()
+        for client in idle:
+            error = client.recv()
+            assert isinstance(error, proto.Error) and error.code is ErrorCode.TIMEOUT, error
+            assert "nothing said within 2s" in error.message
+            assert client.recv() is None  # then closed
+        assert 1.9 <= time.monotonic() - started <= 6
+    finally:
+        for client in idle:
+            client.close()
+    deadline = time.monotonic() + 10
+    while True:  # the slots are free again
+        try:
+            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+                comm.barrier()
+            break
+        except LimitExceeded:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert steady_t.errors() == unrelated
 
 
 def test_registrations_and_pending_calls(tight: DaemonProcess, steady_t: Steady,
