@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -214,15 +215,15 @@ def supplementary_groups(sock: socket.socket, pid: int) -> frozenset[int]:
     only that): a worker admitted as a member of `commd` has it as a supplementary group.
     SO_PEERGROUPS gives the groups of the socket's peer as they were at connect, also
     from another PID namespace (a pod); /proc/PID/status is the fallback."""
-    for size in (4 * 256, 4 * 65536):  # gid_t each; retried once when they do not fit
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
-        except OSError as exc:
-            if exc.errno == errno.ERANGE:
-                continue
-            break  # an older kernel: ask /proc
-        return frozenset(array.array("I", raw[:len(raw) - len(raw) % 4]))
+    raw: bytes | None
     try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 256)  # gid_t each
+    except OSError as exc:
+        # more than fit: Python's getsockopt takes at most 1024 bytes, so ask libc
+        raw = _many_peer_groups(sock.fileno()) if exc.errno == errno.ERANGE else None
+    if raw is not None:
+        return frozenset(array.array("I", raw[:len(raw) - len(raw) % 4]))
+    try:  # an older kernel: ask /proc
         with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith("Groups:"):
@@ -230,6 +231,16 @@ def supplementary_groups(sock: socket.socket, pid: int) -> frozenset[int]:
     except (OSError, ValueError):
         pass
     return frozenset()
+
+
+def _many_peer_groups(fd: int) -> bytes | None:
+    """SO_PEERGROUPS into a buffer as large as the kernel says it needs (NGROUPS_MAX is 65536)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = ctypes.c_uint32(4 * 65536)
+    buf = ctypes.create_string_buffer(size.value)
+    if libc.getsockopt(fd, socket.SOL_SOCKET, _SO_PEERGROUPS, buf, ctypes.byref(size)) != 0:
+        return None
+    return buf.raw[:size.value]
 
 
 def _refuse(sock: socket.socket, code: ErrorCode, message: str) -> None:
