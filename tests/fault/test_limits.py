@@ -41,6 +41,19 @@ def steady_t(tight: DaemonProcess) -> Iterator[Steady]:
         yield running
 
 
+def connect_once_there_is_room(sock: str) -> None:
+    """A 1-rank world's barrier, retried while the connection limit is still reached."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+                comm.barrier()
+            return
+        except LimitExceeded:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
 def test_connections(tight: DaemonProcess, steady_t: Steady, fault_report: FaultReport) -> None:
     sock = str(tight.socket_path)
     unrelated = steady_t.errors()
@@ -51,15 +64,7 @@ def test_connections(tight: DaemonProcess, steady_t: Steady, fault_report: Fault
     finally:
         for client in held:
             client.close()
-    deadline = time.monotonic() + 10
-    while True:  # room again once the daemon has seen them go (it reads closes in its own time)
-        try:
-            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
-                comm.barrier()
-            break
-        except LimitExceeded:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    connect_once_there_is_room(sock)  # the daemon reads the closes in its own time
     fault_report.add("a client opens connections past the limit: LimitExceeded", float("nan"),
                      float("nan"), steady_t.errors() - unrelated, "none (room again once closed)")
 
@@ -82,15 +87,7 @@ def test_a_connection_that_says_nothing_is_closed_with_a_timeout(tight: DaemonPr
     finally:
         for client in idle:
             client.close()
-    deadline = time.monotonic() + 10
-    while True:  # the slots are free again
-        try:
-            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
-                comm.barrier()
-            break
-        except LimitExceeded:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    connect_once_there_is_room(sock)  # the slots are free again
     assert steady_t.errors() == unrelated
 
 
