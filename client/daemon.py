@@ -19,6 +19,7 @@ from .cuda import available_driver
 from .errors import (
     UNHEALTHY,
     CommError,
+    CommTimeout,
     DaemonUnavailable,
     MisuseError,
     ProtocolError,
@@ -83,7 +84,8 @@ class DaemonBackend(CommBackend):
         self._failure: CommError | None = None  # why the world is unhealthy
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
-        self._registrations: dict[int, tuple[int, int, int]] = {}  # ours -> (ptr, bytes, daemon's)
+        # ours -> (ptr, bytes, the daemon's; None: its memory went before a restarted daemon knew it)
+        self._registrations: dict[int, tuple[int, int, int | None]] = {}
         self._next_handle = 1
         self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
         self.epoch = 0
@@ -189,8 +191,10 @@ class DaemonBackend(CommBackend):
             registration = self._registrations.get(handle)
         if registration is None:
             raise MisuseError(f"handle {handle} is not registered")
+        daemon_handle = registration[2]
         try:
-            self._request(lambda: proto.Deregister(self._transport.next_id(), registration[2]))
+            if daemon_handle is not None:
+                self._request(lambda: proto.Deregister(self._transport.next_id(), daemon_handle))
         except MisuseError as exc:
             if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
                 raise
@@ -281,13 +285,17 @@ class DaemonBackend(CommBackend):
         restarted), connect again with backoff within the timeout, say hello at the last
         epoch, and re-register what the old daemon knew."""
         self._check_open()
-        if self._transport.broken is None:
-            # like the hello: the daemon enforces the deadline and names missing ranks; give
-            # its answer time to arrive rather than give up just before it does
-            reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()),
-                                     grace=_JOIN_GRACE_S)
-            self.epoch = reply.value  # type: ignore[union-attr]
-        else:
+        rejoin = self._transport.broken is not None
+        if not rejoin:
+            try:
+                # like the hello: the daemon enforces the deadline and names missing ranks; give
+                # its answer time to arrive rather than give up just before it does
+                reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()),
+                                         grace=_JOIN_GRACE_S)
+                self.epoch = reply.value  # type: ignore[union-attr]
+            except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
+                rejoin = True
+        if rejoin:
             self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
         with self._lock:
             self._failure = None
@@ -302,6 +310,7 @@ class DaemonBackend(CommBackend):
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
             self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
         self._order.new_daemon()
+        self._transport.close()  # the daemon must see the old connection go, or the rank is taken
         delay = 0.05
         while True:
             try:
@@ -315,7 +324,11 @@ class DaemonBackend(CommBackend):
         with self._lock:
             registrations = list(self._registrations.items())
         for handle, (ptr, nbytes, _) in registrations:
-            fresh = self._register(ptr, nbytes)
+            fresh: int | None
+            try:
+                fresh = self._register(ptr, nbytes)
+            except MisuseError:  # its memory was freed meanwhile: nothing to register any more
+                fresh = None
             with self._lock:
                 self._registrations[handle] = (ptr, nbytes, fresh)
 
@@ -371,9 +384,14 @@ class DaemonBackend(CommBackend):
         # (and taking _lock for an event) must never wait for this one.
         with self._import_lock:
             if ref.buffer_id not in self._imported:
-                with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
-                    self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
-                                                       ref.kind, ref.size, ref.handle), fds=fds)
+                try:
+                    with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
+                        self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
+                                                           ref.kind, ref.size, ref.handle), fds=fds)
+                except CommTimeout:  # the daemon may have mapped it all the same: forget it first
+                    with self._lock:
+                        self._released.append(ref.buffer_id)
+                    raise
                 with self._lock:
                     self._imported.add(ref.buffer_id)
         return proto.Mem(ref.buffer_id, ref.offset)

@@ -134,7 +134,10 @@ class HostMemory:
         """Map a memfd made elsewhere (the daemon's symmetric_alloc) into this table."""
         buffer = HostBuffer(self, buffer_id, fd, nbytes)
         with self._lock:
-            bisect.insort(self._starts, buffer.ptr)
+            # The address may be a buffer's just unmapped on another thread whose entry is not
+            # gone yet: this one takes it over (the old one's release then leaves it be).
+            if buffer.ptr not in self._by_start:
+                bisect.insort(self._starts, buffer.ptr)
             self._by_start[buffer.ptr] = (buffer_id, weakref.ref(buffer))
         return buffer
 

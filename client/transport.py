@@ -121,7 +121,8 @@ class Transport:
     def _refusal(self) -> CommError | None:
         """The error a daemon sent before closing on us (it refuses, then closes), if any."""
         try:
-            if not self._poll.poll(0):
+            ready, _, _ = select.select([self._sock], [], [], 0)  # (a reader may be in self._poll)
+            if not ready:
                 return None
             data, ancillary, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
             close_fds(_take_fds(ancillary))  # a refusal carries none; a stray one is not ours to keep
@@ -142,6 +143,9 @@ class Transport:
         finally:
             with self._cond:
                 self._awaited.discard(request_id)
+                late = self._replies.pop(request_id, None)  # came as we gave up: nobody takes it
+            if late is not None:
+                close_fds(late[1])
 
     def _wait(self, request_id: int, deadline: float | None) -> Packet:
         while True:
@@ -238,9 +242,13 @@ class Transport:
 
     def _break(self, error: CommError) -> CommError:
         with self._cond:
-            if self._broken is None:
+            first = self._broken is None
+            if first:
                 self._broken = error
             self._cond.notify_all()
+        if first:  # the daemon must see us go (a rejoin on a new socket would be "already connected")
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
         return error
 
     def close(self) -> None:

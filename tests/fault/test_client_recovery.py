@@ -1,0 +1,112 @@
+"""The client's recovery paths against a real daemon, with the ranks as threads of this
+process: a call that timed out while the daemon stalled (SIGSTOP), a daemon killed and
+restarted while the ranks already knew their world had failed, and a registration whose
+memory went before the daemon restarted. Each ends with a call whose data is checked."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client import CommError, CommTimeout, DaemonBackend, hostmem
+from commd.launch import DaemonProcess
+from tests.integration.harness import short_tmpdir, world_name
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    tmp = short_tmpdir()
+    process = DaemonProcess(Path(tmp) / "commd.sock").start()
+    yield process
+    process.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def on_both(fn: Callable[[int], Any]) -> list[Any]:
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result(30) for f in [pool.submit(fn, r) for r in range(2)]]
+
+
+def join(daemon: DaemonProcess, timeout: float) -> list[DaemonBackend]:
+    world = world_name()
+    return on_both(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=timeout))
+
+
+def summed(comms: list[DaemonBackend], bufs: list[hostmem.HostBuffer]) -> list[list[int]]:
+    for r, buf in enumerate(bufs):
+        buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
+    on_both(lambda r: comms[r].all_reduce(bufs[r].ptr, 8, dtype="i32"))
+    return [buf.view(np.int32).tolist() for buf in bufs]
+
+
+def test_a_buffer_whose_import_timed_out_works_after_reconnect(daemon: DaemonProcess) -> None:
+    """The daemon stalls during rank 0's first call on a buffer: the Import times out on
+    the client, but the daemon maps it once it runs again. After attempt_reconnect the
+    buffer must work (before: "buffer id already in use" on every call)."""
+    comms = join(daemon, timeout=1)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        threading.Timer(1.5, os.kill, (daemon.pid, signal.SIGCONT)).start()
+        with pytest.raises(CommTimeout):
+            comms[0].all_reduce(bufs[0].ptr, 8, dtype="i32")
+        time.sleep(1.0)  # running again; rank 1 hears of the failed world too
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # and the cached op again
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_the_first_reconnect_after_a_daemon_restart_works(daemon: DaemonProcess) -> None:
+    """Both ranks know their world failed (a lonely call timed out) when the daemon is
+    killed and restarted: attempt_reconnect, which would have asked the dead daemon,
+    reconnects to the new one at the first try."""
+    comms = join(daemon, timeout=2)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        with pytest.raises(CommError):
+            comms[0].barrier()  # rank 1 never calls it: the world fails
+        time.sleep(0.3)
+        assert not any(comm.is_healthy() for comm in comms)
+        daemon.kill()
+        daemon.start()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_registration_whose_memory_went_before_a_restart_does_not_block_reconnect(
+        daemon: DaemonProcess) -> None:
+    comms = join(daemon, timeout=5)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    gone = hostmem.alloc(64)
+    try:
+        handle = comms[0].register_buffer(gone.ptr, 64)
+        kept = comms[1].register_buffer(bufs[1].ptr, 8)
+        gone.close()  # freed without deregistering
+        on_both(lambda r: comms[r].barrier())
+        daemon.kill()
+        daemon.start()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        comms[0].deregister_buffer(handle)  # nothing left at the daemon: it just goes
+        comms[1].deregister_buffer(kept)  # registered again with the new daemon
+    finally:
+        for comm in comms:
+            comm.close()
