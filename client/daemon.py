@@ -82,6 +82,7 @@ class DaemonBackend(CommBackend):
         self._group_early = True
         self._order = StreamOrder(device, timeout, self._send_events)  # (with an engine with streams)
         self._failure: CommError | None = None  # why the world is unhealthy
+        self._failure_epoch = 0  # the epoch a pushed failure was about (0: not pushed, or any)
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
         # ours -> (ptr, bytes, the daemon's; None: its memory went before a restarted daemon knew it)
@@ -298,7 +299,8 @@ class DaemonBackend(CommBackend):
         if rejoin:
             self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
         with self._lock:
-            self._failure = None
+            if not self._failure_epoch or self._failure_epoch < self.epoch:  # not the new epoch's
+                self._failure, self._failure_epoch = None, 0
             self._group, self._group_depth = None, 0
 
     def _rejoin(self, deadline: float) -> None:
@@ -498,7 +500,11 @@ class DaemonBackend(CommBackend):
                 self._failure = why
 
     def _on_event(self, event: proto.Event) -> None:
-        self._mark_unhealthy(from_code(event.code, event.message))
+        if event.epoch and event.epoch < self.epoch:
+            return  # about an epoch this rank has left behind (it reconnected since)
+        with self._lock:
+            if self._failure is None:
+                self._failure, self._failure_epoch = from_code(event.code, event.message), event.epoch
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         with self._lock:

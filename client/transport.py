@@ -77,13 +77,12 @@ class Transport:
         self._broken: CommError | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            # Kernel timeouts instead of Python's: a blocked send (a daemon that stopped
-            # reading, or a full listen backlog while connecting) ends after `timeout`; a
-            # blocking receive wakes every `_quantum` to check its deadline, which saves a
-            # poll() per call on the hot path.
-            self._quantum = min(0.25, timeout / 4)
+            # A kernel timeout instead of Python's: a blocked send (a daemon that stopped
+            # reading, or a full listen backlog while connecting) ends after `timeout`.
+            # Receives wait in poll() with the call's deadline, and then read what is there;
+            # the short receive timeout only bounds a read that finds nothing after all.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self._quantum))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(0.25, timeout / 4)))
             _connect(sock, path, timeout)
         except OSError as exc:
             sock.close()

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+import proto
 from client import CommError, CommTimeout, DaemonBackend, hostmem
 from commd.launch import DaemonProcess
+from proto import ErrorCode
 from tests.integration.harness import short_tmpdir, world_name
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,6 +109,26 @@ def test_a_registration_whose_memory_went_before_a_restart_does_not_block_reconn
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         comms[0].deregister_buffer(handle)  # nothing left at the daemon: it just goes
         comms[1].deregister_buffer(kept)  # registered again with the new daemon
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_late_event_about_the_old_epoch_does_not_fail_the_new_one(daemon: DaemonProcess) -> None:
+    """A failure pushed about epoch 1 that the rank reads only after it reconnected (to
+    epoch 2) is old news; one about epoch 2 is not, even if it comes while reconnecting."""
+    comms = join(daemon, timeout=2)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        with pytest.raises(CommError):
+            comms[0].barrier()  # rank 1 never calls it: epoch 1 fails
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert [comm.epoch for comm in comms] == [2, 2]
+        comms[0]._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 1 failed", 1))
+        assert comms[0].is_healthy()
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        comms[0]._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 2 failed", 2))
+        assert not comms[0].is_healthy()
     finally:
         for comm in comms:
             comm.close()
