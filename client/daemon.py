@@ -71,15 +71,13 @@ class DaemonBackend(CommBackend):
         self._ops: dict[tuple[object, ...], proto.Op] = {}  # ops on host memory only
         # ops naming CUDA allocations, with their ids: reused only once those are re-checked alive
         self._device_ops: dict[tuple[object, ...], tuple[proto.Op, tuple[int, ...]]] = {}
-        self._group: list[proto.Op] | None = None
-        self._group_depth = 0
+        # Groups are per thread, as NCCL's are: another thread's call is not part of ours.
+        # An attempt_reconnect drops every open group (`_group_generation`).
+        self._groups = threading.local()
+        self._group_generation = 0
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
-        # the streams the open group's device calls follow (in order), and whether all may
-        # be answered once ordered
-        self._group_streams: dict[int, None] = {}
-        self._group_early = True
         self._order = StreamOrder(device, timeout, self._send_events)  # (with an engine with streams)
         self._failure: CommError | None = None  # why the world is unhealthy
         self._failure_epoch = 0  # the epoch a pushed failure was about (0: not pushed, or any)
@@ -254,24 +252,27 @@ class DaemonBackend(CommBackend):
         self._request(lambda: proto.SetAddKernel(self._transport.next_id(), handle))
 
     def group_start(self) -> None:
-        with self._lock:
-            self._check_open()
-            self._group_depth += 1
-            if self._group is None:
-                self._group = []
+        self._check_open()
+        group = self._open_group()
+        if group is None:
+            group = self._groups.group = _OpenGroup(self._group_generation)
+        group.depth += 1
 
     def group_end(self) -> None:
-        with self._lock:
-            if self._group_depth == 0:
-                raise MisuseError("group_end without group_start")
-            self._group_depth -= 1
-            if self._group_depth:
-                return
-            ops, self._group = self._group or [], None
-            streams, self._group_streams = list(self._group_streams), {}
-            early, self._group_early = self._group_early, True
-        if ops:
-            self._device_submit(tuple(ops), streams, early, deadline=True)
+        group = self._open_group()
+        if group is None:
+            raise MisuseError("group_end without group_start")
+        group.depth -= 1
+        if group.depth:
+            return
+        self._groups.group = None
+        if group.ops:
+            self._device_submit(tuple(group.ops), list(group.streams), group.early, deadline=True)
+
+    def _open_group(self) -> _OpenGroup | None:
+        """This thread's open group (one from before an attempt_reconnect is gone)."""
+        group: _OpenGroup | None = getattr(self._groups, "group", None)
+        return group if group is not None and group.generation == self._group_generation else None
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -301,7 +302,7 @@ class DaemonBackend(CommBackend):
         with self._lock:
             if not self._failure_epoch or self._failure_epoch < self.epoch:  # not the new epoch's
                 self._failure, self._failure_epoch = None, 0
-            self._group, self._group_depth = None, 0
+            self._group_generation += 1
 
     def _rejoin(self, deadline: float) -> None:
         with self._lock:  # the new daemon knows none of our buffers
@@ -411,15 +412,15 @@ class DaemonBackend(CommBackend):
         if op is None:
             op, on_device = self._build_or_revalidate(key, make_op)
         follows = self._stream if stream is None else stream
-        with self._lock:
-            if self._group is not None:
-                if len(self._group) >= proto.MAX_GROUP_OPS:
-                    raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
-                self._group.append(op)
-                if on_device:
-                    self._group_streams[follows] = None
-                    self._group_early &= early
-                return
+        group = self._open_group()
+        if group is not None:
+            if len(group.ops) >= proto.MAX_GROUP_OPS:
+                raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
+            group.ops.append(op)
+            if on_device:
+                group.streams[follows] = None
+                group.early &= early
+            return
         self._device_submit((op,), [follows] if on_device else [], early, deadline)
 
     def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
@@ -519,6 +520,18 @@ class DaemonBackend(CommBackend):
             released, self._released = self._released, []
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             self._transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
+
+
+@dataclasses.dataclass(slots=True)
+class _OpenGroup:
+    """A thread's calls between group_start and group_end, sent as one request."""
+
+    generation: int  # the backend's at group_start (a reconnect drops the group)
+    depth: int = 0
+    ops: list[proto.Op] = dataclasses.field(default_factory=list)
+    # the streams its device calls follow (in order), and whether all may be answered once ordered
+    streams: dict[int, None] = dataclasses.field(default_factory=dict)
+    early: bool = True
 
 
 def _put(cache: dict[tuple[object, ...], T], key: tuple[object, ...], value: T) -> None:

@@ -1,7 +1,8 @@
-"""The client's recovery paths against a real daemon, with the ranks as threads of this
+"""The client's harder paths against a real daemon, with the ranks as threads of this
 process: a call that timed out while the daemon stalled (SIGSTOP), a daemon killed and
-restarted while the ranks already knew their world had failed, and a registration whose
-memory went before the daemon restarted. Each ends with a call whose data is checked."""
+restarted while the ranks already knew their world had failed, a registration whose
+memory went before the daemon restarted, late events, and a group open on one thread
+while another calls. Each ends with a call whose data is checked."""
 
 from __future__ import annotations
 
@@ -129,6 +130,24 @@ def test_a_late_event_about_the_old_epoch_does_not_fail_the_new_one(daemon: Daem
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         comms[0]._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 2 failed", 2))
         assert not comms[0].is_healthy()
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_group_open_on_one_thread_does_not_take_another_threads_call(daemon: DaemonProcess) -> None:
+    """Groups are per thread, as NCCL's: while this thread holds a group open, another
+    thread's all_reduce on the same backend runs (and sums) at once."""
+    comms = join(daemon, timeout=5)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        comms[0].group_start()
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # rank 0's call from another thread
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(comms[1].barrier)
+            comms[0].barrier()  # in the group: sent at group_end
+            comms[0].group_end()
+            other.result(10)
     finally:
         for comm in comms:
             comm.close()
