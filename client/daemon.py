@@ -232,21 +232,28 @@ class DaemonBackend(CommBackend):
             device = self._device_symmetric.get(ptr)
         if device is not None:
             buffer_id, size = device
-            if buffer_id not in self._orphans:
-                self._request(lambda: proto.SymFree(self._transport.next_id(), buffer_id))
+            self._sym_free(buffer_id)
             with self._lock:
                 del self._device_symmetric[ptr]
-                self._imported.discard(buffer_id)
             self._resolver.unmap_symmetric(buffer_id, ptr, size)
             return
         if buffer is None:
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
-        if buffer.id not in self._orphans:  # an orphan's daemon is gone: ours is the only copy
-            self._request(lambda: proto.SymFree(self._transport.next_id(), buffer.id))
+        self._sym_free(buffer.id)
         with self._lock:
             del self._symmetric[ptr]
-            self._imported.discard(buffer.id)
         buffer.close()
+
+    def _sym_free(self, buffer_id: int) -> None:
+        """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one
+        may have imported it as a plain buffer since, and forgets it as one."""
+        if buffer_id not in self._orphans:
+            self._request(lambda: proto.SymFree(self._transport.next_id(), buffer_id))
+        with self._lock:
+            if buffer_id in self._imported:
+                self._imported.discard(buffer_id)
+                if buffer_id in self._orphans:
+                    self._released.append(buffer_id)
 
     def set_add_kernel(self, handle: int) -> None:
         self._request(lambda: proto.SetAddKernel(self._transport.next_id(), handle))

@@ -151,3 +151,32 @@ def test_a_group_open_on_one_thread_does_not_take_another_threads_call(daemon: D
     finally:
         for comm in comms:
             comm.close()
+
+
+def daemon_memfd_mappings(daemon: DaemonProcess) -> int:
+    with open(f"/proc/{daemon.pid}/maps") as maps:
+        return sum(1 for line in maps if "memfd:" in line)
+
+
+def test_symmetric_memory_of_a_killed_daemon_used_with_the_new_one_is_let_go_when_freed(
+        daemon: DaemonProcess) -> None:
+    """After a restart, symmetric buffers of the old daemon are the worker's own memory;
+    used with the new daemon they are imported there like any buffer, and symmetric_free
+    must make the new daemon forget them too."""
+    comms = join(daemon, timeout=3)
+    try:
+        ptrs = on_both(lambda r: comms[r].symmetric_alloc(4096))
+        daemon.kill()
+        daemon.start()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        on_both(lambda r: comms[r].all_reduce(ptrs[r], 4096, dtype="u8"))
+        assert daemon_memfd_mappings(daemon) == 2
+        on_both(lambda r: comms[r].symmetric_free(ptrs[r]))
+        on_both(lambda r: comms[r].barrier())  # (carries the forgets)
+        deadline = time.monotonic() + 5
+        while daemon_memfd_mappings(daemon):
+            assert time.monotonic() < deadline, daemon_memfd_mappings(daemon)
+            time.sleep(0.05)
+    finally:
+        for comm in comms:
+            comm.close()
