@@ -212,7 +212,7 @@ class DaemonBackend(CommBackend):
                 ptr, size = self._resolver.map_symmetric(fds[0], bytes, buffer_id)
             except BaseException:  # unusable here: the daemon lets go of it now, not at our close
                 with contextlib.suppress(CommError):
-                    self._request(lambda: proto.SymFree(self._transport.next_id(), buffer_id))
+                    self._sym_free(buffer_id)
                 raise
             finally:
                 os.close(fds[0])
@@ -502,17 +502,16 @@ class DaemonBackend(CommBackend):
         if isinstance(reply, proto.Error):
             raise from_code(reply.code, reply.message)
 
-    def _mark_unhealthy(self, why: CommError) -> None:
+    def _mark_unhealthy(self, why: CommError, epoch: int = 0) -> None:
+        """`epoch`: the one a pushed failure was about (it outlives a reconnect to it)."""
         with self._lock:
             if self._failure is None:
-                self._failure = why
+                self._failure, self._failure_epoch = why, epoch
 
     def _on_event(self, event: proto.Event) -> None:
         if event.epoch and event.epoch < self.epoch:
             return  # about an epoch this rank has left behind (it reconnected since)
-        with self._lock:
-            if self._failure is None:
-                self._failure, self._failure_epoch = from_code(event.code, event.message), event.epoch
+        self._mark_unhealthy(from_code(event.code, event.message), event.epoch)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         with self._lock:

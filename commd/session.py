@@ -137,9 +137,7 @@ class Session:
             self.channel.close("join refused", linger=True)
 
     def on_packet(self, data: bytes, fds: list[int], truncated: bool) -> None:
-        if self._silent is not None:
-            self._silent.cancel()
-            self._silent = None
+        self._stop_silence_watch()
         try:
             if truncated:
                 raise proto.MessageTooLarge("packet (or its fds) was truncated: over the limit")
@@ -159,23 +157,29 @@ class Session:
             self.send(proto.Error(request_id, ErrorCode.INTERNAL, f"daemon bug: {exc!r}"))
             self.channel.close("internal error")
 
+    def _stop_silence_watch(self) -> None:
+        if self._silent is not None:
+            self._silent.cancel()
+            self._silent = None
+
     def _said_nothing(self) -> None:
         self._silent = None
         if not self.channel.closed:
             why = f"nothing said within {self._ctx.config.hello_timeout_s:g}s of connecting"
-            self.channel.send(proto.encode(proto.Error(0, ErrorCode.TIMEOUT, why)))  # (no request to answer)
-            self.channel.close(why, linger=True)
+            self._drop(ErrorCode.TIMEOUT, why, why)
 
     def _refuse(self, exc: proto.ProtoError) -> None:
         log.warning("bad packet from pid %d: %s", self.peer_pid, exc)
-        packet = proto.encode(proto.Error(0, ErrorCode.BAD_MESSAGE, str(exc)[:4000]))
-        self.channel.send(packet)  # bypasses the state machine: it is in ERROR now
-        self.channel.close(f"bad packet: {exc}", linger=True)
+        self._drop(ErrorCode.BAD_MESSAGE, str(exc)[:4000], f"bad packet: {exc}")
+
+    def _drop(self, code: ErrorCode, message: str, reason: str) -> None:
+        """Close the connection with an error that answers no request (id 0); it bypasses
+        the state machine, which may be in ERROR or not have seen a hello."""
+        self.channel.send(proto.encode(proto.Error(0, code, message)))
+        self.channel.close(reason, linger=True)
 
     def on_close(self, reason: str) -> None:
-        if self._silent is not None:
-            self._silent.cancel()
-            self._silent = None
+        self._stop_silence_watch()
         log.debug("connection of pid %d closed: %s", self.peer_pid, reason)
         if self.world is not None:
             self.world.leave(self.rank, self)

@@ -98,17 +98,20 @@ class Lingering:
         self._schedule()
 
     def _close_what_can(self) -> bool:
-        still = []
-        for mapped, on_released in self._maps:
-            try:
-                mapped.close()
-            except BufferError:
-                still.append((mapped, on_released))
-                continue
-            if on_released is not None:
-                on_released()
-        self._maps = still
-        return not still
+        self._maps = [(mapped, on_released) for mapped, on_released in self._maps
+                      if not unmap(mapped, on_released)]
+        return not self._maps
+
+
+def unmap(mapped: mmap.mmap, on_released: Callable[[], None] | None) -> bool:
+    """Unmap now and tell `on_released`; False (nothing done) while a view is still held."""
+    try:
+        mapped.close()
+    except BufferError:
+        return False
+    if on_released is not None:
+        on_released()
+    return True
 
 
 class HostMapping:
@@ -159,15 +162,11 @@ class HostMapping:
 
     def close(self, on_released: Callable[[], None] | None = None) -> None:
         mapped, self._mmap, self._array = self._mmap, None, None
-        if mapped is None:
+        if mapped is None or unmap(mapped, on_released):
             return
-        try:
-            mapped.close()
-        except BufferError:  # a view is still held: unmapped when it goes
-            if self._lingering is not None:
-                self._lingering.add(mapped, on_released)
-                return
-        if on_released is not None:
+        if self._lingering is not None:  # a view is still held: unmapped when it goes
+            self._lingering.add(mapped, on_released)
+        elif on_released is not None:  # (unmapped with the last view; nobody can wait for that)
             on_released()
 
 
