@@ -16,7 +16,7 @@ from commd.status import query_status
 from tests.conftest import FaultReport, Steady
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, memfd_mappings, open_fds, world_name
+from tests.integration.harness import RankPool, back_to, held_at_rest, world_name
 
 pytestmark = pytest.mark.timeout(90)
 DETECTION_S = 1.0  # connection loss: every survivor hears within a second
@@ -31,7 +31,7 @@ def pending(sock: str, world: str) -> int:
 def test_kill_a_worker_mid_call(pool: RankPool, daemon: DaemonProcess, steady: Steady,
                                 fault_report: FaultReport, what: str) -> None:
     sock, world = str(daemon.socket_path), world_name("kill")
-    base = open_fds(daemon.pid), memfd_mappings(daemon.pid)
+    base = held_at_rest(daemon.pid)
     unrelated_before = steady.errors()
     # recv_command waits on the root: the victim is rank 0 then, else rank 1
     victim_rank = 0 if what == "recv_command" else 1
@@ -61,10 +61,7 @@ def test_kill_a_worker_mid_call(pool: RankPool, daemon: DaemonProcess, steady: S
     want = reduce_reference([make_input(9, r, 128, "i64", "sum") for r in range(2)], "i64", "sum")
     assert res["result"] == want.tobytes()
     assert replacement.exitcode == 0
-    deadline = time.monotonic() + 10  # the daemon let go of everything the world held
-    while (open_fds(daemon.pid), memfd_mappings(daemon.pid)) != base:
-        assert time.monotonic() < deadline, ((open_fds(daemon.pid), memfd_mappings(daemon.pid)), base)
-        time.sleep(0.1)
+    back_to(daemon.pid, base)  # the daemon let go of everything the world held
     fault_report.add(f"kill -9 a worker in {what}", res["at"] - killed_at,
                      res["rebuilt_at"] - res["at"], steady.errors() - unrelated_before,
                      "none (fds, memfd mappings at baseline)")

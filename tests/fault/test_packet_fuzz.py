@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from commd.launch import DaemonProcess
 from proto import peer as p
 from proto.codec import encode_peer
 from tests.conftest import FaultReport, Steady, steady_world
-from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, world_name
+from tests.integration.harness import back_to, held_at_rest, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(180)
@@ -74,7 +73,7 @@ def steady_f(peer_daemon: DaemonProcess) -> Iterator[Steady]:
 def test_ten_thousand_bad_packets(peer_daemon: DaemonProcess, steady_f: Steady,
                                   fault_report: FaultReport) -> None:
     sock = str(peer_daemon.socket_path)
-    unrelated, base = steady_f.errors(), (open_fds(peer_daemon.pid), memfd_mappings(peer_daemon.pid))
+    unrelated, base = steady_f.errors(), held_at_rest(peer_daemon.pid)
     rng = random.Random(20261130)
     seeds = valid_packets()
     client = RawClient(sock)
@@ -151,16 +150,13 @@ def test_hypothesis_packets(peer_daemon: DaemonProcess, steady_f: Steady) -> Non
 
 def settled(daemon: DaemonProcess, base: tuple[int, int]) -> str:
     """Every connection the scenario opened is gone, and so is its memory."""
-    deadline = time.monotonic() + 10
-    while (open_fds(daemon.pid), memfd_mappings(daemon.pid)) != base:
-        assert time.monotonic() < deadline, ((open_fds(daemon.pid), memfd_mappings(daemon.pid)), base)
-        time.sleep(0.05)
+    back_to(daemon.pid, base)
     return "none (fds, memfd mappings at baseline)"
 
 
 def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess, steady_f: Steady,
                                   fault_report: FaultReport) -> None:
-    unrelated, base = steady_f.errors(), (open_fds(peer_daemon.pid), memfd_mappings(peer_daemon.pid))
+    unrelated, base = steady_f.errors(), held_at_rest(peer_daemon.pid)
     host, port = parse_address(peer_daemon.peer_address())
     rng = random.Random(7)
     hello = p.FRAME.pack(1, 0)

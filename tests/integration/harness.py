@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,3 +144,29 @@ def open_fds(pid: int) -> int:
 def memfd_mappings(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as maps:
         return sum(1 for line in maps if "memfd:" in line)
+
+
+def held(pid: int) -> tuple[int, int]:
+    """What a daemon holds that a leak would grow: open fds and memfd mappings."""
+    return open_fds(pid), memfd_mappings(pid)
+
+
+def held_at_rest(pid: int, quiet_s: float = 0.5, timeout: float = 10) -> tuple[int, int]:
+    """`held` once it has stopped changing: a connection an earlier scenario closed may
+    still be open in the daemon for a moment, and a baseline counting it hides a leak."""
+    deadline = time.monotonic() + timeout
+    now, since = held(pid), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"daemon {pid} never came to rest: {now}"
+        time.sleep(0.05)
+        if (latest := held(pid)) != now:
+            now, since = latest, time.monotonic()
+    return now
+
+
+def back_to(pid: int, base: tuple[int, int], timeout: float = 10) -> None:
+    """Wait until the daemon holds exactly what it held at `base` (fds, memfd mappings)."""
+    deadline = time.monotonic() + timeout
+    while (now := held(pid)) != base:
+        assert time.monotonic() < deadline, f"daemon {pid} holds {now}, at rest it held {base}"
+        time.sleep(0.05)

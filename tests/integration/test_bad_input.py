@@ -27,7 +27,7 @@ from proto import ErrorCode
 from tests.conftest import FaultReport, Steady
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, memfd_mappings, open_fds, short_tmpdir, world_name
+from tests.integration.harness import RankPool, back_to, held_at_rest, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -324,8 +324,7 @@ def test_socket_is_private(daemon: DaemonProcess) -> None:
 
 def test_fds_and_mappings_return_to_baseline(pool: RankPool, daemon: DaemonProcess, steady: None) -> None:
     sock = str(daemon.socket_path)
-    time.sleep(0.2)
-    base_fds, base_maps = open_fds(daemon.pid), memfd_mappings(daemon.pid)
+    base = held_at_rest(daemon.pid)
     for _ in range(2):
         world = world_name()
         results = pool.run(workers.symmetric, [(sock, world, r, 4, 4096, 3) for r in range(4)])
@@ -334,13 +333,7 @@ def test_fds_and_mappings_return_to_baseline(pool: RankPool, daemon: DaemonProce
         args = [(sock, world, r, 4, 1 << 18, "f32", "sum", 1) for r in range(4)]
         results = pool.run(workers.all_reduce, args)
         assert all(o.error is None for o in results), results
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        now = open_fds(daemon.pid), memfd_mappings(daemon.pid)
-        if now == (base_fds, base_maps):
-            break
-        time.sleep(0.1)
-    assert (open_fds(daemon.pid), memfd_mappings(daemon.pid)) == (base_fds, base_maps)
+    back_to(daemon.pid, base)
 
 
 def test_a_world_with_a_join_token_refuses_other_tokens(sock: str, steady: None) -> None:
