@@ -49,11 +49,13 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     metrics: asyncio.Server | None = None
     alive: asyncio.Task[None] | None = None
     try:
-        server.start(inherited)
+        # Clients come last: one connecting as soon as the socket exists must find the daemon
+        # whole (its status naming the metrics address, say), not half set up.
         if cluster is not None and config.peer_listen is not None:
             await cluster.listen(*config.peer_listen)
         if config.metrics_listen is not None:
             metrics = await _metrics(server, *config.metrics_listen)
+        server.start(inherited)
         _tune_gc()
         _tune_malloc()
         # Only now: the socket accepts and the peer port listens, so clients that systemd

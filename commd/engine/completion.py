@@ -51,6 +51,7 @@ class Completions:
     async def wait(self, events: Mapping[int, int]) -> None:
         """Wait on helper threads. An event is reused only once its thread is done with it:
         a cancelled wait leaves the thread blocked in cuEventSynchronize."""
+        loop = asyncio.get_running_loop()  # not in `finally`: a coroutine closed unfinished has none
         waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
                  for rank, event in events.items()}
         try:
@@ -58,7 +59,6 @@ class Completions:
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
         finally:
-            loop = asyncio.get_running_loop()
             for rank, event in events.items():
                 if waits[rank].done():  # returned, or cancelled before its thread took it
                     self._back_now(rank, event)

@@ -22,11 +22,12 @@ class GpuDaemon:
         self.tmp = short_tmpdir()
         self.socket_path = Path(self.tmp) / "commd.sock"
         self.engine = NcclEngine(gpu)
-        self.loop = asyncio.new_event_loop()
         started = threading.Event()
         stop = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
 
         async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
             server = Server(ServerConfig(socket_path=self.socket_path), self.engine, None)
             server.start()
             started.set()
@@ -36,13 +37,15 @@ class GpuDaemon:
                 server.shutdown()
 
         self.stop = stop
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(serve(),), daemon=True)
+        # asyncio.run, as the daemon: at the end it cancels the tasks still running and waits for them
+        self.thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
         self.thread.start()
         assert started.wait(10)
 
     def close(self) -> None:
+        assert self.loop is not None
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(10)
-        self.loop.close()
+        assert not self.thread.is_alive(), "the daemon's loop did not stop"
         self.engine.close()
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -347,3 +347,20 @@ def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
 def test_metrics_need_the_flag(tmp: Path) -> None:
     with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
         assert query_status(str(daemon.socket_path), 5)["metrics"] is None
+
+
+def test_the_first_client_finds_the_daemon_whole(tmp: Path) -> None:
+    """A client connecting the moment the socket appears (as systemd's After= units do)
+    finds everything set up: the status names where metrics are served."""
+    pytest.importorskip("prometheus_client")
+    path = tmp / "run" / "commd.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(path),
+                             "--metrics", "127.0.0.1:0"], env=child_env(), stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not path.exists():  # no sleep: the first moment counts
+            assert proc.poll() is None and time.monotonic() < deadline
+        assert query_status(str(path), 5)["metrics"] is not None
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
