@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ from .errors import (
 from .hostmem import HostBuffer, HostMemory, default_memory
 from .memory import DriverFactory, MemoryResolver
 from .streams import StreamOrder
-from .transport import Transport
+from .transport import Transport, Undo
 
 T = TypeVar("T")
 _JOIN_GRACE_S = 2.0
@@ -182,7 +183,7 @@ class DaemonBackend(CommBackend):
                 raise MisuseError("cannot register an empty buffer")
             return proto.Register(self._transport.next_id(), mem, nbytes)
 
-        reply, _ = self._request(register)
+        reply, _ = self._request(register, undo=_deregister_late)
         return reply.value  # type: ignore[union-attr]
 
     def deregister_buffer(self, handle: int) -> None:
@@ -204,7 +205,8 @@ class DaemonBackend(CommBackend):
     def symmetric_alloc(self, bytes: int) -> int:
         buffer_id = self._memory.next_id()
         _reply, fds = self._request(
-            lambda: proto.SymAlloc(self._transport.next_id(), buffer_id, bytes))
+            lambda: proto.SymAlloc(self._transport.next_id(), buffer_id, bytes),
+            undo=functools.partial(_sym_free_late, buffer_id))
         if len(fds) != 1:
             raise ProtocolError(f"symmetric_alloc reply carried {len(fds)} fds, expected 1")
         if self.engine != "host":  # device memory (ncclMemAlloc): mapped through the driver
@@ -483,14 +485,16 @@ class DaemonBackend(CommBackend):
         self._request(make, deadline=deadline, grace=_JOIN_GRACE_S)
 
     def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
-                 deadline: bool = True, grace: float = 0.0) -> tuple[proto.Message, list[int]]:
-        """One request/reply under the backend's deadline; daemon errors become CommErrors."""
+                 deadline: bool = True, grace: float = 0.0,
+                 undo: Undo | None = None) -> tuple[proto.Message, list[int]]:
+        """One request/reply under the backend's deadline; daemon errors become CommErrors.
+        `undo`: what undoes the request if it times out and the daemon did it all the same."""
         self._check_open()
         self._send_releases()
         msg = self._build(make)
         try:
             reply, got = self._transport.request(
-                msg, time.monotonic() + self._timeout + grace if deadline else None, fds)
+                msg, time.monotonic() + self._timeout + grace if deadline else None, fds, undo)
             self._check(reply)
         except CommError as exc:
             if isinstance(exc, UNHEALTHY):
@@ -538,6 +542,16 @@ class _OpenGroup:
     # the streams its device calls follow (in order), and whether all may be answered once ordered
     streams: dict[int, None] = dataclasses.field(default_factory=dict)
     early: bool = True
+
+
+def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | None:
+    """A registration that timed out but was made: the daemon lets go of it."""
+    return proto.Deregister(request_id, reply.value) if isinstance(reply, proto.Ok) else None
+
+
+def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:
+    """A symmetric allocation that timed out but was made: the daemon frees it."""
+    return proto.SymFree(request_id, buffer_id) if isinstance(reply, proto.Ok) else None
 
 
 def _put(cache: dict[tuple[object, ...], T], key: tuple[object, ...], value: T) -> None:

@@ -26,6 +26,9 @@ _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 
 Packet = tuple[proto.Message, list[int]]
+# What undoes a request that timed out, should its reply come late: given the reply and a
+# fresh request id, the message to send (its own reply is read by nobody), or None.
+Undo = Callable[[proto.Message, int], proto.Message | None]
 
 
 def _take_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
@@ -73,6 +76,7 @@ class Transport:
         self._cond = threading.Condition()
         self._replies: dict[int, Packet] = {}
         self._awaited: set[int] = set()  # request ids some thread still waits for
+        self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
         self._reading = False
         self._broken: CommError | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -131,20 +135,27 @@ class Transport:
         return from_code(msg.code, msg.message) if isinstance(msg, proto.Error) else None
 
     def request(self, msg: proto.Message, deadline: float | None,
-                fds: Sequence[int] = ()) -> Packet:
-        """Send `msg` (which carries an id) and wait for its reply until `deadline`."""
+                fds: Sequence[int] = (), undo: Undo | None = None) -> Packet:
+        """Send `msg` (which carries an id) and wait for its reply until `deadline`.
+        `undo`: should the wait time out, what undoes the request if its reply comes late
+        (the daemon did it all the same); it runs on whichever thread reads that reply."""
         request_id: int = msg.id  # type: ignore[union-attr]
         with self._cond:
             self._awaited.add(request_id)
+        answered = False
         try:
             self.post(msg, fds)
-            return self._wait(request_id, deadline)
+            packet = self._wait(request_id, deadline)
+            answered = True
+            return packet
         finally:
             with self._cond:
                 self._awaited.discard(request_id)
                 late = self._replies.pop(request_id, None)  # came as we gave up: nobody takes it
+                if not answered and late is None and undo is not None:
+                    self._undo[request_id] = undo
             if late is not None:
-                close_fds(late[1])
+                self._late(late, undo)
 
     def _wait(self, request_id: int, deadline: float | None) -> Packet:
         while True:
@@ -174,21 +185,38 @@ class Transport:
         """Read as the leader until our reply comes (returned) or another's does (None)."""
         while True:
             msg, fds = self._read_one(deadline)
-            reply_id = getattr(msg, "id", None)
-            if isinstance(msg, proto.Event):
-                self._on_event(msg)
-                continue
-            if reply_id == request_id:
+            if getattr(msg, "id", None) == request_id:
                 return msg, fds
-            if not reply_id:  # an Error with id 0: the daemon is dropping us
-                assert isinstance(msg, proto.Error)
-                raise self._break(from_code(msg.code, msg.message))
-            with self._cond:
-                if reply_id in self._awaited:
-                    self._replies[reply_id] = (msg, fds)
-                    self._cond.notify_all()
-                    return None
-            close_fds(fds)  # the late reply of a call that timed out: nobody will read it
+            if self._route(msg, fds):
+                return None
+
+    def _route(self, msg: proto.Message, fds: list[int]) -> bool:
+        """Deliver what the reader read that is not its own reply: True if it was another
+        waiting thread's reply. Raises the transport's error if the daemon is dropping us."""
+        reply_id = getattr(msg, "id", None)
+        if isinstance(msg, proto.Event):
+            self._on_event(msg)
+            return False
+        if not reply_id:  # an Error with id 0: the daemon is dropping us
+            assert isinstance(msg, proto.Error)
+            raise self._break(from_code(msg.code, msg.message))
+        with self._cond:
+            if reply_id in self._awaited:
+                self._replies[reply_id] = (msg, fds)
+                self._cond.notify_all()
+                return True
+            undo = self._undo.pop(reply_id, None)
+        self._late((msg, fds), undo)
+        return False
+
+    def _late(self, packet: Packet, undo: Undo | None) -> None:
+        """The reply of a call that timed out: nobody reads it; undo what it did."""
+        msg, fds = packet
+        close_fds(fds)
+        remedy = undo(msg, self.next_id()) if undo is not None else None
+        if remedy is not None:
+            with contextlib.suppress(CommError):  # broken meanwhile: the daemon drops it all anyway
+                self.post(remedy)
 
     def _read_one(self, deadline: float | None) -> Packet:
         left = remaining(deadline)
@@ -217,17 +245,7 @@ class Transport:
             self._reading = True
         try:
             while self._poll.poll(0):
-                msg, fds = self._read_one(None)
-                if isinstance(msg, proto.Error) and not msg.id:  # the daemon is dropping us
-                    self._break(from_code(msg.code, msg.message))
-                    break
-                if isinstance(msg, proto.Event):
-                    self._on_event(msg)
-                elif getattr(msg, "id", 0) in self._awaited:
-                    with self._cond:
-                        self._replies[msg.id] = (msg, fds)  # type: ignore[union-attr]
-                else:
-                    close_fds(fds)
+                self._route(*self._read_one(None))
         except CommError:
             pass  # recorded by _break; surfaces on the next call
         finally:

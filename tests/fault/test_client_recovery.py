@@ -23,15 +23,16 @@ import proto
 from client import CommError, CommTimeout, DaemonBackend, hostmem
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.integration.harness import short_tmpdir, world_name
+from tests.integration.harness import back_to, held_at_rest, memfd_mappings, short_tmpdir, world_name
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def daemon() -> Iterator[DaemonProcess]:
+def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
     tmp = short_tmpdir()
-    process = DaemonProcess(Path(tmp) / "commd.sock").start()
+    args = getattr(request, "param", ())
+    process = DaemonProcess(Path(tmp) / "commd.sock", args=args).start()
     yield process
     process.stop()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -153,11 +154,6 @@ def test_a_group_open_on_one_thread_does_not_take_another_threads_call(daemon: D
             comm.close()
 
 
-def daemon_memfd_mappings(daemon: DaemonProcess) -> int:
-    with open(f"/proc/{daemon.pid}/maps") as maps:
-        return sum(1 for line in maps if "memfd:" in line)
-
-
 def test_symmetric_memory_of_a_killed_daemon_used_with_the_new_one_is_let_go_when_freed(
         daemon: DaemonProcess) -> None:
     """After a restart, symmetric buffers of the old daemon are the worker's own memory;
@@ -170,13 +166,59 @@ def test_symmetric_memory_of_a_killed_daemon_used_with_the_new_one_is_let_go_whe
         daemon.start()
         on_both(lambda r: comms[r].attempt_reconnect())
         on_both(lambda r: comms[r].all_reduce(ptrs[r], 4096, dtype="u8"))
-        assert daemon_memfd_mappings(daemon) == 2
+        assert memfd_mappings(daemon.pid) == 2
         on_both(lambda r: comms[r].symmetric_free(ptrs[r]))
         on_both(lambda r: comms[r].barrier())  # (carries the forgets)
         deadline = time.monotonic() + 5
-        while daemon_memfd_mappings(daemon):
-            assert time.monotonic() < deadline, daemon_memfd_mappings(daemon)
+        while memfd_mappings(daemon.pid):
+            assert time.monotonic() < deadline, memfd_mappings(daemon.pid)
             time.sleep(0.05)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def stalled_daemon_times_out(daemon: DaemonProcess, call: Callable[[], object]) -> None:
+    """`call` times out while the daemon is stopped; it does the work once it runs again."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    threading.Timer(1.5, os.kill, (daemon.pid, signal.SIGCONT)).start()
+    with pytest.raises(CommTimeout):
+        call()
+    time.sleep(1.0)  # running again: the late reply is on its way
+
+
+@pytest.mark.parametrize("daemon", [["--max-registrations", "1"]], indirect=True)
+def test_a_registration_that_timed_out_is_undone_when_its_reply_comes(daemon: DaemonProcess) -> None:
+    """The daemon registers the buffer once it runs again, after the client gave up: the
+    client undoes it when the late reply comes (before: it held a registration slot, and
+    its memory, until the connection closed). With a limit of one, the next one fits."""
+    comms = join(daemon, timeout=1)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # imported: the stall meets the Register
+        stalled_daemon_times_out(daemon, lambda: comms[0].register_buffer(bufs[0].ptr, 8))
+        on_both(lambda r: comms[r].attempt_reconnect())  # (reads the late reply)
+        handle = comms[0].register_buffer(bufs[0].ptr, 8)
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        comms[0].deregister_buffer(handle)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_symmetric_alloc_that_timed_out_is_freed_when_its_reply_comes(daemon: DaemonProcess) -> None:
+    """The daemon allocates once it runs again, after the client gave up: the client has
+    the daemon free it when the late reply comes (before: the memory stayed allocated in
+    the daemon until the connection closed)."""
+    comms = join(daemon, timeout=1)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # (its buffers imported: part of the base)
+        base = held_at_rest(daemon.pid)
+        stalled_daemon_times_out(daemon, lambda: comms[0].symmetric_alloc(1 << 20))
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        back_to(daemon.pid, base, timeout=5)
     finally:
         for comm in comms:
             comm.close()
