@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import proto
@@ -26,14 +25,15 @@ from .errors import (
     ProtocolError,
     from_code,
 )
+from .groups import Groups
 from .hostmem import HostBuffer, HostMemory, default_memory
 from .memory import DriverFactory, MemoryResolver
+from .opcache import OpCache
 from .streams import StreamOrder
 from .transport import Transport, Undo
 
 T = TypeVar("T")
-_JOIN_GRACE_S = 2.0
-_OP_CACHE_SIZE = 1024  # the daemon enforces the join deadline; this covers its reply in flight
+_JOIN_GRACE_S = 2.0  # the daemon enforces the join deadline; this covers its reply in flight
 
 
 class DaemonBackend(CommBackend):
@@ -63,19 +63,13 @@ class DaemonBackend(CommBackend):
         self._path = os.fspath(socket_path)
         self._device, self._bootstrap, self._token = device, bootstrap, token
         self._memory = memory if memory is not None else default_memory()
-        self._lock = threading.RLock()  # group state and buffer bookkeeping, never over I/O
+        self._lock = threading.RLock()  # buffer bookkeeping, never over I/O
         self._import_lock = threading.Lock()
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
         self._device_symmetric: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
-        self._ops: dict[tuple[object, ...], proto.Op] = {}  # ops on host memory only
-        # ops naming CUDA allocations, with their ids: reused only once those are re-checked alive
-        self._device_ops: dict[tuple[object, ...], tuple[proto.Op, tuple[int, ...]]] = {}
-        # Groups are per thread, as NCCL's are: another thread's call is not part of ours.
-        # An attempt_reconnect drops every open group (`_group_generation`).
-        self._groups = threading.local()
-        self._group_generation = 0
+        self._groups = Groups()
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
@@ -91,6 +85,7 @@ class DaemonBackend(CommBackend):
         self.epoch = 0
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
                                         on_forget=_weak_listener(self._on_buffer_released))
+        self._ops = OpCache(self._resolver)
         self._transport = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
@@ -262,26 +257,12 @@ class DaemonBackend(CommBackend):
 
     def group_start(self) -> None:
         self._check_open()
-        group = self._open_group()
-        if group is None:
-            group = self._groups.group = _OpenGroup(self._group_generation)
-        group.depth += 1
+        self._groups.start()
 
     def group_end(self) -> None:
-        group = self._open_group()
-        if group is None:
-            raise MisuseError("group_end without group_start")
-        group.depth -= 1
-        if group.depth:
-            return
-        self._groups.group = None
-        if group.ops:
+        group = self._groups.end()
+        if group is not None and group.ops:
             self._device_submit(tuple(group.ops), list(group.streams), group.early, deadline=True)
-
-    def _open_group(self) -> _OpenGroup | None:
-        """This thread's open group (one from before an attempt_reconnect is gone)."""
-        group: _OpenGroup | None = getattr(self._groups, "group", None)
-        return group if group is not None and group.generation == self._group_generation else None
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -311,14 +292,13 @@ class DaemonBackend(CommBackend):
         with self._lock:
             if not self._failure_epoch or self._failure_epoch < self.epoch:  # not the new epoch's
                 self._failure, self._failure_epoch = None, 0
-            self._group_generation += 1
+        self._groups.drop_all()
 
     def _rejoin(self, deadline: float) -> None:
-        with self._lock:  # the new daemon knows none of our buffers
+        self._ops.clear()  # the new daemon knows none of our buffers
+        with self._lock:
             self._imported.clear()
             self._released.clear()
-            self._ops.clear()
-            self._device_ops.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
             self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
         self._order.new_daemon()
@@ -410,27 +390,17 @@ class DaemonBackend(CommBackend):
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
               deadline: bool = True, stream: int | None = None, early: bool = False) -> None:
-        """Submit one op, or add it to the open group. Steady-state loops repeat the same
-        calls: the built op is cached by its arguments until a buffer is released. An op
-        on device memory follows `stream` (default: the backend's); `early`: it may be
-        answered once ordered on the device (the async calls)."""
+        """Submit one op, or add it to this thread's open group. The built op is cached by
+        `key`, its arguments. An op on device memory follows `stream` (default: the
+        backend's); `early`: it may be answered once ordered on the device (the async calls)."""
         self._check_open()
-        with self._lock:
-            op = self._ops.get(key)
-        on_device = False
-        if op is None:
-            op, on_device = self._build_or_revalidate(key, make_op)
-        follows = self._stream if stream is None else stream
-        group = self._open_group()
+        op, on_device = self._ops.get(key, lambda: self._build(make_op))
+        follows = (self._stream if stream is None else stream) if on_device else None
+        group = self._groups.current()
         if group is not None:
-            if len(group.ops) >= proto.MAX_GROUP_OPS:
-                raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
-            group.ops.append(op)
-            if on_device:
-                group.streams[follows] = None
-                group.early &= early
+            group.add(op, follows, early)
             return
-        self._device_submit((op,), [follows] if on_device else [], early, deadline)
+        self._device_submit((op,), [] if follows is None else [follows], early, deadline)
 
     def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
                        deadline: bool) -> None:
@@ -452,24 +422,6 @@ class DaemonBackend(CommBackend):
 
     def _send_events(self, stream: int, ready: bytes, done: bytes) -> None:
         self._request(lambda: proto.StreamEvents(self._transport.next_id(), stream, ready, done))
-
-    def _build_or_revalidate(self, key: tuple[object, ...],
-                             make_op: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
-        """Not a cached host op: a cached op on CUDA memory whose allocations still live (one
-        BUFFER_ID query each: an address freed and reused must not reach the daemon), or a
-        new op, cached by the memory it names."""
-        with self._lock:
-            cached = self._device_ops.get(key)
-        if cached is not None and self._resolver.still_valid(cached[1]):
-            return cached[0], True
-        op = self._build(make_op)  # may import a buffer: a round trip, outside _lock
-        device = self._resolver.device_buffers(mem.buf for mem in _mems(op))
-        with self._lock:
-            if device:
-                _put(self._device_ops, key, (op, device))
-            else:
-                _put(self._ops, key, op)
-        return op, bool(device)
 
     def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, stream: int | None = None,
                 early: bool = False) -> None:
@@ -518,9 +470,8 @@ class DaemonBackend(CommBackend):
         self._mark_unhealthy(from_code(event.code, event.message), event.epoch)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
+        self._ops.clear()  # a cached op may name the buffer; its address may be reused
         with self._lock:
-            self._ops.clear()  # a cached op may name the buffer; its address may be reused
-            self._device_ops.clear()
             if buffer_id in self._imported:
                 self._imported.discard(buffer_id)
                 self._released.append(buffer_id)
@@ -532,18 +483,6 @@ class DaemonBackend(CommBackend):
             self._transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
 
 
-@dataclasses.dataclass(slots=True)
-class _OpenGroup:
-    """A thread's calls between group_start and group_end, sent as one request."""
-
-    generation: int  # the backend's at group_start (a reconnect drops the group)
-    depth: int = 0
-    ops: list[proto.Op] = dataclasses.field(default_factory=list)
-    # the streams its device calls follow (in order), and whether all may be answered once ordered
-    streams: dict[int, None] = dataclasses.field(default_factory=dict)
-    early: bool = True
-
-
 def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | None:
     """A registration that timed out but was made: the daemon lets go of it."""
     return proto.Deregister(request_id, reply.value) if isinstance(reply, proto.Ok) else None
@@ -552,20 +491,6 @@ def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | N
 def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:
     """A symmetric allocation that timed out but was made: the daemon frees it."""
     return proto.SymFree(request_id, buffer_id) if isinstance(reply, proto.Ok) else None
-
-
-def _put(cache: dict[tuple[object, ...], T], key: tuple[object, ...], value: T) -> None:
-    if len(cache) >= _OP_CACHE_SIZE:
-        cache.clear()
-    cache[key] = value
-
-
-def _mems(op: proto.Op) -> Iterator[proto.Mem]:
-    """The memory an op names."""
-    for field in dataclasses.fields(op):
-        value = getattr(op, field.name)
-        if isinstance(value, proto.Mem):
-            yield value
 
 
 def _weak_listener(method: Callable[[int], None]) -> Callable[[int], None]:

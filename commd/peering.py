@@ -79,6 +79,10 @@ class FrameStream(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        # A payload is written without a copy, and what the socket does not take at once stays
+        # queued by reference: the engine reuses its buffers, and workers their memory, as soon
+        # as `drain` returns. Paused whenever anything is queued, `drain` waits for all of it.
+        self._transport.set_write_buffer_limits(high=0)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self._target)[self._filled:]
@@ -143,19 +147,28 @@ class FrameStream(asyncio.BufferedProtocol):
         return self._frames.popleft()
 
     def write(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
+        """Queue a frame. `payload` is not copied: it must not change until `drain` returns."""
         if self._transport is not None and not self._transport.is_closing():
             self._transport.writelines(p.frame(codec.encode_peer(msg), payload))
 
     async def drain(self) -> None:
-        """Wait while the kernel and the transport's buffer are full (flow control)."""
+        """Wait until the socket has taken every frame written so far (their payloads may
+        change then), or the connection failed."""
         if self._writable is not None:
             await self._writable
         if self._error is not None:
             raise ConnectionError(str(self._error))
 
     def close(self) -> None:
+        """Close once what was written is sent (a refusal, say, reaches the peer)."""
         if self._transport is not None:
             self._transport.close()
+
+    def abort(self) -> None:
+        """Close now, dropping what is queued: payloads written since the last `drain` may
+        name memory that is reused once the link is given up, and must not reach the peer."""
+        if self._transport is not None:
+            self._transport.abort()
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -242,7 +255,7 @@ class PeerLink:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
-        self._stream.close()
+        self._stream.abort()
         log.warning("link to daemon %s lost: %s", self.name, reason)
         self._on_lost(self, reason)
 

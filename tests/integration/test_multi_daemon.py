@@ -90,6 +90,16 @@ def test_all_reduce_dtypes_and_ops(pool: RankPool, daemons: list[DaemonProcess],
     assert all(raw == want.tobytes() for raw in results)
 
 
+@pytest.mark.parametrize("dtype", ["i32", "u8"])
+def test_all_reduce_of_several_chunks_again_and_again(pool: RankPool, daemons: list[DaemonProcess],
+                                                      dtype: str) -> None:
+    """More than one 4 MiB chunk, in a type that crosses the wire as it is summed: each
+    chunk's bytes must be sent before the next chunk is summed into the same buffer."""
+    nelem = (9 << 20) // np.dtype(NUMPY[dtype]).itemsize + 7  # type: ignore[call-overload]
+    wrong = run(pool, specs(daemons, PLACEMENTS["2+2"]), workers.all_reduce_repeated, nelem, dtype, 6)
+    assert wrong == [[]] * 4
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("nbytes", [0, 2, 1001, 5 << 20])
 def test_all_gather(pool: RankPool, daemons: list[DaemonProcess], placement: str, nbytes: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from client import DaemonBackend, hostmem
-from tests.integration.data import make_input
+from tests.integration.data import make_input, reduce_reference
 
 TIMEOUT = 20.0
 
@@ -71,6 +71,24 @@ def all_reduce(sock: str, world: str, rank: int, n: int, nelem: int, dtype: str 
         else:
             comm.all_reduce(buf.ptr + offset, data.nbytes, **kwargs)
         return _read(buf, offset, data.nbytes)
+
+
+def all_reduce_repeated(sock: str, world: str, rank: int, n: int, nelem: int, dtype: str,
+                        calls: int) -> list[int]:
+    """`calls` all_reduces (sum) of one buffer, new inputs each; the calls whose result was
+    not the exact sum (integers: any order gives it)."""
+    wrong = []
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(make_input(0, rank, nelem, dtype, "sum").nbytes)
+        for call in range(calls):
+            data = make_input(call, rank, nelem, dtype, "sum")
+            buf.view(np.uint8)[:] = data.view(np.uint8)
+            comm.all_reduce(buf.ptr, data.nbytes, dtype=dtype)
+            inputs = [make_input(call, r, nelem, dtype, "sum") for r in range(n)]
+            want = reduce_reference(inputs, dtype, "sum")
+            if _read(buf, 0, data.nbytes) != want.tobytes():
+                wrong.append(call)
+    return wrong
 
 
 def all_gather(sock: str, world: str, rank: int, n: int, nbytes: int, seed: int) -> bytes:

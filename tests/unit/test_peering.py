@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -544,3 +545,85 @@ def test_a_stall_of_our_own_loop_is_not_the_peers_silence() -> None:
     finally:
         stop.set()
         thread.join(10)
+
+
+# ---- payloads are not copied: what `drain` and `close` promise about them -------------------
+
+
+def on_uvloop(test: Callable[[], Any]) -> Any:
+    """As the daemon runs: uvloop queues what the socket does not take by reference."""
+    loop = uvloop.new_event_loop()
+    try:
+        return loop.run_until_complete(test())
+    finally:
+        loop.close()
+
+
+def test_a_payload_may_change_once_drain_returned() -> None:
+    """The engine reuses a chunk's buffer as soon as `drain` returns: every byte of it must
+    be in the socket by then. Before, a tail under the high-water mark (64 KiB) stayed
+    queued by reference, and went out with the next chunk's bytes in it."""
+    frames, size = 64, 32 << 10  # more than the socket holds while the peer does not read
+    received: list[bytes] = []
+
+    async def read_later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.3)  # the socket fills up meanwhile
+        while len(received) < frames:
+            header_len, payload_len = p.frame_lengths(await reader.readexactly(p.FRAME.size))
+            await reader.readexactly(header_len)
+            if payload_len:  # (not a heartbeat)
+                received.append(await reader.readexactly(payload_len))
+
+    async def test() -> None:
+        listener, b = RawListener(read_later), Side("daemon-b")
+        try:
+            link = await b.dial(await listener.start())
+            link._stream._transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # full after a few frames
+            buffer = bytearray(size)
+            for i in range(frames):
+                buffer[:] = bytes([i + 1]) * size
+                link.send(p.Data("w", 1, "partial", i, 0, 0, ""), memoryview(buffer))
+                await link.drain()
+            await eventually(lambda: len(received) == frames, 10)
+        finally:
+            b.close()
+            listener.close()
+
+    on_uvloop(test)
+    assert [set(payload) for payload in received] == [{i + 1} for i in range(frames)]
+
+
+def test_a_lost_link_sends_nothing_more() -> None:
+    """A link declared lost drops what is still queued: its payloads are memory the engine
+    and the workers reuse once the world failed, and the peer must not get it later."""
+    size = p.MAX_PAYLOAD_BYTES - 1024
+    received = bytearray()
+
+    async def read_later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reading.wait()
+        with suppress(ConnectionError):
+            while chunk := await reader.read(1 << 20):
+                received.extend(chunk)
+        done.set()
+
+    async def test() -> None:
+        listener, b = RawListener(read_later), Side("daemon-b")
+        try:
+            link = await b.dial(await listener.start())
+            buffer = bytearray(b"\x01") * size
+            link.send(p.Data("w", 1, "partial", 0, 0, 0, ""), memoryview(buffer))  # > the socket takes
+            link.close("silent for 3.0s")
+            buffer[:] = bytes(size)  # the failed call's memory, reused
+            reading.set()
+            await asyncio.wait_for(done.wait(), 10)
+        finally:
+            b.close()
+            listener.close()
+
+    reading, done = asyncio.Event(), asyncio.Event()
+    on_uvloop(test)
+    header_len, payload_len = p.frame_lengths(bytes(received[:p.FRAME.size]))
+    payload = received[p.FRAME.size + header_len:]
+    assert payload_len == size and 0 < len(payload) < size  # what the socket held, no more
+    assert set(payload) == {1}

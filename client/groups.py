@@ -1,0 +1,65 @@
+"""group_start ... group_end: each thread's calls between them, sent as one request."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import proto
+
+from .errors import MisuseError
+
+
+@dataclasses.dataclass(slots=True)
+class OpenGroup:
+    """A thread's calls since its outermost group_start."""
+
+    generation: int  # the Groups' at group_start (drop_all ends the group)
+    depth: int = 0
+    ops: list[proto.Op] = dataclasses.field(default_factory=list)
+    # the streams its device calls follow (in order), and whether all may be answered once ordered
+    streams: dict[int, None] = dataclasses.field(default_factory=dict)
+    early: bool = True
+
+    def add(self, op: proto.Op, stream: int | None, early: bool) -> None:
+        """`stream`: the one a call on device memory follows (None: host memory)."""
+        if len(self.ops) >= proto.MAX_GROUP_OPS:
+            raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
+        self.ops.append(op)
+        if stream is not None:
+            self.streams[stream] = None
+            self.early &= early
+
+
+class Groups:
+    """Open groups per thread, as NCCL's are: another thread's call is never part of ours."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._generation = 0
+
+    def start(self) -> None:
+        group = self.current()
+        if group is None:
+            group = self._local.group = OpenGroup(self._generation)
+        group.depth += 1
+
+    def end(self) -> OpenGroup | None:
+        """The group to send once the outermost group_end closes it; None while nested."""
+        group = self.current()
+        if group is None:
+            raise MisuseError("group_end without group_start")
+        group.depth -= 1
+        if group.depth:
+            return None
+        self._local.group = None
+        return group
+
+    def current(self) -> OpenGroup | None:
+        """This thread's open group (one opened before drop_all is gone)."""
+        group: OpenGroup | None = getattr(self._local, "group", None)
+        return group if group is not None and group.generation == self._generation else None
+
+    def drop_all(self) -> None:
+        """End every thread's open group (a reconnect: what they held was for the old world)."""
+        self._generation += 1

@@ -1,0 +1,71 @@
+"""Built ops, cached by their call's arguments: steady-state loops repeat the same calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import proto
+
+from .memory import MemoryResolver
+
+Key = tuple[object, ...]
+T = TypeVar("T")
+_SIZE = 1024  # entries per kind; a full cache starts afresh
+
+
+class OpCache:
+    """An op on host memory is reused until any buffer is released (its address may be
+    reused by another). One naming CUDA allocations is reused only once they are checked
+    alive again (one BUFFER_ID query each): an address freed and reused must never reach
+    the daemon with the old buffer's id. Safe to use from several threads."""
+
+    def __init__(self, resolver: MemoryResolver) -> None:
+        self._resolver = resolver
+        self._lock = threading.Lock()
+        self._host: dict[Key, proto.Op] = {}
+        self._device: dict[Key, tuple[proto.Op, tuple[int, ...]]] = {}
+        self._generation = 0  # a clear since an op was built: it may name a released buffer
+
+    def get(self, key: Key, build: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
+        """The op for `key`, and whether it names device memory. `build` makes it when none
+        is cached or alive; it runs outside the lock (it may import a buffer: a round trip)."""
+        with self._lock:
+            op = self._host.get(key)
+            cached = self._device.get(key) if op is None else None
+            generation = self._generation
+        if op is not None:
+            return op, False
+        if cached is not None and self._resolver.still_valid(cached[1]):
+            return cached[0], True
+        op = build()
+        device = self._resolver.device_buffers(mem.buf for mem in _mems(op))
+        with self._lock:
+            if generation == self._generation:
+                if device:
+                    _put(self._device, key, (op, device))
+                else:
+                    _put(self._host, key, op)
+        return op, bool(device)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._host.clear()
+            self._device.clear()
+            self._generation += 1
+
+
+def _put(cache: dict[Key, T], key: Key, value: T) -> None:
+    if len(cache) >= _SIZE:
+        cache.clear()
+    cache[key] = value
+
+
+def _mems(op: proto.Op) -> Iterator[proto.Mem]:
+    """The memory an op names."""
+    for field in dataclasses.fields(op):
+        value = getattr(op, field.name)
+        if isinstance(value, proto.Mem):
+            yield value

@@ -1,0 +1,100 @@
+"""The client's op cache and per-thread groups, on their own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import proto
+from client import MisuseError
+from client.groups import Groups
+from client.hostmem import HostMemory
+from client.memory import MemoryResolver
+from client.opcache import OpCache
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def no_driver() -> None:
+    return None
+
+
+def cache() -> OpCache:
+    return OpCache(MemoryResolver(HostMemory(), driver=no_driver))
+
+
+def test_a_built_op_is_reused_until_cleared() -> None:
+    ops, built = cache(), []
+
+    def build() -> proto.Op:
+        built.append(1)
+        return proto.AllReduce(proto.Mem(7, 0), 8)
+
+    first = ops.get(("ar", 1), build)
+    assert ops.get(("ar", 1), build) == first == (proto.AllReduce(proto.Mem(7, 0), 8), False)
+    assert len(built) == 1
+    ops.clear()
+    ops.get(("ar", 1), build)
+    assert len(built) == 2
+
+
+def test_an_op_built_across_a_clear_is_used_once_not_kept() -> None:
+    """A buffer released while another thread built an op naming it: that op may name the
+    released buffer, so the cache must not keep it (its address may be reused)."""
+    ops, built = cache(), []
+
+    def build() -> proto.Op:
+        built.append(1)
+        if len(built) == 1:
+            ops.clear()  # what a release on another thread does meanwhile
+        return proto.Broadcast(proto.Mem(len(built), 0), 4, 0)
+
+    assert ops.get(("bc",), build)[0] == proto.Broadcast(proto.Mem(1, 0), 4, 0)
+    assert ops.get(("bc",), build)[0] == proto.Broadcast(proto.Mem(2, 0), 4, 0)  # built afresh
+    assert ops.get(("bc",), build)[0] == proto.Broadcast(proto.Mem(2, 0), 4, 0)  # and kept
+    assert len(built) == 2
+
+
+def test_groups_nest_and_belong_to_their_thread() -> None:
+    groups = Groups()
+    groups.start()
+    groups.start()
+    groups.current().add(proto.Barrier(), None, early=False)  # type: ignore[union-attr]
+    seen: list[object] = []
+    other = threading.Thread(target=lambda: seen.append(groups.current()))
+    other.start()
+    other.join(5)
+    assert seen == [None]  # another thread has no open group
+    assert groups.end() is None  # still open: the outer group_start
+    done = groups.end()
+    assert done is not None and done.ops == [proto.Barrier()] and done.streams == {} and done.early
+    assert groups.current() is None
+    with pytest.raises(MisuseError):
+        groups.end()
+
+
+def test_a_group_on_device_memory_follows_every_stream_once() -> None:
+    groups = Groups()
+    groups.start()
+    group = groups.current()
+    assert group is not None
+    group.add(proto.Barrier(), 5, early=True)
+    group.add(proto.Barrier(), 9, early=False)
+    group.add(proto.Barrier(), 5, early=True)
+    assert list(group.streams) == [5, 9] and not group.early
+
+
+def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
+    groups = Groups()
+    groups.start()
+    group = groups.current()
+    assert group is not None
+    for _ in range(proto.MAX_GROUP_OPS):
+        group.add(proto.Barrier(), None, early=False)
+    with pytest.raises(MisuseError):
+        group.add(proto.Barrier(), None, early=False)
+    groups.drop_all()
+    assert groups.current() is None
+    with pytest.raises(MisuseError):
+        groups.end()  # its group_start was for the world before the reconnect
