@@ -35,8 +35,10 @@ NUMPY_DTYPE: dict[DType, Any] = {
 _UFUNC: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
     ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
+    # As NCCL's (fminf/fmaxf, __hmin/__hmax): a NaN on some ranks is passed over; NaN only
+    # where every rank has one
+    ReduceOp.MIN: np.fmin,
+    ReduceOp.MAX: np.fmax,
 }
 _WIDENED = (DType.BF16, DType.F16)
 

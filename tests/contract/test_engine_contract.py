@@ -33,7 +33,7 @@ from commd.errors import CallError, ConfigError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
-from tests.integration.data import make_input, reduce_reference
+from tests.integration.data import NUMPY, make_input, reduce_reference
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,6 +144,26 @@ async def test_all_reduce(engine: Engine, world: World, dtype: DType, op: Reduce
     await world.communicator().run(AllReduceOp(bufs, dtype, op))
     want = reduce_reference(inputs, dtype.value, op.value).tobytes()
     assert all(world.io.read(b) == want for b in bufs.values())
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.F16, DType.F32, DType.F64])
+@pytest.mark.parametrize("op", [ReduceOp.MIN, ReduceOp.MAX])
+async def test_min_and_max_pass_over_a_nan(engine: Engine, world: World, dtype: DType, op: ReduceOp) -> None:
+    """As NCCL's kernels (fminf/fmaxf, __hmin/__hmax): a NaN on some ranks is passed over,
+    and the result is NaN only where every rank has one."""
+    n, numpy_type = world.n, NUMPY[dtype.value]
+    values = np.arange(4 * (n + 1) * n, dtype=np.float64).reshape(n, -1) - 7.0
+    values[np.arange(values.shape[1]) % (n + 1) == np.arange(n)[:, None]] = np.nan  # rank r: a NaN each n+1
+    values[:, -1] = np.nan  # and everywhere
+    inputs = [row.astype(numpy_type) for row in values]
+    bufs = {r: world.region(x.tobytes(), rank=r) for r, x in enumerate(inputs)}
+    await world.communicator().run(AllReduceOp(bufs, dtype, op))
+    pick = np.fmin if op is ReduceOp.MIN else np.fmax
+    want = pick.reduce(np.stack([x.astype(np.float64) for x in inputs]), axis=0)
+    assert np.isnan(want).sum() == (1 if n > 1 else len(want) // (n + 1) + 1)
+    for b in bufs.values():
+        got = np.frombuffer(world.io.read(b), numpy_type).astype(np.float64)
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("nelem", [1, 65536 * 2 + 3, 3 * 1024 * 1024])

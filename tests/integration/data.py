@@ -9,7 +9,7 @@ NUMPY = {
     "bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32, "f64": np.float64,
     "i32": np.int32, "i64": np.int64, "u8": np.uint8,
 }
-UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.fmin, "max": np.fmax}  # NaN: as NCCL
 FLOATS = ("bf16", "f16", "f32", "f64")
 
 
