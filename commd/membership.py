@@ -47,6 +47,8 @@ class Formable(Protocol):
 
     def local_waiting(self) -> set[int]: ...
 
+    def forget_if_empty(self) -> None: ...
+
 
 class LocalMembership:
     def __init__(self, world: Formable) -> None:
@@ -60,6 +62,9 @@ class LocalMembership:
 
     def withdraw(self, rank: int) -> None:
         pass
+
+    def voting(self) -> bool:
+        return False
 
     def missing(self) -> list[int]:
         waiting = self._world.local_waiting()
@@ -80,6 +85,10 @@ class NetMembership:
         self._votes: dict[int, str] = {}  # root only: rank -> daemon, for the epoch being formed
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
+        # root only: the newest epoch a vote of this round was cast at. A fresh process for
+        # rank 0 starts the world here at epoch 0 while the members' ranks reconnect at theirs:
+        # the new epoch must be newer than every daemon's, or they drop it as stale.
+        self._round_epoch = 0
 
     # ---- local ranks --------------------------------------------------------------
 
@@ -112,6 +121,10 @@ class NetMembership:
             if timer is not None:
                 timer.cancel()
 
+    def voting(self) -> bool:
+        """Whether the root holds votes: a world with no rank here yet is not empty then."""
+        return bool(self._votes)
+
     def missing(self) -> list[int]:
         """Ranks that never arrived in this round (only the root knows; members say so)."""
         if self.net.is_root:
@@ -129,6 +142,7 @@ class NetMembership:
                                     f"daemon {holder}"))
             return
         self._deadline(msg.rank, msg.timeout_ms / 1000, link)
+        self._round_epoch = max(self._round_epoch, msg.epoch)
         self._count(msg.rank, link.name)
 
     def _deadline(self, rank: int, timeout_s: float, link: PeerLink | None) -> None:
@@ -155,10 +169,12 @@ class NetMembership:
             timer.cancel()
         if not self._votes:
             self._arrived.clear()  # the round is over; the next one counts afresh
+            self._round_epoch = 0
         if link is None:
             self._world.refuse(rank, code, message)
         else:
             link.send(p.JoinRefused(self._world.name, rank, code, message))
+        self._world.forget_if_empty()  # (a root's world made for a member's vote, say)
 
     def _count(self, rank: int, daemon: str) -> None:
         self._votes[rank] = daemon
@@ -170,7 +186,7 @@ class NetMembership:
             self._refuse_all(f"the bootstrap address must be the peer port of the daemon that hosts "
                              f"rank 0; that is daemon {placement[0]}, not {self.net.me}")
             return
-        epoch = self._world.epoch + 1
+        epoch = max(self._world.epoch, self._round_epoch) + 1
         try:
             ready = p.WorldReady(self._world.name, epoch, placement, self._world.engine_id())
             codec.encode_peer(ready)
@@ -182,6 +198,7 @@ class NetMembership:
             return
         self._votes.clear()
         self._arrived.clear()
+        self._round_epoch = 0
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -200,6 +217,7 @@ class NetMembership:
                 self._drop_vote(rank, link, ErrorCode.WORLD_CONFLICT, message)
             else:
                 del self._votes[rank]
+        self._world.forget_if_empty()
 
     # ---- messages from the root (members) or to it ----------------------------------
 
@@ -226,4 +244,8 @@ class NetMembership:
             return
         for rank in [r for r, d in self._votes.items() if d == daemon]:
             del self._votes[rank]
+            timer = self._timers.pop(rank, None)
+            if timer is not None:
+                timer.cancel()
         self._world.fail(ErrorCode.PEER_LOST, f"daemon {daemon} was lost: {reason}")
+        self._world.forget_if_empty()

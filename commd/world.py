@@ -165,7 +165,7 @@ class World:
             return
         self.membership.withdraw(rank)
         self._cancel(waiter, code, message)
-        self._maybe_empty()
+        self.forget_if_empty()
 
     def _cancel(self, waiter: Waiter, code: ErrorCode, message: str) -> None:
         if waiter.timer is not None:
@@ -447,7 +447,7 @@ class World:
             self.add_kernel.pop(rank, None)
             self._registered.pop(rank, None)
             self.fail(ErrorCode.WORLD_FAILED, f"rank {rank}'s connection was lost")
-        self._maybe_empty()
+        self.forget_if_empty()
 
     def shutdown(self, message: str) -> None:
         """The daemon stops: every pending call and waiter gets SHUTDOWN."""
@@ -468,8 +468,10 @@ class World:
             self._abort_when_idle.discard(comm)
             comm.abort()
 
-    def _maybe_empty(self) -> None:
-        if not self.members and not self._waiting:
+    def forget_if_empty(self) -> None:
+        """No rank here, none waiting, and (root) no other daemon's rank voting: the world
+        is over on this daemon."""
+        if not self.members and not self._waiting and not self.membership.voting():
             if self._watchdog is not None:
                 self._watchdog.cancel()
                 self._watchdog = None

@@ -9,10 +9,13 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from client import CommTimeout, DaemonBackend, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from commd.peering import PeerNode, PeerSettings
@@ -284,3 +287,54 @@ def test_a_slow_network_is_not_a_failure(pool: RankPool, pair: list[DaemonProces
     assert [o.unwrap() for o in outcomes] == [[1, 2, 3, 4, 5]] * 2
     fault_report.add("delay 40 ms each way between 2 daemons (TCP proxy): no failure", float("nan"),
                      float("nan"), steady_ac.errors(), "n/a (the world never failed)")
+
+
+def backend(daemon: DaemonProcess, root: DaemonProcess, world: str, rank: int, size: int) -> DaemonBackend:
+    return DaemonBackend(str(daemon.socket_path), world, rank, size, timeout=8, bootstrap=root.peer_address())
+
+
+def summed_i32(comms: list[DaemonBackend]) -> list[list[int]]:
+    bufs = [hostmem.alloc(8) for _ in comms]
+    for r, buf in enumerate(bufs):
+        buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
+    with ThreadPoolExecutor(len(comms)) as threads:
+        calls = [threads.submit(c.all_reduce, b.ptr, 8, dtype="i32")
+                 for c, b in zip(comms, bufs, strict=True)]
+        for call in calls:
+            call.result(20)
+    return [buf.view(np.int32).tolist() for buf in bufs]
+
+
+def test_a_new_rank_0_and_a_reconnecting_member_meet_at_a_newer_epoch(pair: list[DaemonProcess]) -> None:
+    """Rank 0's process ends (its daemon, the root, forgets the world); a new process takes
+    rank 0 (its hello says epoch 0) while rank 1 reconnects from epoch 1. The root must
+    form the world at an epoch newer than the member's (before: epoch 1, which the member
+    dropped as stale, and both timed out)."""
+    root, member = pair
+    world = world_name()
+    with ThreadPoolExecutor(2) as threads:
+        first = threads.submit(backend, root, root, world, 0, 2)
+        rank1 = backend(member, root, world, 1, 2)
+        first.result(20).close()
+        wait_for(lambda: world_status(root, world) is None)
+        reconnected = threads.submit(rank1.attempt_reconnect)
+        rank0 = backend(root, root, world, 0, 2)
+        reconnected.result(20)
+    try:
+        assert rank0.epoch == rank1.epoch == 2
+        assert summed_i32([rank0, rank1]) == [[3, 30], [3, 30]]
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_the_roots_world_for_a_members_vote_ends_with_the_vote(pair: list[DaemonProcess]) -> None:
+    """A member's rank comes, rank 0 never does: when the vote times out, the world the root
+    made for it is gone (before: kept for ever, and the name refused to a job of another size)."""
+    root, member = pair
+    world = world_name()
+    with pytest.raises(CommTimeout):
+        DaemonBackend(str(member.socket_path), world, 1, 2, timeout=1, bootstrap=root.peer_address())
+    wait_for(lambda: world_status(root, world) is None, timeout=5)
+    with backend(root, root, world, 0, 1) as alone:  # a new job under the name, of another size
+        assert summed_i32([alone]) == [[1, 10]]
