@@ -4,7 +4,8 @@ Topology is a star per world: the daemon that hosts rank 0 is the world's root;
 every other daemon with ranks of the world (a member) links to it. Bootstrap,
 failures and (on the host engine) data all go member ↔ root; the root relays
 point-to-point data between two members. Links are shared by every world that
-uses the same pair of daemons.
+uses the same pair of daemons; two daemons may hold two links (each dialed the
+other, for worlds rooted on either side): both live and die together.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class Cluster:
     def __init__(self, settings: PeerSettings) -> None:
         self.name = settings.name
         self.settings = settings
-        self.links: dict[str, PeerLink] = {}
+        self.links: dict[str, PeerLink] = {}  # by daemon: the link we send on as a root
+        self._siblings: dict[str, list[PeerLink]] = {}  # by daemon: every open link to it
         self._node = PeerNode(settings, self._on_message, self._on_lost)
         self._dials: dict[str, asyncio.Future[PeerLink | None]] = {}
         self._self_addresses: set[str] = set()
@@ -166,10 +168,13 @@ class Cluster:
         return self.port
 
     def _adopt(self, link: PeerLink) -> None:
-        old = self.links.get(link.name)
-        if old is not None and not old.closed:
-            old.close("replaced by a newer link from the same daemon")
-        self.links[link.name] = link
+        """Keep a new link. One from a new process of a known daemon (restarted) ends the
+        old process's links, and its worlds; a second one from the same process joins the
+        first (each daemon dialed the other, for worlds rooted on either side)."""
+        for old in [o for o in self._siblings.get(link.name, []) if o.incarnation != link.incarnation]:
+            old.close("replaced: the daemon runs as a new process")
+        self._siblings.setdefault(link.name, []).append(link)
+        self.links.setdefault(link.name, link)
 
     async def link_to(self, address: str) -> PeerLink | None:
         """An authenticated link to the daemon at `address` (dialed once), or None if it is us."""
@@ -206,10 +211,18 @@ class Cluster:
             self.router.on_peer_message(link, msg, payload)
 
     def _on_lost(self, link: PeerLink, reason: str) -> None:
-        if self.links.get(link.name) is link:
-            del self.links[link.name]
+        """A link is gone, and with it the daemon, whichever link its worlds used: its
+        other links close too (one lost while another lives would leave worlds half there)."""
+        siblings = self._siblings.get(link.name, [])
+        if link not in siblings:
+            return  # closed as the sibling of a link lost just now
+        del self._siblings[link.name]  # (all one process's: see _adopt)
+        self.links.pop(link.name, None)
+        for sibling in siblings:
+            if sibling is not link:
+                sibling.close(f"another link to the daemon was lost: {reason}")
         for address, future in list(self._dials.items()):
-            if future.done() and not future.exception() and future.result() is link:
+            if future.done() and not future.exception() and future.result() in siblings:
                 del self._dials[address]
         if self.router is not None:
             self.router.on_peer_lost(link.name, reason)

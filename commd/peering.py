@@ -18,7 +18,7 @@ import os
 import time
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import proto
 from proto import codec
@@ -36,6 +36,8 @@ class PeerSettings:
     # A daemon silent this long in a handshake is as lost as one silent on a link (None:
     # the window). Dials made while a network black-holes packets wait no longer.
     handshake_timeout_s: float | None = None
+    # this process among the daemons that ever had `name` (a restarted daemon has a new one)
+    incarnation: bytes = field(default_factory=lambda: os.urandom(p.INCARNATION_BYTES))
 
     @property
     def handshake_s(self) -> float:
@@ -181,9 +183,10 @@ class FrameStream(asyncio.BufferedProtocol):
 
 
 class PeerLink:
-    def __init__(self, name: str, stream: FrameStream, settings: PeerSettings, handler: Handler,
-                 on_lost: LostHandler) -> None:
+    def __init__(self, name: str, incarnation: bytes, stream: FrameStream, settings: PeerSettings,
+                 handler: Handler, on_lost: LostHandler) -> None:
         self.name = name
+        self.incarnation = incarnation  # the other daemon's process
         self._stream = stream
         self._settings = settings
         self._handler = handler
@@ -288,14 +291,14 @@ class PeerNode:
 
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         try:
-            name = await asyncio.wait_for(self._answer(stream), self.settings.handshake_s)
+            name, incarnation = await asyncio.wait_for(self._answer(stream), self.settings.handshake_s)
         except (SelfDialError, PeerRefusedError, proto.ProtoError, OSError, TimeoutError) as exc:
             if not isinstance(exc, SelfDialError):
                 self.refused += 1
                 log.warning("refused a peer: %s", exc or type(exc).__name__)
             stream.close()
             return
-        on_link(self._link(name, stream))
+        on_link(self._link(name, incarnation, stream))
 
     async def dial(self, host: str, port: int) -> PeerLink:
         """Connect and authenticate; SelfDialError if the address is our own listener."""
@@ -303,19 +306,19 @@ class PeerNode:
         _, stream = await asyncio.wait_for(loop.create_connection(FrameStream, host, port),
                                            self.settings.handshake_s)
         try:
-            name = await asyncio.wait_for(self._ask(stream), self.settings.handshake_s)
+            name, incarnation = await asyncio.wait_for(self._ask(stream), self.settings.handshake_s)
         except BaseException:
             stream.close()
             raise
-        return self._link(name, stream)
+        return self._link(name, incarnation, stream)
 
-    def _link(self, name: str, stream: FrameStream) -> PeerLink:
+    def _link(self, name: str, incarnation: bytes, stream: FrameStream) -> PeerLink:
         stream.authenticated = True
-        link = PeerLink(name, stream, self.settings, self._handler, self._on_lost)
+        link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost)
         link.start()
         return link
 
-    async def _ask(self, stream: FrameStream) -> str:
+    async def _ask(self, stream: FrameStream) -> tuple[str, bytes]:
         nonce = os.urandom(p.NONCE_BYTES)
         self._dialing.add(nonce)
         try:
@@ -325,8 +328,9 @@ class PeerNode:
         finally:
             self._dialing.discard(nonce)
 
-    async def _ask_checked(self, stream: FrameStream, nonce: bytes) -> str:
-        stream.write(p.PeerHello(p.PEER_VERSION, self.settings.name, nonce))
+    async def _ask_checked(self, stream: FrameStream, nonce: bytes) -> tuple[str, bytes]:
+        hello = p.PeerHello(p.PEER_VERSION, self.settings.name, nonce, self.settings.incarnation)
+        stream.write(hello)
         challenge, _ = await stream.read()
         if isinstance(challenge, p.PeerRefused):
             if challenge.reason == "self":
@@ -334,18 +338,18 @@ class PeerNode:
             raise PeerRefusedError(challenge.reason)
         if not isinstance(challenge, p.PeerChallenge):
             raise PeerRefusedError(f"expected a challenge, got {type(challenge).__name__}")
-        want = p.proof(self.settings.secret, "listener", nonce, challenge.nonce)
-        if not hmac.compare_digest(want, challenge.proof):
+        transcript = p.transcript(hello, challenge.daemon, challenge.incarnation, challenge.nonce)
+        if not hmac.compare_digest(p.proof(self.settings.secret, "listener", transcript), challenge.proof):
             stream.write(p.PeerRefused("wrong listener proof"))
             raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
-        stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", challenge.nonce, nonce)))
+        stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
         ready, _ = await stream.read()
         if not isinstance(ready, p.PeerReady):
             reason = ready.reason if isinstance(ready, p.PeerRefused) else type(ready).__name__
             raise PeerRefusedError(reason)
-        return challenge.daemon
+        return challenge.daemon, challenge.incarnation
 
-    async def _answer(self, stream: FrameStream) -> str:
+    async def _answer(self, stream: FrameStream) -> tuple[str, bytes]:
         hello, _ = await stream.read()
         if not isinstance(hello, p.PeerHello):
             raise PeerRefusedError(f"expected a hello, got {type(hello).__name__}")
@@ -356,18 +360,22 @@ class PeerNode:
             stream.write(p.PeerRefused(f"peer protocol {hello.version} is not {p.PEER_VERSION}"))
             raise PeerRefusedError(f"version {hello.version}")
         nonce = os.urandom(p.NONCE_BYTES)
+        ours = self.settings.incarnation
+        transcript = p.transcript(hello, self.settings.name, ours, nonce)
         stream.write(p.PeerChallenge(self.settings.name, nonce,
-                                       p.proof(self.settings.secret, "listener", hello.nonce, nonce)))
+                                     p.proof(self.settings.secret, "listener", transcript), ours))
         answer, _ = await stream.read()
-        want = p.proof(self.settings.secret, "dialer", nonce, hello.nonce)
+        want = p.proof(self.settings.secret, "dialer", transcript)
         if not isinstance(answer, p.PeerProof) or not hmac.compare_digest(want, answer.proof):
             with contextlib.suppress(Exception):
                 stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
             raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
         stream.write(p.PeerReady())
-        return hello.daemon
+        return hello.daemon, hello.incarnation
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for handshake in list(self._handshakes):  # one ending now must not adopt a link
+            handshake.cancel()

@@ -134,13 +134,13 @@ class Registry:
 
     def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
-        if world is not None and world.net is not None and world.net.root is link:
+        if world is not None and world.net is not None and _from_root(world.net, link):
             world.refuse(msg.rank, msg.code, msg.message)
 
     def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
         if world is None or not isinstance(world.membership, NetMembership) or world.net is None \
-                or world.net.root is not link:
+                or not _from_root(world.net, link):
             log.warning("daemon %s says world %s is ready, but it is not its root here",
                         link.name, msg.world)
             return
@@ -183,7 +183,7 @@ class Registry:
         """Whether the daemon at the other end of `link` is one of `world`'s: its root (we are
         a member), or a member (we are the root). Others' word about the world is ignored."""
         assert self.cluster is not None and world.net is not None
-        known = link.name in world.net.placement if world.net.is_root else world.net.root is link
+        known = link.name in world.net.placement if world.net.is_root else _from_root(world.net, link)
         if not known:
             self.cluster.foreign_refused += 1
             log.warning("ignored a message about world %s from daemon %s, which is not one of its",
@@ -215,3 +215,8 @@ class Registry:
     def connected_ranks(self) -> int:
         return sum(len(w.members) for w in self.worlds.values())
 
+
+def _from_root(net: WorldNet, link: PeerLink) -> bool:
+    """Whether `link` leads to the world's root: any link to its daemon (the root answers
+    on the link it keeps for us, which may not be the one we dialed)."""
+    return net.root is not None and net.root.name == link.name and net.root.incarnation == link.incarnation

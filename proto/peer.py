@@ -8,10 +8,18 @@ daemon allocate more than one frame's limit.
 
 Every link starts with a mutual HMAC challenge-response on a shared secret:
 
-    dialer: PeerHello(nonce_d) ──▶ listener
-    listener: PeerChallenge(nonce_l, proof_l = HMAC(secret, "listener" | nonce_d | nonce_l)) ──▶
-    dialer checks proof_l; PeerProof(HMAC(secret, "dialer" | nonce_l | nonce_d)) ──▶
+    dialer: PeerHello(name_d, incarnation_d, nonce_d) ──▶ listener
+    listener: PeerChallenge(name_l, incarnation_l, nonce_l, HMAC(secret, "listener" | T)) ──▶
+    dialer checks it; PeerProof(HMAC(secret, "dialer" | T)) ──▶
     listener checks it; PeerReady ──▶     (or PeerRefused and close, on either side)
+
+T (`transcript`) holds the version and both names, incarnations and nonces: a proof
+vouches for the identities it was made for, and no field can be swapped. A daemon's
+incarnation is random per process: two links from one process to another are both
+kept (each daemon dialed the other, for worlds rooted on either side), while a link
+from a new process of the same name replaces those of the old one. The handshake
+authenticates the daemons; the frames after it are not signed (see docs/operations:
+the peer port belongs on a network only the cluster's daemons reach).
 
 Messages about a world carry its epoch; a daemon refuses those of an older epoch.
 """
@@ -32,8 +40,9 @@ from .messages import (
     _u64,  # one definition of the rule for both protocols
 )
 
-PEER_VERSION = 1
+PEER_VERSION = 2
 NONCE_BYTES = 32
+INCARNATION_BYTES = 16
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
 FRAME = struct.Struct(">II")
@@ -53,17 +62,26 @@ def _ranks(ranks: tuple[int, ...], world_size: int) -> None:
 # ---- the handshake ---------------------------------------------------------------
 
 
+def _incarnation(value: bytes) -> None:
+    if len(value) != INCARNATION_BYTES:
+        raise InvalidMessage(f"an incarnation is {INCARNATION_BYTES} bytes")
+
+
 @dataclass(frozen=True, slots=True)
 class PeerHello:
     version: int
     daemon: str  # the dialer's name, unique in the cluster (host:port of its peer port)
     nonce: bytes
+    # its process (random at start); empty only from an older protocol, refused by version
+    incarnation: bytes = b""
 
     def __post_init__(self) -> None:
         _u64("version", self.version)
         _name("daemon", self.daemon)
         if len(self.nonce) != NONCE_BYTES:
             raise InvalidMessage(f"a nonce is {NONCE_BYTES} bytes")
+        if self.incarnation:
+            _incarnation(self.incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +89,13 @@ class PeerChallenge:
     daemon: str
     nonce: bytes
     proof: bytes
+    incarnation: bytes
 
     def __post_init__(self) -> None:
         _name("daemon", self.daemon)
         if len(self.nonce) != NONCE_BYTES or len(self.proof) != 32:
             raise InvalidMessage("a challenge carries a 32-byte nonce and a 32-byte proof")
+        _incarnation(self.incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +121,17 @@ class PeerRefused:
             raise InvalidMessage("a refusal reason is at most 1024 characters")
 
 
-def proof(secret: bytes, role: str, theirs: bytes, ours: bytes) -> bytes:
+def transcript(hello: PeerHello, listener: str, listener_incarnation: bytes, listener_nonce: bytes) -> bytes:
+    """What both proofs of a handshake cover: every field either side sent, each
+    length-prefixed so that no two transcripts read alike."""
+    fields = (str(hello.version).encode(), hello.daemon.encode(), hello.incarnation, hello.nonce,
+              listener.encode(), listener_incarnation, listener_nonce)
+    return b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def proof(secret: bytes, role: str, transcript: bytes) -> bytes:
     """What side `role` ("listener" or "dialer") sends to show it holds `secret`."""
-    return hmac.new(secret, role.encode() + b"|" + theirs + b"|" + ours, hashlib.sha256).digest()
+    return hmac.new(secret, role.encode() + b"|" + transcript, hashlib.sha256).digest()
 
 
 # ---- after the handshake -----------------------------------------------------------

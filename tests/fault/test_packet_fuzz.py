@@ -160,7 +160,8 @@ def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess, steady_f: Steady,
     host, port = parse_address(peer_daemon.peer_address())
     rng = random.Random(7)
     hello = p.FRAME.pack(1, 0)
-    good_header = encode_peer(p.PeerHello(p.PEER_VERSION, "x", os.urandom(p.NONCE_BYTES)))
+    good_header = encode_peer(p.PeerHello(p.PEER_VERSION, "x", os.urandom(p.NONCE_BYTES),
+                                          os.urandom(p.INCARNATION_BYTES)))
     frames = [hello + b"\xc1", p.FRAME.pack(len(good_header), 1 << 30) + good_header,
               p.FRAME.pack(0, 0), b"GET / HTTP/1.1\r\n\r\n"]
     for i in range(300):

@@ -338,3 +338,50 @@ def test_the_roots_world_for_a_members_vote_ends_with_the_vote(pair: list[Daemon
     wait_for(lambda: world_status(root, world) is None, timeout=5)
     with backend(root, root, world, 0, 1) as alone:  # a new job under the name, of another size
         assert summed_i32([alone]) == [[1, 10]]
+
+
+def joined(daemons: list[DaemonProcess], root: DaemonProcess, world: str) -> list[DaemonBackend]:
+    """One rank on each of `daemons` (in rank order), joined together."""
+    with ThreadPoolExecutor(len(daemons)) as threads:
+        joining = [threads.submit(backend, d, root, world, r, len(daemons)) for r, d in enumerate(daemons)]
+        return [j.result(20) for j in joining]
+
+
+def test_worlds_rooted_on_either_daemon_live_side_by_side(pair: list[DaemonProcess]) -> None:
+    """World X is rooted on A with a rank on B; world Y on B with a rank on A: each daemon
+    dials the other. Both links stay (before, the second replaced the first: X failed when
+    Y formed, and each reconnect of one failed the other)."""
+    a, b = pair
+    x = joined([a, b], a, world_name("x"))
+    y = joined([b, a], b, world_name("y"))
+    try:
+        assert summed_i32(x) == [[3, 30], [3, 30]] and summed_i32(y) == [[3, 30], [3, 30]]
+        with ThreadPoolExecutor(2) as threads:
+            for reconnect in [threads.submit(c.attempt_reconnect) for c in x]:
+                reconnect.result(20)
+        assert [c.epoch for c in x] == [2, 2]
+        assert all(c.is_healthy() for c in x + y)
+        assert summed_i32(y) == [[3, 30], [3, 30]] and summed_i32(x) == [[3, 30], [3, 30]]
+        assert query_status(str(a.socket_path), 5)["peers"]["links"] == ["B"]
+    finally:
+        for comm in x + y:
+            comm.close()
+
+
+def test_a_restarted_daemon_replaces_its_old_links(pair: list[DaemonProcess]) -> None:
+    """B is killed and restarted under the same name while A still holds links to the old
+    process (a kill closes them, but A may not have read that yet): the new process's link
+    ends the old process's worlds on A, and a world between A and the new B works."""
+    a, b = pair
+    old = joined([a, b], a, world_name())
+    try:
+        b.kill()
+        b.start()
+        fresh = joined([a, b], a, world_name())
+        assert summed_i32(fresh) == [[3, 30], [3, 30]]
+        wait_for(lambda: not old[0].is_healthy(), timeout=5)
+        for comm in fresh:
+            comm.close()
+    finally:
+        for comm in old:
+            comm.close()

@@ -127,16 +127,21 @@ async def hung_up(reader: asyncio.StreamReader) -> bool:
     return rest == b""
 
 
+def incarnation() -> bytes:
+    return os.urandom(p.INCARNATION_BYTES)
+
+
 async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw",
                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Connect and complete the dialer's half of the handshake by hand."""
     reader, writer = await asyncio.open_connection(HOST, port)
-    nonce = os.urandom(p.NONCE_BYTES)
-    await send_frame(writer, p.PeerHello(p.PEER_VERSION, name, nonce))
+    hello = p.PeerHello(p.PEER_VERSION, name, os.urandom(p.NONCE_BYTES), incarnation())
+    await send_frame(writer, hello)
     challenge, _ = await read_frame(reader)
     assert isinstance(challenge, p.PeerChallenge)
-    assert challenge.proof == p.proof(secret, "listener", nonce, challenge.nonce)
-    await send_frame(writer, p.PeerProof(p.proof(secret, "dialer", challenge.nonce, nonce)))
+    transcript = p.transcript(hello, challenge.daemon, challenge.incarnation, challenge.nonce)
+    assert challenge.proof == p.proof(secret, "listener", transcript)
+    await send_frame(writer, p.PeerProof(p.proof(secret, "dialer", transcript)))
     ready, _ = await read_frame(reader)
     assert isinstance(ready, p.PeerReady)
     return reader, writer
@@ -160,11 +165,12 @@ class RawListener:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writers.append(writer)
         hello, _ = await read_frame(reader)
-        nonce = os.urandom(p.NONCE_BYTES)
+        nonce, ours = os.urandom(p.NONCE_BYTES), incarnation()
+        transcript = p.transcript(hello, self.name, ours, nonce)
         await send_frame(writer, p.PeerChallenge(
-            self.name, nonce, p.proof(self.secret, "listener", hello.nonce, nonce)))
+            self.name, nonce, p.proof(self.secret, "listener", transcript), ours))
         answer, _ = await read_frame(reader)
-        assert answer == p.PeerProof(p.proof(self.secret, "dialer", nonce, hello.nonce))
+        assert answer == p.PeerProof(p.proof(self.secret, "dialer", transcript))
         await send_frame(writer, p.PeerReady())
         await self.after(reader, writer)
 
@@ -294,7 +300,8 @@ async def test_listener_checks_the_dialers_proof() -> None:
     async with sides(a):
         reader, writer = await asyncio.open_connection(HOST, await a.listen())
         try:
-            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "guesser", os.urandom(p.NONCE_BYTES)))
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "guesser", os.urandom(p.NONCE_BYTES),
+                                                 incarnation()))
             challenge, _ = await read_frame(reader)
             assert isinstance(challenge, p.PeerChallenge) and challenge.daemon == "daemon-a"
             await send_frame(writer, p.PeerProof(b"\x00" * 32))
@@ -312,7 +319,8 @@ async def test_listener_refuses_another_protocol_version() -> None:
     async with sides(a):
         reader, writer = await asyncio.open_connection(HOST, await a.listen())
         try:
-            await send_frame(writer, p.PeerHello(p.PEER_VERSION + 1, "future", os.urandom(p.NONCE_BYTES)))
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION + 1, "future", os.urandom(p.NONCE_BYTES),
+                                                 incarnation()))
             frames = await asyncio.wait_for(read_until_eof(reader), 5)
             assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
             assert str(p.PEER_VERSION + 1) in frames[0].reason

@@ -20,6 +20,7 @@ from proto.codec import TAGS, decode_peer, encode_peer
 from proto.messages import MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORLD_NAME, U64_MAX
 from proto.peer import (
     FRAME,
+    INCARNATION_BYTES,
     MAX_PAYLOAD_BYTES,
     NONCE_BYTES,
     PEER_MESSAGES,
@@ -69,13 +70,15 @@ def check_roundtrip(msg: Any) -> None:
 
 N1, N2 = bytes(range(NONCE_BYTES)), bytes(range(100, 100 + NONCE_BYTES))
 PROOF = hashlib.sha256(b"proof").digest()
+INC = bytes(range(INCARNATION_BYTES))
 
 EXAMPLES: tuple[Any, ...] = (
-    PeerHello(PEER_VERSION, "10.0.0.1:29600", N1),
+    PeerHello(PEER_VERSION, "10.0.0.1:29600", N1, INC),
+    PeerHello(1, "an older daemon", N1),  # (refused by its version, after decoding)
     PeerHello(U64_MAX, "d" * 256, b"\xff" * NONCE_BYTES),
     PeerHello(0, "ñ☃", b"\x00" * NONCE_BYTES),
-    PeerChallenge("node-b:29600", N2, PROOF),
-    PeerChallenge("x" * 256, b"\x00" * NONCE_BYTES, b"\xff" * 32),
+    PeerChallenge("node-b:29600", N2, PROOF, INC),
+    PeerChallenge("x" * 256, b"\x00" * NONCE_BYTES, b"\xff" * 32, b"\x00" * INCARNATION_BYTES),
     PeerProof(PROOF),
     PeerReady(),
     PeerRefused(""),
@@ -139,6 +142,7 @@ texts = st.text(max_size=40)
 daemons = st.text(min_size=1, max_size=40) | st.text(min_size=256, max_size=256)
 worlds = st.text(min_size=1, max_size=MAX_WORLD_NAME)
 nonces = st.binary(min_size=NONCE_BYTES, max_size=NONCE_BYTES)
+incarnations = st.binary(min_size=INCARNATION_BYTES, max_size=INCARNATION_BYTES)
 proofs = st.binary(min_size=32, max_size=32)
 codes = st.sampled_from(ErrorCode)
 
@@ -151,8 +155,8 @@ def join_worlds(draw: st.DrawFn) -> JoinWorld:
 
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
-    PeerHello: st.builds(PeerHello, u64, daemons, nonces),
-    PeerChallenge: st.builds(PeerChallenge, daemons, nonces, proofs),
+    PeerHello: st.builds(PeerHello, u64, daemons, nonces, incarnations),
+    PeerChallenge: st.builds(PeerChallenge, daemons, nonces, proofs, incarnations),
     PeerProof: st.builds(PeerProof, proofs),
     PeerReady: st.just(PeerReady()),
     PeerRefused: st.builds(PeerRefused, st.text(max_size=1024)),
@@ -192,11 +196,14 @@ BAD: dict[str, Callable[[], object]] = {
     "hello daemon long": lambda: PeerHello(1, "d" * 257, GOOD_NONCE),
     "hello version negative": lambda: PeerHello(-1, "d", GOOD_NONCE),
     "hello version over u64": lambda: PeerHello(U64_MAX + 1, "d", GOOD_NONCE),
-    "challenge nonce short": lambda: PeerChallenge("d", b"\x01" * 31, PROOF),
-    "challenge proof short": lambda: PeerChallenge("d", GOOD_NONCE, PROOF[:31]),
-    "challenge proof long": lambda: PeerChallenge("d", GOOD_NONCE, PROOF + b"\x00"),
-    "challenge daemon empty": lambda: PeerChallenge("", GOOD_NONCE, PROOF),
-    "challenge daemon long": lambda: PeerChallenge("d" * 257, GOOD_NONCE, PROOF),
+    "hello incarnation short": lambda: PeerHello(1, "d", GOOD_NONCE, INC[:-1]),
+    "challenge nonce short": lambda: PeerChallenge("d", b"\x01" * 31, PROOF, INC),
+    "challenge proof short": lambda: PeerChallenge("d", GOOD_NONCE, PROOF[:31], INC),
+    "challenge proof long": lambda: PeerChallenge("d", GOOD_NONCE, PROOF + b"\x00", INC),
+    "challenge daemon empty": lambda: PeerChallenge("", GOOD_NONCE, PROOF, INC),
+    "challenge daemon long": lambda: PeerChallenge("d" * 257, GOOD_NONCE, PROOF, INC),
+    "challenge incarnation empty": lambda: PeerChallenge("d", GOOD_NONCE, PROOF, b""),
+    "challenge incarnation long": lambda: PeerChallenge("d", GOOD_NONCE, PROOF, INC + b"\x00"),
     "proof short": lambda: PeerProof(PROOF[:31]),
     "proof long": lambda: PeerProof(PROOF * 2),
     "proof empty": lambda: PeerProof(b""),
@@ -259,7 +266,7 @@ def _raw(msg: Any, **changes: Any) -> bytes:
 
 
 HB = Heartbeat(1)
-HELLO = PeerHello(PEER_VERSION, "d", GOOD_NONCE)
+HELLO = PeerHello(PEER_VERSION, "d", GOOD_NONCE, INC)
 JOIN = JoinWorld("w", 4, 0, 0, 1000)
 DATA = Data("w", 0, "p2p", 0, 0, 0, "fp")
 
@@ -513,34 +520,50 @@ def test_frame_is_big_endian() -> None:
 # ---- the handshake proof -----------------------------------------------------------------
 
 
+def hello_and_transcript(**changes: Any) -> bytes:
+    fields = {"dialer": "a", "dialer_inc": INC, "dialer_nonce": N1, "listener": "b",
+              "listener_inc": bytes(INCARNATION_BYTES), "listener_nonce": N2, **changes}
+    hello = PeerHello(PEER_VERSION, fields["dialer"], fields["dialer_nonce"], fields["dialer_inc"])
+    return p.transcript(hello, fields["listener"], fields["listener_inc"], fields["listener_nonce"])
+
+
 def test_proof_is_the_documented_hmac() -> None:
-    secret = b"s3cret"
-    got = p.proof(secret, "listener", N1, N2)
-    assert got == hmac.new(secret, b"listener|" + N1 + b"|" + N2, hashlib.sha256).digest()
+    secret, transcript = b"s3cret", hello_and_transcript()
+    got = p.proof(secret, "listener", transcript)
+    assert got == hmac.new(secret, b"listener|" + transcript, hashlib.sha256).digest()
     assert len(got) == 32
     PeerProof(got)  # fits a proof message
-    PeerChallenge("d", N2, got)
+    PeerChallenge("d", N2, got, INC)
 
 
-def test_proof_is_deterministic() -> None:
-    assert p.proof(b"k", "dialer", N1, N2) == p.proof(b"k", "dialer", N1, N2)
+def test_the_transcript_holds_every_field_of_both_sides() -> None:
+    base = hello_and_transcript()
+    for changed in ({"dialer": "c"}, {"listener": "c"}, {"dialer_inc": bytes(INCARNATION_BYTES)},
+                    {"listener_inc": INC}, {"dialer_nonce": N2, "listener_nonce": N1}):
+        assert hello_and_transcript(**changed) != base, changed
+    # lengths are part of it: no field's bytes can move into its neighbour
+    assert hello_and_transcript(dialer="ab", listener="b") != hello_and_transcript(dialer="a", listener="bb")
 
 
-def test_proof_differs_by_role_order_and_secret() -> None:
-    base = p.proof(b"k", "listener", N1, N2)
-    assert p.proof(b"k", "dialer", N1, N2) != base  # a listener's proof cannot be replayed as a dialer's
-    assert p.proof(b"k", "listener", N2, N1) != base  # nor with the nonces swapped
-    assert p.proof(b"K", "listener", N1, N2) != base
-    assert p.proof(b"k" + b"k", "listener", N1, N2) != base
-    assert p.proof(b"", "listener", N1, N2) != base
+def test_proof_differs_by_role_transcript_and_secret() -> None:
+    transcript = hello_and_transcript()
+    base = p.proof(b"k", "listener", transcript)
+    assert p.proof(b"k", "listener", transcript) == base
+    assert p.proof(b"k", "dialer", transcript) != base  # a listener's proof is no dialer's
+    assert p.proof(b"k", "listener", hello_and_transcript(dialer="impostor")) != base  # nor another name's
+    assert p.proof(b"K", "listener", transcript) != base
+    assert p.proof(b"", "listener", transcript) != base
 
 
 @settings(max_examples=100, deadline=None, database=None)
 @given(secret=st.binary(max_size=64), a=nonces, b=nonces)
 def test_proof_properties(secret: bytes, a: bytes, b: bytes) -> None:
-    listener = p.proof(secret, "listener", a, b)
-    assert listener == p.proof(secret, "listener", a, b)
-    assert listener != p.proof(secret, "dialer", a, b)
+    def made(role: str, key: bytes, first: bytes, second: bytes) -> bytes:
+        return p.proof(key, role, hello_and_transcript(dialer_nonce=first, listener_nonce=second))
+
+    listener = made("listener", secret, a, b)
+    assert listener == made("listener", secret, a, b)
+    assert listener != made("dialer", secret, a, b)
     if a != b:
-        assert listener != p.proof(secret, "listener", b, a)
-    assert listener != p.proof(secret + b"!", "listener", a, b)
+        assert listener != made("listener", secret, b, a)
+    assert listener != made("listener", secret + b"!", a, b)

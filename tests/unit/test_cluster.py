@@ -1,0 +1,77 @@
+"""commd/cluster.py over real loopback TCP: which links a daemon keeps to another."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from commd.cluster import Cluster
+from commd.peering import PeerLink, PeerNode, PeerSettings
+from proto import peer as p
+
+pytestmark = pytest.mark.timeout(30)
+SECRET = b"cluster secret"
+
+
+class Router:
+    def __init__(self) -> None:
+        self.lost: list[tuple[str, str]] = []
+
+    def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None:
+        pass
+
+    def on_peer_lost(self, daemon: str, reason: str) -> None:
+        self.lost.append((daemon, reason))
+
+
+def process_of(name: str, incarnation: bytes) -> tuple[PeerNode, list[str]]:
+    """A daemon process dialing out: its node, and the reasons its links were lost."""
+    lost: list[str] = []
+    node = PeerNode(PeerSettings(name, SECRET, incarnation=incarnation),
+                    lambda *_: None, lambda _link, reason: lost.append(reason))
+    return node, lost
+
+
+async def listening() -> tuple[Cluster, Router, int]:
+    cluster, router = Cluster(PeerSettings("A", SECRET)), Router()
+    cluster.router = router
+    return cluster, router, await cluster.listen("127.0.0.1", 0)
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.1)  # the listener adopts a link once its handshake task ends
+
+
+async def test_two_links_from_one_process_are_both_kept() -> None:
+    cluster, router, port = await listening()
+    node, lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    try:
+        first = await node.dial("127.0.0.1", port)
+        second = await node.dial("127.0.0.1", port)
+        await settle()
+        assert not first.closed and not second.closed and lost == [] and router.lost == []
+        assert sorted(cluster.links) == ["B"]
+        second.close("done")  # the daemon is gone for every world: its other link goes too
+        await settle()
+        assert first.closed and [d for d, _ in router.lost] == ["B"] and cluster.links == {}
+    finally:
+        cluster.close()
+
+
+async def test_a_new_process_of_a_daemon_replaces_the_old_ones_links() -> None:
+    cluster, router, port = await listening()
+    old, old_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    new, new_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    try:
+        before = await old.dial("127.0.0.1", port)
+        await settle()
+        after = await new.dial("127.0.0.1", port)  # (the old process still holds its link: half-open)
+        await settle()
+        assert router.lost == [("B", "replaced: the daemon runs as a new process")]
+        assert old_lost and new_lost == [] and not after.closed
+        assert cluster.links["B"].incarnation == new.settings.incarnation
+        assert before.incarnation == after.incarnation == cluster.settings.incarnation  # (A's, seen by B)
+    finally:
+        cluster.close()
