@@ -115,11 +115,14 @@ class NetMembership:
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
 
     def withdraw(self, rank: int) -> None:
-        if self.net.is_root and self._votes.get(rank) == self.net.me:
-            del self._votes[rank]
-            timer = self._timers.pop(rank, None)
-            if timer is not None:
-                timer.cancel()
+        """A local rank that voted is gone (or was refused): its vote goes too."""
+        if self.net.is_root:
+            if self._votes.get(rank) == self.net.me:
+                self._forget_vote(rank)
+                self._arrived.discard(rank)
+        elif self.net.root is not None:
+            with contextlib.suppress(CallError):  # a root that is gone counts no votes
+                self.net.send("root", p.JoinWithdrawn(self._world.name, rank))
 
     def voting(self) -> bool:
         """Whether the root holds votes: a world with no rank here yet is not empty then."""
@@ -145,6 +148,22 @@ class NetMembership:
         self._round_epoch = max(self._round_epoch, msg.epoch)
         self._count(msg.rank, link.name)
 
+    def remote_withdraw(self, link: PeerLink, rank: int) -> None:
+        """A member's rank went away before the world formed (root only)."""
+        if self._votes.get(rank) == link.name:
+            self._forget_vote(rank)
+            self._arrived.discard(rank)  # gone: named among the missing if the round times out
+            self._world.forget_if_empty()
+
+    def _forget_vote(self, rank: int) -> None:
+        del self._votes[rank]
+        timer = self._timers.pop(rank, None)
+        if timer is not None:
+            timer.cancel()
+        if not self._votes:
+            self._arrived.clear()  # the round is over; the next one counts afresh
+            self._round_epoch = 0
+
     def _deadline(self, rank: int, timeout_s: float, link: PeerLink | None) -> None:
         """The root times every vote out itself, local or remote, so it can name the
         ranks that never came (a member's own timer is only a backstop)."""
@@ -163,13 +182,7 @@ class NetMembership:
         self._drop_vote(rank, link, ErrorCode.TIMEOUT, message)
 
     def _drop_vote(self, rank: int, link: PeerLink | None, code: ErrorCode, message: str) -> None:
-        del self._votes[rank]
-        timer = self._timers.pop(rank, None)
-        if timer is not None:
-            timer.cancel()
-        if not self._votes:
-            self._arrived.clear()  # the round is over; the next one counts afresh
-            self._round_epoch = 0
+        self._forget_vote(rank)
         if link is None:
             self._world.refuse(rank, code, message)
         else:

@@ -41,6 +41,7 @@ class Registry:
         self._on_peer: dict[type, Callable[[PeerLink, Any, bytes | bytearray], None]] = {
             p.JoinWorld: self._remote_join,
             p.JoinRefused: self._join_refused,
+            p.JoinWithdrawn: self._join_withdrawn,
             p.WorldReady: self._world_ready,
             p.WorldFailed: self._world_failed,
             p.Data: self._data,
@@ -137,9 +138,21 @@ class Registry:
         if world is not None and world.net is not None and _from_root(world.net, link):
             world.refuse(msg.rank, msg.code, msg.message)
 
+    def _join_withdrawn(self, link: PeerLink, msg: p.JoinWithdrawn, payload: bytes | bytearray) -> None:
+        world = self.worlds.get(msg.world)
+        if world is not None and isinstance(world.membership, NetMembership) and world.net is not None \
+                and world.net.is_root:
+            world.membership.remote_withdraw(link, msg.rank)
+
     def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
-        if world is None or not isinstance(world.membership, NetMembership) or world.net is None \
+        if world is None:
+            # Our ranks left while it formed (their withdrawal crossed this): the root's
+            # ranks must not wait on them until their timeout.
+            link.send(p.WorldFailed(msg.world, msg.epoch, ErrorCode.WORLD_FAILED, f"daemon {self._name()}'s "
+                                    f"ranks of world {msg.world} left before it formed"))
+            return
+        if not isinstance(world.membership, NetMembership) or world.net is None \
                 or not _from_root(world.net, link):
             log.warning("daemon %s says world %s is ready, but it is not its root here",
                         link.name, msg.world)

@@ -53,6 +53,7 @@ TAGS: dict[type, str] = {
     p.Heartbeat: "heartbeat",
     p.JoinWorld: "join_world",
     p.JoinRefused: "join_refused",
+    p.JoinWithdrawn: "join_withdrawn",
     p.WorldReady: "world_ready",
     p.WorldFailed: "world_failed",
     p.Data: "data",

@@ -186,6 +186,19 @@ class JoinRefused:
 
 
 @dataclass(frozen=True, slots=True)
+class JoinWithdrawn:
+    """A member's rank that joined went away before the world formed: the root forgets
+    its vote (else it would form the world with a dead rank)."""
+
+    world: str
+    rank: int
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("rank", self.rank)
+
+
+@dataclass(frozen=True, slots=True)
 class WorldReady:
     """The root's word that every rank is present: `placement[rank]` names its daemon."""
 
@@ -257,11 +270,11 @@ class Data:
 
 PEER_MESSAGES: tuple[type, ...] = (
     PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, Heartbeat, JoinWorld,
-    JoinRefused, WorldReady, WorldFailed, Data,
+    JoinRefused, JoinWithdrawn, WorldReady, WorldFailed, Data,
 )
 PeerMessage = (
     PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | Heartbeat | JoinWorld
-    | JoinRefused | WorldReady | WorldFailed | Data
+    | JoinRefused | JoinWithdrawn | WorldReady | WorldFailed | Data
 )
 
 

@@ -7,6 +7,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -384,4 +386,29 @@ def test_a_restarted_daemon_replaces_its_old_links(pair: list[DaemonProcess]) ->
             comm.close()
     finally:
         for comm in old:
+            comm.close()
+
+
+def test_a_members_rank_killed_while_the_world_forms_is_not_counted(pair: list[DaemonProcess]) -> None:
+    """Rank 1 says hello on the member daemon and is killed before rank 0 comes: the root
+    must forget its vote (before, rank 0 was told the world was ready, and its first call
+    hung until the timeout), and a new process for rank 1 joins as usual."""
+    a, b = pair
+    world = world_name()
+    code = ("from client import DaemonBackend; DaemonBackend("
+            f"{str(b.socket_path)!r}, {world!r}, 1, 2, timeout=30, bootstrap={a.peer_address()!r})")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        wait_for(lambda: (world_status(b, world) or {}).get("waiting") == [1], timeout=20)
+    finally:
+        child.kill()
+        child.wait(10)
+    wait_for(lambda: world_status(b, world) is None, timeout=5)
+    with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
+        DaemonBackend(str(a.socket_path), world, 0, 2, timeout=1.5, bootstrap=a.peer_address())
+    comms = joined([a, b], a, world)
+    try:
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
             comm.close()
