@@ -303,13 +303,13 @@ class PeerNode:
     async def dial(self, host: str, port: int) -> PeerLink:
         """Connect and authenticate; SelfDialError if the address is our own listener."""
         loop = asyncio.get_running_loop()
-        _, stream = await asyncio.wait_for(loop.create_connection(FrameStream, host, port),
-                                           self.settings.handshake_s)
-        try:
-            name, incarnation = await asyncio.wait_for(self._ask(stream), self.settings.handshake_s)
-        except BaseException:
-            stream.close()
-            raise
+        async with asyncio.timeout(self.settings.handshake_s):  # connecting and the handshake, together
+            _, stream = await loop.create_connection(FrameStream, host, port)
+            try:
+                name, incarnation = await self._ask(stream)
+            except BaseException:
+                stream.close()
+                raise
         return self._link(name, incarnation, stream)
 
     def _link(self, name: str, incarnation: bytes, stream: FrameStream) -> PeerLink:
