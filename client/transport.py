@@ -142,9 +142,10 @@ class Transport:
         request_id: int = msg.id  # type: ignore[union-attr]
         with self._cond:
             self._awaited.add(request_id)
-        answered = False
+        sent = answered = False
         try:
             self.post(msg, fds)
+            sent = True
             packet = self._wait(request_id, deadline)
             answered = True
             return packet
@@ -152,7 +153,7 @@ class Transport:
             with self._cond:
                 self._awaited.discard(request_id)
                 late = self._replies.pop(request_id, None)  # came as we gave up: nobody takes it
-                if not answered and late is None and undo is not None:
+                if sent and not answered and late is None and undo is not None and self._broken is None:
                     self._undo[request_id] = undo
             if late is not None:
                 self._late(late, undo)

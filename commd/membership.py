@@ -229,7 +229,7 @@ class NetMembership:
             if daemon == self.net.me or link is not None:
                 self._drop_vote(rank, link, ErrorCode.WORLD_CONFLICT, message)
             else:
-                del self._votes[rank]
+                self._forget_vote(rank)
         self._world.forget_if_empty()
 
     # ---- messages from the root (members) or to it ----------------------------------
@@ -237,10 +237,11 @@ class NetMembership:
     def ready(self, msg: p.WorldReady) -> None:
         self.net.placement = msg.placement
         local = self.net.ranks_of(self.net.me)
-        if set(local) != self._world.local_waiting():
-            log.warning("world %s: the root placed ranks %s here; waiting are %s",
-                        self._world.name, local, sorted(self._world.local_waiting()))
+        gone = sorted(set(local) - self._world.local_waiting())
         self._world.form(msg.epoch, local, msg.placement, msg.engine_id)
+        if gone:  # they left while it formed (their withdrawal crossed this): it cannot run
+            self._world.fail(ErrorCode.WORLD_FAILED, f"world {self._world.name}: ranks "
+                             f"{rank_list(gone)} left before it formed")
 
     def failed(self, code: ErrorCode, message: str) -> None:
         """The world failed here: tell the root, or (as root) every member."""
@@ -256,9 +257,7 @@ class NetMembership:
         if not involved:
             return
         for rank in [r for r, d in self._votes.items() if d == daemon]:
-            del self._votes[rank]
-            timer = self._timers.pop(rank, None)
-            if timer is not None:
-                timer.cancel()
+            self._forget_vote(rank)
+            self._arrived.discard(rank)
         self._world.fail(ErrorCode.PEER_LOST, f"daemon {daemon} was lost: {reason}")
         self._world.forget_if_empty()

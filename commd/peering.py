@@ -292,6 +292,9 @@ class PeerNode:
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         try:
             name, incarnation = await asyncio.wait_for(self._answer(stream), self.settings.handshake_s)
+        except asyncio.CancelledError:  # the node closed
+            stream.abort()
+            raise
         except (SelfDialError, PeerRefusedError, proto.ProtoError, OSError, TimeoutError) as exc:
             if not isinstance(exc, SelfDialError):
                 self.refused += 1
@@ -359,6 +362,9 @@ class PeerNode:
         if hello.version != p.PEER_VERSION:
             stream.write(p.PeerRefused(f"peer protocol {hello.version} is not {p.PEER_VERSION}"))
             raise PeerRefusedError(f"version {hello.version}")
+        if not hello.incarnation:  # (optional only so that an older version's hello decodes)
+            stream.write(p.PeerRefused("a hello names its incarnation"))
+            raise PeerRefusedError("a hello without an incarnation")
         nonce = os.urandom(p.NONCE_BYTES)
         ours = self.settings.incarnation
         transcript = p.transcript(hello, self.settings.name, ours, nonce)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import CommTimeout, DaemonBackend, hostmem
+from client import CommTimeout, DaemonBackend, WorldFailed, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from commd.peering import PeerNode, PeerSettings
@@ -412,3 +412,69 @@ def test_a_members_rank_killed_while_the_world_forms_is_not_counted(pair: list[D
     finally:
         for comm in comms:
             comm.close()
+
+
+def rank_process(daemon: DaemonProcess, root: DaemonProcess, world: str, rank: int, size: int,
+                 then: str = "") -> subprocess.Popen[bytes]:
+    """A worker process that joins (and then runs `then`, Python with `comm` in scope)."""
+    code = (f"from client import DaemonBackend, hostmem\nimport numpy as np, time\n"
+            f"comm = DaemonBackend({str(daemon.socket_path)!r}, {world!r}, {rank}, {size}, timeout=8, "
+            f"bootstrap={root.peer_address()!r})\n{then}")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[2]),
+                            stdout=subprocess.PIPE)
+
+
+def test_a_rank_that_left_while_its_world_formed_fails_it_at_once(pair: list[DaemonProcess]) -> None:
+    """Ranks 1 and 2 wait on the member daemon B; rank 1 is killed while B is stopped, so its
+    withdrawal crosses the root's WorldReady. B must fail the world it formed without rank 1
+    (before, every call waited for rank 1 until the call timeout)."""
+    a, b = pair
+    world = world_name()
+    doomed = rank_process(b, a, world, 1, 3, "time.sleep(60)")
+    survivor = rank_process(b, a, world, 2, 3, (
+        "buf = hostmem.alloc(8)\nstarted = time.monotonic()\ntry:\n"
+        "    comm.all_reduce(buf.ptr, 8, dtype='i32')\n    print('ok')\n"
+        "except Exception as exc:\n    print(type(exc).__name__, round(time.monotonic() - started, 1))\n"))
+    try:
+        wait_for(lambda: (world_status(b, world) or {}).get("waiting") == [1, 2], timeout=20)
+        wait_for(lambda: world_status(a, world) is not None)  # the root holds both votes
+        time.sleep(0.3)
+        os.kill(b.pid, signal.SIGSTOP)
+        doomed.kill()
+        doomed.wait(10)
+        with ThreadPoolExecutor(1) as threads:
+            joining = threads.submit(backend, a, a, world, 0, 3)
+            time.sleep(0.8)  # the root forms the world; its WorldReady waits for B
+            os.kill(b.pid, signal.SIGCONT)
+            rank0 = joining.result(20)
+        try:
+            with pytest.raises(WorldFailed, match=r"ranks \[1\] left before it formed"):
+                summed_i32([rank0])
+        finally:
+            rank0.close()
+        out, _ = survivor.communicate(timeout=30)
+        name, seconds = out.decode().split()
+        assert name == "WorldFailed" and float(seconds) < 2
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+        for proc in (doomed, survivor):
+            proc.kill()
+            proc.wait(10)
+
+
+def test_ranks_of_a_daemon_lost_while_the_world_forms_are_named_missing(pair: list[DaemonProcess]) -> None:
+    a, b = pair
+    world = world_name()
+    member = rank_process(b, a, world, 1, 3, "time.sleep(60)")
+    try:
+        wait_for(lambda: world_status(a, world) is not None)  # rank 1's vote is at the root
+        with ThreadPoolExecutor(1) as threads:
+            joining = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 3, timeout=2,
+                                     bootstrap=a.peer_address())
+            time.sleep(0.3)
+            b.kill()
+            with pytest.raises(CommTimeout, match=r"ranks \[1, 2\] did not arrive"):
+                joining.result(20)
+    finally:
+        member.kill()
+        member.wait(10)

@@ -635,3 +635,31 @@ def test_a_lost_link_sends_nothing_more() -> None:
     payload = received[p.FRAME.size + header_len:]
     assert payload_len == size and 0 < len(payload) < size  # what the socket held, no more
     assert set(payload) == {1}
+
+
+async def test_closing_the_node_ends_handshakes_under_way() -> None:
+    """A connection still in its handshake when the node closes is closed with it (it was
+    left open, its handshake cancelled)."""
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            await eventually(lambda: len(a.node._handshakes) == 1)
+            a.node.close()
+            assert await hung_up(reader)
+        finally:
+            writer.close()
+
+
+async def test_listener_refuses_a_hello_without_an_incarnation() -> None:
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "nameless", os.urandom(p.NONCE_BYTES)))
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)
+            assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
+            assert "incarnation" in frames[0].reason
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
