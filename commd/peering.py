@@ -25,6 +25,10 @@ from proto import codec
 from proto import peer as p
 
 log = logging.getLogger("commd.peering")
+# Handshakes under way at once: each holds an fd until it ends (at most the handshake
+# timeout), and anyone who reaches the port can open them. Past this, connections are
+# dropped at once, so a flood cannot take the fds the daemon's workers need.
+MAX_HANDSHAKES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,8 @@ class FrameStream(asyncio.BufferedProtocol):
     frame will keep, in as few reads as the socket allows.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, drop: bool = False) -> None:
+        self._drop = drop  # close as soon as connected (see MAX_HANDSHAKES)
         self._transport: asyncio.Transport | None = None
         self._prefix = bytearray(p.FRAME.size)
         self._target: bytearray = self._prefix
@@ -81,6 +86,9 @@ class FrameStream(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        if self._drop:
+            self._transport.abort()
+            return
         # A payload is written without a copy, and what the socket does not take at once stays
         # queued by reference: the engine reuses its buffers, and workers their memory, as soon
         # as `drain` returns. Paused whenever anything is queued, `drain` waits for all of it.
@@ -273,12 +281,16 @@ class PeerNode:
         self._dialing: set[bytes] = set()  # our own hello nonces: how a self-dial is recognized
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
-        self.refused = 0  # handshakes refused (wrong secret, version, garbage)
+        self.refused = 0  # handshakes refused (wrong secret, version, garbage, too many at once)
+        self._flood_logged = 0.0
 
     async def listen(self, host: str, port: int, on_link: Callable[[PeerLink], None]) -> int:
         loop = asyncio.get_running_loop()
 
         def connected() -> FrameStream:
+            if len(self._handshakes) >= MAX_HANDSHAKES:
+                self._refuse_flood()
+                return FrameStream(drop=True)
             stream = FrameStream()
             task = loop.create_task(self._accept(stream, on_link))
             self._handshakes.add(task)  # held until done: the loop keeps only weak references
@@ -288,6 +300,14 @@ class PeerNode:
         self._server = await loop.create_server(connected, host, port)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
+
+    def _refuse_flood(self) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._flood_logged >= 1.0:  # a flood logs once a second, not once a connection
+            self._flood_logged = now
+            log.warning("refusing peer connections: %d handshakes under way already (%d refused "
+                        "in all)", len(self._handshakes), self.refused)
 
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         try:

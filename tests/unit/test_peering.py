@@ -17,6 +17,7 @@ import pytest
 import uvloop
 
 import proto
+from commd import peering
 from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
 from proto import ErrorCode
 from proto import peer as p
@@ -663,3 +664,24 @@ async def test_listener_refuses_a_hello_without_an_incarnation() -> None:
         finally:
             writer.close()
         await eventually(lambda: a.node.refused == 1)
+
+
+async def test_a_flood_of_silent_connections_is_cut_at_the_handshake_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_HANDSHAKES under way, a connection is dropped at once (each would hold an fd
+    for the handshake timeout); once they end, daemons link as before."""
+    monkeypatch.setattr(peering, "MAX_HANDSHAKES", 3)
+    a, b = Side("daemon-a", handshake_s=30), Side("daemon-b")
+    async with sides(a, b):
+        port = await a.listen()
+        silent = [await asyncio.open_connection(HOST, port) for _ in range(3)]
+        await eventually(lambda: len(a.node._handshakes) == 3)
+        reader, writer = await asyncio.open_connection(HOST, port)
+        assert await hung_up(reader)
+        writer.close()
+        assert a.node.refused == 1 and len(a.node._handshakes) == 3
+        for _, silent_writer in silent:
+            silent_writer.close()
+        await eventually(lambda: not a.node._handshakes)
+        link = await b.dial(port)
+        assert not link.closed and a.node.refused == 4  # (the three cut handshakes count too)
