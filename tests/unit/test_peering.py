@@ -315,16 +315,21 @@ async def test_listener_checks_the_dialers_proof() -> None:
         assert a.accepted.empty()
 
 
-async def test_listener_refuses_another_protocol_version() -> None:
+@pytest.mark.parametrize("version,with_incarnation,reason", [
+    (p.PEER_VERSION + 1, True, str(p.PEER_VERSION + 1)),  # another protocol
+    (p.PEER_VERSION, False, "incarnation"),  # this protocol's hello names its process
+], ids=["version", "no-incarnation"])
+async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarnation: bool,
+                                                       reason: str) -> None:
     a = Side("daemon-a")
     async with sides(a):
         reader, writer = await asyncio.open_connection(HOST, await a.listen())
         try:
-            await send_frame(writer, p.PeerHello(p.PEER_VERSION + 1, "future", os.urandom(p.NONCE_BYTES),
-                                                 incarnation()))
+            await send_frame(writer, p.PeerHello(version, "future", os.urandom(p.NONCE_BYTES),
+                                                 incarnation() if with_incarnation else b""))
             frames = await asyncio.wait_for(read_until_eof(reader), 5)
             assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
-            assert str(p.PEER_VERSION + 1) in frames[0].reason
+            assert reason in frames[0].reason
         finally:
             writer.close()
         await eventually(lambda: a.node.refused == 1)
@@ -650,20 +655,6 @@ async def test_closing_the_node_ends_handshakes_under_way() -> None:
             assert await hung_up(reader)
         finally:
             writer.close()
-
-
-async def test_listener_refuses_a_hello_without_an_incarnation() -> None:
-    a = Side("daemon-a")
-    async with sides(a):
-        reader, writer = await asyncio.open_connection(HOST, await a.listen())
-        try:
-            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "nameless", os.urandom(p.NONCE_BYTES)))
-            frames = await asyncio.wait_for(read_until_eof(reader), 5)
-            assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
-            assert "incarnation" in frames[0].reason
-        finally:
-            writer.close()
-        await eventually(lambda: a.node.refused == 1)
 
 
 async def test_a_flood_of_silent_connections_is_cut_at_the_handshake_limit(
