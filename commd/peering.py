@@ -29,6 +29,9 @@ log = logging.getLogger("commd.peering")
 # timeout), and anyone who reaches the port can open them. Past this, connections are
 # dropped at once, so a flood cannot take the fds the daemon's workers need.
 MAX_HANDSHAKES = 128
+# A payload this big is hashed on a helper thread (hashlib lets go of the GIL): its MAC
+# takes ~0.5 ms per MiB, time the loop serves other worlds and links meanwhile.
+_HASH_OFF_LOOP = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class SelfDialError(Exception):
 
 
 Handler = Callable[["PeerLink", p.PeerMessage, bytes | bytearray], None]
+_Signed = tuple[bytes, bytes, bytes]  # a signed frame's lengths, header and MAC
 LostHandler = Callable[["PeerLink", str], None]
 
 
@@ -68,16 +72,26 @@ class FrameStream(asyncio.BufferedProtocol):
     frame will keep, in as few reads as the socket allows.
     """
 
-    def __init__(self, drop: bool = False) -> None:
+    def __init__(self, drop: bool = False, signed_after: type[p.PeerMessage] | None = None) -> None:
         self._drop = drop  # close as soon as connected (see MAX_HANDSHAKES)
         self._transport: asyncio.Transport | None = None
         self._prefix = bytearray(p.FRAME.size)
         self._target: bytearray = self._prefix
+        self._stage = "prefix"  # of the frame being read: prefix, header, payload, mac
         self._filled = 0
-        self._header: bytes | None = None
+        self._lengths = b""
+        self._header = b""
+        self._payload = bytearray()
         self._pending_payload = 0
         self.authenticated = False  # until then frames carry no payload: nothing big is allocated
-        self._frames: collections.deque[tuple[p.PeerMessage, bytearray]] = collections.deque()
+        # The last frame the other side sends unsigned (the end of its handshake): the frames
+        # after it end in a MAC, checked by `read` with the keys `secure` gives.
+        self.signed_after = signed_after
+        self._signed_in = False
+        self._sign: p.FrameMac | None = None
+        self._check: p.FrameMac | None = None
+        # (message, payload, and for a signed frame its lengths and header, and its MAC)
+        self._frames: collections.deque[tuple[p.PeerMessage, bytearray, _Signed | None]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._writable: asyncio.Future[None] | None = None
@@ -109,25 +123,34 @@ class FrameStream(asyncio.BufferedProtocol):
                 self._transport.close()
 
     def _advance(self) -> None:
-        if self._target is self._prefix:
-            header_len, payload_len = p.frame_lengths(bytes(self._prefix))
-            if payload_len and not self.authenticated:
+        """A piece of the frame is in: read the next one, or take the whole frame."""
+        if self._stage == "prefix":
+            self._lengths = bytes(self._prefix)
+            header_len, self._pending_payload = p.frame_lengths(self._lengths)
+            if self._pending_payload and not self.authenticated:
                 raise proto.DecodeError("a payload before the handshake ended")  # no big buffers
-            self._pending_payload = payload_len
-            self._target, self._filled = bytearray(header_len), 0
+            self._expect("header", bytearray(header_len))
             return
-        if self._header is None:
-            self._header = bytes(self._target)
+        if self._stage == "header":
+            self._header, self._payload = bytes(self._target), bytearray()
             if self._pending_payload:
-                self._target, self._filled = bytearray(self._pending_payload), 0
+                self._expect("payload", bytearray(self._pending_payload))
                 return
-            payload = bytearray()
-        else:
-            payload = self._target
+        elif self._stage == "payload":
+            self._payload = self._target
+        if self._signed_in and self._stage != "mac":
+            self._expect("mac", bytearray(p.MAC_BYTES))
+            return
+        signed = (self._lengths, self._header, bytes(self._target)) if self._stage == "mac" else None
         msg = codec.decode_peer(self._header)
-        self._header, self._target, self._filled = None, self._prefix, 0
-        self._frames.append((msg, payload))
+        self._frames.append((msg, self._payload, signed))
+        if self.signed_after is not None and isinstance(msg, self.signed_after):
+            self._signed_in = True
+        self._expect("prefix", self._prefix)
         self._wake()
+
+    def _expect(self, stage: str, target: bytearray) -> None:
+        self._stage, self._target, self._filled = stage, target, 0
 
     def eof_received(self) -> bool | None:
         self._fail(ConnectionError("closed by the peer"))
@@ -148,18 +171,38 @@ class FrameStream(asyncio.BufferedProtocol):
 
     # ---- what the link uses -------------------------------------------------------------
 
+    def secure(self, sign_key: bytes, check_key: bytes) -> None:
+        """The handshake ended: sign what we write from now on, check what we read."""
+        self._sign, self._check = p.FrameMac(sign_key), p.FrameMac(check_key)
+
     async def read(self) -> tuple[p.PeerMessage, bytearray]:
         while not self._frames:
             if self._error is not None:
                 raise self._error
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        return self._frames.popleft()
+        msg, payload, signed = self._frames.popleft()
+        if signed is None and self._check is None:
+            return msg, payload  # (the handshake)
+        if signed is None or self._check is None:
+            raise proto.DecodeError(f"a {type(msg).__name__} frame without its MAC after the handshake")
+        pieces = (signed[0], signed[1], payload)
+        if len(payload) < _HASH_OFF_LOOP:
+            mac = self._check.next(pieces)
+        else:  # (one reader: frames are still checked in order)
+            mac = await asyncio.get_running_loop().run_in_executor(None, self._check.next, pieces)
+        if not hmac.compare_digest(mac, signed[2]):
+            raise proto.DecodeError(f"a {type(msg).__name__} frame failed its MAC check "
+                                    "(forged, changed, replayed or out of order)")
+        return msg, payload
 
     def write(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """Queue a frame. `payload` is not copied: it must not change until `drain` returns."""
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.writelines(p.frame(codec.encode_peer(msg), payload))
+            pieces = p.frame(codec.encode_peer(msg), payload)
+            if self._sign is not None:
+                pieces.append(self._sign.next(pieces))
+            self._transport.writelines(pieces)
 
     async def drain(self) -> None:
         """Wait until the socket has taken every frame written so far (their payloads may
@@ -232,6 +275,8 @@ class PeerLink:
                         log.exception("handling %s from daemon %s failed", type(msg).__name__, self.name)
                         self.close(f"internal error handling {type(msg).__name__}: {exc!r}")
                         return
+        except ConnectionResetError:  # a peer that gives a link up drops what it had unread
+            reason = "closed by the peer (reset)"
         except (ConnectionError, OSError) as exc:
             reason = str(exc) if str(exc) == "closed by the peer" else f"connection error: {exc}"
         except proto.ProtoError as exc:
@@ -291,7 +336,7 @@ class PeerNode:
             if len(self._handshakes) >= MAX_HANDSHAKES:
                 self._refuse_flood()
                 return FrameStream(drop=True)
-            stream = FrameStream()
+            stream = FrameStream(signed_after=p.PeerProof)
             task = loop.create_task(self._accept(stream, on_link))
             self._handshakes.add(task)  # held until done: the loop keeps only weak references
             task.add_done_callback(self._handshakes.discard)
@@ -311,7 +356,8 @@ class PeerNode:
 
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         try:
-            name, incarnation = await asyncio.wait_for(self._answer(stream), self.settings.handshake_s)
+            name, incarnation, transcript = await asyncio.wait_for(self._answer(stream),
+                                                                   self.settings.handshake_s)
         except asyncio.CancelledError:  # the node closed
             stream.abort()
             raise
@@ -321,18 +367,22 @@ class PeerNode:
                 log.warning("refused a peer: %s", exc or type(exc).__name__)
             stream.close()
             return
+        dialers, ours = p.frame_keys(self.settings.secret, transcript)
+        stream.secure(ours, dialers)
         on_link(self._link(name, incarnation, stream))
 
     async def dial(self, host: str, port: int) -> PeerLink:
         """Connect and authenticate; SelfDialError if the address is our own listener."""
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.settings.handshake_s):  # connecting and the handshake, together
-            _, stream = await loop.create_connection(FrameStream, host, port)
+            _, stream = await loop.create_connection(
+                lambda: FrameStream(signed_after=p.PeerReady), host, port)
             try:
-                name, incarnation = await self._ask(stream)
+                name, incarnation, transcript = await self._ask(stream)
             except BaseException:
                 stream.close()
                 raise
+        stream.secure(*p.frame_keys(self.settings.secret, transcript))
         return self._link(name, incarnation, stream)
 
     def _link(self, name: str, incarnation: bytes, stream: FrameStream) -> PeerLink:
@@ -341,7 +391,7 @@ class PeerNode:
         link.start()
         return link
 
-    async def _ask(self, stream: FrameStream) -> tuple[str, bytes]:
+    async def _ask(self, stream: FrameStream) -> tuple[str, bytes, bytes]:
         nonce = os.urandom(p.NONCE_BYTES)
         self._dialing.add(nonce)
         try:
@@ -351,7 +401,8 @@ class PeerNode:
         finally:
             self._dialing.discard(nonce)
 
-    async def _ask_checked(self, stream: FrameStream, nonce: bytes) -> tuple[str, bytes]:
+    async def _ask_checked(self, stream: FrameStream, nonce: bytes) -> tuple[str, bytes, bytes]:
+        """The listener's name and incarnation, and the handshake's transcript."""
         hello = p.PeerHello(p.PEER_VERSION, self.settings.name, nonce, self.settings.incarnation)
         stream.write(hello)
         challenge, _ = await stream.read()
@@ -370,9 +421,9 @@ class PeerNode:
         if not isinstance(ready, p.PeerReady):
             reason = ready.reason if isinstance(ready, p.PeerRefused) else type(ready).__name__
             raise PeerRefusedError(reason)
-        return challenge.daemon, challenge.incarnation
+        return challenge.daemon, challenge.incarnation, transcript
 
-    async def _answer(self, stream: FrameStream) -> tuple[str, bytes]:
+    async def _answer(self, stream: FrameStream) -> tuple[str, bytes, bytes]:
         hello, _ = await stream.read()
         if not isinstance(hello, p.PeerHello):
             raise PeerRefusedError(f"expected a hello, got {type(hello).__name__}")
@@ -397,7 +448,7 @@ class PeerNode:
                 stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
             raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
         stream.write(p.PeerReady())
-        return hello.daemon, hello.incarnation
+        return hello.daemon, hello.incarnation, transcript
 
     def close(self) -> None:
         if self._server is not None:

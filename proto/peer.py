@@ -14,12 +14,16 @@ Every link starts with a mutual HMAC challenge-response on a shared secret:
     listener checks it; PeerReady ──▶     (or PeerRefused and close, on either side)
 
 T (`transcript`) holds the version and both names, incarnations and nonces: a proof
-vouches for the identities it was made for, and no field can be swapped. A daemon's
+vouches for the identities it was made for, and no field can be swapped. Every
+frame after the handshake ends in a MAC (`FrameMac`): HMAC-SHA256 under a key of
+its direction derived from the secret and T (`frame_keys`), over its sequence
+number, lengths, header and payload. Someone who relays a handshake between two
+daemons learns no key: they can pass frames on or drop them, not forge, change,
+replay or reorder one. A daemon's
 incarnation is random per process: two links from one process to another are both
 kept (each daemon dialed the other, for worlds rooted on either side), while a link
-from a new process of the same name replaces those of the old one. The handshake
-authenticates the daemons; the frames after it are not signed (see docs/operations:
-the peer port belongs on a network only the cluster's daemons reach).
+from a new process of the same name replaces those of the old one. Frames are not
+encrypted.
 
 Messages about a world carry its epoch; a daemon refuses those of an older epoch.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
@@ -42,6 +47,7 @@ from .messages import (
 
 PEER_VERSION = 2
 NONCE_BYTES = 32
+MAC_BYTES = 32
 INCARNATION_BYTES = 16
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
@@ -132,6 +138,7 @@ def transcript(hello: PeerHello, listener: str, listener_incarnation: bytes, lis
 def proof(secret: bytes, role: str, transcript: bytes) -> bytes:
     """What side `role` ("listener" or "dialer") sends to show it holds `secret`."""
     return hmac.new(secret, role.encode() + b"|" + transcript, hashlib.sha256).digest()
+
 
 
 # ---- after the handshake -----------------------------------------------------------
@@ -302,3 +309,26 @@ def frame_lengths(prefix: bytes) -> tuple[int, int]:
     if not 0 < header_len <= MAX_MESSAGE_BYTES or payload_len > MAX_PAYLOAD_BYTES:
         raise DecodeError(f"peer frame of {header_len}+{payload_len} bytes is out of bounds")
     return header_len, payload_len
+
+
+def frame_keys(secret: bytes, transcript: bytes) -> tuple[bytes, bytes]:
+    """The keys that sign a link's frames after its handshake: the dialer's, the listener's."""
+    return (hmac.new(secret, b"dialer frames|" + transcript, hashlib.sha256).digest(),
+            hmac.new(secret, b"listener frames|" + transcript, hashlib.sha256).digest())
+
+
+class FrameMac:
+    """The MACs of one direction of a link, frame after frame: the n-th frame's covers n,
+    so one dropped, replayed or moved fails the check as surely as one changed."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._seq = 0
+
+    def next(self, pieces: Sequence[Bytes]) -> bytes:
+        """The MAC of the next frame, given its pieces (lengths, header, payload)."""
+        mac = hmac.new(self._key, self._seq.to_bytes(8, "big"), hashlib.sha256)
+        for piece in pieces:
+            mac.update(piece)
+        self._seq += 1
+        return mac.digest()

@@ -132,8 +132,42 @@ def incarnation() -> bytes:
     return os.urandom(p.INCARNATION_BYTES)
 
 
-async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw",
-                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+class RawSession:
+    """One end of a link after its handshake, by hand: frames signed and checked as a
+    daemon does (`send_bytes` writes anything, signed as if it were a frame)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 sign_key: bytes, check_key: bytes) -> None:
+        self.reader, self.writer = reader, writer
+        self._sign, self._check = p.FrameMac(sign_key), p.FrameMac(check_key)
+
+    async def send(self, msg: Any, payload: bytes | memoryview = b"") -> None:
+        pieces = p.frame(encode_peer(msg), payload)
+        self.writer.writelines([*pieces, self._sign.next(pieces)])
+        await self.writer.drain()
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.writer.writelines([data, self._sign.next([data])])
+        await self.writer.drain()
+
+    async def read(self) -> tuple[Any, bytes]:
+        prefix = await self.reader.readexactly(p.FRAME.size)
+        header_len, payload_len = p.frame_lengths(prefix)
+        header = await self.reader.readexactly(header_len)
+        payload = await self.reader.readexactly(payload_len) if payload_len else b""
+        assert await self.reader.readexactly(p.MAC_BYTES) == self._check.next([prefix, header, payload])
+        return decode_peer(header), payload
+
+    async def read_until_eof(self) -> list[Any]:
+        """Every frame until the other side closes (heartbeats included)."""
+        frames = []
+        with suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                frames.append((await self.read())[0])
+        return frames
+
+
+async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw") -> RawSession:
     """Connect and complete the dialer's half of the handshake by hand."""
     reader, writer = await asyncio.open_connection(HOST, port)
     hello = p.PeerHello(p.PEER_VERSION, name, os.urandom(p.NONCE_BYTES), incarnation())
@@ -145,14 +179,14 @@ async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw",
     await send_frame(writer, p.PeerProof(p.proof(secret, "dialer", transcript)))
     ready, _ = await read_frame(reader)
     assert isinstance(ready, p.PeerReady)
-    return reader, writer
+    return RawSession(reader, writer, *p.frame_keys(secret, transcript))
 
 
 class RawListener:
     """A server that answers the listener's half of the handshake by hand, then does what
     `after` says with the connection."""
 
-    def __init__(self, after: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any],
+    def __init__(self, after: Callable[[RawSession], Any],
                  secret: bytes = SECRET, name: str = "raw-listener") -> None:
         self.after, self.secret, self.name = after, secret, name
         self.writers: list[asyncio.StreamWriter] = []
@@ -173,7 +207,8 @@ class RawListener:
         answer, _ = await read_frame(reader)
         assert answer == p.PeerProof(p.proof(self.secret, "dialer", transcript))
         await send_frame(writer, p.PeerReady())
-        await self.after(reader, writer)
+        dialers, ours = p.frame_keys(self.secret, transcript)
+        await self.after(RawSession(reader, writer, ours, dialers))
 
     def close(self) -> None:
         for writer in self.writers:
@@ -182,7 +217,7 @@ class RawListener:
             self.server.close()
 
 
-async def go_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def go_silent(session: RawSession) -> None:
     await asyncio.sleep(30)  # neither reads nor writes; cancelled when the test's loop ends
 
 
@@ -247,7 +282,7 @@ async def test_close_reports_once_on_both_sides() -> None:
         link, reason, _ = await b.next_lost()
         assert link is b_to_a and reason == "done with it" and b_to_a.closed
         link, reason, _ = await a.next_lost()
-        assert link is a_to_b and reason == "closed by the peer"
+        assert link is a_to_b and reason.startswith("closed by the peer")
         await asyncio.sleep(0.05)
         assert a.lost.empty() and b.lost.empty()
         b_to_a.send(p.Heartbeat(1))  # a closed link drops what it is given
@@ -425,7 +460,7 @@ async def test_dialing_your_own_listener_is_a_self_dial() -> None:
 async def test_a_silent_dialer_is_lost_by_the_listener() -> None:
     a = Side("daemon-a", fast=True)
     async with sides(a):
-        reader, writer = await raw_dial(await a.listen())
+        session = await raw_dial(await a.listen())
         try:
             link, accepted_at = await a.next_link()
             assert link.name == "raw"
@@ -434,11 +469,11 @@ async def test_a_silent_dialer_is_lost_by_the_listener() -> None:
             assert "silent" in reason
             elapsed = lost_at - accepted_at
             assert WINDOW_S <= elapsed <= WINDOW_S + HEARTBEAT_S + 0.3, elapsed
-            frames = await asyncio.wait_for(read_until_eof(reader), 5)  # the listener hung up
+            frames = await asyncio.wait_for(session.read_until_eof(), 5)  # the listener hung up
             assert frames and all(isinstance(f, p.Heartbeat) for f in frames)
             assert [f.seq for f in frames] == list(range(1, len(frames) + 1))
         finally:
-            writer.close()
+            session.writer.close()
 
 
 async def test_a_silent_listener_is_lost_by_the_dialer() -> None:
@@ -474,7 +509,8 @@ async def test_a_peer_that_stops_is_lost() -> None:
         assert lost_at - started <= WINDOW_S + HEARTBEAT_S + 0.3
 
 
-GARBAGE_FRAMES = {
+FAILED_FRAME = b"".join(p.frame(encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "forged"))))
+GARBAGE_FRAMES = {  # (signed as the link signs a frame, unless said otherwise)
     "empty header": p.FRAME.pack(0, 0),
     "header over the limit": p.FRAME.pack(proto.MAX_MESSAGE_BYTES + 1, 0),
     "payload over the limit": p.FRAME.pack(10, p.MAX_PAYLOAD_BYTES + 1),
@@ -482,33 +518,60 @@ GARBAGE_FRAMES = {
     "unix message": b"".join(p.frame(proto.encode(proto.Ok(1)))),
     "invalid value": b"".join(p.frame(msgpack.packb({"t": "heartbeat", "seq": -1}))),
 }
+FORGED_FRAMES = {  # whole frames that someone without the link's keys could send
+    "no MAC": FAILED_FRAME + b"\x00" * p.MAC_BYTES,
+    "the MAC of another frame": FAILED_FRAME + p.FrameMac(b"k").next([FAILED_FRAME]),
+}
 
 
-@pytest.mark.parametrize("garbage", GARBAGE_FRAMES.values(), ids=GARBAGE_FRAMES.keys())
-async def test_a_garbage_frame_closes_the_link(garbage: bytes) -> None:
+@pytest.mark.parametrize("garbage,signed", [*((g, True) for g in GARBAGE_FRAMES.values()),
+                                           *((f, False) for f in FORGED_FRAMES.values())],
+                         ids=[*GARBAGE_FRAMES, *FORGED_FRAMES])
+async def test_a_garbage_frame_closes_the_link(garbage: bytes, signed: bool) -> None:
     a = Side("daemon-a")
     async with sides(a):
-        reader, writer = await raw_dial(await a.listen())
+        session = await raw_dial(await a.listen())
         try:
             link, _ = await a.next_link()
-            await send_frame(writer, p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "fine so far"))
+            await session.send(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "fine so far"))
             _, msg, _ = await a.next_message()
             assert isinstance(msg, p.WorldFailed)
-            writer.write(garbage)
-            await writer.drain()
+            if signed:
+                await session.send_bytes(garbage)
+            else:
+                session.writer.write(garbage)
             lost, reason, _ = await a.next_lost()
             assert lost is link and link.closed
             assert reason.startswith("bad frame"), reason
-            await asyncio.wait_for(read_until_eof(reader), 5)  # and hung up
+            await asyncio.wait_for(session.read_until_eof(), 5)  # and hung up
             assert a.messages.empty()
         finally:
-            writer.close()
+            session.writer.close()
+
+
+async def test_a_replayed_frame_closes_the_link() -> None:
+    """A frame sent again word for word (by someone relaying the link, say) fails its MAC:
+    its place in the sequence is part of what the MAC covers."""
+    a = Side("daemon-a")
+    async with sides(a):
+        session = await raw_dial(await a.listen())
+        try:
+            link, _ = await a.next_link()
+            pieces = p.frame(encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "once")))
+            signed = b"".join([*pieces, session._sign.next(pieces)])
+            session.writer.write(signed)
+            _, msg, _ = await a.next_message()
+            assert msg == p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "once")
+            session.writer.write(signed)
+            lost, reason, _ = await a.next_lost()
+            assert lost is link and "MAC" in reason and a.messages.empty()
+        finally:
+            session.writer.close()
 
 
 async def test_a_garbage_frame_from_the_listener_closes_the_dialers_link() -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"\x00\x00\x00\x03\x00\x00\x00\x00\xc1\xc1\xc1")
-        await writer.drain()
+    async def garbage(session: RawSession) -> None:
+        await session.send_bytes(b"\x00\x00\x00\x03\x00\x00\x00\x00\xc1\xc1\xc1")
         await asyncio.sleep(30)
 
     raw = RawListener(garbage)
@@ -580,13 +643,12 @@ def test_a_payload_may_change_once_drain_returned() -> None:
     frames, size = 64, 32 << 10  # more than the socket holds while the peer does not read
     received: list[bytes] = []
 
-    async def read_later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def read_later(session: RawSession) -> None:
         await asyncio.sleep(0.3)  # the socket fills up meanwhile
         while len(received) < frames:
-            header_len, payload_len = p.frame_lengths(await reader.readexactly(p.FRAME.size))
-            await reader.readexactly(header_len)
-            if payload_len:  # (not a heartbeat)
-                received.append(await reader.readexactly(payload_len))
+            msg, payload = await session.read()
+            if not isinstance(msg, p.Heartbeat):
+                received.append(payload)
 
     async def test() -> None:
         listener, b = RawListener(read_later), Side("daemon-b")
@@ -614,10 +676,10 @@ def test_a_lost_link_sends_nothing_more() -> None:
     size = p.MAX_PAYLOAD_BYTES - 1024
     received = bytearray()
 
-    async def read_later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def read_later(session: RawSession) -> None:
         await reading.wait()
         with suppress(ConnectionError):
-            while chunk := await reader.read(1 << 20):
+            while chunk := await session.reader.read(1 << 20):
                 received.extend(chunk)
         done.set()
 
@@ -676,3 +738,41 @@ async def test_a_flood_of_silent_connections_is_cut_at_the_handshake_limit(
         await eventually(lambda: not a.node._handshakes)
         link = await b.dial(port)
         assert not link.closed and a.node.refused == 4  # (the three cut handshakes count too)
+
+
+async def test_someone_relaying_a_handshake_cannot_speak_on_the_link() -> None:
+    """A worker can make its daemon (C) dial any address: there, a relay passes C's handshake
+    with daemon A through, byte for byte, so A and C link up through it. The relay holds no
+    key: a frame it adds is refused by A (the link closes), and never reaches A's worlds."""
+    a, c = Side("daemon-a"), Side("daemon-c")
+    to_a: list[asyncio.StreamWriter] = []
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+    async def relay(from_c: asyncio.StreamReader, to_c: asyncio.StreamWriter) -> None:
+        from_a, a_writer = await asyncio.open_connection(HOST, a.port)
+        to_a.append(a_writer)
+        await asyncio.gather(pump(from_c, a_writer), pump(from_a, to_c))
+
+    async with sides(a, c):
+        await a.listen()
+        relay_server = await asyncio.start_server(relay, HOST, 0)
+        try:
+            c_link = await c.dial(relay_server.sockets[0].getsockname()[1])
+            a_link, _ = await a.next_link()
+            assert c_link.name == "daemon-a" and a_link.name == "daemon-c"  # linked, through it
+            c_link.send(p.WorldFailed("w", 1, ErrorCode.TIMEOUT, "from c itself"))
+            _, msg, _ = await a.next_message()
+            assert msg.message == "from c itself"  # what C says passes
+            forged = p.frame(encode_peer(p.WorldFailed("w", 1, ErrorCode.PEER_LOST, "forged")))
+            to_a[0].writelines([*forged, bytes(p.MAC_BYTES)])
+            lost, reason, _ = await a.next_lost()
+            assert lost is a_link and "MAC" in reason and a.messages.empty()
+        finally:
+            relay_server.close()
+            for writer in to_a:
+                writer.close()

@@ -571,3 +571,24 @@ def test_proof_properties(secret: bytes, a: bytes, b: bytes) -> None:
     if a != b:
         assert listener != made("listener", secret, b, a)
     assert listener != made("listener", secret + b"!", a, b)
+
+
+def test_frame_keys_differ_by_direction_secret_and_handshake() -> None:
+    transcript = hello_and_transcript()
+    dialers, listeners = p.frame_keys(b"k", transcript)
+    assert dialers != listeners and len(dialers) == len(listeners) == 32
+    assert p.frame_keys(b"K", transcript) != (dialers, listeners)
+    another_handshake = hello_and_transcript(dialer_nonce=N2, listener_nonce=N1)
+    assert p.frame_keys(b"k", another_handshake) != (dialers, listeners)
+
+
+def test_a_frames_mac_covers_its_place_in_the_sequence_and_every_byte() -> None:
+    pieces = p.frame(encode_peer(Heartbeat(1)), b"payload")
+    sender, receiver = p.FrameMac(b"key"), p.FrameMac(b"key")
+    first = sender.next(pieces)
+    assert len(first) == p.MAC_BYTES and receiver.next(pieces) == first  # both ends agree, frame by frame
+    assert sender.next(pieces) != first  # the same frame again is another MAC: a replay fails
+    assert p.FrameMac(b"key").next([b"".join(pieces)]) == first  # over the bytes, however they are cut
+    changed = p.frame(encode_peer(Heartbeat(1)), b"paylaod")
+    assert p.FrameMac(b"key").next(changed) != first
+    assert p.FrameMac(b"other").next(pieces) != first
