@@ -83,7 +83,9 @@ class FrameStream(asyncio.BufferedProtocol):
         self._header = b""
         self._payload = bytearray()
         self._pending_payload = 0
-        self.authenticated = False  # until then frames carry no payload: nothing big is allocated
+        # Until the other side proved the secret, frames carry no payload: nothing big is
+        # allocated for someone who does not hold it.
+        self.authenticated = False
         # The last frame the other side sends unsigned (the end of its handshake): the frames
         # after it end in a MAC, checked by `read` with the keys `secure` gives.
         self.signed_after = signed_after
@@ -144,6 +146,7 @@ class FrameStream(asyncio.BufferedProtocol):
         signed = (self._lengths, self._header, bytes(self._target)) if self._stage == "mac" else None
         msg = codec.decode_peer(self._header)
         self._frames.append((msg, self._payload, signed))
+        self._payload = bytearray()  # the frame's now: not kept here once it is handled
         if self.signed_after is not None and isinstance(msg, self.signed_after):
             self._signed_in = True
         self._expect("prefix", self._prefix)
@@ -356,8 +359,10 @@ class PeerNode:
 
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         try:
-            name, incarnation, transcript = await asyncio.wait_for(self._answer(stream),
-                                                                   self.settings.handshake_s)
+            # (a timeout scope, not wait_for: on 3.11 wait_for can swallow the node's close
+            # when it lands as the handshake ends, and the closed node would adopt the link)
+            async with asyncio.timeout(self.settings.handshake_s):
+                name, incarnation, transcript = await self._answer(stream)
         except asyncio.CancelledError:  # the node closed
             stream.abort()
             raise
@@ -386,7 +391,6 @@ class PeerNode:
         return self._link(name, incarnation, stream)
 
     def _link(self, name: str, incarnation: bytes, stream: FrameStream) -> PeerLink:
-        stream.authenticated = True
         link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost)
         link.start()
         return link
@@ -416,6 +420,7 @@ class PeerNode:
         if not hmac.compare_digest(p.proof(self.settings.secret, "listener", transcript), challenge.proof):
             stream.write(p.PeerRefused("wrong listener proof"))
             raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
+        stream.authenticated = True  # it proved the secret: what follows its ready may be big
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
         ready, _ = await stream.read()
         if not isinstance(ready, p.PeerReady):
@@ -447,6 +452,7 @@ class PeerNode:
             with contextlib.suppress(Exception):
                 stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
             raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
+        stream.authenticated = True
         stream.write(p.PeerReady())
         return hello.daemon, hello.incarnation, transcript
 

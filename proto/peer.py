@@ -45,7 +45,7 @@ from .messages import (
     _u64,  # one definition of the rule for both protocols
 )
 
-PEER_VERSION = 2
+PEER_VERSION = 3  # 2: incarnations and the transcript; 3: signed frames
 NONCE_BYTES = 32
 MAC_BYTES = 32
 INCARNATION_BYTES = 16

@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -141,9 +141,12 @@ class RawSession:
         self.reader, self.writer = reader, writer
         self._sign, self._check = p.FrameMac(sign_key), p.FrameMac(check_key)
 
-    async def send(self, msg: Any, payload: bytes | memoryview = b"") -> None:
+    def signed(self, msg: Any, payload: bytes | memoryview = b"") -> list[Any]:
         pieces = p.frame(encode_peer(msg), payload)
-        self.writer.writelines([*pieces, self._sign.next(pieces)])
+        return [*pieces, self._sign.next(pieces)]
+
+    async def send(self, msg: Any, payload: bytes | memoryview = b"") -> None:
+        self.writer.writelines(self.signed(msg, payload))
         await self.writer.drain()
 
     async def send_bytes(self, data: bytes) -> None:
@@ -186,9 +189,10 @@ class RawListener:
     """A server that answers the listener's half of the handshake by hand, then does what
     `after` says with the connection."""
 
-    def __init__(self, after: Callable[[RawSession], Any],
-                 secret: bytes = SECRET, name: str = "raw-listener") -> None:
+    def __init__(self, after: Callable[[RawSession], Any], secret: bytes = SECRET,
+                 name: str = "raw-listener", with_ready: Sequence[tuple[Any, bytes]] = ()) -> None:
         self.after, self.secret, self.name = after, secret, name
+        self.with_ready = with_ready  # signed frames sent in the same write as the ready
         self.writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
 
@@ -206,9 +210,14 @@ class RawListener:
             self.name, nonce, p.proof(self.secret, "listener", transcript), ours))
         answer, _ = await read_frame(reader)
         assert answer == p.PeerProof(p.proof(self.secret, "dialer", transcript))
-        await send_frame(writer, p.PeerReady())
         dialers, ours = p.frame_keys(self.secret, transcript)
-        await self.after(RawSession(reader, writer, ours, dialers))
+        session = RawSession(reader, writer, ours, dialers)
+        pieces = p.frame(encode_peer(p.PeerReady()))
+        for msg, payload in self.with_ready:
+            pieces += session.signed(msg, payload)
+        writer.write(b"".join(bytes(piece) for piece in pieces))
+        await writer.drain()
+        await self.after(session)
 
     def close(self) -> None:
         for writer in self.writers:
@@ -249,6 +258,7 @@ async def test_link_carries_messages_both_ways() -> None:
             link, msg, payload = await a.next_message()
             assert link is a_to_b and msg == data
             assert len(payload) == len(payload_out) and payload == payload_out
+            assert not a_to_b._stream._payload  # the frame's buffer is the handler's, not kept
 
         # and the other way, a memoryview payload
         view = memoryview(bytearray(big))[1000:1000 + 65536]
@@ -352,8 +362,9 @@ async def test_listener_checks_the_dialers_proof() -> None:
 
 @pytest.mark.parametrize("version,with_incarnation,reason", [
     (p.PEER_VERSION + 1, True, str(p.PEER_VERSION + 1)),  # another protocol
+    (2, True, f"2 is not {p.PEER_VERSION}"),  # unsigned frames: it would link, then fail every frame
     (p.PEER_VERSION, False, "incarnation"),  # this protocol's hello names its process
-], ids=["version", "no-incarnation"])
+], ids=["newer", "unsigned", "no-incarnation"])
 async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarnation: bool,
                                                        reason: str) -> None:
     a = Side("daemon-a")
@@ -776,3 +787,22 @@ async def test_someone_relaying_a_handshake_cannot_speak_on_the_link() -> None:
             relay_server.close()
             for writer in to_a:
                 writer.close()
+
+
+def test_frames_right_behind_the_listeners_ready_are_read_signed() -> None:
+    """The listener's ready and its first signed frames, one with a payload, in one
+    segment: the dialer reads the ready unsigned and the rest signed, payload included
+    (it had checked the listener's proof before: a payload may come at once)."""
+    async def test() -> None:
+        listener = RawListener(go_silent, with_ready=[(p.Heartbeat(1), b""),
+                                                      (p.Data("w", 1, "partial", 0, 0, 0, ""), b"x" * 1000)])
+        b = Side("daemon-b")
+        async with sides(b):
+            try:
+                link = await b.dial(await listener.start())
+                _, msg, payload = await b.next_message()
+                assert isinstance(msg, p.Data) and payload == b"x" * 1000 and not link.closed
+            finally:
+                listener.close()
+
+    on_uvloop(test)
