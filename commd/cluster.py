@@ -3,9 +3,11 @@
 Topology is a star per world: the daemon that hosts rank 0 is the world's root;
 every other daemon with ranks of the world (a member) links to it. Bootstrap,
 failures and (on the host engine) data all go member ↔ root; the root relays
-point-to-point data between two members. Links are shared by every world that
-uses the same pair of daemons; two daemons may hold two links (each dialed the
-other, for worlds rooted on either side): both live and die together.
+point-to-point data between two members. A member reaches the root over the
+link it dialed; the root answers each member over the link its votes came on.
+So a world uses one link per member, and only the loss of a link it uses fails
+it: two daemons may hold several links (each dialed the other, for worlds
+rooted on either side; or someone relayed a handshake), each lost on its own.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class WorldNet:
         self.bootstrap = bootstrap
         self.me = cluster.name
         self.root: PeerLink | None = None  # None: this daemon is the root
+        self.member_links: dict[str, PeerLink] = {}  # root only: the link each member's votes came on
         self.placement: tuple[str, ...] = ()
         self.epoch = 0
         self.inbox = Inbox()
@@ -124,16 +127,20 @@ class WorldNet:
 
     def send(self, daemon: str, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """To one daemon of the world: the root if we are a member, any member if we are root."""
-        link = self.root if self.root is not None else self.cluster.links.get(daemon)
+        link = self.root if self.root is not None else self.member_links.get(daemon)
         if link is None or link.closed:
             raise CallError(ErrorCode.WORLD_FAILED, f"daemon {daemon} of world {self.world} is unreachable")
         link.send(msg, payload)
 
     async def drain(self) -> None:
         links = [self.root] if self.root is not None else [
-            self.cluster.links[d] for d in self.members() if d in self.cluster.links]
+            self.member_links[d] for d in self.members() if d in self.member_links]
         for link in links:
             await link.drain()
+
+    def uses(self, link: PeerLink) -> bool:
+        """Whether the world's messages go over `link`."""
+        return self.root is link if self.root is not None else link in self.member_links.values()
 
 
 class Router(Protocol):
@@ -141,14 +148,14 @@ class Router(Protocol):
 
     def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None: ...
 
-    def on_peer_lost(self, daemon: str, reason: str) -> None: ...
+    def on_peer_lost(self, link: PeerLink, reason: str) -> None: ...
 
 
 class Cluster:
     def __init__(self, settings: PeerSettings) -> None:
         self.name = settings.name
         self.settings = settings
-        self.links: dict[str, PeerLink] = {}  # by daemon: the link we send on as a root
+        self.links: dict[str, PeerLink] = {}  # by daemon: an open link to it (status, metrics)
         self._siblings: dict[str, list[PeerLink]] = {}  # by daemon: every open link to it
         self._node = PeerNode(settings, self._on_message, self._on_lost)
         self._dials: dict[str, asyncio.Future[PeerLink | None]] = {}
@@ -211,21 +218,22 @@ class Cluster:
             self.router.on_peer_message(link, msg, payload)
 
     def _on_lost(self, link: PeerLink, reason: str) -> None:
-        """A link is gone, and with it the daemon, whichever link its worlds used: its
-        other links close too (one lost while another lives would leave worlds half there)."""
+        """A link is gone: the worlds that used it fail; the daemon's other links live on."""
         siblings = self._siblings.get(link.name, [])
-        if link not in siblings:
-            return  # closed as the sibling of a link lost just now
-        del self._siblings[link.name]  # (all one process's: see _adopt)
-        self.links.pop(link.name, None)
-        for sibling in siblings:
-            if sibling is not link:
-                sibling.close(f"another link to the daemon was lost: {reason}")
+        if link in siblings:
+            siblings.remove(link)
+        if not siblings:
+            self._siblings.pop(link.name, None)
+        if self.links.get(link.name) is link:
+            if siblings:
+                self.links[link.name] = siblings[0]
+            else:
+                del self.links[link.name]
         for address, future in list(self._dials.items()):
-            if future.done() and not future.exception() and future.result() in siblings:
+            if future.done() and not future.exception() and future.result() is link:
                 del self._dials[address]
         if self.router is not None:
-            self.router.on_peer_lost(link.name, reason)
+            self.router.on_peer_lost(link, reason)
 
     def status(self) -> dict[str, Any]:
         return {

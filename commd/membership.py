@@ -73,7 +73,7 @@ class LocalMembership:
     def failed(self, code: ErrorCode, message: str) -> None:
         pass
 
-    def peer_lost(self, daemon: str, reason: str) -> None:
+    def peer_lost(self, link: PeerLink, reason: str) -> None:
         pass
 
 
@@ -145,6 +145,7 @@ class NetMembership:
                                     f"daemon {holder}"))
             return
         self._deadline(msg.rank, msg.timeout_ms / 1000, link)
+        self.net.member_links[link.name] = link  # where the world answers that daemon
         self._round_epoch = max(self._round_epoch, msg.epoch)
         self._count(msg.rank, link.name)
 
@@ -216,6 +217,7 @@ class NetMembership:
             timer.cancel()
         self._timers.clear()
         self.net.placement = placement
+        self.net.member_links = {d: link for d, link in self.net.member_links.items() if d in placement}
         for daemon in self.net.members():
             try:
                 self.net.send(daemon, ready)
@@ -225,7 +227,7 @@ class NetMembership:
 
     def _refuse_all(self, message: str) -> None:
         for rank, daemon in list(self._votes.items()):
-            link = None if daemon == self.net.me else self.net.cluster.links.get(daemon)
+            link = None if daemon == self.net.me else self.net.member_links.get(daemon)
             if daemon == self.net.me or link is not None:
                 self._drop_vote(rank, link, ErrorCode.WORLD_CONFLICT, message)
             else:
@@ -251,13 +253,14 @@ class NetMembership:
             with contextlib.suppress(CallError):  # a daemon that is gone fails the world by itself
                 self.net.send(daemon, msg)
 
-    def peer_lost(self, daemon: str, reason: str) -> None:
-        involved = (self.net.root is not None and self.net.root.name == daemon) or \
-            daemon in self.net.placement or daemon in self._votes.values()
-        if not involved:
+    def peer_lost(self, link: PeerLink, reason: str) -> None:
+        """`link` is gone: if the world used it, the world fails, and its daemon's votes go."""
+        if not self.net.uses(link):
             return
-        for rank in [r for r, d in self._votes.items() if d == daemon]:
-            self._forget_vote(rank)
-            self._arrived.discard(rank)
-        self._world.fail(ErrorCode.PEER_LOST, f"daemon {daemon} was lost: {reason}")
+        if self.net.is_root:
+            del self.net.member_links[link.name]
+            for rank in [r for r, d in self._votes.items() if d == link.name]:
+                self._forget_vote(rank)
+                self._arrived.discard(rank)
+        self._world.fail(ErrorCode.PEER_LOST, f"daemon {link.name} was lost: {reason}")
         self._world.forget_if_empty()

@@ -102,10 +102,10 @@ class Registry:
             return
         handler(link, msg, payload)
 
-    def on_peer_lost(self, daemon: str, reason: str) -> None:
+    def on_peer_lost(self, link: PeerLink, reason: str) -> None:
         for world in list(self.worlds.values()):
             if isinstance(world.membership, NetMembership):
-                world.membership.peer_lost(daemon, reason)
+                world.membership.peer_lost(link, reason)
 
     def _remote_join(self, link: PeerLink, msg: p.JoinWorld, payload: bytes | bytearray) -> None:
         """A member reports one of its ranks (we are, or should be, the world's root)."""
@@ -123,7 +123,8 @@ class Registry:
         except CallError as exc:
             link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message))
             return
-        if world.state is WorldState.READY and (msg.epoch != world.epoch or not self._in_world(world, link)):
+        if world.state is WorldState.READY and (msg.epoch != world.epoch or
+                                                not self._in_world(world, link, any_link=True)):
             # a hello for a rank of a full, healthy world: someone else's process, not a rebuild
             link.send(p.JoinRefused(msg.world, msg.rank, ErrorCode.DUPLICATE_RANK,
                                     f"world {msg.world} is ready with all its ranks; rank {msg.rank} "
@@ -135,7 +136,7 @@ class Registry:
 
     def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
-        if world is not None and world.net is not None and _from_root(world.net, link):
+        if world is not None and world.net is not None and world.net.root is link:
             world.refuse(msg.rank, msg.code, msg.message)
 
     def _join_withdrawn(self, link: PeerLink, msg: p.JoinWithdrawn, payload: bytes | bytearray) -> None:
@@ -153,7 +154,7 @@ class Registry:
                                     f"ranks of world {msg.world} left before it formed"))
             return
         if not isinstance(world.membership, NetMembership) or world.net is None \
-                or not _from_root(world.net, link):
+                or world.net.root is not link:
             log.warning("daemon %s says world %s is ready, but it is not its root here",
                         link.name, msg.world)
             return
@@ -192,11 +193,12 @@ class Registry:
             return
         world.net.inbox.deliver(msg, payload)
 
-    def _in_world(self, world: World, link: PeerLink) -> bool:
-        """Whether the daemon at the other end of `link` is one of `world`'s: its root (we are
-        a member), or a member (we are the root). Others' word about the world is ignored."""
+    def _in_world(self, world: World, link: PeerLink, any_link: bool = False) -> bool:
+        """Whether `link` is one the world uses (to its root, or to a member), or with
+        `any_link` whether it leads to one of the world's daemons (a member that dialed the
+        root anew votes over its new link). Others' word about the world is ignored."""
         assert self.cluster is not None and world.net is not None
-        known = link.name in world.net.placement if world.net.is_root else _from_root(world.net, link)
+        known = link.name in world.net.placement if any_link else world.net.uses(link)
         if not known:
             self.cluster.foreign_refused += 1
             log.warning("ignored a message about world %s from daemon %s, which is not one of its",
@@ -227,9 +229,3 @@ class Registry:
 
     def connected_ranks(self) -> int:
         return sum(len(w.members) for w in self.worlds.values())
-
-
-def _from_root(net: WorldNet, link: PeerLink) -> bool:
-    """Whether `link` leads to the world's root: any link to its daemon (the root answers
-    on the link it keeps for us, which may not be the one we dialed)."""
-    return net.root is not None and net.root.name == link.name and net.root.incarnation == link.incarnation

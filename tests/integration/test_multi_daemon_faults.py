@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -478,3 +480,69 @@ def test_ranks_of_a_daemon_lost_while_the_world_forms_are_named_missing(pair: li
     finally:
         member.kill()
         member.wait(10)
+
+
+class Relay:
+    """A TCP relay to `target` on a thread of its own (what a worker could run to make its
+    daemon's handshake pass through): bytes both ways, until `cut`."""
+
+    def __init__(self, target: str) -> None:
+        self._target = parse_address(target)
+        self._loop = asyncio.new_event_loop()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._relay, "127.0.0.1", 0), self._loop).result(10)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        far_reader, far_writer = await asyncio.open_connection(*self._target)
+        self._writers += [writer, far_writer]
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, far_writer), pump(far_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self._writers:
+            self._loop.call_soon_threadsafe(writer.close)
+
+    def close(self) -> None:
+        self.cut()
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_a_relayed_link_that_goes_away_fails_only_its_own_worlds(pair: list[DaemonProcess]) -> None:
+    """A worker on B makes its daemon dial a relay to A (its own world's bootstrap), so A and
+    B hold a second link through it. When the relay cuts it, the world that used it fails;
+    a world between A and B over their own link goes on (before, all links to a daemon died
+    together: anyone could fail every world between two daemons)."""
+    a, b = pair
+    kept, world = joined([a, b], a, world_name("kept")), world_name("relayed")
+    relay = Relay(a.peer_address())
+    try:
+        assert summed_i32(kept) == [[3, 30], [3, 30]]
+        with ThreadPoolExecutor(2) as threads:
+            joining = [threads.submit(DaemonBackend, str(d.socket_path), world, r, 2, timeout=8,
+                                      bootstrap=address)
+                       for r, (d, address) in enumerate([(a, a.peer_address()), (b, relay.address)])]
+            relayed = [j.result(20) for j in joining]
+        assert summed_i32(relayed) == [[3, 30], [3, 30]]
+        relay.cut()
+        wait_for(lambda: not relayed[1].is_healthy(), timeout=5)
+        assert all(comm.is_healthy() for comm in kept)
+        assert summed_i32(kept) == [[3, 30], [3, 30]]
+        for comm in relayed:
+            comm.close()
+    finally:
+        relay.close()
+        for comm in kept:
+            comm.close()

@@ -22,8 +22,8 @@ class Router:
     def on_peer_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None:
         pass
 
-    def on_peer_lost(self, daemon: str, reason: str) -> None:
-        self.lost.append((daemon, reason))
+    def on_peer_lost(self, link: PeerLink, reason: str) -> None:
+        self.lost.append((link.name, reason))
 
 
 def process_of(name: str, incarnation: bytes) -> tuple[PeerNode, list[str]]:
@@ -44,7 +44,7 @@ async def settle() -> None:
     await asyncio.sleep(0.1)  # the listener adopts a link once its handshake task ends
 
 
-async def test_two_links_from_one_process_are_both_kept() -> None:
+async def test_links_from_one_process_are_kept_and_lost_one_by_one() -> None:
     cluster, router, port = await listening()
     node, lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
     try:
@@ -53,9 +53,12 @@ async def test_two_links_from_one_process_are_both_kept() -> None:
         await settle()
         assert not first.closed and not second.closed and lost == [] and router.lost == []
         assert sorted(cluster.links) == ["B"]
-        second.close("done")  # the daemon is gone for every world: its other link goes too
+        second.close("done")  # only the worlds that used it care (someone relaying it, say)
         await settle()
-        assert first.closed and [d for d, _ in router.lost] == ["B"] and cluster.links == {}
+        assert not first.closed and [d for d, _ in router.lost] == ["B"] and sorted(cluster.links) == ["B"]
+        first.close("done")
+        await settle()
+        assert [d for d, _ in router.lost] == ["B", "B"] and cluster.links == {}
     finally:
         cluster.close()
 
