@@ -262,7 +262,7 @@ class DaemonBackend(CommBackend):
     def group_end(self) -> None:
         group = self._groups.end()
         if group is not None and group.ops:
-            self._device_submit(tuple(group.ops), list(group.streams), group.early, deadline=True)
+            self._device_submit(tuple(group.ops), list(group.streams), group.early, group.deadline)
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -398,7 +398,7 @@ class DaemonBackend(CommBackend):
         follows = (self._stream if stream is None else stream) if on_device else None
         group = self._groups.current()
         if group is not None:
-            group.add(op, follows, early)
+            group.add(op, follows, early, deadline)
             return
         self._device_submit((op,), [] if follows is None else [follows], early, deadline)
 

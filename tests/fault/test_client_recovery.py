@@ -222,3 +222,27 @@ def test_a_symmetric_alloc_that_timed_out_is_freed_when_its_reply_comes(daemon: 
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_a_group_holding_recv_command_waits_without_a_deadline(daemon: DaemonProcess) -> None:
+    """recv_command_u32 waits for its command without a deadline, in a group too (the
+    group was sent with the backend's deadline: a command later than it failed the world)."""
+    comms = join(daemon, timeout=1)
+    bufs = [hostmem.alloc(4) for _ in range(2)]
+    try:
+        def rank(r: int) -> int:
+            if r == 0:
+                time.sleep(3.5)  # the command comes later than the timeout (and its grace)
+                bufs[0].view(np.uint32)[0] = 7
+                comms[0].broadcast(bufs[0].ptr, 4, 0)
+            else:
+                comms[1].group_start()
+                comms[1].recv_command_u32(bufs[1].ptr, 0)
+                comms[1].group_end()
+            return int(bufs[r].view(np.uint32)[0])
+
+        assert on_both(rank) == [7, 7]
+        assert all(comm.is_healthy() for comm in comms)
+    finally:
+        for comm in comms:
+            comm.close()
