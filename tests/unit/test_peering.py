@@ -195,6 +195,7 @@ class RawListener:
         self.with_ready = with_ready  # signed frames sent in the same write as the ready
         self.writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._accept, HOST, 0)
@@ -203,6 +204,9 @@ class RawListener:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writers.append(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.append(task)
         hello, _ = await read_frame(reader)
         nonce, ours = os.urandom(p.NONCE_BYTES), incarnation()
         transcript = p.transcript(hello, self.name, ours, nonce)
@@ -220,6 +224,8 @@ class RawListener:
         await self.after(session)
 
     def close(self) -> None:
+        for task in self._tasks:  # (a server's close leaves its handlers running)
+            task.cancel()
         for writer in self.writers:
             writer.close()
         if self.server is not None:
