@@ -245,9 +245,13 @@ class Cluster:
             "foreign_refused": self.foreign_refused,
         }
 
+    def open_links(self) -> list[PeerLink]:
+        """Every open link, to every daemon (`links` holds one per daemon)."""
+        return [link for siblings in self._siblings.values() for link in siblings]
+
     def close(self) -> None:
         self._node.close()
-        for link in list(self.links.values()):
+        for link in self.open_links():
             link.close("daemon shutting down")
 
 

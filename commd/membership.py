@@ -257,10 +257,14 @@ class NetMembership:
         """`link` is gone: if the world used it, the world fails, and its daemon's votes go."""
         if not self.net.uses(link):
             return
+        message = f"daemon {link.name} was lost: {reason}"
         if self.net.is_root:
             del self.net.member_links[link.name]
             for rank in [r for r, d in self._votes.items() if d == link.name]:
                 self._forget_vote(rank)
                 self._arrived.discard(rank)
-        self._world.fail(ErrorCode.PEER_LOST, f"daemon {link.name} was lost: {reason}")
+        else:  # our votes went with the link: the ranks waiting hear it now, not at their timeout
+            for rank in sorted(self._world.local_waiting()):
+                self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: the root {message}")
+        self._world.fail(ErrorCode.PEER_LOST, message)
         self._world.forget_if_empty()

@@ -94,7 +94,7 @@ class DaemonCollector:
         if cluster is None:
             return
         yield GaugeMetricFamily("commd_peer_links", "Authenticated links to other daemons",
-                                value=len(cluster.links))
+                                value=len(cluster.open_links()))
         refused = CounterMetricFamily("commd_peer_refused", "Peer messages and handshakes refused",
                                       labels=["why"])
         refused.add_metric(["handshake"], cluster.refused)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import CommTimeout, DaemonBackend, WorldFailed, hostmem
+from client import CommTimeout, DaemonBackend, PeerLost, WorldFailed, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from commd.peering import PeerNode, PeerSettings
@@ -546,3 +546,23 @@ def test_a_relayed_link_that_goes_away_fails_only_its_own_worlds(pair: list[Daem
         relay.close()
         for comm in kept:
             comm.close()
+
+
+def test_a_link_to_the_root_lost_while_the_world_forms_fails_its_ranks_at_once(
+        pair: list[DaemonProcess]) -> None:
+    """Rank 1's vote went to the root over a link that is then cut: it hears so at once, as
+    PeerLost (before, it waited out its whole timeout for a world that could not form)."""
+    a, b = pair
+    relay = Relay(a.peer_address())
+    try:
+        with ThreadPoolExecutor(1) as threads:
+            started = time.monotonic()
+            joining = threads.submit(DaemonBackend, str(b.socket_path), world_name(), 1, 2, timeout=8,
+                                     bootstrap=relay.address)
+            wait_for(lambda: len(query_status(str(a.socket_path), 5)["worlds"]) == 1)  # the vote is in
+            relay.cut()
+            with pytest.raises(PeerLost, match="was lost"):
+                joining.result(20)
+            assert time.monotonic() - started < 4
+    finally:
+        relay.close()

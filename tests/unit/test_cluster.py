@@ -78,3 +78,14 @@ async def test_a_new_process_of_a_daemon_replaces_the_old_ones_links() -> None:
         assert before.incarnation == after.incarnation == cluster.settings.incarnation  # (A's, seen by B)
     finally:
         cluster.close()
+
+
+async def test_closing_the_cluster_closes_every_link() -> None:
+    cluster, _router, port = await listening()
+    node, lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    links = [await node.dial("127.0.0.1", port) for _ in range(2)]
+    await settle()
+    assert len(cluster.open_links()) == 2
+    cluster.close()
+    await settle()
+    assert cluster.open_links() == [] and all(link.closed for link in links) and len(lost) == 2
