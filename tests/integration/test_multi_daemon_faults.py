@@ -456,7 +456,7 @@ def test_a_rank_that_left_while_its_world_formed_fails_it_at_once(pair: list[Dae
             rank0.close()
         out, _ = survivor.communicate(timeout=30)
         name, seconds = out.decode().split()
-        assert name == "WorldFailed" and float(seconds) < 2
+        assert name == "WorldFailed" and float(seconds) < 5  # (its timeout is 8 s)
     finally:
         os.kill(b.pid, signal.SIGCONT)
         for proc in (doomed, survivor):
