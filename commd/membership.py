@@ -83,6 +83,7 @@ class NetMembership:
         self.net = net
         self._token = token
         self._votes: dict[int, str] = {}  # root only: rank -> daemon, for the epoch being formed
+        self._vote_links: dict[int, PeerLink] = {}  # root only: the link a member's vote came on
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
@@ -146,6 +147,7 @@ class NetMembership:
             return
         self._deadline(msg.rank, msg.timeout_ms / 1000, link)
         self.net.member_links[link.name] = link  # where the world answers that daemon
+        self._vote_links[msg.rank] = link
         self._round_epoch = max(self._round_epoch, msg.epoch)
         self._count(msg.rank, link.name)
 
@@ -158,6 +160,7 @@ class NetMembership:
 
     def _forget_vote(self, rank: int) -> None:
         del self._votes[rank]
+        self._vote_links.pop(rank, None)
         timer = self._timers.pop(rank, None)
         if timer is not None:
             timer.cancel()
@@ -211,6 +214,7 @@ class NetMembership:
             self._refuse_all(f"world {self._world.name}: {exc.message}")
             return
         self._votes.clear()
+        self._vote_links.clear()
         self._arrived.clear()
         self._round_epoch = 0
         for timer in self._timers.values():
@@ -227,7 +231,7 @@ class NetMembership:
 
     def _refuse_all(self, message: str) -> None:
         for rank, daemon in list(self._votes.items()):
-            link = None if daemon == self.net.me else self.net.member_links.get(daemon)
+            link = None if daemon == self.net.me else self._vote_links.get(rank)
             if daemon == self.net.me or link is not None:
                 self._drop_vote(rank, link, ErrorCode.WORLD_CONFLICT, message)
             else:
@@ -254,13 +258,16 @@ class NetMembership:
                 self.net.send(daemon, msg)
 
     def peer_lost(self, link: PeerLink, reason: str) -> None:
-        """`link` is gone: if the world used it, the world fails, and its daemon's votes go."""
-        if not self.net.uses(link):
+        """`link` is gone: if the world used it, the world fails, and the votes cast over
+        it go (a member that dialed the root anew votes over its new link)."""
+        lost_votes = [r for r, vote_link in self._vote_links.items() if vote_link is link]
+        if not self.net.uses(link) and not lost_votes:
             return
         message = f"daemon {link.name} was lost: {reason}"
         if self.net.is_root:
-            del self.net.member_links[link.name]
-            for rank in [r for r, d in self._votes.items() if d == link.name]:
+            if self.net.member_links.get(link.name) is link:
+                del self.net.member_links[link.name]
+            for rank in lost_votes:
                 self._forget_vote(rank)
                 self._arrived.discard(rank)
         else:  # our votes went with the link: the ranks waiting hear it now, not at their timeout

@@ -105,7 +105,10 @@ class Registry:
     def on_peer_lost(self, link: PeerLink, reason: str) -> None:
         for world in list(self.worlds.values()):
             if isinstance(world.membership, NetMembership):
-                world.membership.peer_lost(link, reason)
+                try:
+                    world.membership.peer_lost(link, reason)
+                except Exception:  # one world's bug must not keep the others from hearing it
+                    log.exception("world %s: handling the loss of a link to %s failed", world.name, link.name)
 
     def _remote_join(self, link: PeerLink, msg: p.JoinWorld, payload: bytes | bytearray) -> None:
         """A member reports one of its ranks (we are, or should be, the world's root)."""
