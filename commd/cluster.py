@@ -201,12 +201,14 @@ class Cluster:
         except SelfDialError:
             self._self_addresses.add(address)
             link = None
-        except Exception as exc:  # whatever went wrong, later dials must not wait on this one
+        except BaseException as exc:  # whatever went wrong, later dials must not wait on this one
             del self._dials[address]
             why = str(exc) or type(exc).__name__
             error = CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}")
             future.set_exception(error)
             future.exception()
+            if not isinstance(exc, Exception):
+                raise  # cancelled: those who waited on this dial hear why, we stop
             raise future.exception() from None  # type: ignore[misc]
         if link is not None:
             self._adopt(link)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from commd.cluster import Cluster
+from commd.errors import CallError
 from commd.peering import PeerLink, PeerNode, PeerSettings
 from proto import peer as p
 
@@ -89,3 +90,24 @@ async def test_closing_the_cluster_closes_every_link() -> None:
     cluster.close()
     await settle()
     assert cluster.open_links() == [] and all(link.closed for link in links) and len(lost) == 2
+
+
+async def test_a_cancelled_dial_does_not_hold_up_the_next_one() -> None:
+    """A dial cancelled in its handshake (the daemon stopping a vote) leaves no pending dial
+    behind: who waited on it hears why, and the next dial to the address starts afresh."""
+    silent = await asyncio.start_server(lambda r, w: asyncio.sleep(30), "127.0.0.1", 0)
+    cluster = Cluster(PeerSettings("A", SECRET, handshake_timeout_s=0.5))
+    address = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    try:
+        first = asyncio.ensure_future(cluster.link_to(address))
+        await asyncio.sleep(0.1)
+        waiting = asyncio.ensure_future(cluster.link_to(address))  # waits on the first dial
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(CallError):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(CallError, match="cannot reach"):  # a new dial, timed out on its own
+            await asyncio.wait_for(cluster.link_to(address), 5)
+    finally:
+        silent.close()
+        cluster.close()
