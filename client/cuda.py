@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from proto import MemKind
 
 from .errors import MisuseError
+from .vmm import map_fd
 
 IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 DEFAULT_MAX_ALLOCATIONS = 1024  # well under the daemon's per-connection buffer limit (4096)
@@ -201,29 +202,14 @@ class BindingsDriver:
 
     def map_shared(self, fd: int, nbytes: int, device: int) -> tuple[int, int]:
         cu = self._cu
-        (handle,) = self._check("cuMemImportFromShareableHandle",
-                                cu.cuMemImportFromShareableHandle(fd, self._posix_fd))
-        try:
-            (prop,) = self._check("cuMemGetAllocationPropertiesFromHandle",
-                                  cu.cuMemGetAllocationPropertiesFromHandle(handle))
+
+        def granular(prop: Any) -> int:
             (granularity,) = self._check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
                 prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-            size = -(-nbytes // int(granularity)) * int(granularity)
-            (ptr,) = self._check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0))
-            try:
-                self._check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
-                access = cu.CUmemAccessDesc()
-                access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                access.location.id = device
-                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                self._check("cuMemSetAccess", cu.cuMemSetAccess(ptr, size, [access], 1))
-            except MisuseError:
-                cu.cuMemUnmap(ptr, size)
-                cu.cuMemAddressFree(ptr, size)
-                raise
-        finally:
-            cu.cuMemRelease(handle)  # the mapping keeps the memory
-        return int(ptr), size
+            return -(-nbytes // int(granularity)) * int(granularity)
+
+        ptr, size, _owner = map_fd(cu, fd, self._value, granular, lambda _owner: [device])
+        return ptr, size
 
     def unmap_shared(self, ptr: int, size: int) -> None:
         self._check("cuMemUnmap", self._cu.cuMemUnmap(ptr, size))
@@ -244,6 +230,11 @@ class BindingsDriver:
 
     def _attribute(self, name: str, attribute: Any, ptr: int) -> tuple[Any, ...]:
         return self._check(f"cuPointerGetAttribute({name})", self._cu.cuPointerGetAttribute(attribute, ptr))
+
+    def _value(self, call: str, result: tuple[Any, ...]) -> Any:
+        """`_check` for a call with at most one value (None for none)."""
+        values = self._check(call, result)
+        return values[0] if values else None
 
     def _check(self, call: str, result: tuple[Any, ...], hint: str = "") -> tuple[Any, ...]:
         err = result[0]

@@ -10,6 +10,7 @@ import ctypes
 import threading
 from typing import Any
 
+from client.vmm import map_fd
 from proto import DType, ReduceOp
 
 from .addkernel import compile_add_bf16
@@ -126,47 +127,24 @@ class BindingsGpu:
             raise
 
     def vmm_import(self, fd: int, size: int) -> Imported:
-        cu = self._cu
-        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        handle = self._check(cu.cuMemImportFromShareableHandle(fd, kind), "cuMemImportFromShareableHandle")
-        try:
-            prop = self._check(cu.cuMemGetAllocationPropertiesFromHandle(handle),
-                               "cuMemGetAllocationPropertiesFromHandle")
-            device = int(prop.location.id)
-            va = self._check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
-            mapped = False
-            try:
-                self._check(cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
-                mapped = True
-                access = self._access_from_peers(device)
-                self._check(cu.cuMemSetAccess(va, size, access, len(access)), "cuMemSetAccess")
-            except BaseException:
-                if mapped:
-                    cu.cuMemUnmap(va, size)
-                cu.cuMemAddressFree(va, size)
-                raise
-        finally:
-            cu.cuMemRelease(handle)  # the mapping keeps the memory
-        return Imported(int(va), size, device, Origin.VMM)
+        ptr, size, device = map_fd(self._cu, fd, lambda call, result: self._check(result, call),
+                                   lambda _prop: size, self._peers_of)
+        return Imported(ptr, size, device, Origin.VMM)
 
-    def _access_from_peers(self, device: int) -> list[Any]:
-        """Read-write access to `device`'s memory from it and from every GPU that can reach
-        it: the kernels of a world's other ranks (other GPUs, same daemon) read and write
-        it directly (NCCL's P2P transport within a process), as ncclMemAlloc grants."""
+    def _peers_of(self, device: int) -> list[int]:
+        """`device` and every GPU that can reach its memory: the kernels of a world's other
+        ranks (other GPUs, same daemon) read and write it directly (NCCL's P2P transport
+        within a process), as ncclMemAlloc grants."""
         cu = self._cu
         owner = self._check(cu.cuDeviceGet(device), "cuDeviceGet")
-        descs = []
+        peers = []
         for other in range(self.device_count()):
             if other != device:
                 peer = self._check(cu.cuDeviceGet(other), "cuDeviceGet")
                 if not self._check(cu.cuDeviceCanAccessPeer(peer, owner), "cuDeviceCanAccessPeer"):
                     continue
-            desc = cu.CUmemAccessDesc()
-            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = other
-            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            descs.append(desc)
-        return descs
+            peers.append(other)
+        return peers
 
     def release(self, memory: Imported) -> None:
         cu = self._cu
