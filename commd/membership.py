@@ -119,8 +119,7 @@ class NetMembership:
         """A local rank that voted is gone (or was refused): its vote goes too."""
         if self.net.is_root:
             if self._votes.get(rank) == self.net.me:
-                self._forget_vote(rank)
-                self._arrived.discard(rank)
+                self._forget_vote(rank, left=True)
         elif self.net.root is not None:
             with contextlib.suppress(CallError):  # a root that is gone counts no votes
                 self.net.send("root", p.JoinWithdrawn(self._world.name, rank))
@@ -154,12 +153,15 @@ class NetMembership:
     def remote_withdraw(self, link: PeerLink, rank: int) -> None:
         """A member's rank went away before the world formed (root only)."""
         if self._votes.get(rank) == link.name:
-            self._forget_vote(rank)
-            self._arrived.discard(rank)  # gone: named among the missing if the round times out
+            self._forget_vote(rank, left=True)
             self._world.forget_if_empty()
 
-    def _forget_vote(self, rank: int) -> None:
+    def _forget_vote(self, rank: int, left: bool = False) -> None:
+        """`left`: the rank went away (it is named among the missing if the round times out;
+        one whose vote timed out did arrive)."""
         del self._votes[rank]
+        if left:
+            self._arrived.discard(rank)
         self._vote_links.pop(rank, None)
         timer = self._timers.pop(rank, None)
         if timer is not None:
@@ -268,8 +270,7 @@ class NetMembership:
             if self.net.member_links.get(link.name) is link:
                 del self.net.member_links[link.name]
             for rank in lost_votes:
-                self._forget_vote(rank)
-                self._arrived.discard(rank)
+                self._forget_vote(rank, left=True)
         else:  # our votes went with the link: the ranks waiting hear it now, not at their timeout
             for rank in sorted(self._world.local_waiting()):
                 self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: the root {message}")

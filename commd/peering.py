@@ -372,9 +372,7 @@ class PeerNode:
                 log.warning("refused a peer: %s", exc or type(exc).__name__)
             stream.close()
             return
-        dialers, ours = p.frame_keys(self.settings.secret, transcript)
-        stream.secure(ours, dialers)
-        on_link(self._link(name, incarnation, stream))
+        on_link(self._link(name, incarnation, stream, transcript, dialed=False))
 
     async def dial(self, host: str, port: int) -> PeerLink:
         """Connect and authenticate; SelfDialError if the address is our own listener."""
@@ -387,10 +385,13 @@ class PeerNode:
             except BaseException:
                 stream.close()
                 raise
-        stream.secure(*p.frame_keys(self.settings.secret, transcript))
-        return self._link(name, incarnation, stream)
+        return self._link(name, incarnation, stream, transcript, dialed=True)
 
-    def _link(self, name: str, incarnation: bytes, stream: FrameStream) -> PeerLink:
+    def _link(self, name: str, incarnation: bytes, stream: FrameStream, transcript: bytes,
+              dialed: bool) -> PeerLink:
+        """The handshake ended: its frames are signed from now on, each side with its key."""
+        dialers, listeners = p.frame_keys(self.settings.secret, transcript)
+        stream.secure(*((dialers, listeners) if dialed else (listeners, dialers)))
         link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost)
         link.start()
         return link
