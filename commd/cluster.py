@@ -26,23 +26,32 @@ log = logging.getLogger("commd.cluster")
 
 
 class Inbox:
-    """Data of one world's epoch, by key; a wait may start before or after its data arrives."""
+    """Data of one world's epoch, by key; a wait may start before or after its data arrives.
+
+    What arrives before its wait is held here; the senders' windows bound it (see
+    hostnet's flow control), and `held_bytes` tells how much it is."""
 
     def __init__(self) -> None:
         self._ready: dict[tuple[str, int, int, int], tuple[p.Data, bytes | bytearray]] = {}
         self._waiting: dict[tuple[str, int, int, int], asyncio.Future[tuple[p.Data, bytes | bytearray]]] = {}
         self._failed: CallError | None = None
+        self.held_bytes = 0
 
     def deliver(self, msg: p.Data, payload: bytes | bytearray) -> None:
         waiter = self._waiting.pop(msg.key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result((msg, payload))
-        else:
-            self._ready[msg.key] = (msg, payload)
+            return
+        replaced = self._ready.get(msg.key)
+        if replaced is not None:
+            self.held_bytes -= len(replaced[1])
+        self._ready[msg.key] = (msg, payload)
+        self.held_bytes += len(payload)
 
     async def get(self, key: tuple[str, int, int, int]) -> tuple[p.Data, bytes | bytearray]:
         ready = self._ready.pop(key, None)
         if ready is not None:
+            self.held_bytes -= len(ready[1])
             return ready  # delivered before the failure: the op it belongs to can finish
         if self._failed is not None:
             raise self._fresh_failure()

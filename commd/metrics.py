@@ -95,6 +95,10 @@ class DaemonCollector:
             return
         yield GaugeMetricFamily("commd_peer_links", "Authenticated links to other daemons",
                                 value=len(cluster.open_links()))
+        yield GaugeMetricFamily("commd_peer_bytes_held", "Bytes received from other daemons that no "
+                                "op has taken yet", value=sum(w.net.inbox.held_bytes for w in
+                                                              self._server.registry.worlds.values()
+                                                              if w.net is not None))
         refused = CounterMetricFamily("commd_peer_refused", "Peer messages and handshakes refused",
                                       labels=["why"])
         refused.add_metric(["handshake"], cluster.refused)

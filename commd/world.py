@@ -502,6 +502,8 @@ class World:
             "ranks": sorted(self.members),
             "waiting": sorted(self._waiting),
             "pending_calls": len(self._tickets),
+            # received from other daemons, not yet taken by an op (bounded by the senders' windows)
+            "peer_bytes_held": self.net.inbox.held_bytes if self.net is not None else 0,
             "cause": self.cause,
             "add_kernel": {str(rank): handle for rank, handle in sorted(self.add_kernel.items())},
             "call_timeout_s": self.call_timeout_s,

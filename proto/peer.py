@@ -45,7 +45,7 @@ from .messages import (
     _u64,  # one definition of the rule for both protocols
 )
 
-PEER_VERSION = 3  # 2: incarnations and the transcript; 3: signed frames
+PEER_VERSION = 4  # 2: incarnations and the transcript; 3: signed frames; 4: data flow control
 NONCE_BYTES = 32
 MAC_BYTES = 32
 INCARNATION_BYTES = 16

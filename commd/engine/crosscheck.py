@@ -31,7 +31,7 @@ def p2p_target(msg: p.Data) -> int | None:
     """The rank a relayed p2p message is for (the root forwards it to that rank's daemon)."""
     if msg.step in ("p2p", "p2p-check"):
         return msg.source % PAIR
-    if msg.step == "p2p-ack":
+    if msg.step in ("p2p-ack", "p2p-credit"):
         return msg.source // PAIR
     return None
 

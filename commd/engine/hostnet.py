@@ -23,6 +23,17 @@ Point-to-point between daemons: the sender's daemon sends the bytes (step
 "p2p") to the receiver's daemon, through the root when neither is the root;
 the receiver checks the size, writes, and acknowledges ("p2p-ack"); the send
 completes on the acknowledgement.
+
+Flow control: a stream may run `WINDOW_CHUNKS` chunks ahead of its reader. The
+reader, having taken chunk i of a stream that has more than i + WINDOW_CHUNKS
+chunks, grants chunk i + WINDOW_CHUNKS (step "up-credit" or "p2p-credit", back
+the way the data came); the sender waits for that grant before sending it. So
+what a daemon holds for a reader that has not called yet (a member's partial
+sums, a send before its receive) is a window per stream, not the whole buffer,
+and the sender's call waits as NCCL's does. Streams of at most WINDOW_CHUNKS
+chunks never wait: small calls cost no extra message. The root's "down" streams
+take no window: a member reads them inside the call it already made, and they
+are no bigger than its own buffers.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ if TYPE_CHECKING:
     from ..cluster import WorldNet
 
 CHUNK_BYTES = 4 << 20
+WINDOW_CHUNKS = 4
 R = TypeVar("R")
 ArrayOf = Callable[[Region], np.ndarray]
 
@@ -104,20 +116,30 @@ class NetRunner:
         return p.Data(self.net.world, self.epoch, step, tag.index, chunk, source,
                       tag.fingerprint if fingerprint is None else fingerprint, about)
 
-    async def _up(self, tag: CallTag, chunk: int, member: str) -> bytes | bytearray:
-        """The root takes chunk `chunk` of a member's up stream, checking the call matches."""
+    async def _up(self, tag: CallTag, chunk: int, count: int, member: str) -> bytes | bytearray:
+        """The root takes chunk `chunk` (of `count`) of a member's up stream, checking the
+        call matches, and grants the member the chunk the window now allows."""
         source = min(self.net.ranks_of(member))
         msg, payload = await self.inbox.get(("up", tag.index, chunk, source))
         if msg.fingerprint != tag.fingerprint:
             raise collective_mismatch(tag.index, min(self.net.ranks_of(self.net.me)), tag.fingerprint,
                                       source, msg.fingerprint)
+        if chunk + WINDOW_CHUNKS < count:
+            self.net.send(member, self._data("up-credit", tag, chunk, source))
         return payload
+
+    async def _window(self, step: str, tag: CallTag, chunk: int, source: int) -> None:
+        """A sender waits, before chunk `chunk` of its stream, for its reader's grant."""
+        if chunk >= WINDOW_CHUNKS:
+            await self.inbox.get((f"{step}-credit", tag.index, chunk - WINDOW_CHUNKS, source))
 
     async def _down(self, tag: CallTag, chunk: int) -> bytes | bytearray:
         _, payload = await self.inbox.get(("down", tag.index, chunk, 0))
         return payload
 
-    def _send_up(self, tag: CallTag, chunk: int, payload: bytes | memoryview, about: Sequence[int]) -> None:
+    async def _send_up(self, tag: CallTag, chunk: int, payload: bytes | memoryview,
+                       about: Sequence[int]) -> None:
+        await self._window("up", tag, chunk, min(about))
         self.net.send("root", self._data("up", tag, chunk, min(about), tuple(about)), payload)
 
     def _send_down(self, tag: CallTag, chunk: int, payload: bytes | memoryview,
@@ -147,7 +169,7 @@ class NetRunner:
             for i, (lo, hi) in enumerate(pieces):
                 # a partial crosses the wire in the element type: half the bytes of float32
                 wire = await self._off_loop(functools.partial(local_sum, lo, hi, True))
-                self._send_up(tag, i, _raw(wire), local_ranks)
+                await self._send_up(tag, i, _raw(wire), local_ranks)
                 await self.net.drain()
             for i, (lo, hi) in enumerate(pieces):
                 result = np.frombuffer(await self._down(tag, i), np.uint8)
@@ -160,7 +182,7 @@ class NetRunner:
         for i, (lo, hi) in enumerate(pieces):
             mine = await self._off_loop(functools.partial(local_sum, lo, hi, False))
             for member in members:
-                theirs = np.frombuffer(await self._up(tag, i, member), np.uint8)
+                theirs = np.frombuffer(await self._up(tag, i, len(pieces), member), np.uint8)
                 if len(theirs) != hi - lo:
                     raise CallError(ErrorCode.MISMATCH,
                                     f"call {tag.index}: daemon {member} sent {len(theirs)} bytes "
@@ -204,7 +226,7 @@ class NetRunner:
         if not self.net.is_root:
             mine = b"".join(bytes(self._array(op.sends[r])) for r in ranks)
             for i, (lo, hi) in enumerate(chunks(len(mine), CHUNK_BYTES)):
-                self._send_up(op.tag, i, mine[lo:hi], ranks)
+                await self._send_up(op.tag, i, mine[lo:hi], ranks)
             await self.net.drain()
             for i, (lo, hi) in enumerate(chunks(len(outs[0]), CHUNK_BYTES)):
                 piece = np.frombuffer(await self._down(op.tag, i), np.uint8)
@@ -217,8 +239,9 @@ class NetRunner:
         for member in self.net.members():
             theirs = self.net.ranks_of(member)
             gathered = bytearray()
-            for i, _ in enumerate(chunks(len(theirs) * size, CHUNK_BYTES)):
-                gathered += await self._up(op.tag, i, member)
+            pieces = chunks(len(theirs) * size, CHUNK_BYTES)
+            for i, _ in enumerate(pieces):
+                gathered += await self._up(op.tag, i, len(pieces), member)
             for j, r in enumerate(theirs):
                 full[r * size:(r + 1) * size] = np.frombuffer(gathered, np.uint8)[j * size:(j + 1) * size]
         for i, (lo, hi) in enumerate(chunks(len(full), CHUNK_BYTES)):
@@ -236,13 +259,13 @@ class NetRunner:
             if source == self.net.me:
                 data = self._array(op.bufs[op.root])
                 for i, (lo, hi) in enumerate(pieces):
-                    self._send_up(op.tag, i, _raw(data[lo:hi]), ranks)
+                    await self._send_up(op.tag, i, _raw(data[lo:hi]), ranks)
                 for a in arrays:
                     a[...] = data
                 await self.net.drain()
                 await self._down(op.tag, 0)  # like every collective, done when all have come
                 return
-            self._send_up(op.tag, 0, b"", ranks)  # arrival, and the call for comparison
+            await self._send_up(op.tag, 0, b"", ranks)  # arrival, and the call for comparison
             await self.net.drain()
             for i, (lo, hi) in enumerate(pieces):
                 received = np.frombuffer(await self._down(op.tag, i), np.uint8)
@@ -252,11 +275,11 @@ class NetRunner:
         members = self.net.members()
         for member in members:
             if member != source:
-                await self._up(op.tag, 0, member)
+                await self._up(op.tag, 0, 1, member)
         local_source = source == self.net.me
         for i, (lo, hi) in enumerate(pieces):
             piece = self._array(op.bufs[op.root])[lo:hi] if local_source else np.frombuffer(
-                await self._up(op.tag, i, source), np.uint8)
+                await self._up(op.tag, i, len(pieces), source), np.uint8)
             self._send_down(op.tag, i, _raw(piece), [m for m in members if m != source])
             for a in arrays:
                 a[lo:hi] = piece
@@ -266,11 +289,11 @@ class NetRunner:
 
     async def _barrier(self, op: BarrierOp) -> None:
         if not self.net.is_root:
-            self._send_up(op.tag, 0, b"", self.net.ranks_of(self.net.me))
+            await self._send_up(op.tag, 0, b"", self.net.ranks_of(self.net.me))
             await self._down(op.tag, 0)
             return
         for member in self.net.members():
-            await self._up(op.tag, 0, member)
+            await self._up(op.tag, 0, 1, member)
         self._send_down(op.tag, 0, b"")
 
     # ---- point to point -----------------------------------------------------------------
@@ -283,6 +306,7 @@ class NetRunner:
         pair = pair_of(op.src_rank, op.dst_rank)
         data = self._array(op.src) if op.src.nbytes else np.zeros(0, np.uint8)
         for i, (lo, hi) in enumerate(chunks(len(data), CHUNK_BYTES)):
+            await self._window("p2p", op.tag, i, pair)
             msg = self._data("p2p", op.tag, i, pair, (op.dst_rank,), fingerprint=str(len(data)))
             self._route(op.dst_rank, msg, _raw(data[lo:hi]))
             await self.net.drain()
@@ -291,11 +315,14 @@ class NetRunner:
     async def _recv(self, op: RecvOp) -> None:
         pair = pair_of(op.src_rank, op.dst_rank)
         out = self._array(op.dst) if op.dst.nbytes else np.zeros(0, np.uint8)
-        for i, (lo, hi) in enumerate(chunks(len(out), CHUNK_BYTES)):
+        pieces = chunks(len(out), CHUNK_BYTES)
+        for i, (lo, hi) in enumerate(pieces):
             msg, payload = await self.inbox.get(("p2p", op.tag.index, i, pair))
             if msg.fingerprint != str(len(out)):
                 raise p2p_mismatch(op.src_rank, op.dst_rank, op.tag.index, msg.fingerprint, len(out))
             out[lo:hi] = np.frombuffer(payload, np.uint8)
+            if i + WINDOW_CHUNKS < len(pieces):
+                self._route(op.src_rank, self._data("p2p-credit", op.tag, i, pair, (op.src_rank,)), b"")
         ack = self._data("p2p-ack", op.tag, 0, pair, (op.src_rank,))
         self._route(op.src_rank, ack, b"")
         await self.net.drain()

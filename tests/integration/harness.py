@@ -13,11 +13,15 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from commd.launch import DaemonProcess
+from commd.status import query_status
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,23 @@ def short_tmpdir() -> str:
 
 def world_name(prefix: str = "w") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def world_status(daemon: DaemonProcess, world: str) -> dict[str, object] | None:
+    """The world's entry in the daemon's status, or None if the daemon does not know it."""
+    worlds = query_status(str(daemon.socket_path), 5)["worlds"]
+    return next((w for w in worlds if w["name"] == world), None)
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A daemon's metrics, by (sample name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def open_fds(pid: int) -> int:

@@ -8,16 +8,19 @@ hosts rank 0 is the root. Floats follow the documented cross-daemon order
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from commd.engine.hostnet import CHUNK_BYTES, WINDOW_CHUNKS
 from commd.launch import DaemonProcess
+from commd.status import query_status
 from tests.integration import workers
 from tests.integration.data import NUMPY, grouped_reference, make_input, reduce_reference
-from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.harness import RankPool, scrape, short_tmpdir, world_name, world_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +35,7 @@ def daemons() -> Iterator[list[DaemonProcess]]:
     try:
         for name in "ABC":
             procs.append(DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
-                "--peer-listen", "127.0.0.1:0", "--peer-name", name]).start())
+                "--peer-listen", "127.0.0.1:0", "--peer-name", name, "--metrics", "127.0.0.1:0"]).start())
         yield procs
     finally:
         for proc in procs:
@@ -101,7 +104,7 @@ def test_all_reduce_of_several_chunks_again_and_again(pool: RankPool, daemons: l
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("nbytes", [0, 2, 1001, 5 << 20])
+@pytest.mark.parametrize("nbytes", [0, 2, 1001, 9 << 20])  # 9 MiB: a member's 2 ranks take credits
 def test_all_gather(pool: RankPool, daemons: list[DaemonProcess], placement: str, nbytes: int) -> None:
     results = run(pool, specs(daemons, PLACEMENTS[placement]), workers.all_gather, nbytes, 3)
     want = b"".join(make_input(3, r, nbytes, "u8", "sum").tobytes() for r in range(4))
@@ -122,7 +125,7 @@ def test_reduce_scatter(pool: RankPool, daemons: list[DaemonProcess], placement:
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("nbytes", [0, 4, 5 << 20])
+@pytest.mark.parametrize("nbytes", [0, 4, 5 * CHUNK_BYTES + 1])  # more chunks than a window
 def test_broadcast_from_every_root(pool: RankPool, daemons: list[DaemonProcess], placement: str,
                                    nbytes: int) -> None:
     addresses = specs(daemons, PLACEMENTS[placement])
@@ -139,7 +142,7 @@ def test_barrier_waits_for_every_daemon(pool: RankPool, daemons: list[DaemonProc
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("nbytes", [2, 1001, 5 << 20])
+@pytest.mark.parametrize("nbytes", [2, 1001, 5 << 20, 5 * CHUNK_BYTES + 3])
 def test_send_recv_every_pair(pool: RankPool, daemons: list[DaemonProcess], placement: str,
                               nbytes: int) -> None:
     results = run(pool, specs(daemons, PLACEMENTS[placement]), workers.send_recv_pairs, nbytes, 6)
@@ -200,3 +203,40 @@ def test_two_worlds_share_the_daemons(pool: RankPool, daemons: list[DaemonProces
     want_x = reduce_reference([make_input(21, r, 2000, "i32", "sum") for r in range(2)], "i32", "sum")
     want_y = reduce_reference([make_input(22, r, 2000, "i32", "sum") for r in range(2)], "i32", "sum")
     assert results == [want_x.tobytes()] * 2 + [want_y.tobytes()] * 2
+
+
+@pytest.mark.parametrize(("what", "placement", "late"), [
+    ("p2p", [0, 1], 0),  # a member sends to the root's rank
+    ("p2p", [0, 1], 1),  # the root sends to a member's rank
+    ("p2p", [0, 1, 2], 2),  # member to member, through the root
+    ("all_reduce", [0, 1], 0),  # a member's partial sums wait for the root's rank
+])
+def test_a_late_reader_holds_back_the_sender(pool: RankPool, daemons: list[DaemonProcess], what: str,
+                                             placement: list[int], late: int) -> None:
+    """Data sent before its reader calls waits in the reader's daemon, a window of it at
+    most: the sender goes on as the reader takes it, and every byte arrives."""
+    nbytes, delay, seed = 12 * CHUNK_BYTES + 5, 2.0, 31
+    world, addresses = world_name("late"), specs(daemons, placement)
+    reader = daemons[placement[late]]
+    workers_started = pool.start(workers.late_taker, [(addresses[r], world, r, len(placement), what, nbytes,
+                                                       late, delay, seed) for r in range(len(placement))])
+    held, scraped = [], None
+    deadline = time.monotonic() + delay + 20
+    while time.monotonic() < deadline:
+        status = world_status(reader, world)
+        if status is not None and status["state"] == "ready":
+            held.append(int(status["peer_bytes_held"]))  # type: ignore[call-overload]
+            if scraped is None and held[-1]:
+                scraped = scrape(str(query_status(str(reader.socket_path), 5)["metrics"]))
+            if len(held) > 5 and held[-1] == 0 and max(held) > 0:
+                break  # the reader took it all
+        time.sleep(0.05)
+    results = [o.unwrap() for o in pool.collect(workers_started, timeout=30)]
+    assert CHUNK_BYTES <= max(held) <= WINDOW_CHUNKS * CHUNK_BYTES, max(held)
+    assert scraped is not None
+    assert 0 < scraped[("commd_peer_bytes_held", ())] <= WINDOW_CHUNKS * CHUNK_BYTES
+    inputs = [make_input(seed, r, nbytes, "u8", "sum") for r in range(len(placement))]
+    if what == "all_reduce":
+        assert results == [reduce_reference(inputs, "u8", "sum").tobytes()] * len(placement)
+    else:
+        assert results[late] == inputs[0 if late == 1 else 1].tobytes()

@@ -29,7 +29,7 @@ from proto import peer as p
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, memfd_mappings, short_tmpdir, world_name
+from tests.integration.harness import RankPool, memfd_mappings, short_tmpdir, world_name, world_status
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -71,11 +71,6 @@ def steady_ac(pair: list[DaemonProcess]) -> Iterator[Steady]:
 
 def spec(daemon: DaemonProcess, root: DaemonProcess) -> str:
     return f"{daemon.socket_path}@{root.peer_address()}"
-
-
-def world_status(daemon: DaemonProcess, world: str) -> dict[str, object] | None:
-    worlds = query_status(str(daemon.socket_path), 5)["worlds"]
-    return next((w for w in worlds if w["name"] == world), None)
 
 
 def mappings_settle(daemon: DaemonProcess, base: int) -> str:

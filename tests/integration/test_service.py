@@ -22,7 +22,7 @@ import pytest
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import service_workers
-from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.harness import RankPool, scrape, short_tmpdir, world_name
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -299,16 +299,6 @@ def run_cli(*args: str) -> str:
                           timeout=30)
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode()
-
-
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:

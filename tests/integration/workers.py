@@ -161,6 +161,32 @@ def send_then_recv(sock: str, world: str, rank: int, n: int, nbytes: int, seed: 
         return _read(into, 0, nbytes)
 
 
+def late_taker(sock: str, world: str, rank: int, n: int, what: str, nbytes: int, late: int,
+               delay: float, seed: int) -> bytes:
+    """Rank `late` makes its call `delay` seconds after the others, which are at theirs
+    already: for "p2p" it receives what rank 1 sends it (rank 0 if it is rank 1); for
+    "all_reduce" all ranks sum u8. Returns what this rank received."""
+    with connect(sock, world, rank, n, timeout=TIMEOUT + delay) as comm:
+        comm.barrier()  # joined: the delay below is the call's alone
+        if rank == late:
+            time.sleep(delay)
+        if what == "all_reduce":
+            buf = _load(make_input(seed, rank, nbytes, "u8", "sum"))
+            comm.all_reduce(buf.ptr, nbytes, dtype="u8", op="sum")
+            return _read(buf, 0, nbytes)
+        src = 0 if late == 1 else 1
+        received = b""
+        if rank == src:
+            out = _load(make_input(seed, rank, nbytes, "u8", "sum"))
+            comm.send_to(out.ptr, nbytes, late, 0)
+        elif rank == late:
+            into = hostmem.alloc(nbytes)
+            comm.recv_from(into.ptr, nbytes, src, 0)
+            received = _read(into, 0, nbytes)
+        comm.barrier()  # a rank leaving now would fail the world under the others' calls
+        return received
+
+
 def command_loop(sock: str, world: str, rank: int, n: int, commands: list[int]) -> list[int]:
     """Rank 0 broadcasts each command; the others take it with recv_command_u32."""
     got = []

@@ -369,8 +369,9 @@ async def test_listener_checks_the_dialers_proof() -> None:
 @pytest.mark.parametrize("version,with_incarnation,reason", [
     (p.PEER_VERSION + 1, True, str(p.PEER_VERSION + 1)),  # another protocol
     (2, True, f"2 is not {p.PEER_VERSION}"),  # unsigned frames: it would link, then fail every frame
+    (3, True, f"3 is not {p.PEER_VERSION}"),  # no credits: a long stream to it would wait for ever
     (p.PEER_VERSION, False, "incarnation"),  # this protocol's hello names its process
-], ids=["newer", "unsigned", "no-incarnation"])
+], ids=["newer", "unsigned", "no-credits", "no-incarnation"])
 async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarnation: bool,
                                                        reason: str) -> None:
     a = Side("daemon-a")
