@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, help="host engine threads")
     serve.add_argument("--peer-listen", metavar="HOST:PORT",
                        help="accept other daemons here (worlds across nodes; needs a secret)")
-    serve.add_argument("--peer-name", help="this daemon's name among its peers (default: hostname:port)")
+    serve.add_argument("--peer-name", help="this daemon's name among its peers "
+                       "(default: hostname:port, or hostname:SOCKET without a fixed port)")
     serve.add_argument("--peer-secret-file", metavar="PATH",
                        help=f"the shared secret (or ${SECRET_FILE_ENV} / ${SECRET_ENV})")
     serve.add_argument("--peer-heartbeat", type=float, metavar="SECONDS", help="0.5 by default")

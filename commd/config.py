@@ -58,7 +58,7 @@ class ServerConfig:
     log_format: str = "text"  # or "json": one object per line, for log shippers
     metrics_listen: tuple[str, int] | None = None  # Prometheus /metrics (None: off)
     peer_listen: tuple[str, int] | None = None  # TCP address for other daemons
-    peer_name: str | None = None  # this daemon's name among them (default: host:port)
+    peer_name: str | None = None  # this daemon's name among them (default_peer_name)
     peer_secret: bytes | None = field(default=None, repr=False)  # never printed
     peer_heartbeat_s: float = 0.5
     peer_window_s: float = 3.0

@@ -109,10 +109,16 @@ def _cluster(config: ServerConfig) -> Cluster | None:
     """The peer side, when a secret is configured (dialing a root needs it, listening too)."""
     if config.peer_secret is None:
         return None
-    port = config.peer_listen[1] if config.peer_listen else 0
-    name = config.peer_name or (
-        f"{socket.gethostname()}:{port}" if port else f"{socket.gethostname()}:pid{os.getpid()}")
+    name = config.peer_name or default_peer_name(config, socket.gethostname())
     return Cluster(PeerSettings(name, config.peer_secret, config.peer_heartbeat_s, config.peer_window_s))
+
+
+def default_peer_name(config: ServerConfig, host: str) -> str:
+    """host:port, or host:socket-path for a daemon without a fixed peer port: stable
+    across restarts (the root then knows a restarted daemon for what it is, and ends
+    the old process's links at once), and unique on the host (one daemon per socket)."""
+    port = config.peer_listen[1] if config.peer_listen else 0
+    return f"{host}:{port}" if port else f"{host}:{config.socket_path}"
 
 
 def _tune_gc() -> None:

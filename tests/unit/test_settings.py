@@ -186,3 +186,18 @@ def test_public_view_hides_the_secret() -> None:
     assert view["peer_secret_set"] is True
     assert "0123456789abcdef" not in repr(view)
     assert view["socket"] == "/run/commd/commd.sock" and view["peer_heartbeat"] == 0.5
+
+
+def test_default_peer_name_is_stable_and_unique_per_daemon() -> None:
+    """A daemon without a fixed peer port is named by its socket: the same after a
+    restart (the root then ends the old process's links at once), another for another
+    daemon on the host."""
+    from commd.daemon import default_peer_name
+
+    secret = b"s" * 16
+    listening = ServerConfig(Path("/run/a.sock"), peer_listen=("0.0.0.0", 7420), peer_secret=secret)
+    assert default_peer_name(listening, "node1") == "node1:7420"
+    dialing_only = ServerConfig(Path("/run/a.sock"), peer_secret=secret)
+    assert default_peer_name(dialing_only, "node1") == "node1:/run/a.sock"
+    any_port = ServerConfig(Path("/run/b.sock"), peer_listen=("127.0.0.1", 0), peer_secret=secret)
+    assert default_peer_name(any_port, "node1") == "node1:/run/b.sock"
