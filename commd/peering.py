@@ -29,9 +29,6 @@ log = logging.getLogger("commd.peering")
 # timeout), and anyone who reaches the port can open them. Past this, connections are
 # dropped at once, so a flood cannot take the fds the daemon's workers need.
 MAX_HANDSHAKES = 128
-# A payload this big is hashed on a helper thread (hashlib lets go of the GIL): its MAC
-# takes ~0.5 ms per MiB, time the loop serves other worlds and links meanwhile.
-_HASH_OFF_LOOP = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +57,7 @@ class SelfDialError(Exception):
 
 
 Handler = Callable[["PeerLink", p.PeerMessage, bytes | bytearray], None]
-_Signed = tuple[bytes, bytes, bytes]  # a signed frame's lengths, header and MAC
+_Sealed = tuple[bytes, bytes]  # a sealed frame's lengths and sealed header (its payload is beside)
 LostHandler = Callable[["PeerLink", str], None]
 
 
@@ -72,12 +69,12 @@ class FrameStream(asyncio.BufferedProtocol):
     frame will keep, in as few reads as the socket allows.
     """
 
-    def __init__(self, drop: bool = False, signed_after: type[p.PeerMessage] | None = None) -> None:
+    def __init__(self, drop: bool = False, sealed_after: type[p.PeerMessage] | None = None) -> None:
         self._drop = drop  # close as soon as connected (see MAX_HANDSHAKES)
         self._transport: asyncio.Transport | None = None
         self._prefix = bytearray(p.FRAME.size)
         self._target: bytearray = self._prefix
-        self._stage = "prefix"  # of the frame being read: prefix, header, payload, mac
+        self._stage = "prefix"  # of the frame being read: prefix, header, payload
         self._filled = 0
         self._lengths = b""
         self._header = b""
@@ -86,14 +83,15 @@ class FrameStream(asyncio.BufferedProtocol):
         # Until the other side proved the secret, frames carry no payload: nothing big is
         # allocated for someone who does not hold it.
         self.authenticated = False
-        # The last frame the other side sends unsigned (the end of its handshake): the frames
-        # after it end in a MAC, checked by `read` with the keys `secure` gives.
-        self.signed_after = signed_after
-        self._signed_in = False
-        self._sign: p.FrameMac | None = None
-        self._check: p.FrameMac | None = None
-        # (message, payload, and for a signed frame its lengths and header, and its MAC)
-        self._frames: collections.deque[tuple[p.PeerMessage, bytearray, _Signed | None]] = collections.deque()
+        # The last frame the other side sends in the clear (the end of its handshake): the
+        # frames after it are sealed, and opened by `read` with the keys `secure` gives (they
+        # may arrive before it is called).
+        self.sealed_after = sealed_after
+        self._sealed_in = False
+        self._seal: p.FrameSeal | None = None
+        self._opener: p.FrameSeal | None = None
+        # (a clear frame's message and payload) or (a sealed frame's pieces and sealed payload)
+        self._frames: collections.deque[tuple[p.PeerMessage | _Sealed, bytearray]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._writable: asyncio.Future[None] | None = None
@@ -128,9 +126,12 @@ class FrameStream(asyncio.BufferedProtocol):
         """A piece of the frame is in: read the next one, or take the whole frame."""
         if self._stage == "prefix":
             self._lengths = bytes(self._prefix)
-            header_len, self._pending_payload = p.frame_lengths(self._lengths)
-            if self._pending_payload and not self.authenticated:
+            header_len, payload_len = p.frame_lengths(self._lengths)
+            if payload_len and not self.authenticated:
                 raise proto.DecodeError("a payload before the handshake ended")  # no big buffers
+            if self._sealed_in:
+                header_len, payload_len = p.sealed_lengths(header_len, payload_len)
+            self._pending_payload = payload_len
             self._expect("header", bytearray(header_len))
             return
         if self._stage == "header":
@@ -138,17 +139,16 @@ class FrameStream(asyncio.BufferedProtocol):
             if self._pending_payload:
                 self._expect("payload", bytearray(self._pending_payload))
                 return
-        elif self._stage == "payload":
+        else:
             self._payload = self._target
-        if self._signed_in and self._stage != "mac":
-            self._expect("mac", bytearray(p.MAC_BYTES))
-            return
-        signed = (self._lengths, self._header, bytes(self._target)) if self._stage == "mac" else None
-        msg = codec.decode_peer(self._header)
-        self._frames.append((msg, self._payload, signed))
+        if self._sealed_in:
+            self._frames.append(((self._lengths, self._header), self._payload))
+        else:
+            msg = codec.decode_peer(self._header)
+            self._frames.append((msg, self._payload))
+            if self.sealed_after is not None and isinstance(msg, self.sealed_after):
+                self._sealed_in = True
         self._payload = bytearray()  # the frame's now: not kept here once it is handled
-        if self.signed_after is not None and isinstance(msg, self.signed_after):
-            self._signed_in = True
         self._expect("prefix", self._prefix)
         self._wake()
 
@@ -174,37 +174,33 @@ class FrameStream(asyncio.BufferedProtocol):
 
     # ---- what the link uses -------------------------------------------------------------
 
-    def secure(self, sign_key: bytes, check_key: bytes) -> None:
-        """The handshake ended: sign what we write from now on, check what we read."""
-        self._sign, self._check = p.FrameMac(sign_key), p.FrameMac(check_key)
+    def secure(self, seal_key: bytes, open_key: bytes) -> None:
+        """The handshake ended: seal what we write from now on, open what we read."""
+        self._seal, self._opener = p.FrameSeal(seal_key), p.FrameSeal(open_key)
 
-    async def read(self) -> tuple[p.PeerMessage, bytearray]:
+    async def read(self) -> tuple[p.PeerMessage, bytes | bytearray]:
         while not self._frames:
             if self._error is not None:
                 raise self._error
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        msg, payload, signed = self._frames.popleft()
-        if signed is None and self._check is None:
-            return msg, payload  # (the handshake)
-        if signed is None or self._check is None:
-            raise proto.DecodeError(f"a {type(msg).__name__} frame without its MAC after the handshake")
-        pieces = (signed[0], signed[1], payload)
-        if len(payload) < _HASH_OFF_LOOP:
-            mac = self._check.next(pieces)
-        else:  # (one reader: frames are still checked in order)
-            mac = await asyncio.get_running_loop().run_in_executor(None, self._check.next, pieces)
-        if not hmac.compare_digest(mac, signed[2]):
-            raise proto.DecodeError(f"a {type(msg).__name__} frame failed its MAC check "
-                                    "(forged, changed, replayed or out of order)")
-        return msg, payload
+        frame, payload = self._frames.popleft()
+        if not isinstance(frame, tuple):
+            if self._opener is not None:
+                raise proto.DecodeError(f"a {type(frame).__name__} frame in the clear after the handshake")
+            return frame, payload  # (the handshake)
+        if self._opener is None:  # (a sealed frame is only read once the link is secured)
+            raise proto.DecodeError("a sealed frame before the handshake ended")
+        lengths, header = frame
+        clear_header, clear_payload = self._opener.open(lengths, header, payload)
+        return codec.decode_peer(clear_header), clear_payload
 
     def write(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
-        """Queue a frame. `payload` is not copied: it must not change until `drain` returns."""
+        """Queue a frame. `payload` is not copied unless sealed: in the clear, it must not
+        change until `drain` returns."""
         if self._transport is not None and not self._transport.is_closing():
-            pieces = p.frame(codec.encode_peer(msg), payload)
-            if self._sign is not None:
-                pieces.append(self._sign.next(pieces))
+            header = codec.encode_peer(msg)
+            pieces = self._seal.seal(header, payload) if self._seal is not None else p.frame(header, payload)
             self._transport.writelines(pieces)
 
     async def drain(self) -> None:
@@ -339,7 +335,7 @@ class PeerNode:
             if len(self._handshakes) >= MAX_HANDSHAKES:
                 self._refuse_flood()
                 return FrameStream(drop=True)
-            stream = FrameStream(signed_after=p.PeerProof)
+            stream = FrameStream(sealed_after=p.PeerProof)
             task = loop.create_task(self._accept(stream, on_link))
             self._handshakes.add(task)  # held until done: the loop keeps only weak references
             task.add_done_callback(self._handshakes.discard)
@@ -379,7 +375,7 @@ class PeerNode:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.settings.handshake_s):  # connecting and the handshake, together
             _, stream = await loop.create_connection(
-                lambda: FrameStream(signed_after=p.PeerReady), host, port)
+                lambda: FrameStream(sealed_after=p.PeerReady), host, port)
             try:
                 name, incarnation, transcript = await self._ask(stream)
             except BaseException:
@@ -389,7 +385,7 @@ class PeerNode:
 
     def _link(self, name: str, incarnation: bytes, stream: FrameStream, transcript: bytes,
               dialed: bool) -> PeerLink:
-        """The handshake ended: its frames are signed from now on, each side with its key."""
+        """The handshake ended: its frames are sealed from now on, each side with its key."""
         dialers, listeners = p.frame_keys(self.settings.secret, transcript)
         stream.secure(*((dialers, listeners) if dialed else (listeners, dialers)))
         link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost)

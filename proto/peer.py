@@ -15,15 +15,15 @@ Every link starts with a mutual HMAC challenge-response on a shared secret:
 
 T (`transcript`) holds the version and both names, incarnations and nonces: a proof
 vouches for the identities it was made for, and no field can be swapped. Every
-frame after the handshake ends in a MAC (`FrameMac`): HMAC-SHA256 under a key of
-its direction derived from the secret and T (`frame_keys`), over its sequence
-number, lengths, header and payload. Someone who relays a handshake between two
-daemons learns no key: they can pass frames on or drop them, not forge, change,
-replay or reorder one. A daemon's
-incarnation is random per process: two links from one process to another are both
-kept (each daemon dialed the other, for worlds rooted on either side), while a link
-from a new process of the same name replaces those of the old one. Frames are not
-encrypted.
+frame after the handshake is sealed (`FrameSeal`): its header and its payload are
+each encrypted with AES-256-GCM under a key of its direction derived from the
+secret and T (`frame_keys`), with the frame's sequence number in the nonce and its
+lengths as authenticated data. Someone who relays a handshake between two daemons
+learns no key: they can pass frames on or drop them, not read, forge, change,
+replay or reorder one. A daemon's incarnation is random per process: two links
+from one process to another are both kept (each daemon dialed the other, for
+worlds rooted on either side), while a link from a new process of the same name
+replaces those of the old one.
 
 Messages about a world carry its epoch; a daemon refuses those of an older epoch.
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
@@ -45,9 +44,9 @@ from .messages import (
     _u64,  # one definition of the rule for both protocols
 )
 
-PEER_VERSION = 4  # 2: incarnations and the transcript; 3: signed frames; 4: data flow control
+PEER_VERSION = 5  # 2: incarnations, transcript; 3: signed frames; 4: data flow control; 5: sealed frames
 NONCE_BYTES = 32
-MAC_BYTES = 32
+TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
@@ -312,23 +311,52 @@ def frame_lengths(prefix: bytes) -> tuple[int, int]:
 
 
 def frame_keys(secret: bytes, transcript: bytes) -> tuple[bytes, bytes]:
-    """The keys that sign a link's frames after its handshake: the dialer's, the listener's."""
+    """The keys that seal a link's frames after its handshake: the dialer's, the listener's."""
     return (hmac.new(secret, b"dialer frames|" + transcript, hashlib.sha256).digest(),
             hmac.new(secret, b"listener frames|" + transcript, hashlib.sha256).digest())
 
 
-class FrameMac:
-    """The MACs of one direction of a link, frame after frame: the n-th frame's covers n,
-    so one dropped, replayed or moved fails the check as surely as one changed."""
+def sealed_lengths(header_len: int, payload_len: int) -> tuple[int, int]:
+    """The bytes a sealed frame's header and payload take on the wire (an empty payload
+    takes none)."""
+    return header_len + TAG_BYTES, payload_len + TAG_BYTES if payload_len else 0
+
+
+class FrameSeal:
+    """One direction of a link, frame after frame. The n-th frame's nonce holds n (and
+    which part it seals), so a frame dropped, replayed or moved fails to open as surely
+    as one changed; its lengths, sent in the clear so the reader can size its buffers,
+    are authenticated with each part. AES-GCM, not an HMAC: OpenSSL's runs at 15-30 GB/s
+    here, HMAC-SHA256 at 2 GB/s (the host engine's data crosses these links)."""
 
     def __init__(self, key: bytes) -> None:
-        self._key = key
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # only where links are
+
+        self._aead = AESGCM(key)
         self._seq = 0
 
-    def next(self, pieces: Sequence[Bytes]) -> bytes:
-        """The MAC of the next frame, given its pieces (lengths, header, payload)."""
-        mac = hmac.new(self._key, self._seq.to_bytes(8, "big"), hashlib.sha256)
-        for piece in pieces:
-            mac.update(piece)
+    def _nonce(self, part: int) -> bytes:
+        return part.to_bytes(4, "big") + self._seq.to_bytes(8, "big")
+
+    def seal(self, header: bytes, payload: Bytes) -> list[bytes]:
+        """The next frame's bytes: lengths, sealed header, sealed payload (if any)."""
+        lengths = FRAME.pack(len(header), len(payload))
+        pieces = [lengths, self._aead.encrypt(self._nonce(0), header, lengths)]
+        if len(payload):
+            pieces.append(self._aead.encrypt(self._nonce(1), payload, lengths))
         self._seq += 1
-        return mac.digest()
+        return pieces
+
+    def open(self, lengths: bytes, header: Bytes, payload: Bytes) -> tuple[bytes, bytes]:
+        """The next frame's header and payload, from the pieces `seal` made."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            opened = (self._aead.decrypt(self._nonce(0), header, lengths),
+                      self._aead.decrypt(self._nonce(1), payload, lengths) if len(payload) else b"")
+        except InvalidTag:
+            raise DecodeError("a frame failed its check (forged, changed, replayed or out of "
+                              "order)") from None
+        finally:
+            self._seq += 1
+        return opened

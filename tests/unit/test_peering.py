@@ -133,33 +133,32 @@ def incarnation() -> bytes:
 
 
 class RawSession:
-    """One end of a link after its handshake, by hand: frames signed and checked as a
-    daemon does (`send_bytes` writes anything, signed as if it were a frame)."""
+    """One end of a link after its handshake, by hand: frames sealed and opened as a
+    daemon does (`send_header` seals any bytes as if they were a frame's header)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 sign_key: bytes, check_key: bytes) -> None:
+                 seal_key: bytes, open_key: bytes) -> None:
         self.reader, self.writer = reader, writer
-        self._sign, self._check = p.FrameMac(sign_key), p.FrameMac(check_key)
+        self._seal, self._opener = p.FrameSeal(seal_key), p.FrameSeal(open_key)
 
-    def signed(self, msg: Any, payload: bytes | memoryview = b"") -> list[Any]:
-        pieces = p.frame(encode_peer(msg), payload)
-        return [*pieces, self._sign.next(pieces)]
+    def sealed(self, msg: Any, payload: bytes | memoryview = b"") -> list[bytes]:
+        return self._seal.seal(encode_peer(msg), payload)
 
     async def send(self, msg: Any, payload: bytes | memoryview = b"") -> None:
-        self.writer.writelines(self.signed(msg, payload))
+        self.writer.writelines(self.sealed(msg, payload))
         await self.writer.drain()
 
-    async def send_bytes(self, data: bytes) -> None:
-        self.writer.writelines([data, self._sign.next([data])])
+    async def send_header(self, header: bytes) -> None:
+        self.writer.writelines(self._seal.seal(header, b""))
         await self.writer.drain()
 
     async def read(self) -> tuple[Any, bytes]:
         prefix = await self.reader.readexactly(p.FRAME.size)
-        header_len, payload_len = p.frame_lengths(prefix)
+        header_len, payload_len = p.sealed_lengths(*p.frame_lengths(prefix))
         header = await self.reader.readexactly(header_len)
         payload = await self.reader.readexactly(payload_len) if payload_len else b""
-        assert await self.reader.readexactly(p.MAC_BYTES) == self._check.next([prefix, header, payload])
-        return decode_peer(header), payload
+        clear_header, clear_payload = self._opener.open(prefix, header, payload)
+        return decode_peer(clear_header), clear_payload
 
     async def read_until_eof(self) -> list[Any]:
         """Every frame until the other side closes (heartbeats included)."""
@@ -192,7 +191,7 @@ class RawListener:
     def __init__(self, after: Callable[[RawSession], Any], secret: bytes = SECRET,
                  name: str = "raw-listener", with_ready: Sequence[tuple[Any, bytes]] = ()) -> None:
         self.after, self.secret, self.name = after, secret, name
-        self.with_ready = with_ready  # signed frames sent in the same write as the ready
+        self.with_ready = with_ready  # sealed frames sent in the same write as the ready
         self.writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -218,7 +217,7 @@ class RawListener:
         session = RawSession(reader, writer, ours, dialers)
         pieces = p.frame(encode_peer(p.PeerReady()))
         for msg, payload in self.with_ready:
-            pieces += session.signed(msg, payload)
+            pieces += session.sealed(msg, payload)
         writer.write(b"".join(bytes(piece) for piece in pieces))
         await writer.drain()
         await self.after(session)
@@ -370,8 +369,9 @@ async def test_listener_checks_the_dialers_proof() -> None:
     (p.PEER_VERSION + 1, True, str(p.PEER_VERSION + 1)),  # another protocol
     (2, True, f"2 is not {p.PEER_VERSION}"),  # unsigned frames: it would link, then fail every frame
     (3, True, f"3 is not {p.PEER_VERSION}"),  # no credits: a long stream to it would wait for ever
+    (4, True, f"4 is not {p.PEER_VERSION}"),  # HMAC'd frames: it would link, then fail every frame
     (p.PEER_VERSION, False, "incarnation"),  # this protocol's hello names its process
-], ids=["newer", "unsigned", "no-credits", "no-incarnation"])
+], ids=["newer", "unsigned", "no-credits", "hmac", "no-incarnation"])
 async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarnation: bool,
                                                        reason: str) -> None:
     a = Side("daemon-a")
@@ -527,25 +527,29 @@ async def test_a_peer_that_stops_is_lost() -> None:
         assert lost_at - started <= WINDOW_S + HEARTBEAT_S + 0.3
 
 
-FAILED_FRAME = b"".join(p.frame(encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "forged"))))
-GARBAGE_FRAMES = {  # (signed as the link signs a frame, unless said otherwise)
+FAILED_HEADER = encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "forged"))
+FAILED_FRAME = b"".join(p.frame(FAILED_HEADER))
+BAD_LENGTHS = {  # refused from the lengths alone, before anything is read or opened
     "empty header": p.FRAME.pack(0, 0),
     "header over the limit": p.FRAME.pack(proto.MAX_MESSAGE_BYTES + 1, 0),
     "payload over the limit": p.FRAME.pack(10, p.MAX_PAYLOAD_BYTES + 1),
-    "not msgpack": p.FRAME.pack(3, 0) + b"\xc1\xc1\xc1",
-    "unix message": b"".join(p.frame(proto.encode(proto.Ok(1)))),
-    "invalid value": b"".join(p.frame(msgpack.packb({"t": "heartbeat", "seq": -1}))),
+}
+BAD_HEADERS = {  # sealed as the link seals a frame's header
+    "not msgpack": b"\xc1\xc1\xc1",
+    "unix message": proto.encode(proto.Ok(1)),
+    "invalid value": msgpack.packb({"t": "heartbeat", "seq": -1}),
 }
 FORGED_FRAMES = {  # whole frames that someone without the link's keys could send
-    "no MAC": FAILED_FRAME + b"\x00" * p.MAC_BYTES,
-    "the MAC of another frame": FAILED_FRAME + p.FrameMac(b"k").next([FAILED_FRAME]),
+    "in the clear": FAILED_FRAME + bytes(p.TAG_BYTES),
+    "sealed under another key": b"".join(p.FrameSeal(bytes(32)).seal(FAILED_HEADER, b"")),
 }
 
 
-@pytest.mark.parametrize("garbage,signed", [*((g, True) for g in GARBAGE_FRAMES.values()),
+@pytest.mark.parametrize("garbage,sealed", [*((g, False) for g in BAD_LENGTHS.values()),
+                                           *((h, True) for h in BAD_HEADERS.values()),
                                            *((f, False) for f in FORGED_FRAMES.values())],
-                         ids=[*GARBAGE_FRAMES, *FORGED_FRAMES])
-async def test_a_garbage_frame_closes_the_link(garbage: bytes, signed: bool) -> None:
+                         ids=[*BAD_LENGTHS, *BAD_HEADERS, *FORGED_FRAMES])
+async def test_a_garbage_frame_closes_the_link(garbage: bytes, sealed: bool) -> None:
     a = Side("daemon-a")
     async with sides(a):
         session = await raw_dial(await a.listen())
@@ -554,8 +558,8 @@ async def test_a_garbage_frame_closes_the_link(garbage: bytes, signed: bool) -> 
             await session.send(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "fine so far"))
             _, msg, _ = await a.next_message()
             assert isinstance(msg, p.WorldFailed)
-            if signed:
-                await session.send_bytes(garbage)
+            if sealed:
+                await session.send_header(garbage)
             else:
                 session.writer.write(garbage)
             lost, reason, _ = await a.next_lost()
@@ -568,28 +572,27 @@ async def test_a_garbage_frame_closes_the_link(garbage: bytes, signed: bool) -> 
 
 
 async def test_a_replayed_frame_closes_the_link() -> None:
-    """A frame sent again word for word (by someone relaying the link, say) fails its MAC:
-    its place in the sequence is part of what the MAC covers."""
+    """A frame sent again word for word (by someone relaying the link, say) fails to open:
+    its place in the sequence is in its nonce."""
     a = Side("daemon-a")
     async with sides(a):
         session = await raw_dial(await a.listen())
         try:
             link, _ = await a.next_link()
-            pieces = p.frame(encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "once")))
-            signed = b"".join([*pieces, session._sign.next(pieces)])
-            session.writer.write(signed)
+            sealed = b"".join(session.sealed(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "once")))
+            session.writer.write(sealed)
             _, msg, _ = await a.next_message()
             assert msg == p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "once")
-            session.writer.write(signed)
+            session.writer.write(sealed)
             lost, reason, _ = await a.next_lost()
-            assert lost is link and "MAC" in reason and a.messages.empty()
+            assert lost is link and "replayed" in reason and a.messages.empty()
         finally:
             session.writer.close()
 
 
 async def test_a_garbage_frame_from_the_listener_closes_the_dialers_link() -> None:
     async def garbage(session: RawSession) -> None:
-        await session.send_bytes(b"\x00\x00\x00\x03\x00\x00\x00\x00\xc1\xc1\xc1")
+        await session.send_header(b"\xc1\xc1\xc1")
         await asyncio.sleep(30)
 
     raw = RawListener(garbage)
@@ -689,8 +692,9 @@ def test_a_payload_may_change_once_drain_returned() -> None:
 
 
 def test_a_lost_link_sends_nothing_more() -> None:
-    """A link declared lost drops what is still queued: its payloads are memory the engine
-    and the workers reuse once the world failed, and the peer must not get it later."""
+    """A link declared lost drops what is still queued: the peer must not get, after the
+    loss, frames of the worlds the loss failed (a frame in the clear would even name memory
+    the engine and the workers reuse once their world failed)."""
     size = p.MAX_PAYLOAD_BYTES - 1024
     received = bytearray()
 
@@ -717,10 +721,9 @@ def test_a_lost_link_sends_nothing_more() -> None:
 
     reading, done = asyncio.Event(), asyncio.Event()
     on_uvloop(test)
-    header_len, payload_len = p.frame_lengths(bytes(received[:p.FRAME.size]))
+    header_len, payload_len = p.sealed_lengths(*p.frame_lengths(bytes(received[:p.FRAME.size])))
     payload = received[p.FRAME.size + header_len:]
-    assert payload_len == size and 0 < len(payload) < size  # what the socket held, no more
-    assert set(payload) == {1}
+    assert payload_len == size + p.TAG_BYTES and 0 < len(payload) < size  # what the socket held, no more
 
 
 async def test_closing_the_node_ends_handshakes_under_way() -> None:
@@ -787,18 +790,18 @@ async def test_someone_relaying_a_handshake_cannot_speak_on_the_link() -> None:
             _, msg, _ = await a.next_message()
             assert msg.message == "from c itself"  # what C says passes
             forged = p.frame(encode_peer(p.WorldFailed("w", 1, ErrorCode.PEER_LOST, "forged")))
-            to_a[0].writelines([*forged, bytes(p.MAC_BYTES)])
+            to_a[0].writelines([*forged, bytes(p.TAG_BYTES)])
             lost, reason, _ = await a.next_lost()
-            assert lost is a_link and "MAC" in reason and a.messages.empty()
+            assert lost is a_link and "forged" in reason and a.messages.empty()
         finally:
             relay_server.close()
             for writer in to_a:
                 writer.close()
 
 
-def test_frames_right_behind_the_listeners_ready_are_read_signed() -> None:
-    """The listener's ready and its first signed frames, one with a payload, in one
-    segment: the dialer reads the ready unsigned and the rest signed, payload included
+def test_frames_right_behind_the_listeners_ready_are_read_sealed() -> None:
+    """The listener's ready and its first sealed frames, one with a payload, in one
+    segment: the dialer reads the ready in the clear and the rest sealed, payload included
     (it had checked the listener's proof before: a payload may come at once)."""
     async def test() -> None:
         listener = RawListener(go_silent, with_ready=[(p.Heartbeat(1), b""),

@@ -582,13 +582,31 @@ def test_frame_keys_differ_by_direction_secret_and_handshake() -> None:
     assert p.frame_keys(b"k", another_handshake) != (dialers, listeners)
 
 
-def test_a_frames_mac_covers_its_place_in_the_sequence_and_every_byte() -> None:
-    pieces = p.frame(encode_peer(Heartbeat(1)), b"payload")
-    sender, receiver = p.FrameMac(b"key"), p.FrameMac(b"key")
-    first = sender.next(pieces)
-    assert len(first) == p.MAC_BYTES and receiver.next(pieces) == first  # both ends agree, frame by frame
-    assert sender.next(pieces) != first  # the same frame again is another MAC: a replay fails
-    assert p.FrameMac(b"key").next([b"".join(pieces)]) == first  # over the bytes, however they are cut
-    changed = p.frame(encode_peer(Heartbeat(1)), b"paylaod")
-    assert p.FrameMac(b"key").next(changed) != first
-    assert p.FrameMac(b"other").next(pieces) != first
+def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() -> None:
+    header, payload = encode_peer(Heartbeat(1)), b"payload"
+    sender, receiver = p.FrameSeal(bytes(32)), p.FrameSeal(bytes(32))
+    first = sender.seal(header, payload)
+    lengths, sealed_header, sealed_payload = first
+    assert lengths == p.FRAME.pack(len(header), len(payload))  # the lengths of what it carries
+    assert (len(sealed_header), len(sealed_payload)) == p.sealed_lengths(len(header), len(payload))
+    assert payload not in b"".join(first) and header not in b"".join(first)  # encrypted
+    assert receiver.open(*first) == (header, payload)  # both ends agree, frame by frame
+    second = sender.seal(header, payload)
+    assert second != first  # the same frame again is sealed anew
+    with pytest.raises(DecodeError, match="replayed"):
+        receiver.open(*first)  # a replay (the receiver expects frame 1 now)
+
+    def opens(pieces: list[bytes], key: bytes = bytes(32)) -> bool:
+        try:
+            p.FrameSeal(key).open(*pieces)
+        except DecodeError:
+            return False
+        return True
+
+    assert opens(first) and not opens(first, key=b"k" * 32)
+    for i in range(3):  # a bit flipped anywhere: in the lengths, the header or the payload
+        changed = list(first)
+        changed[i] = bytes([changed[i][0] ^ 1]) + changed[i][1:]
+        assert not opens(changed)
+    assert not opens([lengths, sealed_payload, sealed_header])  # parts swapped
+    assert p.FrameSeal(bytes(32)).seal(header, b"")[2:] == []  # no payload: no payload part
