@@ -27,13 +27,17 @@ completes on the acknowledgement.
 Flow control: a stream may run `WINDOW_CHUNKS` chunks ahead of its reader. The
 reader, having taken chunk i of a stream that has more than i + WINDOW_CHUNKS
 chunks, grants chunk i + WINDOW_CHUNKS (step "up-credit" or "p2p-credit", back
-the way the data came); the sender waits for that grant before sending it. So
-what a daemon holds for a reader that has not called yet (a member's partial
-sums, a send before its receive) is a window per stream, not the whole buffer,
-and the sender's call waits as NCCL's does. Streams of at most WINDOW_CHUNKS
-chunks never wait: small calls cost no extra message. The root's "down" streams
-take no window: a member reads them inside the call it already made, and they
-are no bigger than its own buffers.
+the way the data came); the sender waits for that grant before sending it. A
+member's partial sums are granted by the root's results instead: it sends
+chunk i once it took result i - WINDOW_CHUNKS, which the root sends only after
+every daemon's chunk i - WINDOW_CHUNKS came, so neither the partials at the
+root nor the results at the member pile up. So what a daemon holds for a
+reader that has not called yet (a member's partials, a send before its
+receive) is a window per stream, not the whole buffer, and the sender's call
+waits as NCCL's does. Streams of at most WINDOW_CHUNKS chunks never wait: small
+calls cost no extra message. The root's other "down" streams (all_gather,
+broadcast) take no window: the root sends them once the member is in the call,
+and the member takes each as it comes.
 """
 
 from __future__ import annotations
@@ -116,9 +120,10 @@ class NetRunner:
         return p.Data(self.net.world, self.epoch, step, tag.index, chunk, source,
                       tag.fingerprint if fingerprint is None else fingerprint, about)
 
-    async def _up(self, tag: CallTag, chunk: int, count: int, member: str) -> bytes | bytearray:
-        """The root takes chunk `chunk` (of `count`) of a member's up stream, checking the
-        call matches, and grants the member the chunk the window now allows."""
+    async def _up(self, tag: CallTag, chunk: int, member: str, count: int = 0) -> bytes | bytearray:
+        """The root takes chunk `chunk` of a member's up stream, checking the call matches,
+        and grants the member the chunk the window now allows, if the stream has `count`
+        chunks (0: the root's results grant them, see _reduced)."""
         source = min(self.net.ranks_of(member))
         msg, payload = await self.inbox.get(("up", tag.index, chunk, source))
         if msg.fingerprint != tag.fingerprint:
@@ -138,8 +143,11 @@ class NetRunner:
         return payload
 
     async def _send_up(self, tag: CallTag, chunk: int, payload: bytes | memoryview,
-                       about: Sequence[int]) -> None:
-        await self._window("up", tag, chunk, min(about))
+                       about: Sequence[int], granted: bool = False) -> None:
+        """A member sends the root chunk `chunk` of its up stream, once the window allows
+        (`granted`: the caller made sure of it)."""
+        if not granted:
+            await self._window("up", tag, chunk, min(about))
         self.net.send("root", self._data("up", tag, chunk, min(about), tuple(about)), payload)
 
     def _send_down(self, tag: CallTag, chunk: int, payload: bytes | memoryview,
@@ -166,23 +174,30 @@ class NetRunner:
 
         if not self.net.is_root:
             local_ranks = self.net.ranks_of(self.net.me)
-            for i, (lo, hi) in enumerate(pieces):
-                # a partial crosses the wire in the element type: half the bytes of float32
-                wire = await self._off_loop(functools.partial(local_sum, lo, hi, True))
-                await self._send_up(tag, i, _raw(wire), local_ranks)
-                await self.net.drain()
-            for i, (lo, hi) in enumerate(pieces):
+
+            async def take(i: int) -> None:
+                lo, hi = pieces[i]
                 result = np.frombuffer(await self._down(tag, i), np.uint8)
                 if len(result) != hi - lo:
                     raise CallError(ErrorCode.INTERNAL,
                                     f"call {tag.index}: chunk {i} has {len(result)} bytes")
-                deliver(lo, hi, result)
+                deliver(lo, hi, result)  # (only chunk i's range, summed already: in place is safe)
+
+            for i, (lo, hi) in enumerate(pieces):
+                if i >= WINDOW_CHUNKS:  # the result of chunk i - W is the grant of chunk i
+                    await take(i - WINDOW_CHUNKS)
+                # a partial crosses the wire in the element type: half the bytes of float32
+                wire = await self._off_loop(functools.partial(local_sum, lo, hi, True))
+                await self._send_up(tag, i, _raw(wire), local_ranks, granted=True)
+                await self.net.drain()
+            for i in range(max(0, len(pieces) - WINDOW_CHUNKS), len(pieces)):
+                await take(i)
             return
         members = self.net.members()  # in order of their lowest rank; ours (rank 0) comes first
         for i, (lo, hi) in enumerate(pieces):
             mine = await self._off_loop(functools.partial(local_sum, lo, hi, False))
             for member in members:
-                theirs = np.frombuffer(await self._up(tag, i, len(pieces), member), np.uint8)
+                theirs = np.frombuffer(await self._up(tag, i, member), np.uint8)  # (results grant)
                 if len(theirs) != hi - lo:
                     raise CallError(ErrorCode.MISMATCH,
                                     f"call {tag.index}: daemon {member} sent {len(theirs)} bytes "
@@ -241,7 +256,7 @@ class NetRunner:
             gathered = bytearray()
             pieces = chunks(len(theirs) * size, CHUNK_BYTES)
             for i, _ in enumerate(pieces):
-                gathered += await self._up(op.tag, i, len(pieces), member)
+                gathered += await self._up(op.tag, i, member, len(pieces))
             for j, r in enumerate(theirs):
                 full[r * size:(r + 1) * size] = np.frombuffer(gathered, np.uint8)[j * size:(j + 1) * size]
         for i, (lo, hi) in enumerate(chunks(len(full), CHUNK_BYTES)):
@@ -275,11 +290,11 @@ class NetRunner:
         members = self.net.members()
         for member in members:
             if member != source:
-                await self._up(op.tag, 0, 1, member)
+                await self._up(op.tag, 0, member)
         local_source = source == self.net.me
         for i, (lo, hi) in enumerate(pieces):
             piece = self._array(op.bufs[op.root])[lo:hi] if local_source else np.frombuffer(
-                await self._up(op.tag, i, len(pieces), source), np.uint8)
+                await self._up(op.tag, i, source, len(pieces)), np.uint8)
             self._send_down(op.tag, i, _raw(piece), [m for m in members if m != source])
             for a in arrays:
                 a[lo:hi] = piece
@@ -293,7 +308,7 @@ class NetRunner:
             await self._down(op.tag, 0)
             return
         for member in self.net.members():
-            await self._up(op.tag, 0, 1, member)
+            await self._up(op.tag, 0, member)
         self._send_down(op.tag, 0, b"")
 
     # ---- point to point -----------------------------------------------------------------

@@ -209,30 +209,37 @@ def test_two_worlds_share_the_daemons(pool: RankPool, daemons: list[DaemonProces
     ("p2p", [0, 1], 0),  # a member sends to the root's rank
     ("p2p", [0, 1], 1),  # the root sends to a member's rank
     ("p2p", [0, 1, 2], 2),  # member to member, through the root
-    ("all_reduce", [0, 1], 0),  # a member's partial sums wait for the root's rank
+    ("all_reduce", [0, 1], 0),  # a member's partial sums wait for the root's rank (and the
+    # root's results must not pile up at the member while it sends them)
 ])
 def test_a_late_reader_holds_back_the_sender(pool: RankPool, daemons: list[DaemonProcess], what: str,
                                              placement: list[int], late: int) -> None:
     """Data sent before its reader calls waits in the reader's daemon, a window of it at
-    most: the sender goes on as the reader takes it, and every byte arrives."""
+    most (nor does any other daemon of the world pile it up): the sender goes on as the
+    reader takes it, and every byte arrives."""
     nbytes, delay, seed = 12 * CHUNK_BYTES + 5, 2.0, 31
     world, addresses = world_name("late"), specs(daemons, placement)
-    reader = daemons[placement[late]]
+    involved = sorted(set(placement))
+    reader = placement[late]
     workers_started = pool.start(workers.late_taker, [(addresses[r], world, r, len(placement), what, nbytes,
                                                        late, delay, seed) for r in range(len(placement))])
-    held, scraped = [], None
+    held: dict[int, list[int]] = {d: [] for d in involved}
+    scraped = None
     deadline = time.monotonic() + delay + 20
     while time.monotonic() < deadline:
-        status = world_status(reader, world)
-        if status is not None and status["state"] == "ready":
-            held.append(int(status["peer_bytes_held"]))  # type: ignore[call-overload]
-            if scraped is None and held[-1]:
-                scraped = scrape(str(query_status(str(reader.socket_path), 5)["metrics"]))
-            if len(held) > 5 and held[-1] == 0 and max(held) > 0:
-                break  # the reader took it all
+        statuses = {d: world_status(daemons[d], world) for d in involved}
+        if any(status is None and held[d] for d, status in statuses.items()):
+            break  # the ranks left
+        for d, status in statuses.items():
+            if status is not None and status["state"] == "ready":
+                held[d].append(int(status["peer_bytes_held"]))  # type: ignore[call-overload]
+        if scraped is None and held[reader] and held[reader][-1]:
+            scraped = scrape(str(query_status(str(daemons[reader].socket_path), 5)["metrics"]))
         time.sleep(0.05)
     results = [o.unwrap() for o in pool.collect(workers_started, timeout=30)]
-    assert CHUNK_BYTES <= max(held) <= WINDOW_CHUNKS * CHUNK_BYTES, max(held)
+    assert CHUNK_BYTES <= max(held[reader]) <= WINDOW_CHUNKS * CHUNK_BYTES, max(held[reader])
+    for d in involved:
+        assert max(held[d]) <= WINDOW_CHUNKS * CHUNK_BYTES and held[d][-1] == 0, (d, held[d])
     assert scraped is not None
     assert 0 < scraped[("commd_peer_bytes_held", ())] <= WINDOW_CHUNKS * CHUNK_BYTES
     inputs = [make_input(seed, r, nbytes, "u8", "sum") for r in range(len(placement))]

@@ -170,13 +170,13 @@ def late_taker(sock: str, world: str, rank: int, n: int, what: str, nbytes: int,
         comm.barrier()  # joined: the delay below is the call's alone
         if rank == late:
             time.sleep(delay)
+        received = b""
+        src = 0 if late == 1 else 1
         if what == "all_reduce":
             buf = _load(make_input(seed, rank, nbytes, "u8", "sum"))
             comm.all_reduce(buf.ptr, nbytes, dtype="u8", op="sum")
-            return _read(buf, 0, nbytes)
-        src = 0 if late == 1 else 1
-        received = b""
-        if rank == src:
+            received = _read(buf, 0, nbytes)
+        elif rank == src:
             out = _load(make_input(seed, rank, nbytes, "u8", "sum"))
             comm.send_to(out.ptr, nbytes, late, 0)
         elif rank == late:
@@ -184,6 +184,7 @@ def late_taker(sock: str, world: str, rank: int, n: int, what: str, nbytes: int,
             comm.recv_from(into.ptr, nbytes, src, 0)
             received = _read(into, 0, nbytes)
         comm.barrier()  # a rank leaving now would fail the world under the others' calls
+        time.sleep(0.5)  # (the world stays while the test looks: nothing held once it is all done)
         return received
 
 
