@@ -334,7 +334,7 @@ def dists():
     out = {}
     for name in ("nccl4py", "cuda-bindings", "cuda-core", "cuda-pathfinder", "nvidia-nccl-cu13", "torch",
                  "cupy-cuda13x", "numpy", "ml-dtypes", "msgpack", "uvloop", "pytest", "pytest-asyncio",
-                 "pytest-timeout", "packaging"):
+                 "pytest-timeout", "packaging", "cryptography", "cffi"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -363,6 +363,12 @@ def repo():
     import client, commd, proto
     return {m.__name__: m.__file__ for m in (commd, client, proto)}
 attempt("repo", repo)
+def sealing():  # two daemons seal their peer frames (cryptography, which needs cffi's backend)
+    from proto import peer
+    sealed = peer.FrameSeal(bytes(32)).seal(b"header", b"payload")
+    assert peer.FrameSeal(bytes(32)).open(*sealed) == (b"header", b"payload")
+    return "ok"
+attempt("sealing", sealing)
 def engine_check():
     from commd.engine import create_engine
     e = create_engine(engine)
@@ -399,6 +405,8 @@ def step_imports(ctx: Ctx) -> Result:
     key = f"NCCL {nccl4py.get('version', '-')} (nccl4py), torch NCCL {torch_info.get('nccl', '-')}"
     note = "; ".join([f"{p}: {info.get(p)}" if p in info else p for p in problems]
                      + ([f"nccl4py needs {unmet}"] if isinstance(unmet, list) and unmet else [])
+                     # (only two daemons need it: step 4 decides, and fails there without it)
+                     + ([f"peer sealing: {info.get('sealing')}"] if err("sealing") else [])
                      + [str(torch_info.get("device") or "no GPU")])
     if ctx.dry:
         note = f"dry run: GPU items informational; {note}"
