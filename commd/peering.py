@@ -57,7 +57,6 @@ class SelfDialError(Exception):
 
 
 Handler = Callable[["PeerLink", p.PeerMessage, bytes | bytearray], None]
-_Sealed = tuple[bytes, bytes]  # a sealed frame's lengths and sealed header (its payload is beside)
 LostHandler = Callable[["PeerLink", str], None]
 
 
@@ -80,18 +79,17 @@ class FrameStream(asyncio.BufferedProtocol):
         self._header = b""
         self._payload = bytearray()
         self._pending_payload = 0
-        # Until the other side proved the secret, frames carry no payload: nothing big is
-        # allocated for someone who does not hold it.
-        self.authenticated = False
         # The last frame the other side sends in the clear (the end of its handshake): the
-        # frames after it are sealed, and opened by `read` with the keys `secure` gives (they
-        # may arrive before it is called).
+        # frames after it are sealed. Each part is opened as soon as it is in, with the key
+        # `trust` gave once the other side proved the secret, before that last clear frame
+        # could come (sealed ones may follow it in the same segment). Until then frames carry
+        # no payload, and after it a header is opened before its payload is allocated:
+        # nothing big is allocated for someone who does not hold the keys.
         self.sealed_after = sealed_after
         self._sealed_in = False
         self._seal: p.FrameSeal | None = None
         self._opener: p.FrameSeal | None = None
-        # (a clear frame's message and payload) or (a sealed frame's pieces and sealed payload)
-        self._frames: collections.deque[tuple[p.PeerMessage | _Sealed, bytearray]] = collections.deque()
+        self._frames: collections.deque[tuple[p.PeerMessage, bytes | bytearray]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._writable: asyncio.Future[None] | None = None
@@ -127,30 +125,39 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._stage == "prefix":
             self._lengths = bytes(self._prefix)
             header_len, payload_len = p.frame_lengths(self._lengths)
-            if payload_len and not self.authenticated:
+            if payload_len and self._opener is None:
                 raise proto.DecodeError("a payload before the handshake ended")  # no big buffers
-            if self._sealed_in:
+            if self._opening() is not None:
                 header_len, payload_len = p.sealed_lengths(header_len, payload_len)
             self._pending_payload = payload_len
             self._expect("header", bytearray(header_len))
             return
+        payload: bytes | bytearray = bytearray()
         if self._stage == "header":
-            self._header, self._payload = bytes(self._target), bytearray()
+            self._header = bytes(self._target)
+            if (opener := self._opening()) is not None:
+                self._header = opener.open_header(self._lengths, self._header)
             if self._pending_payload:
                 self._expect("payload", bytearray(self._pending_payload))
                 return
         else:
-            self._payload = self._target
-        if self._sealed_in:
-            self._frames.append(((self._lengths, self._header), self._payload))
-        else:
-            msg = codec.decode_peer(self._header)
-            self._frames.append((msg, self._payload))
-            if self.sealed_after is not None and isinstance(msg, self.sealed_after):
-                self._sealed_in = True
-        self._payload = bytearray()  # the frame's now: not kept here once it is handled
+            payload = self._target
+            if (opener := self._opening()) is not None:
+                payload = opener.open_payload(self._lengths, payload)
+        msg = codec.decode_peer(self._header)
+        self._frames.append((msg, payload))
+        if not self._sealed_in and self.sealed_after is not None and isinstance(msg, self.sealed_after):
+            self._sealed_in = True
         self._expect("prefix", self._prefix)
         self._wake()
+
+    def _opening(self) -> p.FrameSeal | None:
+        """What opens the frame being read; None while frames come in the clear."""
+        if not self._sealed_in:
+            return None
+        if self._opener is None:  # (the other side ended its handshake before ours let it)
+            raise proto.DecodeError("a sealed frame before this side could open it")
+        return self._opener
 
     def _expect(self, stage: str, target: bytearray) -> None:
         self._stage, self._target, self._filled = stage, target, 0
@@ -174,9 +181,14 @@ class FrameStream(asyncio.BufferedProtocol):
 
     # ---- what the link uses -------------------------------------------------------------
 
-    def secure(self, seal_key: bytes, open_key: bytes) -> None:
-        """The handshake ended: seal what we write from now on, open what we read."""
-        self._seal, self._opener = p.FrameSeal(seal_key), p.FrameSeal(open_key)
+    def trust(self, open_key: bytes) -> None:
+        """The other side proved the secret: open what it sends after its last clear frame
+        (`sealed_after`) with `open_key`. Called before that frame can come."""
+        self._opener = p.FrameSeal(open_key)
+
+    def seal_with(self, key: bytes) -> None:
+        """Seal what we write from now on (the handshake ended)."""
+        self._seal = p.FrameSeal(key)
 
     async def read(self) -> tuple[p.PeerMessage, bytes | bytearray]:
         while not self._frames:
@@ -184,16 +196,7 @@ class FrameStream(asyncio.BufferedProtocol):
                 raise self._error
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        frame, payload = self._frames.popleft()
-        if not isinstance(frame, tuple):
-            if self._opener is not None:
-                raise proto.DecodeError(f"a {type(frame).__name__} frame in the clear after the handshake")
-            return frame, payload  # (the handshake)
-        if self._opener is None:  # (a sealed frame is only read once the link is secured)
-            raise proto.DecodeError("a sealed frame before the handshake ended")
-        lengths, header = frame
-        clear_header, clear_payload = self._opener.open(lengths, header, payload)
-        return codec.decode_peer(clear_header), clear_payload
+        return self._frames.popleft()
 
     def write(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """Queue a frame. `payload` is not copied unless sealed: in the clear, it must not
@@ -383,11 +386,15 @@ class PeerNode:
                 raise
         return self._link(name, incarnation, stream, transcript, dialed=True)
 
+    def _frame_keys(self, transcript: bytes, dialed: bool) -> tuple[bytes, bytes]:
+        """This side's keys on the link: to seal what it writes, to open what it reads."""
+        dialers, listeners = p.frame_keys(self.settings.secret, transcript)
+        return (dialers, listeners) if dialed else (listeners, dialers)
+
     def _link(self, name: str, incarnation: bytes, stream: FrameStream, transcript: bytes,
               dialed: bool) -> PeerLink:
-        """The handshake ended: its frames are sealed from now on, each side with its key."""
-        dialers, listeners = p.frame_keys(self.settings.secret, transcript)
-        stream.secure(*((dialers, listeners) if dialed else (listeners, dialers)))
+        """The handshake ended: what we write is sealed from now on."""
+        stream.seal_with(self._frame_keys(transcript, dialed)[0])
         link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost)
         link.start()
         return link
@@ -417,7 +424,7 @@ class PeerNode:
         if not hmac.compare_digest(p.proof(self.settings.secret, "listener", transcript), challenge.proof):
             stream.write(p.PeerRefused("wrong listener proof"))
             raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
-        stream.authenticated = True  # it proved the secret: what follows its ready may be big
+        stream.trust(self._frame_keys(transcript, dialed=True)[1])  # before its ready
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
         ready, _ = await stream.read()
         if not isinstance(ready, p.PeerReady):
@@ -449,7 +456,7 @@ class PeerNode:
             with contextlib.suppress(Exception):
                 stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
             raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
-        stream.authenticated = True
+        stream.trust(self._frame_keys(transcript, dialed=False)[1])  # before our ready
         stream.write(p.PeerReady())
         return hello.daemon, hello.incarnation, transcript
 

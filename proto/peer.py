@@ -20,10 +20,11 @@ each encrypted with AES-256-GCM under a key of its direction derived from the
 secret and T (`frame_keys`), with the frame's sequence number in the nonce and its
 lengths as authenticated data. Someone who relays a handshake between two daemons
 learns no key: they can pass frames on or drop them, not read, forge, change,
-replay or reorder one. A daemon's incarnation is random per process: two links
-from one process to another are both kept (each daemon dialed the other, for
-worlds rooted on either side), while a link from a new process of the same name
-replaces those of the old one.
+replay or reorder one (they see the handshake and each frame's lengths). A
+daemon's incarnation is random per process: two links from one process to
+another are both kept (each daemon dialed the other, for worlds rooted on either
+side), while a link from a new process of the same name replaces those of the
+old one.
 
 Messages about a world carry its epoch; a daemon refuses those of an older epoch.
 """
@@ -291,12 +292,17 @@ Bytes = bytes | bytearray | memoryview
 
 
 def frame(header: bytes, payload: Bytes = b"") -> list[Bytes]:
-    """The pieces to write for one frame (the payload is not copied)."""
+    """The pieces to write for one frame in the clear (the payload is not copied)."""
+    return [frame_prefix(header, payload), header, payload]
+
+
+def frame_prefix(header: Bytes, payload: Bytes) -> bytes:
+    """A frame's lengths, within the limits its reader holds it to."""
     if len(header) > MAX_MESSAGE_BYTES:
         raise MessageTooLarge(f"peer header of {len(header)} bytes is over the limit")
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise MessageTooLarge(f"peer payload of {len(payload)} bytes is over the limit")
-    return [FRAME.pack(len(header), len(payload)), header, payload]
+    return FRAME.pack(len(header), len(payload))
 
 
 def frame_lengths(prefix: bytes) -> tuple[int, int]:
@@ -340,23 +346,30 @@ class FrameSeal:
 
     def seal(self, header: bytes, payload: Bytes) -> list[bytes]:
         """The next frame's bytes: lengths, sealed header, sealed payload (if any)."""
-        lengths = FRAME.pack(len(header), len(payload))
+        lengths = frame_prefix(header, payload)
         pieces = [lengths, self._aead.encrypt(self._nonce(0), header, lengths)]
         if len(payload):
             pieces.append(self._aead.encrypt(self._nonce(1), payload, lengths))
         self._seq += 1
         return pieces
 
-    def open(self, lengths: bytes, header: Bytes, payload: Bytes) -> tuple[bytes, bytes]:
-        """The next frame's header and payload, from the pieces `seal` made."""
+    def open_header(self, lengths: bytes, header: Bytes) -> bytes:
+        """The next frame's header, as soon as it is in: its tag covers `lengths` too, so
+        the payload's length is vouched for before the reader allocates anything for it."""
+        return self._open(0, lengths, header, last=FRAME.unpack(lengths)[1] == 0)
+
+    def open_payload(self, lengths: bytes, payload: Bytes) -> bytes:
+        """The payload of the frame whose header was opened last."""
+        return self._open(1, lengths, payload, last=True)
+
+    def _open(self, part: int, lengths: bytes, sealed: Bytes, last: bool) -> bytes:
         from cryptography.exceptions import InvalidTag
 
         try:
-            opened = (self._aead.decrypt(self._nonce(0), header, lengths),
-                      self._aead.decrypt(self._nonce(1), payload, lengths) if len(payload) else b"")
+            return self._aead.decrypt(self._nonce(part), sealed, lengths)
         except InvalidTag:
             raise DecodeError("a frame failed its check (forged, changed, replayed or out of "
                               "order)") from None
         finally:
-            self._seq += 1
-        return opened
+            if last:
+                self._seq += 1

@@ -155,10 +155,11 @@ class RawSession:
     async def read(self) -> tuple[Any, bytes]:
         prefix = await self.reader.readexactly(p.FRAME.size)
         header_len, payload_len = p.sealed_lengths(*p.frame_lengths(prefix))
-        header = await self.reader.readexactly(header_len)
-        payload = await self.reader.readexactly(payload_len) if payload_len else b""
-        clear_header, clear_payload = self._opener.open(prefix, header, payload)
-        return decode_peer(clear_header), clear_payload
+        header = self._opener.open_header(prefix, await self.reader.readexactly(header_len))
+        if not payload_len:
+            return decode_peer(header), b""
+        payload = await self.reader.readexactly(payload_len)
+        return decode_peer(header), self._opener.open_payload(prefix, payload)
 
     async def read_until_eof(self) -> list[Any]:
         """Every frame until the other side closes (heartbeats included)."""
@@ -542,6 +543,10 @@ BAD_HEADERS = {  # sealed as the link seals a frame's header
 FORGED_FRAMES = {  # whole frames that someone without the link's keys could send
     "in the clear": FAILED_FRAME + bytes(p.TAG_BYTES),
     "sealed under another key": b"".join(p.FrameSeal(bytes(32)).seal(FAILED_HEADER, b"")),
+    # a big payload announced, and not sent: refused on its header, nothing allocated for it
+    # (and at once: not once the link falls silent)
+    "a forged header before a big payload": p.FRAME.pack(len(FAILED_HEADER), p.MAX_PAYLOAD_BYTES)
+    + FAILED_HEADER + bytes(p.TAG_BYTES),
 }
 
 

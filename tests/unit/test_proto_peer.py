@@ -582,6 +582,13 @@ def test_frame_keys_differ_by_direction_secret_and_handshake() -> None:
     assert p.frame_keys(b"k", another_handshake) != (dialers, listeners)
 
 
+def opened(opener: p.FrameSeal, pieces: list[bytes]) -> tuple[bytes, bytes]:
+    """A frame opened as a reader does: the header as soon as it is in, then the payload."""
+    lengths, sealed_header, *sealed_payload = pieces
+    header = opener.open_header(lengths, sealed_header)
+    return header, opener.open_payload(lengths, sealed_payload[0]) if sealed_payload else b""
+
+
 def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() -> None:
     header, payload = encode_peer(Heartbeat(1)), b"payload"
     sender, receiver = p.FrameSeal(bytes(32)), p.FrameSeal(bytes(32))
@@ -590,15 +597,15 @@ def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() ->
     assert lengths == p.FRAME.pack(len(header), len(payload))  # the lengths of what it carries
     assert (len(sealed_header), len(sealed_payload)) == p.sealed_lengths(len(header), len(payload))
     assert payload not in b"".join(first) and header not in b"".join(first)  # encrypted
-    assert receiver.open(*first) == (header, payload)  # both ends agree, frame by frame
+    assert opened(receiver, first) == (header, payload)  # both ends agree, frame by frame
     second = sender.seal(header, payload)
     assert second != first  # the same frame again is sealed anew
     with pytest.raises(DecodeError, match="replayed"):
-        receiver.open(*first)  # a replay (the receiver expects frame 1 now)
+        opened(receiver, first)  # a replay (the receiver expects frame 1 now)
 
     def opens(pieces: list[bytes], key: bytes = bytes(32)) -> bool:
         try:
-            p.FrameSeal(key).open(*pieces)
+            opened(p.FrameSeal(key), pieces)
         except DecodeError:
             return False
         return True
@@ -609,4 +616,15 @@ def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() ->
         changed[i] = bytes([changed[i][0] ^ 1]) + changed[i][1:]
         assert not opens(changed)
     assert not opens([lengths, sealed_payload, sealed_header])  # parts swapped
+    # the payload cut off, and the lengths made to say there was none: the header's tag covers
+    # the lengths, so the reader knows before it allocates anything for a payload
+    assert not opens([p.FRAME.pack(len(header), 0), sealed_header])
+    assert not opens([p.FRAME.pack(len(header), 1 << 20), sealed_header, sealed_payload])
     assert p.FrameSeal(bytes(32)).seal(header, b"")[2:] == []  # no payload: no payload part
+
+
+def test_sealing_holds_to_the_readers_limits() -> None:
+    with pytest.raises(MessageTooLarge):
+        p.FrameSeal(bytes(32)).seal(b"h", bytes(MAX_PAYLOAD_BYTES + 1))
+    with pytest.raises(MessageTooLarge):
+        p.FrameSeal(bytes(32)).seal(bytes(MAX_MESSAGE_BYTES + 1), b"")
