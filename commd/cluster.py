@@ -256,6 +256,12 @@ class Cluster:
             "foreign_refused": self.foreign_refused,
         }
 
+    def announce_quiet(self, seconds: float) -> None:
+        """Tell every linked daemon our loop may stall for up to `seconds` (see
+        Engine.on_loop_stall): silence that long is not a lost daemon."""
+        for link in self.open_links():
+            link.announce_quiet(seconds)
+
     def open_links(self) -> list[PeerLink]:
         """Every open link, to every daemon (`links` holds one per daemon)."""
         return [link for siblings in self._siblings.values() for link in siblings]

@@ -45,6 +45,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     engine = engine if engine is not None else create_engine(config.engine, threads=config.threads)
     broke: list[str] = []
     cluster = _cluster(config)
+    if cluster is not None:
+        engine.on_loop_stall(cluster.announce_quiet)
     server = Server(config, engine, cluster)
     metrics: asyncio.Server | None = None
     alive: asyncio.Task[None] | None = None

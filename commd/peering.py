@@ -245,6 +245,8 @@ class PeerLink:
         self._handler = handler
         self._on_lost = on_lost
         self.last_seen = time.monotonic()
+        self._quiet_until = 0.0  # the peer said its loop may stall until then (Heartbeat.quiet_ms)
+        self._beats = 0
         self.closed = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -270,6 +272,9 @@ class PeerLink:
             while True:
                 msg, payload = await self._stream.read()
                 self.last_seen = time.monotonic()
+                # (any other frame means the peer's loop runs again)
+                quiet_s = msg.quiet_ms / 1000 if isinstance(msg, p.Heartbeat) else 0.0
+                self._quiet_until = self.last_seen + quiet_s if quiet_s else 0.0
                 if not isinstance(msg, p.Heartbeat):
                     try:
                         self._handler(self, msg, payload)
@@ -286,8 +291,13 @@ class PeerLink:
             log.warning("peer %s sent a bad frame: %s", self.name, exc)
         self.close(reason)
 
+    def announce_quiet(self, seconds: float) -> None:
+        """Our loop is about to stall for up to `seconds`: the peer is not to take that
+        silence for a lost daemon (the other worlds on this link would fail with it)."""
+        self._beats += 1
+        self.send(p.Heartbeat(self._beats, min(p.MAX_QUIET_MS, round(seconds * 1000))))
+
     async def _heartbeat_loop(self) -> None:
-        seq = 0
         ticked = time.monotonic()
         excused = False
         while not self.closed:
@@ -298,11 +308,11 @@ class PeerLink:
             excused = now - ticked > 2 * self._settings.heartbeat_s and not excused
             ticked = now
             silent = now - self.last_seen
-            if silent > self._settings.window_s and not excused:
+            if silent > self._settings.window_s and not excused and now >= self._quiet_until:
                 self.close(f"silent for {silent:.1f}s (window {self._settings.window_s:g}s)")
                 return
-            seq += 1
-            self.send(p.Heartbeat(seq))
+            self._beats += 1
+            self.send(p.Heartbeat(self._beats))
             await asyncio.sleep(self._settings.heartbeat_s)
 
     def close(self, reason: str) -> None:

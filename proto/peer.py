@@ -144,12 +144,22 @@ def proof(secret: bytes, role: str, transcript: bytes) -> bytes:
 # ---- after the handshake -----------------------------------------------------------
 
 
+MAX_QUIET_MS = 600_000
+
+
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
+    """Sent on every link at a fixed interval. `quiet_ms`: the sender's event loop may
+    stall for up to this long from now (an ncclCommAbort runs on it), and its peer does
+    not count that silence against the link."""
+
     seq: int
+    quiet_ms: int = 0
 
     def __post_init__(self) -> None:
         _u64("seq", self.seq)
+        if not 0 <= self.quiet_ms <= MAX_QUIET_MS:
+            raise InvalidMessage(f"quiet_ms must be 0..{MAX_QUIET_MS}")
 
 
 @dataclass(frozen=True, slots=True)

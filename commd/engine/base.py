@@ -270,6 +270,12 @@ class Engine(Protocol):
         CallError (misuse) for a GPU this daemon does not see."""
         ...
 
+    def on_loop_stall(self, announce: Callable[[float], None]) -> None:
+        """Call `announce(limit_s)` right before a call that may hold the event loop up to
+        `limit_s` (ncclCommAbort): the daemon tells its peers, whose links would otherwise
+        time out and fail every world across them."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -357,5 +357,8 @@ class HostEngine:
     def describe(self) -> str:
         return f"host ({self._threads} threads)"
 
+    def on_loop_stall(self, announce: Callable[[float], None]) -> None:
+        pass  # nothing of the host engine's holds the loop: long work runs on its threads
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

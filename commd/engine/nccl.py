@@ -20,7 +20,7 @@ the same fake behind the real bindings (tests/fakecuda).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -91,6 +91,9 @@ class NcclEngine:
 
     def broken(self) -> str | None:
         return self.gpu.broken()
+
+    def on_loop_stall(self, announce: Callable[[float], None]) -> None:
+        self._stuck.announce = announce
 
     def describe(self) -> str:
         try:

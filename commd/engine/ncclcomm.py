@@ -121,8 +121,9 @@ class NcclCommunicator:
             finally:
                 gpu.group_end()
         except GpuError as exc:
-            for comm in self._comms.values():  # those that started: never left half-made
-                with contextlib.suppress(GpuError):
+            for rank, comm in self._comms.items():  # those that started: never left half-made
+                with contextlib.suppress(GpuError), stuck.guard(f"ncclCommAbort (world {world}, rank "
+                                                                f"{rank}, its init failed)"):
                     gpu.comm_abort(comm)
             self._comms.clear()
             self._teardown()

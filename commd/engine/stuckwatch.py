@@ -25,11 +25,14 @@ class StuckWatch:
     return: it waits for the device, where another world's kernel or a dead worker's
     event that never fires can hold it. Nothing on the loop can end that; past
     `limit_s` this watch's own thread calls `on_stuck` (by default: end the process,
-    for its service manager to restart it, the only way out)."""
+    for its service manager to restart it, the only way out). So the loop stalls at
+    most `limit_s`, and `announce(limit_s)` tells whoever listens before it may
+    (the peers, through Engine.on_loop_stall)."""
 
     def __init__(self, limit_s: float = ABORT_LIMIT_S, on_stuck: Callable[[str], None] = _exit_stuck) -> None:
         self._limit = limit_s
         self._on_stuck = on_stuck
+        self.announce: Callable[[float], None] | None = None
         self._lock = threading.Lock()
         self._current: tuple[str, float] | None = None
         self._thread: threading.Thread | None = None
@@ -37,6 +40,11 @@ class StuckWatch:
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
+        if self.announce is not None:
+            try:
+                self.announce(self._limit)
+            except Exception:  # telling the peers is worth a try, not the abort
+                log.exception("announcing a stall of the loop failed")
         with self._lock:
             self._current = (what, time.monotonic())
             if self._thread is None:

@@ -229,6 +229,23 @@ async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abor
         engine.close()
 
 
+async def test_the_peers_hear_of_an_abort_before_it_may_stall_the_loop(gpu: FakeGpu) -> None:
+    """Engine.on_loop_stall's callback is told the longest an abort may hold the loop,
+    before each ncclCommAbort (the daemon passes it on to its peers)."""
+    events: list[object] = []
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    engine.on_loop_stall(events.append)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1])
+        await comm.run(BarrierOp((0, 1)))
+        real_abort = gpu.comm_abort
+        gpu.comm_abort = lambda handle: (events.append("abort"), real_abort(handle))[-1]  # type: ignore[method-assign]
+        comm.abort()
+        assert events == [7.0, "abort", 7.0, "abort"]  # each rank's communicator, each announced
+    finally:
+        engine.close()
+
+
 async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
     """NCCL drops a collective of no bytes at once; across daemons the world sends it to
     the engine so that it still meets the other daemons' ranks: it runs as a barrier."""

@@ -650,6 +650,54 @@ def test_a_stall_of_our_own_loop_is_not_the_peers_silence() -> None:
         thread.join(10)
 
 
+def test_a_stall_announced_to_the_peer_is_not_silence() -> None:
+    """Before ncclCommAbort may stall its loop, a daemon tells its peers for how long
+    (Heartbeat.quiet_ms): they keep the link through that silence (and every world on it),
+    and judge silence again once the time announced is over."""
+    port: list[int] = []
+    lost: list[tuple[str, float]] = []
+    listening, stop = threading.Event(), threading.Event()
+
+    async def peer() -> None:  # on its own loop and thread: it goes on while ours stalls
+        b = Side("daemon-b", fast=True)
+        async with sides(b):
+            port.append(await b.listen())
+            listening.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+            while not b.lost.empty():
+                _, reason, at = b.lost.get_nowait()
+                lost.append((reason, at))
+
+    thread = threading.Thread(target=asyncio.run, args=(peer(),))
+    thread.start()
+    stalls: list[float] = []
+
+    async def ours() -> None:
+        a = Side("daemon-a", fast=True, window_s=60)  # (it does not hear the peer meanwhile: patient)
+        async with sides(a):
+            link = await a.dial(port[0])
+            await asyncio.sleep(HEARTBEAT_S * 4)
+            link.announce_quiet(3.0)
+            stalls.append(time.monotonic())
+            time.sleep(WINDOW_S * 4)  # shorter than announced: the peer keeps the link
+            await asyncio.sleep(HEARTBEAT_S * 6)
+            link.announce_quiet(WINDOW_S * 4)
+            stalls.append(time.monotonic())
+            time.sleep(3.0)  # longer than announced: lost once the announced time is over
+            await asyncio.sleep(HEARTBEAT_S * 4)
+
+    try:
+        assert listening.wait(10)
+        on_uvloop(ours)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert len(lost) == 1, lost
+    reason, at = lost[0]
+    assert "silent" in reason and stalls[1] + WINDOW_S * 4 <= at < stalls[1] + 3.0, (reason, at - stalls[1])
+
+
 # ---- payloads are not copied: what `drain` and `close` promise about them -------------------
 
 

@@ -87,6 +87,7 @@ EXAMPLES: tuple[Any, ...] = (
     PeerRefused("r" * 1024),
     Heartbeat(0),
     Heartbeat(U64_MAX),
+    Heartbeat(3, quiet_ms=p.MAX_QUIET_MS),
     JoinWorld("job-17", 4, 3, 0, 60_000),
     JoinWorld("w" * MAX_WORLD_NAME, MAX_RANKS, MAX_RANKS - 1, U64_MAX, U64_MAX, token="t" * 256),
     JoinWorld("w", 1, 0, 7, 1, token=""),
@@ -119,7 +120,8 @@ def test_example_roundtrip(msg: Any) -> None:
 
 
 def test_wire_shape_is_a_tagged_map() -> None:
-    assert unpack(encode_peer(Heartbeat(7))) == {"t": "heartbeat", "seq": 7}
+    assert unpack(encode_peer(Heartbeat(7))) == {"t": "heartbeat", "seq": 7, "quiet_ms": 0}
+    assert decode_peer(pack({"t": "heartbeat", "seq": 7})) == Heartbeat(7, quiet_ms=0)
     assert unpack(encode_peer(PeerReady())) == {"t": "peer_ready"}
     raw = unpack(encode_peer(WorldFailed("w", 2, ErrorCode.TIMEOUT, "late")))
     assert raw == {"t": "world_failed", "world": "w", "epoch": 2, "code": "timeout", "message": "late"}
@@ -214,6 +216,8 @@ BAD: dict[str, Callable[[], object]] = {
     "refused reason long": lambda: PeerRefused("r" * 1025),
     "heartbeat negative": lambda: Heartbeat(-1),
     "heartbeat over u64": lambda: Heartbeat(U64_MAX + 1),
+    "quiet for longer than a stall may last": lambda: Heartbeat(1, quiet_ms=p.MAX_QUIET_MS + 1),
+    "quiet for less than nothing": lambda: Heartbeat(1, quiet_ms=-1),
     "join world empty": lambda: JoinWorld("", 2, 0, 0, 1),
     "join world long": lambda: JoinWorld("w" * (MAX_WORLD_NAME + 1), 2, 0, 0, 1),
     "join world_size 0": lambda: JoinWorld(W, 0, 0, 0, 1),
