@@ -45,7 +45,7 @@ from .messages import (
     _u64,  # one definition of the rule for both protocols
 )
 
-PEER_VERSION = 5  # 2: incarnations, transcript; 3: signed frames; 4: data flow control; 5: sealed frames
+PEER_VERSION = 6  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet
 NONCE_BYTES = 32
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
@@ -144,7 +144,7 @@ def proof(secret: bytes, role: str, transcript: bytes) -> bytes:
 # ---- after the handshake -----------------------------------------------------------
 
 
-MAX_QUIET_MS = 600_000
+MAX_QUIET_MS = 120_000  # twice the longest a daemon announces (ncclCommAbort's limit, 60 s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,9 @@ class StuckWatch:
     return: it waits for the device, where another world's kernel or a dead worker's
     event that never fires can hold it. Nothing on the loop can end that; past
     `limit_s` this watch's own thread calls `on_stuck` (by default: end the process,
-    for its service manager to restart it, the only way out). So the loop stalls at
-    most `limit_s`, and `announce(limit_s)` tells whoever listens before it may
-    (the peers, through Engine.on_loop_stall)."""
+    for its service manager to restart it, the only way out). So each guarded call
+    stalls the loop at most `limit_s`, and `announce(limit_s)` tells whoever listens
+    before it may (the peers, through Engine.on_loop_stall)."""
 
     def __init__(self, limit_s: float = ABORT_LIMIT_S, on_stuck: Callable[[str], None] = _exit_stuck) -> None:
         self._limit = limit_s

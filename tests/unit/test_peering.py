@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -371,8 +371,9 @@ async def test_listener_checks_the_dialers_proof() -> None:
     (2, True, f"2 is not {p.PEER_VERSION}"),  # unsigned frames: it would link, then fail every frame
     (3, True, f"3 is not {p.PEER_VERSION}"),  # no credits: a long stream to it would wait for ever
     (4, True, f"4 is not {p.PEER_VERSION}"),  # HMAC'd frames: it would link, then fail every frame
+    (5, True, f"5 is not {p.PEER_VERSION}"),  # heartbeats without quiet_ms: it would fail ours
     (p.PEER_VERSION, False, "incarnation"),  # this protocol's hello names its process
-], ids=["newer", "unsigned", "no-credits", "hmac", "no-incarnation"])
+], ids=["newer", "unsigned", "no-credits", "hmac", "no-quiet", "no-incarnation"])
 async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarnation: bool,
                                                        reason: str) -> None:
     a = Side("daemon-a")
@@ -650,15 +651,15 @@ def test_a_stall_of_our_own_loop_is_not_the_peers_silence() -> None:
         thread.join(10)
 
 
-def test_a_stall_announced_to_the_peer_is_not_silence() -> None:
-    """Before ncclCommAbort may stall its loop, a daemon tells its peers for how long
-    (Heartbeat.quiet_ms): they keep the link through that silence (and every world on it),
-    and judge silence again once the time announced is over."""
+def losses_seen_by_a_peer(stalling: Callable[[PeerLink], Awaitable[None]]) -> list[tuple[str, float]]:
+    """`stalling(link)` runs on daemon A's loop (uvloop, as a daemon) with a link to daemon
+    B, which runs on its own loop and thread and goes on while A's stalls; what B declared
+    lost, and when."""
     port: list[int] = []
     lost: list[tuple[str, float]] = []
     listening, stop = threading.Event(), threading.Event()
 
-    async def peer() -> None:  # on its own loop and thread: it goes on while ours stalls
+    async def peer() -> None:
         b = Side("daemon-b", fast=True)
         async with sides(b):
             port.append(await b.listen())
@@ -669,33 +670,64 @@ def test_a_stall_announced_to_the_peer_is_not_silence() -> None:
                 _, reason, at = b.lost.get_nowait()
                 lost.append((reason, at))
 
-    thread = threading.Thread(target=asyncio.run, args=(peer(),))
-    thread.start()
-    stalls: list[float] = []
-
     async def ours() -> None:
         a = Side("daemon-a", fast=True, window_s=60)  # (it does not hear the peer meanwhile: patient)
         async with sides(a):
             link = await a.dial(port[0])
             await asyncio.sleep(HEARTBEAT_S * 4)
-            link.announce_quiet(3.0)
-            stalls.append(time.monotonic())
-            time.sleep(WINDOW_S * 4)  # shorter than announced: the peer keeps the link
-            await asyncio.sleep(HEARTBEAT_S * 6)
-            link.announce_quiet(WINDOW_S * 4)
-            stalls.append(time.monotonic())
-            time.sleep(3.0)  # longer than announced: lost once the announced time is over
-            await asyncio.sleep(HEARTBEAT_S * 4)
+            await stalling(link)
 
+    thread = threading.Thread(target=asyncio.run, args=(peer(),))
+    thread.start()
     try:
         assert listening.wait(10)
         on_uvloop(ours)
     finally:
         stop.set()
         thread.join(10)
+    return lost
+
+
+def test_a_stall_announced_to_the_peer_is_not_silence() -> None:
+    """Before ncclCommAbort may stall its loop, a daemon tells its peers for how long
+    (Heartbeat.quiet_ms): they keep the link through that silence (and every world on it),
+    and judge silence again once the time announced is over."""
+    stalls: list[float] = []
+
+    async def stalling(link: PeerLink) -> None:
+        link.announce_quiet(3.0)
+        stalls.append(time.monotonic())
+        time.sleep(WINDOW_S * 4)  # shorter than announced: the peer keeps the link
+        await asyncio.sleep(HEARTBEAT_S * 6)
+        link.announce_quiet(WINDOW_S * 4)
+        stalls.append(time.monotonic())
+        time.sleep(3.0)  # longer than announced: lost once the announced time is over
+        await asyncio.sleep(HEARTBEAT_S * 4)
+
+    lost = losses_seen_by_a_peer(stalling)
     assert len(lost) == 1, lost
     reason, at = lost[0]
     assert "silent" in reason and stalls[1] + WINDOW_S * 4 <= at < stalls[1] + 3.0, (reason, at - stalls[1])
+
+
+def test_the_next_frame_ends_an_announced_quiet() -> None:
+    """A stall shorter than announced: the heartbeats after it end the quiet time, and a
+    later silence (a dead daemon) is judged by the window again, not excused until the
+    first announcement's time runs out."""
+    silent_from: list[float] = []
+
+    async def stalling(link: PeerLink) -> None:
+        link.announce_quiet(3.0)
+        time.sleep(0.05)  # the abort returned at once
+        await asyncio.sleep(HEARTBEAT_S * 4)
+        silent_from.append(time.monotonic())
+        time.sleep(3.0)  # unannounced
+        await asyncio.sleep(HEARTBEAT_S * 4)
+
+    lost = losses_seen_by_a_peer(stalling)
+    assert len(lost) == 1, lost
+    reason, at = lost[0]
+    assert "silent" in reason and at - silent_from[0] < WINDOW_S * 4, (reason, at - silent_from[0])
 
 
 # ---- payloads are not copied: what `drain` and `close` promise about them -------------------
