@@ -51,7 +51,7 @@ class NcclEngine:
         # wait (the events are BLOCKING_SYNC), so idle ones cost little.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
-        self._freer = Freer(gpu)
+        self._freer = Freer(gpu, self._stuck)
         self._uuids: dict[bytes, int] | None = None  # each GPU's UUID -> its ordinal here
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,

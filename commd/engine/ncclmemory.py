@@ -16,6 +16,7 @@ from proto import ErrorCode
 
 from ..errors import CallError
 from .gpu import Gpu, GpuError, Imported, Origin
+from .stuckwatch import StuckWatch
 
 log = logging.getLogger("commd.engine.nccl")
 
@@ -77,15 +78,21 @@ class Freer:
     wait for the whole device, and a kernel in flight there may wait for an op only the
     loop would launch (a send whose receive is the worker's next call): on the loop that
     would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so on
-    the loop's thread like every NCCL call (none may run while an abort does)."""
+    the loop's thread like every NCCL call (none may run while an abort does), under the
+    same watch as an abort: it may wait for the device just as long."""
 
-    def __init__(self, gpu: Gpu) -> None:
+    def __init__(self, gpu: Gpu, stuck: StuckWatch) -> None:
         self._gpu = gpu
+        self._stuck = stuck
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-cuda-free")
         self._closed = False
 
     def free(self, memory: Imported) -> None:
-        if memory.origin is not Origin.NCCL and not self._closed:
+        if memory.origin is Origin.NCCL:
+            with self._stuck.guard(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}"):
+                self._release(memory)
+            return
+        if not self._closed:
             try:
                 self._thread.submit(self._release, memory)
                 return

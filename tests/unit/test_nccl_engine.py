@@ -246,6 +246,25 @@ async def test_the_peers_hear_of_an_abort_before_it_may_stall_the_loop(gpu: Fake
         engine.close()
 
 
+def test_ncclmemfree_is_watched_and_announced_like_an_abort(gpu: FakeGpu) -> None:
+    """ncclMemFree stays on the loop (an NCCL call) and may wait for the device: the peers
+    hear of it first, and the watch ends a daemon it never returns to. Frees on the
+    free thread hold nothing up: no announcement."""
+    announced: list[float] = []
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    engine.on_loop_stall(announced.append)
+    try:
+        ipc = engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(gpu.worker_alloc(b"x" * 8)), None)
+        shared, fd = engine.allocate(64)
+        os.close(fd)
+        ipc.close()
+        assert announced == []
+        shared.close()
+        assert announced == [7.0]
+    finally:
+        engine.close()
+
+
 async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
     """NCCL drops a collective of no bytes at once; across daemons the world sends it to
     the engine so that it still meets the other daemons' ranks: it runs as a barrier."""
