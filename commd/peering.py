@@ -93,6 +93,11 @@ class FrameStream(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._writable: asyncio.Future[None] | None = None
+        # When payload bytes last came: a big frame on a slow link takes a while, and its
+        # bytes say the peer lives as well as a heartbeat would (which waits behind it). Only
+        # a payload's: its header opened, so the peer sent it (a relay trickling junk into a
+        # header would otherwise keep a dead link alive).
+        self.last_bytes = time.monotonic()
 
     # ---- protocol callbacks ------------------------------------------------------------
 
@@ -110,6 +115,8 @@ class FrameStream(asyncio.BufferedProtocol):
         return memoryview(self._target)[self._filled:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._stage == "payload":
+            self.last_bytes = time.monotonic()
         self._filled += nbytes
         if self._filled < len(self._target):
             return
@@ -307,7 +314,7 @@ class PeerLink:
             # the next tick, not this one (one tick only: a loop late every tick still judges).
             excused = now - ticked > 2 * self._settings.heartbeat_s and not excused
             ticked = now
-            silent = now - self.last_seen
+            silent = now - max(self.last_seen, self._stream.last_bytes)
             if silent > self._settings.window_s and not excused and now >= self._quiet_until:
                 self.close(f"silent for {silent:.1f}s (window {self._settings.window_s:g}s)")
                 return

@@ -651,6 +651,28 @@ def test_a_stall_of_our_own_loop_is_not_the_peers_silence() -> None:
         thread.join(10)
 
 
+async def test_a_big_frame_on_a_slow_link_is_not_silence() -> None:
+    """A frame whose payload takes longer than the window to cross (a slow link; the
+    heartbeats wait behind it) keeps the link: its bytes say the peer lives."""
+    a = Side("daemon-a", fast=True)
+    async with sides(a):
+        session = await raw_dial(await a.listen())
+        try:
+            link, _ = await a.next_link()
+            payload = os.urandom(1 << 20)
+            lengths, header, sealed = session.sealed(p.Data("w", 1, "p2p", 0, 0, 1, "x"), payload)
+            session.writer.write(lengths + header)
+            pieces = 20  # over 1 s: more than three windows
+            for i in range(pieces):
+                await asyncio.sleep(WINDOW_S * 4 / pieces)
+                session.writer.write(sealed[i * len(sealed) // pieces:(i + 1) * len(sealed) // pieces])
+            assert a.lost.empty(), a.lost.get_nowait()  # kept through the whole trickle
+            _, msg, received = await a.next_message()
+            assert isinstance(msg, p.Data) and received == payload and not link.closed
+        finally:
+            session.writer.close()
+
+
 def losses_seen_by_a_peer(stalling: Callable[[PeerLink], Awaitable[None]]) -> list[tuple[str, float]]:
     """`stalling(link)` runs on daemon A's loop (uvloop, as a daemon) with a link to daemon
     B, which runs on its own loop and thread and goes on while A's stalls; what B declared
