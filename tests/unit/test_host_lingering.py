@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -66,4 +67,23 @@ async def test_a_view_in_use_keeps_the_mapping_until_it_goes(no_collector: None)
         del region
         assert await until(lambda: mapped() == 0)
     finally:
+        engine.close()
+
+
+async def test_the_unmap_runs_off_the_loop() -> None:
+    """The last unmap of a departed worker's memory frees every page (seconds for tens of
+    GiB): it runs on the engine's unmap thread, and whoever waits for it hears on the loop."""
+    engine = HostEngine(threads=1)
+    held = threading.Event()
+    try:
+        mapping = engine.import_memory(MemKind.HOST, 4096, b"", create_memfd(4096, NAME))
+        engine.lingering._thread.submit(held.wait, 10)  # the unmap thread is busy for now
+        released: list[str] = []
+        mapping.close(lambda: released.append(threading.current_thread().name))
+        assert mapped() == 1 and released == [] and len(engine.lingering) == 1  # not done here
+        held.set()
+        assert await until(lambda: released and mapped() == 0)
+        assert released == [threading.current_thread().name] and len(engine.lingering) == 0
+    finally:
+        held.set()
         engine.close()
