@@ -75,6 +75,12 @@ class Inbox:
                 waiter.set_exception(self._fresh_failure())
         self._waiting.clear()
 
+    def drop_unread(self) -> None:
+        """The failed epoch's ops are all over: what they did not take has no reader now."""
+        if self._failed is not None:
+            self._ready.clear()
+            self.held_bytes = 0
+
     def _fresh_failure(self) -> CallError:
         """A new exception per wait: one shared instance would collect the traceback of
         every raise, whose frames hold views of the ops' buffers, and so keep a failed

@@ -292,6 +292,8 @@ class World:
                 self._abort_when_idle -= idle
                 for old in idle:
                     old.abort()
+                if self.state is not WorldState.READY and self.net is not None:
+                    self.net.inbox.drop_unread()
         self._finish(match)
 
     async def _watch(self) -> None:
@@ -378,6 +380,8 @@ class World:
             self._comm = None
         if self.net is not None:
             self.net.inbox.fail(CallError(code, message))
+            if not self._queued:  # no op left to take what came
+                self.net.inbox.drop_unread()
             if propagate:
                 self.membership.failed(code, message)
         tickets, self._tickets = self._tickets, set()

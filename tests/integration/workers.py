@@ -188,6 +188,20 @@ def late_taker(sock: str, world: str, rank: int, n: int, what: str, nbytes: int,
         return received
 
 
+def send_unreceived(sock: str, world: str, rank: int, n: int, nbytes: int, stay: float) -> str:
+    """Rank 1 sends rank 0 `nbytes`, which rank 0 never receives: the send times out (the
+    world fails); both ranks stay connected `stay` seconds from the start. Returns what
+    this rank's call raised ("-" for rank 0, which makes none)."""
+    started = time.monotonic()
+    with connect(sock, world, rank, n, timeout=2.0) as comm:
+        outcome = "-"
+        if rank == 1:
+            out = _load(make_input(1, rank, nbytes, "u8", "sum"))
+            outcome = _error_name(comm.send_to, out.ptr, nbytes, 0, 0)
+        time.sleep(max(0.0, stay - (time.monotonic() - started)))
+        return outcome
+
+
 def command_loop(sock: str, world: str, rank: int, n: int, commands: list[int]) -> list[int]:
     """Rank 0 broadcasts each command; the others take it with recv_command_u32."""
     got = []
