@@ -77,7 +77,6 @@ class FrameStream(asyncio.BufferedProtocol):
         self._filled = 0
         self._lengths = b""
         self._header = b""
-        self._payload = bytearray()
         self._pending_payload = 0
         # The last frame the other side sends in the clear (the end of its handshake): the
         # frames after it are sealed. Each part is opened as soon as it is in, with the key
