@@ -105,9 +105,9 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._drop:
             self._transport.abort()
             return
-        # A payload is written without a copy, and what the socket does not take at once stays
-        # queued by reference: the engine reuses its buffers, and workers their memory, as soon
-        # as `drain` returns. Paused whenever anything is queued, `drain` waits for all of it.
+        # Paused whenever anything is queued, `drain` waits until the socket took all of it: the
+        # engine's flow control (a chunk after the last has gone) and, for a frame in the clear,
+        # its payload (queued by reference) being free to change.
         self._transport.set_write_buffer_limits(high=0)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -226,8 +226,8 @@ class FrameStream(asyncio.BufferedProtocol):
             self._transport.close()
 
     def abort(self) -> None:
-        """Close now, dropping what is queued: payloads written since the last `drain` may
-        name memory that is reused once the link is given up, and must not reach the peer."""
+        """Close now, dropping what is queued: frames of worlds the loss fails must not reach
+        the peer later (and a frame in the clear may name memory reused once it is given up)."""
         if self._transport is not None:
             self._transport.abort()
 

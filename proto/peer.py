@@ -346,9 +346,11 @@ class FrameSeal:
     here, HMAC-SHA256 at 2 GB/s (the host engine's data crosses these links)."""
 
     def __init__(self, key: bytes) -> None:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # only where links are
+        from cryptography.exceptions import InvalidTag  # only where links are
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         self._aead = AESGCM(key)
+        self._invalid = InvalidTag
         self._seq = 0
 
     def _nonce(self, part: int) -> bytes:
@@ -373,11 +375,9 @@ class FrameSeal:
         return self._open(1, lengths, payload, last=True)
 
     def _open(self, part: int, lengths: bytes, sealed: Bytes, last: bool) -> bytes:
-        from cryptography.exceptions import InvalidTag
-
         try:
             return self._aead.decrypt(self._nonce(part), sealed, lengths)
-        except InvalidTag:
+        except self._invalid:
             raise DecodeError("a frame failed its check (forged, changed, replayed or out of "
                               "order)") from None
         finally:
