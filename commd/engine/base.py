@@ -271,9 +271,9 @@ class Engine(Protocol):
         ...
 
     def on_loop_stall(self, announce: Callable[[float], None]) -> None:
-        """Call `announce(limit_s)` right before a call that may hold the event loop up to
-        `limit_s` (ncclCommAbort): the daemon tells its peers, whose links would otherwise
-        time out and fail every world across them."""
+        """Call `announce(limit_s)` right before the event loop may wait up to `limit_s`
+        (a NCCL call waiting for an ncclCommAbort to return): the daemon tells its peers,
+        whose links would otherwise time out and fail every world across them."""
         ...
 
     def close(self) -> None: ...

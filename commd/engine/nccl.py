@@ -9,7 +9,8 @@ communicators. Its parts, each in a module of its own:
 - ncclmemory: opened memory and events, held by ops, let go off the event loop
 - completion: events behind work on the streams, waited for on helper threads
 - turns: the per-rank order in which work reaches NCCL and the streams
-- stuckwatch: the way out of an ncclCommAbort that never returns
+- ncclgate: ncclCommAbort and ncclMemFree, off the event loop, with no NCCL call beside them
+- stuckwatch: the way out of such a call that never returns
 - crosscheck: across daemons, the check that ranks called the same thing
 
 Everything CUDA and NCCL is behind `gpu.Gpu`: the logic runs in CI against a fake
@@ -29,6 +30,7 @@ from proto import ErrorCode, MemKind
 from ..errors import CallError
 from .gpu import Gpu, GpuError
 from .ncclcomm import NcclCommunicator
+from .ncclgate import NcclGate
 from .ncclmemory import Freer, NcclEvents, NcclMapping
 from .stuckwatch import StuckWatch
 
@@ -51,7 +53,8 @@ class NcclEngine:
         # wait (the events are BLOCKING_SYNC), so idle ones cost little.
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
-        self._freer = Freer(gpu, self._stuck)
+        self._gate = NcclGate(self._stuck)
+        self._freer = Freer(gpu, self._gate)
         self._uuids: dict[bytes, int] | None = None  # each GPU's UUID -> its ordinal here
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
@@ -83,6 +86,7 @@ class NcclEngine:
             raise CallError(ErrorCode.MISUSE, f"cannot open the worker's CUDA events: {exc}") from None
 
     def allocate(self, nbytes: int, device: int | None = None) -> tuple[NcclMapping, int]:
+        self._gate.wait()  # ncclMemAlloc
         try:
             memory, fd = self.gpu.alloc_shared(nbytes, device or 0)
         except GpuError as exc:
@@ -119,6 +123,7 @@ class NcclEngine:
 
     def unique_id(self) -> bytes:
         """The bootstrap handle of a new communicator (the root's, handed to the others)."""
+        self._gate.wait()
         try:
             return self.gpu.unique_id()
         except GpuError as exc:
@@ -132,12 +137,13 @@ class NcclEngine:
                 raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
                                                   f"root's NCCL id")
             unique_id = self.unique_id()
-        return NcclCommunicator(self.gpu, self._waiters, self._compiler, self._freer, self._stuck, world,
+        return NcclCommunicator(self.gpu, self._waiters, self._compiler, self._freer, self._gate, world,
                                 world_size, local_ranks, devices or {}, unique_id, net)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self._compiler.shutdown(wait=False)
         self._freer.close()
+        self._gate.close()  # the aborts and frees asked, still watched
         self._stuck.close()
 

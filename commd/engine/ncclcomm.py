@@ -4,9 +4,9 @@ One communicator per (world, epoch, local rank), created non-blocking so that a
 hung or failed one can be aborted; the ranks a daemon hosts are initialised, and
 their ops launched, inside one NCCL group (NCCL's rule for one thread driving
 several ranks). Each local rank has its own stream. An op is launched on the
-event loop's thread (the only thread that calls NCCL), then its completion is
-awaited on a helper thread that blocks in cuEventSynchronize, so the loop never
-waits on the device.
+event loop's thread, then its completion is awaited on a helper thread that blocks
+in cuEventSynchronize, so the loop never waits on the device; an abort, which may,
+runs through the NcclGate, which keeps the loop's NCCL calls out meanwhile.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from .completion import Completions
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclcalls import Call, nccl_calls, regions_of
+from .ncclgate import NcclGate
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
-from .stuckwatch import StuckWatch
 from .turns import Turn, Turns
 
 if TYPE_CHECKING:
@@ -72,11 +72,11 @@ class NcclCommunicator:
     launches_in_order = True  # see run and _launch_soon
 
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
-                 stuck: StuckWatch, world: str, world_size: int, local_ranks: Sequence[int],
+                 gate: NcclGate, world: str, world_size: int, local_ranks: Sequence[int],
                  devices: Mapping[int, int], unique_id: bytes, net: WorldNet | None = None) -> None:
         self._gpu = gpu
         self._freer = freer
-        self._stuck = stuck
+        self._gate = gate
         # NCCL moves the data; the daemons' links only carry each collective's fingerprint
         # to the root, so that ranks calling different things fail as a mismatch, not a hang.
         self._net = net if net is not None and net.members() else None
@@ -88,6 +88,7 @@ class NcclCommunicator:
         # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
         self._adds = AddPath(gpu, compiler, world, world_size, self._devices, self._new_mapping)
         self._aborted = False
+        self._aborting = False  # the abort is still running (on the gate's thread)
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
         # ops to launch at the end of this turn of the loop, together (see _launch_soon)
@@ -111,6 +112,7 @@ class NcclCommunicator:
         # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
         self._to_register: dict[tuple[int, int], NcclRegion] = {}
         self._registered: dict[tuple[int, int], tuple[int, NcclRegion]] = {}  # -> (NCCL's handle, memory)
+        gate.wait()  # NCCL takes no init while an abort runs
         try:
             for rank in self._ranks:
                 self._streams[rank] = gpu.stream_create(self._devices[rank])
@@ -121,11 +123,9 @@ class NcclCommunicator:
             finally:
                 gpu.group_end()
         except GpuError as exc:
-            for rank, comm in self._comms.items():  # those that started: never left half-made
-                with contextlib.suppress(GpuError), stuck.guard(f"ncclCommAbort (world {world}, rank "
-                                                                f"{rank}, its init failed)"):
-                    gpu.comm_abort(comm)
-            self._comms.clear()
+            started, self._comms = self._comms, {}  # never left half-made
+            gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
+                     functools.partial(self._abort, started))
             self._teardown()
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
 
@@ -238,30 +238,38 @@ class NcclCommunicator:
 
     def abort(self) -> None:
         """Stop the communicators: ncclCommAbort ends kernels still waiting on peers. It
-        runs here, on the thread that makes every other NCCL call: NCCL forbids any NCCL
-        call while an abort runs, even on other communicators of the device. Nothing calls
-        these communicators after this; streams go once the ops are done."""
+        runs through the gate (the loop goes on, its NCCL calls wait); the streams go once
+        it and the ops are done. Nothing calls these communicators after this."""
         if self._aborted:
             return
         self._aborted = True
         comms, self._comms = self._comms, {}
+        if comms:
+            self._aborting = True  # the streams stay until the abort returned
+            self._gate.run(f"ncclCommAbort (world {self._world}, {_ranks(comms)})",
+                           functools.partial(self._abort, comms), then=self._abort_returned)
+        self._maybe_teardown()
+
+    def _abort(self, comms: Mapping[int, int]) -> None:
+        """On the gate's thread."""
         started = time.monotonic()
         for rank, comm in comms.items():
-            with contextlib.suppress(GpuError), self._stuck.guard(f"ncclCommAbort (world {self._world}, "
-                                                                  f"rank {rank})"):
-                self._gpu.use_device(self._devices[rank])  # (already broken: nothing more to stop)
+            with contextlib.suppress(GpuError):  # (already broken: nothing more to stop)
+                self._gpu.use_device(self._devices[rank])
                 self._gpu.comm_abort(comm)
-        if comms:  # the daemon's loop (its peer links too) waited this long
-            took = time.monotonic() - started
-            log.log(logging.WARNING if took > 1.0 else logging.INFO,
-                    "world %s: ncclCommAbort of %d communicators took %.2f s", self._world, len(comms), took)
+        took = time.monotonic() - started  # the NCCL worlds of this daemon waited this long
+        log.log(logging.WARNING if took > 1.0 else logging.INFO,
+                "world %s: ncclCommAbort of %d communicators took %.2f s", self._world, len(comms), took)
+
+    def _abort_returned(self) -> None:
+        self._aborting = False
         self._maybe_teardown()
 
     def busy(self) -> bool:
         return self._running > 0
 
     def _maybe_teardown(self) -> None:
-        if self._aborted and self._running == 0:
+        if self._aborted and self._running == 0 and not self._aborting:
             self._teardown()
 
     def register(self, rank: int, key: int, region: Region) -> None:
@@ -339,7 +347,7 @@ class NcclCommunicator:
     def async_error(self) -> str | None:
         if self._failure is not None:
             return self._failure
-        if self._aborted:
+        if self._aborted or self._gate.closed:  # (asked again next round)
             return None
         for rank, comm in self._comms.items():
             state, why = self._gpu.comm_state(comm)
@@ -355,11 +363,16 @@ class NcclCommunicator:
 
     async def _settle(self, ranks: Iterable[int] | None = None) -> None:
         """Wait while NCCL is still setting communicators up (init, or a group's launch
-        returning ncclInProgress): those of `ranks`, or all; fail if one failed."""
+        returning ncclInProgress): those of `ranks`, or all; fail if one failed. Also
+        while an abort runs (the gate is closed): it returns with the gate open, so the
+        NCCL calls its caller makes next, with no await between, run with no abort beside."""
         pause = 0.0
         wanted = set(self._ranks if ranks is None else ranks)
         while True:
             self._check()
+            if self._gate.closed:
+                await self._gate.opened()
+                continue
             pending = False
             for rank, comm in [(r, c) for r, c in self._comms.items() if r in wanted]:
                 try:
@@ -555,3 +568,7 @@ def _by_request(batch: Sequence[_Launch]) -> list[list[_Launch]]:
         launches[-1].append(entry)
         reach = max(reach, i, *(last[request] for request in entry.requests))
     return launches
+
+
+def _ranks(comms: Mapping[int, int]) -> str:
+    return f"rank{'s' if len(comms) > 1 else ''} {', '.join(map(str, comms))}"

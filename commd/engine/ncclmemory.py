@@ -8,6 +8,7 @@ would fault the GPU). The frees themselves run off the event loop (`Freer`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from proto import ErrorCode
 
 from ..errors import CallError
 from .gpu import Gpu, GpuError, Imported, Origin
-from .stuckwatch import StuckWatch
+from .ncclgate import NcclGate
 
 log = logging.getLogger("commd.engine.nccl")
 
@@ -77,20 +78,19 @@ class Freer:
     """Lets go of device memory off the event loop's thread. cuMemFree and cuMemUnmap may
     wait for the whole device, and a kernel in flight there may wait for an op only the
     loop would launch (a send whose receive is the worker's next call): on the loop that
-    would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so on
-    the loop's thread like every NCCL call (none may run while an abort does), under the
-    same watch as an abort: it may wait for the device just as long."""
+    would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so
+    through the NcclGate, which keeps every other NCCL call out meanwhile."""
 
-    def __init__(self, gpu: Gpu, stuck: StuckWatch) -> None:
+    def __init__(self, gpu: Gpu, gate: NcclGate) -> None:
         self._gpu = gpu
-        self._stuck = stuck
+        self._gate = gate
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-cuda-free")
         self._closed = False
 
     def free(self, memory: Imported) -> None:
         if memory.origin is Origin.NCCL:
-            with self._stuck.guard(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}"):
-                self._release(memory)
+            self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}",
+                           functools.partial(self._release, memory))
             return
         if not self._closed:
             try:

@@ -131,8 +131,10 @@ class FakeGpu:
         self.adds = 0  # launches of the daemon's add kernel
         self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
         self.compile_thread = ""
-        self.current_device: int | None = None
+        self._current = threading.local()  # each thread's current device, as CUDA's contexts are
         self.abort_takes_s = 0.0  # how long ncclCommAbort blocks
+        self._aborting = 0  # ncclCommAbort calls running now
+        self.abort_threads: list[str] = []
         self.violations: list[str] = []  # what a GPU would not have let pass (undefined behaviour)
         # (src, dst) pairs NCCL has yet to connect: a send's launch stays in progress until
         # the receiver launches its side (NCCL's runtime connect)
@@ -305,6 +307,8 @@ class FakeGpu:
         return self._alias(base, size, Origin.VMM)
 
     def release(self, memory: Imported) -> None:
+        if memory.origin is Origin.NCCL:
+            self._nccl("ncclMemFree")
         with self._cv:
             if memory.ptr not in self._allocs:
                 raise GpuError(f"release of unknown memory {memory.ptr:#x}")
@@ -319,6 +323,7 @@ class FakeGpu:
         return Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.PLAIN)
 
     def alloc_shared(self, nbytes: int, device: int) -> tuple[Imported, int]:
+        self._nccl("ncclMemAlloc")
         memory = Imported(self._new(bytearray(nbytes), device), nbytes, device, Origin.NCCL)
         fd = os.memfd_create("fake-nccl-mem")  # stands for its VMM export: a worker imports it
         info = os.fstat(fd)
@@ -405,10 +410,17 @@ class FakeGpu:
                 self._waited_on[handle] -= 1
 
     # ---- Gpu: NCCL ------------------------------------------------------------------------
+    def _nccl(self, call: str) -> None:
+        """NCCL allows no other NCCL call, on any communicator, while an abort runs."""
+        if self._aborting:
+            self.violations.append(f"{call} while an ncclCommAbort runs")
+
     def unique_id(self) -> bytes:
+        self._nccl("ncclGetUniqueId")
         return os.urandom(128)
 
     def comm_init(self, world_size: int, unique_id: bytes, rank: int, device: int) -> int:
+        self._nccl("ncclCommInitRank")
         if not 0 <= rank < world_size or len(unique_id) != 128:
             raise GpuError(f"Invalid rank requested : {rank}/{world_size}")
         if not self.multi_rank_gpu and any(c.unique_id == unique_id and c.device == device and not c.aborted
@@ -426,6 +438,7 @@ class FakeGpu:
         return c.device
 
     def comm_state(self, comm: int) -> tuple[CommState, str]:
+        self._nccl("ncclCommGetAsyncError")
         c = self._comms.get(comm)
         if c is None:
             raise GpuError("ncclCommGetAsyncError: invalid argument")
@@ -449,16 +462,25 @@ class FakeGpu:
                 self._progress()
 
     def comm_abort(self, comm: int) -> None:
-        if self.abort_takes_s:
-            time.sleep(self.abort_takes_s)  # as NCCL waiting for the device
-        self._finish_enqueuing()
+        self._nccl("ncclCommAbort")
         with self._cv:
-            c = self._comms.pop(comm)
-            c.aborted = True
-            self.registered = {h: r for h, r in self.registered.items() if r[0] != comm}
-            self._progress()
+            self._aborting += 1
+            self.abort_threads.append(threading.current_thread().name)
+        try:
+            if self.abort_takes_s:
+                time.sleep(self.abort_takes_s)  # as NCCL waiting for the device
+            self._finish_enqueuing()
+            with self._cv:
+                c = self._comms.pop(comm)
+                c.aborted = True
+                self.registered = {h: r for h, r in self.registered.items() if r[0] != comm}
+                self._progress()
+        finally:
+            with self._cv:
+                self._aborting -= 1
 
     def group_start(self) -> None:
+        self._nccl("ncclGroupStart")
         self._group_depth += 1
 
     def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
@@ -496,6 +518,7 @@ class FakeGpu:
             raise GpuError(f"work queued on stream {stream} while an NCCL launch on it is in progress")
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:
+        self._nccl("ncclCommRegister")
         c = self._comms.get(comm)
         if c is None:
             raise GpuError("ncclCommRegister: invalid argument")
@@ -506,6 +529,7 @@ class FakeGpu:
         return handle
 
     def comm_deregister(self, comm: int, handle: int) -> None:
+        self._nccl("ncclCommDeregister")
         c = self._comms.get(comm)
         if c is not None:
             self._ready_for_use(c)
@@ -532,6 +556,7 @@ class FakeGpu:
         return any(ptr <= p < ptr + nbytes for p in pointers)
 
     def group_end(self) -> None:
+        self._nccl("ncclGroupEnd")
         self.launches += 1
         self._group_depth -= 1
         if self._group_depth:
@@ -558,10 +583,15 @@ class FakeGpu:
     def use_device(self, device: int) -> None:
         if not 0 <= device < self.devices:
             raise GpuError(f"cuDeviceGet: invalid device {device}")
-        self.current_device = device
+        self._current.device = device
+
+    @property
+    def current_device(self) -> int | None:
+        return getattr(self._current, "device", None)
 
     def _enqueue(self, comm_id: int, stream: int, kind: str, key: tuple[object, ...],
                  args: tuple[Any, ...]) -> None:
+        self._nccl(f"nccl {kind}")
         comm = self._comms.get(comm_id)
         if comm is None:
             raise GpuError(f"{kind}: invalid communicator")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -84,11 +83,10 @@ def test_ipc_memory_is_opened_at_another_address_over_the_same_bytes(engine: Ncc
     assert info.value.code is ErrorCode.UNKNOWN_BUFFER
 
 
-def test_device_memory_is_let_go_off_the_loops_thread_but_ncclmemalloc_memory_on_it(engine: NcclEngine,
-                                                                                     gpu: FakeGpu) -> None:
+async def test_device_memory_is_let_go_off_the_loop(engine: NcclEngine, gpu: FakeGpu) -> None:
     """cuMemFree and cuMemUnmap may wait for the whole device, where a kernel may wait for
-    an op only the loop would launch: they run on a thread of their own. ncclMemFree is an
-    NCCL call, which stays on the loop's thread (none may run while an abort does)."""
+    an op only the loop would launch: they run on a thread of their own. ncclMemFree, an
+    NCCL call none other may run beside while an abort does, runs through the NCCL gate."""
     before = gpu.allocations
     ipc = engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(gpu.worker_alloc(b"x" * 8)), None)
     vmm = engine.import_memory(MemKind.CUDA_VMM, 8, b"", gpu.export_vmm(gpu.worker_alloc(b"y" * 8)))
@@ -97,9 +95,8 @@ def test_device_memory_is_let_go_off_the_loops_thread_but_ncclmemalloc_memory_on
     for mapping in (ipc, vmm, shared):
         mapping.close()
     engine.close()  # waits for the frees it was asked for
-    here = threading.current_thread().name
     assert dict(gpu.released_on) == {Origin.IPC: "commd-cuda-free_0", Origin.VMM: "commd-cuda-free_0",
-                                     Origin.NCCL: here}
+                                     Origin.NCCL: "commd-nccl-wait_0"}
     assert len(gpu.released_on) == 3
     assert gpu.allocations == before + 2  # the workers' own two remain
 
@@ -208,30 +205,71 @@ async def test_zero_byte_ops_pass_null_pointers(engine: NcclEngine, gpu: FakeGpu
 @pytest.mark.parametrize("abort_takes_s", [0.0, 1.1])
 async def test_an_abort_that_does_not_return_ends_the_process(gpu: FakeGpu, abort_takes_s: float,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    """ncclCommAbort blocks the loop's thread while it waits for the device; one that
-    takes past the limit (here 0.3 s) is reported from the watch's own thread, which by
-    default ends the daemon for its service manager to restart it. How long it took is
-    logged (a warning past 1 s: the peer links waited as long)."""
+    """ncclCommAbort waits for the device, and NCCL takes no other call meanwhile: one
+    that takes past the limit (here 0.3 s) is reported from the watch's own thread, which
+    by default ends the daemon for its service manager to restart it. How long it took is
+    logged (a warning past 1 s: the daemon's NCCL worlds waited as long)."""
     caplog.set_level(logging.INFO, logger="commd.engine.nccl")
     stuck: list[str] = []
     engine = NcclEngine(gpu, stuck=StuckWatch(0.3, stuck.append))
     try:
-        comm = engine.communicator("w", 1, 1, [0])
-        await comm.run(BarrierOp((0,)))
-        gpu.abort_takes_s = abort_takes_s
+        comm = engine.communicator("w", 1, 2, [0, 1])
+        await comm.run(BarrierOp((0, 1)))
+        gpu.abort_takes_s = abort_takes_s / 2  # each of the two ranks' communicators
         comm.abort()
-        await asyncio.sleep(0.5)
-        reported = ["ncclCommAbort (world w, rank 0) has not returned in 0.3 s"]
+        await asyncio.sleep(abort_takes_s + 0.3)
+        reported = ["ncclCommAbort (world w, ranks 0, 1) has not returned in 0.3 s"]
         assert stuck == (reported if abort_takes_s else [])
-        (record,) = [r for r in caplog.records if "ncclCommAbort of 1 communicators took" in r.message]
+        (record,) = [r for r in caplog.records if "ncclCommAbort of 2 communicators took" in r.message]
         assert record.levelno == (logging.WARNING if abort_takes_s else logging.INFO)
     finally:
         engine.close()
 
 
-async def test_the_peers_hear_of_an_abort_before_it_may_stall_the_loop(gpu: FakeGpu) -> None:
-    """Engine.on_loop_stall's callback is told the longest an abort may hold the loop,
-    before each ncclCommAbort (the daemon passes it on to its peers)."""
+async def test_an_abort_runs_off_the_loop_and_no_nccl_call_runs_beside_it(gpu: FakeGpu) -> None:
+    """While one world's ncclCommAbort waits for the device, the event loop goes on (every
+    other world, the peer links, the clients), and another world's ops wait for it to
+    return before they call NCCL (which forbids any call during an abort), then run."""
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    try:
+        failing = engine.communicator("a", 1, 1, [0])
+        other = engine.communicator("b", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        bufs = {r: ipc_mapping(engine, gpu, bytes([r + 1]) * 8, device=r).region(0, 8) for r in range(2)}
+        await asyncio.gather(failing.run(BarrierOp((0,))), other.run(BarrierOp((0, 1))))
+        gpu.abort_takes_s = 0.6
+        lag = 0.0
+
+        async def tick() -> None:
+            nonlocal lag
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                lag = max(lag, time.monotonic() - before - 0.01)
+
+        ticker = asyncio.ensure_future(tick())
+        started = time.monotonic()
+        failing.abort()
+        assert time.monotonic() - started < 0.1
+        await asyncio.sleep(0.1)
+        assert failing.busy() is False and gpu.abort_threads == ["commd-nccl-wait_0"]
+        op = asyncio.ensure_future(other.run(AllReduceOp(bufs, DType.U8, ReduceOp.SUM)))
+        assert other.async_error() is None  # not asked while the gate is closed
+        await asyncio.sleep(0.2)
+        assert not op.done()  # it waits for the abort: NCCL would not take its launch now
+        await asyncio.wait_for(op, 5)
+        assert time.monotonic() - started >= 0.6
+        ticker.cancel()
+        assert lag < 0.3  # (the abort alone held the loop 0.6 s before)
+        assert [gpu.read(b.ptr, 8) for b in bufs.values()] == [b"\x03" * 8] * 2
+    finally:
+        engine.close()
+
+
+async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: FakeGpu) -> None:
+    """A communicator's init (and ncclGetUniqueId, ncclMemAlloc) is made on the loop and
+    cannot wait asynchronously: behind an abort the loop waits, and Engine.on_loop_stall's
+    callback hears of it first, with the longest it may take (the daemon tells its peers).
+    An abort with nothing waiting for it is not announced: the loop goes on."""
     events: list[object] = []
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     engine.on_loop_stall(events.append)
@@ -239,28 +277,38 @@ async def test_the_peers_hear_of_an_abort_before_it_may_stall_the_loop(gpu: Fake
         comm = engine.communicator("w", 1, 2, [0, 1])
         await comm.run(BarrierOp((0, 1)))
         real_abort = gpu.comm_abort
+        gpu.abort_takes_s = 0.2
         gpu.comm_abort = lambda handle: (events.append("abort"), real_abort(handle))[-1]  # type: ignore[method-assign]
         comm.abort()
-        assert events == [7.0, "abort", 7.0, "abort"]  # each rank's communicator, each announced
+        assert events == []
+        again = engine.communicator("w", 2, 2, [0, 1])
+        assert events == [7.0, "abort", "abort"]  # announced, then the init waited for both
+        await again.run(BarrierOp((0, 1)))
+        engine.unique_id()
+        shared, fd = engine.allocate(64)
+        os.close(fd)
+        shared.close()
+        assert events == [7.0, "abort", "abort"]  # nothing to wait for: no announcement
     finally:
         engine.close()
 
 
-def test_ncclmemfree_is_watched_and_announced_like_an_abort(gpu: FakeGpu) -> None:
-    """ncclMemFree stays on the loop (an NCCL call) and may wait for the device: the peers
-    hear of it first, and the watch ends a daemon it never returns to. Frees on the
-    free thread hold nothing up: no announcement."""
-    announced: list[float] = []
-    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
-    engine.on_loop_stall(announced.append)
+async def test_ncclmemfree_is_watched(gpu: FakeGpu) -> None:
+    """ncclMemFree may wait for the device like an abort: it runs off the loop, and the
+    watch ends a daemon it never returns to."""
+    stuck: list[str] = []
+    engine = NcclEngine(gpu, stuck=StuckWatch(0.2, stuck.append))
     try:
-        ipc = engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(gpu.worker_alloc(b"x" * 8)), None)
         shared, fd = engine.allocate(64)
         os.close(fd)
-        ipc.close()
-        assert announced == []
+        ptr = shared.region(0, 1).ptr
+        real_release = gpu.release
+        gpu.release = lambda memory: (time.sleep(0.6), real_release(memory))[-1]  # type: ignore[method-assign]
+        started = time.monotonic()
         shared.close()
-        assert announced == [7.0]
+        assert time.monotonic() - started < 0.1
+        await asyncio.sleep(0.8)
+        assert stuck == [f"ncclMemFree of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
     finally:
         engine.close()
 
@@ -453,7 +501,7 @@ async def test_registered_memory_reaches_nccl_once_the_communicator_is_ready(eng
     assert len(gpu.registered) == 1
     comm.abort()  # NCCL drops registrations with the communicator; nothing to undo after
     comm.deregister(0, 8)
-    assert gpu.registered == {}
+    await until(lambda: gpu.registered == {})  # once the abort returned
 
 
 async def until(condition: Callable[[], bool], timeout: float = 5) -> None:

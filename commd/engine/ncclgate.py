@@ -1,0 +1,77 @@
+"""Where the NCCL calls that may wait for the device run: off the event loop, alone."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from .stuckwatch import StuckWatch
+
+log = logging.getLogger("commd.engine.nccl")
+
+
+class NcclGate:
+    """ncclCommAbort and ncclMemFree may wait for the device as long as a kernel there
+    runs (another world's; one waiting for a dead worker's event). They run here, one at a
+    time on a thread of their own, each watched by the StuckWatch, so that the event loop
+    (every other world, the peer links, the clients) goes on meanwhile.
+
+    NCCL allows no other NCCL call while an abort runs, on any communicator, and the loop
+    makes all the others: while a job runs the gate is closed. The loop's async paths
+    wait for it (`opened`) and its polls skip a round (`closed`); the few synchronous ones
+    (a communicator's init, ncclGetUniqueId, ncclMemAlloc) block the loop until it opens
+    (`wait`), told to the peers first like any stall the watch bounds."""
+
+    def __init__(self, stuck: StuckWatch) -> None:
+        self._stuck = stuck
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-nccl-wait")
+        self._jobs: list[concurrent.futures.Future[None]] = []
+        self._closing = False
+
+    @property
+    def closed(self) -> bool:
+        self._jobs = [job for job in self._jobs if not job.done()]
+        return bool(self._jobs)
+
+    def run(self, what: str, job: Callable[[], None], then: Callable[[], None] | None = None) -> None:
+        """Run `job` (which NCCL calls: `what`) behind the jobs before it; `then` follows on
+        the event loop. Without a running loop (a daemon closing) both run here, now."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or self._closing:
+            self.wait()
+            self._guarded(what, job)
+            if then is not None:
+                then()
+            return
+        done = self._thread.submit(self._guarded, what, job)
+        self._jobs.append(done)
+        if then is not None:
+            asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: then())
+
+    async def opened(self) -> None:
+        while self.closed:
+            await asyncio.wait([asyncio.wrap_future(job) for job in self._jobs])
+
+    def wait(self) -> None:
+        """Block this thread (the loop's, for a synchronous NCCL call) until the gate opens."""
+        if self.closed:
+            self._stuck.stall()
+            concurrent.futures.wait(self._jobs)
+
+    def close(self) -> None:
+        """Let the jobs asked so far finish; later ones run on the caller's thread."""
+        self._closing = True
+        self._thread.shutdown(wait=True)
+
+    def _guarded(self, what: str, job: Callable[[], None]) -> None:
+        try:
+            with self._stuck.guard(what):
+                job()
+        except Exception:  # nobody awaits the job: its failure is logged, not lost
+            log.exception("%s failed", what)
