@@ -100,7 +100,7 @@ class NcclEngine:
         self._stuck.announce = announce
 
     def describe(self) -> str:
-        try:
+        try:  # (ncclGetVersion reads a constant, no communicator: safe beside an abort)
             version, gpus = self.gpu.nccl_version(), self.gpu.device_count()
         except GpuError as exc:
             return f"nccl ({exc})"

@@ -124,9 +124,11 @@ class NcclCommunicator:
                 gpu.group_end()
         except GpuError as exc:
             started, self._comms = self._comms, {}  # never left half-made
-            gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
-                     functools.partial(self._abort, started))
-            self._teardown()
+            if started:
+                gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
+                         functools.partial(self._abort, started), then=self._teardown)
+            else:
+                self._teardown()
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
 
     # ---- Communicator -----------------------------------------------------------------
@@ -278,6 +280,8 @@ class NcclCommunicator:
 
     def deregister(self, rank: int, key: int) -> None:
         self._to_register.pop((rank, key), None)
+        if self._aborted:  # NCCL forgets it with the communicator; the memory goes at teardown
+            return
         registered = self._registered.pop((rank, key), None)
         if registered is None:
             return
@@ -308,21 +312,18 @@ class NcclCommunicator:
                         continue  # one of them was launched on meanwhile: wait for that too
                     await self._settle(ranks)
                     self._to_deregister = [p for p in self._to_deregister if p not in pending]
-                    for rank, handle, region in pending:
+                    for rank, handle, _ in pending:
                         try:
                             self._gpu.use_device(self._devices[rank])
                             self._gpu.comm_deregister(self._comms[rank], handle)
                         except GpuError as exc:  # NCCL forgets it with the communicator anyway
                             log.debug("rank %d: NCCL deregistration: %s", rank, exc)
+                    for _, _, region in pending:  # (past the turn's NCCL calls: a free may follow)
                         region.mapping.let_go()
         except CallError as exc:  # aborted or failed meanwhile: NCCL forgets them with it
             log.debug("world %s: deregistrations: %s", self._world, exc)
-        finally:
+        finally:  # those left (aborted meanwhile) go at teardown, once the abort returned
             self._deregistering = False
-            if self._aborted:
-                pending, self._to_deregister = self._to_deregister, []
-                for _, _, region in pending:
-                    region.mapping.let_go()
             self._running -= 1
             self._maybe_teardown()
 
@@ -539,10 +540,12 @@ class NcclCommunicator:
                                              f"{self._devices[rank]}: {exc}") from None
 
     def _teardown(self) -> None:
-        """Free streams, events and scratch once nothing runs on them; NCCL dropped the
-        registrations with the aborted communicators, so their memory may go."""
+        """Free streams, events and scratch once nothing runs on them and the abort
+        returned; NCCL dropped the registrations with the communicators, so their memory
+        may go (those deregistered since included)."""
         registered, self._registered = self._registered, {}
-        for _, region in registered.values():
+        unregistered, self._to_deregister = self._to_deregister, []
+        for region in [region for _, region in registered.values()] + [r for _, _, r in unregistered]:
             region.mapping.let_go()
         self._completions.close()
         for stream in self._streams.values():

@@ -20,25 +20,30 @@ class NcclGate:
     (every other world, the peer links, the clients) goes on meanwhile.
 
     NCCL allows no other NCCL call while an abort runs, on any communicator, and the loop
-    makes all the others: while a job runs the gate is closed. The loop's async paths
-    wait for it (`opened`) and its polls skip a round (`closed`); the few synchronous ones
-    (a communicator's init, ncclGetUniqueId, ncclMemAlloc) block the loop until it opens
-    (`wait`), told to the peers first like any stall the watch bounds."""
+    makes all the others: while an abort runs (or waits its turn here) the gate is closed.
+    The loop's async paths wait for it (`opened`) and its polls skip a round (`closed`);
+    the few synchronous ones (a communicator's init, ncclGetUniqueId, ncclMemAlloc) block
+    the loop until it opens (`wait`), told to the peers first like any stall the watch
+    bounds. An ncclMemFree only has to keep out of an abort's way, which this one thread
+    sees to: it leaves the gate open (closing it, a free waiting for a kernel that waits
+    for a launch of the loop's would hold both for ever)."""
 
     def __init__(self, stuck: StuckWatch) -> None:
         self._stuck = stuck
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-nccl-wait")
-        self._jobs: list[concurrent.futures.Future[None]] = []
+        self._aborts: list[concurrent.futures.Future[None]] = []  # the jobs that close the gate
         self._closing = False
 
     @property
     def closed(self) -> bool:
-        self._jobs = [job for job in self._jobs if not job.done()]
-        return bool(self._jobs)
+        self._aborts = [job for job in self._aborts if not job.done()]
+        return bool(self._aborts)
 
-    def run(self, what: str, job: Callable[[], None], then: Callable[[], None] | None = None) -> None:
-        """Run `job` (which NCCL calls: `what`) behind the jobs before it; `then` follows on
-        the event loop. Without a running loop (a daemon closing) both run here, now."""
+    def run(self, what: str, job: Callable[[], None], *, then: Callable[[], None] | None = None,
+            closes: bool = True) -> None:
+        """Run `job` (which NCCL calls: `what`) behind the jobs before it, the gate closed
+        meanwhile if it `closes`; `then` follows on the event loop. Without a running loop
+        (a daemon closing) both run here, now."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -50,19 +55,21 @@ class NcclGate:
                 then()
             return
         done = self._thread.submit(self._guarded, what, job)
-        self._jobs.append(done)
+        if closes:
+            self._aborts.append(done)
         if then is not None:
             asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: then())
 
     async def opened(self) -> None:
         while self.closed:
-            await asyncio.wait([asyncio.wrap_future(job) for job in self._jobs])
+            await asyncio.wait([asyncio.wrap_future(job) for job in self._aborts])
 
     def wait(self) -> None:
-        """Block this thread (the loop's, for a synchronous NCCL call) until the gate opens."""
-        if self.closed:
+        """Block this thread (the loop's, for a synchronous NCCL call) until the gate opens.
+        Each abort may take the watch's whole limit: the stall is told again for each."""
+        while self.closed:
             self._stuck.stall()
-            concurrent.futures.wait(self._jobs)
+            concurrent.futures.wait(self._aborts, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
         """Let the jobs asked so far finish; later ones run on the caller's thread."""

@@ -79,7 +79,7 @@ class Freer:
     wait for the whole device, and a kernel in flight there may wait for an op only the
     loop would launch (a send whose receive is the worker's next call): on the loop that
     would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so
-    through the NcclGate, which keeps every other NCCL call out meanwhile."""
+    through the NcclGate, which keeps it out of an abort's way."""
 
     def __init__(self, gpu: Gpu, gate: NcclGate) -> None:
         self._gpu = gpu
@@ -90,7 +90,7 @@ class Freer:
     def free(self, memory: Imported) -> None:
         if memory.origin is Origin.NCCL:
             self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}",
-                           functools.partial(self._release, memory))
+                           functools.partial(self._release, memory), closes=False)
             return
         if not self._closed:
             try:

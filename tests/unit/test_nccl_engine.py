@@ -25,7 +25,7 @@ from commd.engine.base import (
     SendOp,
     TransferOp,
 )
-from commd.engine.gpu import CommState, GpuError, Origin
+from commd.engine.gpu import CommState, GpuError, Imported, Origin
 from commd.engine.nccl import NcclEngine
 from commd.engine.ncclcomm import NcclCommunicator, _by_request, _Launch
 from commd.engine.ncclmemory import NcclEvents, NcclMapping, NcclRegion
@@ -270,25 +270,97 @@ async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: 
     cannot wait asynchronously: behind an abort the loop waits, and Engine.on_loop_stall's
     callback hears of it first, with the longest it may take (the daemon tells its peers).
     An abort with nothing waiting for it is not announced: the loop goes on."""
-    events: list[object] = []
+    announced: list[float] = []
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
-    engine.on_loop_stall(events.append)
+    engine.on_loop_stall(announced.append)
     try:
         comm = engine.communicator("w", 1, 2, [0, 1])
         await comm.run(BarrierOp((0, 1)))
-        real_abort = gpu.comm_abort
+        aborted: list[int] = []
+        real_abort, real_init = gpu.comm_abort, gpu.comm_init
         gpu.abort_takes_s = 0.2
-        gpu.comm_abort = lambda handle: (events.append("abort"), real_abort(handle))[-1]  # type: ignore[method-assign]
+        gpu.comm_abort = lambda handle: (real_abort(handle), aborted.append(handle))[0]  # type: ignore[method-assign]
+        inits: list[int] = []  # how many aborts had returned at each init
+        gpu.comm_init = lambda *args: (inits.append(len(aborted)), real_init(*args))[-1]  # type: ignore[method-assign]
         comm.abort()
-        assert events == []
+        assert announced == []
         again = engine.communicator("w", 2, 2, [0, 1])
-        assert events == [7.0, "abort", "abort"]  # announced, then the init waited for both
+        assert announced == [7.0] and inits == [2, 2]  # announced, then the init waited for both
         await again.run(BarrierOp((0, 1)))
         engine.unique_id()
         shared, fd = engine.allocate(64)
         os.close(fd)
         shared.close()
-        assert events == [7.0, "abort", "abort"]  # nothing to wait for: no announcement
+        assert announced == [7.0]  # nothing to wait for: no announcement
+    finally:
+        engine.close()
+
+
+async def test_a_wait_behind_several_aborts_is_announced_for_each(gpu: FakeGpu) -> None:
+    """Each abort may take the watch's whole limit: a loop waiting behind two tells its
+    peers again before the second, so it is never quiet longer than it said."""
+    announced: list[float] = []
+    stuck: list[str] = []
+    engine = NcclEngine(gpu, stuck=StuckWatch(0.5, stuck.append))
+    engine.on_loop_stall(announced.append)
+    try:
+        a, b = engine.communicator("a", 1, 1, [0]), engine.communicator("b", 1, 1, [0])
+        await asyncio.gather(a.run(BarrierOp((0,))), b.run(BarrierOp((0,))))
+        gpu.abort_takes_s = 0.4  # each within the limit, both together past it
+        a.abort()
+        b.abort()
+        engine.communicator("c", 1, 1, [0])  # the loop waits here
+        assert stuck == [] and announced == [0.5, 0.5]
+    finally:
+        engine.close()
+
+
+async def test_registered_memory_goes_only_once_its_abort_returned(gpu: FakeGpu) -> None:
+    """NCCL holds a registration until the abort returned: memory the worker let go of,
+    deregistered after the abort began, is released only then."""
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    try:
+        comm = engine.communicator("w", 1, 1, [0])
+        mapping = ipc_mapping(engine, gpu, b"\x01" * 64)
+        region = mapping.region(0, 64)
+        comm.register(0, 7, region)
+        await comm.run(BarrierOp((0,)))
+        assert len(gpu.registered) == 1
+        mapping.close()  # the worker forgot the buffer: only the registration holds it
+        still_registered: list[bool] = []  # at its release
+        real_release = gpu.release
+
+        def release(memory: Imported) -> None:
+            if memory.ptr == region.ptr:
+                still_registered.append(any(ptr == memory.ptr for _, ptr, _ in gpu.registered.values()))
+            real_release(memory)
+
+        gpu.release = release  # type: ignore[method-assign]
+        gpu.abort_takes_s = 0.3
+        comm.abort()
+        comm.deregister(0, 7)
+        await until(lambda: bool(still_registered))
+        assert still_registered == [False]
+    finally:
+        engine.close()
+
+
+async def test_an_ncclmemfree_holds_no_launch_up(gpu: FakeGpu) -> None:
+    """ncclMemFree need only keep out of an abort's way: while one waits for the device,
+    launches go on (one it waits for might be among them)."""
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    try:
+        comm = engine.communicator("w", 1, 1, [0])
+        await comm.run(BarrierOp((0,)))
+        shared, fd = engine.allocate(64)
+        os.close(fd)
+        before = gpu.allocations
+        real_release = gpu.release
+        gpu.release = lambda memory: (time.sleep(0.6), real_release(memory))[-1]  # type: ignore[method-assign]
+        shared.close()
+        await asyncio.wait_for(comm.run(BarrierOp((0,))), 0.4)
+        assert gpu.allocations == before  # the free still waits
+        await until(lambda: gpu.allocations == before - 1)
     finally:
         engine.close()
 
