@@ -72,7 +72,10 @@ class FrameStream(asyncio.BufferedProtocol):
         self._drop = drop  # close as soon as connected (see MAX_HANDSHAKES)
         self._transport: asyncio.Transport | None = None
         self._prefix = bytearray(p.FRAME.size)
-        self._target: bytearray = self._prefix
+        self._target: bytearray | memoryview = self._prefix
+        # what sealed payloads are read into: each is opened into bytes of its own, so one
+        # buffer serves them all (a fresh one would cost its zeroing, per 4 MiB chunk)
+        self._ciphertext = bytearray()
         self._stage = "prefix"  # of the frame being read: prefix, header, payload
         self._filled = 0
         self._lengths = b""
@@ -144,12 +147,12 @@ class FrameStream(asyncio.BufferedProtocol):
             if (opener := self._opening()) is not None:
                 self._header = opener.open_header(self._lengths, self._header)
             if self._pending_payload:
-                self._expect("payload", bytearray(self._pending_payload))
+                self._expect("payload", self._payload_buffer(self._pending_payload))
                 return
+        elif (opener := self._opening()) is not None:
+            payload = opener.open_payload(self._lengths, self._target)
         else:
-            payload = self._target
-            if (opener := self._opening()) is not None:
-                payload = opener.open_payload(self._lengths, payload)
+            payload = typing.cast(bytearray, self._target)  # (a clear frame keeps its buffer)
         msg = codec.decode_peer(self._header)
         self._frames.append((msg, payload))
         if not self._sealed_in and self.sealed_after is not None and isinstance(msg, self.sealed_after):
@@ -165,7 +168,14 @@ class FrameStream(asyncio.BufferedProtocol):
             raise proto.DecodeError("a sealed frame before this side could open it")
         return self._opener
 
-    def _expect(self, stage: str, target: bytearray) -> None:
+    def _payload_buffer(self, nbytes: int) -> bytearray | memoryview:
+        if self._opening() is None:
+            return bytearray(nbytes)
+        if len(self._ciphertext) < nbytes:
+            self._ciphertext = bytearray(nbytes)
+        return memoryview(self._ciphertext)[:nbytes]
+
+    def _expect(self, stage: str, target: bytearray | memoryview) -> None:
         self._stage, self._target, self._filled = stage, target, 0
 
     def eof_received(self) -> bool | None:

@@ -12,7 +12,7 @@ releases the GIL) can run two ranges in parallel on two cores.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -42,16 +42,11 @@ _UFUNC: dict[ReduceOp, np.ufunc] = {
 }
 _WIDENED = (DType.BF16, DType.F16)
 
-Loader = Callable[[np.ndarray, np.ndarray], None]
 
-
-def _load_bf16(src: np.ndarray, acc: np.ndarray) -> None:
-    # bf16 bits are the top half of a float32: a shift widens exactly, ~10x faster
-    # than ml_dtypes' bf16 arithmetic.
-    np.left_shift(src.view(np.uint16), 16, out=acc.view(np.uint32), dtype=np.uint32)
-
-
-def _load_cast(src: np.ndarray, acc: np.ndarray) -> None:
+def _load(src: np.ndarray, acc: np.ndarray) -> None:
+    # Exact for bf16 (every one of its 65536 bit patterns, NaNs included, keeps its bits
+    # as a float32's top half): ml_dtypes' cast is one vectorised pass, 2-2.5x faster than
+    # the u16 -> u32 shift numpy runs as two (measured on 4 MiB, ml_dtypes 0.4 and 0.6).
     np.copyto(acc, src, casting="unsafe")
 
 
@@ -73,7 +68,6 @@ def reduce_range(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
         _reduce_small(typed_srcs, typed_dsts, dtype, ufunc)
         return
     acc_type = np.float32 if dtype in _WIDENED else elem
-    load: Loader = _load_bf16 if dtype is DType.BF16 else _load_cast
     width = min(CHUNK_ELEMS, total)
     acc = np.empty(width, acc_type)
     tmp = np.empty(width, acc_type)
@@ -81,9 +75,9 @@ def reduce_range(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
     for lo in range(0, total, CHUNK_ELEMS):
         hi = min(lo + CHUNK_ELEMS, total)
         a, t = acc[: hi - lo], tmp[: hi - lo]
-        load(typed_srcs[0][lo:hi], a)
+        _load(typed_srcs[0][lo:hi], a)
         for src in typed_srcs[1:]:
-            load(src[lo:hi], t)
+            _load(src[lo:hi], t)
             ufunc(a, t, out=a)
         result = a
         if narrow is not None:
@@ -118,9 +112,7 @@ def accumulate(srcs: Sequence[np.ndarray], dtype: DType, op: ReduceOp,
     """Reduce byte arrays `srcs` (rank order) into `out`, an accumulator (float32 for bf16
     and f16, the element type otherwise) of their length; `scratch` is another. Reusing
     them matters: fresh pages for every chunk cost more than the arithmetic."""
-    elem = NUMPY_DTYPE[dtype]
-    load: Loader = _load_bf16 if dtype is DType.BF16 else _load_cast
-    load(srcs[0].view(elem), out)
+    _load(srcs[0].view(NUMPY_DTYPE[dtype]), out)
     for src in srcs[1:]:
         fold(out, src, dtype, op, scratch)
     return out
@@ -128,8 +120,7 @@ def accumulate(srcs: Sequence[np.ndarray], dtype: DType, op: ReduceOp,
 
 def fold(acc: np.ndarray, src: np.ndarray, dtype: DType, op: ReduceOp, scratch: np.ndarray) -> None:
     """acc = acc (op) src, where `src` holds elements of `dtype` as bytes."""
-    load: Loader = _load_bf16 if dtype is DType.BF16 else _load_cast
-    load(src.view(NUMPY_DTYPE[dtype]), scratch)
+    _load(src.view(NUMPY_DTYPE[dtype]), scratch)
     _UFUNC[op](acc, scratch, out=acc)
 
 

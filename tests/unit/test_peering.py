@@ -276,6 +276,22 @@ async def test_link_carries_messages_both_ways() -> None:
         assert a.lost.empty() and b.lost.empty()
 
 
+async def test_payloads_read_back_to_back_are_each_their_own() -> None:
+    """Sealed payloads are read into one buffer, reused, and opened into bytes of their
+    own: payloads that arrived together, taken after the last came, are still intact."""
+    a, b = Side("daemon-a"), Side("daemon-b")
+    async with sides(a, b):
+        b_to_a = await b.dial(await a.listen())
+        await a.next_link()
+        sent = [os.urandom(n) for n in (3 << 20, 1 << 20, 4 << 20, 17)]
+        for i, payload in enumerate(sent):
+            b_to_a.send(p.Data("job-1", 3, "partial", 7, i, 1, "all_reduce(x)", (0, 1)), payload)
+        await b_to_a.drain()
+        received = [await a.next_message() for _ in sent]
+        assert [bytes(payload) for _, _, payload in received] == sent
+        assert [msg.chunk for _, msg, _ in received] == [0, 1, 2, 3]
+
+
 async def test_heartbeats_keep_a_quiet_link_alive_and_are_swallowed() -> None:
     a, b = Side("daemon-a", fast=True), Side("daemon-b", fast=True)
     async with sides(a, b):
