@@ -509,6 +509,14 @@ def add_kernel_note(ctx: Ctx, since: int) -> str:
     return f"daemon: {lines[-1].strip()[-160:]}" if lines else ""
 
 
+def abort_note(ctx: Ctx, since: int) -> str:
+    """The longest ncclCommAbort the daemons started since `since` logged: their NCCL
+    worlds wait that long (the event loop does not: the abort runs on the NcclGate's thread)."""
+    took = [float(m.group(1)) for text in ctx.daemon_logs[since:]
+            for m in re.finditer(r"ncclCommAbort of \d+ communicators took ([\d.]+) s", text)]
+    return f"abort {max(took):.2f} s" if took else "no abort logged"
+
+
 def step_one_rank(ctx: Ctx) -> Result:
     with world(ctx, 1, "one-daemon", "one") as w:
         res = judge_calls(run_ranks(ctx, w, "calls", {"timeout": 15.0, "seed": 3}, ctx.left() - 10), 1)
@@ -592,6 +600,7 @@ def result_of(proc: Proc, deadline: float) -> dict[str, Any]:
 
 def step_fault(ctx: Ctx) -> Result:
     mode = two_rank_mode(ctx)
+    logs_before = len(ctx.daemon_logs)
     with world(ctx, 2, mode, "fault") as w:
         args = {"timeout": 10.0, "seed": 9, "big_bytes": 64 << 20, "rebuild_s": 30}
         survivor = worker("fault-survivor-r0", "survivor", {**w.rank_args(0), **args}, log_dir=ctx.tmp)
@@ -628,7 +637,8 @@ def step_fault(ctx: Ctx) -> Result:
         if not res.get("ok_after") and "fatal" not in res:
             problems.append(f"{who} after rebuild: {res.get('check') or res.get('fatal')}")
     rebuild = got.get("rebuilt_at", killed_at) - got.get("at", killed_at)
-    key = f"{got.get('error')} after {detect:.2f} s; rebuilt+checked in {rebuild:.1f} s ({mode})"
+    key = (f"{got.get('error')} after {detect:.2f} s; rebuilt+checked in {rebuild:.1f} s ({mode}); "
+           f"{abort_note(ctx, logs_before)}")
     return Result("FAIL" if problems else "PASS", key, " | ".join(problems),
                   {"survivor": got, "replacement": rep, "detect_s": detect})
 
