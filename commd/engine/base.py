@@ -261,7 +261,8 @@ class Engine(Protocol):
         ...
 
     def describe(self) -> str:
-        """One line for logs and `commd status`: the engine and what it runs on."""
+        """One line for logs and `commd status`: the engine, what it runs on, and what
+        holds its work up now, if anything (a running ncclCommAbort, say)."""
         ...
 
     def device_of(self, uuid: bytes) -> int | None:

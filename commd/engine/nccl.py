@@ -104,8 +104,9 @@ class NcclEngine:
             version, gpus = self.gpu.nccl_version(), self.gpu.device_count()
         except GpuError as exc:
             return f"nccl ({exc})"
+        holding = self._gate.holding()  # why its NCCL worlds wait, if they do
         return (f"nccl (NCCL {version // 10000}.{version // 100 % 100}.{version % 100}, "
-                f"{gpus} GPU{'' if gpus == 1 else 's'})")
+                f"{gpus} GPU{'' if gpus == 1 else 's'})" + (f"; {holding}" if holding else ""))
 
     def device_of(self, uuid: bytes) -> int | None:
         if self._uuids is None:  # read once: the GPUs a process sees do not change

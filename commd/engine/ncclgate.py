@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +34,7 @@ class NcclGate:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-nccl-wait")
         self._aborts: list[concurrent.futures.Future[None]] = []  # the jobs that close the gate
         self._closing = False
+        self._running: tuple[str, float] | None = None  # the job on the thread now, since when
 
     @property
     def closed(self) -> bool:
@@ -60,6 +62,15 @@ class NcclGate:
         if then is not None:
             asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: then())
 
+    def holding(self) -> str | None:
+        """What the thread runs now, and for how long (for `commd status`), or None."""
+        running = self._running  # (set by the thread: read once)
+        if running is None:
+            return None
+        waiting = sum(1 for job in self._aborts if not job.running() and not job.done())
+        return (f"{running[0]} running for {time.monotonic() - running[1]:.1f} s"
+                + (f", {waiting} more abort{'s' if waiting > 1 else ''} waiting" if waiting else ""))
+
     async def opened(self) -> None:
         while self.closed:
             await asyncio.wait([asyncio.wrap_future(job) for job in self._aborts])
@@ -77,8 +88,11 @@ class NcclGate:
         self._thread.shutdown(wait=True)
 
     def _guarded(self, what: str, job: Callable[[], None]) -> None:
+        self._running = (what, time.monotonic())
         try:
             with self._stuck.guard(what):
                 job()
         except Exception:  # nobody awaits the job: its failure is logged, not lost
             log.exception("%s failed", what)
+        finally:
+            self._running = None

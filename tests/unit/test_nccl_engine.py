@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -252,6 +253,7 @@ async def test_an_abort_runs_off_the_loop_and_no_nccl_call_runs_beside_it(gpu: F
         assert time.monotonic() - started < 0.1
         await asyncio.sleep(0.1)
         assert failing.busy() is False and gpu.abort_threads == ["commd-nccl-wait_0"]
+        assert re.search(r"; ncclCommAbort \(world a, rank 0\) running for 0\.\d s$", engine.describe())
         op = asyncio.ensure_future(other.run(AllReduceOp(bufs, DType.U8, ReduceOp.SUM)))
         assert other.async_error() is None  # not asked while the gate is closed
         await asyncio.sleep(0.2)
@@ -260,6 +262,7 @@ async def test_an_abort_runs_off_the_loop_and_no_nccl_call_runs_beside_it(gpu: F
         assert time.monotonic() - started >= 0.6
         ticker.cancel()
         assert lag < 0.3  # (the abort alone held the loop 0.6 s before)
+        assert "running" not in engine.describe()
         assert [gpu.read(b.ptr, 8) for b in bufs.values()] == [b"\x03" * 8] * 2
     finally:
         engine.close()
@@ -309,6 +312,10 @@ async def test_a_wait_behind_several_aborts_is_announced_for_each(gpu: FakeGpu) 
         gpu.abort_takes_s = 0.4  # each within the limit, both together past it
         a.abort()
         b.abort()
+        deadline = time.monotonic() + 0.3
+        while "running" not in engine.describe() and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the thread takes the first up)
+        assert engine.describe().endswith(", 1 more abort waiting")  # what `commd status` shows
         engine.communicator("c", 1, 1, [0])  # the loop waits here
         assert stuck == [] and announced == [0.5, 0.5]
     finally:
