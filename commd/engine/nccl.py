@@ -133,11 +133,9 @@ class NcclEngine:
     def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
                      net: WorldNet | None = None, *, devices: Mapping[int, int] | None = None,
                      unique_id: bytes = b"") -> NcclCommunicator:
-        if not unique_id:
-            if len(local_ranks) != world_size:
-                raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
-                                                  f"root's NCCL id")
-            unique_id = self.unique_id()
+        if not unique_id and len(local_ranks) != world_size:  # (one all here makes its own)
+            raise CallError(ErrorCode.ENGINE, f"world {world}: a world across daemons needs the "
+                                              f"root's NCCL id")
         return NcclCommunicator(self.gpu, self._waiters, self._compiler, self._freer, self._gate, world,
                                 world_size, local_ranks, devices or {}, unique_id, net)
 

@@ -112,8 +112,21 @@ class NcclCommunicator:
         # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
         self._to_register: dict[tuple[int, int], NcclRegion] = {}
         self._registered: dict[tuple[int, int], tuple[int, NcclRegion]] = {}  # -> (NCCL's handle, memory)
-        gate.wait()  # NCCL takes no init while an abort runs
+        if not gate.closed:
+            self._init(world_size, unique_id)
+            return
+        # An abort runs, and NCCL takes no init meanwhile: the init comes once it returned,
+        # in every rank's turn (so the ops wait behind it), and the loop goes on; a failure
+        # then fails the world (async_error), as a refusal would have here.
+        turn = self._turns.take(self._ranks)
+        self._spawn(self._init_after_abort(turn, world_size, unique_id), turn)
+
+    def _init(self, world_size: int, unique_id: bytes) -> None:
+        """Streams and communicators, all ranks' in one group (`unique_id` empty: a world
+        all on this daemon, whose id is made here)."""
+        gpu, world = self._gpu, self._world
         try:
+            unique_id = unique_id or gpu.unique_id()
             for rank in self._ranks:
                 self._streams[rank] = gpu.stream_create(self._devices[rank])
             gpu.group_start()
@@ -125,11 +138,22 @@ class NcclCommunicator:
         except GpuError as exc:
             started, self._comms = self._comms, {}  # never left half-made
             if started:
-                gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
-                         functools.partial(self._abort, started), then=self._teardown)
+                self._gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
+                               functools.partial(self._abort, started), then=self._teardown)
             else:
                 self._teardown()
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
+
+    async def _init_after_abort(self, turn: Turn, world_size: int, unique_id: bytes) -> None:
+        async with turn:
+            await self._gate.opened()
+            if self._aborted:
+                return
+            try:
+                self._init(world_size, unique_id)
+            except CallError as exc:
+                self._failure = exc.message
+                self._aborted = True  # its ops fail (_check); async_error names why
 
     # ---- Communicator -----------------------------------------------------------------
 
@@ -275,7 +299,7 @@ class NcclCommunicator:
             self._teardown()
 
     def register(self, rank: int, key: int, region: Region) -> None:
-        if isinstance(region, NcclRegion) and rank in self._comms:
+        if isinstance(region, NcclRegion) and rank in self._ranks and not self._aborted:
             self._to_register[(rank, key)] = region
 
     def deregister(self, rank: int, key: int) -> None:
@@ -522,7 +546,8 @@ class NcclCommunicator:
         """Record an event behind the op on each stream and wait for all of them."""
         ranks = list(ranks)
         async with self._turns.take(ranks):  # no work on a stream during its rank's launch
-            events = self._completions.record(self._streams, ranks)
+            # (none to wait for on a rank without a stream: its init never came)
+            events = self._completions.record(self._streams, [r for r in ranks if r in self._streams])
         await self._completions.wait(events)
 
     def _scratch_ptr(self, rank: int) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,25 +23,30 @@ class NcclGate:
     (every other world, the peer links, the clients) goes on meanwhile.
 
     NCCL allows no other NCCL call while an abort runs, on any communicator, and the loop
-    makes all the others: while an abort runs (or waits its turn here) the gate is closed.
-    The loop's async paths wait for it (`opened`) and its polls skip a round (`closed`);
-    the few synchronous ones (a communicator's init, ncclGetUniqueId, ncclMemAlloc) block
-    the loop until it opens (`wait`), told to the peers first like any stall the watch
-    bounds. An ncclMemFree only has to keep out of an abort's way, which this one thread
-    sees to: it leaves the gate open (closing it, a free waiting for a kernel that waits
-    for a launch of the loop's would hold both for ever)."""
+    makes all the others: while an abort runs the gate is closed. The abort's thread asks
+    the loop to close it and starts once the loop did, in a callback of its own, so never
+    in the middle of the loop's NCCL calls (which hold no await). Then the loop's async
+    paths wait for it (`opened`) and its polls skip a round (`closed`); the few synchronous
+    ones (a communicator's init, ncclGetUniqueId, ncclMemAlloc) block the loop until that
+    abort returned (`wait`), told to the peers first. An abort still waiting its turn
+    keeps the gate open: behind an ncclMemFree that waits for a kernel that waits for a
+    launch of the loop's, a closed gate would hold all three for ever. An ncclMemFree
+    only has to keep out of an abort's way, which this one thread sees to."""
 
     def __init__(self, stuck: StuckWatch) -> None:
         self._stuck = stuck
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-nccl-wait")
-        self._aborts: list[concurrent.futures.Future[None]] = []  # the jobs that close the gate
+        self._open = threading.Event()
+        self._open.set()
+        self._openers: list[asyncio.Future[None]] = []  # the loop's waits for the gate
+        self._asking: threading.Event | None = None  # the abort waiting for the loop to close it
+        self._aborts: list[concurrent.futures.Future[None]] = []  # (for `holding`)
         self._closing = False
         self._running: tuple[str, float] | None = None  # the job on the thread now, since when
 
     @property
     def closed(self) -> bool:
-        self._aborts = [job for job in self._aborts if not job.done()]
-        return bool(self._aborts)
+        return not self._open.is_set()
 
     def run(self, what: str, job: Callable[[], None], *, then: Callable[[], None] | None = None,
             closes: bool = True) -> None:
@@ -56,9 +63,11 @@ class NcclGate:
             if then is not None:
                 then()
             return
-        done = self._thread.submit(self._guarded, what, job)
         if closes:
-            self._aborts.append(done)
+            done = self._thread.submit(self._exclusive, loop, what, job)
+            self._aborts = [abort for abort in self._aborts if not abort.done()] + [done]
+        else:
+            done = self._thread.submit(self._guarded, what, job)
         if then is not None:
             asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: then())
 
@@ -73,19 +82,56 @@ class NcclGate:
 
     async def opened(self) -> None:
         while self.closed:
-            await asyncio.wait([asyncio.wrap_future(job) for job in self._aborts])
+            opener = asyncio.get_running_loop().create_future()
+            self._openers.append(opener)
+            await opener
 
     def wait(self) -> None:
-        """Block this thread (the loop's, for a synchronous NCCL call) until the gate opens.
-        Each abort may take the watch's whole limit: the stall is told again for each."""
-        while self.closed:
+        """Block this thread (the loop's, for a synchronous NCCL call) until the running
+        abort returned: no other starts meanwhile, since the loop lets each start."""
+        if self.closed:
             self._stuck.stall()
-            concurrent.futures.wait(self._aborts, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._open.wait()
 
     def close(self) -> None:
-        """Let the jobs asked so far finish; later ones run on the caller's thread."""
+        """Let the jobs asked so far finish (called on the loop's thread, which makes no
+        NCCL call meanwhile, so aborts need not ask it); later ones run on the caller's."""
         self._closing = True
+        asking = self._asking
+        if asking is not None:
+            asking.set()
         self._thread.shutdown(wait=True)
+
+    def _exclusive(self, loop: asyncio.AbstractEventLoop, what: str, job: Callable[[], None]) -> None:
+        """An abort, on the thread: once the loop closed the gate, and open it after."""
+        asking = threading.Event()
+        self._asking = asking  # (before _closing is read: see close)
+        try:
+            if not self._closing:
+                try:
+                    loop.call_soon_threadsafe(self._close_for, asking)
+                except RuntimeError:  # the loop is gone (a daemon ending): it calls no NCCL now
+                    pass
+                else:
+                    asking.wait()
+            self._guarded(what, job)
+        finally:
+            self._asking = None
+            self._open.set()
+            with contextlib.suppress(RuntimeError):  # (the loop is gone: nobody waits)
+                loop.call_soon_threadsafe(self._wake)
+
+    def _close_for(self, asking: threading.Event) -> None:
+        """On the loop, between its callbacks: no NCCL call of its is half made."""
+        if not asking.is_set():  # (close() let it start already)
+            self._open.clear()
+            asking.set()
+
+    def _wake(self) -> None:
+        openers, self._openers = self._openers, []
+        for opener in openers:
+            if not opener.done():
+                opener.set_result(None)
 
     def _guarded(self, what: str, job: Callable[[], None]) -> None:
         self._running = (what, time.monotonic())

@@ -268,11 +268,10 @@ async def test_an_abort_runs_off_the_loop_and_no_nccl_call_runs_beside_it(gpu: F
         engine.close()
 
 
-async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: FakeGpu) -> None:
-    """A communicator's init (and ncclGetUniqueId, ncclMemAlloc) is made on the loop and
-    cannot wait asynchronously: behind an abort the loop waits, and Engine.on_loop_stall's
-    callback hears of it first, with the longest it may take (the daemon tells its peers).
-    An abort with nothing waiting for it is not announced: the loop goes on."""
+async def test_a_world_formed_during_an_abort_starts_after_it_and_the_loop_goes_on(gpu: FakeGpu) -> None:
+    """A failed world's ranks reconnect at once, while its abort still runs: the new
+    communicator's init waits for the abort in its ranks' turn, the loop going on; its ops
+    run after it."""
     announced: list[float] = []
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     engine.on_loop_stall(announced.append)
@@ -286,11 +285,54 @@ async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: 
         inits: list[int] = []  # how many aborts had returned at each init
         gpu.comm_init = lambda *args: (inits.append(len(aborted)), real_init(*args))[-1]  # type: ignore[method-assign]
         comm.abort()
-        assert announced == []
+        await asyncio.sleep(0.05)  # the loop lets the abort start
+        started = time.monotonic()
         again = engine.communicator("w", 2, 2, [0, 1])
-        assert announced == [7.0] and inits == [2, 2]  # announced, then the init waited for both
-        await again.run(BarrierOp((0, 1)))
+        assert time.monotonic() - started < 0.1 and inits == []
+        bufs = {r: ipc_mapping(engine, gpu, bytes([r + 1]) * 8).region(0, 8) for r in range(2)}
+        await asyncio.wait_for(again.run(AllReduceOp(bufs, DType.U8, ReduceOp.SUM)), 5)
+        assert inits == [2, 2] and [gpu.read(b.ptr, 8) for b in bufs.values()] == [b"\x03" * 8] * 2
+        assert announced == []
+    finally:
+        engine.close()
+
+
+async def test_a_world_whose_init_after_an_abort_fails_fails_with_why() -> None:
+    gpu = FakeGpu(devices=1, multi_rank_gpu=False)  # two ranks on one GPU: NCCL refuses the init
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    try:
+        other = engine.communicator("x", 1, 1, [0])
+        await other.run(BarrierOp((0,)))
+        gpu.abort_takes_s = 0.2
+        other.abort()
+        await asyncio.sleep(0.05)
+        comm = engine.communicator("w", 1, 2, [0, 1])  # refused at once were the gate open
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(comm.run(BarrierOp((0, 1))), 5)
+        assert info.value.code is ErrorCode.WORLD_FAILED
+        assert "NCCL init failed: Duplicate GPU detected" in (comm.async_error() or "")
+    finally:
+        engine.close()
+    assert gpu.violations == []
+
+
+async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: FakeGpu) -> None:
+    """ncclGetUniqueId (the root's id for a world across daemons) and ncclMemAlloc are made
+    on the loop and cannot wait asynchronously: behind a running abort the loop waits, and
+    Engine.on_loop_stall's callback hears of it first, with the longest it may take (the
+    daemon tells its peers). An abort with nothing waiting for it is not announced."""
+    announced: list[float] = []
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
+    engine.on_loop_stall(announced.append)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1])
+        await comm.run(BarrierOp((0, 1)))
+        gpu.abort_takes_s = 0.2
+        comm.abort()
+        await asyncio.sleep(0.05)  # the loop lets the abort start
+        assert announced == []
         engine.unique_id()
+        assert announced == [7.0] and len(gpu.abort_threads) == 2  # (both ranks', one abort)
         shared, fd = engine.allocate(64)
         os.close(fd)
         shared.close()
@@ -299,27 +341,76 @@ async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: 
         engine.close()
 
 
-async def test_a_wait_behind_several_aborts_is_announced_for_each(gpu: FakeGpu) -> None:
-    """Each abort may take the watch's whole limit: a loop waiting behind two tells its
-    peers again before the second, so it is never quiet longer than it said."""
+async def test_a_wait_on_the_loop_lasts_one_abort_not_all_that_wait(gpu: FakeGpu) -> None:
+    """The loop lets each abort start (so none starts in the middle of its NCCL calls): a
+    synchronous call behind a running abort waits for that one only, told to the peers,
+    and runs before the next starts."""
     announced: list[float] = []
-    stuck: list[str] = []
-    engine = NcclEngine(gpu, stuck=StuckWatch(0.5, stuck.append))
+    engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     engine.on_loop_stall(announced.append)
     try:
-        a, b = engine.communicator("a", 1, 1, [0]), engine.communicator("b", 1, 1, [0])
-        await asyncio.gather(a.run(BarrierOp((0,))), b.run(BarrierOp((0,))))
-        gpu.abort_takes_s = 0.4  # each within the limit, both together past it
-        a.abort()
-        b.abort()
-        deadline = time.monotonic() + 0.3
-        while "running" not in engine.describe() and time.monotonic() < deadline:
-            time.sleep(0.01)  # (the thread takes the first up)
-        assert engine.describe().endswith(", 1 more abort waiting")  # what `commd status` shows
-        engine.communicator("c", 1, 1, [0])  # the loop waits here
-        assert stuck == [] and announced == [0.5, 0.5]
+        comms = [engine.communicator(name, 1, 1, [0]) for name in "abc"]
+        await asyncio.gather(*(comm.run(BarrierOp((0,))) for comm in comms))
+        gpu.abort_takes_s = 0.3
+        for comm in comms:
+            comm.abort()
+        await asyncio.sleep(0.05)  # the loop lets the first start
+        assert re.search(r"ncclCommAbort \(world a, rank 0\) running for 0\.\d s, 2 more aborts waiting$",
+                         engine.describe())  # what `commd status` shows
+        started = time.monotonic()
+        engine.unique_id()  # the loop waits here, for world a's only
+        assert time.monotonic() - started < 0.5 and announced == [7.0]
+        assert len(gpu.abort_threads) == 1  # (the fake records an NCCL call during an abort)
+        await until(lambda: len(gpu.abort_threads) == 3 and "running" not in engine.describe())
     finally:
         engine.close()
+
+
+async def test_an_abort_behind_a_waiting_ncclmemfree_holds_no_launch_up() -> None:
+    """An abort queued behind an ncclMemFree that waits for the device keeps the gate
+    open: here the free waits for a receive whose sender waits for a launch of this
+    daemon's, which a closed gate would hold back for ever. Daemon a hosts ranks 0, 1 of
+    world w, daemon b rank 2; rank 2 sends to 0 only after it received from 1."""
+    gpu = FakeGpu(devices=3)
+    a, b = NcclEngine(gpu, stuck=StuckWatch(20.0)), NcclEngine(gpu, stuck=StuckWatch(20.0))
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+        x = a.communicator("x", 1, 1, [0])
+        await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))),
+                             x.run(BarrierOp((0,))))
+        shared, fd = a.allocate(64)
+        os.close(fd)
+        landing = ipc_mapping(a, gpu, b"." * 4).region(0, 4)
+        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
+        got, y = (ipc_mapping(b, gpu, data * 4, device=2).region(0, 4) for data in (b".", b"Y"))
+        received = asyncio.ensure_future(ca.run(RecvOp(2, 0, landing, NO_TAG)))
+        real_release = gpu.release
+        free_waited: list[float] = []
+
+        def release(memory: Imported) -> None:
+            if memory.origin is Origin.NCCL:  # as cuMemUnmap waiting for the device
+                since = time.monotonic()
+                while gpu.read(landing.ptr, 4) != b"YYYY" and time.monotonic() - since < 3.0:
+                    time.sleep(0.01)
+                free_waited.append(time.monotonic() - since)
+            real_release(memory)
+
+        gpu.release = release  # type: ignore[method-assign]
+        shared.close()  # the free holds a's gate thread until rank 0's receive landed
+        await asyncio.sleep(0.05)
+        x.abort()  # queued behind the free
+        sent = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
+        await asyncio.wait_for(cb.run(RecvOp(1, 2, got, NO_TAG)), 10)
+        await asyncio.wait_for(cb.run(SendOp(2, 0, y, NO_TAG)), 10)
+        await asyncio.wait_for(asyncio.gather(received, sent), 10)
+        await until(lambda: bool(free_waited) and len(gpu.abort_threads) == 1, 10)
+        assert free_waited[0] < 2.0 and gpu.read(got.ptr, 4) == b"ZZZZ"  # (3 s: the launch was held)
+    finally:
+        a.close()
+        b.close()
+    assert gpu.violations == []
 
 
 async def test_registered_memory_goes_only_once_its_abort_returned(gpu: FakeGpu) -> None:
