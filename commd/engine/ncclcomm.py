@@ -30,7 +30,7 @@ from .completion import Completions
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclcalls import Call, nccl_calls, regions_of
-from .ncclgate import NcclGate
+from .ncclgate import NcclGate, loop_running
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
 from .turns import Turn, Turns
 
@@ -89,6 +89,7 @@ class NcclCommunicator:
         self._adds = AddPath(gpu, compiler, world, world_size, self._devices, self._new_mapping)
         self._aborted = False
         self._aborting = False  # the abort is still running (on the gate's thread)
+        self._init_failure: CallError | None = None  # of an init made after an abort (see __init__)
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
         # ops to launch at the end of this turn of the loop, together (see _launch_soon)
@@ -112,7 +113,8 @@ class NcclCommunicator:
         # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
         self._to_register: dict[tuple[int, int], NcclRegion] = {}
         self._registered: dict[tuple[int, int], tuple[int, NcclRegion]] = {}  # -> (NCCL's handle, memory)
-        if not gate.closed:
+        if not gate.closed or not loop_running():
+            gate.wait()
             self._init(world_size, unique_id)
             return
         # An abort runs, and NCCL takes no init meanwhile: the init comes once it returned,
@@ -137,11 +139,13 @@ class NcclCommunicator:
                 gpu.group_end()
         except GpuError as exc:
             started, self._comms = self._comms, {}  # never left half-made
+            self._aborted = True
             if started:
+                self._aborting = True  # the streams stay until the abort returned
                 self._gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
-                               functools.partial(self._abort, started), then=self._teardown)
+                               functools.partial(self._abort, started), then=self._abort_returned)
             else:
-                self._teardown()
+                self._maybe_teardown()
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
 
     async def _init_after_abort(self, turn: Turn, world_size: int, unique_id: bytes) -> None:
@@ -151,9 +155,8 @@ class NcclCommunicator:
                 return
             try:
                 self._init(world_size, unique_id)
-            except CallError as exc:
-                self._failure = exc.message
-                self._aborted = True  # its ops fail (_check); async_error names why
+            except CallError as exc:  # its ops fail with it (_check), and so the world
+                self._init_failure = exc
 
     # ---- Communicator -----------------------------------------------------------------
 
@@ -372,6 +375,8 @@ class NcclCommunicator:
     def async_error(self) -> str | None:
         if self._failure is not None:
             return self._failure
+        if self._init_failure is not None:
+            return self._init_failure.message
         if self._aborted or self._gate.closed:  # (asked again next round)
             return None
         for rank, comm in self._comms.items():
@@ -383,6 +388,8 @@ class NcclCommunicator:
     # ---- internals ----------------------------------------------------------------------
 
     def _check(self) -> None:
+        if self._init_failure is not None:
+            raise CallError(self._init_failure.code, self._init_failure.message)
         if self._aborted:
             raise CallError(ErrorCode.WORLD_FAILED, "communicator was aborted")
 

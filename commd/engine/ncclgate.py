@@ -41,6 +41,7 @@ class NcclGate:
         self._openers: list[asyncio.Future[None]] = []  # the loop's waits for the gate
         self._asking: threading.Event | None = None  # the abort waiting for the loop to close it
         self._aborts: list[concurrent.futures.Future[None]] = []  # (for `holding`)
+        self._jobs: list[concurrent.futures.Future[None]] = []  # all, for a wait without a loop
         self._closing = False
         self._running: tuple[str, float] | None = None  # the job on the thread now, since when
 
@@ -68,6 +69,7 @@ class NcclGate:
             self._aborts = [abort for abort in self._aborts if not abort.done()] + [done]
         else:
             done = self._thread.submit(self._guarded, what, job)
+        self._jobs = [other for other in self._jobs if not other.done()] + [done]
         if then is not None:
             asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: then())
 
@@ -87,8 +89,13 @@ class NcclGate:
             await opener
 
     def wait(self) -> None:
-        """Block this thread (the loop's, for a synchronous NCCL call) until the running
-        abort returned: no other starts meanwhile, since the loop lets each start."""
+        """Block this thread until it may make NCCL calls. On the loop's (a synchronous
+        NCCL call): until the running abort returned, none other starting meanwhile, since
+        the loop lets each start. Without a running loop (a daemon closing, a test): until
+        every job asked so far is done; they start without asking a loop that runs no more."""
+        if not loop_running():
+            concurrent.futures.wait(self._jobs)
+            return
         if self.closed:
             self._stuck.stall()
             self._open.wait()
@@ -113,7 +120,10 @@ class NcclGate:
                 except RuntimeError:  # the loop is gone (a daemon ending): it calls no NCCL now
                     pass
                 else:
-                    asking.wait()
+                    while not asking.wait(0.05):
+                        if not loop.is_running():  # stopped: it calls no NCCL now either
+                            self._open.clear()
+                            asking.set()  # (its callback, should it run later, does nothing)
             self._guarded(what, job)
         finally:
             self._asking = None
@@ -142,3 +152,11 @@ class NcclGate:
             log.exception("%s failed", what)
         finally:
             self._running = None
+
+
+def loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

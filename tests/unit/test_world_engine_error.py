@@ -13,11 +13,15 @@ from collections.abc import Sequence
 import pytest
 
 import proto
-from commd.engine.base import Communicator, Engine, EngineOp, Order
+from commd.engine.base import BarrierOp, Communicator, Engine, EngineOp, Order
 from commd.engine.host import HostEngine
+from commd.engine.nccl import NcclEngine
+from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
 from commd.world import World, WorldState
 from proto import ErrorCode
+from tests.contract.fakegpu import FakeGpu
+from tests.unit.test_nccl_engine import abort_started, until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -199,3 +203,30 @@ async def test_the_engine_is_told_which_ops_came_in_one_request() -> None:
     assert grouped[0] == grouped[1] and len(grouped[0]) == 2  # one request of each rank
     assert len(alone) == 2 and not alone & grouped[0]
     host.close()
+
+
+async def test_a_world_whose_nccl_init_comes_after_an_abort_and_fails_says_why() -> None:
+    """A world formed while another's ncclCommAbort runs is welcomed, and inits once the
+    abort returned; refused then (two ranks on one GPU), the world fails naming why, as
+    the hello would have been refused with it."""
+    gpu = FakeGpu(devices=1, multi_rank_gpu=False)
+    engine = NcclEngine(gpu, stuck=StuckWatch(20.0))
+    try:
+        other = engine.communicator("x", 1, 1, [0])
+        await other.run(BarrierOp((0,)))
+        gpu.abort_takes_s = 0.5
+        other.abort()
+        await abort_started(engine)
+        world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
+        ranks = [Rank(), Rank()]
+        for r, peer in enumerate(ranks):
+            world.join(peer, hello(r))
+        assert world.state is WorldState.READY
+        for r in range(2):
+            world.submit(r, 30 + r, [(proto.Barrier(), ())])
+        await until(lambda: world.state is WorldState.FAILED)
+        assert "NCCL init failed: Duplicate GPU detected" in (world.cause or "")
+        errors = [m for peer in ranks for m in peer.received if isinstance(m, proto.Error)]
+        assert len(errors) == 2 and all("NCCL init failed" in m.message for m in errors)
+    finally:
+        engine.close()
