@@ -371,8 +371,10 @@ async def test_an_abort_behind_a_waiting_ncclmemfree_holds_no_launch_up() -> Non
     """An abort queued behind an ncclMemFree that waits for the device keeps the gate
     open: here the free waits for a receive whose sender waits for a launch of this
     daemon's, which a closed gate would hold back for ever. Daemon a hosts ranks 0, 1 of
-    world w, daemon b rank 2; rank 2 sends to 0 only after it received from 1."""
-    gpu = FakeGpu(devices=3)
+    world w, daemon b rank 2; rank 2 sends to 0 only after it received from 1. (Both
+    daemons share this process, but not a gate: launches ready at once keep b from any NCCL
+    call once the send it makes last ran, which a's abort follows.)"""
+    gpu = FakeGpu(devices=3, launch_polls=0)
     a, b = NcclEngine(gpu, stuck=StuckWatch(20.0)), NcclEngine(gpu, stuck=StuckWatch(20.0))
     try:
         uid = a.unique_id()
