@@ -89,6 +89,17 @@ class Steady:
         assert real == [], self.errors
 
 
+def one_rank_worlds(daemon: GpuDaemon, driver: WorkerDriver, count: int) -> list[DaemonBackend]:
+    """`count` 1-rank worlds, each with a communicator (it ran a call): each aborts as it closes."""
+    comms = []
+    for i in range(count):
+        comm = DaemonBackend(str(daemon.socket_path), world_name(f"s{i}"), 0, 1, timeout=20,
+                             cuda_driver=lambda: driver)
+        comm.all_reduce(driver.alloc(b"\x01" * 8), 8, dtype="u8")
+        comms.append(comm)
+    return comms
+
+
 def settle_allocations(gpu: FakeGpu, want: int, limit: float = 10.0) -> None:
     deadline = time.monotonic() + limit
     while gpu.allocations != want:
@@ -211,13 +222,7 @@ def test_several_worlds_abort_at_once_while_a_new_one_forms(daemon: GpuDaemon, g
     driver = WorkerDriver(gpu)
     baseline = gpu.allocations
     steady = Steady(daemon, driver)
-    singles = []
-    for i in range(4):
-        c = DaemonBackend(str(daemon.socket_path), world_name(f"s{i}"), 0, 1, timeout=20,
-                          cuda_driver=lambda: driver)
-        p = driver.alloc(b"\x01" * 8)
-        c.all_reduce(p, 8, dtype="u8")
-        singles.append(c)
+    singles = one_rank_worlds(daemon, driver, 4)
     gpu.abort_takes_s = 0.4
     for c in singles:
         c.close()
@@ -375,13 +380,7 @@ def test_daemon_shutdown_while_aborts_run_and_queue(daemon: GpuDaemon, gpu: Fake
                                                    caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     driver = WorkerDriver(gpu)
-    singles = []
-    for i in range(3):
-        c = DaemonBackend(str(daemon.socket_path), world_name(f"s{i}"), 0, 1, timeout=20,
-                          cuda_driver=lambda: driver)
-        p = driver.alloc(b"\x01" * 8)
-        c.all_reduce(p, 8, dtype="u8")
-        singles.append(c)
+    singles = one_rank_worlds(daemon, driver, 3)
     live = DaemonBackend(str(daemon.socket_path), world_name("live"), 0, 1, timeout=20,
                          cuda_driver=lambda: driver)
     sym = live.symmetric_alloc(64)
