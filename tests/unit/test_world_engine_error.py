@@ -224,7 +224,9 @@ async def test_a_world_whose_nccl_init_comes_after_an_abort_and_fails_says_why()
         assert world.state is WorldState.READY
         for r in range(2):
             world.submit(r, 30 + r, [(proto.Barrier(), ())])
-        await until(lambda: world.state is WorldState.FAILED)
+        # (the world fails by its watchdog or by its ops, whichever comes first: both say why)
+        await until(lambda: all(any(isinstance(m, proto.Error) for m in peer.received) for peer in ranks))
+        assert world.state is WorldState.FAILED
         assert "NCCL init failed: Duplicate GPU detected" in (world.cause or "")
         errors = [m for peer in ranks for m in peer.received if isinstance(m, proto.Error)]
         assert len(errors) == 2 and all("NCCL init failed" in m.message for m in errors)
