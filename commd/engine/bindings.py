@@ -24,8 +24,10 @@ _STICKY = frozenset({700, 714, 715, 716, 717, 718, 719})
 
 
 class BindingsGpu:
-    """`Gpu` over cuda-bindings and nccl4py. Only the event loop's thread calls NCCL;
-    event waits run on helper threads and touch nothing else."""
+    """`Gpu` over cuda-bindings and nccl4py. The event loop's thread makes the NCCL calls,
+    but for ncclCommAbort and ncclMemFree (the NcclGate's thread, never beside another;
+    use_device first, as the current context is per thread); event waits run on helper
+    threads and touch nothing else."""
 
     def __init__(self) -> None:
         try:
