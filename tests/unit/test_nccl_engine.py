@@ -301,11 +301,7 @@ async def test_a_world_whose_init_after_an_abort_fails_fails_with_why() -> None:
     gpu = FakeGpu(devices=1, multi_rank_gpu=False)  # two ranks on one GPU: NCCL refuses the init
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     try:
-        other = engine.communicator("x", 1, 1, [0])
-        await other.run(BarrierOp((0,)))
-        gpu.abort_takes_s = 0.2
-        other.abort()
-        await abort_started(engine)
+        await abort_started_in(engine, gpu, 0.2)
         comm = engine.communicator("w", 1, 2, [0, 1])  # refused at once were the gate open
         with pytest.raises(CallError) as info:
             await asyncio.wait_for(comm.run(BarrierOp((0, 1))), 5)
@@ -326,11 +322,7 @@ async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: 
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     engine.on_loop_stall(announced.append)
     try:
-        comm = engine.communicator("w", 1, 2, [0, 1])
-        await comm.run(BarrierOp((0, 1)))
-        gpu.abort_takes_s = 0.2
-        comm.abort()
-        await abort_started(engine)
+        await abort_started_in(engine, gpu, 0.2, ranks=(0, 1))
         assert announced == []
         engine.unique_id()
         assert announced == [7.0] and len(gpu.abort_threads) == 2  # (both ranks', one abort)
@@ -350,12 +342,7 @@ async def test_a_wait_on_the_loop_lasts_one_abort_not_all_that_wait(gpu: FakeGpu
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     engine.on_loop_stall(announced.append)
     try:
-        comms = [engine.communicator(name, 1, 1, [0]) for name in "abc"]
-        await asyncio.gather(*(comm.run(BarrierOp((0,))) for comm in comms))
-        gpu.abort_takes_s = 0.5
-        for comm in comms:
-            comm.abort()
-        await abort_started(engine)
+        await abort_started_in(engine, gpu, 0.5, names="abc")
         assert re.search(r"ncclCommAbort \(world a, rank 0\) running for 0\.\d s, 2 more aborts waiting$",
                          engine.describe())  # what `commd status` shows
         started = time.monotonic()
@@ -448,11 +435,7 @@ async def test_a_failed_init_after_an_abort_keeps_its_streams_until_its_own_abor
     real_destroy, real_abort = gpu.stream_destroy, gpu.comm_abort
     gpu.comm_abort = lambda comm: (real_abort(comm), aborts_returned.append(comm))[0]  # type: ignore[method-assign]
     try:
-        other = engine.communicator("x", 1, 1, [0])
-        await other.run(BarrierOp((0,)))
-        gpu.abort_takes_s = 0.3
-        other.abort()
-        await abort_started(engine)
+        await abort_started_in(engine, gpu, 0.3)
         others = set(gpu.streams_of(0))  # (world x's, which goes once its abort returned)
         gpu.stream_destroy = lambda stream: (  # type: ignore[method-assign]
             early.append(stream) if len(aborts_returned) < 2 and stream not in others else None,
@@ -730,6 +713,18 @@ async def test_registered_memory_reaches_nccl_once_the_communicator_is_ready(eng
 async def abort_started(engine: NcclEngine) -> None:
     """Until an abort runs on the engine's gate thread (the loop let it start)."""
     await until(lambda: "ncclCommAbort" in engine.describe())
+
+
+async def abort_started_in(engine: NcclEngine, gpu: FakeGpu, takes_s: float, names: str = "x",
+                           ranks: tuple[int, ...] = (0,)) -> None:
+    """Worlds `names` (one letter each, all of `ranks` here) made and aborted, each abort
+    taking `takes_s`: until the first runs."""
+    comms = [engine.communicator(name, 1, len(ranks), list(ranks)) for name in names]
+    await asyncio.gather(*(comm.run(BarrierOp(ranks)) for comm in comms))
+    gpu.abort_takes_s = takes_s
+    for comm in comms:
+        comm.abort()
+    await abort_started(engine)
 
 
 async def until(condition: Callable[[], bool], timeout: float = 5) -> None:

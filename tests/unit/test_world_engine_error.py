@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 import proto
-from commd.engine.base import BarrierOp, Communicator, Engine, EngineOp, Order
+from commd.engine.base import Communicator, Engine, EngineOp, Order
 from commd.engine.host import HostEngine
 from commd.engine.nccl import NcclEngine
 from commd.engine.stuckwatch import StuckWatch
@@ -21,7 +21,7 @@ from commd.errors import CallError
 from commd.world import World, WorldState
 from proto import ErrorCode
 from tests.contract.fakegpu import FakeGpu
-from tests.unit.test_nccl_engine import abort_started, until
+from tests.unit.test_nccl_engine import abort_started_in, until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -212,11 +212,7 @@ async def test_a_world_whose_nccl_init_comes_after_an_abort_and_fails_says_why()
     gpu = FakeGpu(devices=1, multi_rank_gpu=False)
     engine = NcclEngine(gpu, stuck=StuckWatch(20.0))
     try:
-        other = engine.communicator("x", 1, 1, [0])
-        await other.run(BarrierOp((0,)))
-        gpu.abort_takes_s = 0.5
-        other.abort()
-        await abort_started(engine)
+        await abort_started_in(engine, gpu, 0.5)
         world = World("w", 2, None, engine, lambda w: None)  # type: ignore[arg-type]
         ranks = [Rank(), Rank()]
         for r, peer in enumerate(ranks):
