@@ -147,7 +147,7 @@ class FrameStream(asyncio.BufferedProtocol):
             if (opener := self._opening()) is not None:
                 self._header = opener.open_header(self._lengths, self._header)
             if self._pending_payload:
-                self._expect("payload", self._payload_buffer(self._pending_payload))
+                self._expect("payload", self._payload_buffer(self._pending_payload, opener is not None))
                 return
         elif (opener := self._opening()) is not None:
             payload = opener.open_payload(self._lengths, self._target)
@@ -168,8 +168,8 @@ class FrameStream(asyncio.BufferedProtocol):
             raise proto.DecodeError("a sealed frame before this side could open it")
         return self._opener
 
-    def _payload_buffer(self, nbytes: int) -> bytearray | memoryview:
-        if self._opening() is None:
+    def _payload_buffer(self, nbytes: int, sealed: bool) -> bytearray | memoryview:
+        if not sealed:
             return bytearray(nbytes)
         if len(self._ciphertext) < nbytes:
             self._ciphertext = bytearray(nbytes)
