@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ from .errors import (
     CommError,
     CommTimeout,
     DaemonUnavailable,
+    LimitExceeded,
     MisuseError,
     ProtocolError,
     from_code,
@@ -33,6 +35,26 @@ from .streams import StreamOrder
 from .transport import Transport, Undo
 
 T = TypeVar("T")
+
+
+def _ints(**values: object) -> tuple[int, ...]:
+    """The arguments, in their order, as plain ints (numpy integers too: np.prod(shape) * 2
+    is one); MisuseError for anything else. msgpack cannot pack numpy's, and the daemon
+    drops a connection that sends a float where an integer goes."""
+    ints = []
+    for name, value in values.items():
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            ints.append(int(operator.index(value)))  # type: ignore[arg-type]
+        except TypeError:
+            raise MisuseError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    return tuple(ints)
+
+
+# a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
+# in the hello (u64): a year is beyond any use and far inside both
+_MAX_TIMEOUT_S = 365 * 86400.0
 _JOIN_GRACE_S = 2.0  # the daemon enforces the join deadline; this covers its reply in flight
 
 
@@ -54,8 +76,15 @@ class DaemonBackend(CommBackend):
                  timeout: float = 60.0, token: str | None = None,
                  memory: HostMemory | None = None, stream: int = 0,
                  cuda_driver: DriverFactory = available_driver) -> None:
-        if not timeout > 0:
-            raise MisuseError(f"timeout must be positive, got {timeout}")
+        rank, world_size, stream = _ints(rank=rank, world_size=world_size, stream=stream)
+        if device is not None:
+            device, = _ints(device=device)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+                or not 0 < timeout < _MAX_TIMEOUT_S:
+            raise MisuseError(f"timeout must be seconds in (0, {_MAX_TIMEOUT_S:g}), got {timeout!r}")
+        for name, text in (("world", world), ("bootstrap", bootstrap), ("token", token)):
+            if text is not None and not isinstance(text, str):
+                raise MisuseError(f"{name} must be a string, got {type(text).__name__}")
         self._rank = rank
         self._world_size = world_size
         self._world = world
@@ -81,6 +110,7 @@ class DaemonBackend(CommBackend):
         # ours -> (ptr, bytes, the daemon's; None: its memory went before a restarted daemon knew it)
         self._registrations: dict[int, tuple[int, int, int | None]] = {}
         self._next_handle = 1
+        self._add_kernel: int | None = None
         self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
         self.epoch = 0
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
@@ -113,20 +143,24 @@ class DaemonBackend(CommBackend):
     def all_reduce(self, ptr: int, bytes: int, *, dtype: DTypeLike = DType.BF16,
                    op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
+        ptr, bytes = _ints(ptr=ptr, bytes=bytes)
         self._call(("ar", ptr, bytes, d, o),
                    lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o))
 
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
+        send_ptr, recv_ptr, bytes = _ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         self._call(("ag", send_ptr, recv_ptr, bytes), lambda: proto.AllGather(
             self._mem(send_ptr, bytes), self._mem(recv_ptr, bytes * self._world_size), bytes))
 
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
                        dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
+        send_ptr, recv_ptr, bytes = _ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda: proto.ReduceScatter(
             self._mem(send_ptr, bytes * self._world_size), self._mem(recv_ptr, bytes), bytes, d, o))
 
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
+        ptr, bytes, root = _ints(ptr=ptr, bytes=bytes, root=root)
         self._call(("bc", ptr, bytes, root),
                    lambda: proto.Broadcast(self._mem(ptr, bytes), bytes, root))
 
@@ -134,16 +168,19 @@ class DaemonBackend(CommBackend):
         self._call(("barrier",), proto.Barrier)
 
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
+        ptr, bytes, dest_rank, stream = _ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
         self._call(("send", ptr, bytes, dest_rank, stream),
                    lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream), stream=stream or None,
                    early=True)
 
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
+        ptr, bytes, src_rank, stream = _ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
         self._call(("recv", ptr, bytes, src_rank, stream),
                    lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream), stream=stream or None,
                    early=True)
 
     def recv_command_u32(self, ptr: int, root: int) -> None:
+        ptr, root = _ints(ptr=ptr, root=root)
         if root == self._rank:
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
         self._call(("cmd", ptr, root), lambda: proto.Broadcast(self._mem(ptr, 4), 4, root, command=True),
@@ -154,6 +191,7 @@ class DaemonBackend(CommBackend):
         # Completes before returning (stronger than "ordered on the stream"): host memory has
         # no streams, and device memory waits for `compute_stream`, then for the daemon's op.
         d, o = as_dtype(dtype), as_op(op)
+        ptr, bytes, compute_stream = _ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
         self._call(("ar", ptr, bytes, d, o), lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o),
                    stream=compute_stream or None, early=True)
 
@@ -164,6 +202,7 @@ class DaemonBackend(CommBackend):
         return self._world_size
 
     def register_buffer(self, ptr: int, bytes: int) -> int:
+        ptr, bytes = _ints(ptr=ptr, bytes=bytes)
         daemon_handle = self._register(ptr, bytes)
         with self._lock:
             handle = self._next_handle
@@ -198,6 +237,7 @@ class DaemonBackend(CommBackend):
             self._registrations.pop(handle, None)
 
     def symmetric_alloc(self, bytes: int) -> int:
+        bytes, = _ints(bytes=bytes)
         buffer_id = self._memory.next_id()
         _reply, fds = self._request(
             lambda: proto.SymAlloc(self._transport.next_id(), buffer_id, bytes),
@@ -217,7 +257,13 @@ class DaemonBackend(CommBackend):
                 self._imported.add(buffer_id)
                 self._device_symmetric[ptr] = (buffer_id, size)
             return ptr
-        buffer = self._memory.adopt(fds[0], bytes, buffer_id)
+        try:
+            buffer = self._memory.adopt(fds[0], bytes, buffer_id)
+        except (OSError, ValueError) as exc:  # cannot map it here (RLIMIT_AS, ENOMEM, max_map_count)
+            os.close(fds[0])
+            with contextlib.suppress(CommError):  # the daemon lets go of it now, not at our close
+                self._sym_free(buffer_id)
+            raise LimitExceeded(f"cannot map {bytes} bytes of symmetric memory here: {exc}") from exc
         with self._lock:
             self._imported.add(buffer_id)
             self._symmetric[buffer.ptr] = buffer
@@ -253,7 +299,9 @@ class DaemonBackend(CommBackend):
                     self._released.append(buffer_id)
 
     def set_add_kernel(self, handle: int) -> None:
+        handle, = _ints(handle=handle)
         self._request(lambda: proto.SetAddKernel(self._transport.next_id(), handle))
+        self._add_kernel = handle  # a restarted daemon is told again (_rejoin)
 
     def group_start(self) -> None:
         self._check_open()
@@ -286,6 +334,7 @@ class DaemonBackend(CommBackend):
                                          grace=_JOIN_GRACE_S)
                 self.epoch = reply.value  # type: ignore[union-attr]
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
+                self._check_open()  # (or close() on another thread broke it)
                 rejoin = True
         if rejoin:
             self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
@@ -305,14 +354,21 @@ class DaemonBackend(CommBackend):
         self._transport.close()  # the daemon must see the old connection go, or the rank is taken
         delay = 0.05
         while True:
+            self._check_open()  # closed by another thread meanwhile: never join behind its back
             try:
-                self._transport = self._join(deadline)
-                break
+                transport = self._join(deadline)
             except DaemonUnavailable:
                 if time.monotonic() + delay >= deadline:
                     raise
                 time.sleep(delay)  # not back yet (systemd restarts it): try again
                 delay = min(1.0, delay * 2)
+                continue
+            with self._lock:  # close() takes _closed under it, then closes whichever transport is ours
+                if not self._closed:
+                    self._transport = transport
+                    break
+            transport.close()
+            self._check_open()
         with self._lock:
             registrations = list(self._registrations.items())
         for handle, (ptr, nbytes, _) in registrations:
@@ -323,6 +379,9 @@ class DaemonBackend(CommBackend):
                 fresh = None
             with self._lock:
                 self._registrations[handle] = (ptr, nbytes, fresh)
+        if self._add_kernel is not None:
+            kernel = self._add_kernel
+            self._request(lambda: proto.SetAddKernel(self._transport.next_id(), kernel))
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -333,7 +392,8 @@ class DaemonBackend(CommBackend):
                 return
             self._closed = True
             symmetric, self._symmetric = list(self._symmetric.values()), {}
-        self._transport.close()
+            transport = self._transport
+        transport.close()
         self._order.close(self._resolver.driver)
         for ptr, (buffer_id, size) in list(self._device_symmetric.items()):
             with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo

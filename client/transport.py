@@ -109,8 +109,10 @@ class Transport:
                 raise self._broken
             try:
                 packet = self._conn.send(msg)
-            except proto.ProtoError as exc:
-                raise ProtocolError(f"cannot send {type(msg).__name__}: {exc}") from exc
+            except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
+                # the connection's state machine is in ERROR now: break it, so that the next
+                # attempt_reconnect connects afresh rather than failing on it for good
+                raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
             try:
                 if fds:
                     self._sock.sendmsg([packet], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,

@@ -26,17 +26,19 @@ _WORLD_NAME = re.compile(r"[A-Za-z0-9._:@/-]+")
 
 
 def _u64(name: str, value: int) -> None:
-    if not 0 <= value <= U64_MAX:
+    # (a float or numpy integer would pass the range check, then fail to pack, or reach
+    # the other side as a float: type first)
+    if type(value) is not int or not 0 <= value <= U64_MAX:
         raise InvalidMessage(f"{name}={value} is not an unsigned 64-bit integer")
 
 
 def _positive(name: str, value: int) -> None:
-    if not 0 < value <= U64_MAX:
+    if type(value) is not int or not 0 < value <= U64_MAX:
         raise InvalidMessage(f"{name}={value} must be a positive 64-bit integer")
 
 
 def _rank(name: str, value: int) -> None:
-    if not 0 <= value < MAX_RANKS:
+    if type(value) is not int or not 0 <= value < MAX_RANKS:
         raise InvalidMessage(f"{name}={value} is not a rank (0..{MAX_RANKS - 1})")
 
 

@@ -7,6 +7,7 @@ while another calls. Each ends with a call whose data is checked."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import threading
@@ -20,10 +21,17 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommError, CommTimeout, DaemonBackend, hostmem
+from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseError, hostmem
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.integration.harness import back_to, held_at_rest, memfd_mappings, short_tmpdir, world_name
+from tests.integration.harness import (
+    back_to,
+    held_at_rest,
+    memfd_mappings,
+    short_tmpdir,
+    world_name,
+    world_status,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,3 +254,117 @@ def test_a_group_holding_recv_command_waits_without_a_deadline(daemon: DaemonPro
     finally:
         for comm in comms:
             comm.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_close_during_attempt_reconnect_does_not_rejoin_behind_it(daemon: DaemonProcess) -> None:
+    """close() on another thread fails the pending Reconnect as if the daemon had gone:
+    attempt_reconnect must not then join afresh behind the closed backend (before: it
+    returned, its new socket leaked, and rank 1 waited out its timeout for rank 0)."""
+    base = open_fds()
+    comms = join(daemon, timeout=3)
+    outcome: list[object] = []
+
+    def reconnect_rank0() -> None:
+        try:
+            comms[0].attempt_reconnect()
+            outcome.append("returned")
+        except CommError as exc:
+            outcome.append(exc)
+
+    reconnecting = threading.Thread(target=reconnect_rank0)
+    reconnecting.start()
+    time.sleep(0.3)  # rank 0's Reconnect waits for rank 1's
+    comms[0].close()
+    reconnecting.join(20)
+    try:
+        assert outcome and isinstance(outcome[0], MisuseError), outcome
+        with pytest.raises(CommError):
+            comms[1].attempt_reconnect()  # rank 0 never comes back
+        started = time.monotonic()
+        with pytest.raises(CommError):
+            comms[1].barrier()
+        assert time.monotonic() - started < 2, "rank 1 waited for a rank that had closed"
+    finally:
+        for comm in comms:
+            comm.close()
+    assert open_fds() == base
+
+
+def test_the_add_kernel_is_set_again_after_a_daemon_restart(daemon: DaemonProcess) -> None:
+    """set_add_kernel is part of what a rank tells a restarted daemon again (before: the
+    new daemon's world had none, and the 2-rank add path was off without a word)."""
+    world = world_name()
+    comms = on_both(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=5))
+    try:
+        on_both(lambda r: comms[r].set_add_kernel(100 + r))
+        assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
+        daemon.kill()
+        daemon.start()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        on_both(lambda r: comms[r].barrier())
+        assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess) -> None:
+    """np.prod(shape) * 2 is a numpy integer: it works like an int (before: msgpack's
+    TypeError, and the op cache kept it, so the same call with an int failed too; in
+    symmetric_alloc it left the connection unusable for good). A float is refused here
+    (before: sent, and the daemon dropped the connection, failing the rank's world)."""
+    comms = join(daemon, timeout=5)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
+        on_both(lambda r: comms[r].all_reduce(bufs[r].ptr, np.int64(8), dtype="i32"))
+        assert [buf.view(np.int32).tolist() for buf in bufs] == [[3, 30], [3, 30]]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # the same op with a plain int
+        for bad in (8.0, True, "8", None):
+            with pytest.raises(MisuseError):
+                comms[0].all_reduce(bufs[0].ptr, bad)  # type: ignore[arg-type]
+        with pytest.raises(MisuseError):
+            comms[0].broadcast(bufs[0].ptr, 8, 0.0)  # type: ignore[arg-type]
+        ptr = comms[0].symmetric_alloc(np.uint32(64))  # type: ignore[arg-type]
+        comms[0].symmetric_free(ptr)
+        fds = open_fds()
+        for bad_args in ({"rank": 0.0}, {"timeout": float("inf")}, {"timeout": "5"}, {"token": 5}):
+            args: dict[str, Any] = {"rank": 0, "timeout": 5, **bad_args}
+            with pytest.raises(MisuseError):
+                DaemonBackend(str(daemon.socket_path), world_name(), world_size=1, **args)
+        assert open_fds() == fds
+        assert all(comm.is_healthy() for comm in comms)
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+
+
+def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_nothing(
+        daemon: DaemonProcess) -> None:
+    """RLIMIT_AS (a batch system's memory limit) keeps the worker from mapping what the
+    daemon allocated: a LimitExceeded, the fd closed, the daemon's memory let go (before:
+    a bare OSError, the fd leaked, the daemon held the memory until the connection went)."""
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
+        comm.barrier()
+        fds, daemon_base = open_fds(), held_at_rest(daemon.pid)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 30), hard))
+        try:
+            with pytest.raises(LimitExceeded):
+                comm.symmetric_alloc(4 << 30)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        assert open_fds() == fds
+        back_to(daemon.pid, daemon_base, timeout=5)
+        comm.barrier()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -720,6 +721,12 @@ def test_hello_boundaries_are_valid() -> None:
     lambda: Import(1, 1, MemKind.HOST, 0),
     lambda: Hello(1, 1, 1, "w", 1, 1, 1),
     lambda: StatusReport(0, {}),
+    # integers are ints: a float or a numpy integer passes a range check, then fails to
+    # pack or reaches the daemon as a float
+    lambda: AllReduce(Mem(1, 0), 8.0, DType.U8),  # type: ignore[arg-type]
+    lambda: AllReduce(Mem(1, 0), np.int64(8), DType.U8),  # type: ignore[arg-type]
+    lambda: Mem(True, 0),
+    lambda: Broadcast(Mem(1, 0), 4, 1.0),  # type: ignore[arg-type]
 ])
 def test_constructors_validate(build: Callable[[], object]) -> None:
     raises_exactly(InvalidMessage, build)
