@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from client.errors import CommError
 
-from .config import DEFAULT_SOCKET, ENGINES, LOG_FORMATS, LOG_LEVELS, SECRET_ENV, SECRET_FILE_ENV
+from .config import DEFAULT_SOCKET, ENGINES, LIMITS, LOG_FORMATS, LOG_LEVELS, SECRET_ENV, SECRET_FILE_ENV
 from .errors import ConfigError
 
 
@@ -22,10 +22,6 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(vars(args), os.environ, args.config)
     setup_logging(config.log_level, config.log_format)
     return run(config)
-
-
-_LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
-           "max_pending_ops")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -80,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a peer silent this long is lost (3.0 by default)")
     serve.add_argument("--hello-timeout", type=float, metavar="SECONDS",
                        help="a connection that says nothing this long is closed (10 by default)")
-    for limit in _LIMITS:
+    for limit in LIMITS:
         serve.add_argument("--" + limit.replace("_", "-"), type=int, metavar="N", help="a limit")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")
     serve.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")

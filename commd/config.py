@@ -35,8 +35,10 @@ LOG_FORMATS = ("text", "json")
 KEY_OF_FIELD = {"socket_path": "socket", "peer_heartbeat_s": "peer_heartbeat",
                 "peer_window_s": "peer_window", "peer_secret": "peer_secret_file",
                 "hello_timeout_s": "hello_timeout"}
-_LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
-           "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes")
+# every limit: a ServerConfig field, a config key, COMMD_<KEY> and --flag alike
+LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
+           "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes",
+           "max_forming_worlds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class ServerConfig:
     max_mapped_bytes: int = 1 << 40  # bytes one connection may map (imports + symmetric)
     max_daemon_mappings: int = 32768  # buffers the whole daemon maps (vm.max_map_count ~65k)
     max_daemon_bytes: int = 32 << 40  # address space the whole daemon maps
+    max_forming_worlds: int = 1024  # worlds held for other daemons' votes, rank 0 not here yet
     threads: int | None = None  # host engine worker threads (default: cores, at most 8)
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one object per line, for log shippers
@@ -72,7 +75,7 @@ class ServerConfig:
                                      ("log_format", self.log_format, LOG_FORMATS)):
             if value not in allowed:
                 raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}", key=name)
-        for name in _LIMITS:
+        for name in LIMITS:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1", key=name)
         if self.threads is not None and not 1 <= self.threads <= 256:

@@ -105,6 +105,11 @@ class NetMembership:
         if rank not in self._world.local_waiting():
             return  # gone while we looked for the root
         if self.net.is_root:
+            holder = self._votes.get(rank)
+            if holder is not None and holder != self.net.me:  # first come, as in remote_vote
+                self._world.refuse(rank, ErrorCode.DUPLICATE_RANK, f"rank {rank} of world "
+                                   f"{self._world.name} is already on daemon {holder}")
+                return
             self._deadline(rank, timeout_s, None)
             self._count(rank, self.net.me)
             return

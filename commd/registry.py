@@ -30,10 +30,12 @@ log = logging.getLogger("commd.registry")
 
 class Registry:
     def __init__(self, engine: Engine, max_pending_ops: int = 4096,
-                 cluster: Cluster | None = None, stats: DaemonStats | None = None) -> None:
+                 cluster: Cluster | None = None, stats: DaemonStats | None = None,
+                 max_forming_worlds: int = 1024) -> None:
         self._engine = engine
         self.stats = stats if stats is not None else DaemonStats()
         self._max_pending_ops = max_pending_ops
+        self._max_forming_worlds = max_forming_worlds
         self.cluster = cluster
         self.worlds: dict[str, World] = {}
         if cluster is not None:
@@ -60,6 +62,12 @@ class Registry:
             raise CallError(ErrorCode.WORLD_CONFLICT,
                             f"world {hello.world} is {'not ' if world.net is None else ''}spread over "
                             "daemons here; every rank must give (or omit) the bootstrap address")
+        if world.state is WorldState.READY and world.net is not None \
+                and world.net.placement[hello.rank] != world.net.me:
+            # a healthy world's rank lives on another daemon: a stray process, not a rebuild
+            # (which follows a failure), and its vote would fail the world for everyone
+            raise CallError(ErrorCode.DUPLICATE_RANK, f"rank {hello.rank} of world {hello.world} is "
+                                                      f"already on daemon {world.net.placement[hello.rank]}")
         world.join(peer, hello)
         return world
 
@@ -115,6 +123,7 @@ class Registry:
         world = self.worlds.get(msg.world)
         try:
             if world is None:
+                self._may_form_for_others()
                 world = self._create(msg.world, msg.world_size, msg.token, None, as_root=True,
                                      call_timeout_s=msg.timeout_ms / 1000)
             if world.net is None or not world.net.is_root:
@@ -126,9 +135,11 @@ class Registry:
         except CallError as exc:
             link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message))
             return
-        if world.state is WorldState.READY and (msg.epoch != world.epoch or
-                                                not self._in_world(world, link, any_link=True)):
+        if world.state is WorldState.READY and (msg.epoch != world.epoch
+                                                or not self._in_world(world, link, any_link=True)
+                                                or world.net.placement[msg.rank] != link.name):
             # a hello for a rank of a full, healthy world: someone else's process, not a rebuild
+            # (a rebuild's vote comes from the daemon the rank was on, at the world's epoch)
             link.send(p.JoinRefused(msg.world, msg.rank, ErrorCode.DUPLICATE_RANK,
                                     f"world {msg.world} is ready with all its ranks; rank {msg.rank} "
                                     "is taken"))
@@ -136,6 +147,17 @@ class Registry:
         world.reconnect_requested(f"rank {msg.rank} (on daemon {link.name}) called attempt_reconnect")
         assert isinstance(world.membership, NetMembership)
         world.membership.remote_vote(link, msg)
+
+    def _may_form_for_others(self) -> None:
+        """Bound the worlds held here for other daemons' votes alone (rank 0 not here yet):
+        each lives as long as its vote, and a daemon that holds the secret could make them
+        without end, each taking memory and a name real jobs would then find taken."""
+        forming = sum(1 for world in self.worlds.values() if world.state is WorldState.FORMING
+                      and not world.members and not world.local_waiting())
+        if forming >= self._max_forming_worlds:
+            raise CallError(ErrorCode.LIMIT, f"daemon {self._name()} holds {forming} forming worlds with "
+                                             f"no rank here yet; the limit (max_forming_worlds) is "
+                                             f"{self._max_forming_worlds}")
 
     def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_SOCKET, KEY_OF_FIELD, SECRET_ENV, ServerConfig, read_secret_file
+from .config import DEFAULT_SOCKET, KEY_OF_FIELD, LIMITS, SECRET_ENV, ServerConfig, read_secret_file
 from .errors import ConfigError
 
 DEFAULT_CONFIG = "/etc/commd/commd.toml"
@@ -92,8 +92,6 @@ class Key:
     field: str | None  # the ServerConfig field it sets (None: handled by `_fields`)
 
 
-_LIMIT_KEYS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
-               "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes")
 KEYS: dict[str, Key] = {k.name: k for k in (
     Key("socket", _path, "socket_path"),
     Key("engine", _text, "engine"),
@@ -110,7 +108,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("peer_heartbeat", _float, "peer_heartbeat_s"),
     Key("peer_window", _float, "peer_window_s"),
     Key("hello_timeout", _float, "hello_timeout_s"),
-    *(Key(name, _int, name) for name in _LIMIT_KEYS),
+    *(Key(name, _int, name) for name in LIMITS),
 )}
 _FORBIDDEN_IN_FILE = {"peer_secret": "secrets never go in the config file; name a file "
                                      "with peer_secret_file (mode 0600, owned by commd)"}

@@ -188,6 +188,10 @@ class World:
                 devices={r: self._devices.get(r, 0) for r in local_ranks}, unique_id=engine_id)
         except CallError as exc:  # (NCCL) this daemon cannot build its communicators
             log.error("world %s epoch %d: %s", self.name, epoch, exc.message, extra=self._log_extra())
+            if self.net is not None:  # the other daemons formed it, or will: they must not wait
+                self.epoch = epoch  # (their failure notice is about this epoch, not a stale one)
+                self.membership.failed(exc.code, f"world {self.name} epoch {epoch}: daemon "
+                                                 f"{self.net.me} cannot take part: {exc.message}")
             for rank in sorted(self._waiting):
                 self.refuse(rank, exc.code, f"world {self.name} epoch {epoch}: {exc.message}")
             return
@@ -204,6 +208,8 @@ class World:
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}
+        # A waiter the root placed elsewhere lost the race for its rank: never a member here
+        strays = {rank: waiting.pop(rank) for rank in set(waiting) - set(local_ranks)}
         log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
                  self.world_size, len(local_ranks), extra=self._log_extra())
         for rank, waiter in waiting.items():
@@ -217,6 +223,10 @@ class World:
                 _welcome(waiter.request_id, self._engine.name, self.epoch) if waiter.is_hello
                 else proto.Ok(waiter.request_id, value=self.epoch)
             )
+        for rank, waiter in sorted(strays.items()):
+            where = placement[rank] if rank < len(placement) else "another daemon"
+            self._cancel(waiter, ErrorCode.DUPLICATE_RANK,
+                         f"rank {rank} of world {self.name} is on daemon {where}")
 
     # ---- calls ------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import CommTimeout, DaemonBackend, PeerLost, WorldFailed, hostmem
+from client import CommTimeout, DaemonBackend, MisuseError, PeerLost, WorldFailed, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from commd.peering import PeerNode, PeerSettings
@@ -561,3 +561,79 @@ def test_a_link_to_the_root_lost_while_the_world_forms_fails_its_ranks_at_once(
             assert time.monotonic() - started < 4
     finally:
         relay.close()
+
+
+def test_a_stray_hello_on_a_member_daemon_leaves_a_healthy_world_alone(pair: list[DaemonProcess]) -> None:
+    """Ranks 0 and 2 on the root A, rank 1 on B, ready. Another process says hello for rank
+    2 on B: a duplicate, refused as the same hello on A is (before: B voted it in, and the
+    root failed the healthy world for everyone as if rank 2 had called attempt_reconnect)."""
+    a, b = pair
+    world = world_name()
+    comms = joined([a, b, a], a, world)
+    try:
+        assert summed_i32(comms) == [[6, 60]] * 3
+        with pytest.raises(MisuseError, match=r"rank 2 .* is already on daemon A"):
+            backend(b, a, world, 2, 3)
+        time.sleep(0.3)  # (a vote would have reached the root by now)
+        assert all(c.is_healthy() for c in comms)
+        assert summed_i32(comms) == [[6, 60]] * 3
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_two_processes_voting_for_one_rank_on_two_daemons_the_first_wins(pair: list[DaemonProcess]) -> None:
+    """While the world forms, a process on B votes for rank 2, then another on the root A
+    does: the second is refused as a duplicate, as two hellos on one daemon are (before: A's
+    vote silently replaced B's, B welcomed its process too, and its data took the place of
+    rank 1's in everyone's sums while rank 1 hung)."""
+    a, b = pair
+    world = world_name()
+    with ThreadPoolExecutor(3) as threads:
+        first = threads.submit(backend, b, a, world, 2, 3)
+        wait_for(lambda: world_status(a, world) is not None)  # its vote is at the root
+        with pytest.raises(MisuseError, match=r"rank 2 .* is already on daemon B"):
+            backend(a, a, world, 2, 3)
+        rest = [threads.submit(backend, d, a, world, r, 3) for r, d in enumerate([a, b])]
+        comms = [j.result(20) for j in rest] + [first.result(20)]
+    try:
+        assert summed_i32(comms) == [[6, 60]] * 3
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_worlds_held_for_other_daemons_votes_are_bounded() -> None:
+    """A daemon holding the secret (in no world) asks the root for world after made-up world
+    with an hour's timeout: past max_forming_worlds it is refused with LIMIT, the root's
+    worlds stay bounded, and a real job still forms there (before: each made a world that
+    lived as long as the vote, ~8 KiB each, without end)."""
+    tmp = short_tmpdir()
+    refused: list[p.JoinRefused] = []
+    try:
+        with DaemonProcess(Path(tmp) / "A" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", "A", "--max-forming-worlds", "20",
+                *FAST]) as root:
+
+            async def flood() -> None:
+                node = PeerNode(PeerSettings("intruder", SECRET["COMMD_PEER_SECRET"].encode()),
+                                lambda _link, msg, _payload: refused.append(msg)  # type: ignore[arg-type]
+                                if isinstance(msg, p.JoinRefused) else None,
+                                lambda _link, _reason: None)
+                link = await node.dial(*parse_address(root.peer_address()))
+                for i in range(60):
+                    link.send(p.JoinWorld(f"ghost-{i}", 2, 1, 0, 3_600_000))
+                await link.drain()
+                deadline = time.monotonic() + 10
+                while len(refused) < 40 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert query_status(str(root.socket_path), 5)["worlds_total"] == 20
+                with backend(root, root, world_name(), 0, 1) as job:  # rank 0 here: not limited
+                    assert summed_i32([job]) == [[1, 10]]
+                link.close("done")
+
+            asyncio.run(flood())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert len(refused) == 40 and {m.code for m in refused} == {ErrorCode.LIMIT}
+    assert "max_forming_worlds" in refused[0].message

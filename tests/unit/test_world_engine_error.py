@@ -8,16 +8,24 @@ The same wrapping shows what else the world tells an engine: which ops came in o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import proto
+from client import CommError, DaemonBackend
+from commd.cluster import Cluster
+from commd.config import ServerConfig
 from commd.engine.base import Communicator, Engine, EngineOp, Order
 from commd.engine.host import HostEngine
 from commd.engine.nccl import NcclEngine
 from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
+from commd.peering import PeerSettings
+from commd.server import Server
 from commd.world import World, WorldState
 from proto import ErrorCode
 from tests.contract.fakegpu import FakeGpu
@@ -228,3 +236,62 @@ async def test_a_world_whose_nccl_init_comes_after_an_abort_and_fails_says_why()
         assert len(errors) == 2 and all("NCCL init failed" in m.message for m in errors)
     finally:
         engine.close()
+
+
+class NoCommunicators(ReportingEngine):
+    """An engine that cannot build this daemon's communicators (NCCL: "Duplicate GPU
+    detected", a device gone bad), failing as NcclEngine.communicator does."""
+
+    def communicator(self, *args: object, **kwargs: object) -> Reporting:
+        raise CallError(ErrorCode.ENGINE, "NCCL init failed: Duplicate GPU detected")
+
+    def __getattr__(self, name: str) -> object:  # the rest of the Engine, as it is
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("broken", [0, 1])
+async def test_a_daemon_that_cannot_build_its_communicators_fails_the_world_everywhere(
+        tmp_path: Path, broken: int) -> None:
+    """Rank 0 on the root A, rank 1 on B; one daemon's engine cannot build communicators.
+    It refuses its rank and tells the other daemon, so the other rank's first call fails
+    at once, naming why (before: only the broken daemon's rank heard; the other waited out
+    its call timeout, and in a recv_command_u32, which has none, for ever). Real daemons'
+    servers and peer links over loopback, in this process; the ranks are threads."""
+    secret = b"engine error test secret"
+    engines: list[Any] = [HostEngine(threads=1), HostEngine(threads=1)]
+    engines[broken] = NoCommunicators(engines[broken])
+    servers, clusters = [], []
+    for name, engine in zip("AB", engines, strict=True):
+        cluster = Cluster(PeerSettings(name, secret, heartbeat_s=0.2, window_s=1.0))
+        servers.append(Server(ServerConfig(tmp_path / f"{name}.sock", peer_secret=secret), engine, cluster))
+        clusters.append(cluster)
+    port = await clusters[0].listen("127.0.0.1", 0)
+    for server in servers:
+        server.start()
+
+    def rank(r: int) -> tuple[str, float]:
+        try:
+            comm = DaemonBackend(str(tmp_path / f"{'AB'[r]}.sock"), "w", r, 2, timeout=10,
+                                 bootstrap=f"127.0.0.1:{port}")
+        except CommError as exc:
+            return f"refused: {type(exc).__name__}: {exc}", 0.0
+        with comm:
+            started = time.monotonic()
+            try:
+                comm.barrier()
+            except CommError as exc:
+                return f"{type(exc).__name__}: {exc}", time.monotonic() - started
+            return "the barrier of a world without the other rank completed", 0.0
+
+    try:
+        outcomes = await asyncio.gather(*(asyncio.to_thread(rank, r) for r in range(2)))
+    finally:
+        for server in servers:
+            server.shutdown()
+        for cluster, engine in zip(clusters, engines, strict=True):
+            cluster.close()
+            engine.close()
+    refused, (other, waited) = outcomes[broken][0], outcomes[1 - broken]
+    assert refused.startswith("refused: EngineError") and "Duplicate GPU detected" in refused, refused
+    assert other.startswith("EngineError") and f"daemon {'AB'[broken]} cannot take part" in other, other
+    assert waited < 5, f"the other rank heard of it after {waited:.1f} s"
