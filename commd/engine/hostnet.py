@@ -164,12 +164,10 @@ class NetRunner:
         item = dtype.itemsize
         total = len(srcs[0])
         pieces = chunks(total, CHUNK_BYTES // item * item)
-        width = (pieces[0][1] - pieces[0][0]) // item
-        acc, scratch = accumulator(dtype, width), accumulator(dtype, width)
+        acc = accumulator(dtype, (pieces[0][1] - pieces[0][0]) // item)
 
         def local_sum(lo: int, hi: int, narrowed: bool) -> np.ndarray:
-            n = (hi - lo) // item
-            summed = accumulate([s[lo:hi] for s in srcs], dtype, op, acc[:n], scratch[:n])
+            summed = accumulate([s[lo:hi] for s in srcs], dtype, op, acc[:(hi - lo) // item])
             return narrow(summed, dtype) if narrowed else summed
 
         if not self.net.is_root:
@@ -202,7 +200,7 @@ class NetRunner:
                     raise CallError(ErrorCode.MISMATCH,
                                     f"call {tag.index}: daemon {member} sent {len(theirs)} bytes "
                                     f"for a {hi - lo}-byte chunk")
-                await self._off_loop(functools.partial(fold, mine, theirs, dtype, op, scratch[:len(mine)]))
+                await self._off_loop(functools.partial(fold, mine, theirs, dtype, op))
             result = (await self._off_loop(functools.partial(narrow, mine, dtype))).view(np.uint8)
             self._send_down(tag, i, _raw(result))
             deliver(lo, hi, result)
