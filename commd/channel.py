@@ -78,21 +78,39 @@ def linger_close(sock: socket.socket, seconds: float = LINGER_S) -> None:
             sock.close()
 
     def drain() -> None:
-        while True:
-            try:
-                data, ancillary, _, _ = sock.recvmsg(65536, _ANCILLARY)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                break
-            close_fds(take_fds(ancillary))
-            if not data and not ancillary:
-                break
-        finish()
+        if _drop_unread(sock):
+            finish()
 
     sock.setblocking(False)
     loop.add_reader(fd, drain)
     loop.call_later(seconds, finish)
+
+
+def _close_unread(sock: socket.socket) -> None:
+    """Close now, without resetting the peer: what it sent and we did not read goes first
+    (no loop will run a linger: the daemon is ending)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    _drop_unread(sock, most=100_000)  # (a peer writing without end gets no more than this)
+    sock.close()
+
+
+def _drop_unread(sock: socket.socket, most: int | None = None) -> bool:
+    """Read and drop what waits in non-blocking `sock` (closing the fds it carries), at
+    most `most` packets; True once the peer closed its side or the socket failed."""
+    read = 0
+    while most is None or read < most:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(65536, _ANCILLARY)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        read += 1
+        close_fds(take_fds(ancillary))
+        if not data and not ancillary:
+            return True
+    return False
 
 
 class PacketChannel:
@@ -186,9 +204,12 @@ class PacketChannel:
             truncated = bool(flags & _TRUNCATED)
             self._on_packet(data, fds, truncated)
 
-    def close(self, reason: str, linger: bool = False) -> None:
+    def close(self, reason: str, linger: bool = False, discard_input: bool = False) -> None:
         """Stop; with `linger`, send what waits first (the error that explains the close is
-        last in it), for at most LINGER_S, then let the peer read it (see linger_close)."""
+        last in it), for at most LINGER_S, then let the peer read it (see linger_close).
+        `discard_input`: the loop is about to end (no linger possible); drop what the peer
+        sent and we did not read, so that closing does not reset the peer's socket, which
+        would lose what we sent it last (see linger_close)."""
         if self.closed:
             return
         self.closed = True
@@ -200,6 +221,8 @@ class PacketChannel:
             self._drop_queue()
             if linger:
                 linger_close(self._sock)
+            elif discard_input:
+                _close_unread(self._sock)
             else:
                 self._sock.close()
         self._on_close(reason)

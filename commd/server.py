@@ -42,8 +42,12 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
     path = os.fspath(path)
     parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o750, exist_ok=True)
-        os.chmod(parent, 0o750)
+        try:
+            os.makedirs(parent, mode=0o750, exist_ok=True)
+            os.chmod(parent, 0o750)
+        except OSError as exc:
+            raise ConfigError(f"socket: cannot create the directory {parent}: {exc.strerror}",
+                              key="socket_path") from None
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ConfigError(f"socket: {path} exists and is not a socket")
@@ -66,6 +70,9 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
             os.umask(old_umask)
         os.chmod(path, 0o660)
         sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"socket: cannot listen on {path}: {exc.strerror}", key="socket_path") from None
     except BaseException:
         sock.close()
         raise
@@ -204,7 +211,7 @@ class Server:
         event = proto.Event(proto.EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, message)
         for session in list(self.sessions):
             session.send(event)
-            session.channel.close("shutdown")
+            session.channel.close("shutdown", discard_input=True)
         self.engine.close()
 
 

@@ -36,6 +36,8 @@ Parser = Callable[[Any, bool], Any]
 def _text(value: Any, text: bool = False) -> str:
     if not isinstance(value, str):
         raise TypeError("expected a string")
+    if "\x00" in value:
+        raise ValueError("it holds a NUL character")
     return value
 
 
@@ -150,6 +152,8 @@ def file_layer(path: str) -> dict[str, Value]:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
     for name in table:
         if name in _FORBIDDEN_IN_FILE:
             raise ConfigError(f"{name} (in {path}): {_FORBIDDEN_IN_FILE[name]}")

@@ -44,6 +44,9 @@ _ROOT_GRACE_S = 2.0
 # How often a ready world asks its engine for async errors and checks call deadlines:
 # bounds the detection of an engine failure; one cheap wake-up per world.
 _WATCH_S = 0.25
+# ... and at most this often, however short a world's call timeout (a hello may ask for 1 ms):
+# a timeout is then noticed up to this late, and no world can keep the loop busy.
+_MIN_WATCH_S = 0.05
 # How long the ops of a failed world may go on finishing before its communicator is aborted
 # under them: long enough for ops every rank joined, short enough to free a hung one.
 _ABORT_GRACE_S = 2.0
@@ -311,7 +314,7 @@ class World:
         errors), or when a call stays open past its deadline: a rank that never made its
         matching call, or an engine that never finished. recv_command_u32 has none."""
         timeout_s = self.call_timeout_s
-        interval = _WATCH_S if timeout_s is None else min(_WATCH_S, timeout_s / 4)
+        interval = _WATCH_S if timeout_s is None else max(_MIN_WATCH_S, min(_WATCH_S, timeout_s / 4))
         while True:  # cancelled when the world empties
             await asyncio.sleep(interval)
             if self.state is not WorldState.READY or self._comm is None:

@@ -22,6 +22,9 @@ MAX_RANKS = 65536
 MAX_WORLD_NAME = 128
 DEVICE_UUID_BYTES = 16  # sizeof(CUuuid)
 U64_MAX = (1 << 64) - 1
+# A world formed from a hello goes on at its epoch + 1, and each rebuild adds one: an epoch
+# from a hello must leave room for those in the u64 the replies carry it in.
+MAX_HELLO_EPOCH = 1 << 62
 _WORLD_NAME = re.compile(r"[A-Za-z0-9._:@/-]+")
 
 
@@ -185,6 +188,8 @@ class Hello:
         _positive("id", self.id)
         _u64("version", self.version)
         _u64("epoch", self.epoch)
+        if self.epoch >= MAX_HELLO_EPOCH:
+            raise InvalidMessage(f"epoch={self.epoch} is past any world's (at most {MAX_HELLO_EPOCH - 1})")
         _u64("pid", self.pid)
         if not 0 < len(self.world) <= MAX_WORLD_NAME or not _WORLD_NAME.fullmatch(self.world):
             raise InvalidMessage(

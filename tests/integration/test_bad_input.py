@@ -54,6 +54,19 @@ def test_call_before_hello_is_a_state_error(raw: RawClient) -> None:
     assert raw.closed()
 
 
+def test_a_hello_past_any_epoch_is_refused_and_leaves_the_world_name_free(raw: RawClient, sock: str) -> None:
+    """A world formed from a hello goes on at its epoch + 1, which no reply could carry
+    for the largest u64 (before: the daemon failed in the middle of forming, answered
+    INTERNAL, and kept the dead connection as the rank, the name taken for good)."""
+    world = world_name()
+    raw.send_map({"t": "hello", "id": 1, "version": proto.PROTOCOL_VERSION, "pid": os.getpid(),
+                  "world": world, "rank": 0, "world_size": 1, "timeout_ms": 5000, "epoch": (1 << 64) - 1})
+    err = raw.error()
+    assert err.code is ErrorCode.BAD_MESSAGE and "epoch" in err.message
+    with DaemonBackend(sock, world, 0, 1, timeout=5) as comm:
+        comm.barrier()
+
+
 def test_oversized_packet(raw: RawClient) -> None:
     raw.send_bytes(b"\x00" * (proto.MAX_MESSAGE_BYTES + 100))
     err = raw.error()

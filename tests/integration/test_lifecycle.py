@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,11 +15,14 @@ from typing import Any
 
 import pytest
 
+import proto
 from client import DaemonUnavailable, MisuseError
 from commd.launch import DaemonProcess
 from commd.status import query_status
+from proto import ErrorCode
 from tests.integration import workers
 from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,3 +138,54 @@ def test_workers_survive_a_daemon_restart(pool: RankPool, own_daemon: DaemonProc
         assert res["before"] == 1 and res["after"] == 2
         assert res["result"] == want.tobytes()
         assert res["symmetric"] == bytes([2]) * 4
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_worlds_with_a_tiny_call_timeout_do_not_keep_the_daemon_busy(own_daemon: DaemonProcess) -> None:
+    """Each world's watchdog checks its calls' deadlines: at timeout/4 it would wake 4000
+    times a second for a hello's timeout_ms=1 (before: 40 such idle worlds kept the daemon
+    at ~1 CPU-second per second, slowing every other world on its one loop)."""
+    sock = str(own_daemon.socket_path)
+    idle: list[RawClient] = []
+    try:
+        for _ in range(40):
+            raw = RawClient(sock)
+            idle.append(raw)
+            assert isinstance(raw.join(world_name(), timeout_ms=1), proto.Welcome)
+        before = cpu_seconds(own_daemon.pid)
+        time.sleep(1.0)
+        busy = cpu_seconds(own_daemon.pid) - before
+    finally:
+        for raw in idle:
+            raw.close()
+    assert busy < 0.4, f"the daemon spent {busy:.2f} CPU-seconds in one second with nothing to do"
+
+
+def test_sigterm_does_not_reset_a_client_whose_requests_are_unread(own_daemon: DaemonProcess) -> None:
+    """A client with requests the daemon has not read when it stops (threads sharing a
+    backend, posted Forgets) still reads the shutdown error of its pending call and the
+    shutdown event (before: closing with its packets unread reset the client's socket,
+    which lost both: ECONNRESET, DaemonUnavailable instead of DaemonShutdown)."""
+    sock, world = str(own_daemon.socket_path), world_name()
+    with RawClient(sock) as a, RawClient(sock) as b:
+        a.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 0, 2, 60_000))
+        b.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 60_000))
+        assert isinstance(a.recv(), proto.Welcome) and isinstance(b.recv(), proto.Welcome)
+        a.send(proto.Submit(2, (proto.Barrier(),)))  # rank 1 never calls it: pending
+        wait_pending(sock, world, 1)
+        os.kill(own_daemon.pid, signal.SIGSTOP)
+        for i in range(50):
+            a.send(proto.StatusQuery(100 + i))  # unread when the daemon stops
+        os.kill(own_daemon.pid, signal.SIGTERM)
+        os.kill(own_daemon.pid, signal.SIGCONT)
+        assert own_daemon.proc is not None and own_daemon.proc.wait(20) == 0
+        seen = []
+        while (msg := a.recv()) is not None:
+            seen.append(msg)
+    assert any(isinstance(m, proto.Error) and m.id == 2 and m.code is ErrorCode.SHUTDOWN for m in seen), seen
+    assert any(isinstance(m, proto.Event) and m.code is ErrorCode.SHUTDOWN for m in seen), seen

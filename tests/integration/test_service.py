@@ -234,18 +234,41 @@ def test_config_layers_and_json_logs_through_a_real_daemon(tmp: Path, pool: Rank
     ("", {}, ("--peer-window", "0.1"), ["peer_window", "--peer-window", "heartbeat"]),
     ("threads = [\n", {}, (), ["commd.toml", "not valid TOML"]),
     (None, {}, (), ["does-not-exist.toml", "does not exist"]),
+    # before: each of these was a traceback and exit 1
+    (b"threads = 2\n# caf\xe9\n", {}, (), ["commd.toml", "not UTF-8"]),
+    ('allow_groups = ["a\\u0000b"]\n', {}, (), ["allow_groups", "NUL"]),
+    ('peer_secret_file = "/tmp/a\\u0000b"\n', {}, (), ["peer_secret_file", "NUL"]),
+    ("", {}, ("--socket", "{tmp}/commd.toml/c.sock"), ["socket", "cannot create the directory"]),
 ])
-def test_config_errors_exit_2_naming_key_and_source(tmp: Path, toml: str | None, env: dict[str, str],
+def test_config_errors_exit_2_naming_key_and_source(tmp: Path, toml: str | bytes | None, env: dict[str, str],
                                                     args: tuple[str, ...], words: list[str]) -> None:
     config = tmp / ("commd.toml" if toml is not None else "does-not-exist.toml")
-    if toml is not None:
+    if isinstance(toml, bytes):
+        config.write_bytes(toml)
+    elif toml is not None:
         config.write_text(toml)
     cmd = [sys.executable, "-m", "commd", "serve", "--config", str(config), "--socket",
-           str(tmp / "c.sock"), *args]
+           str(tmp / "c.sock"), *(arg.format(tmp=tmp) for arg in args)]
     done = subprocess.run(cmd, env=child_env(**env), capture_output=True, timeout=30)
     err = done.stderr.decode()
     assert done.returncode == 2, err
     assert err.startswith("commd: configuration error:") and all(w in err for w in words), err
+    assert not (tmp / "c.sock").exists()
+
+
+def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
+    """(before: a traceback, exit 1)"""
+    secret = tmp / "secret"
+    secret.write_text("0123456789abcdef0123")
+    secret.chmod(0o600)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cmd = [sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(tmp / "c.sock"),
+               "--peer-secret-file", str(secret), "--peer-listen", f"127.0.0.1:{taken.getsockname()[1]}"]
+        done = subprocess.run(cmd, env=child_env(), capture_output=True, timeout=30)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and err.startswith("commd: configuration error: peer_listen"), err
     assert not (tmp / "c.sock").exists()
 
 

@@ -727,6 +727,7 @@ def test_hello_boundaries_are_valid() -> None:
     lambda: AllReduce(Mem(1, 0), np.int64(8), DType.U8),  # type: ignore[arg-type]
     lambda: Mem(True, 0),
     lambda: Broadcast(Mem(1, 0), 4, 1.0),  # type: ignore[arg-type]
+    lambda: Hello(1, 1, 1, "w", 0, 1, 1, epoch=1 << 62),  # no room for the epochs after it
 ])
 def test_constructors_validate(build: Callable[[], object]) -> None:
     raises_exactly(InvalidMessage, build)
