@@ -204,7 +204,15 @@ class Session:
             if ours is not None:
                 msg = dataclasses.replace(msg, device=ours)
         self._device = msg.device
-        world = self._ctx.registry.join(self, msg)
+        try:
+            world = self._ctx.registry.join(self, msg)
+        except CallError:
+            raise
+        except Exception:  # a bug half-way through: this connection must be no rank of it
+            half_joined = self._ctx.registry.worlds.get(msg.world)
+            if half_joined is not None:
+                half_joined.leave(msg.rank, self)
+            raise
         self.world, self.rank = world, msg.rank
         if self.channel.closed:  # it went away while joining: on_close ran before we knew the world
             world.leave(msg.rank, self)

@@ -295,3 +295,44 @@ async def test_a_daemon_that_cannot_build_its_communicators_fails_the_world_ever
     assert refused.startswith("refused: EngineError") and "Duplicate GPU detected" in refused, refused
     assert other.startswith("EngineError") and f"daemon {'AB'[broken]} cannot take part" in other, other
     assert waited < 5, f"the other rank heard of it after {waited:.1f} s"
+
+
+class FailsOnce(ReportingEngine):
+    """An engine whose first communicator fails with an exception it should not raise (a
+    bug of its own, or of a library under it)."""
+
+    failed = False
+
+    def communicator(self, *args: object, **kwargs: object) -> Reporting:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("an engine bug")
+        return super().communicator(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_a_bug_while_a_world_forms_leaves_no_dead_rank_behind(tmp_path: Path) -> None:
+    """The hello that hit the bug gets INTERNAL; its connection is no rank of the world, so
+    the rank and the world's name are free for the next try (before such a failure kept
+    the closed connection as the rank: "already connected" for good)."""
+    engine = FailsOnce(HostEngine(threads=1))
+    server = Server(ServerConfig(tmp_path / "d.sock"), engine, None)  # type: ignore[arg-type]
+    server.start()
+
+    def join() -> str:
+        try:
+            with DaemonBackend(str(tmp_path / "d.sock"), "w", 0, 1, timeout=5) as comm:
+                comm.barrier()
+        except CommError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    try:
+        first = await asyncio.to_thread(join)
+        second = await asyncio.to_thread(join)
+    finally:
+        server.shutdown()
+    assert first.startswith("DaemonInternalError") and "an engine bug" in first, first
+    assert second == "ok", second
