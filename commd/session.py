@@ -71,19 +71,36 @@ class DaemonContext:
 
 
 def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport:
-    """The report, with its world list cut until the packet fits (the count says so)."""
+    """The report, cut until the packet fits: first each rank's recent calls (to the newest
+    one, then none), then the world list (`worlds_total` keeps the count). So a world asked
+    for by name is there, whatever its size: its state matters more than its history."""
     worlds = list(info.get("worlds", []))
-    shown = len(worlds)
-    while True:
-        report = proto.StatusReport(request_id, {**info, "worlds": worlds[:shown],
-                                                 "worlds_total": len(worlds)})
-        try:
-            proto.encode(report)
+    for calls in (None, 1, 0):  # of the flight recorder's, per rank (None: all it sent)
+        shown = worlds if calls is None else [_newest_calls(w, calls) for w in worlds]
+        report = _report(request_id, info, shown, len(worlds))
+        if report is not None:
             return report
-        except proto.ProtoError:
-            if shown == 0:
-                raise
-            shown //= 2
+    while shown:
+        shown = shown[:len(shown) // 2]
+        report = _report(request_id, info, shown, len(worlds))
+        if report is not None:
+            return report
+    raise proto.InvalidMessage("the daemon's status does not fit a report even without its worlds")
+
+
+def _report(request_id: int, info: dict[str, Any], worlds: list[Any],
+            total: int) -> proto.StatusReport | None:
+    report = proto.StatusReport(request_id, {**info, "worlds": worlds, "worlds_total": total})
+    try:
+        proto.encode(report)
+    except proto.ProtoError:
+        return None
+    return report
+
+
+def _newest_calls(world: dict[str, Any], calls: int) -> dict[str, Any]:
+    recent = world.get("recent_calls") or {}
+    return {**world, "recent_calls": {rank: made[len(made) - calls:] for rank, made in recent.items()}}
 
 
 class Session:

@@ -42,8 +42,11 @@ def render_status(info: dict[str, Any], calls_per_rank: int = 1) -> str:
     ]
     lines += _counters(info.get("counters") or {})
     worlds = info.get("worlds") or []
+    total = info.get("worlds_total", len(worlds))
+    if len(worlds) < total:
+        lines.append(f"{len(worlds)} of {total} worlds shown: the rest did not fit one report")
     if not worlds:
-        return "\n".join([*lines, "no worlds"])
+        return "\n".join([*lines, "no worlds"] if not total else lines)
     lines.append(f"{'world':<24} {'state':<8} {'epoch':>5} {'ranks':>9} {'here':<12} {'pending':>7}  "
                  "last failure")
     for w in worlds:
