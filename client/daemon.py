@@ -94,6 +94,8 @@ class DaemonBackend(CommBackend):
         self._memory = memory if memory is not None else default_memory()
         self._lock = threading.RLock()  # buffer bookkeeping, never over I/O
         self._import_lock = threading.Lock()
+        self._reconnect_lock = threading.Lock()  # one attempt_reconnect of this rank at a time
+        self._reconnects = 0  # that succeeded
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
@@ -323,8 +325,17 @@ class DaemonBackend(CommBackend):
     def attempt_reconnect(self) -> None:
         """Rebuild the world at the next epoch. If the daemon itself went away (killed and
         restarted), connect again with backoff within the timeout, say hello at the last
-        epoch, and re-register what the old daemon knew."""
+        epoch, and re-register what the old daemon knew. Threads of this rank calling it at
+        once reconnect it once (each handling the same error, say)."""
         self._check_open()
+        seen = self._reconnects
+        with self._reconnect_lock:
+            if self._reconnects != seen and self._transport.broken is None:
+                return  # another thread reconnected it while this one waited
+            self._reconnect()
+            self._reconnects += 1
+
+    def _reconnect(self) -> None:
         rejoin = self._transport.broken is not None
         if not rejoin:
             try:
@@ -350,6 +361,10 @@ class DaemonBackend(CommBackend):
             self._released.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
             self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
+            # the new daemon holds none yet: a re-registration that fails below must not keep
+            # the old daemon's handle, which the new one hands out again to another
+            for handle, (ptr, nbytes, _) in list(self._registrations.items()):
+                self._registrations[handle] = (ptr, nbytes, None)
         self._order.new_daemon()
         self._transport.close()  # the daemon must see the old connection go, or the rank is taken
         delay = 0.05

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any
 
 import proto
 
 from .memory import MemoryResolver
 
 Key = tuple[object, ...]
-T = TypeVar("T")
 _SIZE = 1024  # entries per kind; a full cache starts afresh
 
 
@@ -24,7 +23,9 @@ class OpCache:
 
     def __init__(self, resolver: MemoryResolver) -> None:
         self._resolver = resolver
-        self._lock = threading.Lock()
+        # Reentrant: a collection may start while this thread holds it, and a HostBuffer it
+        # finalizes reaches clear() through the backend (a plain Lock waited for itself)
+        self._lock = threading.RLock()
         self._host: dict[Key, proto.Op] = {}
         self._device: dict[Key, tuple[proto.Op, tuple[int, ...]]] = {}
         self._generation = 0  # a clear since an op was built: it may name a released buffer
@@ -42,12 +43,13 @@ class OpCache:
             return cached[0], True
         op = build()
         device = self._resolver.device_buffers(mem.buf for mem in _mems(op))
+        entry = (op, device) if device else op  # (made before the lock: fewer collections under it)
         with self._lock:
-            if generation == self._generation:
-                if device:
-                    _put(self._device, key, (op, device))
-                else:
-                    _put(self._host, key, op)
+            cache: dict[Key, Any] = self._device if device else self._host
+            if len(cache) >= _SIZE:
+                cache.clear()
+            if generation == self._generation:  # (after anything that may have run a finalizer)
+                cache[key] = entry
         return op, bool(device)
 
     def clear(self) -> None:
@@ -55,12 +57,6 @@ class OpCache:
             self._host.clear()
             self._device.clear()
             self._generation += 1
-
-
-def _put(cache: dict[Key, T], key: Key, value: T) -> None:
-    if len(cache) >= _SIZE:
-        cache.clear()
-    cache[key] = value
 
 
 def _mems(op: proto.Op) -> Iterator[proto.Mem]:

@@ -368,3 +368,62 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
         assert open_fds() == fds
         back_to(daemon.pid, daemon_base, timeout=5)
         comm.barrier()
+
+
+def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: DaemonProcess) -> None:
+    """DaemonBackend is thread-safe: after the daemon restarts, two threads of rank 0 (a
+    training loop and a heartbeat, each handling the error) call attempt_reconnect together,
+    rank 1 once. Rank 0 is reconnected once (before: both said hello, and one was refused
+    as rank 0 already connected; a later one could close the good connection)."""
+    comms = join(daemon, timeout=3)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        daemon.kill()
+        daemon.start()
+        together = threading.Barrier(3)
+
+        def reconnect(r: int) -> object:
+            together.wait()
+            try:
+                comms[r].attempt_reconnect()
+            except CommError as exc:
+                return exc
+            return "ok"
+
+        with ThreadPoolExecutor(3) as pool:
+            outcomes = [f.result(30) for f in [pool.submit(reconnect, r) for r in (0, 0, 1)]]
+        assert outcomes == ["ok", "ok", "ok"], outcomes
+        assert all(comm.is_healthy() for comm in comms)
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_refused_re_registration_leaves_no_old_daemon_handle_behind(daemon: DaemonProcess) -> None:
+    """The restarted daemon allows one registration; the rank held two. The one it could
+    not make again must not keep the old daemon's handle (before: it did; the new daemon
+    handed the same number to a later registration, and deregistering the old one dropped
+    that one at the daemon)."""
+    comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5)
+    x, y, z = (hostmem.alloc(64) for _ in range(3))
+    restarted = DaemonProcess(daemon.socket_path, args=["--max-registrations", "1"])
+    try:
+        hx = comm.register_buffer(x.ptr, 64)
+        hy = comm.register_buffer(y.ptr, 64)
+        daemon.kill()
+        restarted.start()
+        with pytest.raises(LimitExceeded):
+            comm.attempt_reconnect()  # x registered again; y refused
+        comm.attempt_reconnect()  # (once more, as a worker would, to be healthy)
+        assert comm.is_healthy()
+        comm.deregister_buffer(hx)
+        hz = comm.register_buffer(z.ptr, 64)  # the new daemon's only registration
+        comm.deregister_buffer(hy)  # y: nothing held at the new daemon, nothing to drop
+        with pytest.raises(LimitExceeded):  # z still holds the one registration allowed
+            comm.register_buffer(x.ptr, 64)
+        comm.deregister_buffer(hz)
+    finally:
+        comm.close()
+        restarted.stop()
