@@ -213,11 +213,11 @@ class DaemonBackend(CommBackend):
         return handle
 
     def _register(self, ptr: int, nbytes: int) -> int:
-        def register() -> proto.Register:
+        def register(request_id: int) -> proto.Register:
             mem = self._mem(ptr, nbytes)
             if mem is None:
                 raise MisuseError("cannot register an empty buffer")
-            return proto.Register(self._transport.next_id(), mem, nbytes)
+            return proto.Register(request_id, mem, nbytes)
 
         reply, _ = self._request(register, undo=_deregister_late)
         return reply.value  # type: ignore[union-attr]
@@ -230,7 +230,7 @@ class DaemonBackend(CommBackend):
         daemon_handle = registration[2]
         try:
             if daemon_handle is not None:
-                self._request(lambda: proto.Deregister(self._transport.next_id(), daemon_handle))
+                self._request(lambda rid: proto.Deregister(rid, daemon_handle))
         except MisuseError as exc:
             if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
                 raise
@@ -242,7 +242,7 @@ class DaemonBackend(CommBackend):
         bytes, = _ints(bytes=bytes)
         buffer_id = self._memory.next_id()
         _reply, fds = self._request(
-            lambda: proto.SymAlloc(self._transport.next_id(), buffer_id, bytes),
+            lambda rid: proto.SymAlloc(rid, buffer_id, bytes),
             undo=functools.partial(_sym_free_late, buffer_id))
         if len(fds) != 1:
             raise ProtocolError(f"symmetric_alloc reply carried {len(fds)} fds, expected 1")
@@ -293,7 +293,7 @@ class DaemonBackend(CommBackend):
         """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one
         may have imported it as a plain buffer since, and forgets it as one."""
         if buffer_id not in self._orphans:
-            self._request(lambda: proto.SymFree(self._transport.next_id(), buffer_id))
+            self._request(lambda rid: proto.SymFree(rid, buffer_id))
         with self._lock:
             if buffer_id in self._imported:
                 self._imported.discard(buffer_id)
@@ -302,7 +302,7 @@ class DaemonBackend(CommBackend):
 
     def set_add_kernel(self, handle: int) -> None:
         handle, = _ints(handle=handle)
-        self._request(lambda: proto.SetAddKernel(self._transport.next_id(), handle))
+        self._request(lambda rid: proto.SetAddKernel(rid, handle))
         self._add_kernel = handle  # a restarted daemon is told again (_rejoin)
 
     def group_start(self) -> None:
@@ -341,8 +341,7 @@ class DaemonBackend(CommBackend):
             try:
                 # like the hello: the daemon enforces the deadline and names missing ranks; give
                 # its answer time to arrive rather than give up just before it does
-                reply, _ = self._request(lambda: proto.Reconnect(self._transport.next_id()),
-                                         grace=_JOIN_GRACE_S)
+                reply, _ = self._request(proto.Reconnect, grace=_JOIN_GRACE_S)
                 self.epoch = reply.value  # type: ignore[union-attr]
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
                 self._check_open()  # (or close() on another thread broke it)
@@ -396,7 +395,7 @@ class DaemonBackend(CommBackend):
                 self._registrations[handle] = (ptr, nbytes, fresh)
         if self._add_kernel is not None:
             kernel = self._add_kernel
-            self._request(lambda: proto.SetAddKernel(self._transport.next_id(), kernel))
+            self._request(lambda rid: proto.SetAddKernel(rid, kernel))
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -453,7 +452,7 @@ class DaemonBackend(CommBackend):
             if ref.buffer_id not in self._imported:
                 try:
                     with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
-                        self._request(lambda: proto.Import(self._transport.next_id(), ref.buffer_id,
+                        self._request(lambda rid: proto.Import(rid, ref.buffer_id,
                                                            ref.kind, ref.size, ref.handle), fds=fds)
                 except CommTimeout:  # the daemon may have mapped it all the same: forget it first
                     with self._lock:
@@ -496,7 +495,7 @@ class DaemonBackend(CommBackend):
                            lambda first: self._submit(ops, deadline, stream=first, early=early))
 
     def _send_events(self, stream: int, ready: bytes, done: bytes) -> None:
-        self._request(lambda: proto.StreamEvents(self._transport.next_id(), stream, ready, done))
+        self._request(lambda rid: proto.StreamEvents(rid, stream, ready, done))
 
     def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, stream: int | None = None,
                 early: bool = False) -> None:
@@ -506,21 +505,25 @@ class DaemonBackend(CommBackend):
                                 "call attempt_reconnect", failure.code)
         # The daemon fails a call open past the timeout and says which rank is behind;
         # wait a little longer than that for its answer before deciding alone.
-        make: Callable[[], proto.Request] = (
-            (lambda: proto.Submit(self._transport.next_id(), ops)) if stream is None
-            else (lambda: proto.StreamSubmit(self._transport.next_id(), ops, stream, early)))
+        make: Callable[[int], proto.Request] = (
+            (lambda rid: proto.Submit(rid, ops)) if stream is None
+            else (lambda rid: proto.StreamSubmit(rid, ops, stream, early)))
         self._request(make, deadline=deadline, grace=_JOIN_GRACE_S)
 
-    def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
+    def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
                  deadline: bool = True, grace: float = 0.0,
                  undo: Undo | None = None) -> tuple[proto.Message, list[int]]:
         """One request/reply under the backend's deadline; daemon errors become CommErrors.
-        `undo`: what undoes the request if it times out and the daemon did it all the same."""
+        `make` builds the request from its id. `undo`: what undoes the request if it times
+        out and the daemon did it all the same."""
         self._check_open()
         self._send_releases()
-        msg = self._build(make)
+        # One transport for the id and the sending: another thread's rejoin may put a new one
+        # in place meanwhile, whose own ids an old one's could collide with
+        transport = self._transport
+        msg = self._build(lambda: make(transport.next_id()))
         try:
-            reply, got = self._transport.request(
+            reply, got = transport.request(
                 msg, time.monotonic() + self._timeout + grace if deadline else None, fds, undo)
             self._check(reply)
         except CommError as exc:

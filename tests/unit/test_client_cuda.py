@@ -482,9 +482,9 @@ class AcceptingCuda(DaemonBackend):
 
         self._transport.post = spy  # type: ignore[method-assign]
 
-    def _request(self, make: Callable[[], proto.Request], *, fds: Sequence[int] = (),
+    def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
                  deadline: bool = True, grace: float = 0.0) -> tuple[proto.Message, list[int]]:
-        msg = self._build(make)
+        msg = self._build(lambda: make(self._transport.next_id()))
         if isinstance(msg, proto.Import) and msg.kind is not MemKind.HOST:
             self._send_releases()
             assert len(fds) == (1 if msg.kind is MemKind.CUDA_VMM else 0)
@@ -496,7 +496,7 @@ class AcceptingCuda(DaemonBackend):
             self._send_releases()
             self.sent.extend(msg.ops)
             return proto.Ok(msg.id), []
-        return super()._request(lambda: msg, fds=fds, deadline=deadline, grace=grace)
+        return super()._request(lambda _id: msg, fds=fds, deadline=deadline, grace=grace)
 
 
 def test_a_cached_op_on_cuda_memory_is_rechecked_every_call(sock: str) -> None:
