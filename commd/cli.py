@@ -10,7 +10,16 @@ from collections.abc import Sequence
 
 from client.errors import CommError
 
-from .config import DEFAULT_SOCKET, ENGINES, LIMITS, LOG_FORMATS, LOG_LEVELS, SECRET_ENV, SECRET_FILE_ENV
+from .config import (
+    DEFAULT_SOCKET,
+    ENGINES,
+    LIMITS,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    flag_of,
+)
 from .errors import ConfigError
 
 
@@ -58,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TOML config file (default: /etc/commd/commd.toml if it exists)")
     serve.add_argument("--socket", help=f"Unix socket path ({DEFAULT_SOCKET})")
     serve.add_argument("--engine", choices=ENGINES, help="host by default")
-    serve.add_argument("--allow-uid", dest="allow_uids", type=int, action="append",
+    serve.add_argument(flag_of("allow_uids"), dest="allow_uids", type=int, action="append",
                        help="also admit this uid (repeatable; own uid and root always)")
-    serve.add_argument("--allow-gid", dest="allow_gids", type=int, action="append",
+    serve.add_argument(flag_of("allow_gids"), dest="allow_gids", type=int, action="append",
                        help="admit members of this gid (repeatable)")
-    serve.add_argument("--allow-group", dest="allow_groups", action="append",
+    serve.add_argument(flag_of("allow_groups"), dest="allow_groups", action="append",
                        help="admit members of this group, by name (repeatable)")
     serve.add_argument("--threads", type=int, help="host engine threads")
     serve.add_argument("--peer-listen", metavar="HOST:PORT",
@@ -77,10 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--hello-timeout", type=float, metavar="SECONDS",
                        help="a connection that says nothing this long is closed (10 by default)")
     for limit in LIMITS:
-        serve.add_argument("--" + limit.replace("_", "-"), type=int, metavar="N", help="a limit")
+        serve.add_argument(flag_of(limit), type=int, metavar="N", help="a limit")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")
     serve.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")
-    serve.add_argument("--metrics", dest="metrics_listen", metavar="HOST:PORT",
+    serve.add_argument(flag_of("metrics_listen"), dest="metrics_listen", metavar="HOST:PORT",
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default)")
     serve.set_defaults(func=_serve)
 
@@ -108,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench.json", help="where to write the results")
     bench.add_argument("--no-gloo", action="store_true", help="skip the gloo side")
     bench.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                       help="pin the daemon and workers to CPUs")
+                       help="pin the worker processes to CPUs (the daemon is not pinned)")
     bench.add_argument("--daemons", type=int, default=1,
                        help="commd side: spread each world over this many daemons on this host "
                             "(ranks in contiguous blocks; rank 0's daemon is the root)")

@@ -35,6 +35,16 @@ LOG_FORMATS = ("text", "json")
 KEY_OF_FIELD = {"socket_path": "socket", "peer_heartbeat_s": "peer_heartbeat",
                 "peer_window_s": "peer_window", "peer_secret": "peer_secret_file",
                 "hello_timeout_s": "hello_timeout"}
+# The flags not named --<key>: a repeatable one is singular, and --metrics is short
+_FLAG_OF_KEY = {"metrics_listen": "--metrics", "allow_uids": "--allow-uid", "allow_gids": "--allow-gid",
+                "allow_groups": "--allow-group"}
+
+
+def flag_of(key: str) -> str:
+    """The `commd serve` flag that sets settings key `key`."""
+    return _FLAG_OF_KEY.get(key, "--" + key.replace("_", "-"))
+
+
 # every limit: a ServerConfig field, a config key, COMMD_<KEY> and --flag alike
 LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
            "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes",

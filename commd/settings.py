@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_SOCKET, KEY_OF_FIELD, LIMITS, SECRET_ENV, ServerConfig, read_secret_file
+from .config import DEFAULT_SOCKET, KEY_OF_FIELD, LIMITS, SECRET_ENV, ServerConfig, flag_of, read_secret_file
 from .errors import ConfigError
 
 DEFAULT_CONFIG = "/etc/commd/commd.toml"
@@ -176,7 +176,7 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, Value]:
 
 
 def flag_layer(flags: Mapping[str, Any]) -> dict[str, Value]:
-    return {name: Value(raw, "--" + name.replace("_", "-"))
+    return {name: Value(raw, flag_of(name))
             for name, raw in flags.items() if name in KEYS and raw is not None}
 
 

@@ -201,3 +201,16 @@ def test_default_peer_name_is_stable_and_unique_per_daemon() -> None:
     assert default_peer_name(dialing_only, "node1") == "node1:/run/a.sock"
     any_port = ServerConfig(Path("/run/b.sock"), peer_listen=("127.0.0.1", 0), peer_secret=secret)
     assert default_peer_name(any_port, "node1") == "node1:/run/b.sock"
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (("--metrics", "no-port-here"), "(from --metrics)"),
+    (("--allow-group", "no-such-group-anywhere"), "--allow-group"),
+    (("--max-buffers", "0"), "max_buffers"),
+])
+def test_an_error_names_the_flag_as_it_is_spelled(argv: tuple[str, ...], named: str) -> None:
+    """(before: "from --metrics-listen", "--allow-groups": flags that do not exist)"""
+    with pytest.raises(ConfigError) as caught:
+        load_config(flags(*argv), {}, "")
+    assert named in str(caught.value)
+    assert "--metrics-listen" not in str(caught.value) and "--allow-groups" not in str(caught.value)

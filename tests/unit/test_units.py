@@ -83,6 +83,9 @@ def test_socket_unit_matches_the_daemon_default() -> None:
     assert (one(sock, "SocketUser"), one(sock, "SocketGroup")) == ("commd", "commd")
     assert one(sock, "DirectoryMode") == "0750"
     assert unit("commd.socket")["Install"]["WantedBy"] == ["sockets.target"]
+    # the socket outlives a restart of the service (PartOf would restart it too, dropping
+    # the connections waiting in its backlog)
+    assert "PartOf" not in unit("commd.socket")["Unit"]
 
 
 def test_user_group_and_runtime_directory_files() -> None:
