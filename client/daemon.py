@@ -284,10 +284,12 @@ class DaemonBackend(CommBackend):
             return
         if buffer is None:
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
-        self._sym_free(buffer.id)
-        with self._lock:
-            del self._symmetric[ptr]
+        # Ours first: with views of it alive this refuses, and nothing has changed (told the
+        # daemon first, the memory would be gone there and the pointer unknown here for good)
         buffer.close()
+        with self._lock:
+            self._symmetric.pop(ptr, None)
+        self._sym_free(buffer.id)
 
     def _sym_free(self, buffer_id: int) -> None:
         """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one

@@ -22,6 +22,7 @@ import pytest
 
 import proto
 from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseError, hostmem
+from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
 from tests.integration.harness import (
@@ -427,3 +428,24 @@ def test_a_refused_re_registration_leaves_no_old_daemon_handle_behind(daemon: Da
     finally:
         comm.close()
         restarted.stop()
+
+
+def test_symmetric_free_with_live_views_refuses_and_changes_nothing(daemon: DaemonProcess) -> None:
+    """A worker still holds a numpy view of its symmetric memory: symmetric_free refuses
+    (MisuseError) and the memory stays usable and freeable (before: the daemon had freed
+    it already, and the pointer was unknown to the backend for good)."""
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
+        ptr = comm.symmetric_alloc(64)
+        located = default_memory().locate(ptr)
+        assert located is not None
+        view = located.view(np.int32)
+        del located
+        with pytest.raises(MisuseError, match="live views"):
+            comm.symmetric_free(ptr)
+        view[:] = 7
+        comm.all_reduce(ptr, 64, dtype="i32")  # the daemon still has it: a 1-rank sum
+        assert view.tolist() == [7] * 16
+        del view
+        comm.symmetric_free(ptr)
+        with pytest.raises(MisuseError, match="symmetric_alloc"):
+            comm.symmetric_free(ptr)
