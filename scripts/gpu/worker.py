@@ -398,7 +398,7 @@ def sleep_cycles_for(ms: float) -> int:
     """Cycles of torch.cuda._sleep that take about `ms` on this GPU (calibrated with events)."""
     probe = 20_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1000)
+    torch.cuda._sleep(5 * probe)  # the clock rises from idle (345 MHz) under load (~1980 MHz)
     start.record()
     torch.cuda._sleep(probe)
     end.record()
@@ -439,8 +439,11 @@ def role_ordering(a: dict[str, Any]) -> dict[str, Any]:
             t.zero_()
             torch.cuda.synchronize()
             s = torch.cuda.Stream()
+            slept = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(s):
+                slept[0].record()
                 torch.cuda._sleep(cycles)
+                slept[1].record()
                 t.add_(rank + 1)  # the write the reduce must see
                 began = time.perf_counter()
                 comm.all_reduce_async(t.data_ptr(), t.nbytes, s.cuda_stream)
@@ -451,6 +454,7 @@ def role_ordering(a: dict[str, Any]) -> dict[str, Any]:
             want = want_sum + 100
             bad = int((got != want).sum())
             res: dict[str, Any] = {"returned_ms": round(returned_ms, 2), "sleep_ms": sleep_ms, "bad": bad,
+                                   "kernel_ms": round(slept[0].elapsed_time(slept[1]), 2),
                                    "got0": float(got[0]), "want": want, "ok": bad == 0}
             if bad:
                 res["note"] = (f"{bad} elems wrong, got[0]={float(got[0])}, want {want} "
