@@ -330,22 +330,27 @@ def test_socket_is_private(daemon: DaemonProcess) -> None:
     mode = os.stat(daemon.socket_path).st_mode & 0o777
     assert mode == 0o660
     assert os.stat(os.path.dirname(daemon.socket_path)).st_mode & 0o777 == 0o750
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    assert probe.type == socket.SOCK_SEQPACKET
-    probe.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stream, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as packets:
+        with pytest.raises(OSError):  # (EPROTOTYPE) the daemon's socket is no stream socket
+            stream.connect(str(daemon.socket_path))
+        packets.connect(str(daemon.socket_path))
+        assert packets.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_SEQPACKET
 
 
 def test_fds_and_mappings_return_to_baseline(pool: RankPool, daemon: DaemonProcess, steady: None) -> None:
     sock = str(daemon.socket_path)
     base = held_at_rest(daemon.pid)
+    summed = reduce_reference([make_input(3, r, 4096, "f32", "sum") for r in range(4)], "f32", "sum")
+    want = reduce_reference([make_input(1, r, 1 << 18, "f32", "sum") for r in range(4)], "f32", "sum")
     for _ in range(2):
         world = world_name()
         results = pool.run(workers.symmetric, [(sock, world, r, 4, 4096, 3) for r in range(4)])
-        assert all(o.error is None for o in results), results
+        assert all(o.unwrap()["result"] == summed.tobytes() for o in results), results
         world = world_name()
         args = [(sock, world, r, 4, 1 << 18, "f32", "sum", 1) for r in range(4)]
         results = pool.run(workers.all_reduce, args)
-        assert all(o.error is None for o in results), results
+        assert all(o.unwrap() == want.tobytes() for o in results)
     back_to(daemon.pid, base)
 
 

@@ -144,13 +144,15 @@ def test_a_lost_rank_fails_every_daemon_and_a_new_process_rejoins(
     assert rank0["epoch"] == 2 and rank1["epoch"] == 2 and rank0["healthy_end"] is True
 
 
-@pytest.mark.parametrize("kind", ["bytes", "op"])
+@pytest.mark.parametrize("kind", ["bytes", "op", "dtype"])
 def test_mismatch_across_daemons(pool: RankPool, pair: list[DaemonProcess], steady_ac: Steady,
                                 fault_report: FaultReport, kind: str) -> None:
     root, member = pair
     world = world_name()
     base, unrelated = memfd_mappings(root.pid), steady_ac.errors()
-    places = [root, member, member]
+    # rank 1, the odd one, alone on its daemon: no daemon's own matcher sees both calls, only
+    # the root's comparison across daemons does (rank 2 with rank 1 would be caught locally)
+    places = [root, member, root]
     results = [o.unwrap() for o in pool.run(workers.mismatch, [(spec(d, root), world, r, 3, kind)
                                                              for r, d in enumerate(places)])]
     for res in results:

@@ -44,6 +44,8 @@ def test_indexes_advance_per_rank() -> None:
     (proto.AllReduce(M, 8), proto.AllReduce(M, 8, op=proto.ReduceOp.MAX), "op=max"),
     (proto.Broadcast(M, 8, 0), proto.Broadcast(M, 8, 1), "root=1"),
     (proto.Barrier(), proto.AllGather(M, M, 4), "all_gather(bytes=4)"),
+    (proto.ReduceScatter(M, M, 8), proto.ReduceScatter(M, M, 8, proto.DType.F32), "dtype=f32"),
+    (proto.ReduceScatter(M, M, 8), proto.ReduceScatter(M, M, 8, op=proto.ReduceOp.MAX), "op=max"),
 ])
 def test_mismatch_names_both_ranks_and_calls(a: proto.Op, b: proto.Op, text: str) -> None:
     m: Matcher[None] = Matcher(3)

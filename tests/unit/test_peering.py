@@ -805,6 +805,9 @@ def test_a_payload_may_change_once_drain_returned() -> None:
                 buffer[:] = bytes([i + 1]) * size
                 link.send(p.Data("w", 1, "partial", i, 0, 0, ""), memoryview(buffer))
                 await link.drain()
+                # (sealing copies the payload, so the buffer is free at once anyway: what drain
+                # promises, and the engine's flow control counts on, is that the socket took all)
+                assert link._stream._transport.get_write_buffer_size() == 0
             await eventually(lambda: len(received) == frames, 10)
         finally:
             b.close()
@@ -939,3 +942,35 @@ def test_frames_right_behind_the_listeners_ready_are_read_sealed() -> None:
                 listener.close()
 
     on_uvloop(test)
+
+
+class HeldTransport:
+    """A transport that only records what the stream does to it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+
+async def test_a_payload_before_the_handshake_is_refused_before_anything_is_allocated() -> None:
+    """Anyone who reaches the port could otherwise make the daemon allocate up to
+    MAX_PAYLOAD_BYTES per half-open connection: the frame is refused from its lengths."""
+    stream = peering.FrameStream()
+    transport = HeldTransport()
+    stream.connection_made(transport)  # type: ignore[arg-type]
+    header = encode_peer(p.Heartbeat(1))
+    prefix = p.FRAME.pack(len(header), p.MAX_PAYLOAD_BYTES)
+    target = stream.get_buffer(-1)
+    target[:len(prefix)] = prefix
+    stream.buffer_updated(len(prefix))
+    assert transport.closed
+    with pytest.raises(proto.DecodeError, match="a payload before the handshake ended"):
+        await stream.read()
+    assert len(stream.get_buffer(-1)) < 1 << 10  # no buffer was made for it
