@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from client import CommError
 from commd.launch import DaemonProcess
+from commd.status import query_status
 from tests.conftest import FaultReport, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
@@ -56,7 +58,7 @@ def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: F
             world, root = world_name("dd"), f"127.0.0.1:{ports['A']}"
             args = [(f"{daemons[d].socket_path}@{root}", world, r, 2, 3) for r, d in enumerate("AB")]
             started = pool.start(workers.through_a_daemon_death, args)
-            time.sleep(1.5)  # both joined and waiting in their second barrier... one of them
+            wait_for_pending(daemons["A"].socket_path, world)  # rank 0 waits in its second barrier
             killed_at = time.time()
             daemons[dead].kill()
             time.sleep(0.5)
@@ -78,3 +80,17 @@ def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: F
                              "n/a (the daemon was replaced)")
         else:
             assert res["error"] == "DaemonUnavailable"
+
+
+def wait_for_pending(sock: Path, world: str, timeout: float = 30) -> None:
+    """Until rank 0's second call (its second barrier, which rank 1 never joins) is pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            calls = query_status(str(sock), 5, world)["worlds"][0]["recent_calls"].get("0") or [{}]
+        except CommError:  # not formed yet
+            calls = [{}]
+        if calls[-1].get("seq") == 1 and calls[-1].get("state") in ("pending", "running"):
+            return
+        assert time.monotonic() < deadline, f"rank 0 of world {world} never waited in its second call"
+        time.sleep(0.05)

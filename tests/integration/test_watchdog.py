@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from client import CommError
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import workers
@@ -32,11 +33,17 @@ def test_recv_command_has_no_deadline_and_status_shows_recent_calls(pool: RankPo
     started = pool.start(workers.slow_commands, [(sock, world, r, 2, 1.0, 1.5) for r in range(2)])
     import time
 
-    time.sleep(0.8)
-    info = query_status(sock, 5, world)
-    recent = info["worlds"][0]["recent_calls"]
-    assert recent["1"][-1]["call"] == "recv_command_u32(bytes=4, root=0)"
-    assert recent["1"][-1]["state"] == "pending"
+    deadline = time.monotonic() + 20
+    while True:  # until rank 1 waits in its command (for 1.5 s each, twice)
+        try:
+            recent = query_status(sock, 5, world)["worlds"][0]["recent_calls"]
+        except CommError:  # (the world is not there yet)
+            recent = {}
+        last = (recent.get("1") or [{}])[-1]
+        if last.get("call") == "recv_command_u32(bytes=4, root=0)" and last.get("state") == "pending":
+            break
+        assert time.monotonic() < deadline, recent
+        time.sleep(0.05)
     assert recent["0"][0]["state"] == "done"
     results = [o.unwrap() for o in pool.collect(started, 30)]
     assert results == [[5, 6], [5, 6]]
