@@ -396,8 +396,7 @@ class DaemonBackend(CommBackend):
             with self._lock:
                 self._registrations[handle] = (ptr, nbytes, fresh)
         if self._add_kernel is not None:
-            kernel = self._add_kernel
-            self._request(lambda rid: proto.SetAddKernel(rid, kernel))
+            self.set_add_kernel(self._add_kernel)
 
     # ---- lifetime -------------------------------------------------------------------
 
