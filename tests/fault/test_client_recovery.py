@@ -29,6 +29,7 @@ from tests.integration.harness import (
     back_to,
     held_at_rest,
     memfd_mappings,
+    open_fds,
     short_tmpdir,
     world_name,
     world_status,
@@ -257,15 +258,11 @@ def test_a_group_holding_recv_command_waits_without_a_deadline(daemon: DaemonPro
             comm.close()
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def test_close_during_attempt_reconnect_does_not_rejoin_behind_it(daemon: DaemonProcess) -> None:
     """close() on another thread fails the pending Reconnect as if the daemon had gone:
     attempt_reconnect must not then join afresh behind the closed backend (before: it
     returned, its new socket leaked, and rank 1 waited out its timeout for rank 0)."""
-    base = open_fds()
+    base = open_fds(os.getpid())
     comms = join(daemon, timeout=3)
     outcome: list[object] = []
 
@@ -292,7 +289,7 @@ def test_close_during_attempt_reconnect_does_not_rejoin_behind_it(daemon: Daemon
     finally:
         for comm in comms:
             comm.close()
-    assert open_fds() == base
+    assert open_fds(os.getpid()) == base
 
 
 def test_the_add_kernel_is_set_again_after_a_daemon_restart(daemon: DaemonProcess) -> None:
@@ -333,12 +330,12 @@ def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess
             comms[0].broadcast(bufs[0].ptr, 8, 0.0)  # type: ignore[arg-type]
         ptr = comms[0].symmetric_alloc(np.uint32(64))  # type: ignore[arg-type]
         comms[0].symmetric_free(ptr)
-        fds = open_fds()
+        fds = open_fds(os.getpid())
         for bad_args in ({"rank": 0.0}, {"timeout": float("inf")}, {"timeout": "5"}, {"token": 5}):
             args: dict[str, Any] = {"rank": 0, "timeout": 5, **bad_args}
             with pytest.raises(MisuseError):
                 DaemonBackend(str(daemon.socket_path), world_name(), world_size=1, **args)
-        assert open_fds() == fds
+        assert open_fds(os.getpid()) == fds
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
     finally:
@@ -358,7 +355,7 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
     a bare OSError, the fd leaked, the daemon held the memory until the connection went)."""
     with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
         comm.barrier()
-        fds, daemon_base = open_fds(), held_at_rest(daemon.pid)
+        fds, daemon_base = open_fds(os.getpid()), held_at_rest(daemon.pid)
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 30), hard))
         try:
@@ -366,7 +363,7 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
                 comm.symmetric_alloc(4 << 30)
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        assert open_fds() == fds
+        assert open_fds(os.getpid()) == fds
         back_to(daemon.pid, daemon_base, timeout=5)
         comm.barrier()
 

@@ -18,7 +18,7 @@ from commd.status import query_status
 from tests.conftest import FaultReport, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.integration.harness import RankPool, short_tmpdir, wait_until, world_name
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,15 +82,13 @@ def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: F
             assert res["error"] == "DaemonUnavailable"
 
 
-def wait_for_pending(sock: Path, world: str, timeout: float = 30) -> None:
-    """Until rank 0's second call (its second barrier, which rank 1 never joins) is pending."""
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_for_pending(sock: Path, world: str) -> None:
+    """Until rank 0's second call (its second barrier, which rank 1 never joins) is under way."""
+    def second_call_waits() -> bool:
         try:
             calls = query_status(str(sock), 5, world)["worlds"][0]["recent_calls"].get("0") or [{}]
         except CommError:  # not formed yet
-            calls = [{}]
-        if calls[-1].get("seq") == 1 and calls[-1].get("state") in ("pending", "running"):
-            return
-        assert time.monotonic() < deadline, f"rank 0 of world {world} never waited in its second call"
-        time.sleep(0.05)
+            return False
+        return calls[-1].get("seq") == 1 and calls[-1].get("state") in ("pending", "running")
+
+    wait_until(second_call_waits, f"rank 0 of world {world} to wait in its second call", 30)

@@ -158,6 +158,14 @@ def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def wait_until(condition: Callable[[], object], what: str = "the condition", timeout: float = 15) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

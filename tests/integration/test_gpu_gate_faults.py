@@ -16,7 +16,7 @@ from client import CommError, DaemonBackend
 from commd.status import query_status
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.gpu_daemon import GpuDaemon
-from tests.integration.harness import world_name
+from tests.integration.harness import wait_until, world_name
 from tests.integration.test_gpu_path_fake import WorkerDriver
 
 pytestmark = pytest.mark.timeout(60)
@@ -282,10 +282,7 @@ def test_status_answers_during_a_long_abort(daemon: GpuDaemon, gpu: FakeGpu) -> 
 
 def abort_running(gpu: FakeGpu, before: int) -> None:
     """Wait until an abort started after `before` of them had."""
-    deadline = time.monotonic() + 10
-    while len(gpu.abort_threads) <= before:
-        assert time.monotonic() < deadline, "no abort started"
-        time.sleep(0.01)
+    wait_until(lambda: len(gpu.abort_threads) > before, "an abort to start", 10)
 
 
 def test_status_answers_while_a_failed_world_reconnects_during_its_abort(daemon: GpuDaemon,

@@ -29,7 +29,14 @@ from proto import peer as p
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, memfd_mappings, short_tmpdir, world_name, world_status
+from tests.integration.harness import (
+    RankPool,
+    memfd_mappings,
+    short_tmpdir,
+    wait_until,
+    world_name,
+    world_status,
+)
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -75,15 +82,8 @@ def spec(daemon: DaemonProcess, root: DaemonProcess) -> str:
 
 def mappings_settle(daemon: DaemonProcess, base: int) -> str:
     """The world's memory is let go on `daemon` (whose other worlds keep theirs)."""
-    wait_for(lambda: memfd_mappings(daemon.pid) == base, timeout=10)
+    wait_until(lambda: memfd_mappings(daemon.pid) == base, timeout=10)
     return "none (memfd mappings at baseline on the surviving root daemon)"
-
-
-def wait_for(predicate: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
 
 
 def test_a_peer_without_the_secret_is_refused(pool: RankPool, pair: list[DaemonProcess]) -> None:
@@ -102,7 +102,7 @@ def test_a_peer_without_the_secret_is_refused(pool: RankPool, pair: list[DaemonP
             raw.settimeout(5)
             assert raw.recv(100) == b""  # closed on us
         # the root counts the stranger's refusal when it reads it, maybe after the worker heard
-        wait_for(lambda: query_status(str(root.socket_path), 5)["peers"]["refused_handshakes"] >= 2)
+        wait_until(lambda: query_status(str(root.socket_path), 5)["peers"]["refused_handshakes"] >= 2)
         world = world_name()
         results = pool.run(workers.all_reduce, [(spec(d, root), world, r, 2, 64, "i32", "sum", 1)
                                                 for r, d in enumerate(pair)])
@@ -119,7 +119,7 @@ def test_a_stopped_daemon_is_declared_lost(pool: RankPool, pair: list[DaemonProc
     base, unrelated = memfd_mappings(root.pid), steady_ac.errors()
     started = pool.start(workers.timed_barrier, [(spec(root, root), world, 0, 2, 4.0),
                                                 (spec(member, root), world, 1, 2, 4.0)])
-    wait_for(lambda: (world_status(root, world) or {}).get("pending_calls") == 1)
+    wait_until(lambda: (world_status(root, world) or {}).get("pending_calls") == 1)
     stopped = time.time()
     os.kill(member.pid, signal.SIGSTOP)
     time.sleep(2.5)
@@ -179,11 +179,11 @@ def test_stale_epoch_messages_are_refused(pool: RankPool, pair: list[DaemonProce
     world = world_name()
     started = pool.start(workers.reconnect_then_wait, [(spec(root, root), world, 0, 2),
                                                       (spec(member, root), world, 1, 2)])
-    wait_for(lambda: (world_status(root, world) or {}).get("epoch") == 2
+    wait_until(lambda: (world_status(root, world) or {}).get("epoch") == 2
              and (world_status(root, world) or {}).get("pending_calls") == 1)
     before = query_status(str(root.socket_path), 5)["peers"]["stale_refused"]
     asyncio.run(_send_stale(root, world))
-    wait_for(lambda: query_status(str(root.socket_path), 5)["peers"]["stale_refused"] >= before + 2)
+    wait_until(lambda: query_status(str(root.socket_path), 5)["peers"]["stale_refused"] >= before + 2)
     assert (world_status(root, world) or {}).get("state") == "ready"
     results = [o.unwrap() for o in pool.collect(started, 30)]
     want = reduce_reference([make_input(3, r, 32, "i64", "sum") for r in range(2)], "i64", "sum")
@@ -215,7 +215,7 @@ def test_a_cut_network_heals_and_the_world_is_rebuilt(pool: RankPool, pair: list
         # the member reaches the root only through the proxy; the root's own rank dials itself
         args = [(spec(root, root), world, 0, 2, 6), (f"{member.socket_path}@{proxy.address}", world, 1, 2, 6)]
         started = pool.start(workers.ride_out_a_cut, args)
-        wait_for(lambda: (world_status(root, world) or {}).get("epoch") == 1
+        wait_until(lambda: (world_status(root, world) or {}).get("epoch") == 1
                  and (world_status(root, world) or {}).get("pending_calls") == 0)
         time.sleep(0.5)
         cut_at = time.time()
@@ -250,7 +250,7 @@ def test_a_silent_network_is_detected_by_heartbeats(pool: RankPool, pair: list[D
         world = world_name()
         args = [(spec(root, root), world, 0, 2, 7), (f"{member.socket_path}@{proxy.address}", world, 1, 2, 7)]
         started = pool.start(workers.ride_out_a_cut, args)
-        wait_for(lambda: (world_status(root, world) or {}).get("epoch") == 1
+        wait_until(lambda: (world_status(root, world) or {}).get("epoch") == 1
                  and (world_status(root, world) or {}).get("pending_calls") == 0)
         time.sleep(0.3)
         began = time.time()
@@ -317,7 +317,7 @@ def test_a_new_rank_0_and_a_reconnecting_member_meet_at_a_newer_epoch(pair: list
         first = threads.submit(backend, root, root, world, 0, 2)
         rank1 = backend(member, root, world, 1, 2)
         first.result(20).close()
-        wait_for(lambda: world_status(root, world) is None)
+        wait_until(lambda: world_status(root, world) is None)
         reconnected = threads.submit(rank1.attempt_reconnect)
         rank0 = backend(root, root, world, 0, 2)
         reconnected.result(20)
@@ -336,7 +336,7 @@ def test_the_roots_world_for_a_members_vote_ends_with_the_vote(pair: list[Daemon
     world = world_name()
     with pytest.raises(CommTimeout):
         DaemonBackend(str(member.socket_path), world, 1, 2, timeout=1, bootstrap=root.peer_address())
-    wait_for(lambda: world_status(root, world) is None, timeout=5)
+    wait_until(lambda: world_status(root, world) is None, timeout=5)
     with backend(root, root, world, 0, 1) as alone:  # a new job under the name, of another size
         assert summed_i32([alone]) == [[1, 10]]
 
@@ -380,7 +380,7 @@ def test_a_restarted_daemon_replaces_its_old_links(pair: list[DaemonProcess]) ->
         b.start()
         fresh = joined([a, b], a, world_name())
         assert summed_i32(fresh) == [[3, 30], [3, 30]]
-        wait_for(lambda: not old[0].is_healthy(), timeout=5)
+        wait_until(lambda: not old[0].is_healthy(), timeout=5)
         for comm in fresh:
             comm.close()
     finally:
@@ -398,11 +398,11 @@ def test_a_members_rank_killed_while_the_world_forms_is_not_counted(pair: list[D
             f"{str(b.socket_path)!r}, {world!r}, 1, 2, timeout=30, bootstrap={a.peer_address()!r})")
     child = subprocess.Popen([sys.executable, "-c", code], cwd=str(Path(__file__).resolve().parents[2]))
     try:
-        wait_for(lambda: (world_status(b, world) or {}).get("waiting") == [1], timeout=20)
+        wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1], timeout=20)
     finally:
         child.kill()
         child.wait(10)
-    wait_for(lambda: world_status(b, world) is None, timeout=5)
+    wait_until(lambda: world_status(b, world) is None, timeout=5)
     with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
         DaemonBackend(str(a.socket_path), world, 0, 2, timeout=1.5, bootstrap=a.peer_address())
     comms = joined([a, b], a, world)
@@ -435,8 +435,8 @@ def test_a_rank_that_left_while_its_world_formed_fails_it_at_once(pair: list[Dae
         "    comm.all_reduce(buf.ptr, 8, dtype='i32')\n    print('ok')\n"
         "except Exception as exc:\n    print(type(exc).__name__, round(time.monotonic() - started, 1))\n"))
     try:
-        wait_for(lambda: (world_status(b, world) or {}).get("waiting") == [1, 2], timeout=20)
-        wait_for(lambda: world_status(a, world) is not None)  # the root holds both votes
+        wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1, 2], timeout=20)
+        wait_until(lambda: world_status(a, world) is not None)  # the root holds both votes
         time.sleep(0.3)
         os.kill(b.pid, signal.SIGSTOP)
         doomed.kill()
@@ -466,7 +466,7 @@ def test_ranks_of_a_daemon_lost_while_the_world_forms_are_named_missing(pair: li
     world = world_name()
     member = rank_process(b, a, world, 1, 3, "time.sleep(60)")
     try:
-        wait_for(lambda: world_status(a, world) is not None)  # rank 1's vote is at the root
+        wait_until(lambda: world_status(a, world) is not None)  # rank 1's vote is at the root
         with ThreadPoolExecutor(1) as threads:
             joining = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 3, timeout=2,
                                      bootstrap=a.peer_address())
@@ -534,7 +534,7 @@ def test_a_relayed_link_that_goes_away_fails_only_its_own_worlds(pair: list[Daem
             relayed = [j.result(20) for j in joining]
         assert summed_i32(relayed) == [[3, 30], [3, 30]]
         relay.cut()
-        wait_for(lambda: not relayed[1].is_healthy(), timeout=5)
+        wait_until(lambda: not relayed[1].is_healthy(), timeout=5)
         assert all(comm.is_healthy() for comm in kept)
         assert summed_i32(kept) == [[3, 30], [3, 30]]
         for comm in relayed:
@@ -556,7 +556,7 @@ def test_a_link_to_the_root_lost_while_the_world_forms_fails_its_ranks_at_once(
             started = time.monotonic()
             joining = threads.submit(DaemonBackend, str(b.socket_path), world_name(), 1, 2, timeout=8,
                                      bootstrap=relay.address)
-            wait_for(lambda: len(query_status(str(a.socket_path), 5)["worlds"]) == 1)  # the vote is in
+            wait_until(lambda: len(query_status(str(a.socket_path), 5)["worlds"]) == 1)  # the vote is in
             relay.cut()
             with pytest.raises(PeerLost, match="was lost"):
                 joining.result(20)
@@ -593,7 +593,7 @@ def test_two_processes_voting_for_one_rank_on_two_daemons_the_first_wins(pair: l
     world = world_name()
     with ThreadPoolExecutor(3) as threads:
         first = threads.submit(backend, b, a, world, 2, 3)
-        wait_for(lambda: world_status(a, world) is not None)  # its vote is at the root
+        wait_until(lambda: world_status(a, world) is not None)  # its vote is at the root
         with pytest.raises(MisuseError, match=r"rank 2 .* is already on daemon B"):
             backend(a, a, world, 2, 3)
         rest = [threads.submit(backend, d, a, world, r, 3) for r, d in enumerate([a, b])]

@@ -15,14 +15,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import service_workers
-from tests.integration.harness import RankPool, scrape, short_tmpdir, world_name
+from tests.integration.harness import RankPool, scrape, short_tmpdir, wait_until, world_name
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -273,13 +272,6 @@ def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
 
 
 # ---- status and metrics ------------------------------------------------------------------
-
-
-def wait_until(condition: Any, what: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_status_shows_two_worlds(tmp: Path, pool: RankPool) -> None:

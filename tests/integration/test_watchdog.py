@@ -9,7 +9,7 @@ from client import CommError
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import workers
-from tests.integration.harness import RankPool, world_name
+from tests.integration.harness import RankPool, wait_until, world_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,19 +31,18 @@ def test_recv_command_has_no_deadline_and_status_shows_recent_calls(pool: RankPo
     sock, world = str(daemon.socket_path), world_name()
     # a command loop with a 1 s timeout where the root pauses 1.5 s between commands
     started = pool.start(workers.slow_commands, [(sock, world, r, 2, 1.0, 1.5) for r in range(2)])
-    import time
+    recent: dict[str, list[dict[str, object]]] = {}
 
-    deadline = time.monotonic() + 20
-    while True:  # until rank 1 waits in its command (for 1.5 s each, twice)
+    def rank_1_waits_for_a_command() -> bool:  # (for 1.5 s each time, twice)
+        nonlocal recent
         try:
             recent = query_status(sock, 5, world)["worlds"][0]["recent_calls"]
         except CommError:  # (the world is not there yet)
-            recent = {}
+            return False
         last = (recent.get("1") or [{}])[-1]
-        if last.get("call") == "recv_command_u32(bytes=4, root=0)" and last.get("state") == "pending":
-            break
-        assert time.monotonic() < deadline, recent
-        time.sleep(0.05)
+        return last.get("call") == "recv_command_u32(bytes=4, root=0)" and last.get("state") == "pending"
+
+    wait_until(rank_1_waits_for_a_command, "rank 1 to wait in recv_command_u32", 20)
     assert recent["0"][0]["state"] == "done"
     results = [o.unwrap() for o in pool.collect(started, 30)]
     assert results == [[5, 6], [5, 6]]

@@ -71,6 +71,9 @@ class ReportingEngine:
         self.comms.append(comm)
         return comm
 
+    def __getattr__(self, name: str) -> object:  # the rest of the Engine, as it is
+        return getattr(self.inner, name)
+
 
 class Rank:
     """A rank's connection: what the world sends it."""
@@ -245,9 +248,6 @@ class NoCommunicators(ReportingEngine):
     def communicator(self, *args: object, **kwargs: object) -> Reporting:
         raise CallError(ErrorCode.ENGINE, "NCCL init failed: Duplicate GPU detected")
 
-    def __getattr__(self, name: str) -> object:  # the rest of the Engine, as it is
-        return getattr(self.inner, name)
-
 
 @pytest.mark.parametrize("broken", [0, 1])
 async def test_a_daemon_that_cannot_build_its_communicators_fails_the_world_everywhere(
@@ -308,9 +308,6 @@ class FailsOnce(ReportingEngine):
             self.failed = True
             raise RuntimeError("an engine bug")
         return super().communicator(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
 
 
 async def test_a_bug_while_a_world_forms_leaves_no_dead_rank_behind(tmp_path: Path) -> None:
