@@ -461,6 +461,12 @@ class FakeGpu:
             if enqueuing:
                 self._progress()
 
+    @property
+    def aborting(self) -> int:
+        """ncclCommAbort calls running now."""
+        with self._cv:
+            return self._aborting
+
     def comm_abort(self, comm: int) -> None:
         self._nccl("ncclCommAbort")
         with self._cv:
