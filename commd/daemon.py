@@ -80,9 +80,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         server.shutdown()
         if cluster is not None:
             cluster.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         notifier.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # last: see _serve_to_the_end
+            loop.remove_signal_handler(sig)
     return 1 if broke else 0
 
 
@@ -151,4 +151,16 @@ def _tune_malloc() -> None:
 def run(config: ServerConfig) -> int:
     import uvloop
 
-    return uvloop.run(serve(config))
+    return uvloop.run(_serve_to_the_end(config))
+
+
+async def _serve_to_the_end(config: ServerConfig) -> int:
+    """`serve`, and a signal once it returned is ignored: the stop it asked for is under
+    way, and the default action would kill the rest of the teardown (the loop's, the
+    interpreter's) with exit -15. `serve` itself takes its handlers back on the way out,
+    as a test's loop that goes on wants."""
+    try:
+        return await serve(config)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)

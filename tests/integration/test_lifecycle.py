@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -189,3 +190,21 @@ def test_sigterm_does_not_reset_a_client_whose_requests_are_unread(own_daemon: D
             seen.append(msg)
     assert any(isinstance(m, proto.Error) and m.id == 2 and m.code is ErrorCode.SHUTDOWN for m in seen), seen
     assert any(isinstance(m, proto.Event) and m.code is ErrorCode.SHUTDOWN for m in seen), seen
+
+
+def test_sigterm_again_and_again_still_exits_zero(pool: RankPool, own_daemon: DaemonProcess) -> None:
+    """A service manager or an impatient user signalling again while the daemon stops:
+    the stop under way goes on, to its end (before: a signal after the handlers were
+    removed, in the last teardown, killed it: exit -15)."""
+    sock, world = str(own_daemon.socket_path), world_name()
+    started = pool.start(workers.wait_for_command, [(sock, world, r, 2) for r in range(2)])
+    wait_pending(sock, world, 2)
+    assert own_daemon.proc is not None
+    while own_daemon.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # (exited between poll and kill)
+            os.kill(own_daemon.pid, signal.SIGTERM)
+        time.sleep(0.0005)
+    assert own_daemon.proc.returncode == 0
+    outcomes = [o.unwrap() for o in pool.collect(started, 20)]
+    assert [name for name, _ in outcomes] == ["DaemonShutdown"] * 2
+    assert not os.path.exists(sock)
