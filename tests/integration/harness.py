@@ -158,16 +158,19 @@ def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def wait_until(condition: Callable[[], object], what: str = "the condition", timeout: float = 15) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout` seconds."""
+def wait_until(condition: Callable[[], object], what: str | Callable[[], object] = "the condition",
+               timeout: float = 15) -> None:
+    """Poll `condition` until it holds; fail naming `what` (or what it returns, read
+    then: the state that was wrong) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.02)
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def open_fds(pid: int | None = None) -> int:
+    """Open fds of process `pid` (default: this one)."""
+    return len(os.listdir(f"/proc/{os.getpid() if pid is None else pid}/fd"))
 
 
 def memfd_mappings(pid: int) -> int:

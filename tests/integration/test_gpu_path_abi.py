@@ -31,7 +31,7 @@ from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.gpu_daemon import GpuDaemon
-from tests.integration.harness import world_name
+from tests.integration.harness import wait_until, world_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,13 +112,6 @@ def run_ranks(n: int, body: Any) -> list[Any]:
         return list(pool.map(body, range(n)))
 
 
-def wait_for(condition: Any, what: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout  # the daemon's loop sees connections close in its own time
-    while not condition():
-        assert time.monotonic() < deadline, what()
-        time.sleep(0.02)
-
-
 def test_every_call_on_cudamalloc_memory(daemon: GpuDaemon, device: fakecuda.AbiDevice) -> None:
     world, n, gpu = world_name("abi"), 2, device.gpu
     inputs = [make_input(31, r, 1000, "bf16", "sum") for r in range(n)]
@@ -163,7 +156,7 @@ def test_every_call_on_cudamalloc_memory(daemon: GpuDaemon, device: fakecuda.Abi
     assert all(flags & (blocking_sync | interprocess) for flags in device.event_flags())
     assert any(flags & blocking_sync for flags in device.event_flags())
     # the daemon let go of every buffer it opened: the workers' own allocations remain
-    wait_for(lambda: gpu.allocations == baseline + 2 * 7, lambda: gpu.allocations)
+    wait_until(lambda: gpu.allocations == baseline + 2 * 7, lambda: gpu.allocations)
 
 
 def test_vmm_memory_goes_by_file_descriptor(daemon: GpuDaemon, device: fakecuda.AbiDevice) -> None:
@@ -271,7 +264,7 @@ def test_symmetric_memory_maps_the_daemons_allocation(daemon: GpuDaemon,
 
     assert run_ranks(2, rank) == [b"\x06" * 100] * 2
     assert device.calls["ncclMemAlloc"] == 2 and device.calls["cuMemMap"] == 2
-    wait_for(lambda: gpu.allocations == baseline, lambda: (gpu.allocations, baseline))
+    wait_until(lambda: gpu.allocations == baseline, lambda: (gpu.allocations, baseline))
 
 
 def test_symmetric_alloc_where_ncclmemalloc_gives_cudamalloc_memory(daemon: GpuDaemon,
@@ -312,7 +305,7 @@ def test_the_add_kernel_path(daemon: GpuDaemon, device: fakecuda.AbiDevice, log:
             comm.barrier()
             if r == 0:  # compiling happens off the daemon's loop: sums wait for nothing
                 # loaded (or given up): the kernel's module is in, or the warning is out
-                wait_for(lambda: (daemon.engine.gpu.add_ready(0)
+                wait_until(lambda: (daemon.engine.gpu.add_ready(0)
                                   or "add kernel is not available" in caplog.text), lambda: device.calls)
             loaded.wait(10)
             ptr = worker.alloc(inputs[r].tobytes())
@@ -407,7 +400,7 @@ def test_registration_and_an_nccl_failure_through_the_bindings(daemon: GpuDaemon
     assert [data for _, data in out] == [b"\x06" * 64] * 2  # (1 + 2) summed twice
     assert device.calls["ncclCommAbort"] >= 2 and device.calls["ncclCommRegister"] == 4
     # (deregistration waits for the device: it may land after the ranks' last call)
-    wait_for(lambda: device.calls.get("ncclCommDeregister") == 2 and not gpu.registered,
+    wait_until(lambda: device.calls.get("ncclCommDeregister") == 2 and not gpu.registered,
              lambda: (device.calls.get("ncclCommDeregister"), gpu.registered))
 
 
@@ -454,7 +447,7 @@ def test_one_allocation_in_two_worlds_is_one_mapping_counted_twice(daemon: GpuDa
                 second.all_reduce(ptr, 64, dtype="u8")
                 first.barrier()
             second.barrier()  # both ranks have closed their first world
-            wait_for(lambda: sorted(opens for _, opens in device.ipc_opens().values()) == [1, 1],
+            wait_until(lambda: sorted(opens for _, opens in device.ipc_opens().values()) == [1, 1],
                      device.ipc_opens)  # each rank's handle, still open once: the second world's
             second.all_reduce(ptr, 64, dtype="u8")
             second.barrier()
@@ -462,7 +455,7 @@ def test_one_allocation_in_two_worlds_is_one_mapping_counted_twice(daemon: GpuDa
 
     assert run_ranks(2, rank) == [bytes([12]) * 64] * 2  # (1 + 2) * 2 * 2
     assert device.calls["cuIpcOpenMemHandle"] == 4  # two opens of each rank's one handle
-    wait_for(lambda: not device.ipc_opens() and gpu.allocations == baseline + 2,
+    wait_until(lambda: not device.ipc_opens() and gpu.allocations == baseline + 2,
              lambda: (device.ipc_opens(), gpu.allocations))
 
 

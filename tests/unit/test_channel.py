@@ -11,12 +11,9 @@ import socket
 import pytest
 
 from commd.channel import MAX_QUEUED_BYTES, MAX_QUEUED_FDS, PacketChannel
+from tests.integration.harness import open_fds
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def channel_to_a_peer_that_never_reads(max_queue: int = 100_000

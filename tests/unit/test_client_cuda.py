@@ -26,7 +26,7 @@ from client import DaemonBackend, HostMemory, MisuseError
 from client.cuda import BindingsDriver, CudaMemory, PointerInfo, available_driver
 from client.memory import MemoryRef, MemoryResolver
 from proto import MemKind
-from tests.integration.harness import world_name
+from tests.integration.harness import open_fds, world_name
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,10 +107,6 @@ def is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def resolver(driver: FakeDriver | None, *, device: int | None = None,

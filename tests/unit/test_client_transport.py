@@ -14,12 +14,9 @@ import pytest
 import proto
 from client.errors import ProtocolError
 from client.transport import Transport
+from tests.integration.harness import open_fds
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def test_fds_that_came_with_an_undecodable_packet_are_closed() -> None:
