@@ -55,6 +55,27 @@ from procs import Daemon, Proc, ProcError, free_port, worker  # noqa: E402
 
 PEER_SECRET = "gpu-check-secret-0123456789abcdef"  # >= 16 bytes; the daemons only talk on 127.0.0.1
 MODES = ("one-daemon", "two-daemons")
+
+
+SHARED_GPU = {"NCCL_MAX_CTAS": "16", "NCCL_NVLS_ENABLE": "0"}
+SHARED_PROCESS = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", **SHARED_GPU}
+LOOPBACK_HOSTS = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def nccl_env(shared_process: bool, host: str | None = None) -> dict[str, str]:
+    """NCCL's settings for two ranks on the one GPU (a value already in the environment wins).
+
+    `shared_process`: both ranks in one process (NCCL_MULTI_RANK_GPU_ENABLE, NCCL >= 2.30).
+    Each rank's kernel waits on the other's, so neither may fill the GPU: NCCL's notes on
+    that setting ask to cap the CTAs, and NVLink SHARP does not apply to ranks sharing a GPU.
+    Else each process is a "host" of its own (`host`: its NCCL_HOSTID): NCCL joins them
+    over its network transport, which must be loopback sockets, never the machine's own
+    InfiniBand NICs (a loopback through them may be refused in a container, or hang)."""
+    wanted = {"NCCL_DEBUG": "WARN", **(SHARED_PROCESS if shared_process else LOOPBACK_HOSTS)}
+    env = {key: os.environ.get(key, value) for key, value in wanted.items()}
+    if host is not None:
+        env["NCCL_HOSTID"] = host
+    return env
 GPU_SIZES = [[8, 200], [64 << 10, 200], [1 << 20, 100], [16 << 20, 40], [256 << 20, 8]]
 DRY_SIZES = [[8, 50], [64 << 10, 30], [1 << 20, 10]]
 
@@ -131,13 +152,12 @@ class World:
         self.placement = [0] * n
 
     def start(self) -> None:
-        base = {"NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
         if self.mode == "one-daemon" or self.n == 1:
-            self._start("A", {**base, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}, None)
+            self._start("A", nccl_env(shared_process=True), None)
             return
         for name in ("A", "B"):  # each its own NCCL "host"; B joins the world through A's peer port
-            env = {**base, "NCCL_HOSTID": f"gpucheck-{self.tag}-{name}", "COMMD_PEER_SECRET": PEER_SECRET,
-                   "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
+            env = {**nccl_env(shared_process=False, host=f"gpucheck-{self.tag}-{name}"),
+                   "COMMD_PEER_SECRET": PEER_SECRET}
             self._start(name, env, free_port())
         self.placement = [r * 2 // self.n for r in range(self.n)]
 
@@ -262,9 +282,10 @@ def step_probe(ctx: Ctx) -> Result:
         return Result("SKIP", note="dry run" if ctx.dry else "--skip-probe")
     if not probe.exists():
         return Result("SKIP", note="no .probe/probe.py (copy ../shared/gpu/probe.py there)")
-    # the daemons and the in-process benchmark use loopback for NCCL_HOSTID pairs: so does the probe
+    # what the daemons and the in-process benchmark run with, so that its answers hold for
+    # them (not NCCL_MULTI_RANK_GPU_ENABLE: the probe tries with and without it)
     proc = Proc("probe", [sys.executable, str(probe)], log_dir=ctx.tmp,
-                env={"NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")})
+                env={**nccl_env(shared_process=False), **SHARED_GPU})
     try:
         proc.popen.wait(max(1.0, ctx.left()))
         killed = False
@@ -460,7 +481,7 @@ def contract_outcomes(xml: Path, engine: str) -> dict[str, dict[str, int]]:
 
 
 def step_contract(ctx: Ctx) -> Result:
-    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+    env = nccl_env(shared_process=True)
     xml = ctx.tmp / "contract.xml"
     # -v: one line per test, so a run killed at its timeout still says how far it got
     # only the plugins the suite uses: the GPU image has others (xdist, cov, benchmark...)
@@ -685,8 +706,8 @@ def step_bench(ctx: Ctx) -> Result:
         notes.append(f"daemon path: {daemon_res[0].get('fatal', '?')[:200] if daemon_res else '?'}")
     envs: list[tuple[str, dict[str, str] | None]] = [("", None)]
     if not ctx.dry:
-        hostid = ("NCCL_HOSTID", {"NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")})
-        multi = ("NCCL_MULTI_RANK_GPU_ENABLE=1", {"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+        hostid = ("NCCL_HOSTID", nccl_env(shared_process=False))
+        multi = ("NCCL_MULTI_RANK_GPU_ENABLE=1", nccl_env(shared_process=True))
         envs = [hostid, multi] if mode == "two-daemons" else [multi, hostid]
     torch_rows = None
     for i, (label, env) in enumerate(envs):
@@ -695,7 +716,7 @@ def step_bench(ctx: Ctx) -> Result:
         port = free_port()
         procs_ = []
         for r in range(2):
-            e = {"NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(env or {})}
+            e = dict(env or {})
             if label == "NCCL_HOSTID":
                 e["NCCL_HOSTID"] = f"gpucheck-bench-{r}"
             procs_.append(worker(f"torchbench-r{r}", "torchbench",

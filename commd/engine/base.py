@@ -205,7 +205,7 @@ class Communicator(Protocol):
 
     def register(self, rank: int, key: int, region: Region) -> None:
         """Register a rank's memory with the engine under `key` (NCCL's ncclCommRegister,
-        where NCCL takes the memory); best effort: unregistered memory works the same."""
+        for the memory NCCL registers safely); best effort: unregistered memory works the same."""
         ...
 
     def deregister(self, rank: int, key: int) -> None: ...

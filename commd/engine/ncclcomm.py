@@ -302,7 +302,8 @@ class NcclCommunicator:
             self._teardown()
 
     def register(self, rank: int, key: int, region: Region) -> None:
-        if isinstance(region, NcclRegion) and rank in self._ranks and not self._aborted:
+        if (isinstance(region, NcclRegion) and region.mapping.registrable and rank in self._ranks
+                and not self._aborted):
             self._to_register[(rank, key)] = region
 
     def deregister(self, rank: int, key: int) -> None:

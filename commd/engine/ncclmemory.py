@@ -123,6 +123,10 @@ class NcclMapping(UsedByOps):
         self._memory: Imported | None = memory
         self._size = memory.size
         self._device = memory.device
+        # NCCL registers cuMem memory; legacy cudaMalloc memory (opened by IPC here) only
+        # with NCCL_LEGACY_CUDA_REGISTER=1, which its guide calls unsafe (hangs, and faults
+        # on failure and abort): ops use that memory through its plain mapping
+        self.registrable = memory.origin in (Origin.VMM, Origin.NCCL)
 
     @property
     def size(self) -> int:

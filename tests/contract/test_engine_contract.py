@@ -110,6 +110,7 @@ class World:
         self.devices = {r: r % gpus for r in range(self.n)}
         self.io = adapter(engine)
         self.mappings: list[MemoryMapping] = []
+        self.comms: list[Communicator] = []
 
     def region(self, data: bytes, size: int | None = None, rank: int = 0) -> Region:
         size = size if size is not None else len(data)
@@ -122,9 +123,15 @@ class World:
         return region
 
     def communicator(self) -> Communicator:
-        return self.engine.communicator("c", 1, self.n, range(self.n), None, devices=self.devices)
+        comm = self.engine.communicator("c", 1, self.n, range(self.n), None, devices=self.devices)
+        self.comms.append(comm)
+        return comm
 
     def close(self) -> None:
+        # a real GPU's communicators hold channel buffers and proxy threads until destroyed:
+        # ~50 tests' worth would pile up in one contract run
+        for comm in self.comms:
+            comm.abort()
         for m in self.mappings:
             m.close()
 

@@ -364,7 +364,7 @@ def test_registration_and_an_nccl_failure_through_the_bindings(daemon: GpuDaemon
     def rank(r: int) -> tuple[str, bytes]:
         worker = Worker(r)
         with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20) as comm:
-            ptr = worker.alloc(bytes([r + 1]) * 64)
+            ptr = worker.vmm_alloc(bytes([r + 1]) * 64)  # (NCCL registers cuMem memory)
             handle = comm.register_buffer(ptr, 64)
             comm.all_reduce(ptr, 64, dtype="u8")
             comm.barrier()

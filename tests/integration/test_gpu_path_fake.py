@@ -35,15 +35,18 @@ class WorkerDriver:
     def __init__(self, gpu: FakeGpu) -> None:
         self.gpu = gpu
         self.sizes: dict[int, tuple[int, int]] = {}  # base -> (size, device) of worker allocations
+        self.vmm: set[int] = set()  # bases of the cuMem (VMM) ones; the others are cudaMalloc's
         self.synced: list[int] = []
         self.recorded: list[int] = []  # the streams a ready event was recorded on, per call
         self.mapped: dict[int, Imported] = {}  # the daemon's symmetric memory, mapped here
         self.defaults: dict[int, int] = {}
         self.current: dict[int, int] = {}  # thread -> its current device
 
-    def alloc(self, data: bytes, device: int = 0) -> int:
+    def alloc(self, data: bytes, device: int = 0, vmm: bool = False) -> int:
         base = self.gpu.worker_alloc(data, device)
         self.sizes[base] = (len(data), device)
+        if vmm:
+            self.vmm.add(base)
         return base
 
     def _base(self, ptr: int) -> int | None:
@@ -57,7 +60,7 @@ class WorkerDriver:
         if base is None:
             return None
         size, device = self.sizes[base]
-        return PointerInfo(base, size, base, device, True)
+        return PointerInfo(base, size, base, device, base not in self.vmm)
 
     def ipc_handle(self, base: int) -> bytes:
         return self.gpu.export_ipc(base)
@@ -354,7 +357,7 @@ def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemo
     driver = WorkerDriver(gpu)
     with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=10,
                        cuda_driver=lambda: driver) as comm:
-        ptr = driver.alloc(b"\x01" * 256)
+        ptr = driver.alloc(b"\x01" * 256, vmm=True)  # (NCCL registers cuMem memory)
         handle = comm.register_buffer(ptr + 64, 128)
         comm.all_reduce(ptr, 256, dtype="u8")
         assert [n for _, _, n in gpu.registered.values()] == [128]
@@ -367,6 +370,24 @@ def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemo
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert gpu.read(ptr, 256) == b"\x01" * 256
+
+
+def test_cudamalloc_memory_is_registered_as_a_plain_mapping_not_with_nccl(daemon: GpuDaemon,
+                                                                          gpu: FakeGpu) -> None:
+    """NCCL registers legacy cudaMalloc memory only with NCCL_LEGACY_CUDA_REGISTER=1, which
+    its guide calls unsafe on failure and abort: the daemon keeps it to its own mapping,
+    opened at registration, and ops on it work as on any buffer."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        ptr = driver.alloc(bytes(range(64)))
+        opened = gpu.allocations
+        handle = comm.register_buffer(ptr, 64)
+        assert gpu.allocations == opened + 1  # opened (once) at registration
+        comm.all_reduce(ptr, 64, dtype="u8")
+        assert gpu.registered == {} and gpu.allocations == opened + 1
+        assert gpu.read(ptr, 64) == bytes(range(64))
+        comm.deregister_buffer(handle)
 
 
 @pytest.mark.parametrize("both", [True, False])
@@ -423,7 +444,7 @@ def test_nccl_gets_registrations_only_while_every_rank_has_some(daemon: GpuDaemo
     def rank(r: int) -> None:
         with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
                            cuda_driver=lambda: driver) as comm:
-            ptr = driver.alloc(b"\x01" * 64)
+            ptr = driver.alloc(b"\x01" * 64, vmm=True)
             if r == 0:
                 comm.register_buffer(ptr, 64)
             comm.all_reduce(ptr, 64, dtype="u8")

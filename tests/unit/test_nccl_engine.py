@@ -59,6 +59,12 @@ def ipc_mapping(engine: NcclEngine, gpu: FakeGpu, data: bytes, device: int = 0) 
     return engine.import_memory(MemKind.CUDA_IPC, len(data), gpu.export_ipc(ptr), None)
 
 
+def vmm_mapping(engine: NcclEngine, gpu: FakeGpu, data: bytes, device: int = 0) -> NcclMapping:
+    """Memory NCCL registers (a worker's cuMem allocation; cudaMalloc's it does not)."""
+    fd = gpu.export_vmm(gpu.worker_alloc(data, device))
+    return engine.import_memory(MemKind.CUDA_VMM, len(data), b"", fd)
+
+
 def fd_is_open(fd: int) -> bool:
     try:
         os.fstat(fd)
@@ -453,7 +459,7 @@ async def test_registered_memory_goes_only_once_its_abort_returned(gpu: FakeGpu)
     engine = NcclEngine(gpu, stuck=StuckWatch(7.0))
     try:
         comm = engine.communicator("w", 1, 1, [0])
-        mapping = ipc_mapping(engine, gpu, b"\x01" * 64)
+        mapping = vmm_mapping(engine, gpu, b"\x01" * 64)
         region = mapping.region(0, 64)
         comm.register(0, 7, region)
         await comm.run(BarrierOp((0,)))
@@ -694,7 +700,7 @@ def test_worker_events_that_do_not_open_are_misuse(engine: NcclEngine) -> None:
 async def test_registered_memory_reaches_nccl_once_the_communicator_is_ready(engine: NcclEngine,
                                                                              gpu: FakeGpu) -> None:
     comm = engine.communicator("w", 1, 1, [0])
-    region = ipc_mapping(engine, gpu, b"\x01" * 64).region(0, 64)
+    region = vmm_mapping(engine, gpu, b"\x01" * 64).region(0, 64)
     comm.register(0, 7, region)
     assert gpu.registered == {}  # a non-blocking communicator takes no call while it starts
     await comm.run(BarrierOp((0,)))
@@ -890,7 +896,7 @@ async def test_a_deregistration_holds_no_rank_while_it_waits_for_the_device() ->
         uid = a.unique_id()
         ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
         cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
-        ca.register(0, 7, ipc_mapping(a, gpu, b"R" * 4).region(0, 4))
+        ca.register(0, 7, vmm_mapping(a, gpu, b"R" * 4).region(0, 4))
         await asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2))))
         assert len(gpu.registered) == 1
         landing = ipc_mapping(a, gpu, b"." * 4).region(0, 4)
@@ -927,7 +933,7 @@ async def test_a_deregistration_goes_through_while_other_buffers_keep_the_ranks_
     stop = False
     try:
         comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
-        comm.register(0, 7, ipc_mapping(engine, gpu, b"R" * 4).region(0, 4))
+        comm.register(0, 7, vmm_mapping(engine, gpu, b"R" * 4).region(0, 4))
         await comm.run(BarrierOp((0, 1)))
         assert len(gpu.registered) == 1
 
@@ -986,7 +992,7 @@ async def test_an_op_started_right_after_a_deregistration_is_never_deregistered_
     it too; never ncclCommDeregister under it."""
     root, member, ca, cb = two_daemon_world(gpu)
     try:
-        mine = ipc_mapping(root, gpu, b"\x02" * 8).region(0, 8)
+        mine = vmm_mapping(root, gpu, b"\x02" * 8).region(0, 8)
         theirs = ipc_mapping(member, gpu, b"\x03" * 8, device=1).region(0, 8)
         ca.register(0, 1, mine)
         tag = CallTag(0, "all_reduce(bytes=8, dtype=u8, op=sum)")
@@ -1074,7 +1080,7 @@ async def test_deregistration_waits_for_the_ops_that_use_the_buffer(gpu: FakeGpu
     root, member = NcclEngine(gpu), NcclEngine(gpu)
     try:
         uid = root.unique_id()
-        mine = ipc_mapping(root, gpu, b"\x02" * 8)
+        mine = vmm_mapping(root, gpu, b"\x02" * 8)
         theirs = ipc_mapping(member, gpu, b"\x03" * 8, device=1).region(0, 8)
         ca = root.communicator("w", 1, 2, [0], devices={0: 0}, unique_id=uid)
         cb = member.communicator("w", 1, 2, [1], devices={1: 1}, unique_id=uid)
