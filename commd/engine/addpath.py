@@ -13,7 +13,7 @@ from ..errors import CallError
 from .base import AllReduceOp, EngineOp
 from .gpu import Gpu, GpuError
 from .ncclcalls import Call, bind
-from .ncclmemory import NcclMapping, NcclRegion
+from .ncclmemory import Launches, NcclMapping, NcclRegion
 
 log = logging.getLogger("commd.engine.nccl")
 
@@ -26,8 +26,10 @@ class AddPath:
     daemon), so they always agree on it."""
 
     def __init__(self, gpu: Gpu, compiler: ThreadPoolExecutor, world: str, world_size: int,
-                 devices: Mapping[int, int], new_mapping: Callable[[int, int], NcclMapping]) -> None:
+                 devices: Mapping[int, int], new_mapping: Callable[[int, int], NcclMapping],
+                 launches: Launches) -> None:
         self._gpu = gpu
+        self._launches = launches  # loading a module may wait for the device: not inside one
         self._compiler = compiler  # where NVRTC compiles the kernel, off the loop
         self._world = world
         self._world_size = world_size
@@ -47,6 +49,7 @@ class AddPath:
         def prepare() -> None:
             try:
                 for device in devices:
+                    self._launches.wait_idle()
                     self._gpu.prepare_add(device)
             except GpuError as exc:
                 log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)

@@ -86,7 +86,8 @@ class NcclCommunicator:
         self._ranks = tuple(local_ranks)
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
         # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
-        self._adds = AddPath(gpu, compiler, world, world_size, self._devices, self._new_mapping)
+        self._adds = AddPath(gpu, compiler, world, world_size, self._devices, self._new_mapping,
+                             freer.launches)
         self._aborted = False
         self._aborting = False  # the abort is still running (on the gate's thread)
         self._init_failure: CallError | None = None  # of an init made after an abort (see __init__)
@@ -480,8 +481,12 @@ class NcclCommunicator:
                 for entry in batch:
                     for mapping in entry.mappings:
                         mapping.launches += 1
-                self._launch([(entry.calls, entry.order) for entry in batch])
-                await self._settle(ranks)
+                self._freer.launches.begin()
+                try:
+                    self._launch([(entry.calls, entry.order) for entry in batch])
+                    await self._settle(ranks)
+                finally:
+                    self._freer.launches.end()
                 for entry in batch:
                     self._adds.launch_adds(entry.adds, self._streams)
                     self._record_done(entry)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,23 +75,77 @@ class UsedByOps:
             on_released()
 
 
+class Launches:
+    """NCCL launches half made: from a group's start until each of its communicators left
+    ncclInProgress (a non-blocking group end leaves NCCL's own thread to enqueue the
+    kernels, one GPU after the other). A CUDA call that may wait for a whole device
+    (freeing memory, loading a module) must not start inside one: it would wait for a
+    kernel already running there, which waits for its peers' kernels, whose launch may
+    wait for the lock that call holds (NVIDIA's answer in PyTorch issue 50925). Begun
+    and ended on the event loop; waited for on the threads that make such calls."""
+
+    def __init__(self) -> None:
+        self._open = 0
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._after: list[Callable[[], None]] = []
+
+    def begin(self) -> None:
+        self._open += 1
+        if not self._closed:
+            self._idle.clear()
+
+    def end(self) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self._idle.set()
+            after, self._after = self._after, []
+            for job in after:
+                job()
+
+    def wait_idle(self) -> None:
+        """Block this thread (never the loop's) while a launch is half made."""
+        self._idle.wait()
+
+    def after(self, job: Callable[[], None]) -> None:
+        """`job` now if no launch is half made, else on the loop once none is."""
+        if self._open == 0 or self._closed:
+            job()
+        else:
+            self._after.append(job)
+
+    def close(self) -> None:
+        """The engine is closing: nothing waits for a launch any more (one stuck in
+        progress would otherwise keep its frees for ever)."""
+        self._closed = True
+        self._idle.set()
+        after, self._after = self._after, []
+        for job in after:
+            job()
+
+
 class Freer:
     """Lets go of device memory off the event loop's thread. cuMemFree and cuMemUnmap may
     wait for the whole device, and a kernel in flight there may wait for an op only the
     loop would launch (a send whose receive is the worker's next call): on the loop that
-    would hang the daemon. ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so
-    through the NcclGate, which keeps it out of an abort's way."""
+    would hang the daemon. Nor does a free start inside a launch (see Launches).
+    ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so through the NcclGate,
+    which keeps it out of an abort's way; it is handed to the gate only between launches,
+    as the gate's thread must never wait (an abort may be next)."""
 
     def __init__(self, gpu: Gpu, gate: NcclGate) -> None:
         self._gpu = gpu
         self._gate = gate
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-cuda-free")
         self._closed = False
+        self.launches = Launches()
 
     def free(self, memory: Imported) -> None:
         if memory.origin is Origin.NCCL:
-            self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}",
-                           functools.partial(self._release, memory), closes=False)
+            self.launches.after(functools.partial(
+                self._gate.run, f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}",
+                functools.partial(self._release, memory), closes=False))
             return
         if not self._closed:
             try:
@@ -101,6 +156,8 @@ class Freer:
         self._release(memory)
 
     def _release(self, memory: Imported) -> None:
+        if memory.origin is not Origin.NCCL:  # (that one comes between launches already)
+            self.launches.wait_idle()
         try:
             self._gpu.release(memory)
         except GpuError as exc:  # nothing waits for it; the driver frees it with the process
@@ -109,6 +166,7 @@ class Freer:
     def close(self) -> None:
         """Wait for the frees asked so far; later ones run on the caller's thread."""
         self._closed = True
+        self.launches.close()
         self._thread.shutdown(wait=True)
 
 

@@ -5,6 +5,7 @@ errors, abort, and memory let go only when no op uses it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -1259,3 +1260,77 @@ def test_the_engine_describes_its_nccl_and_gpus_or_why_it_cannot(engine: NcclEng
 
     gpu.nccl_version = broken  # type: ignore[method-assign]
     assert engine.describe() == "nccl (ncclGetVersion: unhandled cuda error)"
+
+
+class _FreesDuringLaunches(FakeGpu):
+    """Notes each free, and each module load, made while a launch reads ncclInProgress."""
+
+    def __init__(self) -> None:
+        super().__init__(devices=1, multi_rank_gpu=True, launch_polls=50)
+        self.launching: set[int] = set()
+        self.inside: list[str] = []
+
+    def comm_state(self, comm: int) -> tuple[CommState, str]:
+        state, why = super().comm_state(comm)
+        (self.launching.add if state is CommState.IN_PROGRESS else self.launching.discard)(comm)
+        return state, why
+
+    def release(self, memory: Imported) -> None:
+        if self.launching:
+            self.inside.append(f"{memory.origin.value} free")
+        super().release(memory)
+
+    def prepare_add(self, device: int) -> None:
+        if self.launching:
+            self.inside.append("module load")
+        super().prepare_add(device)
+
+
+async def test_no_free_and_no_module_load_starts_inside_a_launch() -> None:
+    """A non-blocking group end leaves NCCL's thread to enqueue the ranks' kernels one
+    after the other; a call that waits for the device meanwhile (cuMemFree, cuIpcClose,
+    ncclMemFree, cuModuleLoad) can deadlock with it. Those asked during the launch start
+    once it settled, and each still happens."""
+    gpu = _FreesDuringLaunches()
+    gpu.compiled = set()
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+        bufs = {r: ipc_mapping(engine, gpu, b"\x80\x3f" * 32).region(0, 64) for r in (0, 1)}  # bf16 1.0
+        await comm.run(BarrierOp((0, 1)))
+        other, cached = ipc_mapping(engine, gpu, b"x" * 64), vmm_mapping(engine, gpu, b"y" * 64)
+        shared, fd = engine.allocate(64)
+        os.close(fd)
+        run = asyncio.ensure_future(comm.run(AllReduceOp(bufs, DType.BF16, ReduceOp.SUM)))
+        await until(lambda: bool(gpu.launching))
+        other.close()  # a worker forgot a buffer
+        cached.close()
+        shared.close()  # symmetric_free
+        comm.use_add_kernel(True)  # compiles and loads the add kernel
+        await asyncio.wait_for(run, 5)
+        await until(lambda: len(gpu.released_on) == 3 and gpu.add_ready(0))
+    finally:
+        engine.close()
+    assert gpu.inside == []
+    assert sorted(origin.value for origin, _ in gpu.released_on) == ["ipc", "nccl", "vmm"]
+    assert [gpu.read(b.ptr, 64) for b in bufs.values()] == [b"\x00\x40" * 32] * 2  # 1 + 1
+
+
+async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing() -> None:
+    """A send whose receive never comes stays ncclInProgress; a free asked meanwhile
+    waits for it, until the engine closes: then it goes, and closing does not hang."""
+    gpu = _FreesDuringLaunches()
+    engine = NcclEngine(gpu)
+    comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+    payload = ipc_mapping(engine, gpu, b"p" * 8).region(0, 8)
+    await comm.run(BarrierOp((0, 1)))
+    sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
+    await until(lambda: bool(gpu.launching))
+    ipc_mapping(engine, gpu, b"x" * 64).close()
+    await asyncio.sleep(0.2)
+    assert gpu.released_on == []  # (the launch is still half made)
+    engine.close()  # (the launch still half made: cancelled, it would end its window)
+    assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
+    sent.cancel()
+    with contextlib.suppress(asyncio.CancelledError, CallError):
+        await sent
