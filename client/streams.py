@@ -59,12 +59,18 @@ class StreamOrder:
             self._sent.clear()
 
     def close(self, driver: CudaDriver | None) -> None:
+        """Destroy the events the daemon never had. Those it has stay until the process
+        exits: it may still record `done` behind an op answered early, and destroys its
+        copies only once that op is done, while CUDA leaves anything done with an opened
+        event after its exporter destroyed it undefined (a daemon gone since holds none)."""
         with self._lock:
             events, self._events = self._events, {}
+            held = set(self._sent)
         if driver is not None:
-            for ready, done, _, _ in events.values():
-                driver.destroy_event(ready)
-                driver.destroy_event(done)
+            for stream, (ready, done, _, _) in events.items():
+                if stream not in held:
+                    driver.destroy_event(ready)
+                    driver.destroy_event(done)
 
     def _check_current_device(self, driver: CudaDriver) -> None:
         """The events are created, and stream 0 is, in the thread's current context: another

@@ -24,7 +24,7 @@ from commd.engine.gpu import Imported
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.gpu_daemon import GpuDaemon
-from tests.integration.harness import world_name
+from tests.integration.harness import wait_until, world_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,6 +41,8 @@ class WorkerDriver:
         self.mapped: dict[int, Imported] = {}  # the daemon's symmetric memory, mapped here
         self.defaults: dict[int, int] = {}
         self.current: dict[int, int] = {}  # thread -> its current device
+        self.created: list[int] = []  # IPC events, in order
+        self.destroyed: list[int] = []
 
     def alloc(self, data: bytes, device: int = 0, vmm: bool = False) -> int:
         base = self.gpu.worker_alloc(data, device)
@@ -94,7 +96,9 @@ class WorkerDriver:
         return self.current.get(threading.get_ident(), 0)
 
     def create_ipc_event(self) -> tuple[int, bytes]:
-        return self.gpu.worker_event(self._device())
+        event, handle = self.gpu.worker_event(self._device())
+        self.created.append(event)
+        return event, handle
 
     def record_event(self, event: int, stream: int) -> None:
         self.recorded.append(stream)
@@ -104,7 +108,7 @@ class WorkerDriver:
         self.gpu.stream_wait_event(self.device_stream(stream), event)
 
     def destroy_event(self, event: int) -> None:
-        pass  # the fake keeps its events
+        self.destroyed.append(event)  # (the fake keeps its events)
 
     def map_shared(self, fd: int, nbytes: int, device: int) -> tuple[int, int]:
         memory = self.gpu.vmm_import(fd, nbytes)
@@ -227,6 +231,30 @@ def test_async_calls_are_ordered_on_the_workers_stream(daemon: GpuDaemon, gpu: F
         returned.wait(10)
         for future in running:
             future.result(10)
+
+
+def test_closing_with_an_op_still_queued_leaves_the_daemons_events_alone(daemon: GpuDaemon,
+                                                                         gpu: FakeGpu) -> None:
+    """Both ranks close right after all_reduce_async, the sum still queued behind rank
+    0's kernel: the daemon records their `done` events once it runs, so the workers must
+    not destroy the events it opened (CUDA leaves that undefined); the sum still lands."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    streams = [gpu.worker_stream(), gpu.worker_stream()]
+    ptrs = [driver.alloc(b"\x00" * 8), driver.alloc(b"\x01" * 8)]
+    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x07" * 8)
+
+    def rank(r: int) -> None:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            comm.all_reduce_async(ptrs[r], 8, streams[r], dtype="u8")
+
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(rank, r) for r in range(2)]:
+            future.result(10)
+    assert len(driver.created) == 4 and driver.destroyed == []
+    gpu.finish_kernel(kernel)
+    wait_until(lambda: gpu.read(ptrs[1], 8) == b"\x08" * 8, lambda: gpu.read(ptrs[1], 8), 5)
+    assert gpu.read(ptrs[0], 8) == b"\x08" * 8
 
 
 def test_every_stream_of_an_async_group_waits_for_the_op(daemon: GpuDaemon, gpu: FakeGpu) -> None:
