@@ -85,6 +85,7 @@ class Launches:
     and ended on the event loop; waited for on the threads that make such calls."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # (a mapping may be let go of on another thread)
         self._open = 0
         self._idle = threading.Event()
         self._idle.set()
@@ -92,37 +93,49 @@ class Launches:
         self._after: list[Callable[[], None]] = []
 
     def begin(self) -> None:
-        self._open += 1
-        if not self._closed:
-            self._idle.clear()
+        with self._lock:
+            self._open += 1
+            if not self._closed:
+                self._idle.clear()
 
     def end(self) -> None:
-        self._open -= 1
-        if self._open == 0:
+        with self._lock:
+            self._open -= 1
+            if self._open > 0:
+                return
             self._idle.set()
             after, self._after = self._after, []
-            for job in after:
-                job()
+        _run_all(after)
 
     def wait_idle(self) -> None:
         """Block this thread (never the loop's) while a launch is half made."""
         self._idle.wait()
 
     def after(self, job: Callable[[], None]) -> None:
-        """`job` now if no launch is half made, else on the loop once none is."""
-        if self._open == 0 or self._closed:
-            job()
-        else:
-            self._after.append(job)
+        """`job` now if no launch is half made, else once none is (on the loop)."""
+        with self._lock:
+            if self._open > 0 and not self._closed:
+                self._after.append(job)
+                return
+        job()
 
     def close(self) -> None:
         """The engine is closing: nothing waits for a launch any more (one stuck in
         progress would otherwise keep its frees for ever)."""
-        self._closed = True
-        self._idle.set()
-        after, self._after = self._after, []
-        for job in after:
+        with self._lock:
+            self._closed = True
+            self._idle.set()
+            after, self._after = self._after, []
+        _run_all(after)
+
+
+def _run_all(jobs: list[Callable[[], None]]) -> None:
+    """Each job, whatever the ones before did: a failure is logged, not lost."""
+    for job in jobs:
+        try:
             job()
+        except Exception:
+            log.exception("letting go of device memory failed")
 
 
 class Freer:
