@@ -12,8 +12,9 @@ from proto import DType, ErrorCode, ReduceOp
 from ..errors import CallError
 from .base import AllReduceOp, EngineOp
 from .gpu import Gpu, GpuError
+from .launches import Launches
 from .ncclcalls import Call, bind
-from .ncclmemory import Launches, NcclMapping, NcclRegion
+from .ncclmemory import NcclMapping, NcclRegion
 
 log = logging.getLogger("commd.engine.nccl")
 
@@ -29,7 +30,7 @@ class AddPath:
                  devices: Mapping[int, int], new_mapping: Callable[[int, int], NcclMapping],
                  launches: Launches) -> None:
         self._gpu = gpu
-        self._launches = launches  # loading a module may wait for the device: not inside one
+        self._launches = launches  # loading the module may wait for the device: not inside one
         self._compiler = compiler  # where NVRTC compiles the kernel, off the loop
         self._world = world
         self._world_size = world_size
@@ -49,8 +50,7 @@ class AddPath:
         def prepare() -> None:
             try:
                 for device in devices:
-                    self._launches.wait_idle()
-                    self._gpu.prepare_add(device)
+                    self._gpu.prepare_add(device, self._launches.between)
             except GpuError as exc:
                 log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
             else:

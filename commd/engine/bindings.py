@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from client.vmm import map_fd
@@ -271,11 +273,11 @@ class BindingsGpu:
     def add_ready(self, device: int) -> bool:
         return device in self._kernels
 
-    def prepare_add(self, device: int) -> None:
+    def prepare_add(self, device: int, loading: Callable[[], AbstractContextManager[None]]) -> None:
         with self._compile_lock:  # not _lock: compiling makes the device current, which takes it
             if device not in self._kernels:
                 try:
-                    self._kernels[device] = self._compile_add(device)
+                    self._kernels[device] = self._compile_add(device, loading)
                 except GpuError:
                     raise
                 except Exception as exc:  # no NVRTC library: cuda-pathfinder raises its own error
@@ -292,7 +294,7 @@ class BindingsGpu:
         self._check(self._cu.cuLaunchKernel(kernel, blocks, 1, 1, threads, 1, 1, 0, stream, args, 0),
                     "cuLaunchKernel(commd_add_bf16)")
 
-    def _compile_add(self, device: int) -> Any:
+    def _compile_add(self, device: int, loading: Callable[[], AbstractContextManager[None]]) -> Any:
         """The add kernel for `device`'s architecture: NVRTC, then a module in its context."""
         cu = self._cu
         dev = self._check(cu.cuDeviceGet(device), "cuDeviceGet")
@@ -303,7 +305,8 @@ class BindingsGpu:
                             "cuDeviceGetAttribute")
         cubin = compile_add_bf16(int(major), int(minor))
         self.use_device(device)
-        module = self._check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+        with loading():
+            module = self._check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
         return self._check(cu.cuModuleGetFunction(module, b"commd_add_bf16"), "cuModuleGetFunction")
 
     def comm_register(self, comm: int, ptr: int, nbytes: int) -> int:

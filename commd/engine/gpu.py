@@ -14,6 +14,8 @@ driver's or NCCL's own text.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -151,9 +153,10 @@ class Gpu(Protocol):
         """Whether the add kernel is loaded for `device`."""
         ...
 
-    def prepare_add(self, device: int) -> None:
+    def prepare_add(self, device: int, loading: Callable[[], AbstractContextManager[None]]) -> None:
         """Compile and load the add kernel for `device`: slow (NVRTC), so never on the
-        event loop; safe from any thread."""
+        event loop; safe from any thread. The module load (which may wait for the device)
+        runs inside `loading()`."""
         ...
 
     def comm_deregister(self, comm: int, handle: int) -> None: ...

@@ -90,6 +90,7 @@ class NcclCommunicator:
                              freer.launches)
         self._aborted = False
         self._aborting = False  # the abort is still running (on the gate's thread)
+        self._launches_to_end = 0  # launches it cut short: half made until it returned
         self._init_failure: CallError | None = None  # of an init made after an abort (see __init__)
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
@@ -293,6 +294,9 @@ class NcclCommunicator:
 
     def _abort_returned(self) -> None:
         self._aborting = False
+        ended, self._launches_to_end = self._launches_to_end, 0
+        for _ in range(ended):
+            self._freer.launches.end()
         self._maybe_teardown()
 
     def busy(self) -> bool:
@@ -340,6 +344,9 @@ class NcclCommunicator:
                     if [region.mapping.launches for _, _, region in pending] != seen:
                         continue  # one of them was launched on meanwhile: wait for that too
                     await self._settle(ranks)
+                    while not self._freer.launches.quiet():  # another world's (see launches.py)
+                        await self._freer.launches.idle()
+                        await self._settle(ranks)  # (the gate may have closed meanwhile)
                     self._to_deregister = [p for p in self._to_deregister if p not in pending]
                     for rank, handle, _ in pending:
                         try:
@@ -486,7 +493,10 @@ class NcclCommunicator:
                     self._launch([(entry.calls, entry.order) for entry in batch])
                     await self._settle(ranks)
                 finally:
-                    self._freer.launches.end()
+                    if self._aborting:  # NCCL's thread may enqueue it until the abort returned
+                        self._launches_to_end += 1
+                    else:
+                        self._freer.launches.end()
                 for entry in batch:
                     self._adds.launch_adds(entry.adds, self._streams)
                     self._record_done(entry)

@@ -7,10 +7,10 @@ would fault the GPU). The frees themselves run off the event loop (`Freer`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +18,7 @@ from proto import ErrorCode
 
 from ..errors import CallError
 from .gpu import Gpu, GpuError, Imported, Origin
+from .launches import Launches
 from .ncclgate import NcclGate
 
 log = logging.getLogger("commd.engine.nccl")
@@ -75,77 +76,14 @@ class UsedByOps:
             on_released()
 
 
-class Launches:
-    """NCCL launches half made: from a group's start until each of its communicators left
-    ncclInProgress (a non-blocking group end leaves NCCL's own thread to enqueue the
-    kernels, one GPU after the other). A CUDA call that may wait for a whole device
-    (freeing memory, loading a module) must not start inside one: it would wait for a
-    kernel already running there, which waits for its peers' kernels, whose launch may
-    wait for the lock that call holds (NVIDIA's answer in PyTorch issue 50925). Begun
-    and ended on the event loop; waited for on the threads that make such calls."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # (a mapping may be let go of on another thread)
-        self._open = 0
-        self._idle = threading.Event()
-        self._idle.set()
-        self._closed = False
-        self._after: list[Callable[[], None]] = []
-
-    def begin(self) -> None:
-        with self._lock:
-            self._open += 1
-            if not self._closed:
-                self._idle.clear()
-
-    def end(self) -> None:
-        with self._lock:
-            self._open -= 1
-            if self._open > 0:
-                return
-            self._idle.set()
-            after, self._after = self._after, []
-        _run_all(after)
-
-    def wait_idle(self) -> None:
-        """Block this thread (never the loop's) while a launch is half made."""
-        self._idle.wait()
-
-    def after(self, job: Callable[[], None]) -> None:
-        """`job` now if no launch is half made, else once none is (on the loop)."""
-        with self._lock:
-            if self._open > 0 and not self._closed:
-                self._after.append(job)
-                return
-        job()
-
-    def close(self) -> None:
-        """The engine is closing: nothing waits for a launch any more (one stuck in
-        progress would otherwise keep its frees for ever)."""
-        with self._lock:
-            self._closed = True
-            self._idle.set()
-            after, self._after = self._after, []
-        _run_all(after)
-
-
-def _run_all(jobs: list[Callable[[], None]]) -> None:
-    """Each job, whatever the ones before did: a failure is logged, not lost."""
-    for job in jobs:
-        try:
-            job()
-        except Exception:
-            log.exception("letting go of device memory failed")
-
-
 class Freer:
     """Lets go of device memory off the event loop's thread. cuMemFree and cuMemUnmap may
     wait for the whole device, and a kernel in flight there may wait for an op only the
     loop would launch (a send whose receive is the worker's next call): on the loop that
-    would hang the daemon. Nor does a free start inside a launch (see Launches).
+    would hang the daemon. Nor does a free start inside a launch (see launches.py).
     ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so through the NcclGate,
-    which keeps it out of an abort's way; it is handed to the gate only between launches,
-    as the gate's thread must never wait (an abort may be next)."""
+    which keeps it out of an abort's way; the gate's thread must never wait (an abort may
+    be next), so a free it finds inside a launch goes back to the loop until that ends."""
 
     def __init__(self, gpu: Gpu, gate: NcclGate) -> None:
         self._gpu = gpu
@@ -156,21 +94,39 @@ class Freer:
 
     def free(self, memory: Imported) -> None:
         if memory.origin is Origin.NCCL:
-            self.launches.after(functools.partial(
-                self._gate.run, f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}",
-                functools.partial(self._release, memory), closes=False))
+            self.launches.after(functools.partial(self._nccl_free, memory))
             return
         if not self._closed:
             try:
-                self._thread.submit(self._release, memory)
+                self._thread.submit(self._release_between_launches, memory)
                 return
             except RuntimeError:  # closed meanwhile: free it here
                 pass
         self._release(memory)
 
+    def _nccl_free(self, memory: Imported) -> None:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+
+        def job() -> None:  # on the gate's thread, maybe long after it was asked
+            if loop is None or self.launches.quiet():  # (without a loop nothing launches)
+                self._release(memory)
+                return
+            try:
+                loop.call_soon_threadsafe(self.launches.after, functools.partial(self._nccl_free, memory))
+            except RuntimeError:  # the loop is gone: the driver frees it with the process
+                log.warning("ncclMemFree of %d bytes at %#x dropped: the daemon is ending",
+                            memory.size, memory.ptr)
+
+        self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}", job, closes=False)
+
+    def _release_between_launches(self, memory: Imported) -> None:
+        with self.launches.between():
+            self._release(memory)
+
     def _release(self, memory: Imported) -> None:
-        if memory.origin is not Origin.NCCL:  # (that one comes between launches already)
-            self.launches.wait_idle()
         try:
             self._gpu.release(memory)
         except GpuError as exc:  # nothing waits for it; the driver frees it with the process

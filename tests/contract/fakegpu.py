@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,7 @@ class FakeGpu:
         self.adds = 0  # launches of the daemon's add kernel
         self.compiled: set[int] | None = None  # devices whose add kernel is loaded (None: all)
         self.compile_thread = ""
+        self.compile_takes_s = 0.0  # how long NVRTC takes, before the module load
         self._current = threading.local()  # each thread's current device, as CUDA's contexts are
         self.abort_takes_s = 0.0  # how long ncclCommAbort blocks
         self._aborting = 0  # ncclCommAbort calls running now
@@ -507,10 +509,12 @@ class FakeGpu:
     def add_ready(self, device: int) -> bool:
         return self.compiled is None or device in self.compiled
 
-    def prepare_add(self, device: int) -> None:
+    def prepare_add(self, device: int, loading: Callable[[], AbstractContextManager[None]]) -> None:
         if self.compiled is not None:
             self.compile_thread = threading.current_thread().name
-            self.compiled.add(device)
+            time.sleep(self.compile_takes_s)  # NVRTC: no device involved
+            with loading():  # the module load
+                self.compiled.add(device)
 
     def _ready_for_use(self, comm: _Comm) -> None:
         """NCCL (ncclCommEnsureReady) refuses a non-blocking communicator any call until its

@@ -11,6 +11,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
@@ -1263,7 +1264,8 @@ def test_the_engine_describes_its_nccl_and_gpus_or_why_it_cannot(engine: NcclEng
 
 
 class _FreesDuringLaunches(FakeGpu):
-    """Notes each free, and each module load, made while a launch reads ncclInProgress."""
+    """Notes each device-wide call (free, module load, deregistration) made while a
+    launch reads ncclInProgress."""
 
     def __init__(self) -> None:
         super().__init__(devices=1, multi_rank_gpu=True, launch_polls=50)
@@ -1280,10 +1282,25 @@ class _FreesDuringLaunches(FakeGpu):
             self.inside.append(f"{memory.origin.value} free")
         super().release(memory)
 
-    def prepare_add(self, device: int) -> None:
+    def prepare_add(self, device: int, loading: Callable[[], AbstractContextManager[None]]) -> None:
+        @contextlib.contextmanager
+        def noting() -> Iterator[None]:
+            with loading():
+                if self.launching:
+                    self.inside.append("module load")
+                yield
+        super().prepare_add(device, noting)
+
+    def comm_deregister(self, comm: int, handle: int) -> None:
         if self.launching:
-            self.inside.append("module load")
-        super().prepare_add(device)
+            self.inside.append("deregistration")
+        super().comm_deregister(comm, handle)
+
+
+async def _cancelled(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, CallError):
+        await task
 
 
 async def test_no_free_and_no_module_load_starts_inside_a_launch() -> None:
@@ -1316,10 +1333,117 @@ async def test_no_free_and_no_module_load_starts_inside_a_launch() -> None:
     assert [gpu.read(b.ptr, 64) for b in bufs.values()] == [b"\x00\x40" * 32] * 2  # 1 + 1
 
 
+async def test_a_free_asked_between_launches_still_waits_for_one_begun_before_it_ran() -> None:
+    """The gate's thread is busy (a slow ncclMemFree) when a launch begins: the frees
+    queued behind it were asked between launches, yet must not start inside this one."""
+    gpu = _FreesDuringLaunches()
+    gpu.lazy_connect = {(0, 1)}  # the send stays in progress until its receive comes
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+        payload, landing = (ipc_mapping(engine, gpu, data * 8).region(0, 8) for data in (b"p", b"."))
+        await comm.run(BarrierOp((0, 1)))
+        allocated = [engine.allocate(64) for _ in range(3)]
+        for _, fd in allocated:
+            os.close(fd)
+        real_release = gpu.release
+
+        def slow(memory: Imported) -> None:  # the first waits for the device a while
+            real_release(memory)
+            if len(gpu.released_on) == 1:
+                time.sleep(0.3)
+
+        gpu.release = slow  # type: ignore[method-assign]
+        for shared, _ in allocated:
+            shared.close()  # no launch yet: each goes to the gate's thread
+        sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
+        await until(lambda: bool(gpu.launching))
+        await asyncio.sleep(0.5)
+        assert len(gpu.released_on) <= 1 and gpu.inside == []  # the others wait for the launch
+        await asyncio.wait_for(asyncio.gather(sent, comm.run(RecvOp(0, 1, landing, NO_TAG))), 5)
+        await until(lambda: len(gpu.released_on) == 3)
+        assert gpu.inside == [] and gpu.read(landing.ptr, 8) == b"p" * 8
+    finally:
+        engine.close()
+
+
+async def test_the_add_kernel_module_loads_between_launches_however_long_it_compiled() -> None:
+    gpu = _FreesDuringLaunches()
+    gpu.compiled, gpu.compile_takes_s = set(), 0.3
+    gpu.lazy_connect = {(0, 1)}
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+        payload, landing = (ipc_mapping(engine, gpu, data * 8).region(0, 8) for data in (b"p", b"."))
+        await comm.run(BarrierOp((0, 1)))
+        comm.use_add_kernel(True)  # no launch open now: NVRTC starts
+        await asyncio.sleep(0.05)
+        sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
+        await until(lambda: bool(gpu.launching))
+        await asyncio.sleep(0.5)  # compiled by now: the load waits for the launch
+        assert not gpu.add_ready(0)
+        await asyncio.wait_for(asyncio.gather(sent, comm.run(RecvOp(0, 1, landing, NO_TAG))), 5)
+        await until(lambda: gpu.add_ready(0))
+        assert gpu.inside == []
+    finally:
+        engine.close()
+
+
+async def test_a_deregistration_waits_for_another_worlds_launch() -> None:
+    """ncclCommDeregister unmaps the peers' views (a free in all but name), on the loop."""
+    gpu = _FreesDuringLaunches()
+    gpu.lazy_connect = {(0, 1)}
+    engine = NcclEngine(gpu)
+    try:
+        a = engine.communicator("a", 1, 2, [0, 1], devices={0: 0, 1: 0})
+        b = engine.communicator("b", 1, 1, [0], devices={0: 0})
+        b.register(0, 7, vmm_mapping(engine, gpu, b"R" * 64).region(0, 64))
+        await asyncio.gather(a.run(BarrierOp((0, 1))), b.run(BarrierOp((0,))))
+        assert len(gpu.registered) == 1
+        payload, landing = (ipc_mapping(engine, gpu, data * 8).region(0, 8) for data in (b"p", b"."))
+        sent = asyncio.ensure_future(a.run(SendOp(0, 1, payload, NO_TAG)))
+        await until(lambda: bool(gpu.launching))
+        b.deregister(0, 7)
+        await asyncio.sleep(0.3)
+        assert len(gpu.registered) == 1  # it waits for world a's launch
+        await asyncio.wait_for(asyncio.gather(sent, a.run(RecvOp(0, 1, landing, NO_TAG))), 5)
+        await until(lambda: gpu.registered == {})
+        assert gpu.inside == []
+    finally:
+        engine.close()
+
+
+async def test_a_launch_cut_short_by_an_abort_holds_the_frees_until_the_abort_returned() -> None:
+    """NCCL's thread may still enqueue an aborted world's launch until ncclCommAbort
+    returned: a free waits for that, not just for the launch's coroutine to end."""
+    gpu = _FreesDuringLaunches()
+    gpu.lazy_connect = {(0, 1)}
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+        payload = ipc_mapping(engine, gpu, b"p" * 8).region(0, 8)
+        await comm.run(BarrierOp((0, 1)))
+        sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
+        await until(lambda: bool(gpu.launching))
+        ipc_mapping(engine, gpu, b"x" * 64).close()
+        gpu.abort_takes_s = 0.5
+        comm.abort()
+        with pytest.raises(CallError):
+            await asyncio.wait_for(sent, 5)
+        await until(lambda: gpu.aborting == 1)
+        await asyncio.sleep(0.2)
+        assert gpu.released_on == []  # the abort still runs
+        await until(lambda: gpu.released_on != [])
+        assert gpu.aborting == 0
+    finally:
+        engine.close()
+
+
 async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing() -> None:
     """A send whose receive never comes stays ncclInProgress; a free asked meanwhile
     waits for it, until the engine closes: then it goes, and closing does not hang."""
     gpu = _FreesDuringLaunches()
+    gpu.lazy_connect = {(0, 1)}
     engine = NcclEngine(gpu)
     comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
     payload = ipc_mapping(engine, gpu, b"p" * 8).region(0, 8)
@@ -1327,10 +1451,8 @@ async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing
     sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
     await until(lambda: bool(gpu.launching))
     ipc_mapping(engine, gpu, b"x" * 64).close()
-    await asyncio.sleep(0.2)
-    assert gpu.released_on == []  # (the launch is still half made)
-    engine.close()  # (the launch still half made: cancelled, it would end its window)
+    await asyncio.sleep(0.5)
+    assert gpu.released_on == [] and gpu.launching  # (still half made)
+    engine.close()  # (cancelled first, the launch would end its window itself)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
-    sent.cancel()
-    with contextlib.suppress(asyncio.CancelledError, CallError):
-        await sent
+    await _cancelled(sent)
