@@ -25,20 +25,29 @@ log = logging.getLogger("commd")
 ENGINE_CHECK_S = 0.5  # how often the engine is asked whether its GPU is still usable
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
-                environ: MutableMapping[str, str] | None = None, engine: Engine | None = None) -> int:
+                environ: MutableMapping[str, str] | None = None, engine: Engine | None = None,
+                *, ignore_signals_after: bool = False) -> int:
     """Serve until SIGTERM or SIGINT; then fail pending calls, remove the socket, return 0.
     Return 1 instead when the engine broke for good (a sticky CUDA error): the service
     manager starts the daemon afresh (Restart=on-failure), which is the only recovery.
 
     `environ` (os.environ by default) carries what systemd passes: $NOTIFY_SOCKET,
     $WATCHDOG_USEC, and the LISTEN_* variables of socket activation (removed once read).
-    `engine`: the one to serve with, instead of the configured one (tests)."""
+    `engine`: the one to serve with, instead of the configured one (tests).
+    `ignore_signals_after`: leave SIGTERM and SIGINT ignored on the way out, not as they
+    were (see run)."""
     environ = os.environ if environ is None else environ
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # Python-level handlers (the loop wakes for them), not loop.add_signal_handler: taking
+    # those back goes through the default action for a moment, which kills (see run)
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda _signum, _frame: loop.call_soon_threadsafe(stop.set))
     notifier = Notifier.from_env(environ)
     watchdog_s = watchdog_interval(environ, os.getpid())
     inherited = inherited_listener(environ, os.getpid())
@@ -81,8 +90,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         if cluster is not None:
             cluster.close()
         notifier.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # last: see _serve_to_the_end
-            loop.remove_signal_handler(sig)
+        for sig, handler in before.items():
+            signal.signal(sig, signal.SIG_IGN if ignore_signals_after or handler is None else handler)
     return 1 if broke else 0
 
 
@@ -149,18 +158,9 @@ def _tune_malloc() -> None:
 
 
 def run(config: ServerConfig) -> int:
+    """The daemon process: `serve` on uvloop. A signal once the stop is under way is
+    ignored: the default action would kill the rest of the teardown (the loop's, the
+    interpreter's) with exit -15."""
     import uvloop
 
-    return uvloop.run(_serve_to_the_end(config))
-
-
-async def _serve_to_the_end(config: ServerConfig) -> int:
-    """`serve`, and a signal once it returned is ignored: the stop it asked for is under
-    way, and the default action would kill the rest of the teardown (the loop's, the
-    interpreter's) with exit -15. `serve` itself takes its handlers back on the way out,
-    as a test's loop that goes on wants."""
-    try:
-        return await serve(config)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+    return uvloop.run(serve(config, ignore_signals_after=True))

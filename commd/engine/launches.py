@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 class Launches:
     """Begun and ended on the event loop; waited for on the threads that make the calls
-    (the loop itself awaits `idle`). One per engine: a launch on one GPU may wait for
-    another's."""
+    (the loop itself awaits `idle`). One per engine, as a launch on one GPU may wait for
+    another's: a launch that stays in progress (a send waiting for its receiver to
+    launch) holds every world's frees meanwhile; they are late, never lost."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()  # (a mapping may be let go of off the loop)
