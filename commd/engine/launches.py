@@ -46,13 +46,7 @@ class Launches:
             self._open -= 1
             if self._open > 0:
                 return
-            self._cv.notify_all()
-            after, self._after = self._after, []
-            idle, self._idle = self._idle, []
-        for waiter in idle:
-            if not waiter.done():
-                waiter.set_result(None)
-        _run_all(after)
+        self._release_all()  # (launches begin on this thread: none began since)
 
     def quiet(self) -> bool:
         """No launch is half made now (or the engine is closing)."""
@@ -91,19 +85,20 @@ class Launches:
         progress would otherwise keep its frees for ever)."""
         with self._cv:
             self._closed = True
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """Wake whatever waits for the launches (with none open, or closing); each held
+        job runs, whatever the ones before it did."""
+        with self._cv:
             self._cv.notify_all()
             after, self._after = self._after, []
             idle, self._idle = self._idle, []
         for waiter in idle:
             if not waiter.done():
                 waiter.set_result(None)
-        _run_all(after)
-
-
-def _run_all(jobs: list[Callable[[], None]]) -> None:
-    """Each job, whatever the ones before did: a failure is logged, not lost."""
-    for job in jobs:
-        try:
-            job()
-        except Exception:
-            log.exception("a call held back for a launch failed")
+        for job in after:
+            try:
+                job()
+            except Exception:  # a failure is logged, not lost
+                log.exception("a call held back for a launch failed")

@@ -1297,6 +1297,19 @@ class _FreesDuringLaunches(FakeGpu):
         super().comm_deregister(comm, handle)
 
 
+async def _send_left_half_made(engine: NcclEngine, gpu: _FreesDuringLaunches
+                               ) -> tuple[NcclCommunicator, asyncio.Future[None]]:
+    """World w's rank 0 sends to rank 1, whose receive never comes: NCCL connects lazily,
+    so the launch stays ncclInProgress."""
+    gpu.lazy_connect = {(0, 1)}
+    comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+    payload = ipc_mapping(engine, gpu, b"p" * 8).region(0, 8)
+    await comm.run(BarrierOp((0, 1)))
+    sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
+    await until(lambda: bool(gpu.launching))
+    return comm, sent
+
+
 async def _cancelled(task: asyncio.Future[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, CallError):
@@ -1417,14 +1430,9 @@ async def test_a_launch_cut_short_by_an_abort_holds_the_frees_until_the_abort_re
     """NCCL's thread may still enqueue an aborted world's launch until ncclCommAbort
     returned: a free waits for that, not just for the launch's coroutine to end."""
     gpu = _FreesDuringLaunches()
-    gpu.lazy_connect = {(0, 1)}
     engine = NcclEngine(gpu)
     try:
-        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
-        payload = ipc_mapping(engine, gpu, b"p" * 8).region(0, 8)
-        await comm.run(BarrierOp((0, 1)))
-        sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
-        await until(lambda: bool(gpu.launching))
+        comm, sent = await _send_left_half_made(engine, gpu)
         ipc_mapping(engine, gpu, b"x" * 64).close()
         gpu.abort_takes_s = 0.5
         comm.abort()
@@ -1443,13 +1451,8 @@ async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing
     """A send whose receive never comes stays ncclInProgress; a free asked meanwhile
     waits for it, until the engine closes: then it goes, and closing does not hang."""
     gpu = _FreesDuringLaunches()
-    gpu.lazy_connect = {(0, 1)}
     engine = NcclEngine(gpu)
-    comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
-    payload = ipc_mapping(engine, gpu, b"p" * 8).region(0, 8)
-    await comm.run(BarrierOp((0, 1)))
-    sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
-    await until(lambda: bool(gpu.launching))
+    _, sent = await _send_left_half_made(engine, gpu)
     ipc_mapping(engine, gpu, b"x" * 64).close()
     await asyncio.sleep(0.5)
     assert gpu.released_on == [] and gpu.launching  # (still half made)
