@@ -8,6 +8,7 @@ torn down and the test fails with the ranks that did not answer.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing as mp
 import os
@@ -166,6 +167,15 @@ def wait_until(condition: Callable[[], object], what: str | Callable[[], object]
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.02)
+
+
+async def eventually(condition: Callable[[], object], what: str = "the condition",
+                     timeout: float = 5) -> None:
+    """`wait_until` for a test running on an event loop: the loop goes on meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
 
 
 def open_fds(pid: int | None = None) -> int:

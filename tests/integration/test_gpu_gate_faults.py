@@ -261,7 +261,7 @@ def test_several_worlds_abort_at_once_while_a_new_one_forms(daemon: GpuDaemon, g
         time.sleep(0.05)
     assert max(lat) < 0.8 / 2, lat  # the daemon itself answers at once, not after an abort
     # world B's calls wait for the aborts (NCCL takes no call meanwhile), and no longer
-    assert max(steady.longest) < 4 * 0.8 + 1.0, steady.longest
+    assert max(steady.longest) < 4 * 0.8 + 2.0, steady.longest
 
 
 def test_status_answers_during_a_long_abort(daemon: GpuDaemon, gpu: FakeGpu) -> None:

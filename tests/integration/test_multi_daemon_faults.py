@@ -443,7 +443,8 @@ def test_a_rank_that_left_while_its_world_formed_fails_it_at_once(pair: list[Dae
         doomed.wait(10)
         with ThreadPoolExecutor(1) as threads:
             joining = threads.submit(backend, a, a, world, 0, 3)
-            time.sleep(0.8)  # the root forms the world; its WorldReady waits for B
+            # the root forms the world; its WorldReady waits for B
+            wait_until(lambda: (world_status(a, world) or {}).get("state") == "ready", "the world formed")
             os.kill(b.pid, signal.SIGCONT)
             rank0 = joining.result(20)
         try:

@@ -111,6 +111,11 @@ def test_ready_after_the_socket_accepts_then_watchdog_status_and_stopping(tmp: P
         status = receive(rx, "STATUS=serving 1 worlds (1 ready), 2 ranks, 2 connections",
                          time.monotonic() + 20)
         assert "WATCHDOG=1" in status[-1]
+        # "1 ready" comes before the ranks' all_reduce is done: SIGTERM only once both wait
+        # in their last call (rank 0's recv, rank 1's recv_command_u32), which it fails
+        wait_until(lambda: any(w["name"] == world and w["pending_calls"] == 2
+                               for w in query_status(str(sock), 5)["worlds"]),
+                   "both ranks to wait in their last call")
 
         code, err = daemon.terminate()
         assert code == 0, err

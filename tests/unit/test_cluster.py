@@ -11,6 +11,7 @@ from commd.cluster import Cluster
 from commd.errors import CallError
 from commd.peering import PeerLink, PeerNode, PeerSettings
 from proto import peer as p
+from tests.integration.harness import eventually
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"cluster secret"
@@ -41,8 +42,9 @@ async def listening() -> tuple[Cluster, Router, int]:
     return cluster, router, await cluster.listen("127.0.0.1", 0)
 
 
-async def settle() -> None:
-    await asyncio.sleep(0.1)  # the listener adopts a link once its handshake task ends
+async def adopted(cluster: Cluster, links: int) -> None:
+    """The listener adopts a link once its handshake task ends, after the dial returned."""
+    await eventually(lambda: len(cluster.open_links()) == links, f"{links} links adopted")
 
 
 async def test_links_from_one_process_are_kept_and_lost_one_by_one() -> None:
@@ -51,14 +53,14 @@ async def test_links_from_one_process_are_kept_and_lost_one_by_one() -> None:
     try:
         first = await node.dial("127.0.0.1", port)
         second = await node.dial("127.0.0.1", port)
-        await settle()
+        await adopted(cluster, 2)
         assert not first.closed and not second.closed and lost == [] and router.lost == []
         assert sorted(cluster.links) == ["B"]
         second.close("done")  # only the worlds that used it care (someone relaying it, say)
-        await settle()
+        await eventually(lambda: len(router.lost) == 1, "the listener to lose the link")
         assert not first.closed and [d for d, _ in router.lost] == ["B"] and sorted(cluster.links) == ["B"]
         first.close("done")
-        await settle()
+        await eventually(lambda: len(router.lost) == 2, "the listener to lose the other link")
         assert [d for d, _ in router.lost] == ["B", "B"] and cluster.links == {}
     finally:
         cluster.close()
@@ -70,9 +72,9 @@ async def test_a_new_process_of_a_daemon_replaces_the_old_ones_links() -> None:
     new, new_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
     try:
         before = await old.dial("127.0.0.1", port)
-        await settle()
+        await adopted(cluster, 1)
         after = await new.dial("127.0.0.1", port)  # (the old process still holds its link: half-open)
-        await settle()
+        await eventually(lambda: router.lost != [] and old_lost != [], "the old process's link to go")
         assert router.lost == [("B", "replaced: the daemon runs as a new process")]
         assert old_lost and new_lost == [] and not after.closed
         assert cluster.links["B"].incarnation == new.settings.incarnation
@@ -85,10 +87,9 @@ async def test_closing_the_cluster_closes_every_link() -> None:
     cluster, _router, port = await listening()
     node, lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
     links = [await node.dial("127.0.0.1", port) for _ in range(2)]
-    await settle()
-    assert len(cluster.open_links()) == 2
+    await adopted(cluster, 2)
     cluster.close()
-    await settle()
+    await eventually(lambda: len(lost) == 2, "the dialer to see both links go")
     assert cluster.open_links() == [] and all(link.closed for link in links) and len(lost) == 2
 
 
