@@ -24,6 +24,7 @@ from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, fr
 
 _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
+_REFUSAL_READS = 64  # unread packets looked through for why the daemon closed (replies first)
 
 Packet = tuple[proto.Message, list[int]]
 # What undoes a request that timed out, should its reply come late: given the reply and a
@@ -124,17 +125,23 @@ class Transport:
                     f"lost the daemon connection: {exc}")) from exc
 
     def _refusal(self) -> CommError | None:
-        """The error a daemon sent before closing on us (it refuses, then closes), if any."""
-        try:
-            ready, _, _ = select.select([self._sock], [], [], 0)  # (a reader may be in self._poll)
-            if not ready:
+        """Why the daemon closed on us, if it said so before: a refusal, or the error or
+        event a stopping daemon sends (a call made after it stopped meets only these)."""
+        for _ in range(_REFUSAL_READS):
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0)  # (a reader may be in self._poll)
+                if not ready:
+                    return None
+                data, ancillary, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+                close_fds(_take_fds(ancillary))  # a refusal carries none; a stray one is not ours to keep
+                if not data:
+                    return None  # (the end of the stream)
+                msg = proto.decode(data)
+            except (OSError, proto.ProtoError):
                 return None
-            data, ancillary, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
-            close_fds(_take_fds(ancillary))  # a refusal carries none; a stray one is not ours to keep
-            msg = proto.decode(data)
-        except (OSError, proto.ProtoError):
-            return None
-        return from_code(msg.code, msg.message) if isinstance(msg, proto.Error) else None
+            if isinstance(msg, (proto.Error, proto.Event)):
+                return from_code(msg.code, msg.message)
+        return None
 
     def request(self, msg: proto.Message, deadline: float | None,
                 fds: Sequence[int] = (), undo: Undo | None = None) -> Packet:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import proto
-from client import DaemonUnavailable, MisuseError
+from client import DaemonBackend, DaemonShutdown, DaemonUnavailable, MisuseError
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
@@ -208,3 +208,16 @@ def test_sigterm_again_and_again_still_exits_zero(pool: RankPool, own_daemon: Da
     outcomes = [o.unwrap() for o in pool.collect(started, 20)]
     assert [name for name, _ in outcomes] == ["DaemonShutdown"] * 2
     assert not os.path.exists(sock)
+
+
+def test_a_call_after_the_daemon_stopped_says_it_stopped(own_daemon: DaemonProcess) -> None:
+    """The daemon's shutdown event waits unread when the next call meets the closed
+    socket: that call is DaemonShutdown, not a bare broken pipe."""
+    comm = DaemonBackend(str(own_daemon.socket_path), world_name(), 0, 1, timeout=10)
+    try:
+        comm.barrier()
+        assert own_daemon.stop() == 0
+        with pytest.raises(DaemonShutdown, match="shutting down"):
+            comm.barrier()
+    finally:
+        comm.close()
