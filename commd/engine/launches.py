@@ -8,9 +8,12 @@ which waits for its peers' kernels, whose launch may wait for the lock that call
 (NVIDIA's answer in PyTorch issue 50925). Such calls wait for the launches; launches
 never wait for them.
 
-Not covered: such a call that started between launches still waits for a kernel that
-waits for a later launch of this daemon (a send whose receive is the worker's next
-call); holding that launch back for it could only hang where the driver would not.
+Between launches such a call waits only for kernels whose peers were launched with
+them (a daemon launches the local sides of a collective, or of a send and its receive,
+in one group) or run on other daemons. Not covered: a kernel waiting for another
+daemon's launch keeps such a call waiting (and, by the same lock, this daemon's next
+launches) until that daemon launches; holding launches back for frees instead could
+only hang where the driver would not.
 """
 
 from __future__ import annotations

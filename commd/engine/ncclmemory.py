@@ -78,8 +78,8 @@ class UsedByOps:
 
 class Freer:
     """Lets go of device memory off the event loop's thread. cuMemFree and cuMemUnmap may
-    wait for the whole device, and a kernel in flight there may wait for an op only the
-    loop would launch (a send whose receive is the worker's next call): on the loop that
+    wait for the whole device, and a kernel in flight there may wait for a launch that
+    needs this loop (another daemon's, waiting for word from this one): on the loop that
     would hang the daemon. Nor does a free start inside a launch (see launches.py).
     ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so through the NcclGate,
     which keeps it out of an abort's way; the gate's thread must never wait (an abort may
