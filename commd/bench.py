@@ -245,6 +245,13 @@ def _torch_version() -> str | None:
     return str(torch.__version__)
 
 
+def _check_writable(path: str) -> None:
+    target = Path(path)
+    if target.is_dir() or not os.access(target.parent if str(target.parent) else ".", os.W_OK) \
+            or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"--json: cannot write {path} (a directory, or not writable)")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     ranks = _parse_ints(args.ranks, "--ranks")
     sizes = _parse_ints(args.sizes, "--sizes")
@@ -260,6 +267,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--sizes: every size must be a positive, even byte count (bf16)")
     if args.iters < 0:
         raise ConfigError("--iters: must not be negative")
+    if any(n > 64 for n in ranks):  # (each rank is a process, twice over with gloo)
+        raise ConfigError("--ranks: at most 64 ranks")
+    _check_writable(args.json)  # before minutes of measuring, not after
     plan = Plan(sizes, tuple(args.iters or default_iters(s) for s in sizes),
                 args.iters or default_iters(8))
     torch_version = None if args.no_gloo else _torch_version()
@@ -296,6 +306,9 @@ def run_bench(args: argparse.Namespace) -> int:
                            "placement": "contiguous blocks; rank 0's daemon is the root",
                            "aggregation": "per iteration the slowest rank, then median/p99"},
               "results": rows, "targets": targets}
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--json: cannot write {args.json}: {exc.strerror}") from None
     print(f"\nwrote {args.json}")
     return 0

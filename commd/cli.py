@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 
-from client.errors import CommError
+import proto
+from client.errors import CommError, ProtocolError
 
 from .config import (
     DEFAULT_SOCKET,
@@ -36,10 +38,29 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .status import query_status, render_status
 
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= 86400):
+        raise ConfigError("--timeout: must be seconds, 0 < t <= 86400")
+    if args.world is not None:
+        _check_world_name(args.world)
     info = query_status(args.socket, args.timeout, args.world)
-    # one world asked for: its whole flight recorder as sent (the last 8 calls per rank)
-    print(json.dumps(info, indent=2) if args.json else render_status(info, 8 if args.world else 1))
+    try:
+        # one world asked for: its whole flight recorder as sent (the last 8 calls per rank)
+        print(json.dumps(info, indent=2, allow_nan=False) if args.json
+              else render_status(info, 8 if args.world else 1))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a daemon of another version?
+        raise ProtocolError(f"the daemon's status report is not what this commd reads: "
+                            f"{type(exc).__name__}: {exc}") from None
     return 0
+
+
+def _check_world_name(name: str) -> None:
+    try:
+        proto.StatusQuery(1, name)
+        name.encode("utf-8")
+    except proto.InvalidMessage as exc:
+        raise ConfigError(f"--world: {exc}") from None
+    except UnicodeError:  # (undecodable bytes on the command line)
+        raise ConfigError("--world: not UTF-8 text") from None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -126,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except ConfigError as exc:
         print(f"commd: configuration error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from proto import ErrorCode
 from proto import peer as p
 
-from .errors import CallError, ConfigError
+from .errors import CallError, cannot_listen
 from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
@@ -187,9 +187,8 @@ class Cluster:
     async def listen(self, host: str, port: int) -> int:
         try:
             self.port = await self._node.listen(host, port, self._adopt)
-        except OSError as exc:
-            raise ConfigError(f"peer_listen: cannot listen on {host}:{port}: {exc.strerror}",
-                              key="peer_listen") from None
+        except (OSError, UnicodeError) as exc:
+            raise cannot_listen("peer_listen", host, port, exc) from None
         log.info("peer port %s:%d, daemon name %s", host, self.port, self.name)
         return self.port
 

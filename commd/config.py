@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,34 @@ SECRET_FILE_ENV = "COMMD_PEER_SECRET_FILE"
 SECRET_ENV = "COMMD_PEER_SECRET"
 
 
+MAX_LIMIT = (1 << 63) - 1  # a limit travels in status reports as a msgpack integer
+MAX_ID = (1 << 32) - 2  # uids and gids: (uid_t)-1 means "none"
+
+
+def read_small_file(path: str, limit: int, what: str, key: str | None = None) -> bytes:
+    """A regular file of at most `limit` bytes: a FIFO would block start-up for ever, and
+    /dev/zero would fill the memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}", key=key) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{what} {path} is not a regular file", key=key)
+        data = os.read(fd, limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror}", key=key) from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ConfigError(f"{what} {path} is larger than {limit} bytes", key=key)
+    return data
+
+
 def read_secret_file(path: str) -> bytes:
     """The shared peer secret, from a file: never from the command line, where `ps` would
     show it, nor from the config file itself, which is world-readable more often than not."""
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"peer secret file {path}: {exc.strerror}", key="peer_secret_file") from None
+    secret = read_small_file(path, 4096, "peer secret file", key="peer_secret_file").strip()
     if not secret:
         raise ConfigError(f"peer secret file {path} is empty", key="peer_secret_file")
     return secret
@@ -86,8 +107,11 @@ class ServerConfig:
             if value not in allowed:
                 raise ConfigError(f"{name}: {value!r} is not one of {', '.join(allowed)}", key=name)
         for name in LIMITS:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be at least 1", key=name)
+            if not 1 <= getattr(self, name) <= MAX_LIMIT:
+                raise ConfigError(f"{name}: must be 1..{MAX_LIMIT}", key=name)
+        for name, ids in (("allow_uids", self.allow_uids), ("allow_gids", self.allow_gids)):
+            if any(not 0 <= i <= MAX_ID for i in ids):
+                raise ConfigError(f"{KEY_OF_FIELD.get(name, name)}: ids are 0..{MAX_ID}", key=name)
         if self.threads is not None and not 1 <= self.threads <= 256:
             raise ConfigError("threads: must be 1..256", key="threads")
         if self.peer_secret is not None and len(self.peer_secret) < 16:
@@ -119,8 +143,8 @@ class ServerConfig:
             if f.name == "peer_secret":
                 out["peer_secret_set"] = value is not None
                 continue
-            elif isinstance(value, Path):
-                value = str(value)
+            elif isinstance(value, Path):  # (a path need not be UTF-8; the report must be)
+                value = os.fsencode(value).decode("utf-8", "backslashreplace")
             elif isinstance(value, frozenset):
                 value = sorted(value)
             elif isinstance(value, tuple):

@@ -11,6 +11,7 @@ the reference).
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import queue
 import tempfile
@@ -21,6 +22,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from .errors import ConfigError
 
 STOP = 0xFFFFFFFF
 TOKENS = 64  # int32 token ids per rank per step
@@ -127,9 +130,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from .launch import DaemonProcess
 
     n, steps = args.ranks, args.steps
-    if not 1 <= n <= 64:
-        print("commd demo: --ranks must be 1..64")
-        return 2
+    for name, ok, need in (("--ranks", 1 <= n <= 64, "1..64"), ("--steps", steps >= 1, "at least 1"),
+                           ("--layers", args.layers >= 1, "at least 1"),
+                           ("--hidden", args.hidden >= 1, "at least 1"),
+                           ("--timeout", math.isfinite(args.timeout) and 0 < args.timeout <= 86400,
+                            "seconds, 0 < t <= 86400")):
+        if not ok:
+            raise ConfigError(f"{name}: must be {need}")
     with tempfile.TemporaryDirectory(prefix="commd-demo-") as tmp:
         sock = str(Path(tmp) / "run" / "commd.sock")
         print(f"starting commd (host engine) at {sock}")

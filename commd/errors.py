@@ -44,3 +44,10 @@ class ConfigError(Exception):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+def cannot_listen(key: str, host: str, port: int, exc: OSError | UnicodeError) -> ConfigError:
+    """A listener that could not start: the address in use, or a host name that does not
+    resolve (IDNA refuses some names with a UnicodeError, not an OSError)."""
+    why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else f"bad host name ({exc})"
+    return ConfigError(f"{key}: cannot listen on {host}:{port}: {why}", key=key)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from .errors import ConfigError, cannot_listen
 
 if TYPE_CHECKING:
     from .server import Server
@@ -153,11 +153,10 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
 
     try:
         return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST)
-    except OSError as exc:
-        raise ConfigError(f"metrics_listen: cannot listen on {host}:{port}: {exc.strerror}",
-                          key="metrics_listen") from None
+    except (OSError, UnicodeError) as exc:
+        raise cannot_listen("metrics_listen", host, port, exc) from None
 
 
 def bound_address(server: asyncio.Server) -> str:
     host, port = server.sockets[0].getsockname()[:2]
-    return f"{host}:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

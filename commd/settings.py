@@ -21,10 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_SOCKET, KEY_OF_FIELD, LIMITS, SECRET_ENV, ServerConfig, flag_of, read_secret_file
+from .config import (
+    DEFAULT_SOCKET,
+    KEY_OF_FIELD,
+    LIMITS,
+    SECRET_ENV,
+    ServerConfig,
+    flag_of,
+    read_secret_file,
+    read_small_file,
+)
 from .errors import ConfigError
 
 DEFAULT_CONFIG = "/etc/commd/commd.toml"
+MAX_CONFIG_BYTES = 1 << 20
 ENV_PREFIX = "COMMD_"
 
 
@@ -38,6 +48,10 @@ def _text(value: Any, text: bool = False) -> str:
         raise TypeError("expected a string")
     if "\x00" in value:
         raise ValueError("it holds a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # (undecodable bytes of an environment variable)
+        raise ValueError("it is not UTF-8 text") from None
     return value
 
 
@@ -143,13 +157,10 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
 
 
 def file_layer(path: str) -> dict[str, Value]:
+    if not os.path.lexists(path):
+        raise ConfigError(f"config file {path} does not exist")
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        table = tomllib.loads(read_small_file(path, MAX_CONFIG_BYTES, "config file").decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -209,7 +220,7 @@ def _secret(path: str | None, value: Value | None, environ: Mapping[str, str]) -
     if path and value is not None and not value.from_file:
         return read_secret_file(path)
     if environ.get(SECRET_ENV):
-        return environ[SECRET_ENV].encode()
+        return os.fsencode(environ[SECRET_ENV])  # (bytes as given, UTF-8 or not)
     return read_secret_file(path) if path else None
 
 

@@ -234,7 +234,7 @@ def test_config_layers_and_json_logs_through_a_real_daemon(tmp: Path, pool: Rank
     ("thread_count = 4\n", {}, (), ["thread_count", "commd.toml", "unknown key"]),
     ("", {"COMMD_THREAD_COUNT": "4"}, (), ["$COMMD_THREAD_COUNT", "unknown setting"]),
     ('threads = "4"\n', {}, (), ["threads", "commd.toml", "expected an integer"]),
-    ("", {"COMMD_MAX_BUFFERS": "-1"}, (), ["max_buffers", "$COMMD_MAX_BUFFERS", "at least 1"]),
+    ("", {"COMMD_MAX_BUFFERS": "-1"}, (), ["max_buffers", "$COMMD_MAX_BUFFERS", "must be 1.."]),
     ("", {}, ("--peer-window", "0.1"), ["peer_window", "--peer-window", "heartbeat"]),
     ("threads = [\n", {}, (), ["commd.toml", "not valid TOML"]),
     (None, {}, (), ["does-not-exist.toml", "does not exist"]),

@@ -154,7 +154,7 @@ def test_wrong_type_in_file(tmp_path: Path, text: str, words: list[str]) -> None
     ('engine = "nccl2"\n', {}, (), ["engine", "'nccl2'", "commd.toml"]),
     ('log_format = "xml"\n', {}, (), ["log_format", "commd.toml"]),
     ("", {"COMMD_LOG_LEVEL": "LOUD"}, (), ["log_level", "$COMMD_LOG_LEVEL"]),
-    ("", {"COMMD_MAX_BUFFERS": "0"}, (), ["max_buffers", "at least 1", "$COMMD_MAX_BUFFERS"]),
+    ("", {"COMMD_MAX_BUFFERS": "0"}, (), ["max_buffers", "must be 1..", "$COMMD_MAX_BUFFERS"]),
     ('metrics_listen = "localhost"\n', {}, (), ["metrics_listen", "HOST:PORT", "commd.toml"]),
     ("", {"COMMD_PEER_LISTEN": "127.0.0.1:99999"}, (), ["peer_listen", "$COMMD_PEER_LISTEN", "port"]),
     ("", {"COMMD_PEER_LISTEN": "127.0.0.1:7420"}, (), ["peer_listen", "secret"]),
@@ -214,3 +214,49 @@ def test_an_error_names_the_flag_as_it_is_spelled(argv: tuple[str, ...], named: 
         load_config(flags(*argv), {}, "")
     assert named in str(caught.value)
     assert "--metrics-listen" not in str(caught.value) and "--allow-groups" not in str(caught.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--max-connections", str(1 << 64)), "max_connections: must be 1.."),
+    (("--max-daemon-bytes", str(1 << 63)), "max_daemon_bytes: must be 1.."),
+    (("--allow-uid", "-1"), "allow_uids: ids are 0.."),
+    (("--allow-gid", str(1 << 32)), "allow_gids: ids are 0.."),
+])
+def test_values_a_status_report_could_not_carry_are_refused_at_start(argv: tuple[str, ...],
+                                                                      words: str) -> None:
+    """Accepted, they made every `commd status` fail for the daemon's whole life (the
+    report carries the settings as msgpack integers)."""
+    with pytest.raises(ConfigError, match=words):
+        load_config(flags(*argv), {}, "")
+
+
+def test_text_that_is_not_utf8_is_refused_and_a_path_still_reports() -> None:
+    with pytest.raises(ConfigError, match=r"peer_name .*not UTF-8"):
+        load_config(flags(), {"COMMD_PEER_NAME": "\udcff"}, "")
+    with pytest.raises(ConfigError, match=r"socket .*not UTF-8"):
+        load_config(flags(), {"COMMD_SOCKET": "/tmp/\udcfe.sock"}, "")
+    public = ServerConfig(Path(os.fsdecode(b"/tmp/\xfe.sock"))).public()
+    assert public["socket"] == "/tmp/\\xfe.sock"
+    public["socket"].encode("utf-8")  # (what the report's encoder needs)
+
+
+def test_a_secret_variable_is_taken_as_its_bytes() -> None:
+    config = load_config(flags(), {"COMMD_PEER_SECRET": os.fsdecode(b"abc\xffdefghijklmnopqrst")}, "")
+    assert config.peer_secret == b"abc\xffdefghijklmnopqrst"
+
+
+@pytest.mark.parametrize("what", ["config", "secret"])
+def test_a_fifo_or_an_endless_file_is_refused_not_read_for_ever(tmp_path: Path, what: str) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, words in ((str(fifo), "is not a regular file"), ("/dev/zero", "is not a regular file")):
+        with pytest.raises(ConfigError, match=words):
+            if what == "config":
+                load_config(flags(), {}, path)
+            else:
+                load_config(flags("--peer-secret-file", path), {}, "")
+    big = tmp_path / "big"
+    big.write_bytes(b"#" * ((1 << 20) + 1))
+    with pytest.raises(ConfigError, match="larger than"):
+        load_config(flags(), {}, str(big)) if what == "config" else \
+            load_config(flags("--peer-secret-file", str(big)), {}, "")

@@ -1,0 +1,40 @@
+"""The command line's answers to bad arguments: a clear error and exit 2, before any work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def commd(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "commd", *argv], cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=40)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("status", "--socket", "/nonexistent/x.sock", "--timeout", "nan"), "--timeout: must be seconds"),
+    (("status", "--socket", "/nonexistent/x.sock", "--timeout", "1e30"), "--timeout: must be seconds"),
+    (("status", "--socket", "/nonexistent/x.sock", "--world", "w" * 200), "--world: world is longer"),
+    (("demo", "--timeout", "inf"), "--timeout: must be seconds"),
+    (("demo", "--steps", "-1"), "--steps: must be at least 1"),
+    (("demo", "--hidden", "0"), "--hidden: must be at least 1"),
+    (("bench", "--no-gloo", "--ranks", "1", "--sizes", "8", "--json", "."), "--json: cannot write"),
+    (("bench", "--no-gloo", "--ranks", "1", "--sizes", "8", "--json", "no/such/dir/b.json"),
+     "--json: cannot write"),
+    (("bench", "--no-gloo", "--ranks", "65", "--sizes", "8"), "--ranks: at most 64"),
+    (("serve", "--config", "", "--socket", "/tmp/commd-cli-test.sock", "--metrics", "a..b:0"),
+     "metrics_listen: cannot listen on a..b:0: bad host name"),
+])
+def test_bad_arguments_are_a_clear_error_and_exit_2(tmp_path: Path, argv: tuple[str, ...],
+                                                     words: str) -> None:
+    done = commd(*argv, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not list(tmp_path.iterdir())  # nothing was run, nothing written
