@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("commd.metrics")
 _REQUEST_TIMEOUT_S = 5.0
-_MAX_SCRAPERS = 16  # connections served at once; more are closed at once
+_MAX_SCRAPERS = 16  # connections served at once (see handle for the 17th)
 _MAX_REQUEST = 8192
 
 
@@ -123,16 +123,25 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
     """Serve GET /metrics on (host, port) from this event loop."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    open_connections = 0
+    active: set[asyncio.StreamWriter] = set()
+    waiting: dict[asyncio.StreamWriter, None] = {}  # connected, no request read yet: oldest first
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal open_connections
-        if open_connections >= _MAX_SCRAPERS:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
-            writer.close()
-            return
-        open_connections += 1
+        if len(active) >= _MAX_SCRAPERS:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
+            if not waiting:  # every one is being answered
+                writer.close()
+                return
+            # one that has said nothing yet yields to the newcomer: idle connections held
+            # open cannot shut scrapers out (a scraper sends its request at once)
+            idle = next(iter(waiting))
+            del waiting[idle]
+            active.discard(idle)
+            idle.close()
+        active.add(writer)
+        waiting[writer] = None
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            waiting.pop(writer, None)
             method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
             if method != b"GET":
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
@@ -148,7 +157,8 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         except Exception:
             log.exception("metrics request failed")
         finally:
-            open_connections -= 1
+            waiting.pop(writer, None)
+            active.discard(writer)
             writer.close()
 
     try:

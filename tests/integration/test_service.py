@@ -354,6 +354,21 @@ def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
         assert missing.value.code == 404
 
 
+def test_idle_connections_to_the_metrics_port_cannot_shut_scrapers_out(tmp: Path) -> None:
+    """More connections that say nothing than the port serves at once: each scrape still
+    gets its answer (an idle one makes way; before, the 17th was closed unanswered)."""
+    pytest.importorskip("prometheus_client")
+    with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
+        host, port = query_status(str(daemon.socket_path), 5)["metrics"].rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+        try:
+            for _ in range(3):
+                assert scrape(f"{host}:{port}")[("commd_connections", ())] == 0
+        finally:
+            for conn in idle:
+                conn.close()
+
+
 def test_metrics_need_the_flag(tmp: Path) -> None:
     with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
         assert query_status(str(daemon.socket_path), 5)["metrics"] is None
