@@ -30,7 +30,12 @@ def read_small_file(path: str, limit: int, what: str, key: str | None = None) ->
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfigError(f"{what} {path} is not a regular file", key=key)
-        data = os.read(fd, limit + 1)
+        data = b""
+        while len(data) <= limit:  # (a read may return less than asked)
+            chunk = os.read(fd, limit + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror}", key=key) from None
     finally:
