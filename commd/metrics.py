@@ -140,10 +140,16 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         active.add(writer)
         waiting[writer] = None
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            except asyncio.LimitOverrunError:
+                head = b""
             waiting.pop(writer, None)
             method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
-            if method != b"GET":
+            if not head:
+                status, ctype, body = ("431 Request Header Fields Too Large", "text/plain",
+                                       f"a request head is at most {_MAX_REQUEST} bytes\n".encode())
+            elif method != b"GET":
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
             elif target.split(b"?", 1)[0] not in (b"/metrics", b"/"):
                 status, ctype, body = "404 Not Found", "text/plain", b"see /metrics\n"
@@ -152,7 +158,10 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}"
                          "\r\nConnection: close\r\n\r\n".encode() + body)
             await asyncio.wait_for(writer.drain(), _REQUEST_TIMEOUT_S)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            if not head:  # the rest of the head is unread: closing on it would reset the answer away
+                writer.write_eof()
+                await asyncio.wait_for(_discard_until_eof(reader), 1.0)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass  # a scraper that went away or talks nonsense: nothing to answer
         except Exception:
             log.exception("metrics request failed")
@@ -165,6 +174,11 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST)
     except (OSError, UnicodeError) as exc:
         raise cannot_listen("metrics_listen", host, port, exc) from None
+
+
+async def _discard_until_eof(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass
 
 
 def bound_address(server: asyncio.Server) -> str:

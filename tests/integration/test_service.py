@@ -352,6 +352,10 @@ def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"http://{address}/other", timeout=5)
         assert missing.value.code == 404
+        with pytest.raises(urllib.error.HTTPError) as huge:
+            urllib.request.urlopen(urllib.request.Request(f"http://{address}/metrics",
+                                                          headers={"X-Big": "x" * 9000}), timeout=5)
+        assert huge.value.code == 431
 
 
 def test_idle_connections_to_the_metrics_port_cannot_shut_scrapers_out(tmp: Path) -> None:
