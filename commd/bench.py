@@ -246,10 +246,14 @@ def _torch_version() -> str | None:
 
 
 def _check_writable(path: str) -> None:
-    target = Path(path)
-    if target.is_dir() or not os.access(target.parent if str(target.parent) else ".", os.W_OK) \
-            or (target.exists() and not os.access(target, os.W_OK)):
-        raise ConfigError(f"--json: cannot write {path} (a directory, or not writable)")
+    if os.path.isdir(path):
+        raise ConfigError(f"--json: {path} is a directory")
+    if os.path.exists(path):
+        writable = os.access(path, os.W_OK)
+    else:  # a new file: where it would go (a dangling symlink's target included)
+        writable = os.access(os.path.dirname(os.path.realpath(path)), os.W_OK)
+    if not writable:
+        raise ConfigError(f"--json: cannot write {path}")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ def read_small_file(path: str, limit: int, what: str, key: str | None = None) ->
     /dev/zero would fill the memory."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist", key=key) from None
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror}", key=key) from None
     try:

@@ -40,7 +40,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     `engine`: the one to serve with, instead of the configured one (tests).
     `ignore_signals_after`: leave SIGTERM and SIGINT ignored on the way out, not as they
     were (see run)."""
-    environ = os.environ if environ is None else environ
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     # Python-level handlers (the loop wakes for them), not loop.add_signal_handler: taking
@@ -48,6 +47,16 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda _signum, _frame: loop.call_soon_threadsafe(stop.set))
+    try:
+        return await _serve_until(stop, config, ready, os.environ if environ is None else environ, engine)
+    finally:  # (last: a signal from here on meets the handler put back)
+        for sig, handler in before.items():
+            signal.signal(sig, signal.SIG_IGN if ignore_signals_after or handler is None else handler)
+
+
+async def _serve_until(stop: asyncio.Event, config: ServerConfig, ready: asyncio.Event | None,
+                       environ: MutableMapping[str, str], engine: Engine | None) -> int:
+    loop = asyncio.get_running_loop()
     notifier = Notifier.from_env(environ)
     watchdog_s = watchdog_interval(environ, os.getpid())
     inherited = inherited_listener(environ, os.getpid())
@@ -90,8 +99,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         if cluster is not None:
             cluster.close()
         notifier.close()
-        for sig, handler in before.items():
-            signal.signal(sig, signal.SIG_IGN if ignore_signals_after or handler is None else handler)
     return 1 if broke else 0
 
 

@@ -147,6 +147,7 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
             waiting.pop(writer, None)
             method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
             if not head:
+                waiting[writer] = None  # (evictable still: else a stream of these shuts scrapers out)
                 status, ctype, body = ("431 Request Header Fields Too Large", "text/plain",
                                        f"a request head is at most {_MAX_REQUEST} bytes\n".encode())
             elif method != b"GET":
@@ -164,7 +165,8 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass  # a scraper that went away or talks nonsense: nothing to answer
         except Exception:
-            log.exception("metrics request failed")
+            if not writer.is_closing():  # (uvloop: a write after the scraper reset is a RuntimeError)
+                log.exception("metrics request failed")
         finally:
             waiting.pop(writer, None)
             active.discard(writer)

@@ -44,14 +44,21 @@ Parser = Callable[[Any, bool], Any]
 
 
 def _text(value: Any, text: bool = False) -> str:
+    """Text the daemon shows or sends (a status report, a peer's handshake): UTF-8."""
+    name = _name(value)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # (undecodable bytes of an environment variable)
+        raise ValueError("it is not UTF-8 text") from None
+    return name
+
+
+def _name(value: Any, text: bool = False) -> str:
+    """A file name: any bytes but NUL (a report shows it backslash-escaped)."""
     if not isinstance(value, str):
         raise TypeError("expected a string")
     if "\x00" in value:
         raise ValueError("it holds a NUL character")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # (undecodable bytes of an environment variable)
-        raise ValueError("it is not UTF-8 text") from None
     return value
 
 
@@ -85,7 +92,7 @@ def _list(item: Parser) -> Parser:
 
 
 def _path(value: Any, text: bool) -> Path:
-    return Path(_text(value))
+    return Path(_name(value))
 
 
 def _upper(value: Any, text: bool) -> str:
@@ -120,7 +127,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("metrics_listen", _address, "metrics_listen"),
     Key("peer_listen", _address, "peer_listen"),
     Key("peer_name", _text, "peer_name"),
-    Key("peer_secret_file", _text, None),
+    Key("peer_secret_file", _name, None),
     Key("peer_heartbeat", _float, "peer_heartbeat_s"),
     Key("peer_window", _float, "peer_window_s"),
     Key("hello_timeout", _float, "hello_timeout_s"),
@@ -157,8 +164,6 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
 
 
 def file_layer(path: str) -> dict[str, Value]:
-    if not os.path.lexists(path):
-        raise ConfigError(f"config file {path} does not exist")
     try:
         table = tomllib.loads(read_small_file(path, MAX_CONFIG_BYTES, "config file").decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:

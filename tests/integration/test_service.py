@@ -364,13 +364,16 @@ def test_idle_connections_to_the_metrics_port_cannot_shut_scrapers_out(tmp: Path
     pytest.importorskip("prometheus_client")
     with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
         host, port = query_status(str(daemon.socket_path), 5)["metrics"].rsplit(":", 1)
-        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
-        try:
-            for _ in range(3):
-                assert scrape(f"{host}:{port}")[("commd_connections", ())] == 0
-        finally:
-            for conn in idle:
-                conn.close()
+        for opening in (b"", b"GET / HTTP/1.1\r\nX-Big: " + b"x" * 9000):  # silent; an endless head
+            idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+            try:
+                for conn in idle:
+                    conn.sendall(opening)
+                for _ in range(3):
+                    assert scrape(f"{host}:{port}")[("commd_connections", ())] == 0
+            finally:
+                for conn in idle:
+                    conn.close()
 
 
 def test_metrics_need_the_flag(tmp: Path) -> None:

@@ -25,7 +25,7 @@ def commd(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     (("demo", "--timeout", "inf"), "--timeout: must be seconds"),
     (("demo", "--steps", "-1"), "--steps: must be at least 1"),
     (("demo", "--hidden", "0"), "--hidden: must be at least 1"),
-    (("bench", "--no-gloo", "--ranks", "1", "--sizes", "8", "--json", "."), "--json: cannot write"),
+    (("bench", "--no-gloo", "--ranks", "1", "--sizes", "8", "--json", "."), "--json: . is a directory"),
     (("bench", "--no-gloo", "--ranks", "1", "--sizes", "8", "--json", "no/such/dir/b.json"),
      "--json: cannot write"),
     (("bench", "--no-gloo", "--ranks", "65", "--sizes", "8"), "--ranks: at most 64"),

@@ -4,12 +4,17 @@ In a subprocess: serve() tunes the process's collector and allocator."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from commd.config import ServerConfig
+from commd.daemon import serve
+from commd.errors import ConfigError
 from tests.integration.harness import short_tmpdir
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,3 +59,13 @@ def test_a_broken_engine_ends_the_daemon_with_status_1(breaks: bool) -> None:
         assert not socket.exists()  # it shut down cleanly on its way out
     else:
         assert done.returncode == 0 and "still serving False" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_serve_that_cannot_start_puts_the_signal_handlers_back() -> None:
+    """Its handlers set a stopped loop's event: left behind, a later SIGTERM in the same
+    process raised 'Event loop is closed' instead of doing what it did before."""
+    before = signal.getsignal(signal.SIGTERM)
+    config = ServerConfig(socket_path=Path(short_tmpdir()) / "commd.sock", engine="nccl")
+    with pytest.raises(ConfigError):  # no GPU here (or a stand-in driver without one)
+        asyncio.run(serve(config))
+    assert signal.getsignal(signal.SIGTERM) is before
