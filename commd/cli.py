@@ -38,8 +38,6 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .status import query_status, render_status
 
-    if not (math.isfinite(args.timeout) and 0 < args.timeout <= 86400):
-        raise ConfigError("--timeout: must be seconds, 0 < t <= 86400")
     if args.world is not None:
         _check_world_name(args.world)
     info = query_status(args.socket, args.timeout, args.world)
@@ -73,6 +71,17 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
     return run_bench(args)
+
+
+def _seconds(text: str) -> float:
+    """A --timeout: finite, positive, at most a day (nan, inf and 1e30 broke the calls)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 86400):
+        raise argparse.ArgumentTypeError("must be seconds, 0 < t <= 86400")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--socket", default=DEFAULT_SOCKET)
     status.add_argument("--json", action="store_true")
     status.add_argument("--world", default=None, help="only this world")
-    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--timeout", type=_seconds, default=5.0)
     status.set_defaults(func=_status)
 
     demo = sub.add_parser("demo", help="a tensor-parallel decode loop through the daemon")
@@ -126,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=200)
     demo.add_argument("--layers", type=int, default=8)
     demo.add_argument("--hidden", type=int, default=4096, help="bf16 elements per activation")
-    demo.add_argument("--timeout", type=float, default=60.0)
+    demo.add_argument("--timeout", type=_seconds, default=60.0)
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="DaemonBackend against torch.distributed gloo")

@@ -143,11 +143,11 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
             except asyncio.LimitOverrunError:
-                head = b""
-            waiting.pop(writer, None)
+                head = b""  # (evictable still: else a stream of these shuts scrapers out)
+            else:
+                waiting.pop(writer, None)
             method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
             if not head:
-                waiting[writer] = None  # (evictable still: else a stream of these shuts scrapers out)
                 status, ctype, body = ("431 Request Header Fields Too Large", "text/plain",
                                        f"a request head is at most {_MAX_REQUEST} bytes\n".encode())
             elif method != b"GET":

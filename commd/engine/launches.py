@@ -38,7 +38,6 @@ class Launches:
         self._open = 0
         self._closed = False
         self._after: list[Callable[[], None]] = []
-        self._idle: list[asyncio.Future[None]] = []
 
     def begin(self) -> None:
         with self._cv:
@@ -67,13 +66,14 @@ class Launches:
     async def idle(self) -> None:
         """On the loop: until no launch is half made. Calls made next, with no await
         between, run before any other launch begins (launches begin on the loop)."""
-        while not self.quiet():
-            waiter = asyncio.get_running_loop().create_future()
-            with self._cv:
-                if self._open == 0 or self._closed:
-                    return
-                self._idle.append(waiter)
-            await waiter
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not waiter.done():  # (cancelled meanwhile)
+                waiter.set_result(None)
+
+        self.after(wake)
+        await waiter
 
     def after(self, job: Callable[[], None]) -> None:
         """`job` now if no launch is half made, else once none is (on the loop)."""
@@ -91,15 +91,11 @@ class Launches:
         self._release_all()
 
     def _release_all(self) -> None:
-        """Wake whatever waits for the launches (with none open, or closing); each held
-        job runs, whatever the ones before it did."""
+        """Wake the threads waiting for the launches (with none open, or closing), then
+        run each held job, whatever the ones before it did."""
         with self._cv:
             self._cv.notify_all()
             after, self._after = self._after, []
-            idle, self._idle = self._idle, []
-        for waiter in idle:
-            if not waiter.done():
-                waiter.set_result(None)
         for job in after:
             try:
                 job()
