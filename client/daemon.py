@@ -96,6 +96,9 @@ class DaemonBackend(CommBackend):
         self._import_lock = threading.Lock()
         self._reconnect_lock = threading.Lock()  # one attempt_reconnect of this rank at a time
         self._reconnects = 0  # that succeeded
+        # per thread: `failed_at`, the value of _reconnects when this thread last met the world
+        # unhealthy (an error, or is_healthy() false); None once it reconnected or saw a call work
+        self._per_thread = threading.local()
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
@@ -322,20 +325,29 @@ class DaemonBackend(CommBackend):
         self._transport.drain_events()
         if self._transport.broken is not None:
             self._mark_unhealthy(self._transport.broken)
-        return self._failure is None
+        if self._failure is not None:
+            self._met_failure()
+            return False
+        return True
 
     def attempt_reconnect(self) -> None:
         """Rebuild the world at the next epoch. If the daemon itself went away (killed and
         restarted), connect again with backoff within the timeout, say hello at the last
-        epoch, and re-register what the old daemon knew. Threads of this rank calling it at
-        once reconnect it once (each handling the same error, say)."""
+        epoch, and re-register what the old daemon knew. Threads of this rank that met the
+        same failure (an error, or is_healthy() false) reconnect it once: a thread whose
+        failure another thread's reconnect already replaced returns at once, however late it
+        comes (a second vote would fail the world just rebuilt for every rank)."""
         self._check_open()
-        seen = self._reconnects
+        entered = self._reconnects
+        failed_at: int | None = getattr(self._per_thread, "failed_at", None)
         with self._reconnect_lock:
-            if self._reconnects != seen and self._transport.broken is None:
-                return  # another thread reconnected it while this one waited
+            replaced = self._reconnects != entered or (
+                failed_at is not None and failed_at < self._reconnects)
+            if replaced and self._transport.broken is None and self._failure is None:
+                return
             self._reconnect()
             self._reconnects += 1
+            self._per_thread.failed_at = None
 
     def _reconnect(self) -> None:
         rejoin = self._transport.broken is not None
@@ -502,6 +514,7 @@ class DaemonBackend(CommBackend):
                 early: bool = False) -> None:
         failure = self._failure
         if failure is not None:
+            self._met_failure()
             raise type(failure)(f"world {self._world} is not healthy: {failure}; "
                                 "call attempt_reconnect", failure.code)
         # The daemon fails a call open past the timeout and says which rank is behind;
@@ -530,7 +543,9 @@ class DaemonBackend(CommBackend):
         except CommError as exc:
             if isinstance(exc, UNHEALTHY):
                 self._mark_unhealthy(exc)
+                self._met_failure()
             raise
+        self._per_thread.failed_at = None  # it saw the world work since: a later reconnect is meant
         return reply, got
 
     def _check(self, reply: proto.Message) -> None:
@@ -542,6 +557,10 @@ class DaemonBackend(CommBackend):
         with self._lock:
             if self._failure is None:
                 self._failure, self._failure_epoch = why, epoch
+
+    def _met_failure(self) -> None:
+        """The calling thread learns the world is unhealthy (see attempt_reconnect)."""
+        self._per_thread.failed_at = self._reconnects
 
     def _on_event(self, event: proto.Event) -> None:
         if event.epoch and event.epoch < self.epoch:

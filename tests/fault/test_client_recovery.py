@@ -368,6 +368,11 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
         comm.barrier()
 
 
+def met_the_failure(comm: DaemonBackend) -> None:
+    with pytest.raises(CommError):
+        comm.barrier()
+
+
 def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: DaemonProcess) -> None:
     """DaemonBackend is thread-safe: after the daemon restarts, two threads of rank 0 (a
     training loop and a heartbeat, each handling the error) call attempt_reconnect together,
@@ -382,6 +387,7 @@ def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: Daem
         together = threading.Barrier(3)
 
         def reconnect(r: int) -> object:
+            met_the_failure(comms[r])
             together.wait()
             try:
                 comms[r].attempt_reconnect()
@@ -395,6 +401,41 @@ def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: Daem
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
     finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_thread_reconnecting_after_another_already_did_leaves_the_world_be(
+        daemon: DaemonProcess) -> None:
+    """The late thread of the test above, made certain: rank 0's heartbeat thread met the
+    failure, but the training thread's attempt_reconnect (with rank 1's) rebuilt the world
+    before the heartbeat got to its own. Its attempt_reconnect returns at once (before: it
+    voted again, which failed the new world for both ranks, and then timed out waiting for
+    rank 1). A thread that saw a call work since reconnects for real when it asks."""
+    comms = join(daemon, timeout=3)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    heartbeat = ThreadPoolExecutor(1)
+    try:
+        daemon.kill()
+        daemon.start()
+        heartbeat.submit(met_the_failure, comms[0]).result(10)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        epoch = comms[0].epoch
+        heartbeat.submit(comms[0].attempt_reconnect).result(10)
+        assert comms[0].epoch == epoch
+        assert all(comm.is_healthy() for comm in comms)
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+        works = heartbeat.submit(comms[0].barrier)  # (with rank 1's, below)
+        comms[1].barrier()
+        works.result(10)
+        rebuilt = heartbeat.submit(comms[0].attempt_reconnect)
+        comms[1].attempt_reconnect()  # a rebuild both ranks ask for, healthy or not
+        rebuilt.result(10)
+        assert comms[0].epoch == comms[1].epoch == epoch + 1
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        heartbeat.shutdown(wait=True)
         for comm in comms:
             comm.close()
 
