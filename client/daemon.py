@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import proto
 from proto import DType, ReduceOp
@@ -35,6 +35,16 @@ from .streams import StreamOrder
 from .transport import Transport, Undo
 
 T = TypeVar("T")
+
+
+class _Answer(NamedTuple):
+    msg: proto.Message
+    fds: list[int]
+    link: int  # the daemon connection it came on (DaemonBackend._link)
+
+
+class _Superseded(Exception):
+    """A request about a daemon connection that a rejoin has replaced: that daemon is gone."""
 
 
 def _ints(**values: object) -> tuple[int, ...]:
@@ -96,9 +106,13 @@ class DaemonBackend(CommBackend):
         self._import_lock = threading.Lock()
         self._reconnect_lock = threading.Lock()  # one attempt_reconnect of this rank at a time
         self._reconnects = 0  # that succeeded
-        # per thread: `failed_at`, the value of _reconnects when this thread last met the world
-        # unhealthy (an error, or is_healthy() false); None once it reconnected or saw a call work
+        # per thread: `failed_at`, the epoch of the failure this thread last met (an error, or
+        # is_healthy() false); None once it reconnected, or saw a collective work since
         self._per_thread = threading.local()
+        # The daemon connection our bookkeeping (imports, registrations, events) is about: a
+        # rejoin's new one, under _lock with the transport and the epoch, so a reply that came
+        # on the old one is never recorded as the new daemon's
+        self._link = 0
         self._imported: set[int] = set()
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
@@ -109,11 +123,12 @@ class DaemonBackend(CommBackend):
         self._stream = stream
         self._order = StreamOrder(device, timeout, self._send_events)  # (with an engine with streams)
         self._failure: CommError | None = None  # why the world is unhealthy
-        self._failure_epoch = 0  # the epoch a pushed failure was about (0: not pushed, or any)
+        self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
-        # ours -> (ptr, bytes, the daemon's; None: its memory went before a restarted daemon knew it)
-        self._registrations: dict[int, tuple[int, int, int | None]] = {}
+        # ours -> (ptr, bytes, the daemon's, the _link it holds it on); the daemon's is None while
+        # a rejoin registers it again, or if its memory went before a restarted daemon knew it
+        self._registrations: dict[int, tuple[int, int, int | None, int]] = {}
         self._next_handle = 1
         self._add_kernel: int | None = None
         self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
@@ -121,11 +136,12 @@ class DaemonBackend(CommBackend):
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
-        self._transport = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
+        self._transport, self.epoch = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
-    def _join(self, deadline: float) -> Transport:
-        """Connect and say hello (at the last epoch seen); returns once the world is ready."""
+    def _join(self, deadline: float) -> tuple[Transport, int]:
+        """Connect and say hello (at the last epoch seen); returns once the world is ready,
+        with the new epoch (the caller puts both in place)."""
         uuid = self._resolver.device_uuid()
         hello = self._build(lambda: proto.Hello(
             1, proto.PROTOCOL_VERSION, os.getpid(), self._world, self._rank, self._world_size,
@@ -139,9 +155,8 @@ class DaemonBackend(CommBackend):
         except BaseException:
             transport.close()
             raise
-        self.epoch = reply.epoch
         self.engine = reply.engine
-        return transport
+        return transport, reply.epoch
 
     # ---- the seed's calls --------------------------------------------------------
 
@@ -208,43 +223,63 @@ class DaemonBackend(CommBackend):
 
     def register_buffer(self, ptr: int, bytes: int) -> int:
         ptr, bytes = _ints(ptr=ptr, bytes=bytes)
-        daemon_handle = self._register(ptr, bytes)
-        with self._lock:
-            handle = self._next_handle
-            self._next_handle += 1
-            self._registrations[handle] = (ptr, bytes, daemon_handle)
-        return handle
+        while True:
+            daemon_handle, link = self._register(ptr, bytes)
+            with self._lock:
+                if link == self._link:
+                    handle = self._next_handle
+                    self._next_handle += 1
+                    self._registrations[handle] = (ptr, bytes, daemon_handle, link)
+                    return handle
+            # made with a daemon a rejoin replaced meanwhile (gone, and the registration with
+            # it), after the rejoin registered again what it knew: make it with the new one
 
-    def _register(self, ptr: int, nbytes: int) -> int:
+    def _register(self, ptr: int, nbytes: int) -> tuple[int, int]:
+        """The daemon's handle, and the daemon connection it holds it on."""
         def register(request_id: int) -> proto.Register:
             mem = self._mem(ptr, nbytes)
             if mem is None:
                 raise MisuseError("cannot register an empty buffer")
             return proto.Register(request_id, mem, nbytes)
 
-        reply, _ = self._request(register, undo=_deregister_late)
-        return reply.value  # type: ignore[union-attr]
+        answer = self._request(register, undo=_deregister_late)
+        return answer.msg.value, answer.link  # type: ignore[union-attr]
 
     def deregister_buffer(self, handle: int) -> None:
-        with self._lock:
-            registration = self._registrations.get(handle)
-        if registration is None:
-            raise MisuseError(f"handle {handle} is not registered")
-        daemon_handle = registration[2]
-        try:
+        while True:
+            with self._lock:
+                registration = self._registrations.get(handle)
+            if registration is None:
+                raise MisuseError(f"handle {handle} is not registered")
+            _, _, daemon_handle, link = registration
             if daemon_handle is not None:
-                self._request(lambda rid: proto.Deregister(rid, daemon_handle))
+                self._deregister_at(daemon_handle, link)
+            with self._lock:
+                if self._registrations.get(handle) is registration:
+                    del self._registrations[handle]
+                    return
+            # a rejoin registered it with a restarted daemon meanwhile: let go of that one too
+
+    def _deregister_at(self, daemon_handle: int, link: int) -> None:
+        """Drop a registration at the daemon that made it, if that one is still ours."""
+        try:
+            self._request(lambda rid: proto.Deregister(rid, daemon_handle), link=link)
+        except _Superseded:
+            pass  # that daemon is gone, and its registrations with it
         except MisuseError as exc:
             if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
                 raise
             # the daemon let go of it with its memory (freed, or dropped from our full cache)
-        with self._lock:
-            self._registrations.pop(handle, None)
+        except CommError:
+            with self._lock:
+                if link == self._link:
+                    raise
+            # sent as a rejoin replaced the connection: that daemon is gone (see _Superseded)
 
     def symmetric_alloc(self, bytes: int) -> int:
         bytes, = _ints(bytes=bytes)
         buffer_id = self._memory.next_id()
-        _reply, fds = self._request(
+        _reply, fds, link = self._request(
             lambda rid: proto.SymAlloc(rid, buffer_id, bytes),
             undo=functools.partial(_sym_free_late, buffer_id))
         if len(fds) != 1:
@@ -259,7 +294,7 @@ class DaemonBackend(CommBackend):
             finally:
                 os.close(fds[0])
             with self._lock:
-                self._imported.add(buffer_id)
+                self._hold_symmetric(buffer_id, link)
                 self._device_symmetric[ptr] = (buffer_id, size)
             return ptr
         try:
@@ -270,9 +305,14 @@ class DaemonBackend(CommBackend):
                 self._sym_free(buffer_id)
             raise LimitExceeded(f"cannot map {bytes} bytes of symmetric memory here: {exc}") from exc
         with self._lock:
-            self._imported.add(buffer_id)
+            self._hold_symmetric(buffer_id, link)
             self._symmetric[buffer.ptr] = buffer
         return buffer.ptr
+
+    def _hold_symmetric(self, buffer_id: int, link: int) -> None:
+        """(Under _lock) A new symmetric buffer: the daemon's, or an orphan if that daemon
+        was replaced meanwhile (as _rejoin makes of those it knew)."""
+        (self._imported if link == self._link else self._orphans).add(buffer_id)
 
     def symmetric_free(self, ptr: int) -> None:
         with self._lock:
@@ -322,13 +362,17 @@ class DaemonBackend(CommBackend):
     def is_healthy(self) -> bool:
         if self._closed:
             return False
-        self._transport.drain_events()
-        if self._transport.broken is not None:
-            self._mark_unhealthy(self._transport.broken)
-        if self._failure is not None:
-            self._met_failure()
-            return False
-        return True
+        transport = self._transport
+        transport.drain_events()
+        broken = transport.broken
+        if broken is not None:
+            self._mark_unhealthy(broken, transport=transport)
+        with self._lock:
+            failure, about = self._failure, self._failure_epoch
+        if failure is None:
+            return True
+        self._met_failure(about)
+        return False
 
     def attempt_reconnect(self) -> None:
         """Rebuild the world at the next epoch. If the daemon itself went away (killed and
@@ -341,9 +385,11 @@ class DaemonBackend(CommBackend):
         entered = self._reconnects
         failed_at: int | None = getattr(self._per_thread, "failed_at", None)
         with self._reconnect_lock:
-            replaced = self._reconnects != entered or (
-                failed_at is not None and failed_at < self._reconnects)
-            if replaced and self._transport.broken is None and self._failure is None:
+            with self._lock:
+                replaced = self._reconnects != entered or (
+                    failed_at is not None and failed_at < self.epoch)
+                healthy = self._failure is None and self._transport.broken is None
+            if replaced and healthy:
                 return
             self._reconnect()
             self._reconnects += 1
@@ -355,36 +401,41 @@ class DaemonBackend(CommBackend):
             try:
                 # like the hello: the daemon enforces the deadline and names missing ranks; give
                 # its answer time to arrive rather than give up just before it does
-                reply, _ = self._request(proto.Reconnect, grace=_JOIN_GRACE_S)
-                self.epoch = reply.value  # type: ignore[union-attr]
+                answer = self._request(proto.Reconnect, grace=_JOIN_GRACE_S)
+                with self._lock:
+                    self.epoch = answer.msg.value  # type: ignore[union-attr]
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
                 self._check_open()  # (or close() on another thread broke it)
                 rejoin = True
         if rejoin:
             self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
         with self._lock:
-            if not self._failure_epoch or self._failure_epoch < self.epoch:  # not the new epoch's
+            if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
                 self._failure, self._failure_epoch = None, 0
         self._groups.drop_all()
 
     def _rejoin(self, deadline: float) -> None:
         self._ops.clear()  # the new daemon knows none of our buffers
+        self._transport.close()  # the daemon must see the old connection go, or the rank is taken
         with self._lock:
+            # after the close, so no request on the old connection can succeed under the new
+            # link; a reply that came on it before is recorded nowhere
+            self._link += 1
+            link = self._link
             self._imported.clear()
             self._released.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
             self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
             # the new daemon holds none yet: a re-registration that fails below must not keep
             # the old daemon's handle, which the new one hands out again to another
-            for handle, (ptr, nbytes, _) in list(self._registrations.items()):
-                self._registrations[handle] = (ptr, nbytes, None)
+            for handle, (ptr, nbytes, _, _) in list(self._registrations.items()):
+                self._registrations[handle] = (ptr, nbytes, None, link)
         self._order.new_daemon()
-        self._transport.close()  # the daemon must see the old connection go, or the rank is taken
         delay = 0.05
         while True:
             self._check_open()  # closed by another thread meanwhile: never join behind its back
             try:
-                transport = self._join(deadline)
+                transport, epoch = self._join(deadline)
             except DaemonUnavailable:
                 if time.monotonic() + delay >= deadline:
                     raise
@@ -393,22 +444,32 @@ class DaemonBackend(CommBackend):
                 continue
             with self._lock:  # close() takes _closed under it, then closes whichever transport is ours
                 if not self._closed:
-                    self._transport = transport
+                    self._transport, self.epoch = transport, epoch
                     break
             transport.close()
             self._check_open()
-        with self._lock:
-            registrations = list(self._registrations.items())
-        for handle, (ptr, nbytes, _) in registrations:
-            fresh: int | None
-            try:
-                fresh = self._register(ptr, nbytes)
-            except MisuseError:  # its memory was freed meanwhile: nothing to register any more
-                fresh = None
-            with self._lock:
-                self._registrations[handle] = (ptr, nbytes, fresh)
+        self._register_again()
         if self._add_kernel is not None:
             self.set_add_kernel(self._add_kernel)
+
+    def _register_again(self) -> None:
+        """Make every registration again with the new daemon; other threads may register
+        and deregister meanwhile."""
+        with self._lock:
+            registrations = list(self._registrations.items())
+        for handle, registration in registrations:
+            ptr, nbytes, daemon_handle, _ = registration
+            if daemon_handle is not None:
+                continue  # made with the new daemon by a register_buffer meanwhile
+            try:
+                fresh, link = self._register(ptr, nbytes)
+            except MisuseError:  # its memory was freed meanwhile: nothing to register any more
+                continue
+            with self._lock:
+                if self._registrations.get(handle) is registration:
+                    self._registrations[handle] = (ptr, nbytes, fresh, link)
+                    continue
+            self._deregister_at(fresh, link)  # deregistered meanwhile: the new daemon lets go too
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -465,13 +526,16 @@ class DaemonBackend(CommBackend):
             if ref.buffer_id not in self._imported:
                 try:
                     with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
-                        self._request(lambda rid: proto.Import(rid, ref.buffer_id,
-                                                           ref.kind, ref.size, ref.handle), fds=fds)
+                        answer = self._request(lambda rid: proto.Import(
+                            rid, ref.buffer_id, ref.kind, ref.size, ref.handle), fds=fds)
                 except CommTimeout:  # the daemon may have mapped it all the same: forget it first
                     with self._lock:
                         self._released.append(ref.buffer_id)
                     raise
                 with self._lock:
+                    if answer.link != self._link:
+                        raise DaemonUnavailable("the daemon went away while this call handed it "
+                                                "a buffer; call attempt_reconnect")
                     self._imported.add(ref.buffer_id)
         return proto.Mem(ref.buffer_id, ref.offset)
 
@@ -512,9 +576,10 @@ class DaemonBackend(CommBackend):
 
     def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, stream: int | None = None,
                 early: bool = False) -> None:
-        failure = self._failure
+        with self._lock:
+            failure, about = self._failure, self._failure_epoch
         if failure is not None:
-            self._met_failure()
+            self._met_failure(about)
             raise type(failure)(f"world {self._world} is not healthy: {failure}; "
                                 "call attempt_reconnect", failure.code)
         # The daemon fails a call open past the timeout and says which rank is behind;
@@ -523,48 +588,55 @@ class DaemonBackend(CommBackend):
             (lambda rid: proto.Submit(rid, ops)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early)))
         self._request(make, deadline=deadline, grace=_JOIN_GRACE_S)
+        self._per_thread.failed_at = None  # it saw the world work since: a later reconnect is meant
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
-                 deadline: bool = True, grace: float = 0.0,
-                 undo: Undo | None = None) -> tuple[proto.Message, list[int]]:
+                 deadline: bool = True, grace: float = 0.0, undo: Undo | None = None,
+                 link: int | None = None) -> _Answer:
         """One request/reply under the backend's deadline; daemon errors become CommErrors.
         `make` builds the request from its id. `undo`: what undoes the request if it times
-        out and the daemon did it all the same."""
+        out and the daemon did it all the same. `link`: only to that daemon connection
+        (_Superseded if a rejoin replaced it)."""
         self._check_open()
-        self._send_releases()
         # One transport for the id and the sending: another thread's rejoin may put a new one
         # in place meanwhile, whose own ids an old one's could collide with
-        transport = self._transport
-        msg = self._build(lambda: make(transport.next_id()))
+        with self._lock:
+            transport, used, epoch = self._transport, self._link, self.epoch
+        if link is not None and link != used:
+            raise _Superseded
         try:
+            self._send_releases(transport)
+            msg = self._build(lambda: make(transport.next_id()))
             reply, got = transport.request(
                 msg, time.monotonic() + self._timeout + grace if deadline else None, fds, undo)
             self._check(reply)
         except CommError as exc:
             if isinstance(exc, UNHEALTHY):
-                self._mark_unhealthy(exc)
-                self._met_failure()
+                self._met_failure(self._mark_unhealthy(exc, epoch, transport))
             raise
-        self._per_thread.failed_at = None  # it saw the world work since: a later reconnect is meant
-        return reply, got
+        return _Answer(reply, got, used)
 
     def _check(self, reply: proto.Message) -> None:
         if isinstance(reply, proto.Error):
             raise from_code(reply.code, reply.message)
 
-    def _mark_unhealthy(self, why: CommError, epoch: int = 0) -> None:
-        """`epoch`: the one a pushed failure was about (it outlives a reconnect to it)."""
+    def _mark_unhealthy(self, why: CommError, epoch: int = 0,
+                        transport: Transport | None = None) -> int:
+        """Record why the world is unhealthy, unless it is about an epoch (`epoch`; 0: the
+        current one) or a connection (`transport`) this rank has left behind since: a
+        reconnect on another thread must not inherit it. Returns the epoch it is about."""
         with self._lock:
-            if self._failure is None:
-                self._failure, self._failure_epoch = why, epoch
+            about = epoch or self.epoch
+            stale = about < self.epoch or (transport is not None and transport is not self._transport)
+            if not stale and self._failure is None:
+                self._failure, self._failure_epoch = why, about
+        return about
 
-    def _met_failure(self) -> None:
-        """The calling thread learns the world is unhealthy (see attempt_reconnect)."""
-        self._per_thread.failed_at = self._reconnects
+    def _met_failure(self, epoch: int) -> None:
+        """The calling thread learns that the world of `epoch` failed (see attempt_reconnect)."""
+        self._per_thread.failed_at = epoch
 
     def _on_event(self, event: proto.Event) -> None:
-        if event.epoch and event.epoch < self.epoch:
-            return  # about an epoch this rank has left behind (it reconnected since)
         self._mark_unhealthy(from_code(event.code, event.message), event.epoch)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
@@ -574,11 +646,11 @@ class DaemonBackend(CommBackend):
                 self._imported.discard(buffer_id)
                 self._released.append(buffer_id)
 
-    def _send_releases(self) -> None:
+    def _send_releases(self, transport: Transport) -> None:
         with self._lock:
             released, self._released = self._released, []
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
-            self._transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
+            transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
 
 
 def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | None:

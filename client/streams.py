@@ -26,6 +26,7 @@ class StreamOrder:
         self._lock = threading.Lock()
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._sent: set[int] = set()  # streams whose events this connection's daemon holds
+        self._daemons = 0  # how many times the daemon was replaced (new_daemon)
         self._turns: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
 
     def submit(self, driver: CudaDriver, streams: Sequence[int], early: bool, deadline: bool,
@@ -57,6 +58,7 @@ class StreamOrder:
         """A restarted daemon holds none of our events: each goes again with its next call."""
         with self._lock:
             self._sent.clear()
+            self._daemons += 1
 
     def close(self, driver: CudaDriver | None) -> None:
         """Destroy the events the daemon never had. Those it has stay until the process
@@ -90,7 +92,11 @@ class StreamOrder:
             ready, ready_handle = driver.create_ipc_event()
             done, done_handle = driver.create_ipc_event()
             pair = self._events[stream] = (ready, done, ready_handle, done_handle)
-        if stream not in self._sent:
+        with self._lock:
+            sent, daemons = stream in self._sent, self._daemons
+        if not sent:
             self._send_events(stream, pair[2], pair[3])
-            self._sent.add(stream)
+            with self._lock:
+                if daemons == self._daemons:  # (else the new daemon may lack them: sent again)
+                    self._sent.add(stream)
         return pair[0], pair[1]

@@ -137,7 +137,7 @@ class Transport:
                 if not data:
                     return None  # (the end of the stream)
                 msg = proto.decode(data)
-            except (OSError, proto.ProtoError):
+            except (OSError, ValueError, proto.ProtoError):  # (ValueError: closed meanwhile)
                 return None
             if isinstance(msg, (proto.Error, proto.Event)):
                 return from_code(msg.code, msg.message)
@@ -281,5 +281,6 @@ class Transport:
     def close(self) -> None:
         self._break(DaemonUnavailable("the backend was closed"))
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a send blocked in the kernel)
+        with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
+            self._sock.close()

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import resource
-import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,12 +23,12 @@ from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseE
 from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
+from tests.fault.ranks import join, on_both, own_daemon, summed
 from tests.integration.harness import (
     back_to,
     held_at_rest,
     memfd_mappings,
     open_fds,
-    short_tmpdir,
     world_name,
     world_status,
 )
@@ -40,29 +38,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
-    tmp = short_tmpdir()
-    args = getattr(request, "param", ())
-    process = DaemonProcess(Path(tmp) / "commd.sock", args=args).start()
-    yield process
-    process.stop()
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def on_both(fn: Callable[[int], Any]) -> list[Any]:
-    with ThreadPoolExecutor(2) as pool:
-        return [f.result(30) for f in [pool.submit(fn, r) for r in range(2)]]
-
-
-def join(daemon: DaemonProcess, timeout: float) -> list[DaemonBackend]:
-    world = world_name()
-    return on_both(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=timeout))
-
-
-def summed(comms: list[DaemonBackend], bufs: list[hostmem.HostBuffer]) -> list[list[int]]:
-    for r, buf in enumerate(bufs):
-        buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
-    on_both(lambda r: comms[r].all_reduce(bufs[r].ptr, 8, dtype="i32"))
-    return [buf.view(np.int32).tolist() for buf in bufs]
+    yield from own_daemon(getattr(request, "param", ()))
 
 
 def test_a_buffer_whose_import_timed_out_works_after_reconnect(daemon: DaemonProcess) -> None:
@@ -366,78 +342,6 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
         assert open_fds(os.getpid()) == fds
         back_to(daemon.pid, daemon_base, timeout=5)
         comm.barrier()
-
-
-def met_the_failure(comm: DaemonBackend) -> None:
-    with pytest.raises(CommError):
-        comm.barrier()
-
-
-def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: DaemonProcess) -> None:
-    """DaemonBackend is thread-safe: after the daemon restarts, two threads of rank 0 (a
-    training loop and a heartbeat, each handling the error) call attempt_reconnect together,
-    rank 1 once. Rank 0 is reconnected once (before: both said hello, and one was refused
-    as rank 0 already connected; a later one could close the good connection)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
-        assert summed(comms, bufs) == [[3, 30], [3, 30]]
-        daemon.kill()
-        daemon.start()
-        together = threading.Barrier(3)
-
-        def reconnect(r: int) -> object:
-            met_the_failure(comms[r])
-            together.wait()
-            try:
-                comms[r].attempt_reconnect()
-            except CommError as exc:
-                return exc
-            return "ok"
-
-        with ThreadPoolExecutor(3) as pool:
-            outcomes = [f.result(30) for f in [pool.submit(reconnect, r) for r in (0, 0, 1)]]
-        assert outcomes == ["ok", "ok", "ok"], outcomes
-        assert all(comm.is_healthy() for comm in comms)
-        assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
-
-
-def test_a_thread_reconnecting_after_another_already_did_leaves_the_world_be(
-        daemon: DaemonProcess) -> None:
-    """The late thread of the test above, made certain: rank 0's heartbeat thread met the
-    failure, but the training thread's attempt_reconnect (with rank 1's) rebuilt the world
-    before the heartbeat got to its own. Its attempt_reconnect returns at once (before: it
-    voted again, which failed the new world for both ranks, and then timed out waiting for
-    rank 1). A thread that saw a call work since reconnects for real when it asks."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    heartbeat = ThreadPoolExecutor(1)
-    try:
-        daemon.kill()
-        daemon.start()
-        heartbeat.submit(met_the_failure, comms[0]).result(10)
-        on_both(lambda r: comms[r].attempt_reconnect())
-        epoch = comms[0].epoch
-        heartbeat.submit(comms[0].attempt_reconnect).result(10)
-        assert comms[0].epoch == epoch
-        assert all(comm.is_healthy() for comm in comms)
-        assert summed(comms, bufs) == [[3, 30], [3, 30]]
-
-        works = heartbeat.submit(comms[0].barrier)  # (with rank 1's, below)
-        comms[1].barrier()
-        works.result(10)
-        rebuilt = heartbeat.submit(comms[0].attempt_reconnect)
-        comms[1].attempt_reconnect()  # a rebuild both ranks ask for, healthy or not
-        rebuilt.result(10)
-        assert comms[0].epoch == comms[1].epoch == epoch + 1
-        assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        heartbeat.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def test_a_refused_re_registration_leaves_no_old_daemon_handle_behind(daemon: DaemonProcess) -> None:

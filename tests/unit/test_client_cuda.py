@@ -24,6 +24,7 @@ import pytest
 import proto
 from client import DaemonBackend, HostMemory, MisuseError
 from client.cuda import BindingsDriver, CudaMemory, PointerInfo, available_driver
+from client.daemon import _Answer
 from client.memory import MemoryRef, MemoryResolver
 from proto import MemKind
 from tests.integration.harness import open_fds, world_name
@@ -479,20 +480,20 @@ class AcceptingCuda(DaemonBackend):
         self._transport.post = spy  # type: ignore[method-assign]
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
-                 deadline: bool = True, grace: float = 0.0) -> tuple[proto.Message, list[int]]:
+                 **kwargs: Any) -> _Answer:
         msg = self._build(lambda: make(self._transport.next_id()))
         if isinstance(msg, proto.Import) and msg.kind is not MemKind.HOST:
-            self._send_releases()
+            self._send_releases(self._transport)
             assert len(fds) == (1 if msg.kind is MemKind.CUDA_VMM else 0)
             self.sent.append(msg)
             self.cuda_ids.add(msg.buf)
-            return proto.Ok(msg.id), []
+            return _Answer(proto.Ok(msg.id), [], self._link)
         if isinstance(msg, proto.Submit) and any(
                 isinstance(op, proto.AllReduce) and op.buf and op.buf.buf in self.cuda_ids for op in msg.ops):
-            self._send_releases()
+            self._send_releases(self._transport)
             self.sent.extend(msg.ops)
-            return proto.Ok(msg.id), []
-        return super()._request(lambda _id: msg, fds=fds, deadline=deadline, grace=grace)
+            return _Answer(proto.Ok(msg.id), [], self._link)
+        return super()._request(lambda _id: msg, fds=fds, **kwargs)
 
 
 def test_a_cached_op_on_cuda_memory_is_rechecked_every_call(sock: str) -> None:

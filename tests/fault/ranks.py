@@ -1,0 +1,51 @@
+"""Two ranks as threads of the test process, against a daemon of the test's own
+(restartable: `kill()` then `start()`), for the client's harder paths."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client import CommError, DaemonBackend, hostmem
+from commd.launch import DaemonProcess
+from tests.integration.harness import short_tmpdir, world_name
+
+
+def own_daemon(args: Sequence[str] = ()) -> Iterator[DaemonProcess]:
+    """A fixture's body: a daemon started with `args`, stopped after the test."""
+    tmp = short_tmpdir()
+    process = DaemonProcess(Path(tmp) / "commd.sock", args=args).start()
+    try:
+        yield process
+    finally:
+        process.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def on_both(fn: Callable[[int], Any]) -> list[Any]:
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result(30) for f in [pool.submit(fn, r) for r in range(2)]]
+
+
+def join(daemon: DaemonProcess, timeout: float) -> list[DaemonBackend]:
+    world = world_name()
+    return on_both(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=timeout))
+
+
+def summed(comms: list[DaemonBackend], bufs: list[hostmem.HostBuffer]) -> list[list[int]]:
+    for r, buf in enumerate(bufs):
+        buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
+    on_both(lambda r: comms[r].all_reduce(bufs[r].ptr, 8, dtype="i32"))
+    return [buf.view(np.int32).tolist() for buf in bufs]
+
+
+def met_the_failure(comm: DaemonBackend) -> None:
+    """The calling thread meets the world's failure, as a worker's thread would."""
+    with pytest.raises(CommError):
+        comm.barrier()
