@@ -41,6 +41,7 @@ class _Answer(NamedTuple):
     msg: proto.Message
     fds: list[int]
     link: int  # the daemon connection it came on (DaemonBackend._link)
+    epoch: int  # the rank's epoch when it was sent
 
 
 class _Superseded(Exception):
@@ -279,9 +280,9 @@ class DaemonBackend(CommBackend):
     def symmetric_alloc(self, bytes: int) -> int:
         bytes, = _ints(bytes=bytes)
         buffer_id = self._memory.next_id()
-        _reply, fds, link = self._request(
-            lambda rid: proto.SymAlloc(rid, buffer_id, bytes),
-            undo=functools.partial(_sym_free_late, buffer_id))
+        answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, bytes),
+                               undo=functools.partial(_sym_free_late, buffer_id))
+        fds, link = answer.fds, answer.link
         if len(fds) != 1:
             raise ProtocolError(f"symmetric_alloc reply carried {len(fds)} fds, expected 1")
         if self.engine != "host":  # device memory (ncclMemAlloc): mapped through the driver
@@ -362,17 +363,22 @@ class DaemonBackend(CommBackend):
     def is_healthy(self) -> bool:
         if self._closed:
             return False
+        self._take_news()
+        with self._lock:
+            failure, about = self._failure, self._failure_epoch
+        if failure is None:
+            self._per_thread.failed_at = None  # healthy, as far as this thread knows now
+            return True
+        self._met_failure(about)
+        return False
+
+    def _take_news(self) -> None:
+        """Read the events already waiting, and whether the connection broke."""
         transport = self._transport
         transport.drain_events()
         broken = transport.broken
         if broken is not None:
             self._mark_unhealthy(broken, transport=transport)
-        with self._lock:
-            failure, about = self._failure, self._failure_epoch
-        if failure is None:
-            return True
-        self._met_failure(about)
-        return False
 
     def attempt_reconnect(self) -> None:
         """Rebuild the world at the next epoch. If the daemon itself went away (killed and
@@ -380,16 +386,20 @@ class DaemonBackend(CommBackend):
         epoch, and re-register what the old daemon knew. Threads of this rank that met the
         same failure (an error, or is_healthy() false) reconnect it once: a thread whose
         failure another thread's reconnect already replaced returns at once, however late it
-        comes (a second vote would fail the world just rebuilt for every rank)."""
+        comes (a second vote would fail the world just rebuilt for every rank). A thread
+        that saw a collective work or is_healthy() true since its failure asks for a new
+        rebuild, as does any thread while the world is known to have failed again."""
         self._check_open()
         entered = self._reconnects
         failed_at: int | None = getattr(self._per_thread, "failed_at", None)
         with self._reconnect_lock:
+            self._take_news()  # (another rank's vote since the rebuild has failed it again)
             with self._lock:
                 replaced = self._reconnects != entered or (
                     failed_at is not None and failed_at < self.epoch)
                 healthy = self._failure is None and self._transport.broken is None
             if replaced and healthy:
+                self._per_thread.failed_at = None  # its failure is dealt with: the next call is meant
                 return
             self._reconnect()
             self._reconnects += 1
@@ -533,10 +543,13 @@ class DaemonBackend(CommBackend):
                         self._released.append(ref.buffer_id)
                     raise
                 with self._lock:
-                    if answer.link != self._link:
-                        raise DaemonUnavailable("the daemon went away while this call handed it "
-                                                "a buffer; call attempt_reconnect")
-                    self._imported.add(ref.buffer_id)
+                    handed = answer.link == self._link
+                    if handed:
+                        self._imported.add(ref.buffer_id)
+                if not handed:
+                    self._met_failure(answer.epoch)
+                    raise DaemonUnavailable("the daemon went away while this call handed it "
+                                            "a buffer; call attempt_reconnect")
         return proto.Mem(ref.buffer_id, ref.offset)
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
@@ -614,7 +627,7 @@ class DaemonBackend(CommBackend):
             if isinstance(exc, UNHEALTHY):
                 self._met_failure(self._mark_unhealthy(exc, epoch, transport))
             raise
-        return _Answer(reply, got, used)
+        return _Answer(reply, got, used, epoch)
 
     def _check(self, reply: proto.Message) -> None:
         if isinstance(reply, proto.Error):
@@ -647,7 +660,11 @@ class DaemonBackend(CommBackend):
                 self._released.append(buffer_id)
 
     def _send_releases(self, transport: Transport) -> None:
+        """The Forgets go with a request on the current connection (one a rejoin is replacing
+        would lose them: the new daemon's, once it has imported some)."""
         with self._lock:
+            if transport is not self._transport or transport.broken is not None:
+                return
             released, self._released = self._released, []
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 from client import CommError, DaemonBackend, LimitExceeded, hostmem
 from commd.launch import DaemonProcess
 from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, summed
-from tests.integration.harness import world_name
+from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -250,3 +250,154 @@ def test_close_on_one_thread_gives_a_call_on_another_a_comm_error(daemon: Daemon
         comm.close()
         caller.join(10)
         assert len(ended) == 1 and isinstance(ended[0], CommError), ended
+
+
+@pytest.mark.parametrize("looked", [False, True], ids=["unseen", "seen-healthy"])
+def test_a_thread_whose_failure_was_repaired_still_joins_a_later_rebuild(
+        daemon: DaemonProcess, looked: bool) -> None:
+    """Rank 0's heartbeat met the failure of epoch E; the other threads rebuilt E+1 (and
+    the heartbeat may have seen it healthy). Later rank 1 asks for another rebuild (its
+    vote fails E+1, which rank 0 is told), then the heartbeat asks too: it takes part,
+    and both reach E+2 (before: it returned at once on its old failure, and rank 1 timed
+    out waiting for rank 0)."""
+    comms = join(daemon, timeout=2)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    heartbeat = ThreadPoolExecutor(1)
+    try:
+        with pytest.raises(CommError):
+            comms[0].barrier()  # rank 1 never calls it: epoch E fails
+        heartbeat.submit(met_the_failure, comms[0]).result(10)
+        rebuilt_without(heartbeat, comms, bufs)
+        epoch = comms[0].epoch
+        if looked:
+            assert heartbeat.submit(comms[0].is_healthy).result(10)
+        with ThreadPoolExecutor(1) as rank1:
+            voted = rank1.submit(comms[1].attempt_reconnect)
+            wait_until(lambda: (world_status(daemon, comms[0]._world) or {}).get("state") == "forming",
+                       "rank 1's vote at the daemon", timeout=5)
+            heartbeat.submit(comms[0].attempt_reconnect).result(10)
+            voted.result(10)
+        assert comms[0].epoch == comms[1].epoch == epoch + 1
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        heartbeat.shutdown(wait=True)
+        for comm in comms:
+            comm.close()
+
+
+def slowed(monkeypatch: pytest.MonkeyPatch, comm: DaemonBackend, method: str, thread: str,
+           seconds: float, *, after: bool = False,
+           when: Callable[..., bool] = lambda *args, **kwargs: True) -> threading.Event:
+    """Make `comm.method` sleep `seconds` (before the call, or `after` it) on threads named
+    `thread*` when `when` holds for its arguments, to open a race's window wide. The event
+    is set as the sleep starts."""
+    real = getattr(comm, method)
+    sleeping = threading.Event()
+
+    def pause(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if threading.current_thread().name.startswith(thread) and when(*args, **kwargs):
+            sleeping.set()
+            time.sleep(seconds)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if not after:
+            pause(args, kwargs)
+        result = real(*args, **kwargs)
+        if after:
+            pause(args, kwargs)
+        return result
+
+    monkeypatch.setattr(comm, method, slow)
+    return sleeping
+
+
+def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thread(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's all_reduce hands a new buffer to the daemon, which answers and is killed;
+    the ranks rebuild with a restarted one before the thread goes on. Its call fails (the
+    new daemon never got the buffer), as a failure the rebuild already repaired: the
+    thread's attempt_reconnect returns at once (before: it voted a second rebuild)."""
+    comms = join(daemon, timeout=2)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    fresh = hostmem.alloc(8)
+    worker = ThreadPoolExecutor(1, thread_name_prefix="worker")
+    try:
+        answered = slowed(monkeypatch, comms[0], "_request", "worker", 2.0, after=True,
+                          when=lambda *args, **kwargs: bool(kwargs.get("fds")))  # (the Import)
+        call = worker.submit(comms[0].all_reduce, fresh.ptr, 8, dtype="i32")
+        assert answered.wait(5)
+        daemon.kill()
+        daemon.start()
+        for comm in comms:
+            met_the_failure(comm)
+        rebuilt_without(worker, comms, bufs)  # (its attempt_reconnect queued behind the call)
+        with pytest.raises(CommError, match="went away"):
+            call.result(10)
+    finally:
+        worker.shutdown(wait=True)
+        for comm in comms:
+            comm.close()
+
+
+def test_a_call_sent_into_the_rebuilt_world_and_failed_there_is_not_old_news(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's barrier starts in epoch E but goes out only after both ranks rebuilt E+1;
+    rank 1 never calls it, so E+1 fails. Both ranks then rebuild again: rank 1 (told of it)
+    and that thread, which takes part although its call's error looked like news about E
+    (before: it returned at once, and rank 1 timed out waiting for rank 0)."""
+    comms = join(daemon, timeout=2)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    late = ThreadPoolExecutor(1, thread_name_prefix="late")
+    try:
+        sending = slowed(monkeypatch, comms[0], "_send_releases", "late", 1.0)
+        call = late.submit(comms[0].barrier)
+        assert sending.wait(5)
+        epoch = comms[0].epoch
+        on_both(lambda r: comms[r].attempt_reconnect())
+        with pytest.raises(CommError):
+            call.result(20)
+        with ThreadPoolExecutor(1) as rank1:
+            voted = rank1.submit(comms[1].attempt_reconnect)
+            late.submit(comms[0].attempt_reconnect).result(10)
+            voted.result(10)
+        assert comms[0].epoch == comms[1].epoch == epoch + 2
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        late.shutdown(wait=True)
+        for comm in comms:
+            comm.close()
+
+
+@pytest.mark.parametrize("daemon", [["--max-buffers", "2"]], indirect=True)
+def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's request took the connection just before the daemon was killed and goes
+    out only after the rejoin, when rank 0 has freed a buffer the new daemon imported.
+    That Forget goes to the new daemon with a later request (before: it was posted on the
+    old, closed connection and lost; the new daemon held the buffer against its limit of
+    2, and the next import was refused)."""
+    comms = join(daemon, timeout=3)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    stale = ThreadPoolExecutor(1, thread_name_prefix="stale")
+    try:
+        taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0)
+        request = stale.submit(comms[0].set_add_kernel, 0)
+        assert taken.wait(5)
+        daemon.kill()
+        daemon.start()
+        for comm in comms:
+            met_the_failure(comm)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        gone = [hostmem.alloc(8) for _ in range(2)]
+        on_both(lambda r: comms[r].all_reduce(gone[r].ptr, 8, dtype="i32"))  # the new daemon's
+        for buf in gone:
+            buf.close()  # a Forget waits for rank 0's next request
+        with pytest.raises(CommError):
+            request.result(10)  # (on the old connection)
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # a second buffer: fits, and takes the Forget
+        more = [hostmem.alloc(8) for _ in range(2)]
+        on_both(lambda r: comms[r].all_reduce(more[r].ptr, 8, dtype="i32"))  # a third: only if it went
+    finally:
+        stale.shutdown(wait=True)
+        for comm in comms:
+            comm.close()
