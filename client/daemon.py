@@ -271,11 +271,6 @@ class DaemonBackend(CommBackend):
             if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
                 raise
             # the daemon let go of it with its memory (freed, or dropped from our full cache)
-        except CommError:
-            with self._lock:
-                if link == self._link:
-                    raise
-            # sent as a rejoin replaced the connection: that daemon is gone (see _Superseded)
 
     def symmetric_alloc(self, bytes: int) -> int:
         bytes, = _ints(bytes=bytes)
@@ -367,7 +362,7 @@ class DaemonBackend(CommBackend):
         with self._lock:
             failure, about = self._failure, self._failure_epoch
         if failure is None:
-            self._per_thread.failed_at = None  # healthy, as far as this thread knows now
+            self._failure_behind()  # healthy, as far as this thread knows now
             return True
         self._met_failure(about)
         return False
@@ -395,15 +390,15 @@ class DaemonBackend(CommBackend):
         with self._reconnect_lock:
             self._take_news()  # (another rank's vote since the rebuild has failed it again)
             with self._lock:
-                replaced = self._reconnects != entered or (
+                # another thread reconnected while this one waited, or since its failure
+                repaired = self._reconnects != entered or (
                     failed_at is not None and failed_at < self.epoch)
-                healthy = self._failure is None and self._transport.broken is None
-            if replaced and healthy:
-                self._per_thread.failed_at = None  # its failure is dealt with: the next call is meant
-                return
+                if repaired and self._failure is None:
+                    self._failure_behind()
+                    return
             self._reconnect()
             self._reconnects += 1
-            self._per_thread.failed_at = None
+            self._failure_behind()
 
     def _reconnect(self) -> None:
         rejoin = self._transport.broken is not None
@@ -601,7 +596,7 @@ class DaemonBackend(CommBackend):
             (lambda rid: proto.Submit(rid, ops)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early)))
         self._request(make, deadline=deadline, grace=_JOIN_GRACE_S)
-        self._per_thread.failed_at = None  # it saw the world work since: a later reconnect is meant
+        self._failure_behind()  # it saw the world work: a later attempt_reconnect is meant
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
                  deadline: bool = True, grace: float = 0.0, undo: Undo | None = None,
@@ -624,6 +619,8 @@ class DaemonBackend(CommBackend):
                 msg, time.monotonic() + self._timeout + grace if deadline else None, fds, undo)
             self._check(reply)
         except CommError as exc:
+            if link is not None and link != self._link:
+                raise _Superseded from exc  # (sent on the connection a rejoin was replacing)
             if isinstance(exc, UNHEALTHY):
                 self._met_failure(self._mark_unhealthy(exc, epoch, transport))
             raise
@@ -641,13 +638,18 @@ class DaemonBackend(CommBackend):
         with self._lock:
             about = epoch or self.epoch
             stale = about < self.epoch or (transport is not None and transport is not self._transport)
-            if not stale and self._failure is None:
+            # a newer one replaces an older: the reconnect under way clears only the older
+            if not stale and (self._failure is None or about > self._failure_epoch):
                 self._failure, self._failure_epoch = why, about
         return about
 
     def _met_failure(self, epoch: int) -> None:
         """The calling thread learns that the world of `epoch` failed (see attempt_reconnect)."""
         self._per_thread.failed_at = epoch
+
+    def _failure_behind(self) -> None:
+        """The calling thread has no failure to handle any more (see attempt_reconnect)."""
+        self._per_thread.failed_at = None
 
     def _on_event(self, event: proto.Event) -> None:
         self._mark_unhealthy(from_code(event.code, event.message), event.epoch)

@@ -401,3 +401,40 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
         stale.shutdown(wait=True)
         for comm in comms:
             comm.close()
+
+
+@pytest.mark.parametrize("daemon", [["--max-registrations", "100"]], indirect=True)
+def test_news_of_the_new_epoch_failing_read_while_rejoining_is_kept(daemon: DaemonProcess) -> None:
+    """After a daemon restart rank 0 (one thread) rejoins and registers its 10 buffers
+    again; rank 1, back first, at once asks for another rebuild, which fails the new epoch.
+    Rank 0 reads that news during its re-registration, while the old failure is still on
+    record: it keeps the newer one, so it learns its world failed and joins the rebuild
+    (before: the reconnect's end cleared both; is_healthy() said true for good, and rank
+    1's rebuild timed out waiting for rank 0)."""
+    comms = join(daemon, timeout=3)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    registered = hostmem.alloc(4096)
+    try:
+        for i in range(10):
+            comms[0].register_buffer(registered.ptr + i, 8)
+        daemon.kill()
+        daemon.start()
+        for comm in comms:
+            met_the_failure(comm)
+
+        def rank1() -> None:
+            comms[1].attempt_reconnect()
+            comms[1].attempt_reconnect()  # at once: a rebuild rank 0 must join
+
+        with ThreadPoolExecutor(1) as other:
+            both = other.submit(rank1)
+            comms[0].attempt_reconnect()
+            epoch = comms[0].epoch
+            wait_until(lambda: not comms[0].is_healthy(), "rank 0 to learn of rank 1's vote", timeout=5)
+            comms[0].attempt_reconnect()
+            both.result(10)
+        assert comms[0].epoch == comms[1].epoch == epoch + 1
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
