@@ -126,6 +126,7 @@ class DaemonBackend(CommBackend):
         self._failure: CommError | None = None  # why the world is unhealthy
         self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
+        self._joining: Transport | None = None  # a rejoin's connection until its hello is answered
         # register_buffer hands out our own handles: a restarted daemon hands out new ones
         # ours -> (ptr, bytes, the daemon's, the _link it holds it on); the daemon's is None while
         # a rejoin registers it again, or if its memory went before a restarted daemon knew it
@@ -149,13 +150,20 @@ class DaemonBackend(CommBackend):
             max(1, int(self._timeout * 1000)), self._device, self._bootstrap, self._token,
             self.epoch, uuid))
         transport = Transport(self._path, self._timeout, self._on_event)
+        with self._lock:
+            if not self._closed:
+                self._joining = transport
         try:
+            self._check_open()  # (close() came while connecting: it never saw this one)
             reply, _ = transport.request(hello, deadline)
             self._check(reply)
             assert isinstance(reply, proto.Welcome)
         except BaseException:
             transport.close()
             raise
+        finally:
+            with self._lock:
+                self._joining = None
         self.engine = reply.engine
         return transport, reply.epoch
 
@@ -311,14 +319,21 @@ class DaemonBackend(CommBackend):
         (self._imported if link == self._link else self._orphans).add(buffer_id)
 
     def symmetric_free(self, ptr: int) -> None:
-        with self._lock:
+        with self._lock:  # claimed, so that close() on another thread does not unmap it too
+            device = self._device_symmetric.pop(ptr, None)
             buffer = self._symmetric.get(ptr)
-            device = self._device_symmetric.get(ptr)
         if device is not None:
             buffer_id, size = device
-            self._sym_free(buffer_id)
-            with self._lock:
-                del self._device_symmetric[ptr]
+            try:
+                self._sym_free(buffer_id)
+            except BaseException:
+                with self._lock:
+                    kept = not self._closed
+                    if kept:  # not freed: the caller may try again
+                        self._device_symmetric[ptr] = device
+                if not kept:  # close() came meanwhile and no longer saw it
+                    self._resolver.unmap_symmetric(buffer_id, ptr, size)
+                raise
             self._resolver.unmap_symmetric(buffer_id, ptr, size)
             return
         if buffer is None:
@@ -414,13 +429,13 @@ class DaemonBackend(CommBackend):
                 rejoin = True
         if rejoin:
             self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
+        # before the world reads healthy: a group opened after that is the new world's
+        self._groups.drop_all()
         with self._lock:
             if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
                 self._failure, self._failure_epoch = None, 0
-        self._groups.drop_all()
 
     def _rejoin(self, deadline: float) -> None:
-        self._ops.clear()  # the new daemon knows none of our buffers
         self._transport.close()  # the daemon must see the old connection go, or the rank is taken
         with self._lock:
             # after the close, so no request on the old connection can succeed under the new
@@ -435,6 +450,9 @@ class DaemonBackend(CommBackend):
             # the old daemon's handle, which the new one hands out again to another
             for handle, (ptr, nbytes, _, _) in list(self._registrations.items()):
                 self._registrations[handle] = (ptr, nbytes, None, link)
+        # after the imports went (an op built from them meanwhile is not kept); not under _lock:
+        # a finalizer may reach the cache's lock while this thread holds it
+        self._ops.clear()
         self._order.new_daemon()
         delay = 0.05
         while True:
@@ -485,13 +503,15 @@ class DaemonBackend(CommBackend):
                 return
             self._closed = True
             symmetric, self._symmetric = list(self._symmetric.values()), {}
-            transport = self._transport
+            device_symmetric, self._device_symmetric = self._device_symmetric, {}
+            transport, joining = self._transport, self._joining
         transport.close()
+        if joining is not None:  # a rejoin's hello: it must not take the rank after we left
+            joining.close()
         self._order.close(self._resolver.driver)
-        for ptr, (buffer_id, size) in list(self._device_symmetric.items()):
+        for ptr, (buffer_id, size) in device_symmetric.items():
             with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo
                 self._resolver.unmap_symmetric(buffer_id, ptr, size)
-        self._device_symmetric.clear()
         for buffer in symmetric:
             with contextlib.suppress(MisuseError):  # the worker holds views: mapped until they go
                 buffer.close()

@@ -41,7 +41,7 @@ class Groups:
         self._generation = 0
 
     def start(self) -> None:
-        group = self.current()
+        group = self._kept()
         if group is None:
             group = self._local.group = OpenGroup(self._generation)
         group.depth += 1
@@ -58,10 +58,23 @@ class Groups:
         return group
 
     def current(self) -> OpenGroup | None:
-        """This thread's open group (one opened before drop_all is gone)."""
-        group: OpenGroup | None = getattr(self._local, "group", None)
-        return group if group is not None and group.generation == self._generation else None
+        """This thread's open group. One a reconnect dropped is refused once, at the first
+        call or group_end that meets it, and then gone (its calls, sent alone, would not be
+        what the caller meant; a group_start begins a new one)."""
+        dropped = getattr(self._local, "group", None)
+        group = self._kept()
+        if dropped is not None and group is None:
+            raise MisuseError("a reconnect ended this thread's group (its calls were for the world "
+                              "before): make the calls again in a new group")
+        return group
 
     def drop_all(self) -> None:
         """End every thread's open group (a reconnect: what they held was for the old world)."""
         self._generation += 1
+
+    def _kept(self) -> OpenGroup | None:
+        """This thread's group, unless a reconnect dropped it (then it is forgotten)."""
+        group: OpenGroup | None = getattr(self._local, "group", None)
+        if group is not None and group.generation != self._generation:
+            group = self._local.group = None
+        return group

@@ -51,6 +51,7 @@ class HostBuffer:
         self.nbytes = nbytes
         self.size = max(nbytes, 1)  # mmap cannot map 0 bytes; ptr stays valid for 0-byte calls
         self.fd = fd
+        self._owner = owner
         self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                                  mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
@@ -84,6 +85,7 @@ class HostBuffer:
         if self._mmap is None:
             return
         self._bytes = None
+        self._owner._releasing()
         try:
             self._mmap.close()
         except BufferError:
@@ -104,6 +106,7 @@ class HostBuffer:
 
 
 def _reclaim(owner: HostMemory, buffer_id: int, ptr: int, mapped: mmap.mmap, fd: int) -> None:
+    owner._releasing()
     with contextlib.suppress(BufferError):  # dropped with live views: unmapped when they go
         mapped.close()
     os.close(fd)
@@ -120,6 +123,9 @@ class HostMemory:
         self._starts: list[int] = []
         self._by_start: dict[int, tuple[int, weakref.ref[HostBuffer]]] = {}
         self._listeners: list[weakref.WeakMethod[ReleaseListener]] = []
+        # Bumped before a buffer is unmapped, so before its address can be handed out again
+        # (the listeners hear of it only after): what was built from an address before is stale
+        self.releases = 0
 
     def next_id(self) -> int:
         with self._lock:
@@ -163,6 +169,10 @@ class HostMemory:
         """Call `listener(buffer_id)` when a buffer is freed (held weakly: a bound method)."""
         with self._lock:
             self._listeners.append(weakref.WeakMethod(listener))
+
+    def _releasing(self) -> None:
+        with self._lock:
+            self.releases += 1
 
     def _released(self, buffer_id: int, ptr: int) -> None:
         with self._lock:

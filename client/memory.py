@@ -73,6 +73,10 @@ class MemoryResolver:
         self._probed = False
         self._cuda: CudaMemory | None = None
 
+    def host_releases(self) -> int:
+        """How many host buffers have begun to be released (see HostMemory.releases)."""
+        return self._host.releases
+
     def resolve(self, ptr: int, nbytes: int) -> MemoryRef | None:
         """The allocation holding [ptr, ptr+nbytes), or None for an empty span.
 

@@ -16,34 +16,38 @@ _SIZE = 1024  # entries per kind; a full cache starts afresh
 
 
 class OpCache:
-    """An op on host memory is reused until any buffer is released (its address may be
-    reused by another). One naming CUDA allocations is reused only once they are checked
-    alive again (one BUFFER_ID query each): an address freed and reused must never reach
-    the daemon with the old buffer's id. Safe to use from several threads."""
+    """An op on host memory is reused until any host buffer is released (its address may
+    be reused by another): checked against the table's count of releases, which moves
+    before the address is free, not only when the backend hears of it after. One naming
+    CUDA allocations is reused only once they are checked alive again (one BUFFER_ID
+    query each): an address freed and reused must never reach the daemon with the old
+    buffer's id. Safe to use from several threads."""
 
     def __init__(self, resolver: MemoryResolver) -> None:
         self._resolver = resolver
         # Reentrant: a collection may start while this thread holds it, and a HostBuffer it
         # finalizes reaches clear() through the backend (a plain Lock waited for itself)
         self._lock = threading.RLock()
-        self._host: dict[Key, proto.Op] = {}
+        self._host: dict[Key, tuple[proto.Op, int]] = {}  # -> (op, host releases when built)
         self._device: dict[Key, tuple[proto.Op, tuple[int, ...]]] = {}
         self._generation = 0  # a clear since an op was built: it may name a released buffer
 
     def get(self, key: Key, build: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
         """The op for `key`, and whether it names device memory. `build` makes it when none
         is cached or alive; it runs outside the lock (it may import a buffer: a round trip)."""
+        releases = self._resolver.host_releases()
         with self._lock:
-            op = self._host.get(key)
-            cached = self._device.get(key) if op is None else None
+            host = self._host.get(key)
+            cached = self._device.get(key) if host is None else None
             generation = self._generation
-        if op is not None:
-            return op, False
+        if host is not None and host[1] == releases:
+            return host[0], False
         if cached is not None and self._resolver.still_valid(cached[1]):
             return cached[0], True
         op = build()
         device = self._resolver.device_buffers(mem.buf for mem in _mems(op))
-        entry = (op, device) if device else op  # (made before the lock: fewer collections under it)
+        # (made before the lock: fewer collections under it)
+        entry = (op, device) if device else (op, releases)
         with self._lock:
             cache: dict[Key, Any] = self._device if device else self._host
             if len(cache) >= _SIZE:

@@ -10,6 +10,7 @@ socket, the protocol, the daemon's server, sessions, worlds and matching are rea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from client import CommTimeout, DaemonBackend, MisuseError
+from client import CommError, CommTimeout, DaemonBackend, MisuseError
 from client.cuda import PointerInfo
 from commd.engine.gpu import Imported
 from tests.contract.fakegpu import FakeGpu
@@ -378,6 +379,41 @@ def test_symmetric_memory_the_worker_cannot_map_is_let_go_at_once(daemon: GpuDae
         while gpu.allocations != before:  # (ncclMemFree runs on the daemon's NCCL gate thread)
             assert time.monotonic() < deadline
             time.sleep(0.01)
+
+
+def test_symmetric_free_racing_close_unmaps_once(daemon: GpuDaemon, gpu: FakeGpu,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() on one thread while symmetric_free of device memory runs on another (held
+    after the daemon freed it): the memory is unmapped once, and the free ends with no
+    error or a CommError (before: a KeyError, and without it a second unmap)."""
+    driver = WorkerDriver(gpu)
+    comm = DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=20,
+                         cuda_driver=lambda: driver)
+    ptr = comm.symmetric_alloc(16)
+    unmapped: list[int] = []
+    unmap = driver.unmap_shared
+
+    def counted_unmap(mapped: int, size: int) -> None:
+        unmapped.append(mapped)
+        unmap(mapped, size)
+
+    monkeypatch.setattr(driver, "unmap_shared", counted_unmap)
+    sym_free = comm._sym_free
+    freed = threading.Event()
+
+    def slow_sym_free(buffer_id: int) -> None:
+        sym_free(buffer_id)
+        freed.set()
+        time.sleep(0.5)  # close() runs here
+
+    monkeypatch.setattr(comm, "_sym_free", slow_sym_free)
+    with ThreadPoolExecutor(1) as other:
+        freeing = other.submit(comm.symmetric_free, ptr)
+        assert freed.wait(10)
+        comm.close()
+        with contextlib.suppress(CommError):
+            freeing.result(10)
+    assert unmapped.count(ptr) == 1, unmapped
 
 
 def test_registered_buffers_are_registered_with_nccl_again_after_a_rebuild(daemon: GpuDaemon,

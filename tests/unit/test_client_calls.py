@@ -39,6 +39,24 @@ def test_a_built_op_is_reused_until_cleared() -> None:
     assert len(built) == 2
 
 
+def test_a_host_op_is_not_reused_once_a_host_buffer_begins_to_go() -> None:
+    """A buffer's address is free for reuse as soon as it is unmapped, before the backend
+    hears of it: a cached op on host memory is stale from the moment a release begins."""
+    memory = HostMemory()
+    ops, built = OpCache(MemoryResolver(memory, driver=no_driver)), []
+
+    def build() -> proto.Op:
+        built.append(1)
+        return proto.AllReduce(proto.Mem(7, 0), 8)
+
+    ops.get(("ar", 1), build)
+    memory.alloc(8).close()  # unmapped; nobody has cleared the cache
+    ops.get(("ar", 1), build)
+    assert len(built) == 2
+    ops.get(("ar", 1), build)
+    assert len(built) == 2  # (and kept again)
+
+
 def test_an_op_built_across_a_clear_is_used_once_not_kept() -> None:
     """A buffer released while another thread built an op naming it: that op may name the
     released buffer, so the cache must not keep it (its address may be reused)."""
@@ -126,6 +144,14 @@ def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
     with pytest.raises(MisuseError):
         group.add(proto.Barrier(), None, early=False)
     groups.drop_all()
+    with pytest.raises(MisuseError, match="reconnect ended"):
+        groups.current()  # told once: its calls would not be the group they were meant for
     assert groups.current() is None
-    with pytest.raises(MisuseError):
-        groups.end()  # its group_start was for the world before the reconnect
+    with pytest.raises(MisuseError, match="without group_start"):
+        groups.end()
+    groups.start()
+    groups.drop_all()
+    with pytest.raises(MisuseError, match="reconnect ended"):
+        groups.end()  # (told at its group_end too)
+    groups.start()  # after the reconnect: a new group
+    assert groups.current() is not None
