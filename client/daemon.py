@@ -27,7 +27,7 @@ from .errors import (
     ProtocolError,
     from_code,
 )
-from .groups import Groups
+from .groups import Basis, Groups
 from .hostmem import HostBuffer, HostMemory, default_memory
 from .memory import DriverFactory, MemoryResolver
 from .opcache import OpCache
@@ -118,7 +118,7 @@ class DaemonBackend(CommBackend):
         self._released: list[int] = []
         self._symmetric: dict[int, HostBuffer] = {}
         self._device_symmetric: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
-        self._groups = Groups()
+        self._groups = Groups(on_dropped=self._met_failure)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
@@ -319,9 +319,9 @@ class DaemonBackend(CommBackend):
         (self._imported if link == self._link else self._orphans).add(buffer_id)
 
     def symmetric_free(self, ptr: int) -> None:
-        with self._lock:  # claimed, so that close() on another thread does not unmap it too
+        with self._lock:  # claimed, so that close() on another thread does not free it too
             device = self._device_symmetric.pop(ptr, None)
-            buffer = self._symmetric.get(ptr)
+            buffer = self._symmetric.pop(ptr, None)
         if device is not None:
             buffer_id, size = device
             try:
@@ -340,9 +340,13 @@ class DaemonBackend(CommBackend):
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
         # Ours first: with views of it alive this refuses, and nothing has changed (told the
         # daemon first, the memory would be gone there and the pointer unknown here for good)
-        buffer.close()
-        with self._lock:
-            self._symmetric.pop(ptr, None)
+        try:
+            buffer.close()
+        except MisuseError:
+            with self._lock:
+                if not self._closed:  # (else close() has let go of the rest)
+                    self._symmetric[ptr] = buffer
+            raise
         self._sym_free(buffer.id)
 
     def _sym_free(self, buffer_id: int) -> None:
@@ -363,12 +367,13 @@ class DaemonBackend(CommBackend):
 
     def group_start(self) -> None:
         self._check_open()
-        self._groups.start()
+        self._groups.start(self._basis())
 
     def group_end(self) -> None:
         group = self._groups.end()
         if group is not None and group.ops:
-            self._device_submit(tuple(group.ops), list(group.streams), group.early, group.deadline)
+            self._device_submit(tuple(group.ops), list(group.streams), group.early, group.deadline,
+                                group.basis)
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -573,37 +578,42 @@ class DaemonBackend(CommBackend):
         `key`, its arguments. An op on device memory follows `stream` (default: the
         backend's); `early`: it may be answered once ordered on the device (the async calls)."""
         self._check_open()
+        basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
         op, on_device = self._ops.get(key, lambda: self._build(make_op))
         follows = (self._stream if stream is None else stream) if on_device else None
         group = self._groups.current()
         if group is not None:
             group.add(op, follows, early, deadline)
             return
-        self._device_submit((op,), [] if follows is None else [follows], early, deadline)
+        self._device_submit((op,), [] if follows is None else [follows], early, deadline, basis)
+
+    def _basis(self) -> Basis:
+        with self._lock:
+            return Basis(self._link, self.epoch)
 
     def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
-                       deadline: bool) -> None:
+                       deadline: bool, basis: Basis) -> None:
         """Submit ops; those on device memory follow the worker's `streams`: with an engine
         that has streams, through their events (`StreamOrder`; all but the first are
         waited for here); otherwise all are waited for here."""
         driver = self._resolver.driver
         if not streams or driver is None:
-            self._submit(ops, deadline)
+            self._submit(ops, deadline, basis)
             return
         by_events = self.engine != "host"  # the host engine has no streams (and refuses device memory)
         for stream in streams[1:] if by_events else streams:
             driver.synchronize(stream)
         if not by_events:
-            self._submit(ops, deadline)
+            self._submit(ops, deadline, basis)
             return
         self._order.submit(driver, streams, early, deadline,
-                           lambda first: self._submit(ops, deadline, stream=first, early=early))
+                           lambda first: self._submit(ops, deadline, basis, stream=first, early=early))
 
     def _send_events(self, stream: int, ready: bytes, done: bytes) -> None:
         self._request(lambda rid: proto.StreamEvents(rid, stream, ready, done))
 
-    def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, stream: int | None = None,
-                early: bool = False) -> None:
+    def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, basis: Basis,
+                stream: int | None = None, early: bool = False) -> None:
         with self._lock:
             failure, about = self._failure, self._failure_epoch
         if failure is not None:
@@ -615,7 +625,12 @@ class DaemonBackend(CommBackend):
         make: Callable[[int], proto.Request] = (
             (lambda rid: proto.Submit(rid, ops)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early)))
-        self._request(make, deadline=deadline, grace=_JOIN_GRACE_S)
+        try:
+            self._request(make, deadline=deadline, grace=_JOIN_GRACE_S, link=basis.link)
+        except _Superseded:  # built against a daemon a rejoin replaced meanwhile
+            self._met_failure(basis.epoch)
+            raise DaemonUnavailable("the daemon went away during this call; call attempt_reconnect") \
+                from None
         self._failure_behind()  # it saw the world work: a later attempt_reconnect is meant
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),

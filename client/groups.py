@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
+from typing import NamedTuple
 
 import proto
 
 from .errors import MisuseError
+
+
+class Basis(NamedTuple):
+    """What a call's ops were built against: the daemon connection (DaemonBackend._link)
+    and the world's epoch. Sent on another connection, they would name its buffers wrongly."""
+
+    link: int
+    epoch: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -15,6 +25,7 @@ class OpenGroup:
     """A thread's calls since its outermost group_start."""
 
     generation: int  # the Groups' at group_start (drop_all ends the group)
+    basis: Basis  # at group_start
     depth: int = 0
     ops: list[proto.Op] = dataclasses.field(default_factory=list)
     # the streams its device calls follow (in order), and whether all may be answered once ordered
@@ -34,16 +45,20 @@ class OpenGroup:
 
 
 class Groups:
-    """Open groups per thread, as NCCL's are: another thread's call is never part of ours."""
+    """Open groups per thread, as NCCL's are: another thread's call is never part of ours.
+    A group a reconnect dropped is refused once, at the first group_start, call or group_end
+    that meets it, and then forgotten: its calls, sent alone, would not be what the caller
+    meant. `on_dropped(epoch)` hears of the refusal first: the thread met that world's end."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_dropped: Callable[[int], None]) -> None:
         self._local = threading.local()
         self._generation = 0
+        self._on_dropped = on_dropped
 
-    def start(self) -> None:
-        group = self._kept()
+    def start(self, basis: Basis) -> None:
+        group = self.current()
         if group is None:
-            group = self._local.group = OpenGroup(self._generation)
+            group = self._local.group = OpenGroup(self._generation, basis)
         group.depth += 1
 
     def end(self) -> OpenGroup | None:
@@ -58,12 +73,11 @@ class Groups:
         return group
 
     def current(self) -> OpenGroup | None:
-        """This thread's open group. One a reconnect dropped is refused once, at the first
-        call or group_end that meets it, and then gone (its calls, sent alone, would not be
-        what the caller meant; a group_start begins a new one)."""
-        dropped = getattr(self._local, "group", None)
-        group = self._kept()
-        if dropped is not None and group is None:
+        """This thread's open group."""
+        group: OpenGroup | None = getattr(self._local, "group", None)
+        if group is not None and group.generation != self._generation:
+            self._local.group = None
+            self._on_dropped(group.basis.epoch)
             raise MisuseError("a reconnect ended this thread's group (its calls were for the world "
                               "before): make the calls again in a new group")
         return group
@@ -71,10 +85,3 @@ class Groups:
     def drop_all(self) -> None:
         """End every thread's open group (a reconnect: what they held was for the old world)."""
         self._generation += 1
-
-    def _kept(self) -> OpenGroup | None:
-        """This thread's group, unless a reconnect dropped it (then it is forgotten)."""
-        group: OpenGroup | None = getattr(self._local, "group", None)
-        if group is not None and group.generation != self._generation:
-            group = self._local.group = None
-        return group

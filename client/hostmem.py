@@ -52,6 +52,7 @@ class HostBuffer:
         self.size = max(nbytes, 1)  # mmap cannot map 0 bytes; ptr stays valid for 0-byte calls
         self.fd = fd
         self._owner = owner
+        self._closing = threading.Lock()  # close() from two threads unmaps once
         self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                                  mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
@@ -82,16 +83,17 @@ class HostBuffer:
 
     def close(self) -> None:
         """Unmap and free. Views returned by `view()` must be gone first."""
-        if self._mmap is None:
-            return
-        self._bytes = None
-        self._owner._releasing()
-        try:
-            self._mmap.close()
-        except BufferError:
-            self._bytes = np.frombuffer(self._mmap, np.uint8)
-            raise MisuseError(f"host buffer {self.id} still has live views; drop them first") from None
-        self._mmap = None
+        with self._closing:
+            if self._mmap is None:
+                return
+            self._bytes = None
+            self._owner._releasing()
+            try:
+                self._mmap.close()
+            except BufferError:
+                self._bytes = np.frombuffer(self._mmap, np.uint8)
+                raise MisuseError(f"host buffer {self.id} still has live views; drop them first") from None
+            self._mmap = None
         self._reclaim()
 
     def __enter__(self) -> HostBuffer:

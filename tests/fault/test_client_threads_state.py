@@ -6,6 +6,7 @@ connection holding the rank. Each ends with a call whose data is checked."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 from client import CommError, DaemonBackend, MisuseError, hostmem
 from commd.launch import DaemonProcess
 from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, summed
-from tests.integration.harness import wait_until, world_status
+from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
 _BIG = 64 << 20
@@ -184,3 +185,103 @@ def test_close_during_another_threads_rejoin_leaves_the_rank_free(daemon: Daemon
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_a_thread_told_its_group_was_ended_by_a_reconnect_does_not_vote_again(
+        daemon: DaemonProcess) -> None:
+    """The training thread is inside a group when the daemon is killed and restarted; the
+    heartbeat threads of both ranks reconnect. Its next call in the group is refused, and
+    its handler's attempt_reconnect returns at once: that failure is repaired (before: it
+    voted a second rebuild, failed the new world for both ranks and timed out)."""
+    comms = join(daemon, timeout=3)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        comms[0].group_start()
+        comms[0].send_to(bufs[0].ptr, 8, 1)
+        daemon.kill()
+        daemon.start()
+
+        def heartbeat(r: int) -> None:
+            wait_until(lambda: not comms[r].is_healthy(), "the failure", timeout=10)
+            comms[r].attempt_reconnect()
+
+        on_both(heartbeat)
+        epoch = comms[0].epoch
+        with pytest.raises(MisuseError, match="ended this thread's group"):
+            comms[0].recv_from(bufs[0].ptr, 8, 1)
+        comms[0].attempt_reconnect()
+        assert comms[0].epoch == epoch
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training thread has its cached all_reduce op (naming buffers the old daemon
+    imported) when it is held (1.5 s here) while both ranks rejoin a restarted daemon.
+    Its call then fails as one the restart cut short, and counts as that failure: its
+    attempt_reconnect returns at once and the next call works (before: the op went to the
+    new daemon, which refused it as 'never imported', and rank 1's call timed out)."""
+    comms = join(daemon, timeout=3)
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # the op cached
+        daemon.kill()
+        daemon.start()
+        groups = comms[0]._groups
+        current = groups.current
+        fetched = threading.Event()
+
+        def held_current() -> object:
+            if threading.current_thread().name.startswith("training"):
+                fetched.set()
+                time.sleep(1.5)
+            return current()
+
+        monkeypatch.setattr(groups, "current", held_current)
+        with ThreadPoolExecutor(1, thread_name_prefix="training") as training:
+            call = training.submit(comms[0].all_reduce, bufs[0].ptr, 8, dtype="i32")
+            assert fetched.wait(5)
+            on_both(lambda r: comms[r].attempt_reconnect())
+            epoch = comms[0].epoch
+            with pytest.raises(CommError, match="went away"):
+                call.result(10)
+            training.submit(comms[0].attempt_reconnect).result(10)
+        assert comms[0].epoch == epoch
+        monkeypatch.undo()
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonProcess) -> None:
+    """symmetric_free on one thread while close() runs on another (the free's unmap held
+    here): neither raises anything but a CommError, the buffer is unmapped once, and
+    close() lets go of the other symmetric buffers (before: close() raised AttributeError
+    from the buffer's second unmap and left the rest mapped)."""
+    memory = hostmem.HostMemory()
+    comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5, memory=memory)
+    freed_ptr, other_ptr = comm.symmetric_alloc(64), comm.symmetric_alloc(64)
+    other = memory.locate(other_ptr)
+    assert other is not None
+    releasing = memory._releasing
+    unmapping = threading.Event()
+
+    def slow_releasing() -> None:
+        releasing()
+        if threading.current_thread().name.startswith("freeing"):
+            unmapping.set()
+            time.sleep(0.3)
+
+    memory._releasing = slow_releasing  # type: ignore[method-assign]
+    with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
+        freed = freeing.submit(comm.symmetric_free, freed_ptr)
+        assert unmapping.wait(5)
+        comm.close()
+        with contextlib.suppress(CommError):
+            freed.result(10)
+    assert other.closed
+    assert memory.locate(freed_ptr) is None and memory.locate(other_ptr) is None

@@ -8,12 +8,13 @@ import pytest
 
 import proto
 from client import MisuseError
-from client.groups import Groups
+from client.groups import Basis, Groups
 from client.hostmem import HostMemory
 from client.memory import MemoryResolver
 from client.opcache import OpCache
 
 pytestmark = pytest.mark.timeout(30)
+BASIS = Basis(link=0, epoch=1)
 
 
 def no_driver() -> None:
@@ -103,9 +104,9 @@ def test_a_finalizer_that_clears_the_cache_while_this_thread_holds_it_does_not_d
 
 
 def test_groups_nest_and_belong_to_their_thread() -> None:
-    groups = Groups()
-    groups.start()
-    groups.start()
+    groups = Groups(on_dropped=lambda epoch: None)
+    groups.start(BASIS)
+    groups.start(BASIS)
     groups.current().add(proto.Barrier(), None, early=False)  # type: ignore[union-attr]
     seen: list[object] = []
     other = threading.Thread(target=lambda: seen.append(groups.current()))
@@ -121,8 +122,8 @@ def test_groups_nest_and_belong_to_their_thread() -> None:
 
 
 def test_a_group_on_device_memory_follows_every_stream_once() -> None:
-    groups = Groups()
-    groups.start()
+    groups = Groups(on_dropped=lambda epoch: None)
+    groups.start(BASIS)
     group = groups.current()
     assert group is not None
     group.add(proto.Barrier(), 5, early=True)
@@ -135,8 +136,9 @@ def test_a_group_on_device_memory_follows_every_stream_once() -> None:
 
 
 def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
-    groups = Groups()
-    groups.start()
+    dropped: list[int] = []
+    groups = Groups(on_dropped=dropped.append)
+    groups.start(BASIS)
     group = groups.current()
     assert group is not None
     for _ in range(proto.MAX_GROUP_OPS):
@@ -146,12 +148,15 @@ def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
     groups.drop_all()
     with pytest.raises(MisuseError, match="reconnect ended"):
         groups.current()  # told once: its calls would not be the group they were meant for
+    assert dropped == [BASIS.epoch]  # (the thread met the end of that epoch's world)
     assert groups.current() is None
     with pytest.raises(MisuseError, match="without group_start"):
         groups.end()
-    groups.start()
-    groups.drop_all()
-    with pytest.raises(MisuseError, match="reconnect ended"):
-        groups.end()  # (told at its group_end too)
-    groups.start()  # after the reconnect: a new group
+    for meets_it in (groups.end, lambda: groups.start(BASIS)):  # group_end, or a nested start
+        groups.start(BASIS)
+        groups.drop_all()
+        with pytest.raises(MisuseError, match="reconnect ended"):
+            meets_it()
+    assert groups.current() is None
+    groups.start(BASIS)  # after the reconnect: a new group
     assert groups.current() is not None
