@@ -367,7 +367,8 @@ class DaemonBackend(CommBackend):
 
     def group_start(self) -> None:
         self._check_open()
-        self._groups.start(self._basis())
+        with self._lock:  # with the epoch it is for: a reconnect moves both under _lock
+            self._groups.start(Basis(self._link, self.epoch))
 
     def group_end(self) -> None:
         group = self._groups.end()
@@ -428,14 +429,12 @@ class DaemonBackend(CommBackend):
                 # its answer time to arrive rather than give up just before it does
                 answer = self._request(proto.Reconnect, grace=_JOIN_GRACE_S)
                 with self._lock:
-                    self.epoch = answer.msg.value  # type: ignore[union-attr]
+                    self._new_epoch(answer.msg.value)  # type: ignore[union-attr]
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
                 self._check_open()  # (or close() on another thread broke it)
                 rejoin = True
         if rejoin:
             self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
-        # before the world reads healthy: a group opened after that is the new world's
-        self._groups.drop_all()
         with self._lock:
             if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
                 self._failure, self._failure_epoch = None, 0
@@ -472,7 +471,8 @@ class DaemonBackend(CommBackend):
                 continue
             with self._lock:  # close() takes _closed under it, then closes whichever transport is ours
                 if not self._closed:
-                    self._transport, self.epoch = transport, epoch
+                    self._transport = transport
+                    self._new_epoch(epoch)
                     break
             transport.close()
             self._check_open()
@@ -586,6 +586,12 @@ class DaemonBackend(CommBackend):
             group.add(op, follows, early, deadline)
             return
         self._device_submit((op,), [] if follows is None else [follows], early, deadline, basis)
+
+    def _new_epoch(self, epoch: int) -> None:
+        """(Under _lock) The world is rebuilt at `epoch`: every open group was for the one
+        before (one opened from now on is the new one's, and kept)."""
+        self.epoch = epoch
+        self._groups.drop_all()
 
     def _basis(self) -> Basis:
         with self._lock:

@@ -285,3 +285,59 @@ def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonP
             freed.result(10)
     assert other.closed
     assert memory.locate(freed_ptr) is None and memory.locate(other_ptr) is None
+
+
+def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kept(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a daemon restart rank 0's heartbeat rejoins: the world is rebuilt (a new
+    epoch), then it registers rank 0's buffer again (held here: the round trips of a rank
+    with registrations). The training thread opens a group in between; once the world
+    reads healthy it sends and receives in it, paired with rank 1's group (before: the
+    reconnect's end dropped that group; refused, the thread's handler voted a second
+    rebuild, which timed out)."""
+    comms = join(daemon, timeout=3)
+    send = [hostmem.alloc(8) for _ in range(2)]
+    recv = [hostmem.alloc(8) for _ in range(2)]
+    try:
+        comms[0].register_buffer(send[0].ptr, 8)
+        daemon.kill()
+        daemon.start()
+        for comm in comms:
+            met_the_failure(comm)
+        epoch = comms[0].epoch
+        register_again = comms[0]._register_again
+        registering = threading.Event()
+
+        def held_register_again() -> None:
+            registering.set()
+            time.sleep(1.0)
+            register_again()
+
+        monkeypatch.setattr(comms[0], "_register_again", held_register_again)
+        for r in range(2):
+            send[r].view(np.int32)[:] = [r + 1, r + 1]
+        with ThreadPoolExecutor(2) as heartbeats:
+            rebuilt = [heartbeats.submit(comms[r].attempt_reconnect) for r in range(2)]
+            assert registering.wait(10)
+            assert comms[0].epoch > epoch
+            comms[0].group_start()  # (this thread: rank 0's training loop)
+            wait_until(comms[0].is_healthy, "the rebuilt world", timeout=10)
+            for f in rebuilt:
+                f.result(10)
+        comms[0].send_to(send[0].ptr, 8, 1)
+        comms[0].recv_from(recv[0].ptr, 8, 1)
+
+        def rank1_group() -> None:
+            comms[1].group_start()
+            comms[1].send_to(send[1].ptr, 8, 0)
+            comms[1].recv_from(recv[1].ptr, 8, 0)
+            comms[1].group_end()
+
+        with ThreadPoolExecutor(1) as rank1:
+            other = rank1.submit(rank1_group)
+            comms[0].group_end()
+            other.result(10)
+        assert [r.view(np.int32).tolist() for r in recv] == [[2, 2], [1, 1]]
+    finally:
+        for comm in comms:
+            comm.close()
