@@ -5,7 +5,6 @@ and every rank's attempt_reconnect rebuilds the world."""
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,17 +24,25 @@ pytestmark = pytest.mark.timeout(120)
 WINDOW_S = 1.0
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def start(path: Path, name: str, port: int) -> DaemonProcess:
+def start(path: Path, name: str, port: int = 0) -> DaemonProcess:
+    """Port 0: the kernel picks one no one holds (a port probed free and bound later may be
+    taken meanwhile, by any connection's local end)."""
     return DaemonProcess(path, env=SECRET, args=[
         "--peer-listen", f"127.0.0.1:{port}", "--peer-name", name,
         "--peer-heartbeat", "0.2", "--peer-window", str(WINDOW_S)]).start()
+
+
+def restart(path: Path, name: str, port: int) -> DaemonProcess:
+    """At the address it had (its peers dial it there). A connection's local end may have
+    taken the port in the moment it was free: then wait until it is free again."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return start(path, name, port)
+        except RuntimeError:  # (it exited at once: the port was taken)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 @pytest.fixture
@@ -48,8 +55,8 @@ def tmp() -> Iterator[Path]:
 @pytest.mark.parametrize("victim", ["root", "member"])
 def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: FaultReport,
                                       victim: str) -> None:
-    ports = {name: free_port() for name in "ABC"}
-    daemons = {name: start(tmp / name / "commd.sock", name, ports[name]) for name in "ABC"}
+    daemons = {name: start(tmp / name / "commd.sock", name) for name in "ABC"}
+    ports = {name: int(daemon.peer_address().rsplit(":", 1)[1]) for name, daemon in daemons.items()}
     dead, alive = ("A", "B") if victim == "root" else ("B", "A")
     try:
         # an unrelated world over a third daemon C (its root, rank 0's) and the survivor runs throughout
@@ -62,7 +69,7 @@ def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: F
             killed_at = time.time()
             daemons[dead].kill()
             time.sleep(0.5)
-            daemons[dead] = start(tmp / dead / "commd.sock", dead, ports[dead])
+            daemons[dead] = restart(tmp / dead / "commd.sock", dead, ports[dead])
             outcomes = [o.unwrap() for o in pool.collect(started, 90)]
             unrelated = steady.errors()
     finally:
