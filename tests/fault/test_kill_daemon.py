@@ -55,10 +55,12 @@ def tmp() -> Iterator[Path]:
 @pytest.mark.parametrize("victim", ["root", "member"])
 def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: FaultReport,
                                       victim: str) -> None:
-    daemons = {name: start(tmp / name / "commd.sock", name) for name in "ABC"}
-    ports = {name: int(daemon.peer_address().rsplit(":", 1)[1]) for name, daemon in daemons.items()}
+    daemons: dict[str, DaemonProcess] = {}
     dead, alive = ("A", "B") if victim == "root" else ("B", "A")
     try:
+        for name in "ABC":
+            daemons[name] = start(tmp / name / "commd.sock", name)
+        ports = {name: int(daemon.peer_address().rsplit(":", 1)[1]) for name, daemon in daemons.items()}
         # an unrelated world over a third daemon C (its root, rank 0's) and the survivor runs throughout
         steady_root = f"127.0.0.1:{ports['C']}"
         with steady_world([f"{daemons[d].socket_path}@{steady_root}" for d in ("C", alive)]) as steady:
