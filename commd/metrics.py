@@ -140,13 +140,11 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         active.add(writer)
         waiting[writer] = None
         try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
-            except asyncio.LimitOverrunError:
-                head = b""  # (evictable still: else a stream of these shuts scrapers out)
-            else:
+            head = await asyncio.wait_for(_read_head(reader), _REQUEST_TIMEOUT_S)
+            if head:  # (one too big stays evictable: else a stream of those shuts scrapers out)
                 waiting.pop(writer, None)
-            method, target, *_ = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""]
+            request_line = head.split(b"\n", 1)[0].rstrip(b"\r")
+            method, target, *_ = [*request_line.split(b" "), b"", b""]
             if not head:
                 status, ctype, body = ("431 Request Header Fields Too Large", "text/plain",
                                        f"a request head is at most {_MAX_REQUEST} bytes\n".encode())
@@ -176,6 +174,22 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST)
     except (OSError, UnicodeError) as exc:
         raise cannot_listen("metrics_listen", host, port, exc) from None
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """The request head up to its empty line, whose lines may end in CRLF or a bare LF (RFC
+    9112 lets a server take both); b"" if it runs past _MAX_REQUEST bytes."""
+    head = b""
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            return b""
+        head += line
+        if len(head) > _MAX_REQUEST:
+            return b""
+        if line in (b"\r\n", b"\n"):
+            return head
 
 
 async def _discard_until_eof(reader: asyncio.StreamReader) -> None:

@@ -376,6 +376,22 @@ def test_idle_connections_to_the_metrics_port_cannot_shut_scrapers_out(tmp: Path
                     conn.close()
 
 
+def test_a_metrics_request_whose_lines_end_in_a_bare_lf_is_answered(tmp: Path) -> None:
+    """RFC 9112 lets a server take a bare LF as a line end (netcat, hand-written scrapers):
+    answered at once (before: the daemon waited for CRLF CRLF, then closed after 5 s)."""
+    pytest.importorskip("prometheus_client")
+    with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
+        host, port = query_status(str(daemon.socket_path), 5)["metrics"].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.settimeout(3)  # (under the daemon's 5 s wait for a head)
+            conn.sendall(b"GET /metrics HTTP/1.0\nHost: x\n\n")
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"\ncommd_connections 0.0\n" in answer
+
+
 def test_metrics_need_the_flag(tmp: Path) -> None:
     with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
         assert query_status(str(daemon.socket_path), 5)["metrics"] is None
