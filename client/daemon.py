@@ -567,9 +567,7 @@ class DaemonBackend(CommBackend):
                     if handed:
                         self._imported.add(ref.buffer_id)
                 if not handed:
-                    self._met_failure(answer.epoch)
-                    raise DaemonUnavailable("the daemon went away while this call handed it "
-                                            "a buffer; call attempt_reconnect")
+                    raise self._went_away(answer.epoch, "while this call handed it a buffer")
         return proto.Mem(ref.buffer_id, ref.offset)
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
@@ -634,9 +632,7 @@ class DaemonBackend(CommBackend):
         try:
             self._request(make, deadline=deadline, grace=_JOIN_GRACE_S, link=basis.link)
         except _Superseded:  # built against a daemon a rejoin replaced meanwhile
-            self._met_failure(basis.epoch)
-            raise DaemonUnavailable("the daemon went away during this call; call attempt_reconnect") \
-                from None
+            raise self._went_away(basis.epoch, "during this call") from None
         self._failure_behind()  # it saw the world work: a later attempt_reconnect is meant
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
@@ -688,6 +684,12 @@ class DaemonBackend(CommBackend):
         """The calling thread learns that the world of `epoch` failed (see attempt_reconnect)."""
         self._per_thread.failed_at = epoch
 
+    def _went_away(self, epoch: int, when: str) -> DaemonUnavailable:
+        """The error of a call made with a daemon a rejoin replaced meanwhile: the calling
+        thread met the end of the world of `epoch` (which that rejoin has repaired)."""
+        self._met_failure(epoch)
+        return DaemonUnavailable(f"the daemon went away {when}; call attempt_reconnect")
+
     def _failure_behind(self) -> None:
         """The calling thread has no failure to handle any more (see attempt_reconnect)."""
         self._per_thread.failed_at = None
@@ -696,7 +698,7 @@ class DaemonBackend(CommBackend):
         self._mark_unhealthy(from_code(event.code, event.message), event.epoch)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
-        self._ops.clear()  # a cached op may name the buffer; its address may be reused
+        # (cached ops that name it are stale already: see OpCache)
         with self._lock:
             if buffer_id in self._imported:
                 self._imported.discard(buffer_id)

@@ -25,8 +25,8 @@ class OpCache:
 
     def __init__(self, resolver: MemoryResolver) -> None:
         self._resolver = resolver
-        # Reentrant: a collection may start while this thread holds it, and a HostBuffer it
-        # finalizes reaches clear() through the backend (a plain Lock waited for itself)
+        # Reentrant: a collection may start while this thread holds it, and a finalizer
+        # that reaches the cache then must not wait for its own thread
         self._lock = threading.RLock()
         self._host: dict[Key, tuple[proto.Op, int]] = {}  # -> (op, host releases when built)
         self._device: dict[Key, tuple[proto.Op, tuple[int, ...]]] = {}

@@ -41,19 +41,20 @@ def test_a_buffer_at_the_address_of_one_freed_on_another_thread_is_not_taken_for
         # 64 MiB (sparse): the kernel hands a freed hole of that size out again first
         old = [hostmem.alloc(_BIG) for _ in range(2)]
         assert summed(comms, old) == [[3, 30], [3, 30]]
-        clear = comms[0]._ops.clear
+        memory = hostmem.default_memory()
+        released = memory._released
         heard = threading.Event()
 
-        def late_clear() -> None:
+        def late_released(buffer_id: int, ptr: int) -> None:
             if threading.current_thread().name.startswith("freeing"):
                 heard.set()
                 time.sleep(1.0)
-            clear()
+            released(buffer_id, ptr)
 
-        monkeypatch.setattr(comms[0]._ops, "clear", late_clear)
+        monkeypatch.setattr(memory, "_released", late_released)
         with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
             freed = freeing.submit(old[0].close)
-            assert heard.wait(5)  # unmapped; the backend not told yet
+            assert heard.wait(5)  # unmapped; the table and the backends not told yet
             new = [hostmem.alloc(_BIG), hostmem.alloc(_BIG)]
             assert new[0].ptr == old[0].ptr  # (mmap hands the address out again)
             assert summed(comms, new) == [[3, 30], [3, 30]]
