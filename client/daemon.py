@@ -25,6 +25,7 @@ from .errors import (
     LimitExceeded,
     MisuseError,
     ProtocolError,
+    WorldFailed,
     from_code,
 )
 from .groups import Basis, Groups
@@ -627,12 +628,16 @@ class DaemonBackend(CommBackend):
         # The daemon fails a call open past the timeout and says which rank is behind;
         # wait a little longer than that for its answer before deciding alone.
         make: Callable[[int], proto.Request] = (
-            (lambda rid: proto.Submit(rid, ops)) if stream is None
-            else (lambda rid: proto.StreamSubmit(rid, ops, stream, early)))
+            (lambda rid: proto.Submit(rid, ops, basis.epoch)) if stream is None
+            else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
         try:
             self._request(make, deadline=deadline, grace=_JOIN_GRACE_S, link=basis.link)
         except _Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._went_away(basis.epoch, "during this call") from None
+        except WorldFailed as exc:
+            if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
+                self._met_failure(basis.epoch)  # (which that reconnect has repaired)
+            raise
         self._failure_behind()  # it saw the world work: a later attempt_reconnect is meant
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
@@ -658,7 +663,8 @@ class DaemonBackend(CommBackend):
         except CommError as exc:
             if link is not None and link != self._link:
                 raise _Superseded from exc  # (sent on the connection a rejoin was replacing)
-            if isinstance(exc, UNHEALTHY):
+            # (a call refused as made for an older epoch says nothing of the current one)
+            if isinstance(exc, UNHEALTHY) and exc.code is not proto.ErrorCode.STALE_EPOCH:
                 self._met_failure(self._mark_unhealthy(exc, epoch, transport))
             raise
         return _Answer(reply, got, used, epoch)

@@ -92,6 +92,7 @@ _BY_CODE: dict[ErrorCode, type[CommError]] = {
     ErrorCode.MISUSE: MisuseError,
     ErrorCode.MISMATCH: MismatchError,
     ErrorCode.WORLD_FAILED: WorldFailed,
+    ErrorCode.STALE_EPOCH: WorldFailed,
     ErrorCode.TIMEOUT: CommTimeout,
     ErrorCode.LIMIT: LimitExceeded,
     ErrorCode.SHUTDOWN: DaemonShutdown,

@@ -304,6 +304,11 @@ class Session:
     def _submit(self, msg: proto.Submit | proto.StreamSubmit, fds: list[int],
                 events: EventPair | None = None) -> None:
         world = self._member_world()
+        if msg.epoch and msg.epoch != world.epoch:
+            # made before another thread of the rank reconnected: matched in the rebuilt
+            # world, they would pair with other calls of the other ranks
+            raise CallError(ErrorCode.STALE_EPOCH, f"these calls were made for epoch {msg.epoch} of "
+                                                   f"world {world.name}, which is at epoch {world.epoch}")
         calls = []
         for op in msg.ops:
             ops.check_ranks(op, self.rank, world.world_size)

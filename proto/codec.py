@@ -278,7 +278,8 @@ def _pack_ops(ops: tuple[m.Op, ...], packed: PackedOps) -> bytes:
 
 
 def _ops_bytes(data: bytes, request_id: Any) -> bytes | None:
-    """The encoded ops array of a canonical Submit packet (t, id, ops in that order)."""
+    """What follows the id in a canonical Submit packet (t, id, ops, epoch in that order):
+    the encoded ops array, then the epoch."""
     if type(request_id) is not int:
         return None
     head = _SUBMIT_HEAD + msgpack.packb(request_id) + _OPS_KEY
@@ -300,7 +301,8 @@ def _plain_ok(data: bytes) -> m.Ok | None:
 def _submit_from_cache(data: bytes, raw: dict[Any, Any], cache: OpsCache) -> m.Submit | None:
     key = _ops_bytes(data, raw.get("id"))
     ops = cache.get(key) if key is not None else None
-    return None if ops is None else m.Submit(raw["id"], ops)
+    # (the key holds the epoch's bytes too: equal to those decoded and checked before)
+    return None if ops is None else m.Submit(raw["id"], ops, raw["epoch"])
 
 
 def _remember_ops(data: bytes, msg: m.Submit, cache: OpsCache) -> None:
@@ -325,11 +327,12 @@ def expected_fds(msg: m.Message) -> int:
 # worker repeats a call. Both produce exactly what the generic path does (tests check).
 _OK_HEAD = b"\x84\xa1t\xa2ok\xa2id"
 _OK_TAIL = b"\xa5value\x00\xa4nfds\x00"
-_SUBMIT_HEAD = b"\x83\xa1t\xa6submit\xa2id"
+_SUBMIT_HEAD = b"\x84\xa1t\xa6submit\xa2id"
 _OPS_KEY = b"\xa3ops"
+_EPOCH_KEY = b"\xa5epoch"
 OPS_CACHE_SIZE = 256
 
-OpsCache = dict[bytes, tuple[m.Op, ...]]  # encoded ops array -> the ops it decoded to
+OpsCache = dict[bytes, tuple[m.Op, ...]]  # encoded ops array and epoch -> the ops it decoded to
 
 
 PackedOps = dict[int, tuple[m.Op, bytes]]  # id(op) -> (the op, kept alive; its encoding)
@@ -347,7 +350,8 @@ def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES,
         return _OK_HEAD + request_id + _OK_TAIL
     if packed_ops is not None and type(msg) is m.Submit:
         request_id = msgpack.packb(msg.id)
-        packet = _SUBMIT_HEAD + request_id + _OPS_KEY + _pack_ops(msg.ops, packed_ops)
+        epoch: bytes = msgpack.packb(msg.epoch)
+        packet = _SUBMIT_HEAD + request_id + _OPS_KEY + _pack_ops(msg.ops, packed_ops) + _EPOCH_KEY + epoch
         if len(packet) > limit:
             raise MessageTooLarge(f"submit is {len(packet)} bytes, over the {limit}-byte limit")
         return packet

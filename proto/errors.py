@@ -53,6 +53,7 @@ class ErrorCode(enum.Enum):
     MISUSE = "misuse"  # legal message, wrong use (e.g. unsupported memory kind)
     MISMATCH = "mismatch"  # ranks disagree on call k
     WORLD_FAILED = "world_failed"  # the world failed; reconnect to go on
+    STALE_EPOCH = "stale_epoch"  # a call made for an epoch of the world that a reconnect has ended
     TIMEOUT = "timeout"  # a deadline passed (join, completion)
     LIMIT = "limit"  # a daemon limit was reached (connections, buffers, queue)
     SHUTDOWN = "shutdown"  # the daemon is stopping

@@ -15,7 +15,7 @@ from typing import Any
 from .errors import ErrorCode, InvalidMessage
 from .types import DType, EventKind, MemKind, ReduceOp
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_GROUP_OPS = 512
 MAX_RANKS = 65536
@@ -246,17 +246,21 @@ class Forget:
 
 @dataclass(frozen=True, slots=True)
 class Submit:
-    """One call, or a group of calls submitted together; one reply when all are done."""
+    """One call, or a group of calls submitted together; one reply when all are done.
+    `epoch`: the world's epoch the calls were made for (0: whichever is current); the
+    daemon refuses them once a reconnect has moved the world past it."""
 
     id: int
     ops: tuple[Op, ...]
+    epoch: int = 0
 
     def __post_init__(self) -> None:
-        _check_submit(self.id, self.ops)
+        _check_submit(self.id, self.ops, self.epoch)
 
 
-def _check_submit(request_id: int, ops: tuple[Op, ...]) -> None:
+def _check_submit(request_id: int, ops: tuple[Op, ...], epoch: int) -> None:
     _positive("id", request_id)
+    _u64("epoch", epoch)
     if not 0 < len(ops) <= MAX_GROUP_OPS:
         raise InvalidMessage(f"a submit carries 1..{MAX_GROUP_OPS} ops")
     for op in ops:
@@ -296,9 +300,10 @@ class StreamSubmit:
     ops: tuple[Op, ...]
     stream: int
     early: bool = False
+    epoch: int = 0  # as Submit's
 
     def __post_init__(self) -> None:
-        _check_submit(self.id, self.ops)
+        _check_submit(self.id, self.ops, self.epoch)
         _u64("stream", self.stream)
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from client import CommError, DaemonBackend, LimitExceeded, hostmem
+from client import CommError, DaemonBackend, LimitExceeded, WorldFailed, hostmem
 from commd.launch import DaemonProcess
+from proto import ErrorCode
 from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
@@ -339,12 +340,13 @@ def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thre
             comm.close()
 
 
-def test_a_call_sent_into_the_rebuilt_world_and_failed_there_is_not_old_news(
+def test_a_call_made_before_a_reconnect_on_other_threads_is_not_sent_into_the_rebuilt_world(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A thread's barrier starts in epoch E but goes out only after both ranks rebuilt E+1;
-    rank 1 never calls it, so E+1 fails. Both ranks then rebuild again: rank 1 (told of it)
-    and that thread, which takes part although its call's error looked like news about E
-    (before: it returned at once, and rank 1 timed out waiting for rank 0)."""
+    """A thread's barrier, made in epoch E on the connection that stays, goes out only
+    after both ranks rebuilt E+1 on other threads. The daemon refuses it as made for E
+    and the world goes on: that thread's attempt_reconnect returns at once, and both
+    ranks' next calls match (before: it went into E+1 as rank 0's first call there,
+    paired with nothing of rank 1's; E+1 failed and needed another rebuild)."""
     comms = join(daemon, timeout=2)
     bufs = [hostmem.alloc(8) for _ in range(2)]
     late = ThreadPoolExecutor(1, thread_name_prefix="late")
@@ -354,13 +356,13 @@ def test_a_call_sent_into_the_rebuilt_world_and_failed_there_is_not_old_news(
         assert sending.wait(5)
         epoch = comms[0].epoch
         on_both(lambda r: comms[r].attempt_reconnect())
-        with pytest.raises(CommError):
+        with pytest.raises(WorldFailed, match=f"made for epoch {epoch} ") as refused:
             call.result(20)
-        with ThreadPoolExecutor(1) as rank1:
-            voted = rank1.submit(comms[1].attempt_reconnect)
-            late.submit(comms[0].attempt_reconnect).result(10)
-            voted.result(10)
-        assert comms[0].epoch == comms[1].epoch == epoch + 2
+        assert refused.value.code is ErrorCode.STALE_EPOCH
+        late.submit(comms[0].attempt_reconnect).result(10)
+        monkeypatch.undo()
+        assert comms[0].epoch == comms[1].epoch == epoch + 1
+        assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
     finally:
         late.shutdown(wait=True)

@@ -342,3 +342,4 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
     finally:
         for comm in comms:
             comm.close()
+

@@ -152,7 +152,7 @@ class _two:
     def __enter__(self) -> tuple[DaemonBackend, RawClient]:
         world = world_name()
         self.raw = RawClient(self.sock)
-        self.raw.send(proto.Hello(1, 1, os.getpid(), world, 1, 2, 5000))
+        self.raw.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 5000))
         self.comm = DaemonBackend(self.sock, world, 0, 2, timeout=5)
         return self.comm, self.raw
 

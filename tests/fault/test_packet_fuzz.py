@@ -30,7 +30,7 @@ PACKETS = 10_000
 
 def valid_packets() -> list[bytes]:
     return [
-        proto.encode(proto.Hello(1, 1, 1, "fuzz", 0, 1, 1000)),
+        proto.encode(proto.Hello(1, proto.PROTOCOL_VERSION, 1, "fuzz", 0, 1, 1000)),
         proto.encode(proto.Submit(2, (proto.AllReduce(proto.Mem(1, 0), 8),))),
         proto.encode(proto.Import(3, 1, proto.MemKind.HOST, 4096)),
         proto.encode(proto.StatusQuery(4)),

@@ -67,6 +67,29 @@ def test_a_hello_past_any_epoch_is_refused_and_leaves_the_world_name_free(raw: R
         comm.barrier()
 
 
+def test_a_call_for_another_epoch_is_refused_and_the_world_goes_on(raw: RawClient) -> None:
+    """Calls made before a reconnect (on another thread of the rank) moved the world on
+    are refused as stale, not matched in the rebuilt world; calls for its epoch, or for
+    whichever is current (0), run."""
+    welcome = raw.join(world_name())
+    assert isinstance(welcome, proto.Welcome)
+    raw.send(proto.Reconnect(2))
+    failed = raw.recv()  # (the vote fails the world first)
+    assert isinstance(failed, proto.Event) and failed.epoch == welcome.epoch
+    moved = raw.recv()
+    assert isinstance(moved, proto.Ok) and moved.value == welcome.epoch + 1
+    for request_id, epoch in ((3, welcome.epoch), (4, moved.value + 1)):
+        raw.send(proto.Submit(request_id, (proto.Barrier(),), epoch))
+        err = raw.error()
+        assert (err.id, err.code) == (request_id, ErrorCode.STALE_EPOCH)
+        assert f"made for epoch {epoch} " in err.message and f"at epoch {moved.value}" in err.message
+    raw.send(proto.StreamSubmit(5, (proto.Barrier(),), 7, epoch=welcome.epoch))
+    assert raw.error().code is ErrorCode.MISUSE  # (no stream events on this connection: asked first)
+    for request_id, epoch in ((6, moved.value), (7, 0)):
+        raw.send(proto.Submit(request_id, (proto.Barrier(),), epoch))
+        assert raw.recv() == proto.Ok(request_id)
+
+
 def test_oversized_packet(raw: RawClient) -> None:
     raw.send_bytes(b"\x00" * (proto.MAX_MESSAGE_BYTES + 100))
     err = raw.error()
@@ -82,7 +105,7 @@ def test_wrong_protocol_version(raw: RawClient) -> None:
 
 
 def test_invalid_hello_values(raw: RawClient, sock: str) -> None:
-    raw.send_map({"t": "hello", "id": 1, "version": 1, "pid": 1, "world": "w", "rank": 5,
+    raw.send_map({"t": "hello", "id": 1, "version": proto.PROTOCOL_VERSION, "pid": 1, "world": "w", "rank": 5,
                   "world_size": 2, "timeout_ms": 1000})
     err = raw.error()
     assert err.code is ErrorCode.BAD_MESSAGE and "rank=5" in err.message
@@ -95,7 +118,7 @@ def test_invalid_hello_values(raw: RawClient, sock: str) -> None:
 def test_world_conflict_and_duplicate_rank(sock: str, steady: None) -> None:
     world = world_name()
     with RawClient(sock) as first:
-        first.send(proto.Hello(1, 1, os.getpid(), world, 0, 2, 5000))  # waits for rank 1
+        first.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 0, 2, 5000))  # waits for rank 1
         time.sleep(0.05)
         with RawClient(sock) as other:
             reply = other.join(world, 1, 3)
@@ -251,7 +274,7 @@ def test_rank_leaving_fails_the_world_and_a_new_process_rejoins(pool: RankPool, 
 
 def test_random_garbage_never_takes_the_daemon_down(sock: str, steady: None) -> None:
     rng = random.Random(1234)
-    valid = proto.encode(proto.Hello(1, 1, 1, "w", 0, 1, 1000))
+    valid = proto.encode(proto.Hello(1, proto.PROTOCOL_VERSION, 1, "w", 0, 1, 1000))
     for i in range(300):
         if i % 2:
             data = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 300)))
@@ -359,7 +382,7 @@ def test_a_world_with_a_join_token_refuses_other_tokens(sock: str, steady: None)
 
     world = world_name()
     with RawClient(sock) as first:
-        first.send(proto.Hello(1, 1, os.getpid(), world, 0, 2, 5000, token="job-a"))
+        first.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 0, 2, 5000, token="job-a"))
         time.sleep(0.05)
         for token in ("job-b", None):
             with pytest.raises(AccessDenied, match="join token"):

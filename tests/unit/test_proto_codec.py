@@ -177,13 +177,15 @@ def test_roundtrip_each_op_alone(op: Any) -> None:
 
 
 def test_wire_shape_of_fields() -> None:
-    assert unpack(encode(Submit(7, (AllReduce(Mem(1, 2), 8, DType.F32, ReduceOp.MIN),)))) == {
+    assert unpack(encode(Submit(7, (AllReduce(Mem(1, 2), 8, DType.F32, ReduceOp.MIN),), 4))) == {
         "t": "submit", "id": 7,
         "ops": [{"t": "all_reduce", "buf": [1, 2], "nbytes": 8, "dtype": "f32", "op": "min"}],
+        "epoch": 4,
     }
     assert unpack(encode(Submit(1, (AllGather(None, None, 0), Barrier())))) == {
         "t": "submit", "id": 1,
         "ops": [{"t": "all_gather", "send": None, "recv": None, "nbytes": 0}, {"t": "barrier"}],
+        "epoch": 0,
     }
     assert unpack(encode(Import(2, 3, MemKind.CUDA_IPC, 64, b"\x01\x02"))) == {
         "t": "import", "id": 2, "buf": 3, "kind": "cuda-ipc", "size": 64, "handle": b"\x01\x02",
@@ -199,6 +201,7 @@ def test_wire_shape_of_fields() -> None:
     assert unpack(encode(Submit(3, (Broadcast(Mem(1, 0), 4, 2, command=True),)))) == {
         "t": "submit", "id": 3,
         "ops": [{"t": "broadcast", "buf": [1, 0], "nbytes": 4, "root": 2, "command": True}],
+        "epoch": 0,
     }
 
 
@@ -239,24 +242,24 @@ def test_defaults_may_be_omitted_on_the_wire() -> None:
 def test_largest_group_fits_the_packet_limit() -> None:
     op = ReduceScatter(Mem(U64_MAX, U64_MAX), Mem(U64_MAX, U64_MAX), U64_MAX - 1,
                        DType.BF16, ReduceOp.PROD)  # the longest names and integers an op can have
-    msg = Submit(U64_MAX, (op,) * proto.MAX_GROUP_OPS)
+    msg = Submit(U64_MAX, (op,) * proto.MAX_GROUP_OPS, U64_MAX)
     data = encode(msg)
-    assert len(data) == 51_741
+    assert len(data) == 51_756
     assert decode(data) == msg
 
 
 # ---- WIRE.md stays in step with the code -------------------------------------------
 
-WORKED = Submit(7, (AllReduce(Mem(1, 0), 4096, DType.F32, ReduceOp.SUM),))
+WORKED = Submit(7, (AllReduce(Mem(1, 0), 4096, DType.F32, ReduceOp.SUM),), 1)
 WORKED_HEX = (
-    "83a174a67375626d6974a2696407a36f70739185a174aa616c6c5f726564756365a3627566920100"
-    "a66e6279746573cd1000a56474797065a3663332a26f70a373756d"
+    "84a174a67375626d6974a2696407a36f70739185a174aa616c6c5f726564756365a3627566920100"
+    "a66e6279746573cd1000a56474797065a3663332a26f70a373756da565706f636801"
 )
 
 
 def test_worked_example_is_the_real_encoding() -> None:
     assert encode(WORKED).hex() == WORKED_HEX
-    assert len(encode(WORKED)) == 67
+    assert len(encode(WORKED)) == 74
     assert decode(bytes.fromhex(WORKED_HEX)) == WORKED
     assert WORKED_HEX in WIRE_MD.read_text()
     assert encode(Ok(7)).hex(" ") in WIRE_MD.read_text().replace("\n", " ")

@@ -22,15 +22,27 @@ def test_plain_ok_encodes_like_the_generic_path(request_id: int) -> None:
 
 
 @settings(max_examples=200)
-@given(st.integers(1, 2**64 - 1), st.integers(0, 1 << 20), st.sampled_from(list(proto.DType)))
+@given(st.integers(1, 2**64 - 1), st.integers(0, 1 << 20), st.sampled_from(list(proto.DType)),
+       st.integers(0, 2**64 - 1))
 def test_cached_submit_decodes_like_the_generic_path(request_id: int, elems: int,
-                                                     dtype: proto.DType) -> None:
+                                                     dtype: proto.DType, epoch: int) -> None:
     cache: codec.OpsCache = {}
     op = proto.AllReduce(proto.Mem(3, 8) if elems else None, elems * dtype.itemsize, dtype)
-    first = proto.encode(proto.Submit(1, (op,)))
-    assert proto.decode(first, ops_cache=cache) == proto.Submit(1, (op,))  # fills the cache
-    again = proto.encode(proto.Submit(request_id, (op,)))
-    assert proto.decode(again, ops_cache=cache) == proto.decode(again) == proto.Submit(request_id, (op,))
+    first = proto.encode(proto.Submit(1, (op,), epoch))
+    assert proto.decode(first, ops_cache=cache) == proto.Submit(1, (op,), epoch)  # fills the cache
+    again = proto.encode(proto.Submit(request_id, (op,), epoch))
+    assert proto.decode(again, ops_cache=cache) == proto.decode(again) \
+        == proto.Submit(request_id, (op,), epoch)
+
+
+def test_the_cache_never_answers_for_another_epoch() -> None:
+    cache: codec.OpsCache = {}
+    ops = (proto.AllReduce(proto.Mem(1, 0), 8),)
+    for epoch in (3, 4, 3, 0):
+        msg = proto.Submit(5, ops, epoch)
+        packet = proto.encode(msg, packed_ops={})
+        assert proto.decode(packet, ops_cache=cache) == msg
+    assert len(cache) == 3
 
 
 def test_the_cache_never_answers_for_other_bytes() -> None:
@@ -63,10 +75,11 @@ def test_the_cache_is_bounded() -> None:
 @given(st.lists(st.sampled_from([
     proto.AllReduce(proto.Mem(1, 0), 8), proto.Barrier(), proto.Send(proto.Mem(2, 4), 4, 1, 99),
     proto.Broadcast(None, 0, 3), proto.ReduceScatter(proto.Mem(5, 0), proto.Mem(6, 0), 16)]),
-    min_size=1, max_size=20), st.integers(1, 2**64 - 1))
-def test_packed_ops_encode_like_the_generic_path(ops: list[proto.Op], request_id: int) -> None:
+    min_size=1, max_size=20), st.integers(1, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_packed_ops_encode_like_the_generic_path(ops: list[proto.Op], request_id: int,
+                                                 epoch: int) -> None:
     packed: codec.PackedOps = {}
-    msg = proto.Submit(request_id, tuple(ops))
+    msg = proto.Submit(request_id, tuple(ops), epoch)
     generic = msgpack.packb(codec._to_wire(msg), use_bin_type=True)
     assert proto.encode(msg, packed_ops=packed) == generic
     assert proto.encode(msg, packed_ops=packed) == generic  # from the cache this time
