@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,9 +34,22 @@ def on_both(fn: Callable[[int], Any]) -> list[Any]:
         return [f.result(30) for f in [pool.submit(fn, r) for r in range(2)]]
 
 
-def join(daemon: DaemonProcess, timeout: float) -> list[DaemonBackend]:
-    world = world_name()
-    return on_both(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=timeout))
+def join(daemon: DaemonProcess, timeout: float, world: str | None = None) -> list[DaemonBackend]:
+    """Both ranks of `world` (default: a new name)."""
+    name = world or world_name()
+    return on_both(lambda r: DaemonBackend(str(daemon.socket_path), name, r, 2, timeout=timeout))
+
+
+@contextlib.contextmanager
+def joined(daemon: DaemonProcess, timeout: float,
+           world: str | None = None) -> Iterator[list[DaemonBackend]]:
+    """Both ranks of `world` (default: a new name), closed at the end."""
+    comms = join(daemon, timeout, world)
+    try:
+        yield comms
+    finally:
+        for comm in comms:
+            comm.close()
 
 
 def summed(comms: list[DaemonBackend], bufs: list[hostmem.HostBuffer]) -> list[list[int]]:

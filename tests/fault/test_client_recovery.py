@@ -23,7 +23,7 @@ from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseE
 from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.fault.ranks import join, on_both, own_daemon, summed
+from tests.fault.ranks import joined, on_both, own_daemon, summed
 from tests.integration.harness import (
     back_to,
     held_at_rest,
@@ -45,9 +45,8 @@ def test_a_buffer_whose_import_timed_out_works_after_reconnect(daemon: DaemonPro
     """The daemon stalls during rank 0's first call on a buffer: the Import times out on
     the client, but the daemon maps it once it runs again. After attempt_reconnect the
     buffer must work (before: "buffer id already in use" on every call)."""
-    comms = join(daemon, timeout=1)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=1) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         os.kill(daemon.pid, signal.SIGSTOP)
         threading.Timer(1.5, os.kill, (daemon.pid, signal.SIGCONT)).start()
         with pytest.raises(CommTimeout):
@@ -56,18 +55,14 @@ def test_a_buffer_whose_import_timed_out_works_after_reconnect(daemon: DaemonPro
         on_both(lambda r: comms[r].attempt_reconnect())
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # and the cached op again
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_the_first_reconnect_after_a_daemon_restart_works(daemon: DaemonProcess) -> None:
     """Both ranks know their world failed (a lonely call timed out) when the daemon is
     killed and restarted: attempt_reconnect, which would have asked the dead daemon,
     reconnects to the new one at the first try."""
-    comms = join(daemon, timeout=2)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=2) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         with pytest.raises(CommError):
             comms[0].barrier()  # rank 1 never calls it: the world fails
         time.sleep(0.3)
@@ -76,17 +71,13 @@ def test_the_first_reconnect_after_a_daemon_restart_works(daemon: DaemonProcess)
         daemon.start()
         on_both(lambda r: comms[r].attempt_reconnect())
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_registration_whose_memory_went_before_a_restart_does_not_block_reconnect(
         daemon: DaemonProcess) -> None:
-    comms = join(daemon, timeout=5)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    gone = hostmem.alloc(64)
-    try:
+    with joined(daemon, timeout=5) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        gone = hostmem.alloc(64)
         handle = comms[0].register_buffer(gone.ptr, 64)
         kept = comms[1].register_buffer(bufs[1].ptr, 8)
         gone.close()  # freed without deregistering
@@ -97,17 +88,13 @@ def test_a_registration_whose_memory_went_before_a_restart_does_not_block_reconn
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         comms[0].deregister_buffer(handle)  # nothing left at the daemon: it just goes
         comms[1].deregister_buffer(kept)  # registered again with the new daemon
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_late_event_about_the_old_epoch_does_not_fail_the_new_one(daemon: DaemonProcess) -> None:
     """A failure pushed about epoch 1 that the rank reads only after it reconnected (to
     epoch 2) is old news; one about epoch 2 is not, even if it comes while reconnecting."""
-    comms = join(daemon, timeout=2)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=2) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         with pytest.raises(CommError):
             comms[0].barrier()  # rank 1 never calls it: epoch 1 fails
         on_both(lambda r: comms[r].attempt_reconnect())
@@ -117,17 +104,13 @@ def test_a_late_event_about_the_old_epoch_does_not_fail_the_new_one(daemon: Daem
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         comms[0]._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 2 failed", 2))
         assert not comms[0].is_healthy()
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_group_open_on_one_thread_does_not_take_another_threads_call(daemon: DaemonProcess) -> None:
     """Groups are per thread, as NCCL's: while this thread holds a group open, another
     thread's all_reduce on the same backend runs (and sums) at once."""
-    comms = join(daemon, timeout=5)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=5) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         comms[0].group_start()
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # rank 0's call from another thread
         with ThreadPoolExecutor(1) as pool:
@@ -135,9 +118,6 @@ def test_a_group_open_on_one_thread_does_not_take_another_threads_call(daemon: D
             comms[0].barrier()  # in the group: sent at group_end
             comms[0].group_end()
             other.result(10)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_symmetric_memory_of_a_killed_daemon_used_with_the_new_one_is_let_go_when_freed(
@@ -145,8 +125,7 @@ def test_symmetric_memory_of_a_killed_daemon_used_with_the_new_one_is_let_go_whe
     """After a restart, symmetric buffers of the old daemon are the worker's own memory;
     used with the new daemon they are imported there like any buffer, and symmetric_free
     must make the new daemon forget them too."""
-    comms = join(daemon, timeout=3)
-    try:
+    with joined(daemon, timeout=3) as comms:
         ptrs = on_both(lambda r: comms[r].symmetric_alloc(4096))
         daemon.kill()
         daemon.start()
@@ -159,9 +138,6 @@ def test_symmetric_memory_of_a_killed_daemon_used_with_the_new_one_is_let_go_whe
         while memfd_mappings(daemon.pid):
             assert time.monotonic() < deadline, memfd_mappings(daemon.pid)
             time.sleep(0.05)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def stalled_daemon_times_out(daemon: DaemonProcess, call: Callable[[], object]) -> None:
@@ -178,44 +154,35 @@ def test_a_registration_that_timed_out_is_undone_when_its_reply_comes(daemon: Da
     """The daemon registers the buffer once it runs again, after the client gave up: the
     client undoes it when the late reply comes (before: it held a registration slot, and
     its memory, until the connection closed). With a limit of one, the next one fits."""
-    comms = join(daemon, timeout=1)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=1) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # imported: the stall meets the Register
         stalled_daemon_times_out(daemon, lambda: comms[0].register_buffer(bufs[0].ptr, 8))
         on_both(lambda r: comms[r].attempt_reconnect())  # (reads the late reply)
         handle = comms[0].register_buffer(bufs[0].ptr, 8)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         comms[0].deregister_buffer(handle)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_symmetric_alloc_that_timed_out_is_freed_when_its_reply_comes(daemon: DaemonProcess) -> None:
     """The daemon allocates once it runs again, after the client gave up: the client has
     the daemon free it when the late reply comes (before: the memory stayed allocated in
     the daemon until the connection closed)."""
-    comms = join(daemon, timeout=1)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=1) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # (its buffers imported: part of the base)
         base = held_at_rest(daemon.pid)
         stalled_daemon_times_out(daemon, lambda: comms[0].symmetric_alloc(1 << 20))
         on_both(lambda r: comms[r].attempt_reconnect())
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         back_to(daemon.pid, base, timeout=5)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_group_holding_recv_command_waits_without_a_deadline(daemon: DaemonProcess) -> None:
     """recv_command_u32 waits for its command without a deadline, in a group too (the
     group was sent with the backend's deadline: a command later than it failed the world)."""
-    comms = join(daemon, timeout=1)
-    bufs = [hostmem.alloc(4) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=1) as comms:
+        bufs = [hostmem.alloc(4) for _ in range(2)]
         def rank(r: int) -> int:
             if r == 0:
                 time.sleep(3.5)  # the command comes later than the timeout (and its grace)
@@ -229,9 +196,6 @@ def test_a_group_holding_recv_command_waits_without_a_deadline(daemon: DaemonPro
 
         assert on_both(rank) == [7, 7]
         assert all(comm.is_healthy() for comm in comms)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_close_during_attempt_reconnect_does_not_rejoin_behind_it(daemon: DaemonProcess) -> None:
@@ -239,22 +203,21 @@ def test_close_during_attempt_reconnect_does_not_rejoin_behind_it(daemon: Daemon
     attempt_reconnect must not then join afresh behind the closed backend (before: it
     returned, its new socket leaked, and rank 1 waited out its timeout for rank 0)."""
     base = open_fds(os.getpid())
-    comms = join(daemon, timeout=3)
-    outcome: list[object] = []
+    with joined(daemon, timeout=3) as comms:
+        outcome: list[object] = []
 
-    def reconnect_rank0() -> None:
-        try:
-            comms[0].attempt_reconnect()
-            outcome.append("returned")
-        except CommError as exc:
-            outcome.append(exc)
+        def reconnect_rank0() -> None:
+            try:
+                comms[0].attempt_reconnect()
+                outcome.append("returned")
+            except CommError as exc:
+                outcome.append(exc)
 
-    reconnecting = threading.Thread(target=reconnect_rank0)
-    reconnecting.start()
-    time.sleep(0.3)  # rank 0's Reconnect waits for rank 1's
-    comms[0].close()
-    reconnecting.join(20)
-    try:
+        reconnecting = threading.Thread(target=reconnect_rank0)
+        reconnecting.start()
+        time.sleep(0.3)  # rank 0's Reconnect waits for rank 1's
+        comms[0].close()
+        reconnecting.join(20)
         assert outcome and isinstance(outcome[0], MisuseError), outcome
         with pytest.raises(CommError):
             comms[1].attempt_reconnect()  # rank 0 never comes back
@@ -262,9 +225,6 @@ def test_close_during_attempt_reconnect_does_not_rejoin_behind_it(daemon: Daemon
         with pytest.raises(CommError):
             comms[1].barrier()
         assert time.monotonic() - started < 2, "rank 1 waited for a rank that had closed"
-    finally:
-        for comm in comms:
-            comm.close()
     assert open_fds(os.getpid()) == base
 
 
@@ -272,8 +232,7 @@ def test_the_add_kernel_is_set_again_after_a_daemon_restart(daemon: DaemonProces
     """set_add_kernel is part of what a rank tells a restarted daemon again (before: the
     new daemon's world had none, and the 2-rank add path was off without a word)."""
     world = world_name()
-    comms = on_both(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=5))
-    try:
+    with joined(daemon, timeout=5, world=world) as comms:
         on_both(lambda r: comms[r].set_add_kernel(100 + r))
         assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
         daemon.kill()
@@ -281,9 +240,6 @@ def test_the_add_kernel_is_set_again_after_a_daemon_restart(daemon: DaemonProces
         on_both(lambda r: comms[r].attempt_reconnect())
         on_both(lambda r: comms[r].barrier())
         assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess) -> None:
@@ -291,9 +247,8 @@ def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess
     TypeError, and the op cache kept it, so the same call with an int failed too; in
     symmetric_alloc it left the connection unusable for good). A float is refused here
     (before: sent, and the daemon dropped the connection, failing the rank's world)."""
-    comms = join(daemon, timeout=5)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=5) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         for r, buf in enumerate(bufs):
             buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
         on_both(lambda r: comms[r].all_reduce(bufs[r].ptr, np.int64(8), dtype="i32"))
@@ -314,9 +269,6 @@ def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess
         assert open_fds(os.getpid()) == fds
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def vm_size() -> int:

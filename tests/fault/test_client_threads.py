@@ -19,7 +19,7 @@ import pytest
 from client import CommError, DaemonBackend, LimitExceeded, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, summed
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,9 +47,8 @@ def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: Daem
     training loop and a heartbeat, each handling the error) call attempt_reconnect together,
     rank 1 once. Rank 0 is reconnected once (before: both said hello, and one was refused
     as rank 0 already connected; a later one could close the good connection)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         daemon.kill()
         daemon.start()
@@ -69,9 +68,6 @@ def test_two_threads_of_a_rank_reconnecting_at_once_after_a_restart(daemon: Daem
         assert outcomes == ["ok", "ok", "ok"], outcomes
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_thread_reconnecting_after_another_already_did_leaves_the_world_be(
@@ -81,10 +77,8 @@ def test_a_thread_reconnecting_after_another_already_did_leaves_the_world_be(
     before the heartbeat got to its own. Its attempt_reconnect returns at once (before: it
     voted again, which failed the new world for both ranks, and then timed out waiting for
     rank 1). A thread that saw a call work since reconnects for real when it asks."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    heartbeat = ThreadPoolExecutor(1)
-    try:
+    with joined(daemon, timeout=3) as comms, ThreadPoolExecutor(1) as heartbeat:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         daemon.kill()
         daemon.start()
         heartbeat.submit(met_the_failure, comms[0]).result(10)
@@ -99,10 +93,6 @@ def test_a_thread_reconnecting_after_another_already_did_leaves_the_world_be(
         rebuilt.result(10)
         assert comms[0].epoch == comms[1].epoch == epoch + 1
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        heartbeat.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def test_a_thread_whose_call_first_met_a_dead_daemon_through_a_forget_counts_as_failed(
@@ -111,10 +101,8 @@ def test_a_thread_whose_call_first_met_a_dead_daemon_through_a_forget_counts_as_
     heartbeat thread's barrier is the first to meet the dead daemon, in that Forget: it met
     the failure as any call (before: the error came from outside the request's handler, the
     thread was never marked, and its late attempt_reconnect voted a second rebuild)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    heartbeat = ThreadPoolExecutor(1)
-    try:
+    with joined(daemon, timeout=3) as comms, ThreadPoolExecutor(1) as heartbeat:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         gone = [hostmem.alloc(8) for _ in range(2)]
         on_both(lambda r: comms[r].all_reduce(gone[r].ptr, 8, dtype="i32"))  # imported
         for buf in gone:
@@ -123,10 +111,6 @@ def test_a_thread_whose_call_first_met_a_dead_daemon_through_a_forget_counts_as_
         daemon.start()
         heartbeat.submit(met_the_failure, comms[0]).result(10)
         rebuilt_without(heartbeat, comms, bufs)
-    finally:
-        heartbeat.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_world(
@@ -136,9 +120,8 @@ def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_w
     slowed here to make that certain; unslowed, 1 run in 30 met it). The rebuilt world
     stays healthy (before: it read as failed, and the next all_reduce said "call
     attempt_reconnect" while rank 1's waited and timed out)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         daemon.kill()
         daemon.start()
         for comm in comms:
@@ -157,9 +140,6 @@ def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_w
         monitor.join(10)
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 @pytest.mark.parametrize("daemon", [["--max-registrations", "100"]], indirect=True)
@@ -169,10 +149,9 @@ def test_buffers_deregistered_while_a_rejoin_registers_them_again_stay_deregiste
     new daemon while another thread of rank 0 deregisters them all. None comes back, and
     the new daemon holds none of them (before: 99-100 handles were back in the backend,
     held at the daemon against its limit, and the next register_buffer was refused)."""
-    comms = join(daemon, timeout=5)
-    buf = hostmem.alloc(4096)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=5) as comms:
+        buf = hostmem.alloc(4096)
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         handles = [comms[0].register_buffer(buf.ptr + i, 8) for i in range(100)]
         daemon.kill()
         daemon.start()
@@ -193,9 +172,6 @@ def test_buffers_deregistered_while_a_rejoin_registers_them_again_stay_deregiste
         for handle in fresh:
             comms[0].deregister_buffer(handle)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_clean_up_call_after_the_failure_does_not_make_a_late_reconnect_vote_again(
@@ -204,10 +180,8 @@ def test_a_clean_up_call_after_the_failure_does_not_make_a_late_reconnect_vote_a
     answers on a failed world too); the main thread rebuilds with rank 1. The worker's
     attempt_reconnect returns at once: only a collective that worked shows the world works
     (before: any answer did, and it voted a second rebuild)."""
-    comms = join(daemon, timeout=2)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    worker = ThreadPoolExecutor(1)
-    try:
+    with joined(daemon, timeout=2) as comms, ThreadPoolExecutor(1) as worker:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         handle = worker.submit(comms[0].register_buffer, bufs[0].ptr, 8).result(10)
         with pytest.raises(CommError):
             comms[0].barrier()  # rank 1 never calls it: the world fails
@@ -218,10 +192,6 @@ def test_a_clean_up_call_after_the_failure_does_not_make_a_late_reconnect_vote_a
 
         worker.submit(meet_the_failure_and_clean_up).result(10)
         rebuilt_without(worker, comms, bufs)
-    finally:
-        worker.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def test_close_on_one_thread_gives_a_call_on_another_a_comm_error(daemon: DaemonProcess) -> None:
@@ -261,10 +231,8 @@ def test_a_thread_whose_failure_was_repaired_still_joins_a_later_rebuild(
     vote fails E+1, which rank 0 is told), then the heartbeat asks too: it takes part,
     and both reach E+2 (before: it returned at once on its old failure, and rank 1 timed
     out waiting for rank 0)."""
-    comms = join(daemon, timeout=2)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    heartbeat = ThreadPoolExecutor(1)
-    try:
+    with joined(daemon, timeout=2) as comms, ThreadPoolExecutor(1) as heartbeat:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         with pytest.raises(CommError):
             comms[0].barrier()  # rank 1 never calls it: epoch E fails
         heartbeat.submit(met_the_failure, comms[0]).result(10)
@@ -280,10 +248,6 @@ def test_a_thread_whose_failure_was_repaired_still_joins_a_later_rebuild(
             voted.result(10)
         assert comms[0].epoch == comms[1].epoch == epoch + 1
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        heartbeat.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def slowed(monkeypatch: pytest.MonkeyPatch, comm: DaemonBackend, method: str, thread: str,
@@ -318,11 +282,9 @@ def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thre
     the ranks rebuild with a restarted one before the thread goes on. Its call fails (the
     new daemon never got the buffer), as a failure the rebuild already repaired: the
     thread's attempt_reconnect returns at once (before: it voted a second rebuild)."""
-    comms = join(daemon, timeout=2)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    fresh = hostmem.alloc(8)
-    worker = ThreadPoolExecutor(1, thread_name_prefix="worker")
-    try:
+    with joined(daemon, timeout=2) as comms, ThreadPoolExecutor(1, thread_name_prefix="worker") as worker:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        fresh = hostmem.alloc(8)
         answered = slowed(monkeypatch, comms[0], "_request", "worker", 2.0, after=True,
                           when=lambda *args, **kwargs: bool(kwargs.get("fds")))  # (the Import)
         call = worker.submit(comms[0].all_reduce, fresh.ptr, 8, dtype="i32")
@@ -334,10 +296,6 @@ def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thre
         rebuilt_without(worker, comms, bufs)  # (its attempt_reconnect queued behind the call)
         with pytest.raises(CommError, match="went away"):
             call.result(10)
-    finally:
-        worker.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def test_a_call_made_before_a_reconnect_on_other_threads_is_not_sent_into_the_rebuilt_world(
@@ -347,10 +305,8 @@ def test_a_call_made_before_a_reconnect_on_other_threads_is_not_sent_into_the_re
     and the world goes on: that thread's attempt_reconnect returns at once, and both
     ranks' next calls match (before: it went into E+1 as rank 0's first call there,
     paired with nothing of rank 1's; E+1 failed and needed another rebuild)."""
-    comms = join(daemon, timeout=2)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    late = ThreadPoolExecutor(1, thread_name_prefix="late")
-    try:
+    with joined(daemon, timeout=2) as comms, ThreadPoolExecutor(1, thread_name_prefix="late") as late:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         sending = slowed(monkeypatch, comms[0], "_send_releases", "late", 1.0)
         call = late.submit(comms[0].barrier)
         assert sending.wait(5)
@@ -364,10 +320,6 @@ def test_a_call_made_before_a_reconnect_on_other_threads_is_not_sent_into_the_re
         assert comms[0].epoch == comms[1].epoch == epoch + 1
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        late.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 @pytest.mark.parametrize("daemon", [["--max-buffers", "2"]], indirect=True)
@@ -378,10 +330,8 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
     That Forget goes to the new daemon with a later request (before: it was posted on the
     old, closed connection and lost; the new daemon held the buffer against its limit of
     2, and the next import was refused)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    stale = ThreadPoolExecutor(1, thread_name_prefix="stale")
-    try:
+    with joined(daemon, timeout=3) as comms, ThreadPoolExecutor(1, thread_name_prefix="stale") as stale:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0)
         request = stale.submit(comms[0].set_add_kernel, 0)
         assert taken.wait(5)
@@ -399,10 +349,6 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # a second buffer: fits, and takes the Forget
         more = [hostmem.alloc(8) for _ in range(2)]
         on_both(lambda r: comms[r].all_reduce(more[r].ptr, 8, dtype="i32"))  # a third: only if it went
-    finally:
-        stale.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 @pytest.mark.parametrize("daemon", [["--max-registrations", "100"]], indirect=True)
@@ -413,10 +359,9 @@ def test_news_of_the_new_epoch_failing_read_while_rejoining_is_kept(daemon: Daem
     record: it keeps the newer one, so it learns its world failed and joins the rebuild
     (before: the reconnect's end cleared both; is_healthy() said true for good, and rank
     1's rebuild timed out waiting for rank 0)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    registered = hostmem.alloc(4096)
-    try:
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        registered = hostmem.alloc(4096)
         for i in range(10):
             comms[0].register_buffer(registered.ptr + i, 8)
         daemon.kill()
@@ -437,6 +382,3 @@ def test_news_of_the_new_epoch_failing_read_while_rejoining_is_kept(daemon: Daem
             both.result(10)
         assert comms[0].epoch == comms[1].epoch == epoch + 1
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()

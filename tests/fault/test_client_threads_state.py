@@ -17,7 +17,7 @@ import pytest
 
 from client import CommError, DaemonBackend, MisuseError, hostmem
 from commd.launch import DaemonProcess
-from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, summed
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,8 +36,7 @@ def test_a_buffer_at_the_address_of_one_freed_on_another_thread_is_not_taken_for
     unheld, 54-1338 of 20000 tries met it). Its all_reduce sums its own data (before: the
     cached op named the old buffer: the daemon summed into that one, rank 0 got its own
     data back and rank 1 the old buffer's)."""
-    comms = join(daemon, timeout=3)
-    try:
+    with joined(daemon, timeout=3) as comms:
         # 64 MiB (sparse): the kernel hands a freed hole of that size out again first
         old = [hostmem.alloc(_BIG) for _ in range(2)]
         assert summed(comms, old) == [[3, 30], [3, 30]]
@@ -59,9 +58,6 @@ def test_a_buffer_at_the_address_of_one_freed_on_another_thread_is_not_taken_for
             assert new[0].ptr == old[0].ptr  # (mmap hands the address out again)
             assert summed(comms, new) == [[3, 30], [3, 30]]
             freed.result(10)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
@@ -71,10 +67,8 @@ def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
     op it built then named buffers the old daemon had imported; it must not be reused with
     the new daemon (before: every later all_reduce on that pointer was refused as 'never
     imported', and rank 1's timed out)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    training = ThreadPoolExecutor(1)
-    try:
+    with joined(daemon, timeout=3) as comms, ThreadPoolExecutor(1) as training:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # imported by the old daemon
         daemon.kill()
         daemon.start()
@@ -97,10 +91,6 @@ def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
                 training.submit(comms[0].all_reduce, bufs[0].ptr, 8, dtype="i32").result(10)
             rebuilt.result(30)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        training.shutdown(wait=True)
-        for comm in comms:
-            comm.close()
 
 
 def test_a_group_opened_once_the_rebuilt_world_is_healthy_is_kept(
@@ -112,10 +102,9 @@ def test_a_group_opened_once_the_rebuilt_world_is_healthy_is_kept(
     (before: it was dropped, its receive went out alone, group_end said 'without
     group_start', and rank 1's receive timed out). The old group is refused once, at its
     next call, rather than sent in pieces."""
-    comms = join(daemon, timeout=3)
-    send = [hostmem.alloc(8) for _ in range(2)]
-    recv = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=3) as comms:
+        send = [hostmem.alloc(8) for _ in range(2)]
+        recv = [hostmem.alloc(8) for _ in range(2)]
         comms[0].group_start()
         with pytest.raises(CommError):
             comms[1].barrier()  # rank 0 never calls it: the world fails
@@ -154,9 +143,6 @@ def test_a_group_opened_once_the_rebuilt_world_is_healthy_is_kept(
             assert exchange(0) == [2, 2]
             assert rank1.result(30) == [1, 1]
             rebuilt[0].result(10)
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_close_during_another_threads_rejoin_leaves_the_rank_free(daemon: DaemonProcess) -> None:
@@ -165,9 +151,8 @@ def test_close_during_another_threads_rejoin_leaves_the_rank_free(daemon: Daemon
     CommError, and the fresh rank 0 and rank 1 form the world (before: the hello's
     connection lived on, holding rank 0: the fresh one was refused as already connected,
     and the closed backend's reconnect waited out its whole timeout)."""
-    comms = join(daemon, timeout=8)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=8) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         daemon.kill()
         daemon.start()
         for comm in comms:
@@ -183,9 +168,6 @@ def test_close_during_another_threads_rejoin_leaves_the_rank_free(daemon: Daemon
             comms[1].attempt_reconnect()
             comms[0] = fresh.result(10)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_a_thread_told_its_group_was_ended_by_a_reconnect_does_not_vote_again(
@@ -194,9 +176,8 @@ def test_a_thread_told_its_group_was_ended_by_a_reconnect_does_not_vote_again(
     heartbeat threads of both ranks reconnect. Its next call in the group is refused, and
     its handler's attempt_reconnect returns at once: that failure is repaired (before: it
     voted a second rebuild, failed the new world for both ranks and timed out)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         comms[0].group_start()
         comms[0].send_to(bufs[0].ptr, 8, 1)
         daemon.kill()
@@ -213,9 +194,6 @@ def test_a_thread_told_its_group_was_ended_by_a_reconnect_does_not_vote_again(
         comms[0].attempt_reconnect()
         assert comms[0].epoch == epoch
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
@@ -225,9 +203,8 @@ def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
     Its call then fails as one the restart cut short, and counts as that failure: its
     attempt_reconnect returns at once and the next call works (before: the op went to the
     new daemon, which refused it as 'never imported', and rank 1's call timed out)."""
-    comms = join(daemon, timeout=3)
-    bufs = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # the op cached
         daemon.kill()
         daemon.start()
@@ -253,9 +230,6 @@ def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
         assert comms[0].epoch == epoch
         monkeypatch.undo()
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-    finally:
-        for comm in comms:
-            comm.close()
 
 
 def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonProcess) -> None:
@@ -296,10 +270,9 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
     reads healthy it sends and receives in it, paired with rank 1's group (before: the
     reconnect's end dropped that group; refused, the thread's handler voted a second
     rebuild, which timed out)."""
-    comms = join(daemon, timeout=3)
-    send = [hostmem.alloc(8) for _ in range(2)]
-    recv = [hostmem.alloc(8) for _ in range(2)]
-    try:
+    with joined(daemon, timeout=3) as comms:
+        send = [hostmem.alloc(8) for _ in range(2)]
+        recv = [hostmem.alloc(8) for _ in range(2)]
         comms[0].register_buffer(send[0].ptr, 8)
         daemon.kill()
         daemon.start()
@@ -339,7 +312,4 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
             comms[0].group_end()
             other.result(10)
         assert [r.view(np.int32).tolist() for r in recv] == [[2, 2], [1, 1]]
-    finally:
-        for comm in comms:
-            comm.close()
 
