@@ -301,8 +301,9 @@ def _plain_ok(data: bytes) -> m.Ok | None:
 def _submit_from_cache(data: bytes, raw: dict[Any, Any], cache: OpsCache) -> m.Submit | None:
     key = _ops_bytes(data, raw.get("id"))
     ops = cache.get(key) if key is not None else None
-    # (the key holds the epoch's bytes too: equal to those decoded and checked before)
-    return None if ops is None else m.Submit(raw["id"], ops, raw["epoch"])
+    # The key holds the epoch's bytes too, equal to those decoded and checked before; absent
+    # (a repeated key fills the map's fourth entry), the generic path took the default
+    return None if ops is None else m.Submit(raw["id"], ops, raw.get("epoch", 0))
 
 
 def _remember_ops(data: bytes, msg: m.Submit, cache: OpsCache) -> None:

@@ -63,6 +63,25 @@ def test_the_cache_never_answers_for_other_bytes() -> None:
                      ops_cache=cache)
 
 
+@pytest.mark.parametrize("fourth", [b"\xa2id\x05", b"\xa1t\xa6submit", b"\xa3ops\x90"])
+def test_a_repeated_key_in_place_of_the_epoch_decodes_like_the_generic_path(fourth: bytes) -> None:
+    """A map whose fourth entry repeats a key (the last value wins) has no epoch: the
+    generic path takes the default, and so must the cache, the second time (before: KeyError)."""
+    canonical = proto.encode(proto.Submit(5, (proto.AllReduce(proto.Mem(1, 0), 8),)))
+    packet = canonical[:canonical.index(codec._EPOCH_KEY)] + fourth
+    cache: codec.OpsCache = {}
+    try:
+        generic: object = proto.decode(packet)
+    except proto.ProtoError as exc:
+        generic = type(exc)
+    for _ in range(2):
+        try:
+            cached: object = proto.decode(packet, ops_cache=cache)
+        except proto.ProtoError as exc:
+            cached = type(exc)
+        assert cached == generic
+
+
 def test_the_cache_is_bounded() -> None:
     cache: codec.OpsCache = {}
     for n in range(codec.OPS_CACHE_SIZE + 10):
