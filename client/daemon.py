@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import proto
 from proto import DType, ReduceOp
@@ -32,21 +32,12 @@ from .groups import Basis, Groups
 from .hostmem import HostBuffer, HostMemory, default_memory
 from .memory import DriverFactory, MemoryResolver
 from .opcache import OpCache
+from .registrations import Registrations
+from .requests import Answer, Superseded
 from .streams import StreamOrder
 from .transport import Transport, Undo
 
 T = TypeVar("T")
-
-
-class _Answer(NamedTuple):
-    msg: proto.Message
-    fds: list[int]
-    link: int  # the daemon connection it came on (DaemonBackend._link)
-    epoch: int  # the rank's epoch when it was sent
-
-
-class _Superseded(Exception):
-    """A request about a daemon connection that a rejoin has replaced: that daemon is gone."""
 
 
 def _ints(**values: object) -> tuple[int, ...]:
@@ -128,17 +119,13 @@ class DaemonBackend(CommBackend):
         self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
         self._joining: Transport | None = None  # a rejoin's connection until its hello is answered
-        # register_buffer hands out our own handles: a restarted daemon hands out new ones
-        # ours -> (ptr, bytes, the daemon's, the _link it holds it on); the daemon's is None while
-        # a rejoin registers it again, or if its memory went before a restarted daemon knew it
-        self._registrations: dict[int, tuple[int, int, int | None, int]] = {}
-        self._next_handle = 1
         self._add_kernel: int | None = None
         self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
         self.epoch = 0
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
+        self._registrations = Registrations(self._lock, self._request, self._mem, lambda: self._link)
         self._transport, self.epoch = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
@@ -233,53 +220,10 @@ class DaemonBackend(CommBackend):
 
     def register_buffer(self, ptr: int, bytes: int) -> int:
         ptr, bytes = _ints(ptr=ptr, bytes=bytes)
-        while True:
-            daemon_handle, link = self._register(ptr, bytes)
-            with self._lock:
-                if link == self._link:
-                    handle = self._next_handle
-                    self._next_handle += 1
-                    self._registrations[handle] = (ptr, bytes, daemon_handle, link)
-                    return handle
-            # made with a daemon a rejoin replaced meanwhile (gone, and the registration with
-            # it), after the rejoin registered again what it knew: make it with the new one
-
-    def _register(self, ptr: int, nbytes: int) -> tuple[int, int]:
-        """The daemon's handle, and the daemon connection it holds it on."""
-        def register(request_id: int) -> proto.Register:
-            mem = self._mem(ptr, nbytes)
-            if mem is None:
-                raise MisuseError("cannot register an empty buffer")
-            return proto.Register(request_id, mem, nbytes)
-
-        answer = self._request(register, undo=_deregister_late)
-        return answer.msg.value, answer.link  # type: ignore[union-attr]
+        return self._registrations.register(ptr, bytes)
 
     def deregister_buffer(self, handle: int) -> None:
-        while True:
-            with self._lock:
-                registration = self._registrations.get(handle)
-            if registration is None:
-                raise MisuseError(f"handle {handle} is not registered")
-            _, _, daemon_handle, link = registration
-            if daemon_handle is not None:
-                self._deregister_at(daemon_handle, link)
-            with self._lock:
-                if self._registrations.get(handle) is registration:
-                    del self._registrations[handle]
-                    return
-            # a rejoin registered it with a restarted daemon meanwhile: let go of that one too
-
-    def _deregister_at(self, daemon_handle: int, link: int) -> None:
-        """Drop a registration at the daemon that made it, if that one is still ours."""
-        try:
-            self._request(lambda rid: proto.Deregister(rid, daemon_handle), link=link)
-        except _Superseded:
-            pass  # that daemon is gone, and its registrations with it
-        except MisuseError as exc:
-            if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
-                raise
-            # the daemon let go of it with its memory (freed, or dropped from our full cache)
+        self._registrations.deregister(handle)
 
     def symmetric_alloc(self, bytes: int) -> int:
         bytes, = _ints(bytes=bytes)
@@ -430,7 +374,7 @@ class DaemonBackend(CommBackend):
                 # its answer time to arrive rather than give up just before it does
                 answer = self._request(proto.Reconnect, grace=_JOIN_GRACE_S)
                 with self._lock:
-                    self._new_epoch(answer.msg.value)  # type: ignore[union-attr]
+                    self._new_epoch(answer.value())
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
                 self._check_open()  # (or close() on another thread broke it)
                 rejoin = True
@@ -446,15 +390,11 @@ class DaemonBackend(CommBackend):
             # after the close, so no request on the old connection can succeed under the new
             # link; a reply that came on it before is recorded nowhere
             self._link += 1
-            link = self._link
             self._imported.clear()
             self._released.clear()
             self._orphans.update(buffer.id for buffer in self._symmetric.values())
             self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
-            # the new daemon holds none yet: a re-registration that fails below must not keep
-            # the old daemon's handle, which the new one hands out again to another
-            for handle, (ptr, nbytes, _, _) in list(self._registrations.items()):
-                self._registrations[handle] = (ptr, nbytes, None, link)
+            self._registrations.new_daemon(self._link)
         # after the imports went (an op built from them meanwhile is not kept); not under _lock:
         # a finalizer may reach the cache's lock while this thread holds it
         self._ops.clear()
@@ -477,28 +417,9 @@ class DaemonBackend(CommBackend):
                     break
             transport.close()
             self._check_open()
-        self._register_again()
+        self._registrations.register_again()
         if self._add_kernel is not None:
             self.set_add_kernel(self._add_kernel)
-
-    def _register_again(self) -> None:
-        """Make every registration again with the new daemon; other threads may register
-        and deregister meanwhile."""
-        with self._lock:
-            registrations = list(self._registrations.items())
-        for handle, registration in registrations:
-            ptr, nbytes, daemon_handle, _ = registration
-            if daemon_handle is not None:
-                continue  # made with the new daemon by a register_buffer meanwhile
-            try:
-                fresh, link = self._register(ptr, nbytes)
-            except MisuseError:  # its memory was freed meanwhile: nothing to register any more
-                continue
-            with self._lock:
-                if self._registrations.get(handle) is registration:
-                    self._registrations[handle] = (ptr, nbytes, fresh, link)
-                    continue
-            self._deregister_at(fresh, link)  # deregistered meanwhile: the new daemon lets go too
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -632,7 +553,7 @@ class DaemonBackend(CommBackend):
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
         try:
             self._request(make, deadline=deadline, grace=_JOIN_GRACE_S, link=basis.link)
-        except _Superseded:  # built against a daemon a rejoin replaced meanwhile
+        except Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:
             if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
@@ -642,18 +563,18 @@ class DaemonBackend(CommBackend):
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
                  deadline: bool = True, grace: float = 0.0, undo: Undo | None = None,
-                 link: int | None = None) -> _Answer:
+                 link: int | None = None) -> Answer:
         """One request/reply under the backend's deadline; daemon errors become CommErrors.
         `make` builds the request from its id. `undo`: what undoes the request if it times
         out and the daemon did it all the same. `link`: only to that daemon connection
-        (_Superseded if a rejoin replaced it)."""
+        (Superseded if a rejoin replaced it)."""
         self._check_open()
         # One transport for the id and the sending: another thread's rejoin may put a new one
         # in place meanwhile, whose own ids an old one's could collide with
         with self._lock:
             transport, used, epoch = self._transport, self._link, self.epoch
         if link is not None and link != used:
-            raise _Superseded
+            raise Superseded
         try:
             self._send_releases(transport)
             msg = self._build(lambda: make(transport.next_id()))
@@ -662,12 +583,12 @@ class DaemonBackend(CommBackend):
             self._check(reply)
         except CommError as exc:
             if link is not None and link != self._link:
-                raise _Superseded from exc  # (sent on the connection a rejoin was replacing)
+                raise Superseded from exc  # (sent on the connection a rejoin was replacing)
             # (a call refused as made for an older epoch says nothing of the current one)
             if isinstance(exc, UNHEALTHY) and exc.code is not proto.ErrorCode.STALE_EPOCH:
                 self._met_failure(self._mark_unhealthy(exc, epoch, transport))
             raise
-        return _Answer(reply, got, used, epoch)
+        return Answer(reply, got, used, epoch)
 
     def _check(self, reply: proto.Message) -> None:
         if isinstance(reply, proto.Error):
@@ -719,11 +640,6 @@ class DaemonBackend(CommBackend):
             released, self._released = self._released, []
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
-
-
-def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | None:
-    """A registration that timed out but was made: the daemon lets go of it."""
-    return proto.Deregister(request_id, reply.value) if isinstance(reply, proto.Ok) else None
 
 
 def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:

@@ -279,7 +279,7 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
         for comm in comms:
             met_the_failure(comm)
         epoch = comms[0].epoch
-        register_again = comms[0]._register_again
+        register_again = comms[0]._registrations.register_again
         registering = threading.Event()
 
         def held_register_again() -> None:
@@ -287,7 +287,7 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
             time.sleep(1.0)
             register_again()
 
-        monkeypatch.setattr(comms[0], "_register_again", held_register_again)
+        monkeypatch.setattr(comms[0]._registrations, "register_again", held_register_again)
         for r in range(2):
             send[r].view(np.int32)[:] = [r + 1, r + 1]
         with ThreadPoolExecutor(2) as heartbeats:

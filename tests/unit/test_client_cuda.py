@@ -24,8 +24,8 @@ import pytest
 import proto
 from client import DaemonBackend, HostMemory, MisuseError
 from client.cuda import BindingsDriver, CudaMemory, PointerInfo, available_driver
-from client.daemon import _Answer
 from client.memory import MemoryRef, MemoryResolver
+from client.requests import Answer
 from proto import MemKind
 from tests.integration.harness import open_fds, world_name
 
@@ -480,19 +480,19 @@ class AcceptingCuda(DaemonBackend):
         self._transport.post = spy  # type: ignore[method-assign]
 
     def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
-                 **kwargs: Any) -> _Answer:
+                 **kwargs: Any) -> Answer:
         msg = self._build(lambda: make(self._transport.next_id()))
         if isinstance(msg, proto.Import) and msg.kind is not MemKind.HOST:
             self._send_releases(self._transport)
             assert len(fds) == (1 if msg.kind is MemKind.CUDA_VMM else 0)
             self.sent.append(msg)
             self.cuda_ids.add(msg.buf)
-            return _Answer(proto.Ok(msg.id), [], self._link, self.epoch)
+            return Answer(proto.Ok(msg.id), [], self._link, self.epoch)
         if isinstance(msg, proto.Submit) and any(
                 isinstance(op, proto.AllReduce) and op.buf and op.buf.buf in self.cuda_ids for op in msg.ops):
             self._send_releases(self._transport)
             self.sent.extend(msg.ops)
-            return _Answer(proto.Ok(msg.id), [], self._link, self.epoch)
+            return Answer(proto.Ok(msg.id), [], self._link, self.epoch)
         return super()._request(lambda _id: msg, fds=fds, **kwargs)
 
 

@@ -1,0 +1,119 @@
+"""register_buffer's handles: the worker's own, so a daemon restart changes none of them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import proto
+
+from .errors import MisuseError
+from .requests import Requester, Superseded
+
+
+class Registration(NamedTuple):
+    ptr: int
+    nbytes: int
+    # None while a rejoin registers it again, or if its memory went before a restarted
+    # daemon knew it
+    daemon_handle: int | None
+    link: int  # the daemon connection that holds daemon_handle (DaemonBackend._link)
+
+
+class Registrations:
+    """Our handles, each mapped to the daemon's and the connection it holds it on. A
+    restarted daemon hands out new ones (and again the old numbers, to others): a rejoin
+    forgets the old daemon's (`new_daemon`), then registers each again (`register_again`),
+    while other threads may register and deregister. `lock` is the backend's: the one
+    its connection and `link()` change under."""
+
+    def __init__(self, lock: threading.RLock, request: Requester,
+                 mem: Callable[[int, int], proto.Mem | None], link: Callable[[], int]) -> None:
+        self._lock = lock
+        self._request = request
+        self._mem = mem
+        self._link = link
+        self._by_handle: dict[int, Registration] = {}
+        self._next_handle = 1
+
+    def handles(self) -> set[int]:
+        with self._lock:
+            return set(self._by_handle)
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        while True:
+            daemon_handle, link = self._register(ptr, nbytes)
+            with self._lock:
+                if link == self._link():
+                    handle = self._next_handle
+                    self._next_handle += 1
+                    self._by_handle[handle] = Registration(ptr, nbytes, daemon_handle, link)
+                    return handle
+            # made with a daemon a rejoin replaced meanwhile (gone, and the registration with
+            # it), after the rejoin registered again what it knew: make it with the new one
+
+    def deregister(self, handle: int) -> None:
+        while True:
+            with self._lock:
+                registration = self._by_handle.get(handle)
+            if registration is None:
+                raise MisuseError(f"handle {handle} is not registered")
+            if registration.daemon_handle is not None:
+                self._deregister_at(registration.daemon_handle, registration.link)
+            with self._lock:
+                if self._by_handle.get(handle) is registration:
+                    del self._by_handle[handle]
+                    return
+            # a rejoin registered it with a restarted daemon meanwhile: let go of that one too
+
+    def new_daemon(self, link: int) -> None:
+        """(Under the lock) The daemon connection is now `link`, whose daemon holds none yet: a
+        re-registration that fails must not keep the old daemon's handle, which the new one
+        hands out again to another."""
+        for handle, registration in list(self._by_handle.items()):
+            self._by_handle[handle] = registration._replace(daemon_handle=None, link=link)
+
+    def register_again(self) -> None:
+        """Make every registration again with the new daemon."""
+        with self._lock:
+            registrations = list(self._by_handle.items())
+        for handle, registration in registrations:
+            if registration.daemon_handle is not None:
+                continue  # made with the new daemon by a register_buffer meanwhile
+            try:
+                fresh, link = self._register(registration.ptr, registration.nbytes)
+            except MisuseError:  # its memory was freed meanwhile: nothing to register any more
+                continue
+            with self._lock:
+                if self._by_handle.get(handle) is registration:
+                    self._by_handle[handle] = registration._replace(daemon_handle=fresh, link=link)
+                    continue
+            self._deregister_at(fresh, link)  # deregistered meanwhile: the new daemon lets go too
+
+    def _register(self, ptr: int, nbytes: int) -> tuple[int, int]:
+        """The daemon's handle, and the daemon connection it holds it on."""
+        def register(request_id: int) -> proto.Register:
+            mem = self._mem(ptr, nbytes)
+            if mem is None:
+                raise MisuseError("cannot register an empty buffer")
+            return proto.Register(request_id, mem, nbytes)
+
+        answer = self._request(register, undo=_deregister_late)
+        return answer.value(), answer.link
+
+    def _deregister_at(self, daemon_handle: int, link: int) -> None:
+        """Drop a registration at the daemon that made it, if that one is still ours."""
+        try:
+            self._request(lambda rid: proto.Deregister(rid, daemon_handle), link=link)
+        except Superseded:
+            pass  # that daemon is gone, and its registrations with it
+        except MisuseError as exc:
+            if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
+                raise
+            # the daemon let go of it with its memory (freed, or dropped from our full cache)
+
+
+def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | None:
+    """A registration that timed out but was made: the daemon lets go of it."""
+    return proto.Deregister(request_id, reply.value) if isinstance(reply, proto.Ok) else None
