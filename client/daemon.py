@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import operator
 import os
 import threading
@@ -22,19 +20,19 @@ from .errors import (
     CommError,
     CommTimeout,
     DaemonUnavailable,
-    LimitExceeded,
     MisuseError,
-    ProtocolError,
     WorldFailed,
     from_code,
 )
 from .groups import Basis, Groups
-from .hostmem import HostBuffer, HostMemory, default_memory
+from .hostmem import HostMemory, default_memory
+from .imports import Imports
 from .memory import DriverFactory, MemoryResolver
 from .opcache import OpCache
 from .registrations import Registrations
 from .requests import Answer, Superseded
 from .streams import StreamOrder
+from .symmetric import SymmetricMemory
 from .transport import Transport, Undo
 
 T = TypeVar("T")
@@ -106,10 +104,7 @@ class DaemonBackend(CommBackend):
         # rejoin's new one, under _lock with the transport and the epoch, so a reply that came
         # on the old one is never recorded as the new daemon's
         self._link = 0
-        self._imported: set[int] = set()
-        self._released: list[int] = []
-        self._symmetric: dict[int, HostBuffer] = {}
-        self._device_symmetric: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
+        self._imports = Imports()
         self._groups = Groups(on_dropped=self._met_failure)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
@@ -120,12 +115,13 @@ class DaemonBackend(CommBackend):
         self._closed = False
         self._joining: Transport | None = None  # a rejoin's connection until its hello is answered
         self._add_kernel: int | None = None
-        self._orphans: set[int] = set()  # symmetric buffers of a daemon that is gone
         self.epoch = 0
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
-        self._registrations = Registrations(self._lock, self._request, self._mem, lambda: self._link)
+        self._registrations = Registrations(self._lock, self._request, self._mem, self._current_link)
+        self._symmetric = SymmetricMemory(self._lock, self._request, self._memory, self._resolver,
+                                          self._imports, self._current_link)
         self._transport, self.epoch = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
@@ -227,83 +223,11 @@ class DaemonBackend(CommBackend):
 
     def symmetric_alloc(self, bytes: int) -> int:
         bytes, = _ints(bytes=bytes)
-        buffer_id = self._memory.next_id()
-        answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, bytes),
-                               undo=functools.partial(_sym_free_late, buffer_id))
-        fds, link = answer.fds, answer.link
-        if len(fds) != 1:
-            raise ProtocolError(f"symmetric_alloc reply carried {len(fds)} fds, expected 1")
-        if self.engine != "host":  # device memory (ncclMemAlloc): mapped through the driver
-            try:
-                ptr, size = self._resolver.map_symmetric(fds[0], bytes, buffer_id)
-            except BaseException:  # unusable here: the daemon lets go of it now, not at our close
-                with contextlib.suppress(CommError):
-                    self._sym_free(buffer_id)
-                raise
-            finally:
-                os.close(fds[0])
-            with self._lock:
-                self._hold_symmetric(buffer_id, link)
-                self._device_symmetric[ptr] = (buffer_id, size)
-            return ptr
-        try:
-            buffer = self._memory.adopt(fds[0], bytes, buffer_id)
-        except (OSError, ValueError) as exc:  # cannot map it here (RLIMIT_AS, ENOMEM, max_map_count)
-            os.close(fds[0])
-            with contextlib.suppress(CommError):  # the daemon lets go of it now, not at our close
-                self._sym_free(buffer_id)
-            raise LimitExceeded(f"cannot map {bytes} bytes of symmetric memory here: {exc}") from exc
-        with self._lock:
-            self._hold_symmetric(buffer_id, link)
-            self._symmetric[buffer.ptr] = buffer
-        return buffer.ptr
-
-    def _hold_symmetric(self, buffer_id: int, link: int) -> None:
-        """(Under _lock) A new symmetric buffer: the daemon's, or an orphan if that daemon
-        was replaced meanwhile (as _rejoin makes of those it knew)."""
-        (self._imported if link == self._link else self._orphans).add(buffer_id)
+        # device memory (ncclMemAlloc) with an engine that has it, mapped through the driver
+        return self._symmetric.alloc(bytes, on_device=self.engine != "host")
 
     def symmetric_free(self, ptr: int) -> None:
-        with self._lock:  # claimed, so that close() on another thread does not free it too
-            device = self._device_symmetric.pop(ptr, None)
-            buffer = self._symmetric.pop(ptr, None)
-        if device is not None:
-            buffer_id, size = device
-            try:
-                self._sym_free(buffer_id)
-            except BaseException:
-                with self._lock:
-                    kept = not self._closed
-                    if kept:  # not freed: the caller may try again
-                        self._device_symmetric[ptr] = device
-                if not kept:  # close() came meanwhile and no longer saw it
-                    self._resolver.unmap_symmetric(buffer_id, ptr, size)
-                raise
-            self._resolver.unmap_symmetric(buffer_id, ptr, size)
-            return
-        if buffer is None:
-            raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
-        # Ours first: with views of it alive this refuses, and nothing has changed (told the
-        # daemon first, the memory would be gone there and the pointer unknown here for good)
-        try:
-            buffer.close()
-        except MisuseError:
-            with self._lock:
-                if not self._closed:  # (else close() has let go of the rest)
-                    self._symmetric[ptr] = buffer
-            raise
-        self._sym_free(buffer.id)
-
-    def _sym_free(self, buffer_id: int) -> None:
-        """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one
-        may have imported it as a plain buffer since, and forgets it as one."""
-        if buffer_id not in self._orphans:
-            self._request(lambda rid: proto.SymFree(rid, buffer_id))
-        with self._lock:
-            if buffer_id in self._imported:
-                self._imported.discard(buffer_id)
-                if buffer_id in self._orphans:
-                    self._released.append(buffer_id)
+        self._symmetric.free(ptr)
 
     def set_add_kernel(self, handle: int) -> None:
         handle, = _ints(handle=handle)
@@ -390,10 +314,8 @@ class DaemonBackend(CommBackend):
             # after the close, so no request on the old connection can succeed under the new
             # link; a reply that came on it before is recorded nowhere
             self._link += 1
-            self._imported.clear()
-            self._released.clear()
-            self._orphans.update(buffer.id for buffer in self._symmetric.values())
-            self._orphans.update(buffer_id for buffer_id, _ in self._device_symmetric.values())
+            self._imports.new_daemon()
+            self._symmetric.orphan_all()
             self._registrations.new_daemon(self._link)
         # after the imports went (an op built from them meanwhile is not kept); not under _lock:
         # a finalizer may reach the cache's lock while this thread holds it
@@ -429,19 +351,12 @@ class DaemonBackend(CommBackend):
             if self._closed:
                 return
             self._closed = True
-            symmetric, self._symmetric = list(self._symmetric.values()), {}
-            device_symmetric, self._device_symmetric = self._device_symmetric, {}
             transport, joining = self._transport, self._joining
         transport.close()
         if joining is not None:  # a rejoin's hello: it must not take the rank after we left
             joining.close()
         self._order.close(self._resolver.driver)
-        for ptr, (buffer_id, size) in device_symmetric.items():
-            with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo
-                self._resolver.unmap_symmetric(buffer_id, ptr, size)
-        for buffer in symmetric:
-            with contextlib.suppress(MisuseError):  # the worker holds views: mapped until they go
-                buffer.close()
+        self._symmetric.close()
 
     def __enter__(self) -> DaemonBackend:
         return self
@@ -475,19 +390,19 @@ class DaemonBackend(CommBackend):
         # Its own lock, held over the round trip: a thread reading replies for another call
         # (and taking _lock for an event) must never wait for this one.
         with self._import_lock:
-            if ref.buffer_id not in self._imported:
+            if ref.buffer_id not in self._imports:
                 try:
                     with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
                         answer = self._request(lambda rid: proto.Import(
                             rid, ref.buffer_id, ref.kind, ref.size, ref.handle), fds=fds)
                 except CommTimeout:  # the daemon may have mapped it all the same: forget it first
                     with self._lock:
-                        self._released.append(ref.buffer_id)
+                        self._imports.owe(ref.buffer_id)
                     raise
                 with self._lock:
                     handed = answer.link == self._link
                     if handed:
-                        self._imported.add(ref.buffer_id)
+                        self._imports.add(ref.buffer_id)
                 if not handed:
                     raise self._went_away(answer.epoch, "while this call handed it a buffer")
         return proto.Mem(ref.buffer_id, ref.offset)
@@ -512,6 +427,9 @@ class DaemonBackend(CommBackend):
         before (one opened from now on is the new one's, and kept)."""
         self.epoch = epoch
         self._groups.drop_all()
+
+    def _current_link(self) -> int:
+        return self._link
 
     def _basis(self) -> Basis:
         with self._lock:
@@ -627,9 +545,7 @@ class DaemonBackend(CommBackend):
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)
         with self._lock:
-            if buffer_id in self._imported:
-                self._imported.discard(buffer_id)
-                self._released.append(buffer_id)
+            self._imports.release(buffer_id)
 
     def _send_releases(self, transport: Transport) -> None:
         """The Forgets go with a request on the current connection (one a rejoin is replacing
@@ -637,14 +553,9 @@ class DaemonBackend(CommBackend):
         with self._lock:
             if transport is not self._transport or transport.broken is not None:
                 return
-            released, self._released = self._released, []
+            released = self._imports.take_owed()
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
-
-
-def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:
-    """A symmetric allocation that timed out but was made: the daemon frees it."""
-    return proto.SymFree(request_id, buffer_id) if isinstance(reply, proto.Ok) else None
 
 
 def _weak_listener(method: Callable[[int], None]) -> Callable[[int], None]:

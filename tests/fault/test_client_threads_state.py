@@ -262,6 +262,33 @@ def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonP
     assert memory.locate(freed_ptr) is None and memory.locate(other_ptr) is None
 
 
+def test_symmetric_alloc_racing_close_leaves_nothing_mapped(daemon: DaemonProcess,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() on another thread while symmetric_alloc maps the daemon's answer (held
+    here): the allocation fails as on a closed backend and its mapping goes (before: it
+    was added after close() had let go of the others, and stayed mapped for good)."""
+    memory = hostmem.HostMemory()
+    comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5, memory=memory)
+    adopt = memory.adopt
+    adopted: list[hostmem.HostBuffer] = []
+    mapping = threading.Event()
+
+    def slow_adopt(fd: int, nbytes: int, buffer_id: int) -> hostmem.HostBuffer:
+        adopted.append(adopt(fd, nbytes, buffer_id))
+        mapping.set()
+        time.sleep(0.3)  # close() runs here
+        return adopted[-1]
+
+    monkeypatch.setattr(memory, "adopt", slow_adopt)
+    with ThreadPoolExecutor(1) as allocating:
+        alloc = allocating.submit(comm.symmetric_alloc, 64)
+        assert mapping.wait(5)
+        comm.close()
+        with pytest.raises(MisuseError, match="closed"):
+            alloc.result(10)
+    assert adopted[0].closed and memory.locate(adopted[0].ptr) is None
+
+
 def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kept(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a daemon restart rank 0's heartbeat rejoins: the world is rebuilt (a new

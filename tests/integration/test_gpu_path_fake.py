@@ -398,7 +398,7 @@ def test_symmetric_free_racing_close_unmaps_once(daemon: GpuDaemon, gpu: FakeGpu
         unmap(mapped, size)
 
     monkeypatch.setattr(driver, "unmap_shared", counted_unmap)
-    sym_free = comm._sym_free
+    sym_free = comm._symmetric._sym_free
     freed = threading.Event()
 
     def slow_sym_free(buffer_id: int) -> None:
@@ -406,7 +406,7 @@ def test_symmetric_free_racing_close_unmaps_once(daemon: GpuDaemon, gpu: FakeGpu
         freed.set()
         time.sleep(0.5)  # close() runs here
 
-    monkeypatch.setattr(comm, "_sym_free", slow_sym_free)
+    monkeypatch.setattr(comm._symmetric, "_sym_free", slow_sym_free)
     with ThreadPoolExecutor(1) as other:
         freeing = other.submit(comm.symmetric_free, ptr)
         assert freed.wait(10)

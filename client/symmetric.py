@@ -1,0 +1,143 @@
+"""symmetric_alloc's memory: made by the daemon, mapped into the worker."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Callable
+
+import proto
+
+from .errors import CommError, LimitExceeded, MisuseError, ProtocolError
+from .hostmem import HostBuffer, HostMemory
+from .imports import Imports
+from .memory import MemoryResolver
+from .requests import Requester
+
+
+class SymmetricMemory:
+    """The pointers symmetric_alloc handed out: host memory (the daemon's memfd, mapped
+    here) or device memory (ncclMemAlloc in the daemon, exported as an fd and mapped
+    through the driver). The buffers of a daemon a rejoin replaced are orphans (`orphan_all`):
+    ours is then the only copy, and the new daemon may import one as a plain buffer.
+    Safe from several threads; `lock` is the backend's, the one `link()` changes under."""
+
+    def __init__(self, lock: threading.RLock, request: Requester, memory: HostMemory,
+                 resolver: MemoryResolver, imports: Imports, link: Callable[[], int]) -> None:
+        self._lock = lock
+        self._request = request
+        self._memory = memory
+        self._resolver = resolver
+        self._imports = imports
+        self._link = link
+        self._host: dict[int, HostBuffer] = {}  # ptr -> the mapping
+        self._device: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
+        self._orphans: set[int] = set()
+        self._closed = False
+
+    def alloc(self, nbytes: int, on_device: bool) -> int:
+        buffer_id = self._memory.next_id()
+        answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, nbytes),
+                               undo=functools.partial(_sym_free_late, buffer_id))
+        if len(answer.fds) != 1:
+            raise ProtocolError(f"symmetric_alloc reply carried {len(answer.fds)} fds, expected 1")
+        fd = answer.fds[0]
+        try:
+            if on_device:
+                try:
+                    ptr, size = self._resolver.map_symmetric(fd, nbytes, buffer_id)
+                finally:
+                    os.close(fd)
+                unmap: Callable[[], None] = functools.partial(self._resolver.unmap_symmetric,
+                                                              buffer_id, ptr, size)
+            else:
+                try:
+                    buffer = self._memory.adopt(fd, nbytes, buffer_id)  # (it keeps the fd)
+                except (OSError, ValueError) as exc:  # cannot map it here (RLIMIT_AS, ENOMEM, max_map_count)
+                    os.close(fd)
+                    raise LimitExceeded(f"cannot map {nbytes} bytes of symmetric memory here: {exc}") from exc
+                ptr, unmap = buffer.ptr, buffer.close
+        except BaseException:  # unusable here: the daemon lets go of it now, not at our close
+            with contextlib.suppress(CommError):
+                self._sym_free(buffer_id)
+            raise
+        with self._lock:
+            if not self._closed:
+                # the daemon's, or an orphan if a rejoin replaced that daemon meanwhile
+                if answer.link == self._link():
+                    self._imports.add(buffer_id)
+                else:
+                    self._orphans.add(buffer_id)
+                if on_device:
+                    self._device[ptr] = (buffer_id, size)
+                else:
+                    self._host[ptr] = buffer
+                return ptr
+        unmap()  # close() came meanwhile, and let go of the rest
+        raise MisuseError("the backend is closed")
+
+    def free(self, ptr: int) -> None:
+        with self._lock:  # claimed, so that close() on another thread does not free it too
+            device = self._device.pop(ptr, None)
+            buffer = self._host.pop(ptr, None)
+        if device is not None:
+            buffer_id, size = device
+            try:
+                self._sym_free(buffer_id)
+            except BaseException:
+                with self._lock:
+                    kept = not self._closed
+                    if kept:  # not freed: the caller may try again
+                        self._device[ptr] = device
+                if not kept:  # close() came meanwhile and no longer saw it
+                    self._resolver.unmap_symmetric(buffer_id, ptr, size)
+                raise
+            self._resolver.unmap_symmetric(buffer_id, ptr, size)
+            return
+        if buffer is None:
+            raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
+        # Ours first: with views of it alive this refuses, and nothing has changed (told the
+        # daemon first, the memory would be gone there and the pointer unknown here for good)
+        try:
+            buffer.close()
+        except MisuseError:
+            with self._lock:
+                if not self._closed:  # (else close() has let go of the rest)
+                    self._host[ptr] = buffer
+            raise
+        self._sym_free(buffer.id)
+
+    def orphan_all(self) -> None:
+        """(Under the lock) The daemon that made them is gone."""
+        self._orphans.update(buffer.id for buffer in self._host.values())
+        self._orphans.update(buffer_id for buffer_id, _ in self._device.values())
+
+    def close(self) -> None:
+        """Unmap every buffer (host ones the worker still holds views of stay mapped until
+        the views go)."""
+        with self._lock:
+            self._closed = True
+            host, self._host = list(self._host.values()), {}
+            device, self._device = self._device, {}
+        for ptr, (buffer_id, size) in device.items():
+            with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo
+                self._resolver.unmap_symmetric(buffer_id, ptr, size)
+        for buffer in host:
+            with contextlib.suppress(MisuseError):
+                buffer.close()
+
+    def _sym_free(self, buffer_id: int) -> None:
+        """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one
+        may have imported it as a plain buffer since, and forgets it as one."""
+        orphan = buffer_id in self._orphans
+        if not orphan:
+            self._request(lambda rid: proto.SymFree(rid, buffer_id))
+        with self._lock:
+            self._imports.release(buffer_id, forget=orphan)
+
+
+def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:
+    """A symmetric allocation that timed out but was made: the daemon frees it."""
+    return proto.SymFree(request_id, buffer_id) if isinstance(reply, proto.Ok) else None
