@@ -26,11 +26,11 @@ from .errors import (
 )
 from .groups import Basis, Groups
 from .hostmem import HostMemory, default_memory
-from .imports import Imports
+from .imported import ImportedBuffers
 from .memory import DriverFactory, MemoryResolver
 from .opcache import OpCache
 from .registrations import Registrations
-from .requests import Answer, Superseded
+from .rpc import Answer, Superseded
 from .streams import StreamOrder
 from .symmetric import SymmetricMemory
 from .transport import Transport, Undo
@@ -104,7 +104,7 @@ class DaemonBackend(CommBackend):
         # rejoin's new one, under _lock with the transport and the epoch, so a reply that came
         # on the old one is never recorded as the new daemon's
         self._link = 0
-        self._imports = Imports()
+        self._imports = ImportedBuffers()
         self._groups = Groups(on_dropped=self._met_failure)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
@@ -119,9 +119,10 @@ class DaemonBackend(CommBackend):
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
+        # (they hold the bound methods: patch theirs, not the backend's, to reach their requests)
         self._registrations = Registrations(self._lock, self._request, self._mem, self._current_link)
         self._symmetric = SymmetricMemory(self._lock, self._request, self._memory, self._resolver,
-                                          self._imports, self._current_link)
+                                          self._imports, self._current_link, lambda: self._closed)
         self._transport, self.epoch = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
@@ -351,12 +352,13 @@ class DaemonBackend(CommBackend):
             if self._closed:
                 return
             self._closed = True
+            unmap_symmetric = self._symmetric.let_go()
             transport, joining = self._transport, self._joining
         transport.close()
         if joining is not None:  # a rejoin's hello: it must not take the rank after we left
             joining.close()
         self._order.close(self._resolver.driver)
-        self._symmetric.close()
+        unmap_symmetric()
 
     def __enter__(self) -> DaemonBackend:
         return self

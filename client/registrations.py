@@ -9,7 +9,7 @@ from typing import NamedTuple
 import proto
 
 from .errors import MisuseError
-from .requests import Requester, Superseded
+from .rpc import Requester, Superseded
 
 
 class Registration(NamedTuple):

@@ -12,9 +12,9 @@ import proto
 
 from .errors import CommError, LimitExceeded, MisuseError, ProtocolError
 from .hostmem import HostBuffer, HostMemory
-from .imports import Imports
+from .imported import ImportedBuffers
 from .memory import MemoryResolver
-from .requests import Requester
+from .rpc import Requester
 
 
 class SymmetricMemory:
@@ -25,7 +25,8 @@ class SymmetricMemory:
     Safe from several threads; `lock` is the backend's, the one `link()` changes under."""
 
     def __init__(self, lock: threading.RLock, request: Requester, memory: HostMemory,
-                 resolver: MemoryResolver, imports: Imports, link: Callable[[], int]) -> None:
+                 resolver: MemoryResolver, imports: ImportedBuffers, link: Callable[[], int],
+                 closed: Callable[[], bool]) -> None:
         self._lock = lock
         self._request = request
         self._memory = memory
@@ -35,36 +36,38 @@ class SymmetricMemory:
         self._host: dict[int, HostBuffer] = {}  # ptr -> the mapping
         self._device: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
         self._orphans: set[int] = set()
-        self._closed = False
+        self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
 
     def alloc(self, nbytes: int, on_device: bool) -> int:
         buffer_id = self._memory.next_id()
         answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, nbytes),
                                undo=functools.partial(_sym_free_late, buffer_id))
-        if len(answer.fds) != 1:
-            raise ProtocolError(f"symmetric_alloc reply carried {len(answer.fds)} fds, expected 1")
-        fd = answer.fds[0]
+        adopted: int | None = None  # the fd a host buffer keeps; the others are closed here
         try:
+            if len(answer.fds) != 1:
+                raise ProtocolError(f"symmetric_alloc reply carried {len(answer.fds)} fds, expected 1")
+            fd = answer.fds[0]
             if on_device:
-                try:
-                    ptr, size = self._resolver.map_symmetric(fd, nbytes, buffer_id)
-                finally:
-                    os.close(fd)
+                ptr, size = self._resolver.map_symmetric(fd, nbytes, buffer_id)
                 unmap: Callable[[], None] = functools.partial(self._resolver.unmap_symmetric,
                                                               buffer_id, ptr, size)
             else:
                 try:
-                    buffer = self._memory.adopt(fd, nbytes, buffer_id)  # (it keeps the fd)
+                    buffer = self._memory.adopt(fd, nbytes, buffer_id)
                 except (OSError, ValueError) as exc:  # cannot map it here (RLIMIT_AS, ENOMEM, max_map_count)
-                    os.close(fd)
                     raise LimitExceeded(f"cannot map {nbytes} bytes of symmetric memory here: {exc}") from exc
+                adopted = fd
                 ptr, unmap = buffer.ptr, buffer.close
         except BaseException:  # unusable here: the daemon lets go of it now, not at our close
             with contextlib.suppress(CommError):
                 self._sym_free(buffer_id)
             raise
+        finally:
+            for fd in answer.fds:
+                if fd != adopted:
+                    os.close(fd)
         with self._lock:
-            if not self._closed:
+            if not self._closed():
                 # the daemon's, or an orphan if a rejoin replaced that daemon meanwhile
                 if answer.link == self._link():
                     self._imports.add(buffer_id)
@@ -88,7 +91,7 @@ class SymmetricMemory:
                 self._sym_free(buffer_id)
             except BaseException:
                 with self._lock:
-                    kept = not self._closed
+                    kept = not self._closed()
                     if kept:  # not freed: the caller may try again
                         self._device[ptr] = device
                 if not kept:  # close() came meanwhile and no longer saw it
@@ -104,7 +107,7 @@ class SymmetricMemory:
             buffer.close()
         except MisuseError:
             with self._lock:
-                if not self._closed:  # (else close() has let go of the rest)
+                if not self._closed():  # (else close() has let go of the rest)
                     self._host[ptr] = buffer
             raise
         self._sym_free(buffer.id)
@@ -114,19 +117,22 @@ class SymmetricMemory:
         self._orphans.update(buffer.id for buffer in self._host.values())
         self._orphans.update(buffer_id for buffer_id, _ in self._device.values())
 
-    def close(self) -> None:
-        """Unmap every buffer (host ones the worker still holds views of stay mapped until
+    def let_go(self) -> Callable[[], None]:
+        """(Under the lock, as the backend closes) Take every buffer; the call returned unmaps
+        them, outside the lock (host ones the worker still holds views of stay mapped until
         the views go)."""
-        with self._lock:
-            self._closed = True
-            host, self._host = list(self._host.values()), {}
-            device, self._device = self._device, {}
-        for ptr, (buffer_id, size) in device.items():
-            with contextlib.suppress(MisuseError):  # the driver is gone or the mapping is: nothing to undo
-                self._resolver.unmap_symmetric(buffer_id, ptr, size)
-        for buffer in host:
-            with contextlib.suppress(MisuseError):
-                buffer.close()
+        host, self._host = list(self._host.values()), {}
+        device, self._device = self._device, {}
+
+        def unmap() -> None:
+            for ptr, (buffer_id, size) in device.items():
+                with contextlib.suppress(MisuseError):  # the driver or the mapping is gone: nothing to undo
+                    self._resolver.unmap_symmetric(buffer_id, ptr, size)
+            for buffer in host:
+                with contextlib.suppress(MisuseError):
+                    buffer.close()
+
+        return unmap
 
     def _sym_free(self, buffer_id: int) -> None:
         """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one
@@ -136,6 +142,7 @@ class SymmetricMemory:
             self._request(lambda rid: proto.SymFree(rid, buffer_id))
         with self._lock:
             self._imports.release(buffer_id, forget=orphan)
+            self._orphans.discard(buffer_id)
 
 
 def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:

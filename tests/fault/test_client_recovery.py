@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseError, hostmem
+from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseError, ProtocolError, hostmem
 from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
@@ -291,6 +291,38 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
                 comm.symmetric_alloc(4 << 30)
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        assert open_fds(os.getpid()) == fds
+        back_to(daemon.pid, daemon_base, timeout=5)
+        comm.barrier()
+
+
+def test_a_symmetric_alloc_that_fails_after_its_answer_leaks_no_fd(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer with two fds (a ProtocolError) and a mapping that fails with anything but
+    an OSError: every fd the answer carried is closed and the daemon lets go of the memory
+    (before: both leaked the fds, and the first did not free the daemon's memory)."""
+    memory = hostmem.HostMemory()
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5, memory=memory) as comm:
+        comm.symmetric_free(comm.symmetric_alloc(64))
+        fds, daemon_base = open_fds(os.getpid()), held_at_rest(daemon.pid)
+        symmetric = comm._symmetric
+        request = symmetric._request
+
+        def two_fds(make: Any, **kwargs: Any) -> Any:
+            answer = request(make, **kwargs)
+            return answer._replace(fds=[*answer.fds, os.dup(answer.fds[0])]) if answer.fds else answer
+
+        monkeypatch.setattr(symmetric, "_request", two_fds)
+        with pytest.raises(ProtocolError, match="2 fds"):
+            comm.symmetric_alloc(64)
+        monkeypatch.undo()
+
+        def broken_adopt(fd: int, nbytes: int, buffer_id: int) -> hostmem.HostBuffer:
+            raise RuntimeError("mapping failed")
+
+        monkeypatch.setattr(memory, "adopt", broken_adopt)
+        with pytest.raises(RuntimeError, match="mapping failed"):
+            comm.symmetric_alloc(64)
         assert open_fds(os.getpid()) == fds
         back_to(daemon.pid, daemon_base, timeout=5)
         comm.barrier()

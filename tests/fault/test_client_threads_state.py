@@ -262,13 +262,24 @@ def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonP
     assert memory.locate(freed_ptr) is None and memory.locate(other_ptr) is None
 
 
-def test_symmetric_alloc_racing_close_leaves_nothing_mapped(daemon: DaemonProcess,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("close_held", [False, True], ids=["close-done", "close-under-way"])
+def test_symmetric_alloc_racing_close_leaves_nothing_mapped(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, close_held: bool) -> None:
     """close() on another thread while symmetric_alloc maps the daemon's answer (held
-    here): the allocation fails as on a closed backend and its mapping goes (before: it
-    was added after close() had let go of the others, and stayed mapped for good)."""
+    here): the allocation fails as on a closed backend and its mapping goes, whether
+    close() has ended or is still letting go of its stream events (before: it was added
+    after close() had let go of the others, and stayed mapped for good; or, while close()
+    was under way, its pointer was returned and unmapped right after)."""
     memory = hostmem.HostMemory()
     comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5, memory=memory)
+    if close_held:
+        order_close = comm._order.close
+
+        def slow_order_close(driver: object) -> None:
+            time.sleep(0.6)
+            order_close(driver)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(comm._order, "close", slow_order_close)
     adopt = memory.adopt
     adopted: list[hostmem.HostBuffer] = []
     mapping = threading.Event()

@@ -25,7 +25,7 @@ import proto
 from client import DaemonBackend, HostMemory, MisuseError
 from client.cuda import BindingsDriver, CudaMemory, PointerInfo, available_driver
 from client.memory import MemoryRef, MemoryResolver
-from client.requests import Answer
+from client.rpc import Answer
 from proto import MemKind
 from tests.integration.harness import open_fds, world_name
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 
-class Imports:
+class ImportedBuffers:
     """The buffers the daemon of the current connection has imported, and the Forgets owed
     to it (they go with the next request on that connection). A daemon a rejoin replaced
-    took its imports with it: `new_daemon` starts afresh. Used under the backend's lock."""
+    took its imports with it: `new_daemon` starts afresh. Changed under the backend's lock;
+    `in` is also read under its import lock alone (a set lookup, atomic under the GIL)."""
 
     def __init__(self) -> None:
         self._held: set[int] = set()
