@@ -123,12 +123,12 @@ class DaemonBackend(CommBackend):
         self._registrations = Registrations(self._lock, self._request, self._mem, self._current_link)
         self._symmetric = SymmetricMemory(self._lock, self._request, self._memory, self._resolver,
                                           self._imports, self._current_link, lambda: self._closed)
-        self._transport, self.epoch = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
+        self._transport, self.epoch, self.engine = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
 
-    def _join(self, deadline: float) -> tuple[Transport, int]:
+    def _join(self, deadline: float) -> tuple[Transport, int, str]:
         """Connect and say hello (at the last epoch seen); returns once the world is ready,
-        with the new epoch (the caller puts both in place)."""
+        with the new epoch and the daemon's engine (the caller puts all three in place)."""
         uuid = self._resolver.device_uuid()
         hello = self._build(lambda: proto.Hello(
             1, proto.PROTOCOL_VERSION, os.getpid(), self._world, self._rank, self._world_size,
@@ -149,8 +149,7 @@ class DaemonBackend(CommBackend):
         finally:
             with self._lock:
                 self._joining = None
-        self.engine = reply.engine
-        return transport, reply.epoch
+        return transport, reply.epoch, reply.engine
 
     # ---- the seed's calls --------------------------------------------------------
 
@@ -224,8 +223,7 @@ class DaemonBackend(CommBackend):
 
     def symmetric_alloc(self, bytes: int) -> int:
         bytes, = _ints(bytes=bytes)
-        # device memory (ncclMemAlloc) with an engine that has it, mapped through the driver
-        return self._symmetric.alloc(bytes, on_device=self.engine != "host")
+        return self._symmetric.alloc(bytes)
 
     def symmetric_free(self, ptr: int) -> None:
         self._symmetric.free(ptr)
@@ -326,7 +324,7 @@ class DaemonBackend(CommBackend):
         while True:
             self._check_open()  # closed by another thread meanwhile: never join behind its back
             try:
-                transport, epoch = self._join(deadline)
+                transport, epoch, engine = self._join(deadline)
             except DaemonUnavailable:
                 if time.monotonic() + delay >= deadline:
                     raise
@@ -335,7 +333,7 @@ class DaemonBackend(CommBackend):
                 continue
             with self._lock:  # close() takes _closed under it, then closes whichever transport is ours
                 if not self._closed:
-                    self._transport = transport
+                    self._transport, self.engine = transport, engine
                     self._new_epoch(epoch)
                     break
             transport.close()
@@ -492,7 +490,7 @@ class DaemonBackend(CommBackend):
         # One transport for the id and the sending: another thread's rejoin may put a new one
         # in place meanwhile, whose own ids an old one's could collide with
         with self._lock:
-            transport, used, epoch = self._transport, self._link, self.epoch
+            transport, used, epoch, engine = self._transport, self._link, self.epoch, self.engine
         if link is not None and link != used:
             raise Superseded
         try:
@@ -508,7 +506,7 @@ class DaemonBackend(CommBackend):
             if isinstance(exc, UNHEALTHY) and exc.code is not proto.ErrorCode.STALE_EPOCH:
                 self._met_failure(self._mark_unhealthy(exc, epoch, transport))
             raise
-        return Answer(reply, got, used, epoch)
+        return Answer(reply, got, used, epoch, engine)
 
     def _check(self, reply: proto.Message) -> None:
         if isinstance(reply, proto.Error):

@@ -17,6 +17,7 @@ class Answer(NamedTuple):
     fds: list[int]
     link: int  # the daemon connection it came on (DaemonBackend._link)
     epoch: int  # the rank's epoch when it was sent
+    engine: str  # the engine of the daemon it came from
 
     def value(self) -> int:
         """The result an `ok` carries (a handle, an epoch); ProtocolError for another reply."""

@@ -38,10 +38,13 @@ class SymmetricMemory:
         self._orphans: set[int] = set()
         self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
 
-    def alloc(self, nbytes: int, on_device: bool) -> int:
+    def alloc(self, nbytes: int) -> int:
         buffer_id = self._memory.next_id()
         answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, nbytes),
                                undo=functools.partial(_sym_free_late, buffer_id))
+        # device memory (ncclMemAlloc) from a daemon whose engine has it, mapped through the
+        # driver (the answering daemon's: a rejoin may have replaced the one of the request)
+        on_device = answer.engine != "host"
         adopted: int | None = None  # the fd a host buffer keeps; the others are closed here
         try:
             if len(answer.fds) != 1:

@@ -11,6 +11,8 @@ socket, the protocol, the daemon's server, sessions, worlds and matching are rea
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -19,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from client import CommError, CommTimeout, DaemonBackend, MisuseError
+from client import CommError, CommTimeout, DaemonBackend, HostMemory, MisuseError
 from client.cuda import PointerInfo
 from commd.engine.gpu import Imported
+from commd.launch import DaemonProcess
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.gpu_daemon import GpuDaemon
@@ -527,3 +530,52 @@ def test_nccl_gets_registrations_only_while_every_rank_has_some(daemon: GpuDaemo
 
     run_ranks(2, rank)
     assert seen == [0, 2]
+
+
+def test_symmetric_memory_is_mapped_as_the_answering_daemons_engine_makes_it(
+        gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank of a GPU daemon starts symmetric_alloc; held before its request, the daemon is
+    replaced by one on the host engine (restarted with another engine) and the rank rejoins
+    on another thread. The new daemon's memory is host memory, and mapped as such (before:
+    the engine was read before the request, and the memfd went to the CUDA driver)."""
+    first = GpuDaemon(gpu)
+    memory, driver = HostMemory(), WorkerDriver(gpu)
+    comm = DaemonBackend(str(first.socket_path), world_name("gpu"), 0, 1, timeout=10, memory=memory,
+                         cuda_driver=lambda: driver)
+    replacement: DaemonProcess | None = None
+    try:
+        assert comm.engine != "host"
+        next_id = memory.next_id
+        held, release = threading.Event(), threading.Event()
+
+        def held_next_id() -> int:
+            if threading.current_thread().name.startswith("alloc"):
+                held.set()
+                assert release.wait(10)
+            return next_id()
+
+        monkeypatch.setattr(memory, "next_id", held_next_id)
+        with ThreadPoolExecutor(1, thread_name_prefix="alloc") as allocating:
+            alloc = allocating.submit(comm.symmetric_alloc, 64)
+            assert held.wait(5)
+            first.close()
+            os.makedirs(first.tmp)
+            replacement = DaemonProcess(first.socket_path).start()
+            with pytest.raises(CommError):
+                comm.barrier()
+            comm.attempt_reconnect()
+            assert comm.engine == "host"
+            release.set()
+            ptr = alloc.result(10)
+        buffer = memory.locate(ptr)
+        assert buffer is not None and not driver.mapped
+        buffer.view()[:4] = [1, 2, 3, 4]
+        comm.all_reduce(ptr, 4, dtype="u8")  # (one rank: the sum is the buffer itself)
+        assert buffer.view()[:4].tolist() == [1, 2, 3, 4]
+        del buffer
+        comm.symmetric_free(ptr)
+    finally:
+        comm.close()
+        if replacement is not None:
+            replacement.stop()
+        shutil.rmtree(first.tmp, ignore_errors=True)

@@ -487,12 +487,12 @@ class AcceptingCuda(DaemonBackend):
             assert len(fds) == (1 if msg.kind is MemKind.CUDA_VMM else 0)
             self.sent.append(msg)
             self.cuda_ids.add(msg.buf)
-            return Answer(proto.Ok(msg.id), [], self._link, self.epoch)
+            return Answer(proto.Ok(msg.id), [], self._link, self.epoch, self.engine)
         if isinstance(msg, proto.Submit) and any(
                 isinstance(op, proto.AllReduce) and op.buf and op.buf.buf in self.cuda_ids for op in msg.ops):
             self._send_releases(self._transport)
             self.sent.extend(msg.ops)
-            return Answer(proto.Ok(msg.id), [], self._link, self.epoch)
+            return Answer(proto.Ok(msg.id), [], self._link, self.epoch, self.engine)
         return super()._request(lambda _id: msg, fds=fds, **kwargs)
 
 
