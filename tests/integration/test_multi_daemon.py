@@ -7,6 +7,7 @@ hosts rank 0 is the root. Floats follow the documented cross-daemon order
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -15,12 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import proto
 from commd.engine.hostnet import CHUNK_BYTES, WINDOW_CHUNKS
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import workers
 from tests.integration.data import NUMPY, grouped_reference, make_input, reduce_reference
 from tests.integration.harness import RankPool, scrape, short_tmpdir, world_name, world_status
+from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +273,33 @@ def test_a_failed_world_lets_go_of_what_it_can_no_longer_read(pool: RankPool,
     assert results == ["-", "CommTimeout"]
     assert max(held for state, held in seen if state == "ready") > 0  # the window did come
     assert [held for state, held in seen if state == "failed"][-3:] == [0, 0, 0], seen
+
+
+def test_a_call_for_an_ended_epoch_is_refused_on_every_daemon(daemons: list[DaemonProcess]) -> None:
+    """Two ranks on two daemons reconnect (the root picks the epoch, the member learns it):
+    a call made for the epoch before is refused as stale on either daemon, and calls for
+    the new epoch then match across them."""
+    world, root = world_name("multi"), daemons[0].peer_address()
+    ranks = [RawClient(str(daemons[d].socket_path)) for d in (0, 1)]
+    try:
+        for r, raw in enumerate(ranks):
+            raw.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, r, 2, 10_000,
+                                 bootstrap=root))
+        welcomes = [raw.recv() for raw in ranks]
+        assert all(isinstance(w, proto.Welcome) for w in welcomes), welcomes
+        epoch = welcomes[0].epoch  # type: ignore[union-attr]
+        for raw in ranks:
+            raw.send(proto.Reconnect(2))
+        for raw in ranks:
+            replies = [raw.recv(), raw.recv()]  # the vote fails the world; then the new epoch
+            assert replies[-1] == proto.Ok(2, value=epoch + 1), replies
+        for r, raw in enumerate(ranks):
+            raw.send(proto.Submit(3, (proto.Barrier(),), epoch))
+            err = raw.error()
+            assert (err.id, err.code) == (3, proto.ErrorCode.STALE_EPOCH), (r, err)
+        for raw in ranks:
+            raw.send(proto.Submit(4, (proto.Barrier(),), epoch + 1))
+        assert [raw.recv() for raw in ranks] == [proto.Ok(4), proto.Ok(4)]
+    finally:
+        for raw in ranks:
+            raw.close()
