@@ -26,12 +26,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proto import MemKind
+from proto import IPC_EVENT_BYTES, IPC_MEM_HANDLE_BYTES, MemKind
 
 from .errors import MisuseError
 from .vmm import map_fd
 
-IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 DEFAULT_MAX_ALLOCATIONS = 1024  # well under the daemon's per-connection buffer limit (4096)
 
 
@@ -162,7 +161,7 @@ class BindingsDriver:
     def ipc_handle(self, base: int) -> bytes:
         (handle,) = self._check("cuIpcGetMemHandle", self._cu.cuIpcGetMemHandle(base))
         # cuda-bindings >= 13.4 has no `.reserved`: copy the struct's bytes out (DESIGN §4)
-        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+        return ctypes.string_at(handle.getPtr(), IPC_MEM_HANDLE_BYTES)
 
     def export_fd(self, base: int) -> int:
         cu = self._cu
@@ -189,7 +188,7 @@ class BindingsDriver:
         except MisuseError:
             cu.cuEventDestroy(event)
             raise
-        return int(event), ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+        return int(event), ctypes.string_at(handle.getPtr(), IPC_EVENT_BYTES)
 
     def record_event(self, event: int, stream: int) -> None:
         self._check("cuEventRecord", self._cu.cuEventRecord(event, stream))

@@ -201,8 +201,8 @@ class DaemonBackend(CommBackend):
 
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
                          dtype: DTypeLike = DType.BF16, op: OpLike = ReduceOp.SUM) -> None:
-        # Completes before returning (stronger than "ordered on the stream"): host memory has
-        # no streams, and device memory waits for `compute_stream`, then for the daemon's op.
+        # Host memory (or the host engine): done when this returns. A GPU engine answers once
+        # the op is ordered after `compute_stream`, which then waits for it on the device.
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes, compute_stream = _ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
         self._call(("ar", ptr, bytes, d, o), lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o),

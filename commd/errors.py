@@ -10,9 +10,9 @@ INTERNAL error and is closed; other connections and worlds go on.
 
 from __future__ import annotations
 
-from proto import ErrorCode
+from proto import MAX_ERROR_TEXT, ErrorCode
 
-MAX_TEXT = 4000  # the wire allows 4096 characters in an error; leave room for prefixes
+MAX_TEXT = MAX_ERROR_TEXT - 96  # what the wire allows an error, less room for prefixes
 
 
 def clip(text: str) -> str:

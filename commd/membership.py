@@ -172,8 +172,17 @@ class NetMembership:
         if timer is not None:
             timer.cancel()
         if not self._votes:
-            self._arrived.clear()  # the round is over; the next one counts afresh
-            self._round_epoch = 0
+            self._end_round()
+
+    def _end_round(self) -> None:
+        """The round is over (formed, or every vote withdrawn): the next one counts afresh."""
+        self._votes.clear()
+        self._vote_links.clear()
+        self._arrived.clear()
+        self._round_epoch = 0
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
 
     def _deadline(self, rank: int, timeout_s: float, link: PeerLink | None) -> None:
         """The root times every vote out itself, local or remote, so it can name the
@@ -220,13 +229,7 @@ class NetMembership:
         except CallError as exc:  # the engine could not make the communicators' id
             self._refuse_all(f"world {self._world.name}: {exc.message}")
             return
-        self._votes.clear()
-        self._vote_links.clear()
-        self._arrived.clear()
-        self._round_epoch = 0
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
+        self._end_round()
         self.net.placement = placement
         self.net.member_links = {d: link for d, link in self.net.member_links.items() if d in placement}
         for daemon in self.net.members():

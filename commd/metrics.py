@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, cannot_listen
+from .world import WorldState
 
 if TYPE_CHECKING:
     from .server import Server
@@ -73,7 +74,7 @@ class DaemonCollector:
                                   value=stats.reconnects)
 
         worlds = GaugeMetricFamily("commd_worlds", "Worlds by state", labels=["state"])
-        by_state: dict[str, int] = {"forming": 0, "ready": 0, "failed": 0}
+        by_state = {state.value: 0 for state in WorldState}
         for world in server.registry.worlds.values():
             by_state[world.state.value] += 1
         for state, count in by_state.items():

@@ -90,14 +90,17 @@ _NAMES = {
 }
 
 
+def call_name(op: proto.Op) -> str:
+    """The CommBackend method that made the call (a command is a broadcast that waits)."""
+    return "recv_command_u32" if waits_forever(op) else _NAMES[type(op)]
+
+
 def describe(op: proto.Op, canonical: bool = False) -> str:
     """A call as a user wrote it, for error messages: `all_reduce(bytes=8, dtype=bf16, op=sum)`.
 
     `canonical` names a command a broadcast and drops the peer: the form daemons compare
     (it holds exactly what `fingerprint` holds)."""
-    name = _NAMES[type(op)]
-    if isinstance(op, proto.Broadcast) and op.command and not canonical:
-        name = "recv_command_u32"
+    name = _NAMES[type(op)] if canonical else call_name(op)
     args = []
     fields = ("nbytes", "dtype", "op", "root") + (() if canonical else ("peer",))
     for field in fields:

@@ -84,17 +84,22 @@ class Registry:
         self.worlds[name] = world
         return world
 
+    @classmethod
+    def _admissible(cls, world: World, world_size: int, token: str | None, rank: int) -> None:
+        cls._same_world(world, world_size, token)
+        if world.holds(rank):
+            raise CallError(ErrorCode.DUPLICATE_RANK,
+                            f"rank {rank} of world {world.name} is already connected")
+
     @staticmethod
-    def _admissible(world: World, world_size: int, token: str | None, rank: int) -> None:
+    def _same_world(world: World, world_size: int, token: str | None) -> None:
+        """A join names this world: its size, and its token (compared in constant time)."""
         if world.world_size != world_size:
             raise CallError(ErrorCode.WORLD_CONFLICT,
                             f"world {world.name} has {world.world_size} ranks, "
                             f"hello says world_size={world_size}")
         if not hmac.compare_digest((world.token or "").encode(), (token or "").encode()):
             raise CallError(ErrorCode.PERMISSION, f"wrong join token for world {world.name}")
-        if world.holds(rank):
-            raise CallError(ErrorCode.DUPLICATE_RANK,
-                            f"rank {rank} of world {world.name} is already connected")
 
     def _forget(self, world: World) -> None:
         if self.worlds.get(world.name) is world:
@@ -129,9 +134,7 @@ class Registry:
             if world.net is None or not world.net.is_root:
                 raise CallError(ErrorCode.WORLD_CONFLICT,
                                 f"daemon {self._name()} is not the root of world {msg.world}")
-            if world.world_size != msg.world_size or not hmac.compare_digest(
-                    (world.token or "").encode(), (msg.token or "").encode()):
-                self._admissible(world, msg.world_size, msg.token, -1)
+            self._same_world(world, msg.world_size, msg.token)
         except CallError as exc:
             link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message))
             return

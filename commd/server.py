@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .registry import Registry
 from .session import DaemonContext, MemoryBudget, Session
 from .stats import DaemonStats
+from .world import WorldState
 
 log = logging.getLogger("commd.server")
 _UCRED = struct.Struct("3i")
@@ -191,7 +192,7 @@ class Server:
     def status_line(self) -> str:
         """One line for systemd's STATUS= (what `systemctl status` shows)."""
         worlds = self.registry.worlds.values()
-        ready = sum(1 for w in worlds if w.state.value == "ready")
+        ready = sum(1 for w in worlds if w.state is WorldState.READY)
         return (f"serving {len(worlds)} worlds ({ready} ready), {self.registry.connected_ranks()} "
                 f"ranks, {len(self.sessions)} connections")
 

@@ -23,19 +23,12 @@ from . import ops
 from .channel import PacketChannel, close_fds
 from .config import ServerConfig
 from .engine.base import Engine, EventPair, MemoryMapping, Region
-from .errors import CallError
+from .errors import CallError, clip
 from .registry import Registry
 from .world import World
 
 log = logging.getLogger("commd.session")
 _MAX_STREAMS = 64  # per connection: a worker has a handful of streams it calls on
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    buf: int
-    offset: int
-    nbytes: int
 
 
 class MemoryBudget:
@@ -112,7 +105,7 @@ class Session:
         self._buffers: dict[int, MemoryMapping] = {}
         self._mapped = 0  # bytes of self._buffers
         self._symmetric: set[int] = set()
-        self._registrations: dict[int, Registration] = {}
+        self._registrations: dict[int, int] = {}  # handle -> the buffer it is in
         self._next_handle = 1
         self.world: World | None = None
         self.rank = -1
@@ -187,7 +180,7 @@ class Session:
 
     def _refuse(self, exc: proto.ProtoError) -> None:
         log.warning("bad packet from pid %d: %s", self.peer_pid, exc)
-        self._drop(ErrorCode.BAD_MESSAGE, str(exc)[:4000], f"bad packet: {exc}")
+        self._drop(ErrorCode.BAD_MESSAGE, clip(str(exc)), f"bad packet: {exc}")
 
     def _drop(self, code: ErrorCode, message: str, reason: str) -> None:
         """Close the connection with an error that answers no request (id 0); it bypasses
@@ -285,7 +278,7 @@ class Session:
         self._mapped += size
 
     def _drop_buffer(self, buf: int) -> None:
-        for handle in [h for h, r in self._registrations.items() if r.buf == buf]:
+        for handle in [h for h, registered in self._registrations.items() if registered == buf]:
             self._drop_registration(handle)  # the engine must not keep freed memory registered
         mapping = self._buffers.pop(buf)
         # counted against the limits until really unmapped: a call waiting for its match
@@ -342,14 +335,13 @@ class Session:
         return mapping.region(mem.offset, nbytes)
 
     def _register(self, msg: proto.Register, fds: list[int]) -> None:
-        self._member_world()
+        world = self._member_world()
         if len(self._registrations) >= self._ctx.config.max_registrations:
             raise CallError(ErrorCode.LIMIT, f"at most {self._ctx.config.max_registrations} registrations")
-        world = self._member_world()
         region = self._region(msg.buf, msg.nbytes)  # bounds-checked now
         handle = self._next_handle
         self._next_handle += 1
-        self._registrations[handle] = Registration(msg.buf.buf, msg.buf.offset, msg.nbytes)
+        self._registrations[handle] = msg.buf.buf
         if region is not None:
             world.register(self.rank, handle, region)
         self.send(proto.Ok(msg.id, value=handle))

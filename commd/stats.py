@@ -26,8 +26,6 @@ LATENCY_BOUNDS: tuple[float, ...] = (
     50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0)
 
-_OP_NAMES: dict[type, str] = ops._NAMES  # one table of op names, the one messages use
-COMMAND = "recv_command_u32"  # a broadcast that waits with no deadline: its own label
 
 
 class OpStats:
@@ -58,7 +56,7 @@ class CallStats:
 
     def record(self, record: CallRecord, state: str) -> None:
         """A call's record closed (the one per-call cost; keep it small)."""
-        name = COMMAND if record.waits_forever else _OP_NAMES[type(record.op)]
+        name = ops.call_name(record.op)  # (the names messages use)
         stats = self.by_op.get(name)
         if stats is None:
             stats = self.by_op[name] = OpStats()

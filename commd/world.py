@@ -139,7 +139,7 @@ class World:
 
     def start_forming(self) -> None:
         self.state = WorldState.FORMING
-        self.stats.transition("forming")
+        self.stats.transition(self.state.value)
         log.info("world %s epoch %d: forming", self.name, self.epoch, extra=self._log_extra())
 
     def local_waiting(self) -> set[int]:
@@ -200,7 +200,7 @@ class World:
             return
         self.epoch = epoch
         self.state = WorldState.READY
-        self.stats.transition("ready")
+        self.stats.transition(self.state.value)
         self.cause, self.cause_code = None, ErrorCode.WORLD_FAILED
         self.local_ranks = local_ranks
         self._matcher = Matcher(self.world_size, local_ranks)
@@ -405,7 +405,7 @@ class World:
             else:
                 self._tickets.add(ticket)  # all in the engine: it answers them
         self._matcher = Matcher(self.world_size, self.local_ranks)
-        event = proto.Event(proto.EventKind.WORLD_FAILED, code, clip(message), self.epoch)
+        event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
             peer.send(event)
 

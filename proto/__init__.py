@@ -8,6 +8,9 @@ from .codec import decode, encode, expected_fds
 from .connection import Connection, Role, State
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge, ProtoError, StateError
 from .messages import (
+    IPC_EVENT_BYTES,
+    IPC_MEM_HANDLE_BYTES,
+    MAX_ERROR_TEXT,
     MAX_GROUP_OPS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -45,7 +48,9 @@ from .messages import (
 from .types import DType, EventKind, MemKind, ReduceOp
 
 __all__ = [
-    "MAX_GROUP_OPS", "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AllGather", "AllReduce",
+    "IPC_EVENT_BYTES", "IPC_MEM_HANDLE_BYTES", "MAX_ERROR_TEXT", "MAX_GROUP_OPS", "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "AllGather", "AllReduce",
     "Barrier", "Broadcast", "Connection", "DType", "DecodeError", "Deregister", "Error",
     "ErrorCode", "Event", "EventKind", "Forget", "Hello", "Import", "InvalidMessage", "Mem",
     "MemKind", "Message", "MessageTooLarge", "Ok", "Op", "ProtoError", "Recv", "Reconnect",

@@ -358,6 +358,10 @@ def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES,
         return packet
     if type(msg) not in TAGS or isinstance(msg, (m.OP_TYPES, p.PEER_MESSAGES)):
         raise InvalidMessage(f"{type(msg).__name__} is not a message")
+    return _pack(msg, limit)
+
+
+def _pack(msg: m.Message | p.PeerMessage, limit: int) -> bytes:
     try:
         data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:  # e.g. a StatusReport value msgpack lacks
@@ -403,13 +407,7 @@ def encode_peer(msg: p.PeerMessage) -> bytes:
     """The header of a peer frame (proto/peer.py)."""
     if not isinstance(msg, p.PEER_MESSAGES):
         raise InvalidMessage(f"{type(msg).__name__} is not a peer message")
-    try:
-        data: bytes = msgpack.packb(_to_wire(msg), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidMessage(f"{TAGS[type(msg)]} cannot be encoded: {exc}") from exc
-    if len(data) > m.MAX_MESSAGE_BYTES:
-        raise MessageTooLarge(f"{TAGS[type(msg)]} is {len(data)} bytes, over the limit")
-    return data
+    return _pack(msg, m.MAX_MESSAGE_BYTES)
 
 
 def decode_peer(data: bytes) -> p.PeerMessage:

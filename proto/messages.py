@@ -20,6 +20,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 MAX_GROUP_OPS = 512
 MAX_RANKS = 65536
 MAX_WORLD_NAME = 128
+MAX_ERROR_TEXT = 4096  # characters of an error's message, in either protocol
 DEVICE_UUID_BYTES = 16  # sizeof(CUuuid)
 U64_MAX = (1 << 64) - 1
 # A world formed from a hello goes on at its epoch + 1, and each rebuild adds one: an epoch
@@ -269,6 +270,7 @@ def _check_submit(request_id: int, ops: tuple[Op, ...], epoch: int) -> None:
 
 
 IPC_EVENT_BYTES = 64  # a cudaIpcEventHandle_t
+IPC_MEM_HANDLE_BYTES = 64  # a cudaIpcMemHandle_t (an Import's handle for cuda-ipc memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,7 +430,7 @@ class Error:
 
     def __post_init__(self) -> None:
         _u64("id", self.id)
-        _short_text("message", self.message, 4096)
+        _short_text("message", self.message, MAX_ERROR_TEXT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +441,7 @@ class Event:
     epoch: int = 0
 
     def __post_init__(self) -> None:
-        _short_text("message", self.message, 4096)
+        _short_text("message", self.message, MAX_ERROR_TEXT)
         _u64("epoch", self.epoch)
 
 

@@ -37,12 +37,14 @@ import struct
 from dataclasses import dataclass
 
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
-from .messages import (
+from .messages import (  # one definition of each rule for both protocols
+    MAX_ERROR_TEXT,
     MAX_MESSAGE_BYTES,
     MAX_RANKS,
     MAX_WORLD_NAME,
     U64_MAX,
-    _u64,  # one definition of the rule for both protocols
+    _short_text,
+    _u64,
 )
 
 PEER_VERSION = 6  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet
@@ -182,8 +184,8 @@ class JoinWorld:
         _u64("epoch", self.epoch)
         if not 0 < self.timeout_ms <= U64_MAX:
             raise InvalidMessage("timeout_ms must be positive")
-        if self.token is not None and len(self.token) > 256:
-            raise InvalidMessage("token is at most 256 characters")
+        if self.token is not None:
+            _short_text("token", self.token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +200,7 @@ class JoinRefused:
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("rank", self.rank)
-        if len(self.message) > 4096:
-            raise InvalidMessage("message is at most 4096 characters")
+        _short_text("message", self.message, MAX_ERROR_TEXT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +246,7 @@ class WorldFailed:
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("epoch", self.epoch)
-        if len(self.message) > 4096:
-            raise InvalidMessage("message is at most 4096 characters")
+        _short_text("message", self.message, MAX_ERROR_TEXT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +261,7 @@ class Data:
 
     world: str
     epoch: int
-    step: str  # which part of which algorithm: "partial", "result", "p2p", ...
+    step: str  # which part of which algorithm: "up", "down", "p2p", ... (WIRE.md: "Steps of data")
     call: int  # the call's index (collectives) or its index on its (src, dst) pair (p2p)
     chunk: int
     source: int  # sender-specific: a rank, or 0

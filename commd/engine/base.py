@@ -1,4 +1,4 @@
-"""The one interface every engine implements (host today, NCCL next).
+"""The one interface every engine implements (host.py, nccl.py).
 
 The daemon matches calls across ranks; an engine only runs fully matched ops on
 memory it imported. Ops name buffers per rank (`dict[rank, Region]`) and hold

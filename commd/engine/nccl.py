@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from proto import ErrorCode, MemKind
+from proto import IPC_MEM_HANDLE_BYTES, ErrorCode, MemKind
 
 from ..errors import CallError
 from .gpu import Gpu, GpuError
@@ -36,8 +36,6 @@ from .stuckwatch import StuckWatch
 
 if TYPE_CHECKING:
     from ..cluster import WorldNet
-
-IPC_HANDLE_BYTES = 64
 
 
 class NcclEngine:
@@ -61,9 +59,9 @@ class NcclEngine:
                       device: int | None = None) -> NcclMapping:
         try:
             if kind is MemKind.CUDA_IPC:
-                if len(handle) != IPC_HANDLE_BYTES:
-                    raise CallError(ErrorCode.BAD_MEMORY, f"a cuda-ipc handle is {IPC_HANDLE_BYTES} bytes, "
-                                                          f"got {len(handle)}")
+                if len(handle) != IPC_MEM_HANDLE_BYTES:
+                    raise CallError(ErrorCode.BAD_MEMORY,
+                                    f"a cuda-ipc handle is {IPC_MEM_HANDLE_BYTES} bytes, got {len(handle)}")
                 return NcclMapping(self._freer, self.gpu.ipc_open(handle, size, device or 0))
             if kind is MemKind.CUDA_VMM and fd is not None:
                 return NcclMapping(self._freer, self.gpu.vmm_import(fd, size))

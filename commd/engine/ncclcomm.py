@@ -140,14 +140,7 @@ class NcclCommunicator:
             finally:
                 gpu.group_end()
         except GpuError as exc:
-            started, self._comms = self._comms, {}  # never left half-made
-            self._aborted = True
-            if started:
-                self._aborting = True  # the streams stay until the abort returned
-                self._gate.run(f"ncclCommAbort (world {world}, {_ranks(started)}: the init failed)",
-                               functools.partial(self._abort, started), then=self._abort_returned)
-            else:
-                self._maybe_teardown()
+            self._abort_comms(": the init failed")  # never left half-made
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None
 
     async def _init_after_abort(self, turn: Turn, world_size: int, unique_id: bytes) -> None:
@@ -271,13 +264,15 @@ class NcclCommunicator:
         """Stop the communicators: ncclCommAbort ends kernels still waiting on peers. It
         runs through the gate (the loop goes on, its NCCL calls wait); the streams go once
         it and the ops are done. Nothing calls these communicators after this."""
-        if self._aborted:
-            return
+        if not self._aborted:
+            self._abort_comms()
+
+    def _abort_comms(self, why: str = "") -> None:
         self._aborted = True
         comms, self._comms = self._comms, {}
         if comms:
             self._aborting = True  # the streams stay until the abort returned
-            self._gate.run(f"ncclCommAbort (world {self._world}, {_ranks(comms)})",
+            self._gate.run(f"ncclCommAbort (world {self._world}, {_ranks(comms)}{why})",
                            functools.partial(self._abort, comms), then=self._abort_returned)
         self._maybe_teardown()
 

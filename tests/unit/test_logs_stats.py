@@ -12,7 +12,7 @@ import pytest
 import proto
 from commd.logs import setup_logging
 from commd.recorder import FlightRecorder
-from commd.stats import COMMAND, LATENCY_BOUNDS, DaemonStats
+from commd.stats import LATENCY_BOUNDS, DaemonStats
 
 pytestmark = pytest.mark.timeout(10)
 MEM = proto.Mem(1, 0)
@@ -69,7 +69,7 @@ def test_counters_by_op_outcome_bytes_and_latency() -> None:
     assert calls["all_reduce"]["done"] == 5 and calls["all_reduce"]["failed"] == 1
     assert calls["all_reduce"]["bytes"] == 5 * 64
     assert calls["barrier"] == {"done": 1, "failed": 0, "bytes": 0, "seconds": calls["barrier"]["seconds"]}
-    assert calls[COMMAND]["done"] == 1
+    assert calls["recv_command_u32"]["done"] == 1
     buckets = stats.calls.by_op["all_reduce"].cumulative()
     assert len(buckets) == len(LATENCY_BOUNDS) + 1 and buckets[-1] == ("+Inf", 5)
     assert [count for _, count in buckets] == sorted(count for _, count in buckets)
