@@ -80,6 +80,9 @@ class Transport:
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
         self._reading = False
         self._broken: CommError | None = None
+        # close() came while a thread read: that reader closes the socket when it stops (the
+        # fd must not be closed under it, or it may poll whichever socket takes the number)
+        self._close_when_read = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             # A kernel timeout instead of Python's: a blocked send (a daemon that stopped
@@ -185,9 +188,7 @@ class Transport:
             try:
                 packet = self._read_until(request_id, deadline)
             finally:
-                with self._cond:
-                    self._reading = False
-                    self._cond.notify_all()
+                self._stop_reading()
             if packet is not None:
                 return packet
 
@@ -229,6 +230,8 @@ class Transport:
                 self.post(remedy)
 
     def _read_one(self, deadline: float | None) -> Packet:
+        if self._broken is not None:  # (closed: the socket is only shut down, never to be polled)
+            raise self._broken
         left = remaining(deadline)
         if left is not None and left <= 0:
             raise CommTimeout("the call did not complete before its deadline")
@@ -259,9 +262,15 @@ class Transport:
         except CommError:
             pass  # recorded by _break; surfaces on the next call
         finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        with self._cond:
+            self._reading = False
+            self._cond.notify_all()
+            close = self._close_when_read
+        if close:
+            self._close_socket()
 
     @property
     def broken(self) -> CommError | None:
@@ -281,6 +290,12 @@ class Transport:
     def close(self) -> None:
         self._break(DaemonUnavailable("the backend was closed"))
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a send blocked in the kernel)
+            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a send blocked in the kernel, and a reader)
+        with self._cond:  # (no thread starts reading once broken)
+            reading = self._close_when_read = self._reading
+        if not reading:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
         with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
             self._sock.close()

@@ -382,3 +382,79 @@ def test_news_of_the_new_epoch_failing_read_while_rejoining_is_kept(daemon: Daem
             both.result(10)
         assert comms[0].epoch == comms[1].epoch == epoch + 1
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+def test_is_healthy_reading_the_old_connection_during_a_rejoin_returns(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a daemon restart rank 0's monitor thread calls is_healthy(): its drain of the
+    old connection has seen it readable (the daemon's end of the stream) and is about to
+    read (held here) when the ranks rejoin on other threads, which closes the old socket;
+    the new connection's socket takes its fd number. is_healthy() returns (before: it
+    waited in poll() on that fd number, now the new, idle connection's, for as long as no
+    other thread made a call)."""
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        old = comms[0]._transport
+        daemon.kill()
+        daemon.start()
+        met_the_failure(comms[1])
+        read_one = old._read_one
+        reading = threading.Event()
+
+        def held_read_one(deadline: float | None) -> Any:
+            if threading.current_thread().name == "monitor":
+                reading.set()
+                time.sleep(1.0)  # the rejoin runs here
+            return read_one(deadline)
+
+        monkeypatch.setattr(old, "_read_one", held_read_one)
+        result: list[bool] = []
+        monitor = threading.Thread(target=lambda: result.append(comms[0].is_healthy()),
+                                   name="monitor", daemon=True)
+        monitor.start()
+        assert reading.wait(5)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        monitor.join(5)
+        assert not monitor.is_alive() and len(result) == 1
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+def test_close_ends_a_recv_command_whose_reader_was_between_two_reads(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's waiting thread is in recv_command_u32 (no deadline), reading the socket for
+    every thread: it has just routed another thread's reply and goes round to read again
+    (held there) when the worker closes the backend and opens a new one, whose socket
+    takes the old fd number. close() ends the waiting call with a CommError (before: the
+    waiting thread polled the new, idle socket for good)."""
+    with joined(daemon, timeout=3) as comms:
+        buf = hostmem.alloc(8)
+        transport = comms[0]._transport
+        read_one = transport._read_one
+        armed, held = threading.Event(), threading.Event()
+
+        def held_read_one(deadline: float | None) -> Any:
+            if threading.current_thread().name == "waiting" and armed.is_set() and not held.is_set():
+                held.set()
+                time.sleep(1.0)  # close() and the new backend run here
+            return read_one(deadline)
+
+        monkeypatch.setattr(transport, "_read_one", held_read_one)
+        outcome: list[BaseException] = []
+
+        def wait_for_command() -> None:
+            try:
+                comms[0].recv_command_u32(buf.ptr, 1)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiting = threading.Thread(target=wait_for_command, name="waiting", daemon=True)
+        waiting.start()
+        wait_until(lambda: transport._reading, "the waiting thread reading for everyone", timeout=5)
+        armed.set()
+        comms[0].set_add_kernel(0)  # its reply read by the waiting thread, which goes round
+        assert held.wait(5)
+        comms[0].close()
+        with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=3):
+            waiting.join(5)
+            assert not waiting.is_alive()
+            assert len(outcome) == 1 and isinstance(outcome[0], CommError), outcome
