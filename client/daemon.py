@@ -539,8 +539,10 @@ class DaemonBackend(CommBackend):
         """The calling thread has no failure to handle any more (see attempt_reconnect)."""
         self._per_thread.failed_at = None
 
-    def _on_event(self, event: proto.Event) -> None:
-        self._mark_unhealthy(from_code(event.code, event.message), event.epoch)
+    def _on_event(self, event: proto.Event, transport: Transport) -> None:
+        # (one from a connection a rejoin has replaced, a SHUTDOWN's say, whose epoch 0 would
+        # read as the rebuilt world's, is not about this rank's world any more)
+        self._mark_unhealthy(from_code(event.code, event.message), event.epoch, transport)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)

@@ -3,7 +3,8 @@
 Replies are matched to requests by id. Whichever waiting thread finds no
 reader becomes the reader (leader/follower): with one calling thread, a call
 is one sendmsg and one recvmsg, with no hand-off to a helper thread, which
-would cost a cross-CPU wake-up per call. Pushed events go to `on_event`.
+would cost a cross-CPU wake-up per call. Pushed events go to `on_event`, with the
+transport they came on.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def remaining(deadline: float | None) -> float | None:
 
 
 class Transport:
-    def __init__(self, path: str, timeout: float, on_event: Callable[[proto.Event], None]) -> None:
+    def __init__(self, path: str, timeout: float,
+                 on_event: Callable[[proto.Event, Transport], None]) -> None:
         self._on_event = on_event
         self._conn = proto.Connection(proto.Role.CLIENT)
         self._ids = itertools.count(1)
@@ -206,7 +208,7 @@ class Transport:
         waiting thread's reply. Raises the transport's error if the daemon is dropping us."""
         reply_id = getattr(msg, "id", None)
         if isinstance(msg, proto.Event):
-            self._on_event(msg)
+            self._on_event(msg, self)
             return False
         if not reply_id:  # an Error with id 0: the daemon is dropping us
             assert isinstance(msg, proto.Error)

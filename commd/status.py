@@ -14,7 +14,7 @@ def query_status(socket_path: str, timeout: float, world: str | None = None) -> 
     from client.errors import ProtocolError, from_code
     from client.transport import Transport
 
-    def ignore(event: proto.Event) -> None:
+    def ignore(event: proto.Event, transport: Transport) -> None:
         pass
 
     transport = Transport(socket_path, timeout, ignore)

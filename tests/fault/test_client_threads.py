@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from client import CommError, DaemonBackend, LimitExceeded, WorldFailed, hostmem
+from client import CommError, DaemonBackend, DaemonShutdown, LimitExceeded, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from proto import ErrorCode
 from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
@@ -458,3 +458,36 @@ def test_close_ends_a_recv_command_whose_reader_was_between_two_reads(
             waiting.join(5)
             assert not waiting.is_alive()
             assert len(outcome) == 1 and isinstance(outcome[0], CommError), outcome
+
+
+def test_a_shutdown_event_read_before_a_rejoin_does_not_mark_the_rebuilt_world(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon is restarted gracefully (SIGTERM, as systemd does): it sends every client a
+    SHUTDOWN event, which carries no epoch. Rank 0's monitor thread reads it in is_healthy()
+    and records it only after both ranks rejoined (held here). The rebuilt world stays
+    healthy (before: the event, read as about the current epoch, marked it failed, and
+    every call of rank 0 said to call attempt_reconnect)."""
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        daemon.stop()
+        daemon.start()
+        mark = comms[0]._mark_unhealthy
+        holding = threading.Event()
+
+        def late_mark(why: CommError, *args: Any, **kwargs: Any) -> int:
+            if threading.current_thread().name == "monitor" and isinstance(why, DaemonShutdown):
+                holding.set()
+                time.sleep(1.5)  # both ranks rejoin meanwhile
+            return mark(why, *args, **kwargs)
+
+        monkeypatch.setattr(comms[0], "_mark_unhealthy", late_mark)
+        monitor = threading.Thread(target=comms[0].is_healthy, name="monitor")
+        monitor.start()
+        assert holding.wait(5)
+        met_the_failure(comms[1])
+        on_both(lambda r: comms[r].attempt_reconnect())
+        monitor.join(10)
+        healthy = [comm.is_healthy() for comm in comms]
+        assert healthy == [True, True]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]

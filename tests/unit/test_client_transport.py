@@ -40,7 +40,7 @@ def test_fds_that_came_with_an_undecodable_packet_are_closed() -> None:
         server = threading.Thread(target=bad_daemon)
         server.start()
         before = open_fds()
-        transport = Transport(path, 5, lambda event: None)
+        transport = Transport(path, 5, lambda event, transport: None)
         try:
             with pytest.raises(ProtocolError, match="bad packet"):
                 transport.request(proto.StatusQuery(transport.next_id(), None), None)
