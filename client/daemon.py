@@ -314,7 +314,6 @@ class DaemonBackend(CommBackend):
             # link; a reply that came on it before is recorded nowhere
             self._link += 1
             self._imports.new_daemon()
-            self._symmetric.orphan_all()
             self._registrations.new_daemon(self._link)
         # after the imports went (an op built from them meanwhile is not kept); not under _lock:
         # a finalizer may reach the cache's lock while this thread holds it

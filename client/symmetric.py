@@ -14,15 +14,16 @@ from .errors import CommError, LimitExceeded, MisuseError, ProtocolError
 from .hostmem import HostBuffer, HostMemory
 from .imported import ImportedBuffers
 from .memory import MemoryResolver
-from .rpc import Requester
+from .rpc import Requester, Superseded
 
 
 class SymmetricMemory:
     """The pointers symmetric_alloc handed out: host memory (the daemon's memfd, mapped
     here) or device memory (ncclMemAlloc in the daemon, exported as an fd and mapped
-    through the driver). The buffers of a daemon a rejoin replaced are orphans (`orphan_all`):
-    ours is then the only copy, and the new daemon may import one as a plain buffer.
-    Safe from several threads; `lock` is the backend's, the one `link()` changes under."""
+    through the driver). Each is freed at the daemon that made it (the connection, `link`,
+    it came on); if a rejoin replaced that one, ours is the only copy, and the new daemon
+    may have imported it as a plain buffer. Safe from several threads; `lock` is the
+    backend's, the one `link()` changes under."""
 
     def __init__(self, lock: threading.RLock, request: Requester, memory: HostMemory,
                  resolver: MemoryResolver, imports: ImportedBuffers, link: Callable[[], int],
@@ -33,9 +34,8 @@ class SymmetricMemory:
         self._resolver = resolver
         self._imports = imports
         self._link = link
-        self._host: dict[int, HostBuffer] = {}  # ptr -> the mapping
-        self._device: dict[int, tuple[int, int]] = {}  # ptr -> (buffer id, size mapped)
-        self._orphans: set[int] = set()
+        self._host: dict[int, tuple[HostBuffer, int]] = {}  # ptr -> (the mapping, its link)
+        self._device: dict[int, tuple[int, int, int]] = {}  # ptr -> (buffer id, size mapped, link)
         self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
 
     def alloc(self, nbytes: int) -> int:
@@ -63,7 +63,7 @@ class SymmetricMemory:
                 ptr, unmap = buffer.ptr, buffer.close
         except BaseException:  # unusable here: the daemon lets go of it now, not at our close
             with contextlib.suppress(CommError):
-                self._sym_free(buffer_id)
+                self._sym_free(buffer_id, answer.link)
             raise
         finally:
             for fd in answer.fds:
@@ -71,15 +71,12 @@ class SymmetricMemory:
                     os.close(fd)
         with self._lock:
             if not self._closed():
-                # the daemon's, or an orphan if a rejoin replaced that daemon meanwhile
-                if answer.link == self._link():
+                if answer.link == self._link():  # (else a rejoin replaced that daemon meanwhile)
                     self._imports.add(buffer_id)
-                else:
-                    self._orphans.add(buffer_id)
                 if on_device:
-                    self._device[ptr] = (buffer_id, size)
+                    self._device[ptr] = (buffer_id, size, answer.link)
                 else:
-                    self._host[ptr] = buffer
+                    self._host[ptr] = (buffer, answer.link)
                 return ptr
         unmap()  # close() came meanwhile, and let go of the rest
         raise MisuseError("the backend is closed")
@@ -87,11 +84,11 @@ class SymmetricMemory:
     def free(self, ptr: int) -> None:
         with self._lock:  # claimed, so that close() on another thread does not free it too
             device = self._device.pop(ptr, None)
-            buffer = self._host.pop(ptr, None)
+            host = self._host.pop(ptr, None)
         if device is not None:
-            buffer_id, size = device
+            buffer_id, size, link = device
             try:
-                self._sym_free(buffer_id)
+                self._sym_free(buffer_id, link)
             except BaseException:
                 with self._lock:
                     kept = not self._closed()
@@ -102,8 +99,9 @@ class SymmetricMemory:
                 raise
             self._resolver.unmap_symmetric(buffer_id, ptr, size)
             return
-        if buffer is None:
+        if host is None:
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
+        buffer, link = host
         # Ours first: with views of it alive this refuses, and nothing has changed (told the
         # daemon first, the memory would be gone there and the pointer unknown here for good)
         try:
@@ -111,24 +109,19 @@ class SymmetricMemory:
         except MisuseError:
             with self._lock:
                 if not self._closed():  # (else close() has let go of the rest)
-                    self._host[ptr] = buffer
+                    self._host[ptr] = host
             raise
-        self._sym_free(buffer.id)
-
-    def orphan_all(self) -> None:
-        """(Under the lock) The daemon that made them is gone."""
-        self._orphans.update(buffer.id for buffer in self._host.values())
-        self._orphans.update(buffer_id for buffer_id, _ in self._device.values())
+        self._sym_free(buffer.id, link)
 
     def let_go(self) -> Callable[[], None]:
         """(Under the lock, as the backend closes) Take every buffer; the call returned unmaps
         them, outside the lock (host ones the worker still holds views of stay mapped until
         the views go)."""
-        host, self._host = list(self._host.values()), {}
+        host, self._host = [buffer for buffer, _ in self._host.values()], {}
         device, self._device = self._device, {}
 
         def unmap() -> None:
-            for ptr, (buffer_id, size) in device.items():
+            for ptr, (buffer_id, size, _) in device.items():
                 with contextlib.suppress(MisuseError):  # the driver or the mapping is gone: nothing to undo
                     self._resolver.unmap_symmetric(buffer_id, ptr, size)
             for buffer in host:
@@ -137,15 +130,14 @@ class SymmetricMemory:
 
         return unmap
 
-    def _sym_free(self, buffer_id: int) -> None:
-        """Tell the daemon. An orphan's daemon is gone (ours is the only copy); a new one
-        may have imported it as a plain buffer since, and forgets it as one."""
-        orphan = buffer_id in self._orphans
-        if not orphan:
-            self._request(lambda rid: proto.SymFree(rid, buffer_id))
+    def _sym_free(self, buffer_id: int, link: int) -> None:
+        """Tell the daemon that made it (on connection `link`), unless it is gone."""
+        with contextlib.suppress(Superseded):  # gone, and its memory with it: ours is the only copy
+            self._request(lambda rid: proto.SymFree(rid, buffer_id), link=link)
         with self._lock:
-            self._imports.release(buffer_id, forget=orphan)
-            self._orphans.discard(buffer_id)
+            # a daemon a rejoin put in place since may have imported it as a plain buffer: it
+            # forgets it as one (the one that made it dropped it from its imports with it)
+            self._imports.release(buffer_id, forget=link != self._link())
 
 
 def _sym_free_late(buffer_id: int, reply: proto.Message, request_id: int) -> proto.Message | None:

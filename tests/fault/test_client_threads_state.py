@@ -351,3 +351,41 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
             other.result(10)
         assert [r.view(np.int32).tolist() for r in recv] == [[2, 2], [1, 1]]
 
+
+def test_symmetric_free_racing_a_rejoin_frees_the_orphan(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a daemon restart, a thread frees a symmetric buffer (host memory) while another
+    thread rejoins: the free has claimed the entry and is unmapping it (held here) when the
+    rejoin replaces the daemon. The buffer was the dead daemon's: the free succeeds, as for
+    any buffer of a daemon that is gone (before: the SymFree went to the new daemon, which
+    refused it, 'not a symmetric allocation')."""
+    memory = hostmem.HostMemory()
+    comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=3, memory=memory)
+    try:
+        ptr, other = comm.symmetric_alloc(64), comm.symmetric_alloc(64)
+        daemon.kill()
+        daemon.start()
+        met_the_failure(comm)
+        releasing = memory._releasing
+        unmapping = threading.Event()
+
+        def slow_releasing() -> None:
+            releasing()
+            if threading.current_thread().name.startswith("freeing"):
+                unmapping.set()
+                time.sleep(1.0)  # the rejoin runs here
+
+        monkeypatch.setattr(memory, "_releasing", slow_releasing)
+        with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
+            freed = freeing.submit(comm.symmetric_free, ptr)
+            assert unmapping.wait(5)
+            comm.attempt_reconnect()
+            try:
+                freed.result(10)
+                outcome = "ok"
+            except CommError as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+        assert outcome == "ok"
+        comm.symmetric_free(other)  # (an orphan made before: freed without the daemon)
+    finally:
+        comm.close()
