@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import threading
@@ -230,8 +231,32 @@ class DaemonBackend(CommBackend):
 
     def set_add_kernel(self, handle: int) -> None:
         handle, = _ints(handle=handle)
-        self._request(lambda rid: proto.SetAddKernel(rid, handle))
-        self._add_kernel = handle  # a restarted daemon is told again (_rejoin)
+        with self._lock:  # a restarted daemon is told again (_rejoin)
+            before, self._add_kernel = self._add_kernel, handle
+        try:
+            self._tell_add_kernel()
+        except CommError:
+            with self._lock:
+                if self._add_kernel == handle:  # (not set: a rejoin tells the one before)
+                    self._add_kernel = before
+            raise
+
+    def _tell_add_kernel(self) -> None:
+        """Tell the daemon the newest handle, again if a rejoin replaced it meanwhile (it may
+        have told the new one an older handle, or none)."""
+        while True:
+            with self._lock:
+                handle, link = self._add_kernel, self._link
+            if handle is None:
+                return
+            self._set_add_kernel_at(handle, link)
+            with self._lock:
+                if (self._add_kernel, self._link) == (handle, link):
+                    return
+
+    def _set_add_kernel_at(self, handle: int, link: int) -> None:
+        with contextlib.suppress(Superseded):  # (that daemon is gone: the caller tells the new one)
+            self._request(lambda rid: proto.SetAddKernel(rid, handle), link=link)
 
     def group_start(self) -> None:
         self._check_open()
@@ -338,8 +363,7 @@ class DaemonBackend(CommBackend):
             transport.close()
             self._check_open()
         self._registrations.register_again()
-        if self._add_kernel is not None:
-            self.set_add_kernel(self._add_kernel)
+        self._tell_add_kernel()
 
     # ---- lifetime -------------------------------------------------------------------
 

@@ -491,3 +491,36 @@ def test_a_shutdown_event_read_before_a_rejoin_does_not_mark_the_rebuilt_world(
         healthy = [comm.is_healthy() for comm in comms]
         assert healthy == [True, True]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's set_add_kernel is answered by the daemon, which is then killed and
+    restarted; the ranks rejoin on other threads before set_add_kernel returns (held here).
+    The call returned: the restarted daemon knows the handle (before: the rejoin read none
+    to tell it, and the 2-rank add path was off without a word)."""
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        request = comms[0]._request
+        answered = threading.Event()
+
+        def held_request(*args: Any, **kwargs: Any) -> Any:
+            answer = request(*args, **kwargs)
+            if threading.current_thread().name.startswith("setting"):
+                answered.set()
+                time.sleep(2.0)
+            return answer
+
+        monkeypatch.setattr(comms[0], "_request", held_request)
+        with ThreadPoolExecutor(1, thread_name_prefix="setting") as setting:
+            done = setting.submit(comms[0].set_add_kernel, 7)
+            assert answered.wait(5)
+            daemon.kill()
+            daemon.start()
+            for comm in comms:
+                met_the_failure(comm)
+            on_both(lambda r: comms[r].attempt_reconnect())
+            done.result(10)  # returned without error
+        status = world_status(daemon, comms[0]._world) or {}
+        assert status.get("add_kernel") == {"0": 7}
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
