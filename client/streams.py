@@ -26,6 +26,8 @@ class StreamOrder:
         self._lock = threading.Lock()
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._sent: set[int] = set()  # streams whose events this connection's daemon holds
+        self._sending: set[int] = set()  # streams whose events are on their way (it may hold them)
+        self._closed = False
         self._daemons = 0  # how many times the daemon was replaced (new_daemon)
         self._turns: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
 
@@ -66,8 +68,9 @@ class StreamOrder:
         copies only once that op is done, while CUDA leaves anything done with an opened
         event after its exporter destroyed it undefined (a daemon gone since holds none)."""
         with self._lock:
+            self._closed = True
             events, self._events = self._events, {}
-            held = set(self._sent)
+            held = self._sent | self._sending
         if driver is not None:
             for stream, (ready, done, _, _) in events.items():
                 if stream not in held:
@@ -86,17 +89,27 @@ class StreamOrder:
                               f"make it current first (torch.cuda.set_device({self._device}))")
 
     def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
-        """The stream's (ready, done), created once; handed to the daemon when it lacks them."""
-        pair = self._events.get(stream)
-        if pair is None:
-            ready, ready_handle = driver.create_ipc_event()
-            done, done_handle = driver.create_ipc_event()
-            pair = self._events[stream] = (ready, done, ready_handle, done_handle)
+        """The stream's (ready, done), created once; handed to the daemon when it lacks them.
+        (Under the lock with close(): it must not destroy events the daemon may hold, nor
+        may events be made after it, which nothing would destroy.)"""
         with self._lock:
+            if self._closed:
+                raise MisuseError("the backend is closed")
+            pair = self._events.get(stream)
+            if pair is None:
+                ready, ready_handle = driver.create_ipc_event()
+                done, done_handle = driver.create_ipc_event()
+                pair = self._events[stream] = (ready, done, ready_handle, done_handle)
             sent, daemons = stream in self._sent, self._daemons
+            if not sent:
+                self._sending.add(stream)
         if not sent:
-            self._send_events(stream, pair[2], pair[3])
-            with self._lock:
-                if daemons == self._daemons:  # (else the new daemon may lack them: sent again)
-                    self._sent.add(stream)
+            try:
+                self._send_events(stream, pair[2], pair[3])
+                with self._lock:
+                    if daemons == self._daemons:  # (else the new daemon may lack them: sent again)
+                        self._sent.add(stream)
+            finally:
+                with self._lock:
+                    self._sending.discard(stream)
         return pair[0], pair[1]

@@ -1,0 +1,82 @@
+"""StreamOrder with a fake driver: which events close() may destroy while other threads
+call (the daemon may hold a pair on its way to it: destroying the exporter's event is
+undefined in CUDA while the daemon still records it)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client.errors import MisuseError
+from client.streams import StreamOrder
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class EventDriver:
+    """Just what StreamOrder asks of a CUDA driver; remembers which events live."""
+
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+        self.destroyed: list[int] = []
+        self._ids = iter(range(1, 1 << 30))
+
+    def current_device(self) -> int | None:
+        return 0
+
+    def create_ipc_event(self) -> tuple[int, bytes]:
+        event = next(self._ids)
+        self.live.add(event)
+        return event, event.to_bytes(8, "little") * 8
+
+    def destroy_event(self, event: int) -> None:
+        self.live.remove(event)
+        self.destroyed.append(event)
+
+    def record_event(self, event: int, stream: int) -> None:
+        assert event in self.live, f"recorded destroyed event {event}"
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        assert event in self.live, f"waited on destroyed event {event}"
+
+
+def test_close_while_a_pair_is_on_its_way_to_the_daemon_keeps_it() -> None:
+    """The first call on stream 5 hands its events to the daemon (held here) when close()
+    runs on another thread: the pair stays (the daemon may have it); one the daemon never
+    had, of another stream, goes (before: close() saw the pair as never sent and
+    destroyed both events the daemon was opening)."""
+    driver = EventDriver()
+    sending, release = threading.Event(), threading.Event()
+    handed: list[int] = []
+
+    def send_events(stream: int, ready: bytes, done: bytes) -> None:
+        handed.append(stream)
+        if stream == 5:
+            sending.set()
+            assert release.wait(10)
+        else:
+            raise MisuseError("refused")  # (the daemon never had stream 6's pair)
+
+    order = StreamOrder(0, 5.0, send_events)
+    with pytest.raises(MisuseError):
+        order.submit(driver, [6], False, True, lambda first: None)  # type: ignore[arg-type]
+    sent: list[int] = []
+    with ThreadPoolExecutor(1) as calling:
+        call = calling.submit(order.submit, driver, [5], True, True, sent.append)
+        assert sending.wait(5)
+        order.close(driver)  # type: ignore[arg-type]
+        release.set()
+        call.result(10)
+    assert sent == [5] and handed == [6, 5]
+    assert len(driver.destroyed) == 2 and len(driver.live) == 2  # stream 6's went, 5's stayed
+
+
+def test_no_events_are_made_after_close() -> None:
+    driver = EventDriver()
+    order = StreamOrder(0, 5.0, lambda *args: None)
+    order.close(driver)  # type: ignore[arg-type]
+    with pytest.raises(MisuseError, match="closed"):
+        order.submit(driver, [3], False, True, lambda first: None)  # type: ignore[arg-type]
+    assert not driver.live
