@@ -539,10 +539,14 @@ class DaemonBackend(CommBackend):
                         transport: Transport | None = None) -> int:
         """Record why the world is unhealthy, unless it is about an epoch (`epoch`; 0: the
         current one) or a connection (`transport`) this rank has left behind since: a
-        reconnect on another thread must not inherit it. Returns the epoch it is about."""
+        reconnect on another thread must not inherit it. A hello's connection counts as
+        ours: the world it joins may fail before its welcome. Returns the epoch it is about."""
         with self._lock:
             about = epoch or self.epoch
-            stale = about < self.epoch or (transport is not None and transport is not self._transport)
+            # (_joining first: during the constructor's hello there is no _transport yet)
+            left = (transport is not None and transport is not self._joining
+                    and transport is not self._transport)
+            stale = about < self.epoch or left
             # a newer one replaces an older: the reconnect under way clears only the older
             if not stale and (self._failure is None or about > self._failure_epoch):
                 self._failure, self._failure_epoch = why, about
