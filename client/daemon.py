@@ -230,16 +230,14 @@ class DaemonBackend(CommBackend):
         self._symmetric.free(ptr)
 
     def set_add_kernel(self, handle: int) -> None:
+        # The handle holds from here on, even if telling the daemon fails (it went away): a
+        # rejoin tells the new one, as it does after a restart (undone, it could not be sure
+        # not to have told a rejoin's daemon already)
         handle, = _ints(handle=handle)
-        with self._lock:  # a restarted daemon is told again (_rejoin)
-            before, self._add_kernel = self._add_kernel, handle
-        try:
-            self._tell_add_kernel()
-        except CommError:
-            with self._lock:
-                if self._add_kernel == handle:  # (not set: a rejoin tells the one before)
-                    self._add_kernel = before
-            raise
+        self._build(lambda: proto.SetAddKernel(1, handle))  # (a bad one is never kept)
+        with self._lock:
+            self._add_kernel = handle
+        self._tell_add_kernel()
 
     def _tell_add_kernel(self) -> None:
         """Tell the daemon the newest handle, again if a rejoin replaced it meanwhile (it may

@@ -523,3 +523,54 @@ def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
         status = world_status(daemon, comms[0]._world) or {}
         assert status.get("add_kernel") == {"0": 7}
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_add_kernel fails (the daemon was killed) and is held there while both ranks
+    rejoin on other threads, which tell the restarted daemon its handle. The handle holds
+    for the backend as for the daemon (before: the call undid it after the rejoin had told
+    the daemon, and the next restart dropped it without a word)."""
+    with joined(daemon, timeout=3) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        daemon.kill()
+        daemon.start()
+        for comm in comms:
+            met_the_failure(comm)
+        tell = comms[0]._set_add_kernel_at
+        failed = threading.Event()
+
+        def held(handle: int, link: int) -> None:
+            try:
+                tell(handle, link)
+            except CommError:
+                if threading.current_thread().name == "setting":
+                    failed.set()
+                    time.sleep(2.0)  # the rejoin runs here
+                raise
+
+        monkeypatch.setattr(comms[0], "_set_add_kernel_at", held)
+        outcome: list[Any] = []
+
+        def setting() -> None:
+            try:
+                comms[0].set_add_kernel(7)
+                outcome.append("ok")
+            except CommError as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=setting, name="setting")
+        t.start()
+        assert failed.wait(5)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        t.join(10)
+        daemon_has = (world_status(daemon, comms[0]._world) or {}).get("add_kernel")
+        assert len(outcome) == 1 and isinstance(outcome[0], CommError), outcome
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        assert (comms[0]._add_kernel, daemon_has) == (7, {"0": 7})
+        daemon.kill()
+        daemon.start()
+        for comm in comms:
+            met_the_failure(comm)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert (world_status(daemon, comms[0]._world) or {}).get("add_kernel") == {"0": 7}
