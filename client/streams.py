@@ -27,6 +27,7 @@ class StreamOrder:
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._sent: set[int] = set()  # streams whose events this connection's daemon holds
         self._sending: set[int] = set()  # streams whose events are on their way (it may hold them)
+        self._in_use: set[int] = set()  # streams whose events a call records or waits on now
         self._closed = False
         self._daemons = 0  # how many times the daemon was replaced (new_daemon)
         self._turns: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
@@ -54,6 +55,7 @@ class StreamOrder:
                 for stream in streams:
                     driver.stream_wait_event(stream, done)
         finally:
+            self._done_with(first, driver)
             turn.release()
 
     def new_daemon(self) -> None:
@@ -69,13 +71,26 @@ class StreamOrder:
         event after its exporter destroyed it undefined (a daemon gone since holds none)."""
         with self._lock:
             self._closed = True
-            events, self._events = self._events, {}
-            held = self._sent | self._sending
+            events = self._events
+            # a pair a call uses now stays for it: the call destroys it as it ends (_done_with)
+            self._events = {s: pair for s, pair in events.items() if s in self._in_use}
+            keep = self._sent | self._sending | self._in_use
         if driver is not None:
             for stream, (ready, done, _, _) in events.items():
-                if stream not in held:
+                if stream not in keep:
                     driver.destroy_event(ready)
                     driver.destroy_event(done)
+
+    def _done_with(self, stream: int, driver: CudaDriver) -> None:
+        """A call is done with the stream's events: if close() came meanwhile and the daemon
+        holds none of them, they are destroyed now."""
+        with self._lock:
+            self._in_use.discard(stream)
+            held = stream in self._sent or stream in self._sending
+            pair = self._events.pop(stream, None) if self._closed and not held else None
+        if pair is not None:
+            driver.destroy_event(pair[0])
+            driver.destroy_event(pair[1])
 
     def _check_current_device(self, driver: CudaDriver) -> None:
         """The events are created, and stream 0 is, in the thread's current context: another
@@ -103,6 +118,7 @@ class StreamOrder:
             sent, daemons = stream in self._sent, self._daemons
             if not sent:
                 self._sending.add(stream)
+            self._in_use.add(stream)
         if not sent:
             try:
                 self._send_events(stream, pair[2], pair[3])

@@ -80,3 +80,45 @@ def test_no_events_are_made_after_close() -> None:
     with pytest.raises(MisuseError, match="closed"):
         order.submit(driver, [3], False, True, lambda first: None)  # type: ignore[arg-type]
     assert not driver.live
+
+
+class HeldDriver(EventDriver):
+    """Holds the first record_event / stream_wait_event of stream 5 until `go`."""
+
+    def __init__(self, hold: str) -> None:
+        super().__init__()
+        self.hold, self.at, self.go = hold, threading.Event(), threading.Event()
+        self.armed = False
+
+    def _held(self, what: str) -> None:
+        if self.armed and what == self.hold and not self.at.is_set():
+            self.at.set()
+            assert self.go.wait(10)
+
+    def record_event(self, event: int, stream: int) -> None:
+        self._held("record")
+        super().record_event(event, stream)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._held("wait")
+        super().stream_wait_event(stream, event)
+
+
+@pytest.mark.parametrize("hold", ["record", "wait"])
+def test_close_after_a_rejoin_keeps_the_pair_a_call_is_using(hold: str) -> None:
+    """A call records its ready event (or waits on done) when another thread's rejoin and
+    then close() run: the pair stays until the call is done with it, and goes then (the
+    new daemon never had it) (before: close() destroyed the events under the call)."""
+    driver = HeldDriver(hold)
+    order = StreamOrder(0, 5.0, lambda *args: None)
+    order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    driver.armed = True
+    with ThreadPoolExecutor(1) as calling:
+        call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
+        assert driver.at.wait(5)
+        order.new_daemon()  # another thread's rejoin
+        order.close(driver)  # type: ignore[arg-type]  # and close() on a third
+        assert len(driver.live) == 2  # (in use)
+        driver.go.set()
+        call.result(10)
+    assert not driver.live
