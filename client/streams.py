@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from .cuda import CudaDriver
-from .errors import CommTimeout, MisuseError
+from .errors import CommTimeout, DaemonUnavailable, MisuseError
 
 
 class StreamOrder:
@@ -27,6 +27,7 @@ class StreamOrder:
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._sent: set[int] = set()  # streams whose events this connection's daemon holds
         self._sending: set[int] = set()  # streams whose events are on their way (it may hold them)
+        self._unanswered: set[int] = set()  # streams whose events went without an answer (it may too)
         self._in_use: set[int] = set()  # streams whose events a call records or waits on now
         self._closed = False
         self._daemons = 0  # how many times the daemon was replaced (new_daemon)
@@ -74,7 +75,7 @@ class StreamOrder:
             events = self._events
             # a pair a call uses now stays for it: the call destroys it as it ends (_done_with)
             self._events = {s: pair for s, pair in events.items() if s in self._in_use}
-            keep = self._sent | self._sending | self._in_use
+            keep = self._sent | self._sending | self._unanswered | self._in_use
         if driver is not None:
             for stream, (ready, done, _, _) in events.items():
                 if stream not in keep:
@@ -86,7 +87,7 @@ class StreamOrder:
         holds none of them, they are destroyed now."""
         with self._lock:
             self._in_use.discard(stream)
-            held = stream in self._sent or stream in self._sending
+            held = stream in self._sent or stream in self._sending or stream in self._unanswered
             pair = self._events.pop(stream, None) if self._closed and not held else None
         if pair is not None:
             driver.destroy_event(pair[0])
@@ -122,6 +123,11 @@ class StreamOrder:
         if not sent:
             try:
                 self._send_events(stream, pair[2], pair[3])
+            except (DaemonUnavailable, CommTimeout):  # no answer: the daemon may have opened them
+                with self._lock:
+                    self._unanswered.add(stream)
+                raise
+            else:
                 with self._lock:
                     if daemons == self._daemons:  # (else the new daemon may lack them: sent again)
                         self._sent.add(stream)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.errors import MisuseError
+from client.errors import DaemonUnavailable, MisuseError
 from client.streams import StreamOrder
 
 pytestmark = pytest.mark.timeout(30)
@@ -122,3 +122,27 @@ def test_close_after_a_rejoin_keeps_the_pair_a_call_is_using(hold: str) -> None:
         driver.go.set()
         call.result(10)
     assert not driver.live
+
+
+def test_close_during_a_failing_send_keeps_the_pair() -> None:
+    """close() comes while a stream's events are on their way to the daemon, and breaks
+    that request (its answer is lost; the daemon may have opened the events): the pair
+    stays, as close() decided (before: the call, done, destroyed it as never sent)."""
+    driver = EventDriver()
+    sending, closed = threading.Event(), threading.Event()
+
+    def send_events(stream: int, ready: bytes, done: bytes) -> None:
+        sending.set()  # the request is on the wire; the daemon may open the handles
+        assert closed.wait(10)
+        raise DaemonUnavailable("the backend was closed")  # what close() makes the request raise
+
+    order = StreamOrder(0, 5.0, send_events)
+    with ThreadPoolExecutor(1) as calling:
+        call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
+        assert sending.wait(5)
+        order.close(driver)  # type: ignore[arg-type]
+        assert len(driver.live) == 2  # close() kept it: on its way to the daemon
+        closed.set()
+        with pytest.raises(DaemonUnavailable):
+            call.result(10)
+    assert len(driver.live) == 2, f"destroyed {driver.destroyed} the daemon may hold"
