@@ -114,7 +114,11 @@ class StreamOrder:
             pair = self._events.get(stream)
             if pair is None:
                 ready, ready_handle = driver.create_ipc_event()
-                done, done_handle = driver.create_ipc_event()
+                try:
+                    done, done_handle = driver.create_ipc_event()
+                except BaseException:
+                    driver.destroy_event(ready)
+                    raise
                 pair = self._events[stream] = (ready, done, ready_handle, done_handle)
             sent, daemons = stream in self._sent, self._daemons
             if not sent:

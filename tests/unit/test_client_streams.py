@@ -146,3 +146,20 @@ def test_close_during_a_failing_send_keeps_the_pair() -> None:
         with pytest.raises(DaemonUnavailable):
             call.result(10)
     assert len(driver.live) == 2, f"destroyed {driver.destroyed} the daemon may hold"
+
+
+def test_a_pair_half_made_leaves_no_event() -> None:
+    """The driver makes the ready event and fails the done one: the call fails and no
+    event is left (before: ready leaked)."""
+
+    class FailingSecond(EventDriver):
+        def create_ipc_event(self) -> tuple[int, bytes]:
+            if self.live:
+                raise MisuseError("cuEventCreate: out of memory")
+            return super().create_ipc_event()
+
+    driver = FailingSecond()
+    order = StreamOrder(0, 5.0, lambda *args: None)
+    with pytest.raises(MisuseError, match="out of memory"):
+        order.submit(driver, [5], False, True, lambda first: None)  # type: ignore[arg-type]
+    assert not driver.live
