@@ -60,6 +60,15 @@ def summed(comms: list[DaemonBackend], bufs: list[hostmem.HostBuffer]) -> list[l
     return [buf.view(np.int32)[:2].tolist() for buf in bufs]
 
 
+def restart_daemon(daemon: DaemonProcess, comms: Sequence[DaemonBackend]) -> None:
+    """kill -9 the ranks' daemon and start it again; each rank's calling thread meets the
+    failure (so its attempt_reconnect rejoins the new daemon)."""
+    daemon.kill()
+    daemon.start()
+    for comm in comms:
+        met_the_failure(comm)
+
+
 def met_the_failure(comm: DaemonBackend) -> None:
     """The calling thread meets the world's failure, as a worker's thread would."""
     with pytest.raises(CommError):

@@ -19,7 +19,7 @@ import pytest
 from client import CommError, DaemonBackend, DaemonShutdown, LimitExceeded, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, restart_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,10 +122,7 @@ def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_w
     attempt_reconnect" while rank 1's waited and timed out)."""
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         mark = comms[0]._mark_unhealthy
         monitor = threading.Thread(target=comms[0].is_healthy)
 
@@ -153,10 +150,7 @@ def test_buffers_deregistered_while_a_rejoin_registers_them_again_stay_deregiste
         buf = hostmem.alloc(4096)
         bufs = [hostmem.alloc(8) for _ in range(2)]
         handles = [comms[0].register_buffer(buf.ptr + i, 8) for i in range(100)]
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         old = comms[0]._transport
         with ThreadPoolExecutor(1) as reconnecting:
             rebuilt = reconnecting.submit(on_both, lambda r: comms[r].attempt_reconnect())
@@ -289,10 +283,7 @@ def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thre
                           when=lambda *args, **kwargs: bool(kwargs.get("fds")))  # (the Import)
         call = worker.submit(comms[0].all_reduce, fresh.ptr, 8, dtype="i32")
         assert answered.wait(5)
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         rebuilt_without(worker, comms, bufs)  # (its attempt_reconnect queued behind the call)
         with pytest.raises(CommError, match="went away"):
             call.result(10)
@@ -335,10 +326,7 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
         taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0)
         request = stale.submit(comms[0].set_add_kernel, 0)
         assert taken.wait(5)
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         on_both(lambda r: comms[r].attempt_reconnect())
         gone = [hostmem.alloc(8) for _ in range(2)]
         on_both(lambda r: comms[r].all_reduce(gone[r].ptr, 8, dtype="i32"))  # the new daemon's
@@ -363,10 +351,7 @@ def test_news_of_the_new_epoch_failing_read_while_rejoining_is_kept(daemon: Daem
         registered = hostmem.alloc(4096)
         for i in range(10):
             comms[0].register_buffer(registered.ptr + i, 8)
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
 
         def rank1() -> None:
             comms[1].attempt_reconnect()
@@ -514,10 +499,7 @@ def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
         with ThreadPoolExecutor(1, thread_name_prefix="setting") as setting:
             done = setting.submit(comms[0].set_add_kernel, 7)
             assert answered.wait(5)
-            daemon.kill()
-            daemon.start()
-            for comm in comms:
-                met_the_failure(comm)
+            restart_daemon(daemon, comms)
             on_both(lambda r: comms[r].attempt_reconnect())
             done.result(10)  # returned without error
         status = world_status(daemon, comms[0]._world) or {}
@@ -533,10 +515,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
     the daemon, and the next restart dropped it without a word)."""
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         tell = comms[0]._set_add_kernel_at
         failed = threading.Event()
 
@@ -568,9 +547,6 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
         assert len(outcome) == 1 and isinstance(outcome[0], CommError), outcome
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         assert (comms[0]._add_kernel, daemon_has) == (7, {"0": 7})
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         on_both(lambda r: comms[r].attempt_reconnect())
         assert (world_status(daemon, comms[0]._world) or {}).get("add_kernel") == {"0": 7}

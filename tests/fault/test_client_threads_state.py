@@ -17,7 +17,7 @@ import pytest
 
 from client import CommError, DaemonBackend, MisuseError, hostmem
 from commd.launch import DaemonProcess
-from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
+from tests.fault.ranks import joined, on_both, own_daemon, restart_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,10 +70,7 @@ def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
     with joined(daemon, timeout=3) as comms, ThreadPoolExecutor(1) as training:
         bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # imported by the old daemon
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         old = comms[0]._transport
         close = old.close
         closing = threading.Event()
@@ -153,10 +150,7 @@ def test_close_during_another_threads_rejoin_leaves_the_rank_free(daemon: Daemon
     and the closed backend's reconnect waited out its whole timeout)."""
     with joined(daemon, timeout=8) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         with ThreadPoolExecutor(2) as pool:
             reconnecting = pool.submit(comms[0].attempt_reconnect)
             wait_until(lambda: world_status(daemon, comms[0]._world) is not None,
@@ -232,7 +226,25 @@ def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
 
 
-def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonProcess) -> None:
+def unmapping_held(monkeypatch: pytest.MonkeyPatch, memory: hostmem.HostMemory,
+                   seconds: float) -> threading.Event:
+    """A buffer's unmap on a thread named `freeing*` waits `seconds` once it has begun
+    (the event is set then)."""
+    releasing = memory._releasing
+    unmapping = threading.Event()
+
+    def slow_releasing() -> None:
+        releasing()
+        if threading.current_thread().name.startswith("freeing"):
+            unmapping.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(memory, "_releasing", slow_releasing)
+    return unmapping
+
+
+def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """symmetric_free on one thread while close() runs on another (the free's unmap held
     here): neither raises anything but a CommError, the buffer is unmapped once, and
     close() lets go of the other symmetric buffers (before: close() raised AttributeError
@@ -242,16 +254,7 @@ def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(daemon: DaemonP
     freed_ptr, other_ptr = comm.symmetric_alloc(64), comm.symmetric_alloc(64)
     other = memory.locate(other_ptr)
     assert other is not None
-    releasing = memory._releasing
-    unmapping = threading.Event()
-
-    def slow_releasing() -> None:
-        releasing()
-        if threading.current_thread().name.startswith("freeing"):
-            unmapping.set()
-            time.sleep(0.3)
-
-    memory._releasing = slow_releasing  # type: ignore[method-assign]
+    unmapping = unmapping_held(monkeypatch, memory, 0.3)
     with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
         freed = freeing.submit(comm.symmetric_free, freed_ptr)
         assert unmapping.wait(5)
@@ -312,10 +315,7 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
         send = [hostmem.alloc(8) for _ in range(2)]
         recv = [hostmem.alloc(8) for _ in range(2)]
         comms[0].register_buffer(send[0].ptr, 8)
-        daemon.kill()
-        daemon.start()
-        for comm in comms:
-            met_the_failure(comm)
+        restart_daemon(daemon, comms)
         epoch = comms[0].epoch
         register_again = comms[0]._registrations.register_again
         registering = threading.Event()
@@ -363,19 +363,8 @@ def test_symmetric_free_racing_a_rejoin_frees_the_orphan(
     comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=3, memory=memory)
     try:
         ptr, other = comm.symmetric_alloc(64), comm.symmetric_alloc(64)
-        daemon.kill()
-        daemon.start()
-        met_the_failure(comm)
-        releasing = memory._releasing
-        unmapping = threading.Event()
-
-        def slow_releasing() -> None:
-            releasing()
-            if threading.current_thread().name.startswith("freeing"):
-                unmapping.set()
-                time.sleep(1.0)  # the rejoin runs here
-
-        monkeypatch.setattr(memory, "_releasing", slow_releasing)
+        restart_daemon(daemon, [comm])
+        unmapping = unmapping_held(monkeypatch, memory, 1.0)  # the rejoin runs meanwhile
         with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
             freed = freeing.submit(comm.symmetric_free, ptr)
             assert unmapping.wait(5)
