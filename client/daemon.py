@@ -110,7 +110,8 @@ class DaemonBackend(CommBackend):
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
-        self._order = StreamOrder(device, timeout, self._send_events)  # (with an engine with streams)
+        # (with an engine with streams)
+        self._order = StreamOrder(device, timeout, self._send_events, self._current_link)
         self._failure: CommError | None = None  # why the world is unhealthy
         self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
@@ -476,8 +477,8 @@ class DaemonBackend(CommBackend):
         self._order.submit(driver, streams, early, deadline,
                            lambda first: self._submit(ops, deadline, basis, stream=first, early=early))
 
-    def _send_events(self, stream: int, ready: bytes, done: bytes) -> None:
-        self._request(lambda rid: proto.StreamEvents(rid, stream, ready, done))
+    def _send_events(self, stream: int, ready: bytes, done: bytes) -> int:
+        return self._request(lambda rid: proto.StreamEvents(rid, stream, ready, done)).link
 
     def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, basis: Basis,
                 stream: int | None = None, early: bool = False) -> None:

@@ -19,10 +19,12 @@ from .errors import CommTimeout, DaemonUnavailable, MisuseError
 
 class StreamOrder:
     def __init__(self, device: int | None, timeout: float,
-                 send_events: Callable[[int, bytes, bytes], None]) -> None:
+                 send_events: Callable[[int, bytes, bytes], int], link: Callable[[], int]) -> None:
         self._device = device  # the backend's GPU: the one whose context the events belong to
         self._timeout = timeout
-        self._send_events = send_events  # (stream, ready's handle, done's handle) to the daemon
+        # (stream, ready's handle, done's handle) to the daemon; the daemon connection that answered
+        self._send_events = send_events
+        self._link = link  # the current daemon connection (DaemonBackend._link)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._sent: set[int] = set()  # streams whose events this connection's daemon holds
@@ -30,7 +32,6 @@ class StreamOrder:
         self._unanswered: set[int] = set()  # streams whose events went without an answer (it may too)
         self._in_use: set[int] = set()  # streams whose events a call records or waits on now
         self._closed = False
-        self._daemons = 0  # how many times the daemon was replaced (new_daemon)
         self._turns: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
 
     def submit(self, driver: CudaDriver, streams: Sequence[int], early: bool, deadline: bool,
@@ -60,10 +61,10 @@ class StreamOrder:
             turn.release()
 
     def new_daemon(self) -> None:
-        """A restarted daemon holds none of our events: each goes again with its next call."""
+        """(As the link moves) A restarted daemon holds none of our events: each goes again
+        with its next call."""
         with self._lock:
             self._sent.clear()
-            self._daemons += 1
 
     def close(self, driver: CudaDriver | None) -> None:
         """Destroy the events the daemon never had. Those it has stay until the process
@@ -120,20 +121,20 @@ class StreamOrder:
                     driver.destroy_event(ready)
                     raise
                 pair = self._events[stream] = (ready, done, ready_handle, done_handle)
-            sent, daemons = stream in self._sent, self._daemons
+            sent = stream in self._sent
             if not sent:
                 self._sending.add(stream)
             self._in_use.add(stream)
         if not sent:
             try:
-                self._send_events(stream, pair[2], pair[3])
+                answered_on = self._send_events(stream, pair[2], pair[3])
             except (DaemonUnavailable, CommTimeout):  # no answer: the daemon may have opened them
                 with self._lock:
                     self._unanswered.add(stream)
                 raise
             else:
                 with self._lock:
-                    if daemons == self._daemons:  # (else the new daemon may lack them: sent again)
+                    if answered_on == self._link():  # (else that daemon is gone: sent again)
                         self._sent.add(stream)
             finally:
                 with self._lock:

@@ -51,15 +51,15 @@ def test_close_while_a_pair_is_on_its_way_to_the_daemon_keeps_it() -> None:
     sending, release = threading.Event(), threading.Event()
     handed: list[int] = []
 
-    def send_events(stream: int, ready: bytes, done: bytes) -> None:
+    def send_events(stream: int, ready: bytes, done: bytes) -> int:
         handed.append(stream)
         if stream == 5:
             sending.set()
             assert release.wait(10)
-        else:
-            raise MisuseError("refused")  # (the daemon never had stream 6's pair)
+            return 0
+        raise MisuseError("refused")  # (the daemon never had stream 6's pair)
 
-    order = StreamOrder(0, 5.0, send_events)
+    order = StreamOrder(0, 5.0, send_events, lambda: 0)
     with pytest.raises(MisuseError):
         order.submit(driver, [6], False, True, lambda first: None)  # type: ignore[arg-type]
     sent: list[int] = []
@@ -75,7 +75,7 @@ def test_close_while_a_pair_is_on_its_way_to_the_daemon_keeps_it() -> None:
 
 def test_no_events_are_made_after_close() -> None:
     driver = EventDriver()
-    order = StreamOrder(0, 5.0, lambda *args: None)
+    order = StreamOrder(0, 5.0, lambda *args: 0, lambda: 0)
     order.close(driver)  # type: ignore[arg-type]
     with pytest.raises(MisuseError, match="closed"):
         order.submit(driver, [3], False, True, lambda first: None)  # type: ignore[arg-type]
@@ -110,7 +110,7 @@ def test_close_after_a_rejoin_keeps_the_pair_a_call_is_using(hold: str) -> None:
     then close() run: the pair stays until the call is done with it, and goes then (the
     new daemon never had it) (before: close() destroyed the events under the call)."""
     driver = HeldDriver(hold)
-    order = StreamOrder(0, 5.0, lambda *args: None)
+    order = StreamOrder(0, 5.0, lambda *args: 0, lambda: 0)
     order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
     driver.armed = True
     with ThreadPoolExecutor(1) as calling:
@@ -131,12 +131,12 @@ def test_close_during_a_failing_send_keeps_the_pair() -> None:
     driver = EventDriver()
     sending, closed = threading.Event(), threading.Event()
 
-    def send_events(stream: int, ready: bytes, done: bytes) -> None:
+    def send_events(stream: int, ready: bytes, done: bytes) -> int:
         sending.set()  # the request is on the wire; the daemon may open the handles
         assert closed.wait(10)
         raise DaemonUnavailable("the backend was closed")  # what close() makes the request raise
 
-    order = StreamOrder(0, 5.0, send_events)
+    order = StreamOrder(0, 5.0, send_events, lambda: 0)
     with ThreadPoolExecutor(1) as calling:
         call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
         assert sending.wait(5)
@@ -159,7 +159,33 @@ def test_a_pair_half_made_leaves_no_event() -> None:
             return super().create_ipc_event()
 
     driver = FailingSecond()
-    order = StreamOrder(0, 5.0, lambda *args: None)
+    order = StreamOrder(0, 5.0, lambda *args: 0, lambda: 0)
     with pytest.raises(MisuseError, match="out of memory"):
         order.submit(driver, [5], False, True, lambda first: None)  # type: ignore[arg-type]
     assert not driver.live
+
+
+def test_a_pair_answered_by_the_daemon_a_rejoin_put_in_place_counts_as_held() -> None:
+    """A rejoin replaces the daemon while a stream's events are on their way, and they go
+    to the new daemon, which answers: they count as held there (before: as the daemon had
+    changed meanwhile, they did not, and close() or the call destroyed events the new
+    daemon held)."""
+    driver = EventDriver()
+    link = [0]
+    sending, rejoined = threading.Event(), threading.Event()
+
+    def send_events(stream: int, ready: bytes, done: bytes) -> int:
+        sending.set()
+        assert rejoined.wait(10)
+        return link[0]  # (sent once the new connection was in place: its daemon answered)
+
+    order = StreamOrder(0, 5.0, send_events, lambda: link[0])
+    with ThreadPoolExecutor(1) as calling:
+        call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
+        assert sending.wait(5)
+        link[0] += 1
+        order.new_daemon()
+        rejoined.set()
+        call.result(10)
+    order.close(driver)  # type: ignore[arg-type]
+    assert len(driver.live) == 2
