@@ -339,9 +339,6 @@ class DaemonBackend(CommBackend):
             self._link += 1
             self._imports.new_daemon()
             self._registrations.new_daemon(self._link)
-            # (with the link: a call built for the new one must not take its stream events
-            # for given to the new daemon)
-            self._order.new_daemon()
         # after the imports went (an op built from them meanwhile is not kept); not under _lock:
         # a finalizer may reach the cache's lock while this thread holds it
         self._ops.clear()

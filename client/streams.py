@@ -18,6 +18,13 @@ from .errors import CommTimeout, DaemonUnavailable, MisuseError
 
 
 class StreamOrder:
+    """A pair a daemon had, or may have had (its hand-over got no answer), is never
+    destroyed here: that daemon (an earlier one too: a rejoin may find the same daemon
+    process) may still record `done` behind an op answered early, and destroys its copies
+    only once that op is done, while CUDA leaves anything done with an opened event after
+    its exporter destroyed it undefined. Such pairs stay until the process exits; the
+    others go at close()."""
+
     def __init__(self, device: int | None, timeout: float,
                  send_events: Callable[[int, bytes, bytes], int], link: Callable[[], int]) -> None:
         self._device = device  # the backend's GPU: the one whose context the events belong to
@@ -27,10 +34,9 @@ class StreamOrder:
         self._link = link  # the current daemon connection (DaemonBackend._link)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
-        self._sent: set[int] = set()  # streams whose events this connection's daemon holds
-        self._sending: set[int] = set()  # streams whose events are on their way (it may hold them)
-        self._unanswered: set[int] = set()  # streams whose events went without an answer (it may too)
-        self._in_use: set[int] = set()  # streams whose events a call records or waits on now
+        self._held_on: dict[int, int] = {}  # stream -> the connection whose daemon took its pair
+        self._exposed: set[int] = set()  # streams whose pair a daemon has or may have: kept
+        self._in_use: set[int] = set()  # streams whose pair a call hands over, records or waits on
         self._closed = False
         self._turns: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
 
@@ -60,23 +66,13 @@ class StreamOrder:
             self._done_with(first, driver)
             turn.release()
 
-    def new_daemon(self) -> None:
-        """(As the link moves) A restarted daemon holds none of our events: each goes again
-        with its next call."""
-        with self._lock:
-            self._sent.clear()
-
     def close(self, driver: CudaDriver | None) -> None:
-        """Destroy the events the daemon never had. Those it has stay until the process
-        exits: it may still record `done` behind an op answered early, and destroys its
-        copies only once that op is done, while CUDA leaves anything done with an opened
-        event after its exporter destroyed it undefined (a daemon gone since holds none)."""
+        """Destroy the pairs no daemon had; one a call uses now goes when it is done with it."""
         with self._lock:
             self._closed = True
             events = self._events
-            # a pair a call uses now stays for it: the call destroys it as it ends (_done_with)
             self._events = {s: pair for s, pair in events.items() if s in self._in_use}
-            keep = self._sent | self._sending | self._unanswered | self._in_use
+            keep = self._exposed | self._in_use
         if driver is not None:
             for stream, (ready, done, _, _) in events.items():
                 if stream not in keep:
@@ -84,12 +80,10 @@ class StreamOrder:
                     driver.destroy_event(done)
 
     def _done_with(self, stream: int, driver: CudaDriver) -> None:
-        """A call is done with the stream's events: if close() came meanwhile and the daemon
-        holds none of them, they are destroyed now."""
         with self._lock:
             self._in_use.discard(stream)
-            held = stream in self._sent or stream in self._sending or stream in self._unanswered
-            pair = self._events.pop(stream, None) if self._closed and not held else None
+            closing = self._closed and stream not in self._exposed
+            pair = self._events.pop(stream, None) if closing else None
         if pair is not None:
             driver.destroy_event(pair[0])
             driver.destroy_event(pair[1])
@@ -106,9 +100,9 @@ class StreamOrder:
                               f"make it current first (torch.cuda.set_device({self._device}))")
 
     def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
-        """The stream's (ready, done), created once; handed to the daemon when it lacks them.
-        (Under the lock with close(): it must not destroy events the daemon may hold, nor
-        may events be made after it, which nothing would destroy.)"""
+        """The stream's (ready, done), created once; handed to the daemon of the current
+        connection when it lacks them. (Under the lock close() takes: no pair is made after
+        it, which nothing would destroy.)"""
         with self._lock:
             if self._closed:
                 raise MisuseError("the backend is closed")
@@ -121,22 +115,16 @@ class StreamOrder:
                     driver.destroy_event(ready)
                     raise
                 pair = self._events[stream] = (ready, done, ready_handle, done_handle)
-            sent = stream in self._sent
-            if not sent:
-                self._sending.add(stream)
+            handed = self._held_on.get(stream) == self._link()
             self._in_use.add(stream)
-        if not sent:
+        if not handed:
             try:
                 answered_on = self._send_events(stream, pair[2], pair[3])
             except (DaemonUnavailable, CommTimeout):  # no answer: the daemon may have opened them
                 with self._lock:
-                    self._unanswered.add(stream)
+                    self._exposed.add(stream)
                 raise
-            else:
-                with self._lock:
-                    if answered_on == self._link():  # (else that daemon is gone: sent again)
-                        self._sent.add(stream)
-            finally:
-                with self._lock:
-                    self._sending.discard(stream)
+            with self._lock:  # (answered on a connection a rejoin replaced: again next call)
+                self._held_on[stream] = answered_on
+                self._exposed.add(stream)
         return pair[0], pair[1]

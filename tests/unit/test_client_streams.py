@@ -107,21 +107,48 @@ class HeldDriver(EventDriver):
 @pytest.mark.parametrize("hold", ["record", "wait"])
 def test_close_after_a_rejoin_keeps_the_pair_a_call_is_using(hold: str) -> None:
     """A call records its ready event (or waits on done) when another thread's rejoin and
-    then close() run: the pair stays until the call is done with it, and goes then (the
-    new daemon never had it) (before: close() destroyed the events under the call)."""
+    then close() run: the pair stays, during the call and after it, since the daemon
+    before the rejoin had it (before: close() destroyed the events under the call)."""
     driver = HeldDriver(hold)
-    order = StreamOrder(0, 5.0, lambda *args: 0, lambda: 0)
+    link = [0]
+    order = StreamOrder(0, 5.0, lambda *args: link[0], lambda: link[0])
     order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
     driver.armed = True
     with ThreadPoolExecutor(1) as calling:
         call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
         assert driver.at.wait(5)
-        order.new_daemon()  # another thread's rejoin
+        link[0] += 1  # another thread's rejoin
         order.close(driver)  # type: ignore[arg-type]  # and close() on a third
-        assert len(driver.live) == 2  # (in use)
+        assert len(driver.live) == 2
         driver.go.set()
         call.result(10)
-    assert not driver.live
+    assert len(driver.live) == 2
+
+
+@pytest.mark.parametrize("after_the_rejoin", ["nothing", "a refused hand-over"])
+def test_close_after_a_rejoin_keeps_a_pair_the_earlier_daemon_had(after_the_rejoin: str) -> None:
+    """A rejoin may find the same daemon process (one that dropped the connection, say),
+    which may still record done behind an op of the old connection: the pair it had stays
+    at close(), even if the new connection's daemon refused it since (before: a rejoin
+    forgot who had it, and close() destroyed both events)."""
+    driver = EventDriver()
+    link = [0]
+    refuse = [False]
+
+    def send_events(stream: int, ready: bytes, done: bytes) -> int:
+        if refuse[0]:
+            raise MisuseError("refused")
+        return link[0]
+
+    order = StreamOrder(0, 5.0, send_events, lambda: link[0])
+    order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    link[0] += 1
+    if after_the_rejoin == "a refused hand-over":
+        refuse[0] = True
+        with pytest.raises(MisuseError):
+            order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    order.close(driver)  # type: ignore[arg-type]
+    assert driver.destroyed == [] and len(driver.live) == 2
 
 
 def test_close_during_a_failing_send_keeps_the_pair() -> None:
@@ -167,14 +194,16 @@ def test_a_pair_half_made_leaves_no_event() -> None:
 
 def test_a_pair_answered_by_the_daemon_a_rejoin_put_in_place_counts_as_held() -> None:
     """A rejoin replaces the daemon while a stream's events are on their way, and they go
-    to the new daemon, which answers: they count as held there (before: as the daemon had
-    changed meanwhile, they did not, and close() or the call destroyed events the new
-    daemon held)."""
+    to the new daemon, which answers: they count as held there, and are not handed over
+    again (before: as the daemon had changed meanwhile, they did not count, and close()
+    or the call destroyed events the new daemon held)."""
     driver = EventDriver()
     link = [0]
     sending, rejoined = threading.Event(), threading.Event()
+    handed: list[int] = []
 
     def send_events(stream: int, ready: bytes, done: bytes) -> int:
+        handed.append(stream)
         sending.set()
         assert rejoined.wait(10)
         return link[0]  # (sent once the new connection was in place: its daemon answered)
@@ -184,8 +213,9 @@ def test_a_pair_answered_by_the_daemon_a_rejoin_put_in_place_counts_as_held() ->
         call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
         assert sending.wait(5)
         link[0] += 1
-        order.new_daemon()
         rejoined.set()
         call.result(10)
+    order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    assert handed == [5]
     order.close(driver)  # type: ignore[arg-type]
     assert len(driver.live) == 2
