@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from .cuda import CudaDriver
-from .errors import CommTimeout, DaemonUnavailable, MisuseError
+from .errors import CommTimeout, LimitExceeded, MisuseError
 
 
 class StreamOrder:
@@ -120,7 +120,9 @@ class StreamOrder:
         if not handed:
             try:
                 answered_on = self._send_events(stream, pair[2], pair[3])
-            except (DaemonUnavailable, CommTimeout):  # no answer: the daemon may have opened them
+            except (MisuseError, LimitExceeded):  # refused (or never sent): no daemon has them
+                raise
+            except BaseException:  # no answer, or no clear one: the daemon may have opened them
                 with self._lock:
                     self._exposed.add(stream)
                 raise

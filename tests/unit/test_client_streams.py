@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.errors import DaemonUnavailable, MisuseError
+from client.errors import CommError, CommTimeout, DaemonUnavailable, MisuseError, ProtocolError
 from client.streams import StreamOrder
 
 pytestmark = pytest.mark.timeout(30)
@@ -151,17 +151,21 @@ def test_close_after_a_rejoin_keeps_a_pair_the_earlier_daemon_had(after_the_rejo
     assert driver.destroyed == [] and len(driver.live) == 2
 
 
-def test_close_during_a_failing_send_keeps_the_pair() -> None:
-    """close() comes while a stream's events are on their way to the daemon, and breaks
-    that request (its answer is lost; the daemon may have opened the events): the pair
-    stays, as close() decided (before: the call, done, destroyed it as never sent)."""
+@pytest.mark.parametrize("failure", [DaemonUnavailable("the backend was closed"),
+                                     CommTimeout("no reply"), ProtocolError("bad packet from the daemon")],
+                         ids=lambda exc: type(exc).__name__)
+def test_close_during_a_failing_send_keeps_the_pair(failure: CommError) -> None:
+    """close() comes while a stream's events are on their way to the daemon, and that
+    request ends without a clear answer (close() broke it, it timed out, the reply was
+    garbled; the daemon may have opened the events): the pair stays (before: the call,
+    done, destroyed it as never sent)."""
     driver = EventDriver()
     sending, closed = threading.Event(), threading.Event()
 
     def send_events(stream: int, ready: bytes, done: bytes) -> int:
         sending.set()  # the request is on the wire; the daemon may open the handles
         assert closed.wait(10)
-        raise DaemonUnavailable("the backend was closed")  # what close() makes the request raise
+        raise failure
 
     order = StreamOrder(0, 5.0, send_events, lambda: 0)
     with ThreadPoolExecutor(1) as calling:
@@ -170,7 +174,7 @@ def test_close_during_a_failing_send_keeps_the_pair() -> None:
         order.close(driver)  # type: ignore[arg-type]
         assert len(driver.live) == 2  # close() kept it: on its way to the daemon
         closed.set()
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(type(failure)):
             call.result(10)
     assert len(driver.live) == 2, f"destroyed {driver.destroyed} the daemon may hold"
 
