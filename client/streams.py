@@ -18,7 +18,7 @@ from .errors import CommTimeout, LimitExceeded, MisuseError
 
 
 class StreamOrder:
-    """A pair a daemon had, or may have had (its hand-over got no answer), is never
+    """A pair a daemon had, or may have had (its hand-over got no clear refusal), is never
     destroyed here: that daemon (an earlier one too: a rejoin may find the same daemon
     process) may still record `done` behind an op answered early, and destroys its copies
     only once that op is done, while CUDA leaves anything done with an opened event after
