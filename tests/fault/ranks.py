@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,3 +75,29 @@ def met_the_failure(comm: DaemonBackend) -> None:
     """The calling thread meets the world's failure, as a worker's thread would."""
     with pytest.raises(CommError):
         comm.barrier()
+
+
+def slowed(monkeypatch: pytest.MonkeyPatch, target: object, method: str, thread: str,
+           seconds: float, *, after: bool = False,
+           when: Callable[..., bool] = lambda *args, **kwargs: True) -> threading.Event:
+    """Make `target.method` sleep `seconds` (before the call, or `after` it) on threads named
+    `thread*` ('': any) when `when` holds for its arguments, to open a race's window wide. The event
+    is set as the sleep starts."""
+    real = getattr(target, method)
+    sleeping = threading.Event()
+
+    def pause(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if threading.current_thread().name.startswith(thread) and when(*args, **kwargs):
+            sleeping.set()
+            time.sleep(seconds)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if not after:
+            pause(args, kwargs)
+        result = real(*args, **kwargs)
+        if after:
+            pause(args, kwargs)
+        return result
+
+    monkeypatch.setattr(target, method, slow)
+    return sleeping

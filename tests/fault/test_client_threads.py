@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 from client import CommError, DaemonBackend, DaemonShutdown, LimitExceeded, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, restart_daemon, summed
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, restart_daemon, slowed, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -242,32 +242,6 @@ def test_a_thread_whose_failure_was_repaired_still_joins_a_later_rebuild(
             voted.result(10)
         assert comms[0].epoch == comms[1].epoch == epoch + 1
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-
-
-def slowed(monkeypatch: pytest.MonkeyPatch, comm: DaemonBackend, method: str, thread: str,
-           seconds: float, *, after: bool = False,
-           when: Callable[..., bool] = lambda *args, **kwargs: True) -> threading.Event:
-    """Make `comm.method` sleep `seconds` (before the call, or `after` it) on threads named
-    `thread*` when `when` holds for its arguments, to open a race's window wide. The event
-    is set as the sleep starts."""
-    real = getattr(comm, method)
-    sleeping = threading.Event()
-
-    def pause(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if threading.current_thread().name.startswith(thread) and when(*args, **kwargs):
-            sleeping.set()
-            time.sleep(seconds)
-
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        if not after:
-            pause(args, kwargs)
-        result = real(*args, **kwargs)
-        if after:
-            pause(args, kwargs)
-        return result
-
-    monkeypatch.setattr(comm, method, slow)
-    return sleeping
 
 
 def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thread(

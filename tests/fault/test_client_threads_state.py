@@ -17,7 +17,7 @@ import pytest
 
 from client import CommError, DaemonBackend, MisuseError, hostmem
 from commd.launch import DaemonProcess
-from tests.fault.ranks import joined, on_both, own_daemon, restart_daemon, summed
+from tests.fault.ranks import joined, on_both, own_daemon, restart_daemon, slowed, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,16 +71,7 @@ def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
         bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # imported by the old daemon
         restart_daemon(daemon, comms)
-        old = comms[0]._transport
-        close = old.close
-        closing = threading.Event()
-
-        def slow_close() -> None:
-            closing.set()
-            time.sleep(1.0)
-            close()
-
-        monkeypatch.setattr(old, "close", slow_close)
+        closing = slowed(monkeypatch, comms[0]._transport, "close", "", 1.0)
         with ThreadPoolExecutor(1) as heartbeat:
             rebuilt = heartbeat.submit(on_both, lambda r: comms[r].attempt_reconnect())
             assert closing.wait(10)
@@ -105,16 +96,7 @@ def test_a_group_opened_once_the_rebuilt_world_is_healthy_is_kept(
         comms[0].group_start()
         with pytest.raises(CommError):
             comms[1].barrier()  # rank 0 never calls it: the world fails
-        groups = comms[0]._groups
-        drop_all = groups.drop_all
-        dropping = threading.Event()
-
-        def slow_drop_all() -> None:
-            dropping.set()
-            time.sleep(1.0)
-            drop_all()
-
-        monkeypatch.setattr(groups, "drop_all", slow_drop_all)
+        dropping = slowed(monkeypatch, comms[0]._groups, "drop_all", "", 1.0)
         for r in range(2):
             send[r].view(np.int32)[:] = [r + 1, r + 1]
 
@@ -202,17 +184,7 @@ def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # the op cached
         daemon.kill()
         daemon.start()
-        groups = comms[0]._groups
-        current = groups.current
-        fetched = threading.Event()
-
-        def held_current() -> object:
-            if threading.current_thread().name.startswith("training"):
-                fetched.set()
-                time.sleep(1.5)
-            return current()
-
-        monkeypatch.setattr(groups, "current", held_current)
+        fetched = slowed(monkeypatch, comms[0]._groups, "current", "training", 1.5)
         with ThreadPoolExecutor(1, thread_name_prefix="training") as training:
             call = training.submit(comms[0].all_reduce, bufs[0].ptr, 8, dtype="i32")
             assert fetched.wait(5)
@@ -226,23 +198,6 @@ def test_an_op_fetched_before_a_rejoin_is_not_sent_to_the_new_daemon(
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
 
 
-def unmapping_held(monkeypatch: pytest.MonkeyPatch, memory: hostmem.HostMemory,
-                   seconds: float) -> threading.Event:
-    """A buffer's unmap on a thread named `freeing*` waits `seconds` once it has begun
-    (the event is set then)."""
-    releasing = memory._releasing
-    unmapping = threading.Event()
-
-    def slow_releasing() -> None:
-        releasing()
-        if threading.current_thread().name.startswith("freeing"):
-            unmapping.set()
-            time.sleep(seconds)
-
-    monkeypatch.setattr(memory, "_releasing", slow_releasing)
-    return unmapping
-
-
 def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """symmetric_free on one thread while close() runs on another (the free's unmap held
@@ -254,7 +209,7 @@ def test_symmetric_free_of_host_memory_racing_close_ends_cleanly(
     freed_ptr, other_ptr = comm.symmetric_alloc(64), comm.symmetric_alloc(64)
     other = memory.locate(other_ptr)
     assert other is not None
-    unmapping = unmapping_held(monkeypatch, memory, 0.3)
+    unmapping = slowed(monkeypatch, memory, "_releasing", "freeing", 0.3, after=True)
     with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
         freed = freeing.submit(comm.symmetric_free, freed_ptr)
         assert unmapping.wait(5)
@@ -276,13 +231,7 @@ def test_symmetric_alloc_racing_close_leaves_nothing_mapped(
     memory = hostmem.HostMemory()
     comm = DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5, memory=memory)
     if close_held:
-        order_close = comm._order.close
-
-        def slow_order_close(driver: object) -> None:
-            time.sleep(0.6)
-            order_close(driver)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(comm._order, "close", slow_order_close)
+        slowed(monkeypatch, comm._order, "close", "", 0.6)
     adopt = memory.adopt
     adopted: list[hostmem.HostBuffer] = []
     mapping = threading.Event()
@@ -317,15 +266,7 @@ def test_a_group_opened_after_the_new_epoch_but_before_the_reconnect_ends_is_kep
         comms[0].register_buffer(send[0].ptr, 8)
         restart_daemon(daemon, comms)
         epoch = comms[0].epoch
-        register_again = comms[0]._registrations.register_again
-        registering = threading.Event()
-
-        def held_register_again() -> None:
-            registering.set()
-            time.sleep(1.0)
-            register_again()
-
-        monkeypatch.setattr(comms[0]._registrations, "register_again", held_register_again)
+        registering = slowed(monkeypatch, comms[0]._registrations, "register_again", "", 1.0)
         for r in range(2):
             send[r].view(np.int32)[:] = [r + 1, r + 1]
         with ThreadPoolExecutor(2) as heartbeats:
@@ -364,7 +305,8 @@ def test_symmetric_free_racing_a_rejoin_frees_the_orphan(
     try:
         ptr, other = comm.symmetric_alloc(64), comm.symmetric_alloc(64)
         restart_daemon(daemon, [comm])
-        unmapping = unmapping_held(monkeypatch, memory, 1.0)  # the rejoin runs meanwhile
+        # (the rejoin runs meanwhile)
+        unmapping = slowed(monkeypatch, memory, "_releasing", "freeing", 1.0, after=True)
         with ThreadPoolExecutor(1, thread_name_prefix="freeing") as freeing:
             freed = freeing.submit(comm.symmetric_free, ptr)
             assert unmapping.wait(5)
