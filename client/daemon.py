@@ -260,7 +260,7 @@ class DaemonBackend(CommBackend):
     def group_start(self) -> None:
         self._check_open()
         with self._lock:  # with the epoch it is for: a reconnect moves both under _lock
-            self._groups.start(Basis(self._link, self.epoch))
+            self._groups.start(self._basis())
 
     def group_end(self) -> None:
         group = self._groups.end()
