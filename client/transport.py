@@ -25,7 +25,8 @@ from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, fr
 
 _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
-_REFUSAL_READS = 64  # unread packets looked through for why the daemon closed (replies first)
+_PARTING_READS = 64  # after a failed send: unread packets looked through for why the daemon went
+_PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find that out
 
 Packet = tuple[proto.Message, list[int]]
 # What undoes a request that timed out, should its reply come late: given the reply and a
@@ -80,7 +81,7 @@ class Transport:
         self._replies: dict[int, Packet] = {}
         self._awaited: set[int] = set()  # request ids some thread still waits for
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
-        self._reading = False
+        self._reader: int | None = None  # the thread reading for everyone, if any
         self._broken: CommError | None = None
         # close() came while a thread read: that reader closes the socket when it stops (the
         # fd must not be closed under it, or it may poll whichever socket takes the number)
@@ -125,28 +126,37 @@ class Transport:
                                                    struct.pack(f"{len(fds)}i", *fds))])
                 else:
                     self._sock.send(packet)
+                return
             except OSError as exc:
-                raise self._break(self._refusal() or DaemonUnavailable(
-                    f"lost the daemon connection: {exc}")) from exc
+                lost = exc
+        # (outside the send lock: what is read may be a late reply whose undo sends)
+        raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}")) from lost
 
-    def _refusal(self) -> CommError | None:
-        """Why the daemon closed on us, if it said so before: a refusal, or the error or
-        event a stopping daemon sends (a call made after it stopped meets only these)."""
-        for _ in range(_REFUSAL_READS):
+    def _read_parting(self, lost: CommError) -> CommError:
+        """A send found the daemon gone: read what it sent before it went, as the reader, so
+        that replies reach the threads that wait for them and its parting word (a refusal,
+        or a stopping daemon's event) breaks the transport. With another thread reading,
+        that thread meets them; wait a little for it."""
+        me = threading.get_ident()
+        with self._cond:
+            self._undo.clear()  # the daemon drops what the connection did: nothing to undo
+            reader = self._reader
+            if reader is None and self._broken is None:
+                self._reader = me
+            elif reader != me:
+                self._cond.wait_for(lambda: self._broken is not None, _PARTING_WAIT_S)
+        if self._reader == me:  # (also a reader whose undo of a late reply sent this)
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0)  # (a reader may be in self._poll)
-                if not ready:
-                    return None
-                data, ancillary, _, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
-                close_fds(_take_fds(ancillary))  # a refusal carries none; a stray one is not ours to keep
-                if not data:
-                    return None  # (the end of the stream)
-                msg = proto.decode(data)
-            except (OSError, ValueError, proto.ProtoError):  # (ValueError: closed meanwhile)
-                return None
-            if isinstance(msg, (proto.Error, proto.Event)):
-                return from_code(msg.code, msg.message)
-        return None
+                for _ in range(_PARTING_READS):
+                    if self._broken is not None or not self._poll.poll(0):
+                        break
+                    self._route(*self._read_one(None))
+            except CommError:
+                pass  # the transport broke with it
+            finally:
+                if reader is None:
+                    self._stop_reading()
+        return self._break(lost)
 
     def request(self, msg: proto.Message, deadline: float | None,
                 fds: Sequence[int] = (), undo: Undo | None = None) -> Packet:
@@ -180,8 +190,8 @@ class Transport:
                         return self._replies.pop(request_id)
                     if self._broken is not None:
                         raise self._broken
-                    if not self._reading:
-                        self._reading = True
+                    if self._reader is None:
+                        self._reader = threading.get_ident()
                         break
                     left = remaining(deadline)
                     if left is not None and left <= 0:
@@ -209,6 +219,8 @@ class Transport:
         reply_id = getattr(msg, "id", None)
         if isinstance(msg, proto.Event):
             self._on_event(msg, self)
+            if msg.kind is proto.EventKind.SHUTDOWN:  # (the daemon closes on us next)
+                raise self._break(from_code(msg.code, msg.message))
             return False
         if not reply_id:  # an Error with id 0: the daemon is dropping us
             assert isinstance(msg, proto.Error)
@@ -255,9 +267,9 @@ class Transport:
     def drain_events(self) -> None:
         """Handle events already waiting in the socket, without blocking."""
         with self._cond:
-            if self._reading or self._broken is not None:
+            if self._reader is not None or self._broken is not None:
                 return
-            self._reading = True
+            self._reader = threading.get_ident()
         try:
             while self._poll.poll(0):
                 self._route(*self._read_one(None))
@@ -268,7 +280,7 @@ class Transport:
 
     def _stop_reading(self) -> None:
         with self._cond:
-            self._reading = False
+            self._reader = None
             self._cond.notify_all()
             close = self._close_when_read
         if close:
@@ -279,22 +291,24 @@ class Transport:
         return self._broken
 
     def _break(self, error: CommError) -> CommError:
+        """Break the transport with `error` unless it broke already; the error it broke with."""
         with self._cond:
             first = self._broken is None
-            if first:
+            if self._broken is None:
                 self._broken = error
+            broken = self._broken
             self._cond.notify_all()
         if first:  # the daemon must see us go (a rejoin on a new socket would be "already connected")
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
-        return error
+        return broken
 
     def close(self) -> None:
         self._break(DaemonUnavailable("the backend was closed"))
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a send blocked in the kernel, and a reader)
         with self._cond:  # (no thread starts reading once broken)
-            reading = self._close_when_read = self._reading
+            reading = self._close_when_read = self._reader is not None
         if not reading:
             self._close_socket()
 

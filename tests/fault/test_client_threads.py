@@ -407,7 +407,8 @@ def test_close_ends_a_recv_command_whose_reader_was_between_two_reads(
 
         waiting = threading.Thread(target=wait_for_command, name="waiting", daemon=True)
         waiting.start()
-        wait_until(lambda: transport._reading, "the waiting thread reading for everyone", timeout=5)
+        wait_until(lambda: transport._reader is not None, "the waiting thread reading for everyone",
+                   timeout=5)
         armed.set()
         comms[0].set_add_kernel(0)  # its reply read by the waiting thread, which goes round
         assert held.wait(5)

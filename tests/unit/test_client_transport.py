@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import proto
-from client.errors import ProtocolError
+from client.errors import DaemonShutdown, LimitExceeded, ProtocolError
 from client.transport import Transport
 from tests.integration.harness import open_fds
 
@@ -49,3 +49,113 @@ def test_fds_that_came_with_an_undecodable_packet_are_closed() -> None:
         server.join(10)
         listener.close()
         assert open_fds() == before - 1  # the listener; nothing the bad packet brought stays open
+
+
+def _daemon_that_answers_then_stops(path: str, answered: threading.Event) -> threading.Thread:
+    """Reads two requests, answers the first, then stops as a daemon does: the SHUTDOWN
+    event, and the connection closed."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def daemon() -> None:
+        with listener:
+            conn, _ = listener.accept()
+        with conn:
+            first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+            assert isinstance(first, proto.StatusQuery)
+            conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "yours"})))
+            conn.send(proto.encode(proto.Event(proto.EventKind.SHUTDOWN, proto.ErrorCode.SHUTDOWN,
+                                               "the daemon is shutting down")))
+        answered.set()
+
+    server = threading.Thread(target=daemon)
+    server.start()
+    return server
+
+
+def test_a_failed_send_leaves_another_threads_reply_to_it() -> None:
+    """A send that finds the daemon gone reads why it went; a reply that came before, for a
+    thread not reading yet, must still reach that thread (its call was done)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "stopping.sock")
+        answered = threading.Event()
+        server = _daemon_that_answers_then_stops(path, answered)
+        transport = Transport(path, 5, lambda event, transport: None)
+        wait = transport._wait
+        may_wait = threading.Event()
+
+        def wait_when_told(request_id: int, deadline: float | None) -> proto.Message:
+            may_wait.wait(10)  # (the reply is in the socket by then, read by nobody yet)
+            return wait(request_id, deadline)  # type: ignore[return-value]
+
+        transport._wait = wait_when_told  # type: ignore[method-assign]
+        replies: list[proto.Message] = []
+        first = threading.Thread(target=lambda: replies.append(
+            transport.request(proto.StatusQuery(transport.next_id(), None), None)[0]))
+        try:
+            first.start()
+            assert answered.wait(10)
+            with pytest.raises(DaemonShutdown, match="shutting down"):
+                transport.post(proto.StatusQuery(transport.next_id(), None))
+            may_wait.set()
+            first.join(10)
+        finally:
+            may_wait.set()
+            transport.close()
+            server.join(10)
+        assert [r.info for r in replies] == [{"answer": "yours"}]  # type: ignore[attr-defined]
+
+
+def test_a_failed_send_waits_for_the_reader_to_find_why() -> None:
+    """With a thread reading when the daemon refuses the connection and closes, a send that
+    fails meanwhile leaves the refusal to that reader and raises what it found: both
+    threads see the daemon's reason."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "refusing.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(path)
+        listener.listen(1)
+        reader_waits = threading.Event()
+        closed = threading.Event()
+
+        def daemon() -> None:
+            with listener:
+                conn, _ = listener.accept()
+            with conn:
+                conn.recv(proto.MAX_MESSAGE_BYTES)
+                reader_waits.wait(10)
+                conn.send(proto.encode(proto.Error(0, proto.ErrorCode.LIMIT,
+                                                   "too many connections")))
+            closed.set()
+
+        server = threading.Thread(target=daemon)
+        server.start()
+        transport = Transport(path, 5, lambda event, transport: None)
+        errors: list[Exception] = []
+
+        def call() -> None:
+            try:
+                transport.request(proto.StatusQuery(transport.next_id(), None), None)
+            except Exception as exc:
+                errors.append(exc)
+
+        caller = threading.Thread(target=call)
+        try:
+            caller.start()
+            for _ in range(1000):
+                if transport._reader is not None:
+                    break
+                threading.Event().wait(0.01)
+            assert transport._reader is not None
+            reader_waits.set()
+            assert closed.wait(10)
+            with pytest.raises(LimitExceeded, match="too many connections"):
+                transport.post(proto.StatusQuery(transport.next_id(), None))
+            caller.join(10)
+        finally:
+            reader_waits.set()
+            transport.close()
+            server.join(10)
+        assert [type(e) for e in errors] == [LimitExceeded]
+        assert "too many connections" in str(errors[0])
