@@ -66,7 +66,9 @@ class DaemonBackend(CommBackend):
     The constructor connects, says hello and blocks until all `world_size`
     ranks have joined (or `timeout` seconds pass). Every call takes `timeout`
     as its deadline, except `recv_command_u32`, which waits without one but
-    wakes on any failure. Safe to use from several threads.
+    wakes on any failure. Safe to use from several threads; not from a forked child
+    (its calls would go out on the parent's connection, as the parent's rank): there
+    every call is a MisuseError and close() lets go of the child's copy only.
 
     Pointers may be host memory (`client.hostmem`) or, when a CUDA driver is
     available, CUDA device memory of `device`. `cuda_driver` is asked once, on the
@@ -115,6 +117,7 @@ class DaemonBackend(CommBackend):
         self._failure: CommError | None = None  # why the world is unhealthy
         self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
+        self._pid = os.getpid()  # the process whose connection this is (see _check_open)
         self._joining: Transport | None = None  # a rejoin's connection until its hello is answered
         self._add_kernel: int | None = None
         self.epoch = 0
@@ -269,7 +272,7 @@ class DaemonBackend(CommBackend):
                                 group.basis)
 
     def is_healthy(self) -> bool:
-        if self._closed:
+        if self._closed or self._forked():  # (a child must not read the parent's events)
             return False
         self._take_news()
         with self._lock:
@@ -367,6 +370,9 @@ class DaemonBackend(CommBackend):
 
     def close(self) -> None:
         """Leave the world and drop the connection; symmetric allocations are unmapped."""
+        if self._forked():
+            self._let_go_of_inherited()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -391,8 +397,23 @@ class DaemonBackend(CommBackend):
     # ---- plumbing ---------------------------------------------------------------------
 
     def _check_open(self) -> None:
+        if self._forked():
+            raise MisuseError(f"this DaemonBackend belongs to process {self._pid}; a forked "
+                              "child must make its own")
         if self._closed:
             raise MisuseError("the backend is closed")
+
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _let_go_of_inherited(self) -> None:
+        """A forked child's close(): its copies of the sockets go, without a word to the
+        daemon or a shutdown (that would end the parent's connection); nothing else is
+        touched (another thread of the parent may have held a lock as it forked)."""
+        self._closed = True
+        for transport in (self._transport, self._joining):
+            if transport is not None:
+                transport.close_inherited()
 
     @staticmethod
     def _build(factory: Callable[[], T]) -> T:

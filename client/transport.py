@@ -312,6 +312,12 @@ class Transport:
         if not reading:
             self._close_socket()
 
+    def close_inherited(self) -> None:
+        """In a forked child: close this process's copy of the socket, leaving the connection
+        (the parent's) as it is."""
+        self._broken = DaemonUnavailable("the connection belongs to the parent process")
+        self._sock.close()
+
     def _close_socket(self) -> None:
         with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
             self._sock.close()
