@@ -136,16 +136,19 @@ class Transport:
         """A send found the daemon gone: read what it sent before it went, as the reader, so
         that replies reach the threads that wait for them and its parting word (a refusal,
         or a stopping daemon's event) breaks the transport. With another thread reading,
-        that thread meets them; wait a little for it."""
+        that thread meets them: wait a little for it to, or to stop reading first."""
         me = threading.get_ident()
         with self._cond:
             self._undo.clear()  # the daemon drops what the connection did: nothing to undo
-            reader = self._reader
-            if reader is None and self._broken is None:
+            # Another thread reading meets the parting word, unless it stops reading first
+            # (its own reply read): then the rest is read here.
+            self._cond.wait_for(lambda: self._broken is not None or self._reader in (None, me),
+                                _PARTING_WAIT_S)
+            nested = self._reader == me  # (a reader whose undo of a late reply sent this)
+            reading = nested or (self._reader is None and self._broken is None)
+            if reading:
                 self._reader = me
-            elif reader != me:
-                self._cond.wait_for(lambda: self._broken is not None, _PARTING_WAIT_S)
-        if self._reader == me:  # (also a reader whose undo of a late reply sent this)
+        if reading:
             try:
                 for _ in range(_PARTING_READS):
                     if self._broken is not None or not self._poll.poll(0):
@@ -154,7 +157,7 @@ class Transport:
             except CommError:
                 pass  # the transport broke with it
             finally:
-                if reader is None:
+                if not nested:
                     self._stop_reading()
         return self._break(lost)
 
@@ -207,7 +210,13 @@ class Transport:
     def _read_until(self, request_id: int, deadline: float | None) -> Packet | None:
         """Read as the leader until our reply comes (returned) or another's does (None)."""
         while True:
-            msg, fds = self._read_one(deadline)
+            try:
+                msg, fds = self._read_one(deadline)
+            except CommError:
+                with self._cond:  # (read by this thread's own parting read, an undo's send failed)
+                    if request_id in self._replies:
+                        return self._replies.pop(request_id)
+                raise
             if getattr(msg, "id", None) == request_id:
                 return msg, fds
             if self._route(msg, fds):

@@ -7,12 +7,13 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 import proto
-from client.errors import DaemonShutdown, LimitExceeded, ProtocolError
+from client.errors import CommError, CommTimeout, DaemonShutdown, LimitExceeded, ProtocolError
 from client.transport import Transport
 from tests.integration.harness import open_fds
 
@@ -159,3 +160,128 @@ def test_a_failed_send_waits_for_the_reader_to_find_why() -> None:
             server.join(10)
         assert [type(e) for e in errors] == [LimitExceeded]
         assert "too many connections" in str(errors[0])
+
+
+def _listener(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    return listener
+
+
+def _wait_for_a_reader(transport: Transport) -> None:
+    for _ in range(1000):
+        if transport._reader is not None:
+            return
+        time.sleep(0.01)
+    raise AssertionError("no thread started reading")
+
+
+def test_a_reader_whose_undo_finds_the_daemon_gone_keeps_its_own_reply() -> None:
+    """A's request timed out (its undo waits for a late reply). R reads for its own request
+    when the daemon sends A's late reply, then R's, and closes: R runs A's undo, whose send
+    finds the daemon gone and reads the rest itself, R's reply among them. R's call was
+    done: it returns its reply, not the broken connection's error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "closing.sock")
+        listener = _listener(path)
+        got_both, may_answer, closed = threading.Event(), threading.Event(), threading.Event()
+
+        def daemon() -> None:
+            with listener:
+                conn, _ = listener.accept()
+            with conn:
+                first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+                second = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+                assert isinstance(first, proto.StatusQuery) and isinstance(second, proto.StatusQuery)
+                got_both.set()
+                may_answer.wait(10)
+                conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "A's, late"})))
+                conn.send(proto.encode(proto.StatusReport(second.id, {"answer": "R's"})))
+            closed.set()
+
+        server = threading.Thread(target=daemon)
+        server.start()
+        transport = Transport(path, 5, lambda event, transport: None)
+
+        def undo(reply: proto.Message, request_id: int) -> proto.Message | None:
+            closed.wait(10)  # (slow: the daemon is gone by the time it sends)
+            return proto.StatusQuery(request_id, None)
+
+        results: list[object] = []
+
+        def call() -> None:
+            try:
+                results.append(transport.request(proto.StatusQuery(transport.next_id(), None), None)[0])
+            except CommError as exc:
+                results.append(exc)
+
+        reader = threading.Thread(target=call)
+        try:
+            with pytest.raises(CommTimeout):
+                transport.request(proto.StatusQuery(transport.next_id(), None),
+                                  time.monotonic() + 0.2, undo=undo)
+            reader.start()
+            assert got_both.wait(10)
+            _wait_for_a_reader(transport)
+            may_answer.set()
+            reader.join(10)
+        finally:
+            may_answer.set()
+            transport.close()
+            server.join(10)
+        assert [r.info for r in results] == [{"answer": "R's"}]  # type: ignore[attr-defined]
+
+
+def test_a_failed_send_reads_why_once_the_reader_stops_before_it() -> None:
+    """R reads for its reply when the daemon stops (R's reply, the SHUTDOWN event, the close)
+    and a send fails on another thread. R takes its reply and stops reading, the event
+    unread: the failed send reads it at once and raises DaemonShutdown (not a plain
+    DaemonUnavailable after waiting out its wait for a reader)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "stopping.sock")
+        listener = _listener(path)
+        go, closed = threading.Event(), threading.Event()
+
+        def daemon() -> None:
+            with listener:
+                conn, _ = listener.accept()
+            with conn:
+                first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+                assert isinstance(first, proto.StatusQuery)
+                go.wait(10)
+                conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "R's"})))
+                conn.send(proto.encode(proto.Event(proto.EventKind.SHUTDOWN, proto.ErrorCode.SHUTDOWN,
+                                                   "the daemon is shutting down")))
+            closed.set()
+
+        server = threading.Thread(target=daemon)
+        server.start()
+        events: list[proto.Event] = []
+        transport = Transport(path, 5, lambda event, transport: events.append(event))
+        read_until = transport._read_until
+        release = threading.Event()
+
+        def late_reader(request_id: int, deadline: float | None) -> object:
+            release.wait(10)  # (woken, but not yet reading: a loaded machine)
+            return read_until(request_id, deadline)
+
+        transport._read_until = late_reader  # type: ignore[method-assign,assignment]
+        results: list[proto.Message] = []
+        reader = threading.Thread(target=lambda: results.append(
+            transport.request(proto.StatusQuery(transport.next_id(), None), None)[0]))
+        try:
+            reader.start()
+            _wait_for_a_reader(transport)
+            go.set()
+            assert closed.wait(10)
+            threading.Timer(0.2, release.set).start()
+            with pytest.raises(DaemonShutdown):  # (only the event says so: it read it itself)
+                transport.post(proto.StatusQuery(transport.next_id(), None))
+            reader.join(10)
+        finally:
+            release.set()
+            transport.close()
+            server.join(10)
+        assert [r.info for r in results] == [{"answer": "R's"}]  # type: ignore[attr-defined]
+        assert [e.kind for e in events] == [proto.EventKind.SHUTDOWN]
