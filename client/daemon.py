@@ -66,9 +66,9 @@ class DaemonBackend(CommBackend):
     The constructor connects, says hello and blocks until all `world_size`
     ranks have joined (or `timeout` seconds pass). Every call takes `timeout`
     as its deadline, except `recv_command_u32`, which waits without one but
-    wakes on any failure. Safe to use from several threads; not from a forked child
-    (its calls would go out on the parent's connection, as the parent's rank): there
-    every call is a MisuseError and close() lets go of the child's copy only.
+    wakes on any failure. Safe to use from several threads; not from a forked child,
+    which lets go of its copy of the connection at the fork (it is the parent's): there
+    every call is a MisuseError.
 
     Pointers may be host memory (`client.hostmem`) or, when a CUDA driver is
     available, CUDA device memory of `device`. `cuda_driver` is asked once, on the
@@ -117,7 +117,8 @@ class DaemonBackend(CommBackend):
         self._failure: CommError | None = None  # why the world is unhealthy
         self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
-        self._pid = os.getpid()  # the process whose connection this is (see _check_open)
+        self._pid = os.getpid()  # (for the message a forked child's calls get)
+        self._inherited = False  # set in a forked child: the connection is the parent's
         self._joining: Transport | None = None  # a rejoin's connection until its hello is answered
         self._add_kernel: int | None = None
         self.epoch = 0
@@ -130,6 +131,7 @@ class DaemonBackend(CommBackend):
                                           self._imports, self._current_link, lambda: self._closed)
         self._transport, self.epoch, self.engine = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
+        _ALIVE.add(self)
 
     def _join(self, deadline: float) -> tuple[Transport, int, str]:
         """Connect and say hello (at the last epoch seen); returns once the world is ready,
@@ -220,23 +222,28 @@ class DaemonBackend(CommBackend):
         return self._world_size
 
     def register_buffer(self, ptr: int, bytes: int) -> int:
+        self._check_open()
         ptr, bytes = _ints(ptr=ptr, bytes=bytes)
         return self._registrations.register(ptr, bytes)
 
     def deregister_buffer(self, handle: int) -> None:
+        self._check_open()
         self._registrations.deregister(handle)
 
     def symmetric_alloc(self, bytes: int) -> int:
+        self._check_open()
         bytes, = _ints(bytes=bytes)
         return self._symmetric.alloc(bytes)
 
     def symmetric_free(self, ptr: int) -> None:
+        self._check_open()
         self._symmetric.free(ptr)
 
     def set_add_kernel(self, handle: int) -> None:
         # The handle holds from here on, even if telling the daemon fails (it went away): a
         # rejoin tells the new one, as it does after a restart (undone, it could not be sure
         # not to have told a rejoin's daemon already)
+        self._check_open()
         handle, = _ints(handle=handle)
         self._build(lambda: proto.SetAddKernel(1, handle))  # (a bad one is never kept)
         with self._lock:
@@ -266,13 +273,14 @@ class DaemonBackend(CommBackend):
             self._groups.start(self._basis())
 
     def group_end(self) -> None:
+        self._check_open()
         group = self._groups.end()
         if group is not None and group.ops:
             self._device_submit(tuple(group.ops), list(group.streams), group.early, group.deadline,
                                 group.basis)
 
     def is_healthy(self) -> bool:
-        if self._closed or self._forked():  # (a child must not read the parent's events)
+        if self._closed:
             return False
         self._take_news()
         with self._lock:
@@ -370,9 +378,9 @@ class DaemonBackend(CommBackend):
 
     def close(self) -> None:
         """Leave the world and drop the connection; symmetric allocations are unmapped."""
-        if self._forked():
-            self._let_go_of_inherited()
+        if self._inherited:  # (let go of at the fork; a thread the child lacks may hold _lock)
             return
+        _ALIVE.discard(self)
         with self._lock:
             if self._closed:
                 return
@@ -397,20 +405,17 @@ class DaemonBackend(CommBackend):
     # ---- plumbing ---------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._forked():
+        if self._inherited:
             raise MisuseError(f"this DaemonBackend belongs to process {self._pid}; a forked "
                               "child must make its own")
         if self._closed:
             raise MisuseError("the backend is closed")
 
-    def _forked(self) -> bool:
-        return os.getpid() != self._pid
-
     def _let_go_of_inherited(self) -> None:
-        """A forked child's close(): its copies of the sockets go, without a word to the
-        daemon or a shutdown (that would end the parent's connection); nothing else is
-        touched (another thread of the parent may have held a lock as it forked)."""
-        self._closed = True
+        """In a forked child: its copies of the sockets go, without a word to the daemon or a
+        shutdown (that would end the parent's connection); no lock is taken (a thread the
+        child lacks may have held one as the parent forked)."""
+        self._inherited = self._closed = True
         for transport in (self._transport, self._joining):
             if transport is not None:
                 transport.close_inherited()
@@ -592,6 +597,8 @@ class DaemonBackend(CommBackend):
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)
+        if self._inherited:  # (nothing to tell; _lock may be held for good)
+            return
         with self._lock:
             self._imports.release(buffer_id)
 
@@ -604,6 +611,22 @@ class DaemonBackend(CommBackend):
             released = self._imports.take_owed()
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
+
+
+# The backends of this process that a fork's child must let go of (see _in_forked_child).
+_ALIVE: weakref.WeakSet[DaemonBackend] = weakref.WeakSet()
+
+
+def _in_forked_child() -> None:
+    """A fork copies every backend, and its sockets, into the child. The child lets go of
+    them at once: one that never uses them (a data loader's worker) must not hold the
+    parent's connections open after the parent dies (its daemon would not see the rank go),
+    and one that calls them must not speak as the parent's rank (MisuseError)."""
+    for backend in list(_ALIVE):
+        backend._let_go_of_inherited()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def _weak_listener(method: Callable[[int], None]) -> Callable[[int], None]:

@@ -1,20 +1,30 @@
 """A worker that forks (a data loader, a subprocess helper) hands its child a copy of the
 backend and of its socket. The child's calls would go out on the parent's connection, as
-the parent's rank, and its close() would shut that connection down: the child gets a
-MisuseError for every call, its close() lets go of its own copy only, and the parent's
-world goes on as if nothing happened."""
+the parent's rank, its close() would shut that connection down, and a child that touches
+nothing would keep it open after the parent died. So the child lets go of its copies at
+the fork: every call there is a MisuseError, and the parent's world goes on as if nothing
+happened."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
-from client import CommError, hostmem
+from client import CommError, DaemonBackend, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.fault.ranks import joined, own_daemon, summed
+from tests.integration.harness import world_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,36 +34,192 @@ def daemon() -> Iterator[DaemonProcess]:
     yield from own_daemon()
 
 
+def in_child(calls: dict[str, Callable[[], object]]) -> dict[str, list[str]]:
+    """Fork; the child runs each call on its only thread, each within 3 s (SIGALRM: a call
+    that waits for a lock no thread of the child will release), and reports how it ended."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # (reports through the pipe and leaves without Python's exit)
+        seen: dict[str, list[str]] = {}
+        try:
+            os.close(read_end)
+
+            def hung(*_: object) -> None:
+                raise TimeoutError("still waiting after 3 s")
+
+            signal.signal(signal.SIGALRM, hung)
+            for name, call in calls.items():
+                signal.setitimer(signal.ITIMER_REAL, 3)
+                try:
+                    seen[name] = ["returned", repr(call())]
+                except BaseException as exc:
+                    seen[name] = [type(exc).__name__, str(exc)]
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            os.write(write_end, json.dumps(seen).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        seen = json.loads(pipe.read())
+    assert os.waitpid(child, 0)[1] == 0
+    return seen
+
+
 def test_a_forked_childs_calls_and_close_leave_the_parents_world_be(daemon: DaemonProcess) -> None:
     bufs = [hostmem.alloc(64), hostmem.alloc(64)]
     with joined(daemon, 5) as comms:
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-        read_end, write_end = os.pipe()
-        child = os.fork()
-        if child == 0:  # (the child reports through the pipe and leaves without Python's exit)
-            seen: dict[str, object] = {}
-            try:
-                os.close(read_end)
-                try:
-                    comms[0].all_reduce(bufs[0].ptr, 8, dtype="i32")
-                    seen["all_reduce"] = "done"
-                except CommError as exc:
-                    seen["all_reduce"] = [type(exc).__name__, str(exc)]
-                seen["healthy"] = comms[0].is_healthy()
-                comms[0].close()
-                comms[1].close()
-                seen["closed"] = True
-            finally:
-                os.write(write_end, json.dumps(seen).encode())
-                os._exit(0)
-        os.close(write_end)
-        with os.fdopen(read_end) as pipe:
-            seen = json.loads(pipe.read())
-        assert os.waitpid(child, 0)[1] == 0
-        assert seen["all_reduce"][0] == "MisuseError"
-        assert f"belongs to process {os.getpid()}" in seen["all_reduce"][1]
-        assert seen["healthy"] is False and seen["closed"] is True
+        seen = in_child({"all_reduce": lambda: comms[0].all_reduce(bufs[0].ptr, 8, dtype="i32"),
+                         "is_healthy": comms[0].is_healthy,
+                         "close": lambda: [comm.close() for comm in comms]})
+        assert seen["all_reduce"] == [
+            "MisuseError", f"this DaemonBackend belongs to process {os.getpid()}; a forked child "
+            "must make its own"]
+        assert seen["is_healthy"] == ["returned", "False"]
+        assert seen["close"] == ["returned", "[None, None]"]
         # the parent's ranks: still connected, still one world, results still right
         assert [comm.is_healthy() for comm in comms] == [True, True]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         assert [comm.epoch for comm in comms] == [1, 1]
+
+
+def test_every_call_in_a_child_is_refused_at_once_whatever_the_parent_held(
+        daemon: DaemonProcess) -> None:
+    """A thread of the parent held the backend's lock as it forked (a reader in on_event,
+    any call's bookkeeping): in the child that lock is held for good, and the world had
+    failed as far as the parent knew; each call there is refused before it could wait
+    for the lock, or raise the parent's failure, or change the child's copy of the state."""
+    bufs = [hostmem.alloc(64), hostmem.alloc(64)]
+    with joined(daemon, 5) as comms:
+        comm = comms[0]
+        handle = comm.register_buffer(bufs[0].ptr, 64)
+        sym = comm.symmetric_alloc(64)
+        spare = hostmem.alloc(64)  # (closed in the child: the backend hears of the release)
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:2] = [r + 1, 10 * (r + 1)]
+        comm.group_start()
+        comm.all_reduce(bufs[0].ptr, 8, dtype="i32")  # (an open group, carried into the child)
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with comm._lock:
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        try:
+            assert held.wait(5)
+            comm._failure = WorldFailed("as the parent recorded it")
+            seen = in_child({
+                "all_reduce": lambda: comm.all_reduce(bufs[0].ptr, 8, dtype="i32"),
+                "group_end": comm.group_end,
+                "register_buffer": lambda: comm.register_buffer(bufs[0].ptr, 8),
+                "deregister_buffer": lambda: comm.deregister_buffer(handle),
+                "symmetric_alloc": lambda: comm.symmetric_alloc(64),
+                "symmetric_free": lambda: comm.symmetric_free(sym),
+                "set_add_kernel": lambda: comm.set_add_kernel(0),
+                "attempt_reconnect": comm.attempt_reconnect,
+                "a host buffer freed": spare.close,
+                "symmetric buffer still mapped": lambda: sym in comm._symmetric._host,
+                "is_healthy": comm.is_healthy,
+                "close": comm.close,
+            })
+        finally:
+            release.set()
+            holder.join(10)
+            comm._failure = None
+        # the parent's rank: its group goes out (rank 1 meets it), and all still works
+        with ThreadPoolExecutor(1) as rank1:  # (a group is the thread's that opened it: this one)
+            meets = rank1.submit(comms[1].all_reduce, bufs[1].ptr, 8, dtype="i32")
+            comm.group_end()
+            meets.result(10)
+        assert [buf.view(np.int32)[:2].tolist() for buf in bufs] == [[3, 30], [3, 30]]
+        refused = {name: kind for name, (kind, _) in seen.items()}
+        assert refused == {
+            "all_reduce": "MisuseError", "group_end": "MisuseError", "register_buffer": "MisuseError",
+            "deregister_buffer": "MisuseError", "symmetric_alloc": "MisuseError",
+            "symmetric_free": "MisuseError", "set_add_kernel": "MisuseError",
+            "attempt_reconnect": "MisuseError", "a host buffer freed": "returned",
+            "symmetric buffer still mapped": "returned", "is_healthy": "returned", "close": "returned"}
+        assert seen["symmetric buffer still mapped"][1] == "True"
+        assert seen["is_healthy"][1] == "False"
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        comm.symmetric_free(sym)
+        comm.deregister_buffer(handle)
+
+
+_RANK0 = textwrap.dedent("""
+    import os, sys, time
+    from client import DaemonBackend
+    comm = DaemonBackend(sys.argv[1], sys.argv[2], 0, 2, timeout=4)
+    child = os.fork() if sys.argv[3] == "fork" else 0
+    if child == 0 and sys.argv[3] == "fork":  # a data loader's worker: never touches the backend
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("fork", ["no fork", "fork"])
+def test_a_killed_rank_whose_forked_child_lives_on_is_seen_gone(daemon: DaemonProcess, fork: str) -> None:
+    """kill -9 rank 0, whose forked child lives on: the daemon sees the rank's connection
+    go at once (the child held no copy of it), so rank 1's next call fails at once rather
+    than after its whole timeout."""
+    world = world_name()
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(daemon.socket_path), world,
+                              fork.replace(" ", "")], stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        comm = DaemonBackend(str(daemon.socket_path), world, 1, 2, timeout=4)
+        assert rank0.stdout is not None
+        child = int(rank0.stdout.readline())
+        assert (child != 0) == (fork == "fork")
+        try:
+            rank0.send_signal(signal.SIGKILL)
+            rank0.wait(10)
+            started = time.monotonic()
+            with pytest.raises(WorldFailed, match="rank 0's connection was lost"):
+                comm.barrier()
+            assert time.monotonic() - started < 3  # (the call's timeout is 4 s)
+        finally:
+            comm.close()
+    finally:
+        rank0.kill()
+        rank0.wait(10)
+        if child:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_backend_made_in_the_child_works(daemon: DaemonProcess) -> None:
+    """What the child should do instead: its own backend, its own rank of its own world."""
+    bufs = [hostmem.alloc(64), hostmem.alloc(64)]
+    with joined(daemon, 5) as comms:
+        sock = str(daemon.socket_path)
+        world = world_name()
+
+        def own_world() -> str:
+            with DaemonBackend(sock, world, 0, 1, timeout=5) as own:
+                buf = hostmem.alloc(8)
+                buf.view("i4")[:2] = [7, 8]
+                own.all_reduce(buf.ptr, 8, dtype="i32")
+                return str(buf.view("i4")[:2].tolist())
+
+        assert in_child({"own world": own_world}) == {"own world": ["returned", "'[7, 8]'"]}
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+def test_calls_after_close_are_refused_before_they_touch_anything(daemon: DaemonProcess) -> None:
+    """The same first check serves a closed backend: the calls that keep local state
+    (registrations, symmetric memory, the add kernel, groups) refuse before changing it."""
+    with joined(daemon, 5) as comms:
+        comm = comms[0]
+        comm.group_start()
+        comm.close()
+        for call in (lambda: comm.deregister_buffer(1), lambda: comm.symmetric_free(4096),
+                     lambda: comm.symmetric_alloc(64), lambda: comm.set_add_kernel(0), comm.group_end):
+            with pytest.raises(CommError, match="the backend is closed"):
+                call()
+        assert comm._add_kernel is None
