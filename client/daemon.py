@@ -113,7 +113,7 @@ class DaemonBackend(CommBackend):
         # waits for the whole context there)
         self._stream = stream
         # (with an engine with streams)
-        self._order = StreamOrder(device, timeout, self._send_events, self._current_link)
+        self._order = StreamOrder(device, self._send_events, self._current_link)
         self._failure: CommError | None = None  # why the world is unhealthy
         self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
@@ -127,8 +127,9 @@ class DaemonBackend(CommBackend):
         self._ops = OpCache(self._resolver)
         # (they hold the bound methods: patch theirs, not the backend's, to reach their requests)
         self._registrations = Registrations(self._lock, self._request, self._mem, self._current_link)
-        self._symmetric = SymmetricMemory(self._lock, self._request, self._memory, self._resolver,
-                                          self._imports, self._current_link, lambda: self._closed)
+        self._symmetric = SymmetricMemory(self._lock, self._request, self._due, self._memory,
+                                          self._resolver, self._imports, self._current_link,
+                                          lambda: self._closed)
         self._transport, self.epoch, self.engine = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
         self._memory.on_release(self._on_buffer_released)
         _ALIVE.add(self)
@@ -165,45 +166,49 @@ class DaemonBackend(CommBackend):
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes = _ints(ptr=ptr, bytes=bytes)
         self._call(("ar", ptr, bytes, d, o),
-                   lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o))
+                   lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o))
 
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
         send_ptr, recv_ptr, bytes = _ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
-        self._call(("ag", send_ptr, recv_ptr, bytes), lambda: proto.AllGather(
-            self._mem(send_ptr, bytes), self._mem(recv_ptr, bytes * self._world_size), bytes))
+        self._call(("ag", send_ptr, recv_ptr, bytes), lambda due: proto.AllGather(
+            self._mem(send_ptr, bytes, due), self._mem(recv_ptr, bytes * self._world_size, due), bytes))
 
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
                        dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
         send_ptr, recv_ptr, bytes = _ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
-        self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda: proto.ReduceScatter(
-            self._mem(send_ptr, bytes * self._world_size), self._mem(recv_ptr, bytes), bytes, d, o))
+        self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda due: proto.ReduceScatter(
+            self._mem(send_ptr, bytes * self._world_size, due), self._mem(recv_ptr, bytes, due), bytes,
+            d, o))
 
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
         ptr, bytes, root = _ints(ptr=ptr, bytes=bytes, root=root)
         self._call(("bc", ptr, bytes, root),
-                   lambda: proto.Broadcast(self._mem(ptr, bytes), bytes, root))
+                   lambda due: proto.Broadcast(self._mem(ptr, bytes, due), bytes, root))
 
     def barrier(self) -> None:
-        self._call(("barrier",), proto.Barrier)
+        self._call(("barrier",), lambda due: proto.Barrier())
 
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
         ptr, bytes, dest_rank, stream = _ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
         self._call(("send", ptr, bytes, dest_rank, stream),
-                   lambda: proto.Send(self._mem(ptr, bytes), bytes, dest_rank, stream), stream=stream or None,
+                   lambda due: proto.Send(self._mem(ptr, bytes, due), bytes, dest_rank, stream),
+                   stream=stream or None,
                    early=True)
 
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
         ptr, bytes, src_rank, stream = _ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
         self._call(("recv", ptr, bytes, src_rank, stream),
-                   lambda: proto.Recv(self._mem(ptr, bytes), bytes, src_rank, stream), stream=stream or None,
+                   lambda due: proto.Recv(self._mem(ptr, bytes, due), bytes, src_rank, stream),
+                   stream=stream or None,
                    early=True)
 
     def recv_command_u32(self, ptr: int, root: int) -> None:
         ptr, root = _ints(ptr=ptr, root=root)
         if root == self._rank:
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
-        self._call(("cmd", ptr, root), lambda: proto.Broadcast(self._mem(ptr, 4), 4, root, command=True),
+        self._call(("cmd", ptr, root),
+                   lambda due: proto.Broadcast(self._mem(ptr, 4, due), 4, root, command=True),
                    deadline=False)
 
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
@@ -212,7 +217,8 @@ class DaemonBackend(CommBackend):
         # the op is ordered after `compute_stream`, which then waits for it on the device.
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes, compute_stream = _ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
-        self._call(("ar", ptr, bytes, d, o), lambda: proto.AllReduce(self._mem(ptr, bytes), bytes, d, o),
+        self._call(("ar", ptr, bytes, d, o),
+                   lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o),
                    stream=compute_stream or None, early=True)
 
     def rank(self) -> int:
@@ -224,20 +230,20 @@ class DaemonBackend(CommBackend):
     def register_buffer(self, ptr: int, bytes: int) -> int:
         self._check_open()
         ptr, bytes = _ints(ptr=ptr, bytes=bytes)
-        return self._registrations.register(ptr, bytes)
+        return self._registrations.register(ptr, bytes, self._due())
 
     def deregister_buffer(self, handle: int) -> None:
         self._check_open()
-        self._registrations.deregister(handle)
+        self._registrations.deregister(handle, self._due())
 
     def symmetric_alloc(self, bytes: int) -> int:
         self._check_open()
         bytes, = _ints(bytes=bytes)
-        return self._symmetric.alloc(bytes)
+        return self._symmetric.alloc(bytes, self._due())
 
     def symmetric_free(self, ptr: int) -> None:
         self._check_open()
-        self._symmetric.free(ptr)
+        self._symmetric.free(ptr, self._due())
 
     def set_add_kernel(self, handle: int) -> None:
         # The handle holds from here on, even if telling the daemon fails (it went away): a
@@ -248,9 +254,9 @@ class DaemonBackend(CommBackend):
         self._build(lambda: proto.SetAddKernel(1, handle))  # (a bad one is never kept)
         with self._lock:
             self._add_kernel = handle
-        self._tell_add_kernel()
+        self._tell_add_kernel(self._due())
 
-    def _tell_add_kernel(self) -> None:
+    def _tell_add_kernel(self, due: float) -> None:
         """Tell the daemon the newest handle, again if a rejoin replaced it meanwhile (it may
         have told the new one an older handle, or none)."""
         while True:
@@ -258,14 +264,14 @@ class DaemonBackend(CommBackend):
                 handle, link = self._add_kernel, self._link
             if handle is None:
                 return
-            self._set_add_kernel_at(handle, link)
+            self._set_add_kernel_at(handle, link, due)
             with self._lock:
                 if (self._add_kernel, self._link) == (handle, link):
                     return
 
-    def _set_add_kernel_at(self, handle: int, link: int) -> None:
+    def _set_add_kernel_at(self, handle: int, link: int, due: float) -> None:
         with contextlib.suppress(Superseded):  # (that daemon is gone: the caller tells the new one)
-            self._request(lambda rid: proto.SetAddKernel(rid, handle), link=link)
+            self._request(lambda rid: proto.SetAddKernel(rid, handle), due=due, link=link)
 
     def group_start(self) -> None:
         self._check_open()
@@ -276,8 +282,8 @@ class DaemonBackend(CommBackend):
         self._check_open()
         group = self._groups.end()
         if group is not None and group.ops:
-            self._device_submit(tuple(group.ops), list(group.streams), group.early, group.deadline,
-                                group.basis)
+            self._device_submit(tuple(group.ops), list(group.streams), group.early,
+                                self._due() if group.deadline else None, group.basis)
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -325,19 +331,20 @@ class DaemonBackend(CommBackend):
             self._failure_behind()
 
     def _reconnect(self) -> None:
+        due = self._due()
         rejoin = self._transport.broken is not None
         if not rejoin:
             try:
                 # like the hello: the daemon enforces the deadline and names missing ranks; give
                 # its answer time to arrive rather than give up just before it does
-                answer = self._request(proto.Reconnect, grace=_JOIN_GRACE_S)
+                answer = self._request(proto.Reconnect, due=due, grace=_JOIN_GRACE_S)
                 with self._lock:
                     self._new_epoch(answer.value())
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
                 self._check_open()  # (or close() on another thread broke it)
                 rejoin = True
         if rejoin:
-            self._rejoin(time.monotonic() + self._timeout + _JOIN_GRACE_S)
+            self._rejoin(due + _JOIN_GRACE_S)
         with self._lock:
             if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
                 self._failure, self._failure_epoch = None, 0
@@ -371,8 +378,8 @@ class DaemonBackend(CommBackend):
                     break
             transport.close()
             self._check_open()
-        self._registrations.register_again()
-        self._tell_add_kernel()
+        self._registrations.register_again(deadline)
+        self._tell_add_kernel(deadline)
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -427,8 +434,9 @@ class DaemonBackend(CommBackend):
         except proto.InvalidMessage as exc:
             raise MisuseError(str(exc)) from None
 
-    def _mem(self, ptr: int, nbytes: int) -> proto.Mem | None:
-        """Resolve a span, importing its allocation into the daemon the first time."""
+    def _mem(self, ptr: int, nbytes: int, due: float) -> proto.Mem | None:
+        """Resolve a span, importing its allocation into the daemon the first time (by `due`,
+        the deadline of the call it is for)."""
         if nbytes < 0:
             raise MisuseError(f"bytes must not be negative, got {nbytes}")
         ref = self._resolver.resolve(ptr, nbytes)
@@ -441,7 +449,7 @@ class DaemonBackend(CommBackend):
                 try:
                     with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
                         answer = self._request(lambda rid: proto.Import(
-                            rid, ref.buffer_id, ref.kind, ref.size, ref.handle), fds=fds)
+                            rid, ref.buffer_id, ref.kind, ref.size, ref.handle), due=due, fds=fds)
                 except CommTimeout:  # the daemon may have mapped it all the same: forget it first
                     with self._lock:
                         self._imports.owe(ref.buffer_id)
@@ -454,20 +462,24 @@ class DaemonBackend(CommBackend):
                     raise self._went_away(answer.epoch, "while this call handed it a buffer")
         return proto.Mem(ref.buffer_id, ref.offset)
 
-    def _call(self, key: tuple[object, ...], make_op: Callable[[], proto.Op],
+    def _call(self, key: tuple[object, ...], make_op: Callable[[float], proto.Op],
               deadline: bool = True, stream: int | None = None, early: bool = False) -> None:
         """Submit one op, or add it to this thread's open group. The built op is cached by
-        `key`, its arguments. An op on device memory follows `stream` (default: the
-        backend's); `early`: it may be answered once ordered on the device (the async calls)."""
+        `key`, its arguments; `make_op(due)` builds it, importing its buffers by `due`. An op
+        on device memory follows `stream` (default: the backend's); `early`: it may be
+        answered once ordered on the device (the async calls). `deadline`: the submission
+        waits no longer than the call's deadline (recv_command_u32 waits without one)."""
         self._check_open()
+        due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        op, on_device = self._ops.get(key, lambda: self._build(make_op))
+        op, on_device = self._ops.get(key, lambda: self._build(lambda: make_op(due)))
         follows = (self._stream if stream is None else stream) if on_device else None
         group = self._groups.current()
         if group is not None:
             group.add(op, follows, early, deadline)
             return
-        self._device_submit((op,), [] if follows is None else [follows], early, deadline, basis)
+        self._device_submit((op,), [] if follows is None else [follows], early,
+                            due if deadline else None, basis)
 
     def _new_epoch(self, epoch: int) -> None:
         """(Under _lock) The world is rebuilt at `epoch`: every open group was for the one
@@ -478,32 +490,37 @@ class DaemonBackend(CommBackend):
     def _current_link(self) -> int:
         return self._link
 
+    def _due(self) -> float:
+        """The deadline of a call starting now: every request the call makes shares it."""
+        return time.monotonic() + self._timeout
+
     def _basis(self) -> Basis:
         with self._lock:
             return Basis(self._link, self.epoch)
 
     def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
-                       deadline: bool, basis: Basis) -> None:
+                       due: float | None, basis: Basis) -> None:
         """Submit ops; those on device memory follow the worker's `streams`: with an engine
         that has streams, through their events (`StreamOrder`; all but the first are
         waited for here); otherwise all are waited for here."""
         driver = self._resolver.driver
         if not streams or driver is None:
-            self._submit(ops, deadline, basis)
+            self._submit(ops, due, basis)
             return
         by_events = self.engine != "host"  # the host engine has no streams (and refuses device memory)
         for stream in streams[1:] if by_events else streams:
             driver.synchronize(stream)
         if not by_events:
-            self._submit(ops, deadline, basis)
+            self._submit(ops, due, basis)
             return
-        self._order.submit(driver, streams, early, deadline,
-                           lambda first: self._submit(ops, deadline, basis, stream=first, early=early))
+        self._order.submit(driver, streams, early, due,
+                           lambda first: self._submit(ops, due, basis, stream=first, early=early))
 
-    def _send_events(self, stream: int, ready: bytes, done: bytes) -> int:
-        return self._request(lambda rid: proto.StreamEvents(rid, stream, ready, done)).link
+    def _send_events(self, stream: int, ready: bytes, done: bytes, due: float | None) -> int:
+        return self._request(lambda rid: proto.StreamEvents(rid, stream, ready, done),
+                             due=self._due() if due is None else due).link
 
-    def _submit(self, ops: tuple[proto.Op, ...], deadline: bool, basis: Basis,
+    def _submit(self, ops: tuple[proto.Op, ...], due: float | None, basis: Basis,
                 stream: int | None = None, early: bool = False) -> None:
         with self._lock:
             failure, about = self._failure, self._failure_epoch
@@ -517,7 +534,7 @@ class DaemonBackend(CommBackend):
             (lambda rid: proto.Submit(rid, ops, basis.epoch)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
         try:
-            self._request(make, deadline=deadline, grace=_JOIN_GRACE_S, link=basis.link)
+            self._request(make, due=due, grace=_JOIN_GRACE_S, link=basis.link)
         except Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:
@@ -526,13 +543,13 @@ class DaemonBackend(CommBackend):
             raise
         self._failure_behind()  # it saw the world work: a later attempt_reconnect is meant
 
-    def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
-                 deadline: bool = True, grace: float = 0.0, undo: Undo | None = None,
+    def _request(self, make: Callable[[int], proto.Request], *, due: float | None,
+                 fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
                  link: int | None = None) -> Answer:
-        """One request/reply under the backend's deadline; daemon errors become CommErrors.
-        `make` builds the request from its id. `undo`: what undoes the request if it times
-        out and the daemon did it all the same. `link`: only to that daemon connection
-        (Superseded if a rejoin replaced it)."""
+        """One request/reply, answered by `due` (+ `grace`; None: no deadline); daemon errors
+        become CommErrors. `make` builds the request from its id. `undo`: what undoes the
+        request if it times out and the daemon did it all the same. `link`: only to that
+        daemon connection (Superseded if a rejoin replaced it)."""
         self._check_open()
         # One transport for the id and the sending: another thread's rejoin may put a new one
         # in place meanwhile, whose own ids an old one's could collide with
@@ -544,7 +561,7 @@ class DaemonBackend(CommBackend):
             self._send_releases(transport)
             msg = self._build(lambda: make(transport.next_id()))
             reply, got = transport.request(
-                msg, time.monotonic() + self._timeout + grace if deadline else None, fds, undo)
+                msg, None if due is None else due + grace, fds, undo)
             self._check(reply)
         except CommError as exc:
             if link is not None and link != self._link:

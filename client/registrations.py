@@ -29,7 +29,7 @@ class Registrations:
     its connection and `link()` change under."""
 
     def __init__(self, lock: threading.RLock, request: Requester,
-                 mem: Callable[[int, int], proto.Mem | None], link: Callable[[], int]) -> None:
+                 mem: Callable[[int, int, float], proto.Mem | None], link: Callable[[], int]) -> None:
         self._lock = lock
         self._request = request
         self._mem = mem
@@ -41,9 +41,9 @@ class Registrations:
         with self._lock:
             return set(self._by_handle)
 
-    def register(self, ptr: int, nbytes: int) -> int:
+    def register(self, ptr: int, nbytes: int, due: float) -> int:
         while True:
-            daemon_handle, link = self._register(ptr, nbytes)
+            daemon_handle, link = self._register(ptr, nbytes, due)
             with self._lock:
                 if link == self._link():
                     handle = self._next_handle
@@ -53,14 +53,14 @@ class Registrations:
             # made with a daemon a rejoin replaced meanwhile (gone, and the registration with
             # it), after the rejoin registered again what it knew: make it with the new one
 
-    def deregister(self, handle: int) -> None:
+    def deregister(self, handle: int, due: float) -> None:
         while True:
             with self._lock:
                 registration = self._by_handle.get(handle)
             if registration is None:
                 raise MisuseError(f"handle {handle} is not registered")
             if registration.daemon_handle is not None:
-                self._deregister_at(registration.daemon_handle, registration.link)
+                self._deregister_at(registration.daemon_handle, registration.link, due)
             with self._lock:
                 if self._by_handle.get(handle) is registration:
                     del self._by_handle[handle]
@@ -74,38 +74,38 @@ class Registrations:
         for handle, registration in list(self._by_handle.items()):
             self._by_handle[handle] = registration._replace(daemon_handle=None, link=link)
 
-    def register_again(self) -> None:
-        """Make every registration again with the new daemon."""
+    def register_again(self, due: float) -> None:
+        """Make every registration again with the new daemon, by `due`."""
         with self._lock:
             registrations = list(self._by_handle.items())
         for handle, registration in registrations:
             if registration.daemon_handle is not None:
                 continue  # made with the new daemon by a register_buffer meanwhile
             try:
-                fresh, link = self._register(registration.ptr, registration.nbytes)
+                fresh, link = self._register(registration.ptr, registration.nbytes, due)
             except MisuseError:  # its memory was freed meanwhile: nothing to register any more
                 continue
             with self._lock:
                 if self._by_handle.get(handle) is registration:
                     self._by_handle[handle] = registration._replace(daemon_handle=fresh, link=link)
                     continue
-            self._deregister_at(fresh, link)  # deregistered meanwhile: the new daemon lets go too
+            self._deregister_at(fresh, link, due)  # deregistered meanwhile: the new daemon lets go too
 
-    def _register(self, ptr: int, nbytes: int) -> tuple[int, int]:
+    def _register(self, ptr: int, nbytes: int, due: float) -> tuple[int, int]:
         """The daemon's handle, and the daemon connection it holds it on."""
         def register(request_id: int) -> proto.Register:
-            mem = self._mem(ptr, nbytes)
+            mem = self._mem(ptr, nbytes, due)
             if mem is None:
                 raise MisuseError("cannot register an empty buffer")
             return proto.Register(request_id, mem, nbytes)
 
-        answer = self._request(register, undo=_deregister_late)
+        answer = self._request(register, due=due, undo=_deregister_late)
         return answer.value(), answer.link
 
-    def _deregister_at(self, daemon_handle: int, link: int) -> None:
+    def _deregister_at(self, daemon_handle: int, link: int, due: float) -> None:
         """Drop a registration at the daemon that made it, if that one is still ours."""
         try:
-            self._request(lambda rid: proto.Deregister(rid, daemon_handle), link=link)
+            self._request(lambda rid: proto.Deregister(rid, daemon_handle), due=due, link=link)
         except Superseded:
             pass  # that daemon is gone, and its registrations with it
         except MisuseError as exc:

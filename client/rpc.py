@@ -31,10 +31,11 @@ class Superseded(Exception):
 
 
 class Requester(Protocol):
-    """DaemonBackend._request: one request/reply; `make` builds it from its id. `undo`: what
-    undoes it if it times out and the daemon did it all the same. `link`: only to that
-    daemon connection (Superseded if a rejoin replaced it)."""
+    """DaemonBackend._request: one request/reply, answered by `due` (+ `grace`; None: no
+    deadline); `make` builds it from its id. `undo`: what undoes it if it times out and the
+    daemon did it all the same. `link`: only to that daemon connection (Superseded if a
+    rejoin replaced it)."""
 
-    def __call__(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
-                 deadline: bool = True, grace: float = 0.0, undo: Undo | None = None,
+    def __call__(self, make: Callable[[int], proto.Request], *, due: float | None,
+                 fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
                  link: int | None = None) -> Answer: ...

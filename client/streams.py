@@ -11,6 +11,7 @@ serves one call at a time, until the daemon has ordered it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from .cuda import CudaDriver
@@ -25,11 +26,12 @@ class StreamOrder:
     its exporter destroyed it undefined. Such pairs stay until the process exits; the
     others go at close()."""
 
-    def __init__(self, device: int | None, timeout: float,
-                 send_events: Callable[[int, bytes, bytes], int], link: Callable[[], int]) -> None:
+    def __init__(self, device: int | None,
+                 send_events: Callable[[int, bytes, bytes, float | None], int],
+                 link: Callable[[], int]) -> None:
         self._device = device  # the backend's GPU: the one whose context the events belong to
-        self._timeout = timeout
-        # (stream, ready's handle, done's handle) to the daemon; the daemon connection that answered
+        # (stream, ready's handle, done's handle, the call's deadline) to the daemon; the
+        # daemon connection that answered
         self._send_events = send_events
         self._link = link  # the current daemon connection (DaemonBackend._link)
         self._lock = threading.Lock()
@@ -40,23 +42,23 @@ class StreamOrder:
         self._closed = False
         self._turns: dict[int, threading.Lock] = {}  # a stream's events serve one call at a time
 
-    def submit(self, driver: CudaDriver, streams: Sequence[int], early: bool, deadline: bool,
+    def submit(self, driver: CudaDriver, streams: Sequence[int], early: bool, due: float | None,
                send: Callable[[int], None]) -> None:
         """`send(first)` makes the request that follows `streams[0]` and returns with its
         reply (the other streams were waited for on the host). Answered once ordered
         (`early`), every stream then waits for the ops on the device: a group's receive
-        may land on another stream than its send."""
+        may land on another stream than its send. `due`: the call's deadline (None: none)."""
         self._check_current_device(driver)
         first = streams[0]
         with self._lock:
             turn = self._turns.setdefault(first, threading.Lock())
         # held until the daemon ordered the call; one without a deadline (recv_command_u32)
         # may hold it long, and the others keep their own
-        if not turn.acquire(timeout=self._timeout if deadline else -1):
+        if not turn.acquire(timeout=-1 if due is None else max(0.0, due - time.monotonic())):
             raise CommTimeout(f"another call of this process on stream {first} held its events "
-                              f"for {self._timeout:g}s (a recv_command_u32 waiting on it?)")
+                              "past this call's deadline (a recv_command_u32 waiting on it?)")
         try:
-            ready, done = self._events_for(first, driver)
+            ready, done = self._events_for(first, driver, due)
             driver.record_event(ready, first)
             send(first)
             if early:
@@ -99,7 +101,7 @@ class StreamOrder:
             raise MisuseError(f"{now} in this thread, but this backend serves device {self._device}: "
                               f"make it current first (torch.cuda.set_device({self._device}))")
 
-    def _events_for(self, stream: int, driver: CudaDriver) -> tuple[int, int]:
+    def _events_for(self, stream: int, driver: CudaDriver, due: float | None) -> tuple[int, int]:
         """The stream's (ready, done), created once; handed to the daemon of the current
         connection when it lacks them. (Under the lock close() takes: no pair is made after
         it, which nothing would destroy.)"""
@@ -119,7 +121,7 @@ class StreamOrder:
             self._in_use.add(stream)
         if not handed:
             try:
-                answered_on = self._send_events(stream, pair[2], pair[3])
+                answered_on = self._send_events(stream, pair[2], pair[3], due)
             except (MisuseError, LimitExceeded):  # refused (or never sent): no daemon has them
                 raise
             except BaseException:  # no answer, or no clear one: the daemon may have opened them

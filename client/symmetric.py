@@ -25,11 +25,12 @@ class SymmetricMemory:
     may have imported it as a plain buffer. Safe from several threads; `lock` is the
     backend's, the one `link()` changes under."""
 
-    def __init__(self, lock: threading.RLock, request: Requester, memory: HostMemory,
-                 resolver: MemoryResolver, imports: ImportedBuffers, link: Callable[[], int],
-                 closed: Callable[[], bool]) -> None:
+    def __init__(self, lock: threading.RLock, request: Requester, fresh_due: Callable[[], float],
+                 memory: HostMemory, resolver: MemoryResolver, imports: ImportedBuffers,
+                 link: Callable[[], int], closed: Callable[[], bool]) -> None:
         self._lock = lock
         self._request = request
+        self._fresh_due = fresh_due  # the deadline of a call starting now (a clean-up's own)
         self._memory = memory
         self._resolver = resolver
         self._imports = imports
@@ -38,9 +39,9 @@ class SymmetricMemory:
         self._device: dict[int, tuple[int, int, int]] = {}  # ptr -> (buffer id, size mapped, link)
         self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, due: float) -> int:
         buffer_id = self._memory.next_id()
-        answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, nbytes),
+        answer = self._request(lambda rid: proto.SymAlloc(rid, buffer_id, nbytes), due=due,
                                undo=functools.partial(_sym_free_late, buffer_id))
         # device memory (ncclMemAlloc) from a daemon whose engine has it, mapped through the
         # driver (the answering daemon's: a rejoin may have replaced the one of the request)
@@ -62,8 +63,8 @@ class SymmetricMemory:
                 adopted = fd
                 ptr, unmap = buffer.ptr, buffer.close
         except BaseException:  # unusable here: the daemon lets go of it now, not at our close
-            with contextlib.suppress(CommError):
-                self._sym_free(buffer_id, answer.link)
+            with contextlib.suppress(CommError):  # (by a deadline of its own: the call's may be spent)
+                self._sym_free(buffer_id, answer.link, self._fresh_due())
             raise
         finally:
             for fd in answer.fds:
@@ -81,14 +82,14 @@ class SymmetricMemory:
         unmap()  # close() came meanwhile, and let go of the rest
         raise MisuseError("the backend is closed")
 
-    def free(self, ptr: int) -> None:
+    def free(self, ptr: int, due: float) -> None:
         with self._lock:  # claimed, so that close() on another thread does not free it too
             device = self._device.pop(ptr, None)
             host = self._host.pop(ptr, None)
         if device is not None:
             buffer_id, size, link = device
             try:
-                self._sym_free(buffer_id, link)
+                self._sym_free(buffer_id, link, due)
             except BaseException:
                 with self._lock:
                     kept = not self._closed()
@@ -111,7 +112,7 @@ class SymmetricMemory:
                 if not self._closed():  # (else close() has let go of the rest)
                     self._host[ptr] = host
             raise
-        self._sym_free(buffer.id, link)
+        self._sym_free(buffer.id, link, due)
 
     def let_go(self) -> Callable[[], None]:
         """(Under the lock, as the backend closes) Take every buffer; the call returned unmaps
@@ -130,10 +131,10 @@ class SymmetricMemory:
 
         return unmap
 
-    def _sym_free(self, buffer_id: int, link: int) -> None:
+    def _sym_free(self, buffer_id: int, link: int, due: float) -> None:
         """Tell the daemon that made it (on connection `link`), unless it is gone."""
         with contextlib.suppress(Superseded):  # gone, and its memory with it: ours is the only copy
-            self._request(lambda rid: proto.SymFree(rid, buffer_id), link=link)
+            self._request(lambda rid: proto.SymFree(rid, buffer_id), due=due, link=link)
         with self._lock:
             # a daemon a rejoin put in place since may have imported it as a plain buffer: it
             # forgets it as one (the one that made it dropped it from its imports with it)

@@ -167,6 +167,9 @@ class Transport:
         `undo`: should the wait time out, what undoes the request if its reply comes late
         (the daemon did it all the same); it runs on whichever thread reads that reply."""
         request_id: int = msg.id  # type: ignore[union-attr]
+        left = remaining(deadline)
+        if left is not None and left <= 0:  # (sent, the daemon would do it for nobody)
+            raise CommTimeout(f"the call's deadline passed before request {request_id} went out")
         with self._cond:
             self._awaited.add(request_id)
         sent = answered = False

@@ -295,9 +295,12 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
     That Forget goes to the new daemon with a later request (before: it was posted on the
     old, closed connection and lost; the new daemon held the buffer against its limit of
     2, and the next import was refused)."""
-    with joined(daemon, timeout=3) as comms, ThreadPoolExecutor(1, thread_name_prefix="stale") as stale:
+    # (a timeout past the hold: the held call tells the new daemon within its one deadline)
+    with joined(daemon, timeout=5) as comms, ThreadPoolExecutor(1, thread_name_prefix="stale") as stale:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0)
+        old = comms[0]._transport
+        taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0,
+                       when=lambda transport: transport is old)
         request = stale.submit(comms[0].set_add_kernel, 0)
         assert taken.wait(5)
         restart_daemon(daemon, comms)
@@ -494,9 +497,9 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
         tell = comms[0]._set_add_kernel_at
         failed = threading.Event()
 
-        def held(handle: int, link: int) -> None:
+        def held(handle: int, link: int, due: float) -> None:
             try:
-                tell(handle, link)
+                tell(handle, link, due)
             except CommError:
                 if threading.current_thread().name == "setting":
                     failed.set()

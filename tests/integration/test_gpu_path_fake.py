@@ -404,8 +404,8 @@ def test_symmetric_free_racing_close_unmaps_once(daemon: GpuDaemon, gpu: FakeGpu
     sym_free = comm._symmetric._sym_free
     freed = threading.Event()
 
-    def slow_sym_free(buffer_id: int, link: int) -> None:
-        sym_free(buffer_id, link)
+    def slow_sym_free(buffer_id: int, link: int, due: float) -> None:
+        sym_free(buffer_id, link, due)
         freed.set()
         time.sleep(0.5)  # close() runs here
 

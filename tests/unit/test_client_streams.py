@@ -5,6 +5,7 @@ undefined in CUDA while the daemon still records it)."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +14,11 @@ from client.errors import CommError, CommTimeout, DaemonUnavailable, MisuseError
 from client.streams import StreamOrder
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def soon() -> float:
+    """A call's deadline, a while away."""
+    return time.monotonic() + 5.0
 
 
 class EventDriver:
@@ -51,7 +57,7 @@ def test_close_while_a_pair_is_on_its_way_to_the_daemon_keeps_it() -> None:
     sending, release = threading.Event(), threading.Event()
     handed: list[int] = []
 
-    def send_events(stream: int, ready: bytes, done: bytes) -> int:
+    def send_events(stream: int, ready: bytes, done: bytes, due: float | None) -> int:
         handed.append(stream)
         if stream == 5:
             sending.set()
@@ -59,12 +65,12 @@ def test_close_while_a_pair_is_on_its_way_to_the_daemon_keeps_it() -> None:
             return 0
         raise MisuseError("refused")  # (the daemon never had stream 6's pair)
 
-    order = StreamOrder(0, 5.0, send_events, lambda: 0)
+    order = StreamOrder(0, send_events, lambda: 0)
     with pytest.raises(MisuseError):
-        order.submit(driver, [6], False, True, lambda first: None)  # type: ignore[arg-type]
+        order.submit(driver, [6], False, soon(), lambda first: None)  # type: ignore[arg-type]
     sent: list[int] = []
     with ThreadPoolExecutor(1) as calling:
-        call = calling.submit(order.submit, driver, [5], True, True, sent.append)
+        call = calling.submit(order.submit, driver, [5], True, soon(), sent.append)
         assert sending.wait(5)
         order.close(driver)  # type: ignore[arg-type]
         release.set()
@@ -75,10 +81,10 @@ def test_close_while_a_pair_is_on_its_way_to_the_daemon_keeps_it() -> None:
 
 def test_no_events_are_made_after_close() -> None:
     driver = EventDriver()
-    order = StreamOrder(0, 5.0, lambda *args: 0, lambda: 0)
+    order = StreamOrder(0, lambda *args: 0, lambda: 0)
     order.close(driver)  # type: ignore[arg-type]
     with pytest.raises(MisuseError, match="closed"):
-        order.submit(driver, [3], False, True, lambda first: None)  # type: ignore[arg-type]
+        order.submit(driver, [3], False, soon(), lambda first: None)  # type: ignore[arg-type]
     assert not driver.live
 
 
@@ -111,11 +117,11 @@ def test_close_after_a_rejoin_keeps_the_pair_a_call_is_using(hold: str) -> None:
     before the rejoin had it (before: close() destroyed the events under the call)."""
     driver = HeldDriver(hold)
     link = [0]
-    order = StreamOrder(0, 5.0, lambda *args: link[0], lambda: link[0])
-    order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    order = StreamOrder(0, lambda *args: link[0], lambda: link[0])
+    order.submit(driver, [5], True, soon(), lambda first: None)  # type: ignore[arg-type]
     driver.armed = True
     with ThreadPoolExecutor(1) as calling:
-        call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
+        call = calling.submit(order.submit, driver, [5], True, soon(), lambda first: None)
         assert driver.at.wait(5)
         link[0] += 1  # another thread's rejoin
         order.close(driver)  # type: ignore[arg-type]  # and close() on a third
@@ -135,18 +141,18 @@ def test_close_after_a_rejoin_keeps_a_pair_the_earlier_daemon_had(after_the_rejo
     link = [0]
     refuse = [False]
 
-    def send_events(stream: int, ready: bytes, done: bytes) -> int:
+    def send_events(stream: int, ready: bytes, done: bytes, due: float | None) -> int:
         if refuse[0]:
             raise MisuseError("refused")
         return link[0]
 
-    order = StreamOrder(0, 5.0, send_events, lambda: link[0])
-    order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    order = StreamOrder(0, send_events, lambda: link[0])
+    order.submit(driver, [5], True, soon(), lambda first: None)  # type: ignore[arg-type]
     link[0] += 1
     if after_the_rejoin == "a refused hand-over":
         refuse[0] = True
         with pytest.raises(MisuseError):
-            order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+            order.submit(driver, [5], True, soon(), lambda first: None)  # type: ignore[arg-type]
     order.close(driver)  # type: ignore[arg-type]
     assert driver.destroyed == [] and len(driver.live) == 2
 
@@ -162,14 +168,14 @@ def test_close_during_a_failing_send_keeps_the_pair(failure: CommError) -> None:
     driver = EventDriver()
     sending, closed = threading.Event(), threading.Event()
 
-    def send_events(stream: int, ready: bytes, done: bytes) -> int:
+    def send_events(stream: int, ready: bytes, done: bytes, due: float | None) -> int:
         sending.set()  # the request is on the wire; the daemon may open the handles
         assert closed.wait(10)
         raise failure
 
-    order = StreamOrder(0, 5.0, send_events, lambda: 0)
+    order = StreamOrder(0, send_events, lambda: 0)
     with ThreadPoolExecutor(1) as calling:
-        call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
+        call = calling.submit(order.submit, driver, [5], True, soon(), lambda first: None)
         assert sending.wait(5)
         order.close(driver)  # type: ignore[arg-type]
         assert len(driver.live) == 2  # close() kept it: on its way to the daemon
@@ -190,9 +196,9 @@ def test_a_pair_half_made_leaves_no_event() -> None:
             return super().create_ipc_event()
 
     driver = FailingSecond()
-    order = StreamOrder(0, 5.0, lambda *args: 0, lambda: 0)
+    order = StreamOrder(0, lambda *args: 0, lambda: 0)
     with pytest.raises(MisuseError, match="out of memory"):
-        order.submit(driver, [5], False, True, lambda first: None)  # type: ignore[arg-type]
+        order.submit(driver, [5], False, soon(), lambda first: None)  # type: ignore[arg-type]
     assert not driver.live
 
 
@@ -206,20 +212,20 @@ def test_a_pair_answered_by_the_daemon_a_rejoin_put_in_place_counts_as_held() ->
     sending, rejoined = threading.Event(), threading.Event()
     handed: list[int] = []
 
-    def send_events(stream: int, ready: bytes, done: bytes) -> int:
+    def send_events(stream: int, ready: bytes, done: bytes, due: float | None) -> int:
         handed.append(stream)
         sending.set()
         assert rejoined.wait(10)
         return link[0]  # (sent once the new connection was in place: its daemon answered)
 
-    order = StreamOrder(0, 5.0, send_events, lambda: link[0])
+    order = StreamOrder(0, send_events, lambda: link[0])
     with ThreadPoolExecutor(1) as calling:
-        call = calling.submit(order.submit, driver, [5], True, True, lambda first: None)
+        call = calling.submit(order.submit, driver, [5], True, soon(), lambda first: None)
         assert sending.wait(5)
         link[0] += 1
         rejoined.set()
         call.result(10)
-    order.submit(driver, [5], True, True, lambda first: None)  # type: ignore[arg-type]
+    order.submit(driver, [5], True, soon(), lambda first: None)  # type: ignore[arg-type]
     assert handed == [5]
     order.close(driver)  # type: ignore[arg-type]
     assert len(driver.live) == 2

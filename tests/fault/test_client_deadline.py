@@ -1,0 +1,58 @@
+"""One deadline per call (DESIGN §9): a call that first hands the daemon its buffer (an
+Import) and then submits waits for both together no longer than its timeout (and the
+grace its submission gives the daemon's own verdict), not a timeout for each step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import proto
+from client import CommTimeout, hostmem
+from client import daemon as client_daemon
+from commd.launch import DaemonProcess
+from tests.fault.ranks import joined, own_daemon
+
+pytestmark = pytest.mark.timeout(60)
+TIMEOUT_S = 2.0
+IMPORT_S = 1.5  # how long the first step takes
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    yield from own_daemon()
+
+
+def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submit(
+        daemon: DaemonProcess) -> None:
+    with joined(daemon, TIMEOUT_S) as comms:
+        transport = comms[0]._transport
+        request = transport.request
+
+        def slow_import_then_a_frozen_daemon(msg: proto.Message, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(msg, proto.Import):
+                return request(msg, *args, **kwargs)
+            time.sleep(IMPORT_S)
+            try:
+                return request(msg, *args, **kwargs)
+            finally:  # the submission that follows is never answered
+                os.kill(daemon.pid, signal.SIGSTOP)
+
+        transport.request = slow_import_then_a_frozen_daemon  # type: ignore[method-assign]
+        fresh = hostmem.alloc(64)  # (never handed to the daemon: the call imports it first)
+        started = time.monotonic()
+        try:
+            with pytest.raises(CommTimeout):
+                comms[0].all_reduce(fresh.ptr, 8, dtype="i32")
+            took = time.monotonic() - started
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+    # one deadline: TIMEOUT_S + the grace from the call's start; a deadline per step
+    # would have given the submission that much again after the import's IMPORT_S
+    one_deadline = TIMEOUT_S + client_daemon._JOIN_GRACE_S
+    assert took < one_deadline + 0.5 < IMPORT_S + one_deadline
