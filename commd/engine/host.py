@@ -4,7 +4,9 @@ A complete engine for machines without GPUs and for tests (DESIGN §6). Memory
 arrives as a memfd over SCM_RIGHTS; it must be sealed against shrinking, since a
 worker that truncated a mapped file would make the daemon fault (SIGBUS) on the
 next access. Ops bigger than `inline_bytes` run on a thread pool, cut into
-ranges, so the event loop stays free for heartbeats and small calls.
+ranges, so the event loop stays free for heartbeats and small calls; so do small
+ones past a budget per turn of the loop (a group of hundreds of small ops, all
+matched in one turn, would hold the loop for all of them).
 """
 
 from __future__ import annotations
@@ -259,14 +261,35 @@ def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
     return copy
 
 
+class InlineBudget:
+    """The bytes of small ops the event loop's thread may run inline in one turn of the
+    loop, for every world together; past it, an op waits for a later turn (or a thread)."""
+
+    def __init__(self, op_bytes: int, turn_bytes: int) -> None:
+        self._op_bytes = op_bytes
+        self._turn_bytes = turn_bytes
+        self._spent = 0
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self._op_bytes or (self._spent and self._spent + nbytes > self._turn_bytes):
+            return False
+        if not self._spent:
+            asyncio.get_running_loop().call_soon(self._next_turn)
+        self._spent += max(1, nbytes)
+        return True
+
+    def _next_turn(self) -> None:
+        self._spent = 0
+
+
 class HostCommunicator:
     launches_in_order = False  # ops run on threads: the world queues them
 
-    def __init__(self, pool: ThreadPoolExecutor, parts: int, inline_bytes: int,
+    def __init__(self, pool: ThreadPoolExecutor, parts: int, inline: InlineBudget,
                  net: WorldNet | None = None) -> None:
         self._pool = pool
         self._parts = parts
-        self._inline_bytes = inline_bytes
+        self._inline = inline
         self._aborted = False
         # Ops that touch other daemons go over the network; the rest stay local.
         self._net = NetRunner(net, pool, _arr) if net is not None and len(net.members()) else None
@@ -274,9 +297,9 @@ class HostCommunicator:
     def try_inline(self, op: EngineOp) -> bool:
         if self._net is not None and _crosses(op):
             return False
-        if op_nbytes(op) > self._inline_bytes:
-            return False
         self._check()
+        if not self._inline.take(op_nbytes(op)):
+            return False
         for job in _plan(op, 1):
             job()
         return True
@@ -325,7 +348,8 @@ class HostEngine:
         quiet_float_errors()  # the event loop thread runs small ops inline
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="commd-host",
                                         initializer=quiet_float_errors)
-        self._inline_bytes = inline_bytes
+        # (16 ops of the largest size run inline: about a millisecond of the loop's time)
+        self._inline = InlineBudget(inline_bytes, 16 * inline_bytes)
         self.lingering = Lingering()
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
@@ -357,7 +381,7 @@ class HostEngine:
     def communicator(self, world: str, epoch: int, world_size: int, local_ranks: Sequence[int],
                      net: WorldNet | None = None, *, devices: Mapping[int, int] | None = None,
                      unique_id: bytes = b"") -> HostCommunicator:
-        return HostCommunicator(self._pool, self._threads, self._inline_bytes, net)
+        return HostCommunicator(self._pool, self._threads, self._inline, net)
 
     def unique_id(self) -> bytes:
         return b""  # the host engine's data path is the daemons' own links
