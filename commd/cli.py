@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a peer silent this long is lost (3.0 by default)")
     serve.add_argument("--hello-timeout", type=float, metavar="SECONDS",
                        help="a connection that says nothing this long is closed (10 by default)")
+    serve.add_argument("--max-call-timeout", type=float, metavar="SECONDS",
+                       help="a call open longer fails its world, whatever timeout its ranks "
+                            "ask for (default: theirs)")
     for limit in LIMITS:
         serve.add_argument(flag_of(limit), type=int, metavar="N", help="a limit")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")

@@ -62,7 +62,7 @@ LOG_FORMATS = ("text", "json")
 # The settings' names (config file, COMMD_<KEY>, --flag) where they differ from the fields'
 KEY_OF_FIELD = {"socket_path": "socket", "peer_heartbeat_s": "peer_heartbeat",
                 "peer_window_s": "peer_window", "peer_secret": "peer_secret_file",
-                "hello_timeout_s": "hello_timeout"}
+                "hello_timeout_s": "hello_timeout", "max_call_timeout_s": "max_call_timeout"}
 # The flags not named --<key>: a repeatable one is singular, and --metrics is short
 _FLAG_OF_KEY = {"metrics_listen": "--metrics", "allow_uids": "--allow-uid", "allow_gids": "--allow-gid",
                 "allow_groups": "--allow-group"}
@@ -106,6 +106,9 @@ class ServerConfig:
     # a connection says something (its hello, a status query) within this, or is closed:
     # an idle one would hold one of max_connections for ever
     hello_timeout_s: float = 10.0
+    # the longest a call may stay open before it fails its world, whatever its rank's
+    # timeout asks (None: as it asks; recv_command_u32 waits without one all the same)
+    max_call_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("engine", self.engine, ENGINES),
@@ -132,6 +135,9 @@ class ServerConfig:
                 raise ConfigError(f"{KEY_OF_FIELD[name]}: must be a finite number of seconds", key=name)
         if self.hello_timeout_s <= 0:
             raise ConfigError("hello_timeout: must be positive", key="hello_timeout_s")
+        if self.max_call_timeout_s is not None and not 0 < self.max_call_timeout_s < math.inf:
+            raise ConfigError("max_call_timeout: must be a positive, finite number of seconds",
+                              key="max_call_timeout_s")
         if self.peer_heartbeat_s <= 0:
             raise ConfigError("peer_heartbeat: must be positive", key="peer_heartbeat_s")
         if self.peer_window_s <= self.peer_heartbeat_s:

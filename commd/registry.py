@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +32,9 @@ log = logging.getLogger("commd.registry")
 class Registry:
     def __init__(self, engine: Engine, max_pending_ops: int = 4096,
                  cluster: Cluster | None = None, stats: DaemonStats | None = None,
-                 max_forming_worlds: int = 1024) -> None:
+                 max_forming_worlds: int = 1024, max_call_timeout_s: float | None = None) -> None:
         self._engine = engine
+        self._max_call_timeout_s = max_call_timeout_s
         self.stats = stats if stats is not None else DaemonStats()
         self._max_pending_ops = max_pending_ops
         self._max_forming_worlds = max_forming_worlds
@@ -73,6 +75,8 @@ class Registry:
 
     def _create(self, name: str, world_size: int, token: str | None, bootstrap: str | None,
                 as_root: bool = False, call_timeout_s: float | None = None) -> World:
+        if self._max_call_timeout_s is not None:  # (the operator's say over the ranks')
+            call_timeout_s = min(call_timeout_s or math.inf, self._max_call_timeout_s)
         net = None
         if bootstrap is not None or as_root:
             if self.cluster is None:

@@ -86,7 +86,8 @@ class Server:
         self.engine = engine
         self.cluster = cluster
         self.registry = Registry(engine, config.max_pending_ops, cluster, DaemonStats(),
-                                 max_forming_worlds=config.max_forming_worlds)
+                                 max_forming_worlds=config.max_forming_worlds,
+                                 max_call_timeout_s=config.max_call_timeout_s)
         self.sessions: set[Session] = set()
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's

@@ -131,6 +131,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("peer_heartbeat", _float, "peer_heartbeat_s"),
     Key("peer_window", _float, "peer_window_s"),
     Key("hello_timeout", _float, "hello_timeout_s"),
+    Key("max_call_timeout", _float, "max_call_timeout_s"),
     *(Key(name, _int, name) for name in LIMITS),
 )}
 _FORBIDDEN_IN_FILE = {"peer_secret": "secrets never go in the config file; name a file "

@@ -1,6 +1,8 @@
 """One deadline per call (DESIGN §9): a call that first hands the daemon its buffer (an
 Import) and then submits waits for both together no longer than its timeout (and the
-grace its submission gives the daemon's own verdict), not a timeout for each step."""
+grace its submission gives the daemon's own verdict), not a timeout for each step. And
+the operator's cap on how long a call may stay open (--max-call-timeout) holds whatever
+timeout the ranks ask for."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import proto
 from client import CommTimeout, hostmem
 from client import daemon as client_daemon
 from commd.launch import DaemonProcess
-from tests.fault.ranks import joined, own_daemon
+from tests.fault.ranks import joined, on_both, own_daemon, summed
+from tests.integration.harness import query_status, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT_S = 2.0
@@ -24,8 +27,8 @@ IMPORT_S = 1.5  # how long the first step takes
 
 
 @pytest.fixture
-def daemon() -> Iterator[DaemonProcess]:
-    yield from own_daemon()
+def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    yield from own_daemon(getattr(request, "param", ()))
 
 
 def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submit(
@@ -56,3 +59,27 @@ def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submi
     # would have given the submission that much again after the import's IMPORT_S
     one_deadline = TIMEOUT_S + client_daemon._JOIN_GRACE_S
     assert took < one_deadline + 0.5 < IMPORT_S + one_deadline
+
+
+@pytest.mark.parametrize("daemon", [["--max-call-timeout", "1"]], indirect=True)
+def test_the_daemons_cap_on_an_open_call_holds_over_a_ranks_longer_timeout(
+        daemon: DaemonProcess) -> None:
+    with joined(daemon, 30) as comms:
+        assert daemon_status(daemon)["call_timeout_s"] == 1.0
+        buf = hostmem.alloc(8)
+        started = time.monotonic()
+        with pytest.raises(CommTimeout, match="did not complete within 1s"):
+            comms[0].all_reduce(buf.ptr, 8, dtype="i32")  # rank 1 never calls
+        assert time.monotonic() - started < 10  # (not the rank's 30 s)
+        assert not comms[0].is_healthy()
+        wait_until(lambda: not comms[1].is_healthy(), "rank 1 told of the failure", timeout=5)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+
+
+def daemon_status(daemon: DaemonProcess) -> dict[str, Any]:
+    """The status of the daemon's one world."""
+    worlds = query_status(str(daemon.socket_path), 5)["worlds"]
+    assert len(worlds) == 1
+    world: dict[str, Any] = worlds[0]
+    return world

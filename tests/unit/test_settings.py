@@ -45,12 +45,13 @@ def test_file_sets_values(tmp_path: Path) -> None:
     assert config.metrics_listen == ("127.0.0.1", 9420)
 
 
-@pytest.mark.parametrize("key", ["threads", "max_buffers", "log_level", "socket", "allow_gids"])
+@pytest.mark.parametrize("key", ["threads", "max_buffers", "log_level", "socket", "allow_gids",
+                                 "max_call_timeout"])
 def test_each_layer_overrides_the_one_below(tmp_path: Path, key: str) -> None:
     values = {"threads": ("2", "3", "4"), "max_buffers": ("10", "20", "30"),
               "log_level": ('"ERROR"', "WARNING", "DEBUG"), "socket": ('"/tmp/a"', "/tmp/b", "/tmp/c"),
-              "allow_gids": ("[5]", "6,7", "8")}[key]
-    field = {"socket": "socket_path"}.get(key, key)
+              "allow_gids": ("[5]", "6,7", "8"), "max_call_timeout": ("5", "6.5", "7")}[key]
+    field = {"socket": "socket_path", "max_call_timeout": "max_call_timeout_s"}.get(key, key)
     path = write(tmp_path, f"{key} = {values[0]}\n")
     env = {f"COMMD_{key.upper()}": values[1]}
     flag = ["--" + {"allow_gids": "allow-gid"}.get(key, key.replace("_", "-")), values[2]]
@@ -64,7 +65,7 @@ def test_each_layer_overrides_the_one_below(tmp_path: Path, key: str) -> None:
     all_three = effective(load_config(flags(*flag), env, path))
     expected = {"threads": (2, 3, 4), "max_buffers": (10, 20, 30),
                 "log_level": ("ERROR", "WARNING", "DEBUG"), "socket": ("/tmp/a", "/tmp/b", "/tmp/c"),
-                "allow_gids": ([5], [6, 7], [8])}[key]
+                "allow_gids": ([5], [6, 7], [8]), "max_call_timeout": (5.0, 6.5, 7.0)}[key]
     assert (only_file, file_env, all_three) == expected
 
 
@@ -161,6 +162,9 @@ def test_wrong_type_in_file(tmp_path: Path, text: str, words: list[str]) -> None
     ("peer_window = 0.2\n", {}, (), ["peer_window", "heartbeat", "commd.toml"]),
     ("", {"COMMD_PEER_HEARTBEAT": "nan"}, (), ["peer_heartbeat", "finite", "$COMMD_PEER_HEARTBEAT"]),
     ("peer_window = inf\n", {}, (), ["peer_window", "finite", "commd.toml"]),
+    ("max_call_timeout = 0\n", {}, (), ["max_call_timeout", "positive", "commd.toml"]),
+    ("", {"COMMD_MAX_CALL_TIMEOUT": "inf"}, (), ["max_call_timeout", "finite", "$COMMD_MAX_CALL_TIMEOUT"]),
+    ("", {}, ("--max-call-timeout", "nan"), ["max_call_timeout", "--max-call-timeout"]),
     ('allow_groups = ["no-such-group-xyz"]\n', {}, (), ["allow_groups", "no-such-group-xyz"]),
     ('peer_secret_file = "/nonexistent/s"\n', {}, (), ["peer secret file", "/nonexistent/s"]),
     ("", {"COMMD_PEER_SECRET": "short"}, (), ["at least 16 bytes", "$COMMD_PEER_SECRET"]),
