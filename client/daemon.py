@@ -246,15 +246,17 @@ class DaemonBackend(CommBackend):
         self._symmetric.free(ptr, self._due())
 
     def set_add_kernel(self, handle: int) -> None:
-        # The handle holds from here on, even if telling the daemon fails (it went away): a
-        # rejoin tells the new one, as it does after a restart (undone, it could not be sure
-        # not to have told a rejoin's daemon already)
+        # The seed's call cannot fail, and the handle holds from here on even if telling the
+        # daemon fails (it went away, the world failed): a rejoin tells the new one, as it
+        # does after a restart (undone, it could not be sure not to have told a rejoin's
+        # daemon already). The failure shows as is_healthy() false and the next call's error.
         self._check_open()
         handle, = _ints(handle=handle)
         self._build(lambda: proto.SetAddKernel(1, handle))  # (a bad one is never kept)
         with self._lock:
             self._add_kernel = handle
-        self._tell_add_kernel(self._due())
+        with contextlib.suppress(*UNHEALTHY):
+            self._tell_add_kernel(self._due())
 
     def _tell_add_kernel(self, due: float) -> None:
         """Tell the daemon the newest handle, again if a rejoin replaced it meanwhile (it may

@@ -244,6 +244,21 @@ def test_the_add_kernel_is_set_again_after_a_daemon_restart(daemon: DaemonProces
         assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
 
 
+def test_set_add_kernel_with_the_daemon_gone_returns_and_the_restarted_one_is_told(
+        daemon: DaemonProcess) -> None:
+    """The seed's set_add_kernel cannot fail: with its daemon killed it returns all the
+    same, the backend is unhealthy, and the rejoin tells the restarted daemon the handle."""
+    world = world_name()
+    with joined(daemon, timeout=5, world=world) as comms:
+        daemon.kill()
+        on_both(lambda r: comms[r].set_add_kernel(200 + r))
+        assert [comm.is_healthy() for comm in comms] == [False, False]
+        daemon.start()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        on_both(lambda r: comms[r].barrier())
+        assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 200, "1": 201}
+
+
 def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess) -> None:
     """np.prod(shape) * 2 is a numpy integer: it works like an int (before: msgpack's
     TypeError, and the op cache kept it, so the same call with an int failed too; in
