@@ -234,6 +234,7 @@ class DaemonBackend(CommBackend):
 
     def deregister_buffer(self, handle: int) -> None:
         self._check_open()
+        handle, = _ints(handle=handle)
         self._registrations.deregister(handle, self._due())
 
     def symmetric_alloc(self, bytes: int) -> int:
@@ -243,6 +244,7 @@ class DaemonBackend(CommBackend):
 
     def symmetric_free(self, ptr: int) -> None:
         self._check_open()
+        ptr, = _ints(ptr=ptr)
         self._symmetric.free(ptr, self._due())
 
     def set_add_kernel(self, handle: int) -> None:

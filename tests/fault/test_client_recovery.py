@@ -277,7 +277,15 @@ def test_numpy_integers_are_integers_and_floats_are_misuse(daemon: DaemonProcess
         with pytest.raises(MisuseError):
             comms[0].broadcast(bufs[0].ptr, 8, 0.0)  # type: ignore[arg-type]
         ptr = comms[0].symmetric_alloc(np.uint32(64))  # type: ignore[arg-type]
-        comms[0].symmetric_free(ptr)
+        handle = comms[0].register_buffer(bufs[0].ptr, 8)
+        for bad in (float(ptr), None, "0x10"):  # (not ValueError or TypeError)
+            with pytest.raises(MisuseError, match="ptr must be an integer"):
+                comms[0].symmetric_free(bad)  # type: ignore[arg-type]
+        for bad in (float(handle), None):  # (1.0 deregistered handle 1)
+            with pytest.raises(MisuseError, match="handle must be an integer"):
+                comms[0].deregister_buffer(bad)  # type: ignore[arg-type]
+        comms[0].deregister_buffer(np.int64(handle))  # type: ignore[arg-type]
+        comms[0].symmetric_free(np.uint64(ptr))  # type: ignore[arg-type]
         fds = open_fds(os.getpid())
         for bad_args in ({"rank": 0.0}, {"timeout": float("inf")}, {"timeout": "5"}, {"token": 5}):
             args: dict[str, Any] = {"rank": 0, "timeout": 5, **bad_args}
