@@ -43,7 +43,10 @@ class Formable(Protocol):
 
     def refuse(self, rank: int, code: ErrorCode, message: str) -> None: ...
 
-    def fail(self, code: ErrorCode, message: str, propagate: bool = True) -> None: ...
+    def fail(self, code: ErrorCode, message: str, propagate: bool = True,
+             rank: int | None = None) -> None: ...
+
+    def log_extra(self, rank: int | None = None) -> dict[str, object]: ...
 
     def local_waiting(self) -> set[int]: ...
 
@@ -236,7 +239,7 @@ class NetMembership:
             try:
                 self.net.send(daemon, ready)
             except CallError as exc:
-                log.warning("world %s: %s", self._world.name, exc.message)
+                log.warning("world %s: %s", self._world.name, exc.message, extra=self._world.log_extra())
         self._world.form(epoch, self.net.ranks_of(self.net.me), placement, ready.engine_id)
 
     def _refuse_all(self, message: str) -> None:

@@ -125,7 +125,8 @@ class Registry:
                 try:
                     world.membership.peer_lost(link, reason)
                 except Exception:  # one world's bug must not keep the others from hearing it
-                    log.exception("world %s: handling the loss of a link to %s failed", world.name, link.name)
+                    log.exception("world %s: handling the loss of a link to %s failed", world.name, link.name,
+                                  extra=world.log_extra())
 
     def _remote_join(self, link: PeerLink, msg: p.JoinWorld, payload: bytes | bytearray) -> None:
         """A member reports one of its ranks (we are, or should be, the world's root)."""
@@ -188,7 +189,7 @@ class Registry:
         if not isinstance(world.membership, NetMembership) or world.net is None \
                 or world.net.root is not link:
             log.warning("daemon %s says world %s is ready, but it is not its root here",
-                        link.name, msg.world)
+                        link.name, msg.world, extra=world.log_extra())
             return
         if msg.epoch <= world.epoch:
             self._stale(link, msg.world, msg.epoch, world.epoch)
@@ -234,14 +235,14 @@ class Registry:
         if not known:
             self.cluster.foreign_refused += 1
             log.warning("ignored a message about world %s from daemon %s, which is not one of its",
-                        world.name, link.name)
+                        world.name, link.name, extra=world.log_extra())
         return known
 
     def _stale(self, link: PeerLink, world: str, epoch: int, current: int) -> None:
         assert self.cluster is not None
         self.cluster.stale_refused += 1
         log.warning("refused a message of world %s epoch %d from daemon %s: the world is at epoch %d",
-                    world, epoch, link.name, current)
+                    world, epoch, link.name, current, extra={"world": world, "epoch": current})
 
     def _name(self) -> str:
         return self.cluster.name if self.cluster is not None else "?"
@@ -253,7 +254,7 @@ class Registry:
             try:
                 world.shutdown(message)
             except Exception:  # one world's bug must not keep the others from hearing it
-                log.exception("world %s: shutdown failed", world.name)
+                log.exception("world %s: shutdown failed", world.name, extra=world.log_extra())
 
     def status(self) -> list[dict[str, object]]:
         return [{**w.status(), "local_ranks": list(w.local_ranks),

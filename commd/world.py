@@ -140,7 +140,7 @@ class World:
     def start_forming(self) -> None:
         self.state = WorldState.FORMING
         self.stats.transition(self.state.value)
-        log.info("world %s epoch %d: forming", self.name, self.epoch, extra=self._log_extra())
+        log.info("world %s epoch %d: forming", self.name, self.epoch, extra=self.log_extra())
 
     def local_waiting(self) -> set[int]:
         return set(self._waiting)
@@ -190,7 +190,7 @@ class World:
                 self.name, epoch, self.world_size, local_ranks, self.net,
                 devices={r: self._devices.get(r, 0) for r in local_ranks}, unique_id=engine_id)
         except CallError as exc:  # (NCCL) this daemon cannot build its communicators
-            log.error("world %s epoch %d: %s", self.name, epoch, exc.message, extra=self._log_extra())
+            log.error("world %s epoch %d: %s", self.name, epoch, exc.message, extra=self.log_extra())
             if self.net is not None:  # the other daemons formed it, or will: they must not wait
                 self.epoch = epoch  # (their failure notice is about this epoch, not a stale one)
                 self.membership.failed(exc.code, f"world {self.name} epoch {epoch}: daemon "
@@ -214,7 +214,7 @@ class World:
         # A waiter the root placed elsewhere lost the race for its rank: never a member here
         strays = {rank: waiting.pop(rank) for rank in set(waiting) - set(local_ranks)}
         log.info("world %s epoch %d: ready, %d ranks (%d here)", self.name, epoch,
-                 self.world_size, len(local_ranks), extra=self._log_extra())
+                 self.world_size, len(local_ranks), extra=self.log_extra())
         for rank, waiter in waiting.items():
             if waiter.timer is not None:
                 waiter.timer.cancel()
@@ -254,7 +254,7 @@ class World:
                 match = self._matcher.add(Call(rank, op, Arrival(ticket, regions, record, events, early)))
             except Mismatch as exc:
                 log.warning("world %s epoch %d: %s", self.name, self.epoch, exc,
-                            extra=self._log_extra(rank))
+                            extra=self.log_extra(rank))
                 self.fail(ErrorCode.MISMATCH, str(exc))
                 return
             if match is not None:
@@ -325,7 +325,7 @@ class World:
                 error = f"could not read the engine's state: {type(exc).__name__}: {exc}"
             if error is not None:
                 log.error("world %s epoch %d: the engine failed: %s", self.name, self.epoch, error,
-                          extra=self._log_extra())
+                          extra=self.log_extra())
                 self.fail(ErrorCode.ENGINE, f"engine error: {error}")
                 continue
             if timeout_s is None:
@@ -335,7 +335,7 @@ class World:
                 newest = "; ".join(self.recorder.lines(last=1))
                 self.fail(ErrorCode.TIMEOUT,
                           f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
-                          f"within {timeout_s:g}s (each rank's newest call: {newest})")
+                          f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
 
     def _op_failed(self, match: Match[Arrival], exc: Exception, epoch: int) -> None:
         """The engine could not complete an op: its world fails (if this epoch still
@@ -344,7 +344,7 @@ class World:
             code, message = exc.code, exc.message
         else:
             log.error("world %s epoch %d: engine failed", self.name, self.epoch, exc_info=exc,
-                      extra=self._log_extra())
+                      extra=self.log_extra())
             code, message = ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}"
         if epoch == self.epoch:
             self.fail(code, message)
@@ -366,9 +366,11 @@ class World:
 
     # ---- failure and departure ----------------------------------------------------
 
-    def fail(self, code: ErrorCode, message: str, propagate: bool = True) -> None:
+    def fail(self, code: ErrorCode, message: str, propagate: bool = True,
+             rank: int | None = None) -> None:
         """READY → FAILED: abort, fail every pending call, tell every rank and (with
-        `propagate`) the other daemons of the world."""
+        `propagate`) the other daemons of the world. `rank`: the one the failure is about,
+        if one is (for the logs)."""
         if self.state is not WorldState.READY:
             return
         message = clip(message)
@@ -377,7 +379,7 @@ class World:
         # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
         level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
         self.stats.world_failed(self.name, self.epoch, code, message, job_ended=level == logging.INFO)
-        extra = self._log_extra()
+        extra = self.log_extra(rank)
         log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message, extra=extra)
         if level == logging.WARNING:
             for line in self.recorder.lines():
@@ -463,7 +465,7 @@ class World:
             del self.members[rank]
             self.add_kernel.pop(rank, None)
             self._registered.pop(rank, None)
-            self.fail(ErrorCode.WORLD_FAILED, f"rank {rank}'s connection was lost")
+            self.fail(ErrorCode.WORLD_FAILED, f"rank {rank}'s connection was lost", rank=rank)
         self.forget_if_empty()
 
     def shutdown(self, message: str) -> None:
@@ -497,7 +499,7 @@ class World:
                 self._comm = None
             self._on_empty(self)
 
-    def _log_extra(self, rank: int | None = None) -> dict[str, object]:
+    def log_extra(self, rank: int | None = None) -> dict[str, object]:
         """Fields for structured (JSON) logs; built only on lines that are logged anyway."""
         extra: dict[str, object] = {"world": self.name, "epoch": self.epoch}
         if rank is not None:

@@ -52,10 +52,11 @@ class AddPath:
                 for device in devices:
                     self._gpu.prepare_add(device, self._launches.between)
             except GpuError as exc:
-                log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc)
+                log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc,
+                            extra={"world": self._world})
             else:
                 log.info("world %s: the add kernel is ready on GPU %s", self._world,
-                         ", ".join(map(str, devices)))
+                         ", ".join(map(str, devices)), extra={"world": self._world})
 
         self._compiler.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
 

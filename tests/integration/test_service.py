@@ -228,6 +228,11 @@ def test_config_layers_and_json_logs_through_a_real_daemon(tmp: Path, pool: Rank
     ready = [line for line in lines if line.get("world") == world and "ready" in line["message"]]
     assert len(ready) == 1 and ready[0]["epoch"] == 1 and ready[0]["logger"] == "commd.world"
     assert {"ts", "level", "logger", "message"} <= set(ready[0])
+    # every line about the world names it and its epoch; the one of a rank's leaving, the rank
+    about = [line for line in lines if f"world {world}" in line["message"]]
+    assert all((line.get("world"), line.get("epoch")) == (world, 1) for line in about), about
+    left = [line for line in about if "connection was lost" in line["message"]]
+    assert left and all(f"rank {line['rank']}'s connection" in line["message"] for line in left), left
 
 
 @pytest.mark.parametrize(("toml", "env", "args", "words"), [
