@@ -41,6 +41,15 @@ def reference_sum(world_size: int, step: int, layer: int, hidden: int) -> np.nda
     return acc.astype(ml_dtypes.bfloat16)
 
 
+class WrongResult(Exception):
+    """A call's result differs from numpy's (a check that `python -O` keeps, unlike assert)."""
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise WrongResult(what)
+
+
 @dataclass
 class Timings:
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -60,7 +69,7 @@ def _worker(sock: str, rank: int, world_size: int, steps: int, layers: int, hidd
         with DaemonBackend(sock, "demo", rank, world_size, timeout=timeout) as comm:
             _decode_loop(comm, hostmem, rank, world_size, steps, layers, hidden, timings, out)
         out.put(("done", rank, timings.samples, timings.nbytes))
-    except (CommError, AssertionError) as exc:
+    except (CommError, WrongResult) as exc:
         out.put(("error", rank, f"{type(exc).__name__}: {exc}", {}))
 
 
@@ -81,22 +90,22 @@ def _decode_loop(comm: Any, hostmem: Any, rank: int, world_size: int, steps: int
         timings.add("command", time.perf_counter() - t0, 4)
         if words[0] == STOP:
             break
-        assert words[0] == step, f"rank {rank} got command {words[0]}, expected {step}"
+        check(words[0] == step, f"rank {rank} got command {words[0]}, expected {step}")
         for layer in range(layers):
             act_view[:] = activation(rank, step, layer, hidden)
             t0 = time.perf_counter()
             comm.all_reduce(act.ptr, act.nbytes)
             timings.add("all_reduce", time.perf_counter() - t0, act.nbytes)
             expected = reference_sum(world_size, step, layer, hidden)
-            assert np.array_equal(act_view.view(np.uint16), expected.view(np.uint16)), \
-                f"rank {rank}: all_reduce at step {step} layer {layer} differs from numpy"
+            check(np.array_equal(act_view.view(np.uint16), expected.view(np.uint16)),
+                  f"rank {rank}: all_reduce at step {step} layer {layer} differs from numpy")
         tokens.view(np.int32)[:] = rank * 1_000_000 + step * 1000 + np.arange(TOKENS)
         t0 = time.perf_counter()
         comm.all_gather(tokens.ptr, gathered.ptr, tokens.nbytes)
         timings.add("all_gather", time.perf_counter() - t0, tokens.nbytes)
         want = np.concatenate([r * 1_000_000 + step * 1000 + np.arange(TOKENS)
                                for r in range(world_size)])
-        assert np.array_equal(gathered.view(np.int32), want), f"rank {rank}: all_gather wrong at {step}"
+        check(np.array_equal(gathered.view(np.int32), want), f"rank {rank}: all_gather wrong at {step}")
         if rank == 0 and (step + 1) % max(1, steps // 10) == 0:
             out.put(("progress", rank, step + 1, {}))
     comm.barrier()
