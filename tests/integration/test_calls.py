@@ -56,10 +56,17 @@ def test_all_reduce_large_runs_on_threads(pool: RankPool, sock: str) -> None:
         assert raw == want.tobytes()
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_all_reduce_async_completes_in_place(pool: RankPool, sock: str, n: int) -> None:
-    results = run(pool, sock, n, workers.all_reduce, 4099, "f32", "sum", 8, 0, True)
-    want = reduce_reference([make_input(8, r, 4099, "f32", "sum") for r in range(n)], "f32", "sum")
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("nelem", ELEMS)
+def test_all_reduce_async_completes_in_place(pool: RankPool, sock: str, n: int, nelem: int) -> None:
+    results = run(pool, sock, n, workers.all_reduce, nelem, None, None, 8, 0, True)
+    want = reduce_reference([make_input(8, r, nelem, "bf16", "sum") for r in range(n)], "bf16", "sum")
+    assert all(raw == want.tobytes() for raw in results)
+
+
+def test_all_reduce_async_f32(pool: RankPool, sock: str) -> None:
+    results = run(pool, sock, 2, workers.all_reduce, 4099, "f32", "sum", 8, 0, True)
+    want = reduce_reference([make_input(8, r, 4099, "f32", "sum") for r in range(2)], "f32", "sum")
     assert all(raw == want.tobytes() for raw in results)
 
 
@@ -98,7 +105,7 @@ def test_broadcast_from_every_root(pool: RankPool, sock: str, n: int, nbytes: in
         assert all(raw == want for raw in results), f"root {root}"
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", RANKS)
 def test_barrier_waits_for_the_last_rank(pool: RankPool, sock: str, n: int) -> None:
     times = run(pool, sock, n, workers.barrier, 0.15)
     last_arrival = max(arrived for arrived, _ in times)  # type: ignore[misc]
@@ -107,7 +114,7 @@ def test_barrier_waits_for_the_last_rank(pool: RankPool, sock: str, n: int) -> N
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("nbytes", [2, 1001, 1 << 20])
+@pytest.mark.parametrize("nbytes", [0, 2, 1001, 1 << 20])
 def test_send_recv_every_pair_in_a_group(pool: RankPool, sock: str, n: int, nbytes: int) -> None:
     results = run(pool, sock, n, workers.send_recv_pairs, nbytes, 61)
     for rank, received in enumerate(results):
@@ -117,8 +124,8 @@ def test_send_recv_every_pair_in_a_group(pool: RankPool, sock: str, n: int, nbyt
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_send_recv_ungrouped(pool: RankPool, sock: str, n: int) -> None:
-    nbytes = 4097
+@pytest.mark.parametrize("nbytes", [0, 4097])
+def test_send_recv_ungrouped(pool: RankPool, sock: str, n: int, nbytes: int) -> None:
     results = run(pool, sock, n, workers.send_then_recv, nbytes, 71)
     assert results[0] == make_input(71, n - 1, nbytes, "u8", "sum").tobytes()
     assert results[n - 1] == make_input(71, 0, nbytes, "u8", "sum").tobytes()
