@@ -349,6 +349,12 @@ class DaemonBackend(CommBackend):
                 rejoin = True
         if rejoin:
             self._rejoin(due + _JOIN_GRACE_S)
+        # What the daemon should know again: after a rejoin, all of it; after a rebuild on
+        # the same daemon, what an earlier restoring left undone. By a deadline of its own:
+        # the rebuild waited for the slowest rank, and may have taken all of the call's.
+        restore = self._due()
+        self._registrations.register_again(restore)
+        self._tell_add_kernel(restore)
         with self._lock:
             if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
                 self._failure, self._failure_epoch = None, 0
@@ -382,8 +388,6 @@ class DaemonBackend(CommBackend):
                     break
             transport.close()
             self._check_open()
-        self._registrations.register_again(deadline)
-        self._tell_add_kernel(deadline)
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -423,13 +427,9 @@ class DaemonBackend(CommBackend):
             raise MisuseError("the backend is closed")
 
     def _let_go_of_inherited(self) -> None:
-        """In a forked child: its copies of the sockets go, without a word to the daemon or a
-        shutdown (that would end the parent's connection); no lock is taken (a thread the
-        child lacks may have held one as the parent forked)."""
+        """In a forked child (whose copies of the sockets the transports closed): the backend
+        is the parent's; no lock is taken (a thread the child lacks may have held one)."""
         self._inherited = self._closed = True
-        for transport in (self._transport, self._joining):
-            if transport is not None:
-                transport.close_inherited()
 
     @staticmethod
     def _build(factory: Callable[[], T]) -> T:
@@ -639,10 +639,8 @@ _ALIVE: weakref.WeakSet[DaemonBackend] = weakref.WeakSet()
 
 
 def _in_forked_child() -> None:
-    """A fork copies every backend, and its sockets, into the child. The child lets go of
-    them at once: one that never uses them (a data loader's worker) must not hold the
-    parent's connections open after the parent dies (its daemon would not see the rank go),
-    and one that calls them must not speak as the parent's rank (MisuseError)."""
+    """A fork copies every backend into the child, which must not speak as the parent's
+    rank (MisuseError); its copies of the sockets are closed by the transports' own hook."""
     for backend in list(_ALIVE):
         backend._let_go_of_inherited()
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import proto
 
-from .errors import MisuseError
+from .errors import LimitExceeded, MisuseError
 from .rpc import Requester, Superseded
 
 
@@ -19,6 +19,8 @@ class Registration(NamedTuple):
     # daemon knew it
     daemon_handle: int | None
     link: int  # the daemon connection that holds daemon_handle (DaemonBackend._link)
+    # not to be made again with this daemon: it refused (a limit), or the memory is gone
+    given_up: bool = False
 
 
 class Registrations:
@@ -72,24 +74,43 @@ class Registrations:
         re-registration that fails must not keep the old daemon's handle, which the new one
         hands out again to another."""
         for handle, registration in list(self._by_handle.items()):
-            self._by_handle[handle] = registration._replace(daemon_handle=None, link=link)
+            self._by_handle[handle] = registration._replace(daemon_handle=None, link=link, given_up=False)
 
     def register_again(self, due: float) -> None:
-        """Make every registration again with the new daemon, by `due`."""
+        """Make every registration the daemon lacks (after a rejoin, all) again, by `due`:
+        also what an earlier attempt left undone (it timed out, or the daemon went). Once the
+        daemon refuses one (a limit), it and the rest are given up on until a new daemon (the
+        worker may deregister and register them anew), and the refusal is raised."""
         with self._lock:
             registrations = list(self._by_handle.items())
+        refusal: LimitExceeded | None = None
         for handle, registration in registrations:
-            if registration.daemon_handle is not None:
-                continue  # made with the new daemon by a register_buffer meanwhile
-            try:
-                fresh, link = self._register(registration.ptr, registration.nbytes, due)
-            except MisuseError:  # its memory was freed meanwhile: nothing to register any more
+            if registration.daemon_handle is not None or registration.given_up:
+                continue  # made with the new daemon by a register_buffer meanwhile, or refused
+            made = None
+            if refusal is None:
+                try:
+                    made = self._register(registration.ptr, registration.nbytes, due)
+                except LimitExceeded as exc:
+                    refusal = exc
+                except MisuseError:  # its memory was freed meanwhile: nothing to register any more
+                    pass
+            if made is None:
+                self._give_up(handle, registration)
                 continue
+            fresh, link = made
             with self._lock:
                 if self._by_handle.get(handle) is registration:
                     self._by_handle[handle] = registration._replace(daemon_handle=fresh, link=link)
                     continue
             self._deregister_at(fresh, link, due)  # deregistered meanwhile: the new daemon lets go too
+        if refusal is not None:
+            raise refusal
+
+    def _give_up(self, handle: int, registration: Registration) -> None:
+        with self._lock:
+            if self._by_handle.get(handle) is registration:
+                self._by_handle[handle] = registration._replace(given_up=True)
 
     def _register(self, ptr: int, nbytes: int, due: float) -> tuple[int, int]:
         """The daemon's handle, and the daemon connection it holds it on."""

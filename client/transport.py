@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import proto
@@ -87,6 +88,8 @@ class Transport:
         # fd must not be closed under it, or it may poll whichever socket takes the number)
         self._close_when_read = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock = sock
+        _OPEN.add(self)  # (from here: a fork while this connects leaves the child no copy)
         try:
             # A kernel timeout instead of Python's: a blocked send (a daemon that stopped
             # reading, or a full listen backlog while connecting) ends after `timeout`.
@@ -98,7 +101,6 @@ class Transport:
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
-        self._sock = sock
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
 
@@ -326,10 +328,25 @@ class Transport:
 
     def close_inherited(self) -> None:
         """In a forked child: close this process's copy of the socket, leaving the connection
-        (the parent's) as it is."""
+        (the parent's) as it is (no shutdown, no lock: see _in_forked_child)."""
         self._broken = DaemonUnavailable("the connection belongs to the parent process")
         self._sock.close()
 
     def _close_socket(self) -> None:
         with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
             self._sock.close()
+
+
+# Every transport of this process, whose socket may be open (see _in_forked_child).
+_OPEN: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+def _in_forked_child() -> None:
+    """A fork copies every socket into the child. A copy held open keeps the parent's
+    connection alive after the parent dies (its daemon would not see the rank go), so the
+    child closes its copies at once: one under way (connecting, saying hello) too."""
+    for transport in list(_OPEN):
+        transport.close_inherited()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -18,8 +19,8 @@ import proto
 from client import CommTimeout, hostmem
 from client import daemon as client_daemon
 from commd.launch import DaemonProcess
-from tests.fault.ranks import joined, on_both, own_daemon, summed
-from tests.integration.harness import query_status, wait_until
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
+from tests.integration.harness import query_status, wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT_S = 2.0
@@ -83,3 +84,34 @@ def daemon_status(daemon: DaemonProcess) -> dict[str, Any]:
     assert len(worlds) == 1
     world: dict[str, Any] = worlds[0]
     return world
+
+
+def test_what_a_rejoin_restores_has_a_deadline_of_its_own(daemon: DaemonProcess) -> None:
+    """The daemon is killed; rank 0 rejoins at once, the daemon is back after 1.6 s, and
+    rank 1 comes just before rank 0's rejoin gives up: the rebuild took all of the call's
+    deadline, and rank 0 still registers its 3000 buffers and tells its add kernel again
+    (before: refused unsent, the rebuilt world marked unhealthy, and the registrations
+    never made again, a later reconnect on the same daemon leaving them so)."""
+    world = world_name()
+    with joined(daemon, TIMEOUT_S, world) as comms:
+        big = hostmem.alloc(1 << 22)
+        for i in range(3000):
+            comms[0].register_buffer(big.ptr + 256 * i, 256)
+        on_both(lambda r: comms[r].set_add_kernel(100 + r))
+        daemon.kill()
+        for comm in comms:
+            met_the_failure(comm)
+        started = time.monotonic()
+        with ThreadPoolExecutor(1) as rank0:
+            rejoined = rank0.submit(comms[0].attempt_reconnect)
+            time.sleep(1.6)
+            daemon.start()
+            wait_until(lambda: (world_status(daemon, world) or {}).get("waiting") == [0],
+                       "rank 0 waiting at the restarted daemon", timeout=5)
+            time.sleep(max(0.0, started + TIMEOUT_S + client_daemon._JOIN_GRACE_S - 0.1 - time.monotonic()))
+            comms[1].attempt_reconnect()
+            rejoined.result(20)
+        assert [comm.is_healthy() for comm in comms] == [True, True]
+        assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
+        assert all(reg.daemon_handle is not None for reg in comms[0]._registrations._by_handle.values())
+        assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]

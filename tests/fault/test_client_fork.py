@@ -17,14 +17,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
 
 from client import CommError, DaemonBackend, WorldFailed, hostmem
 from commd.launch import DaemonProcess
-from tests.fault.ranks import joined, own_daemon, summed
-from tests.integration.harness import world_name
+from tests.fault.ranks import joined, own_daemon, restart_daemon, summed
+from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,3 +224,76 @@ def test_calls_after_close_are_refused_before_they_touch_anything(daemon: Daemon
             with pytest.raises(CommError, match="the backend is closed"):
                 call()
         assert comm._add_kernel is None
+
+
+# Rank 0's backend is made on a thread (as a trainer may, while its main thread starts a
+# data loader's workers): the main thread forks while that constructor waits for rank 1.
+_FORK_IN_THE_HELLO = textwrap.dedent("""
+    import os, sys, threading, time
+    from client import DaemonBackend
+    made = {}
+    maker = threading.Thread(target=lambda: made.update(
+        comm=DaemonBackend(sys.argv[1], sys.argv[2], 0, 2, timeout=4)))
+    maker.start()
+    time.sleep(0.5)  # the hello is out: the constructor waits for rank 1
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    maker.join()
+    print(child, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_fork_while_a_backend_says_hello_leaves_the_child_no_copy(daemon: DaemonProcess) -> None:
+    world = world_name()
+    rank0 = subprocess.Popen([sys.executable, "-c", _FORK_IN_THE_HELLO, str(daemon.socket_path), world],
+                             stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        wait_until(lambda: (world_status(daemon, world) or {}).get("waiting") == [0],
+                   "rank 0 waiting in its hello", timeout=10)
+        time.sleep(0.5)  # (rank 0 forks meanwhile)
+        with DaemonBackend(str(daemon.socket_path), world, 1, 2, timeout=4) as comm:
+            assert rank0.stdout is not None
+            child = int(rank0.stdout.readline())
+            rank0.send_signal(signal.SIGKILL)
+            rank0.wait(10)
+            started = time.monotonic()
+            with pytest.raises(WorldFailed, match="rank 0's connection was lost"):
+                comm.barrier()
+            assert time.monotonic() - started < 3  # (the call's timeout is 4 s)
+    finally:
+        rank0.kill()
+        rank0.wait(10)
+        if child:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_fork_between_a_rejoins_hello_and_its_use_leaves_the_child_no_copy(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rejoin's new connection is the backend's `_joining` during its hello and its
+    `_transport` after; a fork in between (held open here) must find it closed too."""
+    with joined(daemon, 5) as comms:
+        restart_daemon(daemon, comms)
+        join = comms[0]._join
+        made: list[Any] = []
+        between = threading.Event()
+
+        def join_then_hold(deadline: float) -> Any:
+            joined_now = join(deadline)
+            made.append(joined_now[0])
+            between.set()
+            time.sleep(1.0)
+            return joined_now
+
+        monkeypatch.setattr(comms[0], "_join", join_then_hold)
+        with ThreadPoolExecutor(2) as ranks:
+            rebuilt = [ranks.submit(comm.attempt_reconnect) for comm in comms]
+            assert between.wait(10)
+            seen = in_child({"the new connection's fd": lambda: made[0]._sock.fileno()})
+            for done in rebuilt:
+                done.result(20)
+        assert seen == {"the new connection's fd": ["returned", "-1"]}
+        assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]

@@ -23,7 +23,7 @@ from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseE
 from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.fault.ranks import joined, on_both, own_daemon, summed
+from tests.fault.ranks import joined, on_both, own_daemon, restart_daemon, summed
 from tests.integration.harness import (
     back_to,
     held_at_rest,
@@ -379,6 +379,44 @@ def test_a_refused_re_registration_leaves_no_old_daemon_handle_behind(daemon: Da
     finally:
         comm.close()
         restarted.stop()
+
+
+def test_registrations_a_restoring_left_undone_are_made_at_the_next_rebuild(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rejoin's re-registering stops half-way (its 5th registration times out): the rank's
+    next attempt_reconnect, a rebuild on the same daemon, makes the rest (before: only a
+    rejoin registered again, and the rest stayed unmade at the daemon for good)."""
+    with joined(daemon, timeout=5) as comms:
+        regions = hostmem.alloc(4096)
+        handles = [comms[0].register_buffer(regions.ptr + 256 * i, 256) for i in range(10)]
+        restart_daemon(daemon, comms)
+        register = comms[0]._registrations._register
+        calls = [0]
+
+        def times_out_once(ptr: int, nbytes: int, due: float) -> tuple[int, int]:
+            calls[0] += 1
+            if calls[0] == 5:
+                raise CommTimeout("the 5th re-registration took too long (made up)")
+            return register(ptr, nbytes, due)
+
+        monkeypatch.setattr(comms[0]._registrations, "_register", times_out_once)
+        failed = on_both(lambda r: _error_of(comms[r].attempt_reconnect))
+        assert failed == ["CommTimeout", None]
+        unmade = [h for h, reg in comms[0]._registrations._by_handle.items() if reg.daemon_handle is None]
+        assert unmade == handles[4:]
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert all(reg.daemon_handle is not None for reg in comms[0]._registrations._by_handle.values())
+        assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+        for handle in handles:
+            comms[0].deregister_buffer(handle)
+
+
+def _error_of(call: Callable[[], object]) -> str | None:
+    try:
+        call()
+    except CommError as exc:
+        return type(exc).__name__
+    return None
 
 
 def test_symmetric_free_with_live_views_refuses_and_changes_nothing(daemon: DaemonProcess) -> None:
