@@ -21,6 +21,7 @@ from .errors import (
     CommError,
     CommTimeout,
     DaemonUnavailable,
+    LimitExceeded,
     MisuseError,
     WorldFailed,
     from_code,
@@ -330,11 +331,13 @@ class DaemonBackend(CommBackend):
                 if repaired and self._failure is None:
                     self._failure_behind()
                     return
-            self._reconnect()
+            refusal = self._reconnect()
             self._reconnects += 1
             self._failure_behind()
+        if refusal is not None:  # (a limit: the world is rebuilt and healthy all the same)
+            raise refusal
 
-    def _reconnect(self) -> None:
+    def _reconnect(self) -> LimitExceeded | None:
         due = self._due()
         rejoin = self._transport.broken is not None
         if not rejoin:
@@ -353,11 +356,16 @@ class DaemonBackend(CommBackend):
         # the same daemon, what an earlier restoring left undone. By a deadline of its own:
         # the rebuild waited for the slowest rank, and may have taken all of the call's.
         restore = self._due()
-        self._registrations.register_again(restore)
+        refusal: LimitExceeded | None = None
+        try:
+            self._registrations.register_again(restore)
+        except LimitExceeded as exc:
+            refusal = exc
         self._tell_add_kernel(restore)
         with self._lock:
             if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
                 self._failure, self._failure_epoch = None, 0
+        return refusal
 
     def _rejoin(self, deadline: float) -> None:
         self._transport.close()  # the daemon must see the old connection go, or the rank is taken

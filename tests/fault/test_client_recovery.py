@@ -23,7 +23,7 @@ from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseE
 from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
-from tests.fault.ranks import joined, on_both, own_daemon, restart_daemon, summed
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, restart_daemon, summed
 from tests.integration.harness import (
     back_to,
     held_at_rest,
@@ -367,8 +367,7 @@ def test_a_refused_re_registration_leaves_no_old_daemon_handle_behind(daemon: Da
         daemon.kill()
         restarted.start()
         with pytest.raises(LimitExceeded):
-            comm.attempt_reconnect()  # x registered again; y refused
-        comm.attempt_reconnect()  # (once more, as a worker would, to be healthy)
+            comm.attempt_reconnect()  # x registered again; y refused (the world rebuilt all the same)
         assert comm.is_healthy()
         comm.deregister_buffer(hx)
         hz = comm.register_buffer(z.ptr, 64)  # the new daemon's only registration
@@ -409,6 +408,87 @@ def test_registrations_a_restoring_left_undone_are_made_at_the_next_rebuild(
         assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
         for handle in handles:
             comms[0].deregister_buffer(handle)
+
+
+def restarted_with(daemon: DaemonProcess, comms: list[DaemonBackend], args: list[str]) -> DaemonProcess:
+    """kill -9 the ranks' daemon and start another at its socket with `args`; each rank's
+    calling thread meets the failure. (The caller stops the new one.)"""
+    restarted = DaemonProcess(daemon.socket_path, args=args)
+    daemon.kill()
+    restarted.start()
+    for comm in comms:
+        met_the_failure(comm)
+    return restarted
+
+
+def test_a_refused_re_registration_leaves_the_rebuilt_world_healthy_and_told_the_add_kernel(
+        daemon: DaemonProcess) -> None:
+    """Rank 0 held two registrations; the restarted daemon allows one. Both ranks rejoin:
+    rank 0's attempt_reconnect raises the refusal, but the world was rebuilt and a limit is
+    no failure of it: rank 0 is healthy, its add kernel told, and the next calls work
+    (before: rank 0 stayed unhealthy, so rank 1's call timed out, and the daemon never
+    heard rank 0's add kernel)."""
+    world = world_name()
+    with joined(daemon, 3, world) as comms:
+        x, y = hostmem.alloc(64), hostmem.alloc(64)
+        comms[0].register_buffer(x.ptr, 64)
+        comms[0].register_buffer(y.ptr, 64)
+        on_both(lambda r: comms[r].set_add_kernel(100 + r))
+        restarted = restarted_with(daemon, comms, ["--max-registrations", "1"])
+        try:
+            assert on_both(lambda r: _error_of(comms[r].attempt_reconnect)) == ["LimitExceeded", None]
+            assert [comm.is_healthy() for comm in comms] == [True, True]
+            assert (world_status(restarted, world) or {})["add_kernel"] == {"0": 100, "1": 101}
+            epoch = comms[0].epoch
+            assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+            assert comms[0].epoch == comms[1].epoch == epoch
+        finally:
+            restarted.stop()
+
+
+def test_a_refused_restoring_on_the_same_daemon_is_no_failure_a_thread_votes_on(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rejoin's restoring times out half-way (B left unmade); the worker registers C, the
+    daemon's limit of 2. The next rebuild, on the same daemon, is refused B: rank 0's
+    attempt_reconnect raises it, yet the world was rebuilt. Another thread of rank 0 that
+    met the earlier failure then returns at once from its attempt_reconnect (before: it
+    voted again, and failed the world rank 1 had just rebuilt)."""
+    with joined(daemon, 3) as comms:
+        mem = hostmem.alloc(4096)
+        comms[0].register_buffer(mem.ptr, 256)  # A
+        comms[0].register_buffer(mem.ptr + 256, 256)  # B
+        restarted = restarted_with(daemon, comms, ["--max-registrations", "2"])
+        try:
+            register = comms[0]._registrations._register
+            calls = [0]
+
+            def times_out_once(ptr: int, nbytes: int, due: float) -> tuple[int, int]:
+                calls[0] += 1
+                if calls[0] == 2:
+                    raise CommTimeout("the 2nd re-registration took too long (made up)")
+                return register(ptr, nbytes, due)
+
+            monkeypatch.setattr(comms[0]._registrations, "_register", times_out_once)
+            assert on_both(lambda r: _error_of(comms[r].attempt_reconnect)) == ["CommTimeout", None]
+            monkeypatch.undo()
+            comms[0].register_buffer(mem.ptr + 512, 256)  # C: the daemon holds A and C
+            assert on_both(lambda r: _error_of(comms[r].attempt_reconnect)) == ["LimitExceeded", None]
+            epoch = comms[1].epoch
+            outcome: list[object] = []
+
+            def another_thread() -> None:
+                comms[0]._met_failure(epoch - 1)  # (as a call of it would have recorded)
+                started = time.monotonic()
+                outcome.extend([_error_of(comms[0].attempt_reconnect), time.monotonic() - started])
+
+            thread = threading.Thread(target=another_thread)
+            thread.start()
+            thread.join(20)
+            assert outcome[0] is None and outcome[1] < 1.0, outcome  # (a vote waits for rank 1)
+            assert [comm.is_healthy() for comm in comms] == [True, True]
+            assert comms[0].epoch == comms[1].epoch == epoch
+        finally:
+            restarted.stop()
 
 
 def _error_of(call: Callable[[], object]) -> str | None:

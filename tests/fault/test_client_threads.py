@@ -296,7 +296,7 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
     old, closed connection and lost; the new daemon held the buffer against its limit of
     2, and the next import was refused)."""
     # (a timeout past the hold: the held call tells the new daemon within its one deadline)
-    with joined(daemon, timeout=5) as comms, ThreadPoolExecutor(1, thread_name_prefix="stale") as stale:
+    with joined(daemon, timeout=10) as comms, ThreadPoolExecutor(1, thread_name_prefix="stale") as stale:
         bufs = [hostmem.alloc(8) for _ in range(2)]
         old = comms[0]._transport
         taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0,
