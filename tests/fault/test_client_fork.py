@@ -164,34 +164,43 @@ _RANK0 = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fork", ["no fork", "fork"])
-def test_a_killed_rank_whose_forked_child_lives_on_is_seen_gone(daemon: DaemonProcess, fork: str) -> None:
-    """kill -9 rank 0, whose forked child lives on: the daemon sees the rank's connection
-    go at once (the child held no copy of it), so rank 1's next call fails at once rather
-    than after its whole timeout."""
+def a_killed_rank0_is_seen_gone(daemon: DaemonProcess, script: str, *args: str,
+                                 when_waiting: bool = False) -> int:
+    """Rank 0 runs `script` (socket, world, *args) in a process of its own, which prints its
+    forked child's pid (0: none); rank 1 joins (`when_waiting`: once rank 0 waits in its
+    hello). Then kill -9 rank 0: the daemon must see its connection go at once (a child
+    that held a copy would keep it open), so rank 1's next call fails at once, not after its
+    4 s timeout. Returns the child's pid (killed too)."""
     world = world_name()
-    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(daemon.socket_path), world,
-                              fork.replace(" ", "")], stdout=subprocess.PIPE, text=True)
+    rank0 = subprocess.Popen([sys.executable, "-c", script, str(daemon.socket_path), world, *args],
+                             stdout=subprocess.PIPE, text=True)
     child = 0
     try:
-        comm = DaemonBackend(str(daemon.socket_path), world, 1, 2, timeout=4)
-        assert rank0.stdout is not None
-        child = int(rank0.stdout.readline())
-        assert (child != 0) == (fork == "fork")
-        try:
+        if when_waiting:
+            wait_until(lambda: (world_status(daemon, world) or {}).get("waiting") == [0],
+                       "rank 0 waiting in its hello", timeout=10)
+            time.sleep(0.5)  # (rank 0 forks meanwhile)
+        with DaemonBackend(str(daemon.socket_path), world, 1, 2, timeout=4) as comm:
+            assert rank0.stdout is not None
+            child = int(rank0.stdout.readline())
             rank0.send_signal(signal.SIGKILL)
             rank0.wait(10)
             started = time.monotonic()
             with pytest.raises(WorldFailed, match="rank 0's connection was lost"):
                 comm.barrier()
-            assert time.monotonic() - started < 3  # (the call's timeout is 4 s)
-        finally:
-            comm.close()
+            assert time.monotonic() - started < 3
+        return child
     finally:
         rank0.kill()
         rank0.wait(10)
         if child:
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("fork", ["no fork", "fork"])
+def test_a_killed_rank_whose_forked_child_lives_on_is_seen_gone(daemon: DaemonProcess, fork: str) -> None:
+    child = a_killed_rank0_is_seen_gone(daemon, _RANK0, fork.replace(" ", ""))
+    assert (child != 0) == (fork == "fork")
 
 
 def test_a_backend_made_in_the_child_works(daemon: DaemonProcess) -> None:
@@ -247,28 +256,7 @@ _FORK_IN_THE_HELLO = textwrap.dedent("""
 
 
 def test_a_fork_while_a_backend_says_hello_leaves_the_child_no_copy(daemon: DaemonProcess) -> None:
-    world = world_name()
-    rank0 = subprocess.Popen([sys.executable, "-c", _FORK_IN_THE_HELLO, str(daemon.socket_path), world],
-                             stdout=subprocess.PIPE, text=True)
-    child = 0
-    try:
-        wait_until(lambda: (world_status(daemon, world) or {}).get("waiting") == [0],
-                   "rank 0 waiting in its hello", timeout=10)
-        time.sleep(0.5)  # (rank 0 forks meanwhile)
-        with DaemonBackend(str(daemon.socket_path), world, 1, 2, timeout=4) as comm:
-            assert rank0.stdout is not None
-            child = int(rank0.stdout.readline())
-            rank0.send_signal(signal.SIGKILL)
-            rank0.wait(10)
-            started = time.monotonic()
-            with pytest.raises(WorldFailed, match="rank 0's connection was lost"):
-                comm.barrier()
-            assert time.monotonic() - started < 3  # (the call's timeout is 4 s)
-    finally:
-        rank0.kill()
-        rank0.wait(10)
-        if child:
-            os.kill(child, signal.SIGKILL)
+    assert a_killed_rank0_is_seen_gone(daemon, _FORK_IN_THE_HELLO, when_waiting=True) != 0
 
 
 def test_a_fork_between_a_rejoins_hello_and_its_use_leaves_the_child_no_copy(

@@ -8,6 +8,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,26 +21,54 @@ from tests.integration.harness import open_fds
 pytestmark = pytest.mark.timeout(30)
 
 
+def fake_daemon(path: str, serve: Callable[[socket.socket], None],
+                closed: threading.Event | None = None) -> threading.Thread:
+    """A stand-in daemon, listening at `path` once this returns: `serve` gets its first
+    connection, on a thread of its own (started, and returned); `closed` is set once that
+    connection is closed."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def run() -> None:
+        with listener:
+            conn, _ = listener.accept()
+        with conn:
+            serve(conn)
+        if closed is not None:
+            closed.set()
+
+    server = threading.Thread(target=run)
+    server.start()
+    return server
+
+
+def answer_then_stop(conn: socket.socket, answer: str, go: threading.Event | None = None) -> None:
+    """Reads a status query, (once `go` is set) answers it with `answer`, then stops as a
+    daemon does: the SHUTDOWN event, and (as `serve` returns) the connection closed."""
+    first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+    assert isinstance(first, proto.StatusQuery)
+    if go is not None:
+        go.wait(10)
+    conn.send(proto.encode(proto.StatusReport(first.id, {"answer": answer})))
+    conn.send(proto.encode(proto.Event(proto.EventKind.SHUTDOWN, proto.ErrorCode.SHUTDOWN,
+                                       "the daemon is shutting down")))
+
+
 def test_fds_that_came_with_an_undecodable_packet_are_closed() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "bad.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(path)
-        listener.listen(1)
 
-        def bad_daemon() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(proto.MAX_MESSAGE_BYTES)  # the request
-                fd = os.memfd_create("stray")
-                try:
-                    socket.send_fds(conn, [b"\xc1 not msgpack"], [fd])
-                finally:
-                    os.close(fd)
-                conn.recv(1)  # until the client hangs up
+        def bad_daemon(conn: socket.socket) -> None:
+            conn.recv(proto.MAX_MESSAGE_BYTES)  # the request
+            fd = os.memfd_create("stray")
+            try:
+                socket.send_fds(conn, [b"\xc1 not msgpack"], [fd])
+            finally:
+                os.close(fd)
+            conn.recv(1)  # until the client hangs up
 
-        server = threading.Thread(target=bad_daemon)
-        server.start()
+        server = fake_daemon(path, bad_daemon)
         before = open_fds()
         transport = Transport(path, 5, lambda event, transport: None)
         try:
@@ -48,31 +77,7 @@ def test_fds_that_came_with_an_undecodable_packet_are_closed() -> None:
         finally:
             transport.close()
         server.join(10)
-        listener.close()
         assert open_fds() == before - 1  # the listener; nothing the bad packet brought stays open
-
-
-def _daemon_that_answers_then_stops(path: str, answered: threading.Event) -> threading.Thread:
-    """Reads two requests, answers the first, then stops as a daemon does: the SHUTDOWN
-    event, and the connection closed."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
-
-    def daemon() -> None:
-        with listener:
-            conn, _ = listener.accept()
-        with conn:
-            first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
-            assert isinstance(first, proto.StatusQuery)
-            conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "yours"})))
-            conn.send(proto.encode(proto.Event(proto.EventKind.SHUTDOWN, proto.ErrorCode.SHUTDOWN,
-                                               "the daemon is shutting down")))
-        answered.set()
-
-    server = threading.Thread(target=daemon)
-    server.start()
-    return server
 
 
 def test_a_failed_send_leaves_another_threads_reply_to_it() -> None:
@@ -81,7 +86,7 @@ def test_a_failed_send_leaves_another_threads_reply_to_it() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "stopping.sock")
         answered = threading.Event()
-        server = _daemon_that_answers_then_stops(path, answered)
+        server = fake_daemon(path, lambda conn: answer_then_stop(conn, "yours"), answered)
         transport = Transport(path, 5, lambda event, transport: None)
         wait = transport._wait
         may_wait = threading.Event()
@@ -114,24 +119,15 @@ def test_a_failed_send_waits_for_the_reader_to_find_why() -> None:
     threads see the daemon's reason."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "refusing.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(path)
-        listener.listen(1)
         reader_waits = threading.Event()
         closed = threading.Event()
 
-        def daemon() -> None:
-            with listener:
-                conn, _ = listener.accept()
-            with conn:
-                conn.recv(proto.MAX_MESSAGE_BYTES)
-                reader_waits.wait(10)
-                conn.send(proto.encode(proto.Error(0, proto.ErrorCode.LIMIT,
-                                                   "too many connections")))
-            closed.set()
+        def daemon(conn: socket.socket) -> None:
+            conn.recv(proto.MAX_MESSAGE_BYTES)
+            reader_waits.wait(10)
+            conn.send(proto.encode(proto.Error(0, proto.ErrorCode.LIMIT, "too many connections")))
 
-        server = threading.Thread(target=daemon)
-        server.start()
+        server = fake_daemon(path, daemon, closed)
         transport = Transport(path, 5, lambda event, transport: None)
         errors: list[Exception] = []
 
@@ -162,13 +158,6 @@ def test_a_failed_send_waits_for_the_reader_to_find_why() -> None:
         assert "too many connections" in str(errors[0])
 
 
-def _listener(path: str) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
-    return listener
-
-
 def _wait_for_a_reader(transport: Transport) -> None:
     for _ in range(1000):
         if transport._reader is not None:
@@ -184,24 +173,18 @@ def test_a_reader_whose_undo_finds_the_daemon_gone_keeps_its_own_reply() -> None
     done: it returns its reply, not the broken connection's error."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "closing.sock")
-        listener = _listener(path)
         got_both, may_answer, closed = threading.Event(), threading.Event(), threading.Event()
 
-        def daemon() -> None:
-            with listener:
-                conn, _ = listener.accept()
-            with conn:
-                first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
-                second = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
-                assert isinstance(first, proto.StatusQuery) and isinstance(second, proto.StatusQuery)
-                got_both.set()
-                may_answer.wait(10)
-                conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "A's, late"})))
-                conn.send(proto.encode(proto.StatusReport(second.id, {"answer": "R's"})))
-            closed.set()
+        def daemon(conn: socket.socket) -> None:
+            first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+            second = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+            assert isinstance(first, proto.StatusQuery) and isinstance(second, proto.StatusQuery)
+            got_both.set()
+            may_answer.wait(10)
+            conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "A's, late"})))
+            conn.send(proto.encode(proto.StatusReport(second.id, {"answer": "R's"})))
 
-        server = threading.Thread(target=daemon)
-        server.start()
+        server = fake_daemon(path, daemon, closed)
         transport = Transport(path, 5, lambda event, transport: None)
 
         def undo(reply: proto.Message, request_id: int) -> proto.Message | None:
@@ -240,23 +223,8 @@ def test_a_failed_send_reads_why_once_the_reader_stops_before_it() -> None:
     DaemonUnavailable after waiting out its wait for a reader)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "stopping.sock")
-        listener = _listener(path)
         go, closed = threading.Event(), threading.Event()
-
-        def daemon() -> None:
-            with listener:
-                conn, _ = listener.accept()
-            with conn:
-                first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
-                assert isinstance(first, proto.StatusQuery)
-                go.wait(10)
-                conn.send(proto.encode(proto.StatusReport(first.id, {"answer": "R's"})))
-                conn.send(proto.encode(proto.Event(proto.EventKind.SHUTDOWN, proto.ErrorCode.SHUTDOWN,
-                                                   "the daemon is shutting down")))
-            closed.set()
-
-        server = threading.Thread(target=daemon)
-        server.start()
+        server = fake_daemon(path, lambda conn: answer_then_stop(conn, "R's", go), closed)
         events: list[proto.Event] = []
         transport = Transport(path, 5, lambda event, transport: events.append(event))
         read_until = transport._read_until
