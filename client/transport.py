@@ -87,9 +87,10 @@ class Transport:
         # close() came while a thread read: that reader closes the socket when it stops (the
         # fd must not be closed under it, or it may poll whichever socket takes the number)
         self._close_when_read = False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._sock = sock
-        _OPEN.add(self)  # (from here: a fork while this connects leaves the child no copy)
+        with _MAKING:  # (a fork waits: the child must know of every socket it has a copy of)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            self._sock = sock
+            _OPEN.add(self)
         try:
             # A kernel timeout instead of Python's: a blocked send (a daemon that stopped
             # reading, or a full listen backlog while connecting) ends after `timeout`.
@@ -337,16 +338,20 @@ class Transport:
             self._sock.close()
 
 
-# Every transport of this process, whose socket may be open (see _in_forked_child).
+# Every transport of this process, whose socket may be open (see _in_forked_child), and
+# the lock a fork waits for while a socket is made and not yet among them.
 _OPEN: weakref.WeakSet[Transport] = weakref.WeakSet()
+_MAKING = threading.Lock()
 
 
 def _in_forked_child() -> None:
     """A fork copies every socket into the child. A copy held open keeps the parent's
     connection alive after the parent dies (its daemon would not see the rank go), so the
     child closes its copies at once: one under way (connecting, saying hello) too."""
+    _MAKING.release()
     for transport in list(_OPEN):
         transport.close_inherited()
 
 
-os.register_at_fork(after_in_child=_in_forked_child)
+os.register_at_fork(before=_MAKING.acquire, after_in_parent=_MAKING.release,
+                    after_in_child=_in_forked_child)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,8 @@ import numpy as np
 import pytest
 
 from client import CommError, DaemonBackend, WorldFailed, hostmem
+from client import transport as transport_module
+from client.transport import Transport
 from commd.launch import DaemonProcess
 from tests.fault.ranks import joined, own_daemon, restart_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
@@ -285,3 +288,29 @@ def test_a_fork_between_a_rejoins_hello_and_its_use_leaves_the_child_no_copy(
                 done.result(20)
         assert seen == {"the new connection's fd": ["returned", "-1"]}
         assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+
+
+def test_a_fork_while_a_socket_is_made_waits_until_the_child_can_close_it(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread makes a transport's socket, slowly (held here); a fork meanwhile waits until
+    the socket is one the child knows of, and the child closes its copy (without the wait,
+    the child held an unknown copy of what became the parent's connection)."""
+    made: list[socket.socket] = []
+    made_one = threading.Event()
+    real_socket = socket.socket
+
+    def slow_socket(*args: Any) -> socket.socket:
+        sock = real_socket(*args)
+        made.append(sock)
+        made_one.set()
+        time.sleep(0.5)  # (the fork comes now)
+        return sock
+
+    monkeypatch.setattr(transport_module.socket, "socket", slow_socket)
+    with ThreadPoolExecutor(1) as maker:
+        making = maker.submit(Transport, str(daemon.socket_path), 5, lambda event, transport: None)
+        assert made_one.wait(5)
+        monkeypatch.undo()  # (the child's own sockets are plain)
+        seen = in_child({"the socket's fd": lambda: made[0].fileno()})
+        making.result(10).close()
+    assert seen == {"the socket's fd": ["returned", "-1"]}
