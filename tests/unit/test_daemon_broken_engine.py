@@ -5,9 +5,11 @@ In a subprocess: serve() tunes the process's collector and allocator."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,9 +49,16 @@ sys.exit(asyncio.run(main()))
 """
 
 
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    path = Path(short_tmpdir())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("breaks", [True, False])
-def test_a_broken_engine_ends_the_daemon_with_status_1(breaks: bool) -> None:
-    socket = Path(short_tmpdir()) / "commd.sock"
+def test_a_broken_engine_ends_the_daemon_with_status_1(breaks: bool, sock_dir: Path) -> None:
+    socket = sock_dir / "commd.sock"
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(socket), "break" if breaks else "keep"],
                           cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=40)
@@ -61,11 +70,11 @@ def test_a_broken_engine_ends_the_daemon_with_status_1(breaks: bool) -> None:
         assert done.returncode == 0 and "still serving False" in done.stdout, done.stderr[-2000:]
 
 
-def test_a_serve_that_cannot_start_puts_the_signal_handlers_back() -> None:
+def test_a_serve_that_cannot_start_puts_the_signal_handlers_back(sock_dir: Path) -> None:
     """Its handlers set a stopped loop's event: left behind, a later SIGTERM in the same
     process raised 'Event loop is closed' instead of doing what it did before."""
     before = signal.getsignal(signal.SIGTERM)
-    config = ServerConfig(socket_path=Path(short_tmpdir()) / "commd.sock", engine="nccl")
+    config = ServerConfig(socket_path=sock_dir / "commd.sock", engine="nccl")
     with pytest.raises(ConfigError):  # no GPU here (or a stand-in driver without one)
         asyncio.run(serve(config))
     assert signal.getsignal(signal.SIGTERM) is before
