@@ -263,23 +263,43 @@ def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
 
 class InlineBudget:
     """The bytes of small ops the event loop's thread may run inline in one turn of the
-    loop, for every world together; past it, an op waits for a later turn (or a thread)."""
+    loop, for every world together; past it, an op waits for a later turn (or a thread).
+    The budget starts afresh in the turn after half of it was spent: a refill every turn
+    would cost a callback per small op, and none until it ran out would make every 64th
+    lone small call wait a turn."""
 
-    def __init__(self, op_bytes: int, turn_bytes: int) -> None:
+    def __init__(self, op_bytes: int, turn_bytes: int, op_cost: int = 16 << 10) -> None:
         self._op_bytes = op_bytes
         self._turn_bytes = turn_bytes
+        # the least an op costs, in bytes: its bookkeeping takes about as long as summing
+        # 16 KiB, so hundreds of barriers are no free ride either
+        self._op_cost = op_cost
         self._spent = 0
+        self._refilling = False
+
+    def small(self, nbytes: int) -> bool:
+        """Whether an op of `nbytes` runs inline at all (else on the pool's threads)."""
+        return nbytes <= self._op_bytes
 
     def take(self, nbytes: int) -> bool:
-        if nbytes > self._op_bytes or (self._spent and self._spent + nbytes > self._turn_bytes):
+        """Whether a small op may run inline now (if not, a later turn has room for it)."""
+        cost = max(nbytes, self._op_cost)
+        if self._spent + cost > self._turn_bytes:
+            self._refill_next_turn()
             return False
-        if not self._spent:
-            asyncio.get_running_loop().call_soon(self._next_turn)
-        self._spent += max(1, nbytes)
+        self._spent += cost
+        if self._spent > self._turn_bytes // 2:
+            self._refill_next_turn()
         return True
 
-    def _next_turn(self) -> None:
+    def _refill_next_turn(self) -> None:
+        if not self._refilling:
+            self._refilling = True
+            asyncio.get_running_loop().call_soon(self._refill)
+
+    def _refill(self) -> None:
         self._spent = 0
+        self._refilling = False
 
 
 class HostCommunicator:
@@ -298,23 +318,33 @@ class HostCommunicator:
         if self._net is not None and _crosses(op):
             return False
         self._check()
-        if not self._inline.take(op_nbytes(op)):
+        nbytes = op_nbytes(op)
+        if not (self._inline.small(nbytes) and self._inline.take(nbytes)):
             return False
-        for job in _plan(op, 1):
-            job()
+        self._run_inline(op)
         return True
 
     async def run(self, op: EngineOp, order: Order | None = None,
                   requests: frozenset[object] = frozenset()) -> None:
-        if self.try_inline(op):
-            return
         self._check()
         if self._net is not None and _crosses(op):
             await self._net.run(op)
             return
+        nbytes = op_nbytes(op)
+        if self._inline.small(nbytes):  # (a thread's hop would cost more than the turn's wait)
+            while not self._inline.take(nbytes):
+                await asyncio.sleep(0)
+                self._check()
+            self._run_inline(op)
+            return
         jobs = _plan(op, self._parts)
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(self._pool, job) for job in jobs))
+
+    @staticmethod
+    def _run_inline(op: EngineOp) -> None:
+        for job in _plan(op, 1):
+            job()
 
     def _check(self) -> None:
         if self._aborted:

@@ -20,14 +20,26 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_small_ops_past_a_turns_budget_wait_for_the_next_turn() -> None:
-    budget = InlineBudget(op_bytes=100, turn_bytes=300)
+    budget = InlineBudget(op_bytes=100, turn_bytes=300, op_cost=0)
     assert [budget.take(100) for _ in range(4)] == [True, True, True, False]
     assert not budget.take(1)  # (spent: nothing more this turn)
     await asyncio.sleep(0)  # the loop turns
-    assert budget.take(100)
-    assert not budget.take(101)  # too big to run inline in any turn
-    await asyncio.sleep(0)
-    assert [budget.take(0) for _ in range(3)] == [True, True, True]  # a barrier costs next to nothing
+    assert [budget.take(100) for _ in range(4)] == [True, True, True, False]
+    assert not budget.small(101) and budget.small(100)  # too big to run inline in any turn
+
+
+async def test_lone_small_ops_never_wait() -> None:
+    """One op a turn: the budget starts afresh in the turn after half of it went, so it
+    never runs out (a callback every other op here, every 32nd with the daemon's sizes)."""
+    budget = InlineBudget(op_bytes=100, turn_bytes=300, op_cost=0)
+    for _ in range(20):
+        assert budget.take(100)
+        await asyncio.sleep(0)
+
+
+async def test_every_op_costs_something() -> None:
+    budget = InlineBudget(op_bytes=100, turn_bytes=300, op_cost=50)
+    assert [budget.take(0) for _ in range(7)] == [True] * 6 + [False]  # barriers: 50 each
 
 
 @pytest.fixture
