@@ -284,7 +284,7 @@ class InlineBudget:
     def take(self, nbytes: int) -> bool:
         """Whether a small op may run inline now (if not, a later turn has room for it)."""
         cost = max(nbytes, self._op_cost)
-        if self._spent + cost > self._turn_bytes:
+        if self._spent and self._spent + cost > self._turn_bytes:  # (a fresh budget takes any)
             self._refill_next_turn()
             return False
         self._spent += cost

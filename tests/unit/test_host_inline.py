@@ -37,6 +37,14 @@ async def test_lone_small_ops_never_wait() -> None:
         await asyncio.sleep(0)
 
 
+async def test_a_fresh_budget_takes_any_small_op() -> None:
+    """However the sizes compare, an op never waits for a budget that cannot fit it."""
+    budget = InlineBudget(op_bytes=0, turn_bytes=0)
+    assert [budget.take(0), budget.take(0)] == [True, False]
+    await asyncio.sleep(0)
+    assert budget.take(0)
+
+
 async def test_every_op_costs_something() -> None:
     budget = InlineBudget(op_bytes=100, turn_bytes=300, op_cost=50)
     assert [budget.take(0) for _ in range(7)] == [True] * 6 + [False]  # barriers: 50 each
