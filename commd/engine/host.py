@@ -12,6 +12,7 @@ matched in one turn, would hold the loop for all of them).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import gc
@@ -276,6 +277,10 @@ class InlineBudget:
         self._op_cost = op_cost
         self._spent = 0
         self._refilling = False
+        # small ops that found no room, in the order they came: the next turn's refill runs
+        # them before that turn's newcomers (which would otherwise take the room each turn)
+        self._waiting: collections.deque[tuple[int, Callable[[], None], asyncio.Future[None]]] = (
+            collections.deque())
 
     def small(self, nbytes: int) -> bool:
         """Whether an op of `nbytes` runs inline at all (else on the pool's threads)."""
@@ -283,6 +288,8 @@ class InlineBudget:
 
     def take(self, nbytes: int) -> bool:
         """Whether a small op may run inline now (if not, a later turn has room for it)."""
+        if self._waiting:  # (those waiting go first)
+            return False
         cost = max(nbytes, self._op_cost)
         if self._spent and self._spent + cost > self._turn_bytes:  # (a fresh budget takes any)
             self._refill_next_turn()
@@ -292,6 +299,17 @@ class InlineBudget:
             self._refill_next_turn()
         return True
 
+    async def run(self, nbytes: int, job: Callable[[], None]) -> None:
+        """Run `job`, a small op, inline: now if there is room and nobody waits, else in a
+        later turn's refill, in the order the ops came."""
+        if self.take(nbytes):
+            job()
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((max(nbytes, self._op_cost), job, done))
+        self._refill_next_turn()
+        await done
+
     def _refill_next_turn(self) -> None:
         if not self._refilling:
             self._refilling = True
@@ -300,6 +318,23 @@ class InlineBudget:
     def _refill(self) -> None:
         self._spent = 0
         self._refilling = False
+        while self._waiting:
+            cost, job, done = self._waiting[0]
+            if done.done():  # (its task was cancelled)
+                self._waiting.popleft()
+                continue
+            if self._spent and self._spent + cost > self._turn_bytes:
+                break
+            self._waiting.popleft()
+            self._spent += cost
+            try:
+                job()
+            except Exception as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+        if self._waiting or self._spent > self._turn_bytes // 2:
+            self._refill_next_turn()
 
 
 class HostCommunicator:
@@ -332,10 +367,12 @@ class HostCommunicator:
             return
         nbytes = op_nbytes(op)
         if self._inline.small(nbytes):  # (a thread's hop would cost more than the turn's wait)
-            while not self._inline.take(nbytes):
-                await asyncio.sleep(0)
-                self._check()
-            self._run_inline(op)
+
+            def job() -> None:
+                self._check()  # (aborted while it waited)
+                self._run_inline(op)
+
+            await self._inline.run(nbytes, job)
             return
         jobs = _plan(op, self._parts)
         loop = asyncio.get_running_loop()
