@@ -65,11 +65,12 @@ class DaemonBackend(CommBackend):
     """One rank of `world`, served by the daemon at `socket_path`.
 
     The constructor connects, says hello and blocks until all `world_size`
-    ranks have joined (or `timeout` seconds pass). Every call takes `timeout`
-    as its deadline, except `recv_command_u32`, which waits without one but
-    wakes on any failure. Safe to use from several threads; not from a forked child,
-    which lets go of its copy of the connection at the fork (it is the parent's): there
-    every call is a MisuseError.
+    ranks have joined (or `timeout` seconds pass). Every call has one deadline,
+    `timeout` seconds from its start, shared by its steps, except
+    `recv_command_u32`, which waits without one but wakes on any failure. Safe to
+    use from several threads; not from a forked child, which lets go of its copy
+    of the connection at the fork (it is the parent's): there every call is a
+    MisuseError (and close() does nothing).
 
     Pointers may be host memory (`client.hostmem`) or, when a CUDA driver is
     available, CUDA device memory of `device`. `cuda_driver` is asked once, on the
@@ -210,7 +211,7 @@ class DaemonBackend(CommBackend):
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
         self._call(("cmd", ptr, root),
                    lambda due: proto.Broadcast(self._mem(ptr, 4, due), 4, root, command=True),
-                   deadline=False)
+                   timed=False)
 
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
                          dtype: DTypeLike = DType.BF16, op: OpLike = ReduceOp.SUM) -> None:
@@ -288,7 +289,7 @@ class DaemonBackend(CommBackend):
         group = self._groups.end()
         if group is not None and group.ops:
             self._device_submit(tuple(group.ops), list(group.streams), group.early,
-                                self._due() if group.deadline else None, group.basis)
+                                self._due() if group.timed else None, group.basis)
 
     def is_healthy(self) -> bool:
         if self._closed:
@@ -312,8 +313,12 @@ class DaemonBackend(CommBackend):
 
     def attempt_reconnect(self) -> None:
         """Rebuild the world at the next epoch. If the daemon itself went away (killed and
-        restarted), connect again with backoff within the timeout, say hello at the last
-        epoch, and re-register what the old daemon knew. Threads of this rank that met the
+        restarted), connect again with backoff within the timeout and say hello at the
+        last epoch. Then, by a deadline of its own, tell the daemon again what it lacks
+        (registrations, the add kernel): after a rejoin all of it, after a rebuild on the
+        same daemon what an earlier attempt left undone. A registration the daemon
+        refuses (a limit) is given up on, and its LimitExceeded raised once the world is
+        rebuilt. Threads of this rank that met the
         same failure (an error, or is_healthy() false) reconnect it once: a thread whose
         failure another thread's reconnect already replaced returns at once, however late it
         comes (a second vote would fail the world just rebuilt for every rank). A thread
@@ -462,7 +467,7 @@ class DaemonBackend(CommBackend):
                     with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
                         answer = self._request(lambda rid: proto.Import(
                             rid, ref.buffer_id, ref.kind, ref.size, ref.handle), due=due, fds=fds)
-                except CommTimeout:  # the daemon may have mapped it all the same: forget it first
+                except CommTimeout:  # the daemon may have mapped it (or never got it): forget it first
                     with self._lock:
                         self._imports.owe(ref.buffer_id)
                     raise
@@ -475,12 +480,12 @@ class DaemonBackend(CommBackend):
         return proto.Mem(ref.buffer_id, ref.offset)
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[float], proto.Op],
-              deadline: bool = True, stream: int | None = None, early: bool = False) -> None:
+              timed: bool = True, stream: int | None = None, early: bool = False) -> None:
         """Submit one op, or add it to this thread's open group. The built op is cached by
         `key`, its arguments; `make_op(due)` builds it, importing its buffers by `due`. An op
         on device memory follows `stream` (default: the backend's); `early`: it may be
-        answered once ordered on the device (the async calls). `deadline`: the submission
-        waits no longer than the call's deadline (recv_command_u32 waits without one)."""
+        answered once ordered on the device (the async calls). `timed`: the submission
+        waits no longer than the call's deadline (False: recv_command_u32, without one)."""
         self._check_open()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
@@ -488,10 +493,10 @@ class DaemonBackend(CommBackend):
         follows = (self._stream if stream is None else stream) if on_device else None
         group = self._groups.current()
         if group is not None:
-            group.add(op, follows, early, deadline)
+            group.add(op, follows, early, timed)
             return
         self._device_submit((op,), [] if follows is None else [follows], early,
-                            due if deadline else None, basis)
+                            due if timed else None, basis)
 
     def _new_epoch(self, epoch: int) -> None:
         """(Under _lock) The world is rebuilt at `epoch`: every open group was for the one

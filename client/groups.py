@@ -31,14 +31,14 @@ class OpenGroup:
     # the streams its device calls follow (in order), and whether all may be answered once ordered
     streams: dict[int, None] = dataclasses.field(default_factory=dict)
     early: bool = True
-    deadline: bool = True  # False once it holds a call that waits without one (recv_command_u32)
+    timed: bool = True  # False once it holds a call that waits without a deadline (recv_command_u32)
 
-    def add(self, op: proto.Op, stream: int | None, early: bool, deadline: bool = True) -> None:
+    def add(self, op: proto.Op, stream: int | None, early: bool, timed: bool = True) -> None:
         """`stream`: the one a call on device memory follows (None: host memory)."""
         if len(self.ops) >= proto.MAX_GROUP_OPS:
             raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
         self.ops.append(op)
-        self.deadline &= deadline
+        self.timed &= timed
         if stream is not None:
             self.streams[stream] = None
             self.early &= early

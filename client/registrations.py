@@ -15,18 +15,20 @@ from .rpc import Requester, Superseded
 class Registration(NamedTuple):
     ptr: int
     nbytes: int
-    # None while a rejoin registers it again, or if its memory went before a restarted
-    # daemon knew it
+    # None while a rejoin registers it again, or if the daemon does not hold it (its memory
+    # went before a restarted daemon knew it, an attempt was cut short, it was given up)
     daemon_handle: int | None
     link: int  # the daemon connection that holds daemon_handle (DaemonBackend._link)
-    # not to be made again with this daemon: it refused (a limit), or the memory is gone
+    # not to be made again with this daemon: it refused this one or one before (a limit),
+    # or the memory is gone
     given_up: bool = False
 
 
 class Registrations:
     """Our handles, each mapped to the daemon's and the connection it holds it on. A
     restarted daemon hands out new ones (and again the old numbers, to others): a rejoin
-    forgets the old daemon's (`new_daemon`), then registers each again (`register_again`),
+    forgets the old daemon's (`new_daemon`), then registers each again (`register_again`,
+    which a rebuild on the same daemon also calls, for what an earlier one left undone),
     while other threads may register and deregister. `lock` is the backend's: the one
     its connection and `link()` change under."""
 
@@ -86,7 +88,7 @@ class Registrations:
         refusal: LimitExceeded | None = None
         for handle, registration in registrations:
             if registration.daemon_handle is not None or registration.given_up:
-                continue  # made with the new daemon by a register_buffer meanwhile, or refused
+                continue  # the daemon holds it (from before, or a register_buffer meanwhile), or given up
             made = None
             if refusal is None:
                 try:

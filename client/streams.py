@@ -123,6 +123,7 @@ class StreamOrder:
             try:
                 answered_on = self._send_events(stream, pair[2], pair[3], due)
             except (MisuseError, LimitExceeded):  # refused (or never sent): no daemon has them
+                # (a CommTimeout may also mean never sent: kept all the same, which is safe)
                 raise
             except BaseException:  # no answer, or no clear one: the daemon may have opened them
                 with self._lock:

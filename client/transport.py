@@ -329,7 +329,8 @@ class Transport:
 
     def close_inherited(self) -> None:
         """In a forked child: close this process's copy of the socket, leaving the connection
-        (the parent's) as it is (no shutdown, no lock: see _in_forked_child)."""
+        (the parent's) as it is: no shutdown, which would end the parent's connection too,
+        and no lock, which a thread the child lacks may have held."""
         self._broken = DaemonUnavailable("the connection belongs to the parent process")
         self._sock.close()
 

@@ -4,9 +4,10 @@ A complete engine for machines without GPUs and for tests (DESIGN §6). Memory
 arrives as a memfd over SCM_RIGHTS; it must be sealed against shrinking, since a
 worker that truncated a mapped file would make the daemon fault (SIGBUS) on the
 next access. Ops bigger than `inline_bytes` run on a thread pool, cut into
-ranges, so the event loop stays free for heartbeats and small calls; so do small
-ones past a budget per turn of the loop (a group of hundreds of small ops, all
-matched in one turn, would hold the loop for all of them).
+ranges, so the event loop stays free for heartbeats and small calls. Smaller ones
+run on the loop within a budget per turn of it (`InlineBudget`); past it they
+wait, in order, for a later turn (a group of hundreds of small ops, all matched
+in one turn, would otherwise hold the loop for all of them).
 """
 
 from __future__ import annotations
@@ -264,7 +265,8 @@ def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
 
 class InlineBudget:
     """The bytes of small ops the event loop's thread may run inline in one turn of the
-    loop, for every world together; past it, an op waits for a later turn (or a thread).
+    loop, for every world together; past it, an op waits, in the order it came, for a
+    later turn.
     The budget starts afresh in the turn after half of it was spent: a refill every turn
     would cost a callback per small op, and none until it ran out would make every 64th
     lone small call wait a turn."""
@@ -290,8 +292,8 @@ class InlineBudget:
         """Whether a small op may run inline now (if not, a later turn has room for it)."""
         if self._waiting:  # (those waiting go first)
             return False
-        cost = max(nbytes, self._op_cost)
-        if self._spent and self._spent + cost > self._turn_bytes:  # (a fresh budget takes any)
+        cost = self._cost(nbytes)
+        if not self._has_room(cost):
             self._refill_next_turn()
             return False
         self._spent += cost
@@ -306,9 +308,15 @@ class InlineBudget:
             job()
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((max(nbytes, self._op_cost), job, done))
+        self._waiting.append((self._cost(nbytes), job, done))
         self._refill_next_turn()
         await done
+
+    def _cost(self, nbytes: int) -> int:
+        return max(nbytes, self._op_cost)
+
+    def _has_room(self, cost: int) -> bool:
+        return not self._spent or self._spent + cost <= self._turn_bytes  # (a fresh one takes any)
 
     def _refill_next_turn(self) -> None:
         if not self._refilling:
@@ -323,7 +331,7 @@ class InlineBudget:
             if done.done():  # (its task was cancelled)
                 self._waiting.popleft()
                 continue
-            if self._spent and self._spent + cost > self._turn_bytes:
+            if not self._has_room(cost):
                 break
             self._waiting.popleft()
             self._spent += cost

@@ -130,9 +130,9 @@ def test_a_group_on_device_memory_follows_every_stream_once() -> None:
     group.add(proto.Barrier(), 9, early=False)
     group.add(proto.Barrier(), 5, early=True)
     assert list(group.streams) == [5, 9] and not group.early
-    assert group.deadline
-    group.add(proto.Barrier(), None, early=False, deadline=False)  # a recv_command_u32
-    assert not group.deadline
+    assert group.timed
+    group.add(proto.Barrier(), None, early=False, timed=False)  # a recv_command_u32
+    assert not group.timed
 
 
 def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
