@@ -153,12 +153,7 @@ class Transport:
                 self._reader = me
         if reading:
             try:
-                for _ in range(_PARTING_READS):
-                    if self._broken is not None or not self._poll.poll(0):
-                        break
-                    self._route(*self._read_one(None))
-            except CommError:
-                pass  # the transport broke with it
+                self._route_waiting(_PARTING_READS)
             finally:
                 if not nested:
                     self._stop_reading()
@@ -286,12 +281,21 @@ class Transport:
                 return
             self._reader = threading.get_ident()
         try:
-            while self._poll.poll(0):
-                self._route(*self._read_one(None))
-        except CommError:
-            pass  # recorded by _break; surfaces on the next call
+            self._route_waiting()
         finally:
             self._stop_reading()
+
+    def _route_waiting(self, at_most: int | None = None) -> None:
+        """(As the reader) route the packets already in the socket, without blocking, until
+        none is left (or `at_most` were) or the transport breaks (recorded by _break; it
+        surfaces on the next call)."""
+        read = 0
+        try:
+            while (at_most is None or read < at_most) and self._poll.poll(0):
+                self._route(*self._read_one(None))
+                read += 1
+        except CommError:
+            pass
 
     def _stop_reading(self) -> None:
         with self._cond:
