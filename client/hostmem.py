@@ -170,7 +170,11 @@ class HostMemory:
     def on_release(self, listener: ReleaseListener) -> None:
         """Call `listener(buffer_id)` when a buffer is freed (held weakly: a bound method)."""
         with self._lock:
-            self._listeners.append(weakref.WeakMethod(listener))
+            # Copy on write, never in place: an allocation here may start a collection that
+            # runs a buffer's finalizer on this thread (the lock is reentrant), which reads
+            # the list; one that rebound or pruned it would lose this listener.
+            added = weakref.WeakMethod(listener)
+            self._listeners = [ref for ref in self._listeners if ref() is not None] + [added]
 
     def _releasing(self) -> None:
         with self._lock:
@@ -182,9 +186,8 @@ class HostMemory:
             if entry is not None and entry[0] == buffer_id:
                 del self._by_start[ptr]
                 self._starts.remove(ptr)
-            alive = [ref for ref in self._listeners if ref() is not None]
-            self._listeners = alive
-        for ref in alive:
+            listeners = self._listeners  # (never changed in place: see on_release)
+        for ref in listeners:
             listener = ref()
             if listener is not None:
                 listener(buffer_id)

@@ -8,7 +8,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,21 @@ def own_daemon(args: Sequence[str] = ()) -> Iterator[DaemonProcess]:
 
 
 def on_both(fn: Callable[[int], Any]) -> list[Any]:
-    with ThreadPoolExecutor(2) as pool:
-        return [f.result(30) for f in [pool.submit(fn, r) for r in range(2)]]
+    """`fn(0)` and `fn(1)` on two threads; a failure raises the first rank's error with
+    the other rank's outcome noted on it (one rank's error alone often hides the cause)."""
+    pool = ThreadPoolExecutor(2)
+    futures = [pool.submit(fn, r) for r in range(2)]
+    wait(futures, 30)
+    pool.shutdown(wait=False)  # (a rank still running is reported, not waited for)
+    failed = [(r, f.exception(0)) for r, f in enumerate(futures) if f.done() and f.exception(0)]
+    if failed or not all(f.done() for f in futures):
+        first = failed[0][1] if failed else TimeoutError("on_both: a rank did not return in 30 s")
+        assert first is not None
+        for r, f in enumerate(futures):
+            outcome = (("raised " + repr(f.exception(0))) if f.exception(0) else "returned")
+            first.add_note(f"rank {r} {outcome if f.done() else 'still running'}")
+        raise first
+    return [f.result(0) for f in futures]
 
 
 def join(daemon: DaemonProcess, timeout: float, world: str | None = None) -> list[DaemonBackend]:

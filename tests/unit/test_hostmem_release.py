@@ -1,0 +1,76 @@
+"""Who hears of a freed host buffer: every listener registered, also one registered while
+a garbage collection frees a buffer on the same thread (a backend registers its listener
+as it is made; a collection may start at any allocation)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from client.hostmem import HostBuffer, HostMemory
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Listener:
+    def __init__(self, name: str, heard: list[tuple[str, int]]) -> None:
+        self.name, self.heard = name, heard
+
+    def hear(self, buffer_id: int) -> None:
+        self.heard.append((self.name, buffer_id))
+
+
+@pytest.fixture
+def no_automatic_collection() -> Iterator[None]:
+    gc.disable()  # (the cycle below must wait for the collection the test starts)
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def garbage_buffer(memory: HostMemory) -> int:
+    """A buffer in a reference cycle, freed only by a collection; its id."""
+    buffer = memory.alloc(8)
+    cycle: list[object] = [buffer]
+    cycle.append(cycle)
+    return buffer.id
+
+
+def test_a_listener_registered_while_a_collection_frees_a_buffer_hears_later_frees(
+        monkeypatch: pytest.MonkeyPatch, no_automatic_collection: None) -> None:
+    """Before: the collection's finalizer (same thread, reentrant lock) pruned the list into
+    a new one while on_release was appending to the old, and the listener was lost: a
+    backend made then never sent Forgets, and the daemon's buffer limit filled up."""
+    memory, heard = HostMemory(), []
+    first, second = Listener("first", heard), Listener("second", heard)
+    memory.on_release(first.hear)
+    collected = garbage_buffer(memory)
+    real = weakref.WeakMethod
+
+    def collecting(*args: object) -> object:
+        gc.collect()  # as if this allocation had started a collection
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(weakref, "WeakMethod", collecting)
+    memory.on_release(second.hear)
+    monkeypatch.undo()
+    assert heard == [("first", collected)]  # the collection did free the buffer meanwhile
+    later = memory.alloc(8)
+    later.close()
+    assert sorted(heard[1:]) == [("first", later.id), ("second", later.id)]
+
+
+def test_dead_listeners_are_let_go_and_the_live_still_hear() -> None:
+    memory, heard = HostMemory(), []
+    kept = Listener("kept", heard)
+    for name in ("a", "b", "c"):
+        memory.on_release(Listener(name, heard).hear)  # dropped at once
+    memory.on_release(kept.hear)
+    assert len(memory._listeners) == 1  # the dead were pruned as it was added
+    buffer: HostBuffer = memory.alloc(8)
+    buffer.close()
+    assert heard == [("kept", buffer.id)]
