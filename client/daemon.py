@@ -475,6 +475,10 @@ class DaemonBackend(CommBackend):
                     handed = answer.link == self._link
                     if handed:
                         self._imports.add(ref.buffer_id)
+                        # freed or evicted meanwhile, its release heard before it was held
+                        # here: the daemon is owed a Forget all the same
+                        if not self._resolver.still_known(ref):
+                            self._imports.release(ref.buffer_id)
                 if not handed:
                     raise self._went_away(answer.epoch, "while this call handed it a buffer")
         return proto.Mem(ref.buffer_id, ref.offset)
@@ -631,7 +635,10 @@ class DaemonBackend(CommBackend):
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)
-        if self._inherited:  # (nothing to tell; _lock may be held for good)
+        # A forked child has nothing to tell, and _lock may be held there for good (by a parent
+        # thread): by the pid, since a collection may free a buffer in the at-fork hooks that
+        # run before this backend is marked inherited
+        if os.getpid() != self._pid:
             return
         with self._lock:
             self._imports.release(buffer_id)

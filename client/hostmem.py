@@ -128,6 +128,7 @@ class HostMemory:
         # Bumped before a buffer is unmapped, so before its address can be handed out again
         # (the listeners hear of it only after): what was built from an address before is stale
         self.releases = 0
+        _TABLES.add(self)
 
     def next_id(self) -> int:
         with self._lock:
@@ -192,6 +193,28 @@ class HostMemory:
             if listener is not None:
                 listener(buffer_id)
 
+
+# Every table of this process. A fork waits for their locks (held briefly: never over I/O),
+# so that no thread the child lacks holds one there: the child's allocations, closes and
+# collected buffers would wait for it for good.
+_TABLES: weakref.WeakSet[HostMemory] = weakref.WeakSet()
+_FORKING: list[HostMemory] = []  # the tables whose locks the fork under way holds
+
+
+def _before_fork() -> None:
+    _FORKING[:] = list(_TABLES)
+    for table in _FORKING:
+        table._lock.acquire()
+
+
+def _after_fork() -> None:
+    """(In the parent and in the child, whose forking thread owns the locks as it did)"""
+    for table in reversed(_FORKING):
+        table._lock.release()
+    _FORKING.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 _DEFAULT = HostMemory()
 

@@ -37,6 +37,9 @@ class MemoryRef:
     offset: int
     fd: int | None  # a host buffer's own fd, sent beside the first Import; the buffer keeps it open
     handle: bytes = b""
+    # a host buffer, held while its ref is: a collection must not free it (and close its fd)
+    # in the middle of its import
+    owner: HostBuffer | None = None
 
 
 def resolve(memory: HostMemory, ptr: int, nbytes: int) -> MemoryRef | None:
@@ -52,7 +55,7 @@ def resolve(memory: HostMemory, ptr: int, nbytes: int) -> MemoryRef | None:
 
 
 def _host_ref(buffer: HostBuffer, offset: int) -> MemoryRef:
-    return MemoryRef(MemKind.HOST, buffer.id, buffer.size, offset, buffer.fd)
+    return MemoryRef(MemKind.HOST, buffer.id, buffer.size, offset, buffer.fd, owner=buffer)
 
 
 class MemoryResolver:
@@ -98,6 +101,14 @@ class MemoryResolver:
                 "(client.hostmem.alloc) nor in CUDA device memory")
         allocation, offset = found
         return MemoryRef(allocation.kind, allocation.id, allocation.size, offset, None, allocation.handle)
+
+    def still_known(self, ref: MemoryRef) -> bool:
+        """Whether `ref`'s allocation was not let go of since it was resolved (freed, evicted):
+        if it was, its release listener has run already."""
+        if ref.owner is not None:
+            return not ref.owner.closed
+        cuda = self._cuda
+        return cuda is not None and cuda.owns(ref.buffer_id)
 
     def device_buffers(self, buffer_ids: Iterable[int]) -> tuple[int, ...]:
         """Those of `buffer_ids` that are CUDA allocations (whose liveness a cached op must check)."""

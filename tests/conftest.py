@@ -1,8 +1,9 @@
-"""Shared fixtures: a real daemon process and a pool of real worker processes."""
+"""Shared fixtures: a real daemon process, a pool of real worker processes, garbage."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -138,3 +139,19 @@ def fault_report() -> Iterator[FaultReport]:
 @pytest.fixture
 def sock(daemon: DaemonProcess) -> str:
     return str(daemon.socket_path)
+
+
+@pytest.fixture
+def no_automatic_collection() -> Iterator[None]:
+    """Garbage waits for the collection a test starts (gc.collect())."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def garbage(obj: object) -> None:
+    """Put `obj` in a reference cycle: once the caller drops it, only a collection frees it."""
+    cycle: list[object] = [obj]
+    cycle.append(cycle)

@@ -314,3 +314,34 @@ def test_a_fork_while_a_socket_is_made_waits_until_the_child_can_close_it(
         seen = in_child({"the socket's fd": lambda: made[0].fileno()})
         making.result(10).close()
     assert seen == {"the socket's fd": ["returned", "-1"]}
+
+
+def test_a_fork_while_a_thread_holds_the_host_table_leaves_the_child_a_usable_table() -> None:
+    """A thread held the host table's lock as the process forked (every call locates its
+    pointers there): the fork waits for it, so the child can allocate, close and drop
+    host buffers (before: each of them hung on a lock no thread of the child held)."""
+    memory = hostmem.HostMemory()
+    inherited = [memory.alloc(64), memory.alloc(64)]
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_table() -> None:
+        with memory._lock:
+            held.set()
+            time.sleep(0.3)  # (the fork comes now, and waits)
+        release.wait(10)
+
+    def drop_an_inherited_buffer() -> None:
+        inherited.pop()  # (its last reference: the finalizer runs here)
+
+    holder = threading.Thread(target=hold_the_table)
+    holder.start()
+    try:
+        assert held.wait(5)
+        seen = in_child({"alloc": lambda: memory.alloc(8).nbytes,
+                         "close an inherited buffer": inherited[0].close,
+                         "drop an inherited buffer": drop_an_inherited_buffer})
+    finally:
+        release.set()
+        holder.join(10)
+    assert seen == {"alloc": ["returned", "8"], "close an inherited buffer": ["returned", "None"],
+                    "drop an inherited buffer": ["returned", "None"]}

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 
 import pytest
 
 from client.hostmem import HostBuffer, HostMemory
+from tests.conftest import garbage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,20 +23,10 @@ class Listener:
         self.heard.append((self.name, buffer_id))
 
 
-@pytest.fixture
-def no_automatic_collection() -> Iterator[None]:
-    gc.disable()  # (the cycle below must wait for the collection the test starts)
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def garbage_buffer(memory: HostMemory) -> int:
     """A buffer in a reference cycle, freed only by a collection; its id."""
     buffer = memory.alloc(8)
-    cycle: list[object] = [buffer]
-    cycle.append(cycle)
+    garbage(buffer)
     return buffer.id
 
 

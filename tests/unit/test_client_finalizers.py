@@ -1,0 +1,243 @@
+"""A worker's memory let go of at awkward moments, and the daemon still hears of it (a
+Forget), or a forked child still gets past its hooks: freed by a garbage collection in
+the middle of its import (a rejoin re-imports what was registered), evicted from the CUDA
+cache by another thread's call while it is imported, or freed by a collection inside a
+forked child's at-fork hooks while a parent thread held the backend's lock."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+import signal
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import proto
+from client import DaemonBackend
+from client import transport as transport_module
+from client.hostmem import HostMemory
+from client.memory import MemoryRef
+from tests.conftest import garbage
+from tests.unit.test_client_cuda import FakeDriver
+from tests.unit.test_hostmem_release import garbage_buffer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class RecordingDaemon:
+    """Welcomes every hello, answers every request Ok (a fresh value), records what came;
+    `drop()` closes the current connection (the daemon went away: the next call rejoins)."""
+
+    def __init__(self, path: str) -> None:
+        self.seen: list[tuple[int, object]] = []
+        self.conns: list[socket.socket] = []
+        self._values = itertools.count(1)
+        self.gate: tuple[int, threading.Event, threading.Event] | None = None  # (buf, arrived, go)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(path)
+        self._listener.listen(4)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        for n in itertools.count():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(n, conn), daemon=True).start()
+
+    def _serve(self, n: int, conn: socket.socket) -> None:
+        while True:
+            try:
+                data, anc, _, _ = conn.recvmsg(proto.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(16))
+            except OSError:
+                return
+            if not data:
+                return
+            fds = [fd for lvl, kind, raw in anc if kind == socket.SCM_RIGHTS
+                   for fd in struct.unpack(f"{len(raw) // 4}i", raw)]
+            for fd in fds:
+                os.close(fd)
+            msg = proto.decode(data, len(fds))
+            self.seen.append((n, msg))
+            if isinstance(msg, proto.Import) and self.gate is not None and msg.buf == self.gate[0]:
+                self.gate[1].set()  # its reply waits for the test
+                self.gate[2].wait(10)
+            if isinstance(msg, proto.Hello):
+                reply: object = proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", n + 1,
+                                              proto.MAX_MESSAGE_BYTES)
+            elif isinstance(msg, proto.Forget):
+                continue
+            else:
+                reply = proto.Ok(msg.id, value=next(self._values))
+            conn.send(proto.encode(reply))
+
+    def drop(self) -> None:
+        self.conns[-1].shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture
+def recording() -> Iterator[tuple[RecordingDaemon, str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "fake.sock")
+        fake = RecordingDaemon(path)
+        yield fake, path
+        fake.close()
+
+
+@pytest.mark.parametrize("when", ["before the import is sent", "after the import is answered"])
+def test_a_collection_during_a_rejoins_import_of_a_dropped_registered_buffer(
+        recording: tuple[RecordingDaemon, str], no_automatic_collection: None, when: str) -> None:
+    """The import holds the buffer until it is recorded, and an import whose memory went
+    meanwhile is forgotten. Before: a collection before the send closed the fd being sent
+    (EBADF broke the new connection: attempt_reconnect raised DaemonUnavailable); one after
+    the reply released it before the import was recorded, so it stayed recorded and the
+    daemon kept the mapping for good."""
+    fake, path = recording
+    memory = HostMemory()
+    backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
+    try:
+        buf = memory.alloc(64)
+        buf_id = buf.id
+        backend.register_buffer(buf.ptr, 64)
+        garbage(buf)  # the worker lets go of the memory, freed at the next collection
+        del buf
+
+        if when == "before the import is sent":
+            real_fds = backend._resolver.import_fds
+
+            @contextlib.contextmanager
+            def collecting(ref: MemoryRef) -> Iterator[list[int]]:
+                # (a collection started by an allocation before the send)
+                with real_fds(ref) as fds:
+                    gc.collect()
+                    yield fds
+
+            backend._resolver.import_fds = collecting  # type: ignore[method-assign]
+        else:
+            real_add = backend._imports.add
+
+            def collecting_add(buffer_id: int) -> None:  # (one started just before it is recorded)
+                gc.collect()
+                real_add(buffer_id)
+
+            backend._imports.add = collecting_add  # type: ignore[method-assign]
+
+        fake.drop()  # the daemon went away; the rejoin registers again what it knew
+        backend.is_healthy()
+        backend.attempt_reconnect()  # before: DaemonUnavailable, [Errno 9] Bad file descriptor
+        assert memory.locate(0) is None and not memory._by_start  # the buffer was collected
+        backend.barrier()  # (the Forgets owed go with the next request)
+        forgotten = {b for n, m in fake.seen if n == 1 and isinstance(m, proto.Forget) for b in m.bufs}
+        imported = {m.buf for n, m in fake.seen if n == 1 and isinstance(m, proto.Import)}
+        # the new daemon may import it, but then must hear it was freed
+        assert buf_id not in imported or buf_id in forgotten, (imported, forgotten)
+        assert buf_id not in backend._imports
+    finally:
+        backend.close()
+
+
+class CollectingSet:
+    """Stands in for transport._OPEN: iterating it (in the child's fork hook) starts a
+    collection, as any allocation in the hooks that run before the backends are marked may."""
+
+    def __init__(self, real: object) -> None:
+        self.real = real
+
+    def __iter__(self) -> Iterator[object]:
+        gc.collect()
+        return iter(list(self.real))  # type: ignore[call-overload]
+
+    def add(self, item: object) -> None:
+        self.real.add(item)  # type: ignore[attr-defined]
+
+
+def test_a_collection_in_the_childs_fork_hooks_does_not_wait_for_the_parents_lock(
+        recording: tuple[RecordingDaemon, str], no_automatic_collection: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer freed by a collection in the hooks that run before the backends learn they
+    are the parent's: its listener does not take the backend's lock (held by a parent
+    thread the child lacks). Before: the child hung inside os.fork()."""
+    _, path = recording
+    memory = HostMemory()
+    backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a reader in on_event, any call's bookkeeping, as the fork comes
+        with backend._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        garbage_buffer(memory)
+        monkeypatch.setattr(transport_module, "_OPEN", CollectingSet(transport_module._OPEN))
+        assert held.wait(5)
+        child = os.fork()
+        if child == 0:
+            os._exit(0)  # (reached only once the fork hooks returned)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            pid, _ = os.waitpid(child, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the child hangs in its fork hook: the buffer's finalizer waits there "
+                        "for the backend's lock, held by a thread the child does not have")
+    finally:
+        release.set()
+        holder.join(10)
+        backend.close()
+
+
+def test_a_device_allocation_evicted_while_it_is_imported_is_forgotten(
+        recording: tuple[RecordingDaemon, str]) -> None:
+    """Another thread's call fills the CUDA cache and evicts the allocation this thread is
+    importing: on_forget (release) comes before the import is recorded (add)."""
+    fake, path = recording
+    driver = FakeDriver()
+    a, b = driver.alloc(0x10000, 4096), driver.alloc(0x20000, 4096)
+    backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=HostMemory(), cuda_driver=lambda: driver)
+    try:
+        cuda = backend._resolver._cuda_memory()
+        cuda._max = 1  # (a full cache, without a thousand allocations)
+        a_id = backend._resolver.resolve(a.base, 8).buffer_id
+        arrived, go = threading.Event(), threading.Event()
+        fake.gate = (a_id, arrived, go)
+        first = threading.Thread(target=lambda: backend.broadcast(a.base, 8, 0))
+        first.start()
+        assert arrived.wait(5)  # a's Import is out, its reply held
+        second = threading.Thread(target=lambda: backend.broadcast(b.base, 8, 0))
+        second.start()  # finds b, which evicts a (on_forget: released), then waits for the import lock
+        for _ in range(100):
+            if not cuda.owns(a_id):
+                break
+            threading.Event().wait(0.01)
+        assert not cuda.owns(a_id)
+        go.set()
+        first.join(5)
+        second.join(5)
+        backend.barrier()  # (the Forgets owed go with the next request)
+        forgotten = {x for _, m in fake.seen if isinstance(m, proto.Forget) for x in m.bufs}
+        assert a_id in forgotten, "the daemon keeps a's mapping for ever"
+        assert a_id not in backend._imports
+    finally:
+        go.set()
+        backend.close()
