@@ -188,10 +188,18 @@ class HostMemory:
                 del self._by_start[ptr]
                 self._starts.remove(ptr)
             listeners = self._listeners  # (never changed in place: see on_release)
+        # Every listener hears of it, whichever raises: a backend skipped would never tell
+        # its daemon (the first error is raised once all have heard)
+        failed: list[Exception] = []
         for ref in listeners:
             listener = ref()
             if listener is not None:
-                listener(buffer_id)
+                try:
+                    listener(buffer_id)
+                except Exception as exc:
+                    failed.append(exc)
+        if failed:
+            raise failed[0]
 
 
 # Every table of this process. A fork waits for their locks (held briefly: never over I/O),

@@ -64,3 +64,22 @@ def test_dead_listeners_are_let_go_and_the_live_still_hear() -> None:
     buffer: HostBuffer = memory.alloc(8)
     buffer.close()
     assert heard == [("kept", buffer.id)]
+
+
+def test_a_listener_that_raises_does_not_keep_the_others_from_hearing() -> None:
+    memory, heard = HostMemory(), []
+    before, after = Listener("before", heard), Listener("after", heard)
+
+    class Raising:
+        def hear(self, buffer_id: int) -> None:
+            raise RuntimeError(f"cannot take {buffer_id}")
+
+    raising = Raising()
+    memory.on_release(before.hear)
+    memory.on_release(raising.hear)
+    memory.on_release(after.hear)
+    buffer = memory.alloc(8)
+    with pytest.raises(RuntimeError, match=f"cannot take {buffer.id}"):
+        buffer.close()
+    assert heard == [("before", buffer.id), ("after", buffer.id)]
+    assert buffer.closed and memory.locate(buffer.ptr) is None
