@@ -8,6 +8,7 @@ Methods the seed gives a default keep that default here.
 from __future__ import annotations
 
 import abc
+import operator
 from typing import TypeVar
 
 from proto import DType, ReduceOp
@@ -37,6 +38,21 @@ def as_dtype(value: DTypeLike) -> DType:
 
 def as_op(value: OpLike) -> ReduceOp:
     return _member(ReduceOp, "op", value)
+
+
+def as_ints(**values: object) -> tuple[int, ...]:
+    """The arguments, in their order, as plain ints (numpy integers too: np.prod(shape) * 2
+    is one); MisuseError for anything else. msgpack cannot pack numpy's, and the daemon
+    drops a connection that sends a float where an integer goes."""
+    ints = []
+    for name, value in values.items():
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            ints.append(int(operator.index(value)))  # type: ignore[arg-type]
+        except TypeError:
+            raise MisuseError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    return tuple(ints)
 
 
 class CommBackend(abc.ABC):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import threading
 import time
@@ -14,7 +13,7 @@ from typing import TypeVar
 import proto
 from proto import DType, ReduceOp
 
-from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_op
+from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op
 from .cuda import available_driver
 from .errors import (
     UNHEALTHY,
@@ -27,6 +26,7 @@ from .errors import (
     from_code,
 )
 from .groups import Basis, Groups
+from .health import Health
 from .hostmem import HostMemory, default_memory
 from .imported import ImportedBuffers
 from .memory import DriverFactory, MemoryResolver
@@ -38,21 +38,6 @@ from .symmetric import SymmetricMemory
 from .transport import Transport, Undo
 
 T = TypeVar("T")
-
-
-def _ints(**values: object) -> tuple[int, ...]:
-    """The arguments, in their order, as plain ints (numpy integers too: np.prod(shape) * 2
-    is one); MisuseError for anything else. msgpack cannot pack numpy's, and the daemon
-    drops a connection that sends a float where an integer goes."""
-    ints = []
-    for name, value in values.items():
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            ints.append(int(operator.index(value)))  # type: ignore[arg-type]
-        except TypeError:
-            raise MisuseError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
-    return tuple(ints)
 
 
 # a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
@@ -82,9 +67,9 @@ class DaemonBackend(CommBackend):
                  timeout: float = 60.0, token: str | None = None,
                  memory: HostMemory | None = None, stream: int = 0,
                  cuda_driver: DriverFactory = available_driver) -> None:
-        rank, world_size, stream = _ints(rank=rank, world_size=world_size, stream=stream)
+        rank, world_size, stream = as_ints(rank=rank, world_size=world_size, stream=stream)
         if device is not None:
-            device, = _ints(device=device)
+            device, = as_ints(device=device)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
                 or not 0 < timeout < _MAX_TIMEOUT_S:
             raise MisuseError(f"timeout must be seconds in (0, {_MAX_TIMEOUT_S:g}), got {timeout!r}")
@@ -102,22 +87,18 @@ class DaemonBackend(CommBackend):
         self._import_lock = threading.Lock()
         self._reconnect_lock = threading.Lock()  # one attempt_reconnect of this rank at a time
         self._reconnects = 0  # that succeeded
-        # per thread: `failed_at`, the epoch of the failure this thread last met (an error, or
-        # is_healthy() false); None once it reconnected, or saw a collective work since
-        self._per_thread = threading.local()
+        self._health = Health(self._lock)
         # The daemon connection our bookkeeping (imports, registrations, events) is about: a
         # rejoin's new one, under _lock with the transport and the epoch, so a reply that came
         # on the old one is never recorded as the new daemon's
         self._link = 0
         self._imports = ImportedBuffers()
-        self._groups = Groups(on_dropped=self._met_failure)
+        self._groups = Groups(on_dropped=self._health.met)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
         # (with an engine with streams)
         self._order = StreamOrder(device, self._send_events, self._current_link)
-        self._failure: CommError | None = None  # why the world is unhealthy
-        self._failure_epoch = 0  # the epoch the failure is about
         self._closed = False
         self._pid = os.getpid()  # (for the message a forked child's calls get)
         self._inherited = False  # set in a forked child: the connection is the parent's
@@ -166,25 +147,25 @@ class DaemonBackend(CommBackend):
     def all_reduce(self, ptr: int, bytes: int, *, dtype: DTypeLike = DType.BF16,
                    op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
-        ptr, bytes = _ints(ptr=ptr, bytes=bytes)
+        ptr, bytes = as_ints(ptr=ptr, bytes=bytes)
         self._call(("ar", ptr, bytes, d, o),
                    lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o))
 
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
-        send_ptr, recv_ptr, bytes = _ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
+        send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         self._call(("ag", send_ptr, recv_ptr, bytes), lambda due: proto.AllGather(
             self._mem(send_ptr, bytes, due), self._mem(recv_ptr, bytes * self._world_size, due), bytes))
 
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
                        dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
-        send_ptr, recv_ptr, bytes = _ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
+        send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda due: proto.ReduceScatter(
             self._mem(send_ptr, bytes * self._world_size, due), self._mem(recv_ptr, bytes, due), bytes,
             d, o))
 
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
-        ptr, bytes, root = _ints(ptr=ptr, bytes=bytes, root=root)
+        ptr, bytes, root = as_ints(ptr=ptr, bytes=bytes, root=root)
         self._call(("bc", ptr, bytes, root),
                    lambda due: proto.Broadcast(self._mem(ptr, bytes, due), bytes, root))
 
@@ -192,21 +173,21 @@ class DaemonBackend(CommBackend):
         self._call(("barrier",), lambda due: proto.Barrier())
 
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
-        ptr, bytes, dest_rank, stream = _ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
+        ptr, bytes, dest_rank, stream = as_ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
         self._call(("send", ptr, bytes, dest_rank, stream),
                    lambda due: proto.Send(self._mem(ptr, bytes, due), bytes, dest_rank, stream),
                    stream=stream or None,
                    early=True)
 
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
-        ptr, bytes, src_rank, stream = _ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
+        ptr, bytes, src_rank, stream = as_ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
         self._call(("recv", ptr, bytes, src_rank, stream),
                    lambda due: proto.Recv(self._mem(ptr, bytes, due), bytes, src_rank, stream),
                    stream=stream or None,
                    early=True)
 
     def recv_command_u32(self, ptr: int, root: int) -> None:
-        ptr, root = _ints(ptr=ptr, root=root)
+        ptr, root = as_ints(ptr=ptr, root=root)
         if root == self._rank:
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
         self._call(("cmd", ptr, root),
@@ -218,7 +199,7 @@ class DaemonBackend(CommBackend):
         # Host memory (or the host engine): done when this returns. A GPU engine answers once
         # the op is ordered after `compute_stream`, which then waits for it on the device.
         d, o = as_dtype(dtype), as_op(op)
-        ptr, bytes, compute_stream = _ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
+        ptr, bytes, compute_stream = as_ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
         self._call(("ar", ptr, bytes, d, o),
                    lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o),
                    stream=compute_stream or None, early=True)
@@ -231,22 +212,22 @@ class DaemonBackend(CommBackend):
 
     def register_buffer(self, ptr: int, bytes: int) -> int:
         self._check_open()
-        ptr, bytes = _ints(ptr=ptr, bytes=bytes)
+        ptr, bytes = as_ints(ptr=ptr, bytes=bytes)
         return self._registrations.register(ptr, bytes, self._due())
 
     def deregister_buffer(self, handle: int) -> None:
         self._check_open()
-        handle, = _ints(handle=handle)
+        handle, = as_ints(handle=handle)
         self._registrations.deregister(handle, self._due())
 
     def symmetric_alloc(self, bytes: int) -> int:
         self._check_open()
-        bytes, = _ints(bytes=bytes)
+        bytes, = as_ints(bytes=bytes)
         return self._symmetric.alloc(bytes, self._due())
 
     def symmetric_free(self, ptr: int) -> None:
         self._check_open()
-        ptr, = _ints(ptr=ptr)
+        ptr, = as_ints(ptr=ptr)
         self._symmetric.free(ptr, self._due())
 
     def set_add_kernel(self, handle: int) -> None:
@@ -255,7 +236,7 @@ class DaemonBackend(CommBackend):
         # does after a restart (undone, it could not be sure not to have told a rejoin's
         # daemon already). The failure shows as is_healthy() false and the next call's error.
         self._check_open()
-        handle, = _ints(handle=handle)
+        handle, = as_ints(handle=handle)
         self._build(lambda: proto.SetAddKernel(1, handle))  # (a bad one is never kept)
         with self._lock:
             self._add_kernel = handle
@@ -295,13 +276,8 @@ class DaemonBackend(CommBackend):
         if self._closed:
             return False
         self._take_news()
-        with self._lock:
-            failure, about = self._failure, self._failure_epoch
-        if failure is None:
-            self._failure_behind()  # healthy, as far as this thread knows now
-            return True
-        self._met_failure(about)
-        return False
+        failure, _ = self._health.tell_thread()
+        return failure is None
 
     def _take_news(self) -> None:
         """Read the events already waiting, and whether the connection broke."""
@@ -326,19 +302,19 @@ class DaemonBackend(CommBackend):
         rebuild, as does any thread while the world is known to have failed again."""
         self._check_open()
         entered = self._reconnects
-        failed_at: int | None = getattr(self._per_thread, "failed_at", None)
+        failed_at = self._health.met_at()
         with self._reconnect_lock:
             self._take_news()  # (another rank's vote since the rebuild has failed it again)
             with self._lock:
                 # another thread reconnected while this one waited, or since its failure
                 repaired = self._reconnects != entered or (
                     failed_at is not None and failed_at < self.epoch)
-                if repaired and self._failure is None:
-                    self._failure_behind()
+                if repaired and self._health.failure()[0] is None:
+                    self._health.behind()
                     return
             refusal = self._reconnect()
             self._reconnects += 1
-            self._failure_behind()
+            self._health.behind()
         if refusal is not None:  # (a limit: the world is rebuilt and healthy all the same)
             raise refusal
 
@@ -367,9 +343,7 @@ class DaemonBackend(CommBackend):
         except LimitExceeded as exc:
             refusal = exc
         self._tell_add_kernel(restore)
-        with self._lock:
-            if self._failure_epoch < self.epoch:  # (one the new epoch met stays)
-                self._failure, self._failure_epoch = None, 0
+        self._health.repaired_up_to(self.epoch)
         return refusal
 
     def _rejoin(self, deadline: float) -> None:
@@ -543,10 +517,9 @@ class DaemonBackend(CommBackend):
 
     def _submit(self, ops: tuple[proto.Op, ...], due: float | None, basis: Basis,
                 stream: int | None = None, early: bool = False) -> None:
-        with self._lock:
-            failure, about = self._failure, self._failure_epoch
+        failure, about = self._health.failure()
         if failure is not None:
-            self._met_failure(about)
+            self._health.met(about)
             raise type(failure)(f"world {self._world} is not healthy: {failure}; "
                                 "call attempt_reconnect", failure.code)
         # The daemon fails a call open past the timeout and says which rank is behind;
@@ -560,9 +533,9 @@ class DaemonBackend(CommBackend):
             raise self._went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:
             if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
-                self._met_failure(basis.epoch)  # (which that reconnect has repaired)
+                self._health.met(basis.epoch)  # (which that reconnect has repaired)
             raise
-        self._failure_behind()  # it saw the world work: a later attempt_reconnect is meant
+        self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
 
     def _request(self, make: Callable[[int], proto.Request], *, due: float | None,
                  fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
@@ -589,7 +562,7 @@ class DaemonBackend(CommBackend):
                 raise Superseded from exc  # (sent on the connection a rejoin was replacing)
             # (a call refused as made for an older epoch says nothing of the current one)
             if isinstance(exc, UNHEALTHY) and exc.code is not proto.ErrorCode.STALE_EPOCH:
-                self._met_failure(self._mark_unhealthy(exc, epoch, transport))
+                self._health.met(self._mark_unhealthy(exc, epoch, transport))
             raise
         return Answer(reply, got, used, epoch, engine)
 
@@ -608,25 +581,15 @@ class DaemonBackend(CommBackend):
             # (_joining first: during the constructor's hello there is no _transport yet)
             left = (transport is not None and transport is not self._joining
                     and transport is not self._transport)
-            stale = about < self.epoch or left
-            # a newer one replaces an older: the reconnect under way clears only the older
-            if not stale and (self._failure is None or about > self._failure_epoch):
-                self._failure, self._failure_epoch = why, about
+            if about >= self.epoch and not left:
+                self._health.record(why, about)
         return about
-
-    def _met_failure(self, epoch: int) -> None:
-        """The calling thread learns that the world of `epoch` failed (see attempt_reconnect)."""
-        self._per_thread.failed_at = epoch
 
     def _went_away(self, epoch: int, when: str) -> DaemonUnavailable:
         """The error of a call made with a daemon a rejoin replaced meanwhile: the calling
         thread met the end of the world of `epoch` (which that rejoin has repaired)."""
-        self._met_failure(epoch)
+        self._health.met(epoch)
         return DaemonUnavailable(f"the daemon went away {when}; call attempt_reconnect")
-
-    def _failure_behind(self) -> None:
-        """The calling thread has no failure to handle any more (see attempt_reconnect)."""
-        self._per_thread.failed_at = None
 
     def _on_event(self, event: proto.Event, transport: Transport) -> None:
         # (one from a connection a rejoin has replaced, a SHUTDOWN's say, whose epoch 0 would

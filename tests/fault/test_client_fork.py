@@ -115,7 +115,7 @@ def test_every_call_in_a_child_is_refused_at_once_whatever_the_parent_held(
         holder.start()
         try:
             assert held.wait(5)
-            comm._failure = WorldFailed("as the parent recorded it")
+            comm._health._failure = WorldFailed("as the parent recorded it")  # (its lock is held)
             seen = in_child({
                 "all_reduce": lambda: comm.all_reduce(bufs[0].ptr, 8, dtype="i32"),
                 "group_end": comm.group_end,
@@ -133,7 +133,7 @@ def test_every_call_in_a_child_is_refused_at_once_whatever_the_parent_held(
         finally:
             release.set()
             holder.join(10)
-            comm._failure = None
+            comm._health._failure = None
         # the parent's rank: its group goes out (rank 1 meets it), and all still works
         with ThreadPoolExecutor(1) as rank1:  # (a group is the thread's that opened it: this one)
             meets = rank1.submit(comms[1].all_reduce, bufs[1].ptr, 8, dtype="i32")

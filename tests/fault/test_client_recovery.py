@@ -477,7 +477,7 @@ def test_a_refused_restoring_on_the_same_daemon_is_no_failure_a_thread_votes_on(
             outcome: list[object] = []
 
             def another_thread() -> None:
-                comms[0]._met_failure(epoch - 1)  # (as a call of it would have recorded)
+                comms[0]._health.met(epoch - 1)  # (as a call of it would have recorded)
                 started = time.monotonic()
                 outcome.extend([_error_of(comms[0].attempt_reconnect), time.monotonic() - started])
 
