@@ -32,6 +32,7 @@ from .engine.base import (
     Region,
     SendOp,
 )
+from .engine_extras import EngineExtras
 from .errors import CallError, clip, rank_list
 from .matching import Call, Match, Matcher, Mismatch
 from .membership import LocalMembership, NetMembership
@@ -81,7 +82,6 @@ class World:
         self.cause: str | None = None
         self.cause_code = ErrorCode.WORLD_FAILED
         self.members: dict[int, Peer] = {}
-        self.add_kernel: dict[int, int] = {}
         self._engine = engine
         self._on_empty = on_empty
         self._waiting: dict[int, Waiter] = {}
@@ -104,8 +104,7 @@ class World:
         self._watchdog: asyncio.Task[None] | None = None
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
-        self._registered: dict[int, dict[int, Region]] = {}  # rank -> register_buffer's, by handle
-        self._handed = False  # whether the communicator has them (see _hand_registrations)
+        self._extras = EngineExtras(world_size, local=net is None)
 
     # ---- forming ----------------------------------------------------------------
 
@@ -205,9 +204,7 @@ class World:
         self.local_ranks = local_ranks
         self._matcher = Matcher(self.world_size, local_ranks)
         self._comm = comm
-        self._handed = False  # a rebuilt world's communicator gets the registrations again
-        self._hand_registrations()
-        self._use_add_kernel()
+        self._extras.hand_to(comm)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         waiting, self._waiting = self._waiting, {}
@@ -412,46 +409,14 @@ class World:
             peer.send(event)
 
     def set_add_kernel(self, rank: int, handle: int) -> None:
-        self.add_kernel[rank] = handle
-        self._use_add_kernel()
-
-    def _use_add_kernel(self) -> None:
-        """The add-kernel path changes which NCCL calls each rank makes, so it is taken only
-        when both ranks of a 2-rank world asked for it, on this daemon (where it is known)."""
-        if self._comm is not None:
-            self._comm.use_add_kernel(self.world_size == 2 and self.net is None
-                                      and set(self.add_kernel) == {0, 1})
+        self._extras.set_add_kernel(rank, handle, self._comm)
 
     def register(self, rank: int, key: int, region: Region) -> None:
         """register_buffer: the engine may prepare the memory (NCCL registers it)."""
-        self._registered.setdefault(rank, {})[key] = region
-        if self._comm is not None and self._handed:
-            self._comm.register(rank, key, region)
-        self._hand_registrations()
+        self._extras.register(rank, key, region, self._comm)
 
     def deregister(self, rank: int, key: int) -> None:
-        self._registered.get(rank, {}).pop(key, None)
-        if self._comm is not None and self._handed:
-            self._comm.deregister(rank, key)
-        self._hand_registrations()
-
-    def _hand_registrations(self) -> None:
-        """NCCL leaves an op undefined when some ranks pass registered buffers and some do
-        not, so the engine gets the registrations only while every rank of the world has
-        some, all on this daemon (where that is known); otherwise none."""
-        comm = self._comm
-        if comm is None:
-            return
-        wanted = self.net is None and all(self._registered.get(r) for r in range(self.world_size))
-        if wanted == self._handed:
-            return
-        self._handed = wanted
-        for rank, regions in self._registered.items():
-            for key, region in regions.items():
-                if wanted:
-                    comm.register(rank, key, region)
-                else:
-                    comm.deregister(rank, key)
+        self._extras.deregister(rank, key, self._comm)
 
     def leave(self, rank: int, peer: Peer) -> None:
         """A rank's connection is gone (closed, killed, or refused)."""
@@ -463,8 +428,7 @@ class World:
             self.membership.withdraw(rank)
         if self.members.get(rank) is peer:
             del self.members[rank]
-            self.add_kernel.pop(rank, None)
-            self._registered.pop(rank, None)
+            self._extras.forget(rank)
             self.fail(ErrorCode.WORLD_FAILED, f"rank {rank}'s connection was lost", rank=rank)
         self.forget_if_empty()
 
@@ -524,7 +488,7 @@ class World:
             # received from other daemons, not yet taken by an op (bounded by the senders' windows)
             "peer_bytes_held": self.net.inbox.held_bytes if self.net is not None else 0,
             "cause": self.cause,
-            "add_kernel": {str(rank): handle for rank, handle in sorted(self.add_kernel.items())},
+            "add_kernel": {str(rank): handle for rank, handle in sorted(self._extras.add_kernel.items())},
             "call_timeout_s": self.call_timeout_s,
             "recent_calls": self.recorder.dump(last=8),
         }
