@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,23 @@ def garbage(obj: object) -> None:
     """Put `obj` in a reference cycle: once the caller drops it, only a collection frees it."""
     cycle: list[object] = [obj]
     cycle.append(cycle)
+
+
+@contextlib.contextmanager
+def held_elsewhere(lock: contextlib.AbstractContextManager[object]) -> Iterator[None]:
+    """`lock` held by another thread for the whole block (as a fork or a finalizer meets it)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        yield
+    finally:
+        release.set()
+        holder.join(10)

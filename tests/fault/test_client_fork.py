@@ -27,6 +27,7 @@ from client import CommError, DaemonBackend, WorldFailed, hostmem
 from client import transport as transport_module
 from client.transport import Transport
 from commd.launch import DaemonProcess
+from tests.conftest import held_elsewhere
 from tests.fault.ranks import joined, own_daemon, restart_daemon, summed
 from tests.integration.harness import wait_until, world_name, world_status
 
@@ -104,18 +105,8 @@ def test_every_call_in_a_child_is_refused_at_once_whatever_the_parent_held(
             buf.view(np.int32)[:2] = [r + 1, 10 * (r + 1)]
         comm.group_start()
         comm.all_reduce(bufs[0].ptr, 8, dtype="i32")  # (an open group, carried into the child)
-        held, release = threading.Event(), threading.Event()
-
-        def hold_the_lock() -> None:
-            with comm._lock:
-                held.set()
-                release.wait(10)
-
-        holder = threading.Thread(target=hold_the_lock)
-        holder.start()
-        try:
-            assert held.wait(5)
-            comm._health._failure = WorldFailed("as the parent recorded it")  # (its lock is held)
+        with held_elsewhere(comm._lock):  # (a reader in on_event, any call's bookkeeping)
+            comm._health._failure = WorldFailed("as the parent recorded it")  # (under it)
             seen = in_child({
                 "all_reduce": lambda: comm.all_reduce(bufs[0].ptr, 8, dtype="i32"),
                 "group_end": comm.group_end,
@@ -130,10 +121,7 @@ def test_every_call_in_a_child_is_refused_at_once_whatever_the_parent_held(
                 "is_healthy": comm.is_healthy,
                 "close": comm.close,
             })
-        finally:
-            release.set()
-            holder.join(10)
-            comm._health._failure = None
+        comm._health._failure = None
         # the parent's rank: its group goes out (rank 1 meets it), and all still works
         with ThreadPoolExecutor(1) as rank1:  # (a group is the thread's that opened it: this one)
             meets = rank1.submit(comms[1].all_reduce, bufs[1].ptr, 8, dtype="i32")

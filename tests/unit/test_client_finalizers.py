@@ -26,7 +26,7 @@ from client import DaemonBackend
 from client import transport as transport_module
 from client.hostmem import HostMemory
 from client.memory import MemoryRef
-from tests.conftest import garbage
+from tests.conftest import garbage, held_elsewhere
 from tests.unit.test_client_cuda import FakeDriver
 from tests.unit.test_hostmem_release import garbage_buffer
 
@@ -174,36 +174,25 @@ def test_a_collection_in_the_childs_fork_hooks_does_not_wait_for_the_parents_loc
     _, path = recording
     memory = HostMemory()
     backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # a reader in on_event, any call's bookkeeping, as the fork comes
-        with backend._lock:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
+    garbage_buffer(memory)
+    monkeypatch.setattr(transport_module, "_OPEN", CollectingSet(transport_module._OPEN))
     try:
-        garbage_buffer(memory)
-        monkeypatch.setattr(transport_module, "_OPEN", CollectingSet(transport_module._OPEN))
-        assert held.wait(5)
-        child = os.fork()
-        if child == 0:
-            os._exit(0)  # (reached only once the fork hooks returned)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            pid, _ = os.waitpid(child, os.WNOHANG)
-            if pid:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            pytest.fail("the child hangs in its fork hook: the buffer's finalizer waits there "
-                        "for the backend's lock, held by a thread the child does not have")
+        with held_elsewhere(backend._lock):  # (a reader in on_event, any call's bookkeeping)
+            child = os.fork()
+            if child == 0:
+                os._exit(0)  # (reached only once the fork hooks returned)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                pid, _ = os.waitpid(child, os.WNOHANG)
+                if pid:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+                pytest.fail("the child hangs in its fork hook: the buffer's finalizer waits there "
+                            "for the backend's lock, held by a thread the child does not have")
     finally:
-        release.set()
-        holder.join(10)
         backend.close()
 
 
