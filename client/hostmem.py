@@ -126,7 +126,8 @@ class HostMemory:
         self._by_start: dict[int, tuple[int, weakref.ref[HostBuffer]]] = {}
         self._listeners: list[weakref.WeakMethod[ReleaseListener]] = []
         # Bumped before a buffer is unmapped, so before its address can be handed out again
-        # (the listeners hear of it only after): what was built from an address before is stale
+        # (the listeners hear of it only after): what was built from an address before is
+        # stale; and again once its entry is gone, for what was built from the entry meanwhile
         self.releases = 0
         _TABLES.add(self)
 
@@ -187,6 +188,7 @@ class HostMemory:
             if entry is not None and entry[0] == buffer_id:
                 del self._by_start[ptr]
                 self._starts.remove(ptr)
+            self.releases += 1
             listeners = self._listeners  # (never changed in place: see on_release)
         # Every listener hears of it, whichever raises: a backend skipped would never tell
         # its daemon (the first error is raised once all have heard)

@@ -9,7 +9,11 @@ import weakref
 
 import pytest
 
+import proto
+from client.errors import MisuseError
 from client.hostmem import HostBuffer, HostMemory
+from client.memory import MemoryResolver
+from client.opcache import OpCache
 from tests.conftest import garbage
 
 pytestmark = pytest.mark.timeout(30)
@@ -83,3 +87,31 @@ def test_a_listener_that_raises_does_not_keep_the_others_from_hearing() -> None:
         buffer.close()
     assert heard == [("before", buffer.id), ("after", buffer.id)]
     assert buffer.closed and memory.locate(buffer.ptr) is None
+
+
+def test_an_op_built_while_its_buffer_is_closed_is_not_reused() -> None:
+    """A call on another thread locates a buffer that close() has unmapped but not yet
+    taken out of the table: the op it builds names that buffer, and must not be served
+    again once the address may hold another buffer (before: the count of releases had
+    moved for the last time before the entry went, so the op stayed valid for good)."""
+    memory = HostMemory()
+    cache = OpCache(MemoryResolver(memory, driver=lambda: None))
+    buffer = memory.alloc(64)
+    key, built = ("ar", buffer.ptr), []
+
+    def build() -> proto.Op:
+        ref = memory.find(buffer.ptr, 8)
+        built.append(ref[0].id)
+        return proto.Barrier()  # (what it names does not matter to the cache's rule)
+
+    real_released = memory._released
+
+    def released_after_a_racing_call(buffer_id: int, ptr: int) -> None:
+        cache.get(key, build)  # (as another thread's call, between the unmap and the entry going)
+        real_released(buffer_id, ptr)
+
+    memory._released = released_after_a_racing_call  # type: ignore[method-assign]
+    buffer.close()
+    assert built == [buffer.id]  # the racing call did find the closing buffer
+    with pytest.raises(MisuseError):
+        cache.get(key, build)  # a later call builds afresh: the address is no buffer now
