@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import proto
 from proto import DType, ReduceOp
@@ -38,6 +39,27 @@ from .symmetric import SymmetricMemory
 from .transport import Transport, Undo
 
 T = TypeVar("T")
+P = ParamSpec("P")
+Method = Callable[Concatenate["DaemonBackend", P], T]
+
+
+def _interruptible(method: Method[P, T]) -> Method[P, T]:
+    """A public call cut short by an interrupt (KeyboardInterrupt, SystemExit) drops the
+    connection before the interrupt goes on (see Transport.interrupted): its bookkeeping
+    may be half done (a buffer the daemon imported and this side did not record), or the
+    daemon may hold its collective. The world fails for every rank, and attempt_reconnect
+    rejoins afresh."""
+    @functools.wraps(method)
+    def call(backend: DaemonBackend, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(backend, *args, **kwargs)
+        except Exception:
+            raise
+        except BaseException as exc:
+            backend._interrupted(exc)
+            raise
+
+    return call
 
 
 # a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
@@ -144,6 +166,7 @@ class DaemonBackend(CommBackend):
 
     # ---- the seed's calls --------------------------------------------------------
 
+    @_interruptible
     def all_reduce(self, ptr: int, bytes: int, *, dtype: DTypeLike = DType.BF16,
                    op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
@@ -151,11 +174,13 @@ class DaemonBackend(CommBackend):
         self._call(("ar", ptr, bytes, d, o),
                    lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o))
 
+    @_interruptible
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
         send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         self._call(("ag", send_ptr, recv_ptr, bytes), lambda due: proto.AllGather(
             self._mem(send_ptr, bytes, due), self._mem(recv_ptr, bytes * self._world_size, due), bytes))
 
+    @_interruptible
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
                        dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
@@ -164,14 +189,17 @@ class DaemonBackend(CommBackend):
             self._mem(send_ptr, bytes * self._world_size, due), self._mem(recv_ptr, bytes, due), bytes,
             d, o))
 
+    @_interruptible
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
         ptr, bytes, root = as_ints(ptr=ptr, bytes=bytes, root=root)
         self._call(("bc", ptr, bytes, root),
                    lambda due: proto.Broadcast(self._mem(ptr, bytes, due), bytes, root))
 
+    @_interruptible
     def barrier(self) -> None:
         self._call(("barrier",), lambda due: proto.Barrier())
 
+    @_interruptible
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
         ptr, bytes, dest_rank, stream = as_ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
         self._call(("send", ptr, bytes, dest_rank, stream),
@@ -179,6 +207,7 @@ class DaemonBackend(CommBackend):
                    stream=stream or None,
                    early=True)
 
+    @_interruptible
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
         ptr, bytes, src_rank, stream = as_ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
         self._call(("recv", ptr, bytes, src_rank, stream),
@@ -186,6 +215,7 @@ class DaemonBackend(CommBackend):
                    stream=stream or None,
                    early=True)
 
+    @_interruptible
     def recv_command_u32(self, ptr: int, root: int) -> None:
         ptr, root = as_ints(ptr=ptr, root=root)
         if root == self._rank:
@@ -194,6 +224,7 @@ class DaemonBackend(CommBackend):
                    lambda due: proto.Broadcast(self._mem(ptr, 4, due), 4, root, command=True),
                    timed=False)
 
+    @_interruptible
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
                          dtype: DTypeLike = DType.BF16, op: OpLike = ReduceOp.SUM) -> None:
         # Host memory (or the host engine): done when this returns. A GPU engine answers once
@@ -210,26 +241,31 @@ class DaemonBackend(CommBackend):
     def world_size(self) -> int:
         return self._world_size
 
+    @_interruptible
     def register_buffer(self, ptr: int, bytes: int) -> int:
         self._check_open()
         ptr, bytes = as_ints(ptr=ptr, bytes=bytes)
         return self._registrations.register(ptr, bytes, self._due())
 
+    @_interruptible
     def deregister_buffer(self, handle: int) -> None:
         self._check_open()
         handle, = as_ints(handle=handle)
         self._registrations.deregister(handle, self._due())
 
+    @_interruptible
     def symmetric_alloc(self, bytes: int) -> int:
         self._check_open()
         bytes, = as_ints(bytes=bytes)
         return self._symmetric.alloc(bytes, self._due())
 
+    @_interruptible
     def symmetric_free(self, ptr: int) -> None:
         self._check_open()
         ptr, = as_ints(ptr=ptr)
         self._symmetric.free(ptr, self._due())
 
+    @_interruptible
     def set_add_kernel(self, handle: int) -> None:
         # The seed's call cannot fail, and the handle holds from here on even if telling the
         # daemon fails (it went away, the world failed): a rejoin tells the new one, as it
@@ -260,11 +296,13 @@ class DaemonBackend(CommBackend):
         with contextlib.suppress(Superseded):  # (that daemon is gone: the caller tells the new one)
             self._request(lambda rid: proto.SetAddKernel(rid, handle), due=due, link=link)
 
+    @_interruptible
     def group_start(self) -> None:
         self._check_open()
         with self._lock:  # with the epoch it is for: a reconnect moves both under _lock
             self._groups.start(self._basis())
 
+    @_interruptible
     def group_end(self) -> None:
         self._check_open()
         group = self._groups.end()
@@ -272,6 +310,7 @@ class DaemonBackend(CommBackend):
             self._device_submit(tuple(group.ops), list(group.streams), group.early,
                                 self._due() if group.timed else None, group.basis)
 
+    @_interruptible
     def is_healthy(self) -> bool:
         if self._closed:
             return False
@@ -287,6 +326,7 @@ class DaemonBackend(CommBackend):
         if broken is not None:
             self._mark_unhealthy(broken, transport=transport)
 
+    @_interruptible
     def attempt_reconnect(self) -> None:
         """Rebuild the world at the next epoch. If the daemon itself went away (killed and
         restarted), connect again with backoff within the timeout and say hello at the
@@ -412,6 +452,12 @@ class DaemonBackend(CommBackend):
                               "child must make its own")
         if self._closed:
             raise MisuseError("the backend is closed")
+
+    def _interrupted(self, exc: BaseException) -> None:
+        if self._inherited or self._closed:  # (nothing to drop, or not ours)
+            return
+        transport = self._transport
+        self._health.met(self._mark_unhealthy(transport.interrupted(exc), transport=transport))
 
     def _let_go_of_inherited(self) -> None:
         """In a forked child (whose copies of the sockets the transports closed): the backend

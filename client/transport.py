@@ -78,7 +78,10 @@ class Transport:
         self._conn = proto.Connection(proto.Role.CLIENT)
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
+        # Taken as `with self._lock` (C code, whole): an interrupt cannot land between taking
+        # it and the block's exit being armed, as it can in Condition's own __enter__
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._replies: dict[int, Packet] = {}
         self._awaited: set[int] = set()  # request ids some thread still waits for
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
@@ -141,7 +144,7 @@ class Transport:
         or a stopping daemon's event) breaks the transport. With another thread reading,
         that thread meets them: wait a little for it to, or to stop reading first."""
         me = threading.get_ident()
-        with self._cond:
+        with self._lock:
             self._undo.clear()  # the daemon drops what the connection did: nothing to undo
             # Another thread reading meets the parting word, unless it stops reading first
             # (its own reply read): then the rest is read here.
@@ -168,8 +171,10 @@ class Transport:
         left = remaining(deadline)
         if left is not None and left <= 0:  # (sent, the daemon would do it for nobody)
             raise CommTimeout(f"the call's deadline passed before request {request_id} went out")
-        with self._cond:
+        me = threading.get_ident()
+        with self._lock:
             self._awaited.add(request_id)
+            reading = self._reader == me  # (then the role is not this call's to give up)
         sent = answered = False
         try:
             self.post(msg, fds)
@@ -177,8 +182,15 @@ class Transport:
             packet = self._wait(request_id, deadline)
             answered = True
             return packet
+        except Exception:
+            raise
+        except BaseException as exc:  # (KeyboardInterrupt: it may land anywhere)
+            self.interrupted(exc)
+            raise
         finally:
-            with self._cond:
+            if not reading and self._reader == me:  # (interrupted between taking it and giving it up)
+                self._stop_reading()
+            with self._lock:
                 self._awaited.discard(request_id)
                 late = self._replies.pop(request_id, None)  # came as we gave up: nobody takes it
                 if sent and not answered and late is None and undo is not None and self._broken is None:
@@ -188,7 +200,7 @@ class Transport:
 
     def _wait(self, request_id: int, deadline: float | None) -> Packet:
         while True:
-            with self._cond:
+            with self._lock:
                 while True:
                     if request_id in self._replies:
                         return self._replies.pop(request_id)
@@ -214,7 +226,7 @@ class Transport:
             try:
                 msg, fds = self._read_one(deadline)
             except CommError:
-                with self._cond:  # (read by this thread's own parting read, an undo's send failed)
+                with self._lock:  # (read by this thread's own parting read, an undo's send failed)
                     if request_id in self._replies:
                         return self._replies.pop(request_id)
                 raise
@@ -235,7 +247,7 @@ class Transport:
         if not reply_id:  # an Error with id 0: the daemon is dropping us
             assert isinstance(msg, proto.Error)
             raise self._break(from_code(msg.code, msg.message))
-        with self._cond:
+        with self._lock:
             if reply_id in self._awaited:
                 self._replies[reply_id] = (msg, fds)
                 self._cond.notify_all()
@@ -276,12 +288,17 @@ class Transport:
 
     def drain_events(self) -> None:
         """Handle events already waiting in the socket, without blocking."""
-        with self._cond:
+        with self._lock:
             if self._reader is not None or self._broken is not None:
                 return
             self._reader = threading.get_ident()
         try:
             self._route_waiting()
+        except Exception:
+            raise
+        except BaseException as exc:  # (KeyboardInterrupt: it may land anywhere)
+            self.interrupted(exc)
+            raise
         finally:
             self._stop_reading()
 
@@ -298,7 +315,7 @@ class Transport:
             pass
 
     def _stop_reading(self) -> None:
-        with self._cond:
+        with self._lock:
             self._reader = None
             self._cond.notify_all()
             close = self._close_when_read
@@ -311,7 +328,7 @@ class Transport:
 
     def _break(self, error: CommError) -> CommError:
         """Break the transport with `error` unless it broke already; the error it broke with."""
-        with self._cond:
+        with self._lock:
             first = self._broken is None
             if self._broken is None:
                 self._broken = error
@@ -322,11 +339,24 @@ class Transport:
                 self._sock.shutdown(socket.SHUT_RDWR)
         return broken
 
+    def interrupted(self, exc: BaseException) -> CommError:
+        """An interrupt (KeyboardInterrupt from Ctrl-C in a notebook, SystemExit: a
+        BaseException that is no Exception, raised wherever the thread was) cut a call short
+        at an unknown point: a reply read and not handed on, a request sent and not
+        recorded, a collective the daemon holds, which would pair with the other ranks' next
+        call. Nothing tells what the daemon did of it, so the connection goes (the daemon
+        drops what it did for it, and fails the world for every rank); attempt_reconnect
+        rejoins afresh. The error the transport broke with. (An Exception is raised where
+        the code expects it, and undone there.)"""
+        return self._break(DaemonUnavailable(
+            f"a call was interrupted ({type(exc).__name__}) midway, so this connection was "
+            "dropped; call attempt_reconnect"))
+
     def close(self) -> None:
         self._break(DaemonUnavailable("the backend was closed"))
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a send blocked in the kernel, and a reader)
-        with self._cond:  # (no thread starts reading once broken)
+        with self._lock:  # (no thread starts reading once broken)
             reading = self._close_when_read = self._reader is not None
         if not reading:
             self._close_socket()
