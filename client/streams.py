@@ -54,10 +54,12 @@ class StreamOrder:
             turn = self._turns.setdefault(first, threading.Lock())
         # held until the daemon ordered the call; one without a deadline (recv_command_u32)
         # may hold it long, and the others keep their own
-        if not turn.acquire(timeout=-1 if due is None else max(0.0, due - time.monotonic())):
-            raise CommTimeout(f"another call of this process on stream {first} held its events "
-                              "past this call's deadline (a recv_command_u32 waiting on it?)")
-        try:
+        taken = False
+        try:  # (taken inside: an interrupt right after the acquire must not keep it)
+            taken = turn.acquire(timeout=-1 if due is None else max(0.0, due - time.monotonic()))
+            if not taken:
+                raise CommTimeout(f"another call of this process on stream {first} held its events "
+                                  "past this call's deadline (a recv_command_u32 waiting on it?)")
             ready, done = self._events_for(first, driver, due)
             driver.record_event(ready, first)
             send(first)
@@ -65,8 +67,9 @@ class StreamOrder:
                 for stream in streams:
                     driver.stream_wait_event(stream, done)
         finally:
-            self._done_with(first, driver)
-            turn.release()
+            if taken:
+                self._done_with(first, driver)
+                turn.release()
 
     def close(self, driver: CudaDriver | None) -> None:
         """Destroy the pairs no daemon had; one a call uses now goes when it is done with it."""
