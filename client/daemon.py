@@ -136,8 +136,12 @@ class DaemonBackend(CommBackend):
                                           self._resolver, self._imports, self._current_link,
                                           lambda: self._closed)
         self._transport, self.epoch, self.engine = self._join(time.monotonic() + timeout + _JOIN_GRACE_S)
-        self._memory.on_release(self._on_buffer_released)
-        _ALIVE.add(self)
+        try:
+            self._memory.on_release(self._on_buffer_released)
+            _ALIVE.add(self)
+        except BaseException:  # (an interrupt: nobody could close the rank's connection)
+            self._transport.close()
+            raise
 
     def _join(self, deadline: float) -> tuple[Transport, int, str]:
         """Connect and say hello (at the last epoch seen); returns once the world is ready,
@@ -408,11 +412,17 @@ class DaemonBackend(CommBackend):
                 time.sleep(delay)  # not back yet (systemd restarts it): try again
                 delay = min(1.0, delay * 2)
                 continue
-            with self._lock:  # close() takes _closed under it, then closes whichever transport is ours
-                if not self._closed:
-                    self._transport, self.engine = transport, engine
-                    self._new_epoch(epoch)
-                    break
+            try:
+                with self._lock:  # close() takes _closed under it, then closes whichever transport is ours
+                    installed = not self._closed
+                    if installed:
+                        self._transport, self.engine = transport, engine
+                        self._new_epoch(epoch)
+            except BaseException:  # (an interrupt: the welcomed connection must not keep the rank)
+                transport.close()
+                raise
+            if installed:
+                break
             transport.close()
             self._check_open()
 
@@ -424,16 +434,16 @@ class DaemonBackend(CommBackend):
             return
         _ALIVE.discard(self)
         with self._lock:
-            if self._closed:
-                return
+            again = self._closed  # (the connections again: a close() an interrupt cut short)
             self._closed = True
-            unmap_symmetric = self._symmetric.let_go()
             transport, joining = self._transport, self._joining
+            unmap_symmetric = None if again else self._symmetric.let_go()
         transport.close()
         if joining is not None:  # a rejoin's hello: it must not take the rank after we left
             joining.close()
-        self._order.close(self._resolver.driver)
-        unmap_symmetric()
+        if unmap_symmetric is not None:
+            self._order.close(self._resolver.driver)
+            unmap_symmetric()
 
     def __enter__(self) -> DaemonBackend:
         return self

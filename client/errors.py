@@ -107,5 +107,12 @@ def from_code(code: ErrorCode, message: str) -> CommError:
     return _BY_CODE[code](message, code)
 
 
+def detached(error: CommError) -> CommError:
+    """`error` without the frames it went through (a copy: no traceback, cause or context),
+    to keep on record: a raised one would keep the caller's locals alive (buffers, tensors),
+    and every raise of it would add more."""
+    return type(error)(str(error), error.code)
+
+
 # Errors after which the backend is not healthy until attempt_reconnect succeeds.
 UNHEALTHY = (WorldFailed, CommTimeout, DaemonUnavailable, ProtocolError, DaemonInternalError)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .errors import CommError
+from .errors import CommError, detached
 
 
 class Health:
@@ -28,7 +28,7 @@ class Health:
         reconnect under way clears only the older)."""
         with self._lock:
             if self._failure is None or about > self._about:
-                self._failure, self._about = why, about
+                self._failure, self._about = detached(why), about
 
     def failure(self) -> tuple[CommError | None, int]:
         """The failure on record and the epoch it is about (None, 0: healthy)."""

@@ -192,39 +192,35 @@ class HostMemory:
             listeners = self._listeners  # (never changed in place: see on_release)
         # Every listener hears of it, whichever raises: a backend skipped would never tell
         # its daemon (the first error is raised once all have heard)
-        failed: list[Exception] = []
+        failed: list[BaseException] = []
         for ref in listeners:
             listener = ref()
             if listener is not None:
                 try:
                     listener(buffer_id)
-                except Exception as exc:
+                except BaseException as exc:  # (an interrupt too: a finalizer runs only once)
                     failed.append(exc)
         if failed:
             raise failed[0]
 
 
-# Every table of this process. A fork waits for their locks (held briefly: never over I/O),
-# so that no thread the child lacks holds one there: the child's allocations, closes and
-# collected buffers would wait for it for good.
+# Every table of this process (see _in_forked_child).
 _TABLES: weakref.WeakSet[HostMemory] = weakref.WeakSet()
-_FORKING: list[HostMemory] = []  # the tables whose locks the fork under way holds
 
 
-def _before_fork() -> None:
-    _FORKING[:] = list(_TABLES)
-    for table in _FORKING:
-        table._lock.acquire()
+def _in_forked_child() -> None:
+    """A fork copies every table with its lock as it was: held, perhaps, by a parent thread
+    the child lacks, midway through an update. The child's allocations, closes and
+    collected buffers would wait for it for good, so each table gets a fresh lock and its
+    index rebuilt from its entries (all an update can leave half done). The fork itself
+    never waits for a table: a thread holding one may be waiting for another (a
+    collection's finalizer) or for the forking thread."""
+    for table in list(_TABLES):
+        table._lock = threading.RLock()
+        table._starts = sorted(table._by_start)
 
 
-def _after_fork() -> None:
-    """(In the parent and in the child, whose forking thread owns the locks as it did)"""
-    for table in reversed(_FORKING):
-        table._lock.release()
-    _FORKING.clear()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+os.register_at_fork(after_in_child=_in_forked_child)
 
 _DEFAULT = HostMemory()
 

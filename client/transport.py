@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import proto
 
-from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, from_code
+from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, detached, from_code
 
 _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
@@ -119,7 +119,7 @@ class Transport:
         """Send without waiting for a reply."""
         with self._send_lock:
             if self._broken is not None:
-                raise self._broken
+                raise detached(self._broken)
             try:
                 packet = self._conn.send(msg)
             except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
@@ -205,7 +205,7 @@ class Transport:
                     if request_id in self._replies:
                         return self._replies.pop(request_id)
                     if self._broken is not None:
-                        raise self._broken
+                        raise detached(self._broken)
                     if self._reader is None:
                         self._reader = threading.get_ident()
                         break
@@ -267,7 +267,7 @@ class Transport:
 
     def _read_one(self, deadline: float | None) -> Packet:
         if self._broken is not None:  # (closed: the socket is only shut down, never to be polled)
-            raise self._broken
+            raise detached(self._broken)
         left = remaining(deadline)
         if left is not None and left <= 0:
             raise CommTimeout("the call did not complete before its deadline")
@@ -288,11 +288,13 @@ class Transport:
 
     def drain_events(self) -> None:
         """Handle events already waiting in the socket, without blocking."""
-        with self._lock:
-            if self._reader is not None or self._broken is not None:
-                return
-            self._reader = threading.get_ident()
-        try:
+        me = threading.get_ident()
+        reading = self._reader == me  # (then the role is not this call's to give up)
+        try:  # (the role is taken inside: an interrupt right after must not keep it)
+            with self._lock:
+                if self._reader is not None or self._broken is not None:
+                    return
+                self._reader = me
             self._route_waiting()
         except Exception:
             raise
@@ -300,7 +302,8 @@ class Transport:
             self.interrupted(exc)
             raise
         finally:
-            self._stop_reading()
+            if not reading and self._reader == me:
+                self._stop_reading()
 
     def _route_waiting(self, at_most: int | None = None) -> None:
         """(As the reader) route the packets already in the socket, without blocking, until
@@ -327,12 +330,13 @@ class Transport:
         return self._broken
 
     def _break(self, error: CommError) -> CommError:
-        """Break the transport with `error` unless it broke already; the error it broke with."""
+        """Break the transport with `error` unless it broke already; the error it broke with
+        (to raise: the one on record never is, see detached)."""
         with self._lock:
             first = self._broken is None
             if self._broken is None:
-                self._broken = error
-            broken = self._broken
+                self._broken = detached(error)
+            broken = detached(self._broken)
             self._cond.notify_all()
         if first:  # the daemon must see us go (a rejoin on a new socket would be "already connected")
             with contextlib.suppress(OSError):

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real daemon process, a pool of real worker processes, garbage."""
+"""Shared fixtures: a real daemon process, a pool of real worker processes, a stand-in
+daemon (recording), garbage and a lock held elsewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from commd.launch import DaemonProcess
 from tests.integration import workers
 from tests.integration.harness import RankPool, short_tmpdir, world_name
+from tests.unit.standin import RecordingDaemon
 
 
 @pytest.fixture(scope="session")
@@ -176,3 +179,13 @@ def held_elsewhere(lock: contextlib.AbstractContextManager[object]) -> Iterator[
     finally:
         release.set()
         holder.join(10)
+
+
+@pytest.fixture
+def recording() -> Iterator[tuple[RecordingDaemon, str]]:
+    """A RecordingDaemon listening at the path given beside it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "fake.sock")
+        fake = RecordingDaemon(path)
+        yield fake, path
+        fake.close()

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -333,3 +334,81 @@ def test_a_fork_while_a_thread_holds_the_host_table_leaves_the_child_a_usable_ta
         holder.join(10)
     assert seen == {"alloc": ["returned", "8"], "close an inherited buffer": ["returned", "None"],
                     "drop an inherited buffer": ["returned", "None"]}
+
+
+def in_a_process(script: str, timeout: float = 15) -> str:
+    """What `script` printed, run by a fresh interpreter (its own default table, its own
+    threads), or HUNG if it did not finish."""
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                              text=True, timeout=timeout, cwd=Path(__file__).parents[2])
+    except subprocess.TimeoutExpired:
+        return "HUNG"
+    return done.stdout + done.stderr
+
+
+def test_a_fork_never_waits_for_a_table_whose_holder_waits_for_another() -> None:
+    """Two tables. A thread holds the second's lock, and a collection there frees a buffer
+    of the first, whose finalizer waits for the first's lock. Before: the fork took the
+    tables' locks in turn and held the first while it waited for the second; the process
+    hung inside os.fork()."""
+    out = in_a_process("""
+        import gc, os, threading, time
+        from client import hostmem
+        second = hostmem.HostMemory()
+        first = hostmem.default_memory()
+        gc.disable()
+        buf = first.alloc(64)
+        cycle = [buf]; cycle.append(cycle); del buf, cycle  # freed by the next collection
+        holding = threading.Event()
+        def collect_under_the_second():
+            with second._lock:
+                holding.set()
+                time.sleep(0.3)  # (the fork comes now)
+                gc.collect()
+        threading.Thread(target=collect_under_the_second, daemon=True).start()
+        holding.wait(5)
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+        print("FORKED")
+    """)
+    assert out.strip() == "FORKED"
+
+
+def test_a_fork_interrupted_while_a_thread_holds_a_table_leaves_every_table_usable() -> None:
+    """Ctrl-C while a thread holds a table's lock and the main thread forks. Before: the fork
+    waited for it, the interrupt was only printed, and the hook released a lock it had not
+    taken (RuntimeError) before those it had: another thread's alloc then hung."""
+    out = in_a_process("""
+        import os, signal, threading
+        from client import hostmem
+        second = hostmem.HostMemory()
+        first = hostmem.default_memory()
+        holding, release = threading.Event(), threading.Event()
+        def hold():
+            with second._lock:
+                holding.set(); release.wait(10)
+        threading.Thread(target=hold, daemon=True).start(); holding.wait(5)
+        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        try:
+            child = os.fork()
+        except KeyboardInterrupt:
+            child = -1
+        if child == 0:
+            os._exit(0)
+        if child > 0:
+            os.waitpid(child, 0)
+        try:
+            threading.Event().wait(1)  # (the interrupt, should it come after the fork)
+        except KeyboardInterrupt:
+            pass
+        release.set()
+        got = []
+        worker = threading.Thread(target=lambda: got.append(first.alloc(8)), daemon=True)
+        worker.start(); worker.join(3)
+        print("ALLOCATED" if got else "ALLOC HUNG")
+        os._exit(0)
+    """)
+    assert "ALLOCATED" in out

@@ -8,7 +8,9 @@ landed at a chosen point by a patched internal."""
 
 from __future__ import annotations
 
+import select
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,10 +21,13 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommError, DaemonUnavailable, WorldFailed, hostmem
+from client import CommError, DaemonBackend, DaemonUnavailable, WorldFailed, hostmem
+from client.hostmem import HostMemory
 from client.transport import Transport
 from commd.launch import DaemonProcess
+from tests.conftest import held_elsewhere
 from tests.fault.ranks import joined, on_both, own_daemon, summed
+from tests.unit.standin import RecordingDaemon
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -237,3 +242,80 @@ def test_an_interrupt_between_an_answer_and_its_record_drops_the_connection_too(
         with pytest.raises(KeyboardInterrupt):
             comms[0].all_reduce(bufs[0].ptr, 8, dtype="i32")
         dropped_and_repaired(comms, bufs)
+
+
+def hung_up(conn: socket.socket, within: float = 2.0) -> bool:
+    """Whether the client's side of this (stand-in daemon's) connection went."""
+    poll = select.poll()
+    poll.register(conn, select.POLLRDHUP | select.POLLHUP)
+    return any(events & (select.POLLRDHUP | select.POLLHUP) for _, events in poll.poll(int(within * 1000)))
+
+
+def stand_in_backend(path: str, memory: HostMemory | None = None) -> DaemonBackend:
+    return DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory or HostMemory(),
+                         cuda_driver=lambda: None)
+
+
+def test_an_interrupt_as_a_rejoin_has_joined_drops_the_new_connection(
+        recording: tuple[RecordingDaemon, str]) -> None:
+    """Ctrl-C in attempt_reconnect's rejoin once its hello was welcomed (the daemon has the
+    rank on the new connection), while it waits for the backend's lock to put it in place.
+    Before: the old connection was dropped (broken already) and the new one stayed open,
+    held by the interrupt's traceback: the daemon kept the rank, and the next rejoin's
+    hello was refused as 'already connected'."""
+    fake, path = recording
+    backend = stand_in_backend(path)
+    try:
+        fake.drop()
+        assert not backend.is_healthy()
+        real_join = backend._join
+
+        def join(deadline: float) -> Any:
+            joined = real_join(deadline)
+            holding = held_elsewhere(backend._lock)
+            holding.__enter__()
+            threading.Timer(1.0, holding.__exit__, (None, None, None)).start()
+            threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+            return joined
+
+        backend._join = join  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt) as interrupt:
+            backend.attempt_reconnect()
+        assert interrupt.traceback[-1].name == "_rejoin"
+        assert len(fake.conns) == 2 and hung_up(fake.conns[-1])
+    finally:
+        backend.close()
+
+
+def test_an_interrupted_constructor_drops_its_connection(recording: tuple[RecordingDaemon, str]) -> None:
+    """Ctrl-C as the constructor finishes, once its hello was welcomed: nobody could close
+    the half-made backend, so it drops its connection itself (before: the daemon kept the
+    rank as long as the traceback held the backend)."""
+
+    class InterruptedOnRelease(HostMemory):
+        def on_release(self, listener: Any) -> None:
+            raise KeyboardInterrupt
+
+    fake, path = recording
+    with pytest.raises(KeyboardInterrupt):
+        stand_in_backend(path, InterruptedOnRelease())
+    assert hung_up(fake.conns[-1])
+
+
+def test_a_close_cut_short_by_an_interrupt_can_be_called_again(
+        recording: tuple[RecordingDaemon, str]) -> None:
+    """Ctrl-C in close() after the backend counts as closed, before its connection is:
+    a second close() drops the connection (before: it returned at once)."""
+    fake, path = recording
+    backend = stand_in_backend(path)
+    real_let_go = backend._symmetric.let_go
+
+    def let_go() -> Any:
+        real_let_go()
+        raise KeyboardInterrupt
+
+    backend._symmetric.let_go = let_go  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        backend.close()
+    backend.close()
+    assert hung_up(fake.conns[-1])

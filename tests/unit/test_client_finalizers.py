@@ -8,94 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
 import signal
-import socket
-import struct
-import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import proto
-from client import DaemonBackend
+from client import CommError, DaemonBackend
 from client import transport as transport_module
 from client.hostmem import HostMemory
 from client.memory import MemoryRef
 from tests.conftest import garbage, held_elsewhere
+from tests.unit.standin import RecordingDaemon
 from tests.unit.test_client_cuda import FakeDriver
 from tests.unit.test_hostmem_release import garbage_buffer
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class RecordingDaemon:
-    """Welcomes every hello, answers every request Ok (a fresh value), records what came;
-    `drop()` closes the current connection (the daemon went away: the next call rejoins)."""
-
-    def __init__(self, path: str) -> None:
-        self.seen: list[tuple[int, object]] = []
-        self.conns: list[socket.socket] = []
-        self._values = itertools.count(1)
-        self.gate: tuple[int, threading.Event, threading.Event] | None = None  # (buf, arrived, go)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(path)
-        self._listener.listen(4)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        for n in itertools.count():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(n, conn), daemon=True).start()
-
-    def _serve(self, n: int, conn: socket.socket) -> None:
-        while True:
-            try:
-                data, anc, _, _ = conn.recvmsg(proto.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(16))
-            except OSError:
-                return
-            if not data:
-                return
-            fds = [fd for lvl, kind, raw in anc if kind == socket.SCM_RIGHTS
-                   for fd in struct.unpack(f"{len(raw) // 4}i", raw)]
-            for fd in fds:
-                os.close(fd)
-            msg = proto.decode(data, len(fds))
-            self.seen.append((n, msg))
-            if isinstance(msg, proto.Import) and self.gate is not None and msg.buf == self.gate[0]:
-                self.gate[1].set()  # its reply waits for the test
-                self.gate[2].wait(10)
-            if isinstance(msg, proto.Hello):
-                reply: object = proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", n + 1,
-                                              proto.MAX_MESSAGE_BYTES)
-            elif isinstance(msg, proto.Forget):
-                continue
-            else:
-                reply = proto.Ok(msg.id, value=next(self._values))
-            conn.send(proto.encode(reply))
-
-    def drop(self) -> None:
-        self.conns[-1].shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._listener.close()
-
-
-@pytest.fixture
-def recording() -> Iterator[tuple[RecordingDaemon, str]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "fake.sock")
-        fake = RecordingDaemon(path)
-        yield fake, path
-        fake.close()
 
 
 @pytest.mark.parametrize("when", ["before the import is sent", "after the import is answered"])
@@ -229,4 +161,62 @@ def test_a_device_allocation_evicted_while_it_is_imported_is_forgotten(
         assert a_id not in backend._imports
     finally:
         go.set()
+        backend.close()
+
+
+def test_a_failure_on_record_keeps_no_callers_frame_alive(recording: tuple[RecordingDaemon, str]) -> None:
+    """The failure the backend keeps (until attempt_reconnect) and the one its broken
+    connection raises again are copies without tracebacks. Before: the one on record held
+    the frames of the call that met it (the worker's locals: its buffers, tensors), and
+    every call that raised it again added its own."""
+    fake, path = recording
+    memory = HostMemory()
+    backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
+
+    class Tensor:
+        pass
+
+    def step(dropped: HostMemory) -> tuple[weakref.ref[Tensor], weakref.ref[object]]:
+        activations = Tensor()
+        buffer = dropped.alloc(1 << 20)  # (its first import meets the failure)
+        with pytest.raises(CommError):
+            backend.all_reduce(buffer.ptr, 64)
+        return weakref.ref(activations), weakref.ref(buffer)
+
+    try:
+        fake.drop()
+        kept = [step(memory) for _ in range(3)]
+        gc.collect()
+        assert not backend.is_healthy()
+        assert all(tensor() is None and buffer() is None for tensor, buffer in kept)
+    finally:
+        backend.close()
+
+
+def test_a_steady_loop_on_the_same_buffers_is_served_from_the_op_cache(
+        recording: tuple[RecordingDaemon, str]) -> None:
+    """(A release anywhere rebuilds each op once, then the cache serves it again.)"""
+    _, path = recording
+    memory = HostMemory()
+    backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
+    try:
+        a, b = memory.alloc(64), memory.alloc(64)
+        resolved: list[int] = []
+        real = backend._resolver.resolve
+
+        def resolve(ptr: int, nbytes: int) -> MemoryRef | None:
+            resolved.append(ptr)
+            return real(ptr, nbytes)
+
+        backend._resolver.resolve = resolve  # type: ignore[method-assign]
+        for _ in range(3):
+            backend.all_reduce(a.ptr, 64)
+            backend.all_gather(a.ptr, b.ptr, 64)
+        assert resolved == [a.ptr, a.ptr, b.ptr]
+        memory.alloc(8).close()
+        for _ in range(3):
+            backend.all_reduce(a.ptr, 64)
+            backend.all_gather(a.ptr, b.ptr, 64)
+        assert resolved == [a.ptr, a.ptr, b.ptr] * 2
+    finally:
         backend.close()

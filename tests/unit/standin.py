@@ -1,0 +1,67 @@
+"""A stand-in daemon for client tests that need no real one (see RecordingDaemon)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import threading
+
+import proto
+
+
+class RecordingDaemon:
+    """Welcomes every hello, answers every request Ok (a fresh value), records what came;
+    `drop()` closes the current connection (the daemon went away: the next call rejoins)."""
+
+    def __init__(self, path: str) -> None:
+        self.seen: list[tuple[int, object]] = []
+        self.conns: list[socket.socket] = []
+        self._values = itertools.count(1)
+        self.gate: tuple[int, threading.Event, threading.Event] | None = None  # (buf, arrived, go)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(path)
+        self._listener.listen(4)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        for n in itertools.count():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(n, conn), daemon=True).start()
+
+    def _serve(self, n: int, conn: socket.socket) -> None:
+        while True:
+            try:
+                data, anc, _, _ = conn.recvmsg(proto.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(16))
+            except OSError:
+                return
+            if not data:
+                return
+            fds = [fd for lvl, kind, raw in anc if kind == socket.SCM_RIGHTS
+                   for fd in struct.unpack(f"{len(raw) // 4}i", raw)]
+            for fd in fds:
+                os.close(fd)
+            msg = proto.decode(data, len(fds))
+            self.seen.append((n, msg))
+            if isinstance(msg, proto.Import) and self.gate is not None and msg.buf == self.gate[0]:
+                self.gate[1].set()  # its reply waits for the test
+                self.gate[2].wait(10)
+            if isinstance(msg, proto.Hello):
+                reply: object = proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", n + 1,
+                                              proto.MAX_MESSAGE_BYTES)
+            elif isinstance(msg, proto.Forget):
+                continue
+            else:
+                reply = proto.Ok(msg.id, value=next(self._values))
+            conn.send(proto.encode(reply))
+
+    def drop(self) -> None:
+        self.conns[-1].shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
