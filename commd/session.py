@@ -385,7 +385,10 @@ class Session:
         self.send(proto.Ok(msg.id))
 
     def _reconnect(self, msg: proto.Reconnect, fds: list[int]) -> None:
-        self._member_world().reconnect(self.rank, self, msg.id, self._timeout_s)
+        world = self._member_world()
+        world.reconnect(self.rank, self, msg.id, self._timeout_s)
+        if self.channel.closed:  # gone meanwhile (the failure's event found it closed): on_close
+            world.leave(self.rank, self)  # ran before its vote, which must not hold the rank
 
     def _member_world(self) -> World:
         if self.world is None:

@@ -244,6 +244,7 @@ class World:
         self._pending_ops[rank] = pending + len(calls)
         ticket = Ticket(peer, rank, request_id, len(calls))
         self._tickets.add(ticket)
+        epoch = self.epoch
         for op, regions in calls:
             record = self.recorder.start(rank, op)
             ticket.records.append(record)
@@ -256,6 +257,9 @@ class World:
                 return
             if match is not None:
                 self._dispatch(match)
+                if self.state is not WorldState.READY or self.epoch != epoch:
+                    return  # it failed meanwhile (a reply found its peer gone): the ticket has
+                    # its error, and the group's other calls must not stay open in the next epoch
 
     def _dispatch(self, match: Match[Arrival]) -> None:
         """Run a matched op: inline when nothing is queued and it is small, else in order.

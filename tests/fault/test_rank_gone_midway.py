@@ -1,0 +1,113 @@
+"""A rank whose process is gone while the daemon still handles what it sent just before:
+nothing it began may stay open in the world (a call in its flight recorder, a vote
+holding its rank). Raw protocol clients, so the death lands between two packets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import proto
+from commd.config import ServerConfig
+from commd.engine.host import HostEngine
+from commd.launch import DaemonProcess
+from commd.server import Server
+from commd.world import WorldState
+from proto import ErrorCode
+from tests.integration.harness import short_tmpdir
+from tests.integration.rawclient import RawClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def reply(client: RawClient) -> proto.Message | None:
+    """The next reply, past pushed events."""
+    msg = await asyncio.to_thread(client.recv)
+    while isinstance(msg, proto.Event):
+        msg = await asyncio.to_thread(client.recv)
+    return msg
+
+
+def hello(rank: int, call_timeout_ms: int) -> proto.Hello:
+    return proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), "w", rank, 2, call_timeout_ms)
+
+
+async def test_a_group_cut_by_a_failure_leaves_no_call_open() -> None:
+    """Rank 0's process died in its barrier; in the same turn of the daemon's loop rank 1's
+    group of two barriers arrives. Its first completes rank 0's barrier, whose reply finds
+    rank 0 gone and fails the world. Before: the group's second barrier still went into
+    matching, stayed open in the flight recorder, and the rebuilt world's watchdog failed
+    the healthy next epoch for it once the call timeout passed."""
+    tmp = short_tmpdir()
+    engine = HostEngine(threads=1)
+    server = Server(ServerConfig(Path(tmp) / "d.sock"), engine, None)
+    server.start()
+    path = str(Path(tmp) / "d.sock")
+    clients: list[RawClient] = []
+    try:
+        r0, r1 = RawClient(path), RawClient(path)
+        clients += [r0, r1]
+        r0.send(hello(0, 1000))
+        r1.send(hello(1, 1000))
+        assert isinstance(await asyncio.to_thread(r0.recv), proto.Welcome)
+        assert isinstance(await asyncio.to_thread(r1.recv), proto.Welcome)
+        r0.send(proto.Submit(5, (proto.Barrier(),)))
+        await asyncio.sleep(0.1)  # rank 0's barrier waits for rank 1's
+        # In one turn of the daemon's loop: rank 1's group comes, and rank 0 is gone
+        # (its process died in its barrier; the daemon has not read its EOF yet).
+        r1.send(proto.Submit(6, (proto.Barrier(), proto.Barrier())))
+        r0.close()
+        failed = await reply(r1)
+        assert isinstance(failed, proto.Error) and failed.id == 6, failed
+        # rebuild: a new rank 0, and rank 1's attempt_reconnect
+        new0 = RawClient(path)
+        clients.append(new0)
+        new0.send(hello(0, 1000))
+        r1.send(proto.Reconnect(7))
+        assert isinstance(await asyncio.to_thread(new0.recv), proto.Welcome)
+        ok = await reply(r1)
+        assert isinstance(ok, proto.Ok) and ok.value == 2, ok
+        world = server.registry.worlds["w"]
+        await asyncio.sleep(1.6)  # past the call timeout, both ranks idle
+        assert world.state is WorldState.READY, (world.cause_code, world.cause)
+        assert world.cause_code is not ErrorCode.TIMEOUT
+    finally:
+        for client in clients:
+            client.close()
+        server.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_rank_gone_right_after_its_reconnect_does_not_hold_its_slot() -> None:
+    """Rank 1 votes to rebuild and dies at once: the failure's event to it finds it gone, so
+    its connection closes before its vote is counted. Before: the vote stayed, holding rank
+    1 for a closed connection; its restarted process was refused as 'already connected'."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    try:
+        sock = str(daemon.socket_path)
+        r0, r1 = RawClient(sock), RawClient(sock)
+        r0.send(hello(0, 3000))
+        r1.send(hello(1, 3000))
+        assert isinstance(r0.recv(), proto.Welcome) and isinstance(r1.recv(), proto.Welcome)
+        # rank 1 asks for a rebuild and dies before the daemon read on (its packet is still queued)
+        r1.send(proto.Reconnect(2))
+        r1.close()
+        event = r0.recv()  # the world failed: rank 1 voted to rebuild
+        assert isinstance(event, proto.Event), event
+        # a new process for rank 1 joins the rebuild; rank 0 votes too
+        new1 = RawClient(sock)
+        new1.send(hello(1, 3000))
+        r0.send(proto.Reconnect(3))
+        got0, got1 = r0.recv(), new1.recv()
+        assert isinstance(got1, proto.Welcome), f"the new rank 1 was refused: {got1}"
+        assert isinstance(got0, proto.Ok) and got0.value == 2, got0
+        r0.close()
+        new1.close()
+    finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
