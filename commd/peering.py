@@ -226,7 +226,8 @@ class FrameStream(asyncio.BufferedProtocol):
         """Wait until the socket has taken every frame written so far (their payloads may
         change then), or the connection failed."""
         if self._writable is not None:
-            await self._writable
+            # shielded: drainers share the future, and one cancelled must not cancel the rest
+            await asyncio.shield(self._writable)
         if self._error is not None:
             raise ConnectionError(str(self._error))
 

@@ -968,3 +968,19 @@ async def test_a_payload_before_the_handshake_is_refused_before_anything_is_allo
     with pytest.raises(proto.DecodeError, match="a payload before the handshake ended"):
         await stream.read()
     assert len(stream.get_buffer(-1)) < 1 << 10  # no buffer was made for it
+
+
+async def test_a_cancelled_drainer_leaves_the_others_waiting_for_the_socket() -> None:
+    """Drainers share one future while the socket is full; before, cancelling one (its op
+    cancelled) cancelled that future, and every other drainer got CancelledError."""
+    stream = peering.FrameStream()
+    stream.pause_writing()
+    first = asyncio.create_task(stream.drain())
+    second = asyncio.create_task(stream.drain())
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.sleep(0)
+    assert first.cancelled() and not second.done()
+    stream.resume_writing()
+    await asyncio.wait_for(second, 5)
+    assert second.exception() is None
