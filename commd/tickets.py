@@ -42,12 +42,13 @@ class Peer(Protocol):
 class Ticket:
     """One request (a call or a group of calls) of one rank; replied to exactly once."""
 
-    __slots__ = ("done", "executing", "peer", "rank", "records", "remaining", "request_id")
+    __slots__ = ("done", "epoch", "executing", "peer", "rank", "records", "remaining", "request_id")
 
-    def __init__(self, peer: Peer, rank: int, request_id: int, count: int) -> None:
+    def __init__(self, peer: Peer, rank: int, request_id: int, count: int, epoch: int) -> None:
         self.peer = peer
         self.rank = rank
         self.request_id = request_id
+        self.epoch = epoch  # of the world its calls were entered in
         self.remaining = count
         self.executing = 0  # of the remaining ops, those matched and handed to the engine
         self.done = False

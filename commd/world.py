@@ -242,7 +242,7 @@ class World:
             raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
                                              f"match; the limit is {self._max_pending_ops}")
         self._pending_ops[rank] = pending + len(calls)
-        ticket = Ticket(peer, rank, request_id, len(calls))
+        ticket = Ticket(peer, rank, request_id, len(calls), self.epoch)
         self._tickets.add(ticket)
         epoch = self.epoch
         for op, regions in calls:
@@ -357,7 +357,8 @@ class World:
     def _finish(self, match: Match[Arrival]) -> None:
         for arrival in arrivals_of(match):
             ticket = arrival.ticket
-            if self._pending_ops.get(ticket.rank):  # cleared when the world failed
+            # (cleared when the world failed: one of an older epoch is counted no more)
+            if ticket.epoch == self.epoch and self._pending_ops.get(ticket.rank):
                 self._pending_ops[ticket.rank] -= 1
             ticket.executing -= 1
             arrival.record.close("done")
