@@ -122,6 +122,7 @@ class DaemonBackend(CommBackend):
         # (with an engine with streams)
         self._order = StreamOrder(device, self._send_events, self._current_link)
         self._closed = False
+        self._unmap_symmetric: Callable[[], None] | None = None  # close()'s, until it has run
         self._pid = os.getpid()  # (for the message a forked child's calls get)
         self._inherited = False  # set in a forked child: the connection is the parent's
         self._joining: Transport | None = None  # a rejoin's connection until its hello is answered
@@ -434,13 +435,16 @@ class DaemonBackend(CommBackend):
             return
         _ALIVE.discard(self)
         with self._lock:
-            again = self._closed  # (the connections again: a close() an interrupt cut short)
-            self._closed = True
+            # (again, when an interrupt cut the last one short: the rest is done once)
+            if not self._closed:
+                self._closed = True
+                self._unmap_symmetric = self._symmetric.let_go()
             transport, joining = self._transport, self._joining
-            unmap_symmetric = None if again else self._symmetric.let_go()
         transport.close()
         if joining is not None:  # a rejoin's hello: it must not take the rank after we left
             joining.close()
+        with self._lock:
+            unmap_symmetric, self._unmap_symmetric = self._unmap_symmetric, None
         if unmap_symmetric is not None:
             self._order.close(self._resolver.driver)
             unmap_symmetric()

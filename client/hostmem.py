@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import fcntl
+import gc
 import itertools
 import mmap
 import os
@@ -206,21 +207,43 @@ class HostMemory:
 
 # Every table of this process (see _in_forked_child).
 _TABLES: weakref.WeakSet[HostMemory] = weakref.WeakSet()
+_COLLECTING: list[bool] = []  # whether collection was on before the fork under way
+
+
+def _before_fork() -> None:
+    # No collection until the child's locks are fresh: one in the at-fork hooks that run
+    # before ours would run a dropped buffer's finalizer, which takes its table's lock
+    _COLLECTING[:] = [gc.isenabled()]
+    gc.disable()
+
+
+def _collect_again() -> None:
+    if _COLLECTING and _COLLECTING[0]:
+        gc.enable()
+    _COLLECTING.clear()
 
 
 def _in_forked_child() -> None:
     """A fork copies every table with its lock as it was: held, perhaps, by a parent thread
-    the child lacks, midway through an update. The child's allocations, closes and
-    collected buffers would wait for it for good, so each table gets a fresh lock and its
-    index rebuilt from its entries (all an update can leave half done). The fork itself
-    never waits for a table: a thread holding one may be waiting for another (a
-    collection's finalizer) or for the forking thread."""
-    for table in list(_TABLES):
-        table._lock = threading.RLock()
-        table._starts = sorted(table._by_start)
+    the child lacks, midway through an update, and every buffer with its own lock (one a
+    parent thread was closing). The child's allocations, closes and collected buffers would
+    wait for them for good, so each gets a fresh lock, and each table's index is rebuilt
+    from its entries (all an update can leave half done; a close cut short is safe to do
+    again). The fork itself never waits for a table: a thread holding one may be waiting
+    for another (a collection's finalizer) or for the forking thread."""
+    try:
+        for table in list(_TABLES):
+            table._lock = threading.RLock()
+            table._starts = sorted(table._by_start)
+            for _, ref in table._by_start.values():
+                buffer = ref()
+                if buffer is not None:
+                    buffer._closing = threading.Lock()
+    finally:
+        _collect_again()
 
 
-os.register_at_fork(after_in_child=_in_forked_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_collect_again, after_in_child=_in_forked_child)
 
 _DEFAULT = HostMemory()
 

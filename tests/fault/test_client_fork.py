@@ -412,3 +412,58 @@ def test_a_fork_interrupted_while_a_thread_holds_a_table_leaves_every_table_usab
         os._exit(0)
     """)
     assert "ALLOCATED" in out
+
+
+# (the scripts' end: how their fork's child ended, or CHILD HUNG after 10 s)
+_CHILD_OUTCOME = textwrap.dedent("""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not os.waitpid(child, os.WNOHANG)[0]:
+        time.sleep(0.05)
+    else:
+        if time.monotonic() >= deadline:
+            os.kill(child, 9); os.waitpid(child, 0); print("CHILD HUNG")
+    os._exit(0)
+""")
+
+
+def test_a_collection_in_the_childs_fork_hooks_never_waits_for_a_parent_threads_table() -> None:
+    """A thread holds the table's lock at the fork, and a collection is due within a few
+    allocations: in the child it would come in the at-fork hooks that run before the
+    tables get fresh locks, and a dropped buffer's finalizer would wait for the old one
+    (before: the child hung). No collection runs until the locks are fresh."""
+    out = in_a_process(textwrap.dedent("""
+        import gc, os, threading, time
+        from client import hostmem
+        table = hostmem.default_memory()
+        buf = table.alloc(64)
+        cycle = [buf]; cycle.append(cycle); del buf, cycle  # garbage for the next collection
+        holding = threading.Event()
+        def hold():
+            with table._lock:
+                holding.set(); time.sleep(30)
+        threading.Thread(target=hold, daemon=True).start(); holding.wait(5)
+        keep = []
+        while gc.get_count()[0] < gc.get_threshold()[0] - 5:
+            keep.append([])
+        child = os.fork()
+        if child == 0:
+            os.write(1, b"CHILD OK\\n"); os._exit(0)
+    """) + _CHILD_OUTCOME)
+    assert out.strip() == "CHILD OK"
+
+
+def test_the_child_can_close_a_buffer_a_parent_thread_was_closing_at_the_fork() -> None:
+    out = in_a_process(textwrap.dedent("""
+        import os, threading, time
+        from client import hostmem
+        buf = hostmem.default_memory().alloc(64)
+        holding = threading.Event()
+        def closing():  # (a close() under way: it holds the buffer's own lock)
+            with buf._closing:
+                holding.set(); time.sleep(30)
+        threading.Thread(target=closing, daemon=True).start(); holding.wait(5)
+        child = os.fork()
+        if child == 0:
+            buf.close(); os.write(1, b"CHILD OK\\n"); os._exit(0)
+    """) + _CHILD_OUTCOME)
+    assert out.strip() == "CHILD OK"

@@ -319,3 +319,29 @@ def test_a_close_cut_short_by_an_interrupt_can_be_called_again(
         backend.close()
     backend.close()
     assert hung_up(fake.conns[-1])
+
+
+def test_a_close_cut_short_while_it_drops_its_connection_unmaps_on_the_second(
+        recording: tuple[RecordingDaemon, str]) -> None:
+    """Ctrl-C in close() as it drops the connection, once it has taken the symmetric
+    buffers: the second close() unmaps them (before: they stayed mapped for good)."""
+    _, path = recording
+    backend = stand_in_backend(path)
+    unmapped: list[str] = []
+    backend._symmetric.let_go = lambda: (lambda: unmapped.append("unmapped"))  # type: ignore[method-assign]
+    transport = backend._transport
+    real_close = transport.close
+    calls: list[int] = []
+
+    def close() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_close()
+
+    transport.close = close  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        backend.close()
+    assert unmapped == []
+    backend.close()
+    assert unmapped == ["unmapped"]
