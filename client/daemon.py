@@ -446,8 +446,14 @@ class DaemonBackend(CommBackend):
         with self._lock:
             unmap_symmetric, self._unmap_symmetric = self._unmap_symmetric, None
         if unmap_symmetric is not None:
-            self._order.close(self._resolver.driver)
-            unmap_symmetric()
+            try:
+                self._order.close(self._resolver.driver)
+                unmap_symmetric()
+            except BaseException:  # (cut short: the next close() does it again)
+                with self._lock:
+                    if self._unmap_symmetric is None:
+                        self._unmap_symmetric = unmap_symmetric
+                raise
 
     def __enter__(self) -> DaemonBackend:
         return self

@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import fcntl
-import gc
 import itertools
 import mmap
 import os
@@ -54,6 +53,7 @@ class HostBuffer:
         self.fd = fd
         self._owner = owner
         self._closing = threading.Lock()  # close() from two threads unmaps once
+        _BUFFERS.add(self)  # (a fork's child gives it a fresh lock, whatever its table holds)
         self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                                  mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
@@ -109,6 +109,9 @@ class HostBuffer:
 
 
 def _reclaim(owner: HostMemory, buffer_id: int, ptr: int, mapped: mmap.mmap, fd: int) -> None:
+    if _FORKING and _FORKING[0] != os.getpid():  # a fork's child whose locks are not fresh yet
+        _DEFERRED.append((owner, buffer_id, ptr, mapped, fd))
+        return
     owner._releasing()
     with contextlib.suppress(BufferError):  # dropped with live views: unmapped when they go
         mapped.close()
@@ -207,20 +210,21 @@ class HostMemory:
 
 # Every table of this process (see _in_forked_child).
 _TABLES: weakref.WeakSet[HostMemory] = weakref.WeakSet()
-_COLLECTING: list[bool] = []  # whether collection was on before the fork under way
+_BUFFERS: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # every live buffer
+_FORKING: list[int] = []  # the pid of the process a fork is under way from
+_DEFERRED: list[tuple[HostMemory, int, int, mmap.mmap, int]] = []  # the child's, till then
 
 
 def _before_fork() -> None:
-    # No collection until the child's locks are fresh: one in the at-fork hooks that run
-    # before ours would run a dropped buffer's finalizer, which takes its table's lock
-    _COLLECTING[:] = [gc.isenabled()]
-    gc.disable()
+    # A collection in the child's at-fork hooks that run before ours (threading's) would run
+    # a dropped buffer's finalizer on its table's old lock: in a child whose locks are not
+    # fresh yet, _reclaim defers it to _in_forked_child. (Switching gc off and on around
+    # the fork would undo a gc.disable() another thread makes meanwhile.)
+    _FORKING[:] = [os.getpid()]
 
 
-def _collect_again() -> None:
-    if _COLLECTING and _COLLECTING[0]:
-        gc.enable()
-    _COLLECTING.clear()
+def _after_in_parent() -> None:
+    _FORKING.clear()
 
 
 def _in_forked_child() -> None:
@@ -235,15 +239,16 @@ def _in_forked_child() -> None:
         for table in list(_TABLES):
             table._lock = threading.RLock()
             table._starts = sorted(table._by_start)
-            for _, ref in table._by_start.values():
-                buffer = ref()
-                if buffer is not None:
-                    buffer._closing = threading.Lock()
+        for buffer in list(_BUFFERS):  # (one whose address another took over is in no table)
+            buffer._closing = threading.Lock()
     finally:
-        _collect_again()
+        _FORKING.clear()
+    deferred, _DEFERRED[:] = list(_DEFERRED), []
+    for args in deferred:
+        _reclaim(*args)
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_collect_again, after_in_child=_in_forked_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_in_forked_child)
 
 _DEFAULT = HostMemory()
 

@@ -467,3 +467,54 @@ def test_the_child_can_close_a_buffer_a_parent_thread_was_closing_at_the_fork() 
             buf.close(); os.write(1, b"CHILD OK\\n"); os._exit(0)
     """) + _CHILD_OUTCOME)
     assert out.strip() == "CHILD OK"
+
+
+def test_the_child_can_close_a_buffer_whose_address_another_buffer_took_over() -> None:
+    """A parent thread's close() had unmapped the buffer (its own lock held, the mapping
+    not yet marked gone) and another buffer took its address before the fork: the child
+    finds it in no table, and still gives it a fresh lock (before: its close() hung)."""
+    out = in_a_process("""
+        import os, threading
+        from client.hostmem import HostMemory
+        table = HostMemory(); buf = table.alloc(1 << 16); parent = os.getpid()
+        reached, go = threading.Event(), threading.Event()
+        class Held:
+            def __init__(self, real): self.real = real
+            def close(self):
+                self.real.close(); reached.set()  # unmapped, not yet marked gone
+                if os.getpid() == parent: go.wait()
+        buf._mmap = Held(buf._mmap)
+        closing = threading.Thread(target=buf.close); closing.start(); reached.wait(5)
+        other = table.alloc(1 << 16)
+        assert other.ptr == buf.ptr, "the address was not reused"
+        child = os.fork()
+        if child == 0:
+            c = threading.Thread(target=buf.close, daemon=True); c.start(); c.join(3)
+            os.write(1, b"CHILD HUNG\\n" if c.is_alive() else b"CHILD OK\\n"); os._exit(0)
+        go.set(); closing.join(); os.waitpid(child, 0)
+    """)
+    assert out.strip() == "CHILD OK"
+
+
+def test_a_gc_disable_made_while_a_fork_waits_in_its_hooks_stays() -> None:
+    """Another thread turns collection off while the fork waits in an earlier hook
+    (logging's lock, held here): the fork leaves it off (before: hostmem's hooks switched
+    collection off and back on around the fork, undoing it)."""
+    out = in_a_process("""
+        import logging, gc, os, threading, time
+        import client
+        held, release = threading.Event(), threading.Event()
+        def hold():
+            with logging._lock:
+                held.set(); release.wait(10)
+        threading.Thread(target=hold, daemon=True).start(); held.wait(5)
+        def user():
+            time.sleep(0.5); gc.disable(); release.set()
+        turning = threading.Thread(target=user); turning.start()
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0); turning.join()
+        print("enabled after:", gc.isenabled())
+    """)
+    assert out.strip() == "enabled after: False"

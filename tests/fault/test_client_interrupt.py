@@ -345,3 +345,27 @@ def test_a_close_cut_short_while_it_drops_its_connection_unmaps_on_the_second(
     assert unmapped == []
     backend.close()
     assert unmapped == ["unmapped"]
+
+
+def test_a_close_cut_short_as_it_unmaps_unmaps_on_the_second(recording: tuple[RecordingDaemon, str]) -> None:
+    """Ctrl-C in close() as it lets go of the streams' events, before the unmapping: the
+    second close() unmaps (before: the unmapping was lost with the first's frame)."""
+    _, path = recording
+    backend = stand_in_backend(path)
+    unmapped: list[str] = []
+    backend._symmetric.let_go = lambda: (lambda: unmapped.append("unmapped"))  # type: ignore[method-assign]
+    real_close = backend._order.close
+    calls: list[int] = []
+
+    def order_close(driver: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_close(driver)
+
+    backend._order.close = order_close  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        backend.close()
+    assert unmapped == []
+    backend.close()
+    assert unmapped == ["unmapped"]
