@@ -171,25 +171,17 @@ class Transport:
         left = remaining(deadline)
         if left is not None and left <= 0:  # (sent, the daemon would do it for nobody)
             raise CommTimeout(f"the call's deadline passed before request {request_id} went out")
-        me = threading.get_ident()
         with self._lock:
             self._awaited.add(request_id)
-            reading = self._reader == me  # (then the role is not this call's to give up)
         sent = answered = False
         try:
-            self.post(msg, fds)
-            sent = True
-            packet = self._wait(request_id, deadline)
-            answered = True
-            return packet
-        except Exception:
-            raise
-        except BaseException as exc:  # (KeyboardInterrupt: it may land anywhere)
-            self.interrupted(exc)
-            raise
+            with _Interruptible(self):
+                self.post(msg, fds)
+                sent = True
+                packet = self._wait(request_id, deadline)
+                answered = True
+                return packet
         finally:
-            if not reading and self._reader == me:  # (interrupted between taking it and giving it up)
-                self._stop_reading()
             with self._lock:
                 self._awaited.discard(request_id)
                 late = self._replies.pop(request_id, None)  # came as we gave up: nobody takes it
@@ -288,22 +280,12 @@ class Transport:
 
     def drain_events(self) -> None:
         """Handle events already waiting in the socket, without blocking."""
-        me = threading.get_ident()
-        reading = self._reader == me  # (then the role is not this call's to give up)
-        try:  # (the role is taken inside: an interrupt right after must not keep it)
+        with _Interruptible(self):  # (the role is taken inside: an interrupt right after must not keep it)
             with self._lock:
                 if self._reader is not None or self._broken is not None:
                     return
-                self._reader = me
+                self._reader = threading.get_ident()
             self._route_waiting()
-        except Exception:
-            raise
-        except BaseException as exc:  # (KeyboardInterrupt: it may land anywhere)
-            self.interrupted(exc)
-            raise
-        finally:
-            if not reading and self._reader == me:
-                self._stop_reading()
 
     def _route_waiting(self, at_most: int | None = None) -> None:
         """(As the reader) route the packets already in the socket, without blocking, until
@@ -375,6 +357,32 @@ class Transport:
     def _close_socket(self) -> None:
         with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
             self._sock.close()
+
+
+class _Interruptible:
+    """Around a transport's work on the calling thread: an interrupt (a BaseException that
+    is no Exception) breaks the transport (see Transport.interrupted), and a reader role
+    the thread took within is given up, however the work ended (an interrupt may land
+    between taking it and the code that gives it up)."""
+
+    __slots__ = ("_reading", "_thread", "_transport")
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._thread = threading.get_ident()
+        self._reading = transport._reader == self._thread  # (then the role is not ours to give up)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: object) -> None:
+        try:
+            if exc is not None and not isinstance(exc, Exception):
+                self._transport.interrupted(exc)
+        finally:
+            if not self._reading and self._transport._reader == self._thread:
+                self._transport._stop_reading()
 
 
 # Every transport of this process, whose socket may be open (see _in_forked_child), and

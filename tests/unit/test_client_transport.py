@@ -4,6 +4,7 @@ breaks the connection with a ProtocolError, and the fds that came with it are cl
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -14,7 +15,14 @@ from pathlib import Path
 import pytest
 
 import proto
-from client.errors import CommError, CommTimeout, DaemonShutdown, LimitExceeded, ProtocolError
+from client.errors import (
+    CommError,
+    CommTimeout,
+    DaemonShutdown,
+    DaemonUnavailable,
+    LimitExceeded,
+    ProtocolError,
+)
 from client.transport import Transport
 from tests.integration.harness import open_fds
 
@@ -253,3 +261,24 @@ def test_a_failed_send_reads_why_once_the_reader_stops_before_it() -> None:
             server.join(10)
         assert [r.info for r in results] == [{"answer": "R's"}]  # type: ignore[attr-defined]
         assert [e.kind for e in events] == [proto.EventKind.SHUTDOWN]
+
+
+def test_an_interrupted_request_breaks_the_transport_and_gives_up_its_reading() -> None:
+    """Ctrl-C while the main thread, as the reader, waits for a reply: the transport is
+    broken (what the daemon did of the request is unknown) and no thread keeps the role."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "silent.sock")
+        server = fake_daemon(path, lambda conn: (conn.recv(proto.MAX_MESSAGE_BYTES), conn.recv(1)))
+        transport = Transport(path, 5, lambda event, transport: None)
+        interrupt = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        try:
+            interrupt.start()
+            with pytest.raises(KeyboardInterrupt):
+                transport.request(proto.StatusQuery(transport.next_id(), None), time.monotonic() + 5)
+            assert isinstance(transport.broken, DaemonUnavailable)
+            assert "interrupted" in str(transport.broken)
+            assert transport._reader is None
+        finally:
+            interrupt.join()
+            transport.close()
+        server.join(10)
