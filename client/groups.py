@@ -13,7 +13,7 @@ from .errors import MisuseError
 
 
 class Basis(NamedTuple):
-    """What a call's ops were built against: the daemon connection (DaemonBackend._link)
+    """What a call's ops were built against: the daemon connection (Connection.link)
     and the world's epoch. Sent on another connection, they would name its buffers wrongly."""
 
     link: int

@@ -18,7 +18,7 @@ class Registration(NamedTuple):
     # None while a rejoin registers it again, or if the daemon does not hold it (its memory
     # went before a restarted daemon knew it, an attempt was cut short, it was given up)
     daemon_handle: int | None
-    link: int  # the daemon connection that holds daemon_handle (DaemonBackend._link)
+    link: int  # the daemon connection that holds daemon_handle (Connection.link)
     # not to be made again with this daemon: it refused this one or one before (a limit),
     # or the memory is gone
     given_up: bool = False

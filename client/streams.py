@@ -33,7 +33,7 @@ class StreamOrder:
         # (stream, ready's handle, done's handle, the call's deadline) to the daemon; the
         # daemon connection that answered
         self._send_events = send_events
-        self._link = link  # the current daemon connection (DaemonBackend._link)
+        self._link = link  # the current daemon connection (Connection.link)
         self._lock = threading.Lock()
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._held_on: dict[int, int] = {}  # stream -> the connection whose daemon took its pair

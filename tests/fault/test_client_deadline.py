@@ -35,7 +35,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
 def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submit(
         daemon: DaemonProcess) -> None:
     with joined(daemon, TIMEOUT_S) as comms:
-        transport = comms[0]._transport
+        transport = comms[0]._conn.transport
         request = transport.request
 
         def slow_import_then_a_frozen_daemon(msg: proto.Message, *args: Any, **kwargs: Any) -> Any:

@@ -257,7 +257,7 @@ def test_a_fork_between_a_rejoins_hello_and_its_use_leaves_the_child_no_copy(
     `_transport` after; a fork in between (held open here) must find it closed too."""
     with joined(daemon, 5) as comms:
         restart_daemon(daemon, comms)
-        join = comms[0]._join
+        join = comms[0]._conn._join
         made: list[Any] = []
         between = threading.Event()
 
@@ -268,7 +268,7 @@ def test_a_fork_between_a_rejoins_hello_and_its_use_leaves_the_child_no_copy(
             time.sleep(1.0)
             return joined_now
 
-        monkeypatch.setattr(comms[0], "_join", join_then_hold)
+        monkeypatch.setattr(comms[0]._conn, "_join", join_then_hold)
         with ThreadPoolExecutor(2) as ranks:
             rebuilt = [ranks.submit(comm.attempt_reconnect) for comm in comms]
             assert between.wait(10)

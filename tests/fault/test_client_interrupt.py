@@ -139,7 +139,7 @@ def test_an_interrupt_as_the_reader_stops_leaves_no_thread_waiting_for_a_reader(
                 comms[0].barrier()
             other.result(10)  # (its barrier was done: both had arrived)
         monkeypatch.undo()
-        transport = comms[0]._transport
+        transport = comms[0]._conn.transport
         assert transport._reader is None
         with ThreadPoolExecutor(1) as pool:  # another thread of rank 0: told, not timed out
             started = time.monotonic()
@@ -173,7 +173,7 @@ def test_an_interrupted_reader_leaves_another_threads_call_no_wait(
 
         def register_once_main_reads() -> int:
             deadline = time.monotonic() + 5
-            while comms[0]._transport._reader != threading.main_thread().ident:
+            while comms[0]._conn.transport._reader != threading.main_thread().ident:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             return comms[0].register_buffer(bufs[0].ptr, 8)
@@ -268,7 +268,7 @@ def test_an_interrupt_as_a_rejoin_has_joined_drops_the_new_connection(
     try:
         fake.drop()
         assert not backend.is_healthy()
-        real_join = backend._join
+        real_join = backend._conn._join
 
         def join(deadline: float) -> Any:
             joined = real_join(deadline)
@@ -278,10 +278,10 @@ def test_an_interrupt_as_a_rejoin_has_joined_drops_the_new_connection(
             threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
             return joined
 
-        backend._join = join  # type: ignore[method-assign]
+        backend._conn._join = join  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt) as interrupt:
             backend.attempt_reconnect()
-        assert interrupt.traceback[-1].name == "_rejoin"
+        assert interrupt.traceback[-1].name == "rejoin"
         assert len(fake.conns) == 2 and hung_up(fake.conns[-1])
     finally:
         backend.close()
@@ -329,7 +329,7 @@ def test_a_close_cut_short_while_it_drops_its_connection_unmaps_on_the_second(
     backend = stand_in_backend(path)
     unmapped: list[str] = []
     backend._symmetric.let_go = lambda: (lambda: unmapped.append("unmapped"))  # type: ignore[method-assign]
-    transport = backend._transport
+    transport = backend._conn.transport
     real_close = transport.close
     calls: list[int] = []
 

@@ -99,12 +99,14 @@ def test_a_late_event_about_the_old_epoch_does_not_fail_the_new_one(daemon: Daem
             comms[0].barrier()  # rank 1 never calls it: epoch 1 fails
         on_both(lambda r: comms[r].attempt_reconnect())
         assert [comm.epoch for comm in comms] == [2, 2]
-        comms[0]._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 1 failed", 1),
-                           comms[0]._transport)
+        conn = comms[0]._conn
+        conn._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 1 failed", 1),
+                       conn.transport)
         assert comms[0].is_healthy()
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-        comms[0]._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 2 failed", 2),
-                           comms[0]._transport)
+        conn = comms[0]._conn
+        conn._on_event(proto.Event(proto.EventKind.WORLD_FAILED, ErrorCode.TIMEOUT, "epoch 2 failed", 2),
+                       conn.transport)
         assert not comms[0].is_healthy()
 
 

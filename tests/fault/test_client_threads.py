@@ -123,7 +123,7 @@ def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_w
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
         restart_daemon(daemon, comms)
-        mark = comms[0]._mark_unhealthy
+        mark = comms[0]._conn.mark_unhealthy
         monitor = threading.Thread(target=comms[0].is_healthy)
 
         def late_mark(*args: Any, **kwargs: Any) -> int:
@@ -131,7 +131,7 @@ def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_w
                 time.sleep(1.0)  # the reconnect below runs meanwhile
             return mark(*args, **kwargs)
 
-        monkeypatch.setattr(comms[0], "_mark_unhealthy", late_mark)
+        monkeypatch.setattr(comms[0]._conn, "mark_unhealthy", late_mark)
         monitor.start()
         on_both(lambda r: comms[r].attempt_reconnect())
         monitor.join(10)
@@ -151,10 +151,10 @@ def test_buffers_deregistered_while_a_rejoin_registers_them_again_stay_deregiste
         bufs = [hostmem.alloc(8) for _ in range(2)]
         handles = [comms[0].register_buffer(buf.ptr + i, 8) for i in range(100)]
         restart_daemon(daemon, comms)
-        old = comms[0]._transport
+        old = comms[0]._conn.transport
         with ThreadPoolExecutor(1) as reconnecting:
             rebuilt = reconnecting.submit(on_both, lambda r: comms[r].attempt_reconnect())
-            while comms[0]._transport is old:  # the rejoin has connected: it registers now
+            while comms[0]._conn.transport is old:  # the rejoin has connected: it registers now
                 time.sleep(0.0005)
             for handle in reversed(handles):
                 comms[0].deregister_buffer(handle)
@@ -253,7 +253,7 @@ def test_a_buffer_handed_to_the_daemon_that_went_counts_as_a_failure_of_its_thre
     with joined(daemon, timeout=2) as comms, ThreadPoolExecutor(1, thread_name_prefix="worker") as worker:
         bufs = [hostmem.alloc(8) for _ in range(2)]
         fresh = hostmem.alloc(8)
-        answered = slowed(monkeypatch, comms[0], "_request", "worker", 2.0, after=True,
+        answered = slowed(monkeypatch, comms[0]._conn, "request", "worker", 2.0, after=True,
                           when=lambda *args, **kwargs: bool(kwargs.get("fds")))  # (the Import)
         call = worker.submit(comms[0].all_reduce, fresh.ptr, 8, dtype="i32")
         assert answered.wait(5)
@@ -272,7 +272,7 @@ def test_a_call_made_before_a_reconnect_on_other_threads_is_not_sent_into_the_re
     paired with nothing of rank 1's; E+1 failed and needed another rebuild)."""
     with joined(daemon, timeout=2) as comms, ThreadPoolExecutor(1, thread_name_prefix="late") as late:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        sending = slowed(monkeypatch, comms[0], "_send_releases", "late", 1.0)
+        sending = slowed(monkeypatch, comms[0]._conn, "_send_releases", "late", 1.0)
         call = late.submit(comms[0].barrier)
         assert sending.wait(5)
         epoch = comms[0].epoch
@@ -298,8 +298,8 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
     # (a timeout past the hold: the held call tells the new daemon within its one deadline)
     with joined(daemon, timeout=10) as comms, ThreadPoolExecutor(1, thread_name_prefix="stale") as stale:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        old = comms[0]._transport
-        taken = slowed(monkeypatch, comms[0], "_send_releases", "stale", 3.0,
+        old = comms[0]._conn.transport
+        taken = slowed(monkeypatch, comms[0]._conn, "_send_releases", "stale", 3.0,
                        when=lambda transport: transport is old)
         request = stale.submit(comms[0].set_add_kernel, 0)
         assert taken.wait(5)
@@ -355,7 +355,7 @@ def test_is_healthy_reading_the_old_connection_during_a_rejoin_returns(
     other thread made a call)."""
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        old = comms[0]._transport
+        old = comms[0]._conn.transport
         daemon.kill()
         daemon.start()
         met_the_failure(comms[1])
@@ -389,7 +389,7 @@ def test_close_ends_a_recv_command_whose_reader_was_between_two_reads(
     waiting thread polled the new, idle socket for good)."""
     with joined(daemon, timeout=3) as comms:
         buf = hostmem.alloc(8)
-        transport = comms[0]._transport
+        transport = comms[0]._conn.transport
         read_one = transport._read_one
         armed, held = threading.Event(), threading.Event()
 
@@ -434,7 +434,7 @@ def test_a_shutdown_event_read_before_a_rejoin_does_not_mark_the_rebuilt_world(
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         daemon.stop()
         daemon.start()
-        mark = comms[0]._mark_unhealthy
+        mark = comms[0]._conn.mark_unhealthy
         holding = threading.Event()
 
         def late_mark(why: CommError, *args: Any, **kwargs: Any) -> int:
@@ -443,7 +443,7 @@ def test_a_shutdown_event_read_before_a_rejoin_does_not_mark_the_rebuilt_world(
                 time.sleep(1.5)  # both ranks rejoin meanwhile
             return mark(why, *args, **kwargs)
 
-        monkeypatch.setattr(comms[0], "_mark_unhealthy", late_mark)
+        monkeypatch.setattr(comms[0]._conn, "mark_unhealthy", late_mark)
         monitor = threading.Thread(target=comms[0].is_healthy, name="monitor")
         monitor.start()
         assert holding.wait(5)
@@ -463,7 +463,7 @@ def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
     to tell it, and the 2-rank add path was off without a word)."""
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
-        request = comms[0]._request
+        request = comms[0]._conn.request
         answered = threading.Event()
 
         def held_request(*args: Any, **kwargs: Any) -> Any:
@@ -473,7 +473,7 @@ def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
                 time.sleep(2.0)
             return answer
 
-        monkeypatch.setattr(comms[0], "_request", held_request)
+        monkeypatch.setattr(comms[0]._conn, "request", held_request)
         with ThreadPoolExecutor(1, thread_name_prefix="setting") as setting:
             done = setting.submit(comms[0].set_add_kernel, 7)
             assert answered.wait(5)

@@ -71,7 +71,7 @@ def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
         bufs = [hostmem.alloc(8) for _ in range(2)]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]  # imported by the old daemon
         restart_daemon(daemon, comms)
-        closing = slowed(monkeypatch, comms[0]._transport, "close", "", 1.0)
+        closing = slowed(monkeypatch, comms[0]._conn.transport, "close", "", 1.0)
         with ThreadPoolExecutor(1) as heartbeat:
             rebuilt = heartbeat.submit(on_both, lambda r: comms[r].attempt_reconnect())
             assert closing.wait(10)
@@ -96,7 +96,7 @@ def test_a_group_opened_once_the_rebuilt_world_is_healthy_is_kept(
         comms[0].group_start()
         with pytest.raises(CommError):
             comms[1].barrier()  # rank 0 never calls it: the world fails
-        dropping = slowed(monkeypatch, comms[0]._groups, "drop_all", "", 1.0)
+        dropping = slowed(monkeypatch, comms[0]._conn, "_on_new_epoch", "", 1.0)  # (drop_all)
         for r in range(2):
             send[r].view(np.int32)[:] = [r + 1, r + 1]
 

@@ -14,7 +14,7 @@ import pytest
 
 import proto
 from client import CommError, DaemonBackend, hostmem
-from client import daemon as client_daemon
+from client import connection as client_connection
 from client.transport import Packet, Transport, Undo
 from commd.launch import DaemonProcess
 from tests.fault.ranks import own_daemon
@@ -43,7 +43,7 @@ def test_constructor_hears_the_failure_before_its_welcome(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """The constructor returns a backend that is not healthy (before: AttributeError, the
     event came before the backend had a connection)."""
-    monkeypatch.setattr(client_daemon, "Transport", FailedBeforeWelcome)
+    monkeypatch.setattr(client_connection, "Transport", FailedBeforeWelcome)
     with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
         assert not comm.is_healthy()
         monkeypatch.undo()
@@ -62,7 +62,7 @@ def test_rejoin_hears_the_failure_before_its_welcome(
         daemon.start()
         with pytest.raises(CommError):
             comm.all_reduce(buf.ptr, 8, dtype="i32")
-        monkeypatch.setattr(client_daemon, "Transport", FailedBeforeWelcome)
+        monkeypatch.setattr(client_connection, "Transport", FailedBeforeWelcome)
         comm.attempt_reconnect()
         assert not comm.is_healthy()
         monkeypatch.undo()

@@ -25,7 +25,7 @@ import proto
 from client import DaemonBackend, HostMemory, MisuseError
 from client.cuda import BindingsDriver, CudaMemory, PointerInfo, available_driver
 from client.memory import MemoryRef, MemoryResolver
-from client.rpc import Answer
+from client.rpc import Answer, built
 from proto import MemKind
 from tests.integration.harness import open_fds, world_name
 
@@ -470,30 +470,34 @@ class AcceptingCuda(DaemonBackend):
         self.sent: list[object] = []
         self.cuda_ids: set[int] = set()
         super().__init__(*args, **kwargs)
-        post = self._transport.post
+        conn = self._conn
+        post, request = conn.transport.post, conn.request
 
         def spy(msg: proto.Message, fds: Sequence[int] = ()) -> None:
             if isinstance(msg, proto.Forget):
                 self.sent.append(msg)
             post(msg, fds)
 
-        self._transport.post = spy  # type: ignore[method-assign]
+        def accepting(make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
+                      **kwargs: Any) -> Answer:
+            msg = built(lambda: make(conn.transport.next_id()))
+            if isinstance(msg, proto.Import) and msg.kind is not MemKind.HOST:
+                conn._send_releases(conn.transport)
+                assert len(fds) == (1 if msg.kind is MemKind.CUDA_VMM else 0)
+                self.sent.append(msg)
+                self.cuda_ids.add(msg.buf)
+                return Answer(proto.Ok(msg.id), [], conn.link, conn.epoch, conn.engine)
+            if isinstance(msg, proto.Submit) and any(
+                    isinstance(op, proto.AllReduce) and op.buf and op.buf.buf in self.cuda_ids
+                    for op in msg.ops):
+                conn._send_releases(conn.transport)
+                self.sent.extend(msg.ops)
+                return Answer(proto.Ok(msg.id), [], conn.link, conn.epoch, conn.engine)
+            return request(lambda _id: msg, fds=fds, **kwargs)
 
-    def _request(self, make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
-                 **kwargs: Any) -> Answer:
-        msg = self._build(lambda: make(self._transport.next_id()))
-        if isinstance(msg, proto.Import) and msg.kind is not MemKind.HOST:
-            self._send_releases(self._transport)
-            assert len(fds) == (1 if msg.kind is MemKind.CUDA_VMM else 0)
-            self.sent.append(msg)
-            self.cuda_ids.add(msg.buf)
-            return Answer(proto.Ok(msg.id), [], self._link, self.epoch, self.engine)
-        if isinstance(msg, proto.Submit) and any(
-                isinstance(op, proto.AllReduce) and op.buf and op.buf.buf in self.cuda_ids for op in msg.ops):
-            self._send_releases(self._transport)
-            self.sent.extend(msg.ops)
-            return Answer(proto.Ok(msg.id), [], self._link, self.epoch, self.engine)
-        return super()._request(lambda _id: msg, fds=fds, **kwargs)
+        conn.transport.post = spy  # type: ignore[method-assign]
+        # (the backend's own calls ask the connection each time; registrations hold the original)
+        conn.request = accepting  # type: ignore[method-assign]
 
 
 def test_a_cached_op_on_cuda_memory_is_rechecked_every_call(sock: str) -> None:

@@ -1,0 +1,225 @@
+"""A rank's connection to its daemon, across rejoins (`Connection`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import proto
+
+from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, from_code
+from .groups import Basis
+from .health import Health
+from .rpc import Answer, Superseded, built, checked
+from .transport import Transport, Undo
+
+
+class Connection:
+    """The transport to the daemon, which daemon connection it is (`link`: each rejoin
+    moves it on) and the world's epoch and the daemon's engine as last heard. Every request
+    goes through `request`, which ties its answer, or its failure, to the link and epoch it
+    was made under: what a connection or a world this rank has left behind since says is
+    never recorded as the current one's (`Health`).
+
+    `lock` is the backend's (its bookkeeping, never held over I/O): under it the transport,
+    the link and the epoch move together with what is judged against them. `hello(epoch)`
+    builds the hello at the last epoch seen; `owed()` (under the lock) takes the buffer ids
+    whose Forget the daemon is owed; `on_new_epoch()` (under the lock) and
+    `on_new_daemon(link)` tell the backend what a rebuild and a rejoin leave behind."""
+
+    transport: Transport  # (from open(): a failure during its hello is judged by _joining)
+
+    def __init__(self, path: str, timeout: float, lock: threading.RLock, health: Health,
+                 hello: Callable[[int], proto.Hello], owed: Callable[[], list[int]],
+                 on_new_epoch: Callable[[], None], on_new_daemon: Callable[[int], None]) -> None:
+        self._path, self._timeout = path, timeout
+        self._lock = lock
+        self._health = health
+        self._hello, self._owed = hello, owed
+        self._on_new_epoch, self._on_new_daemon = on_new_epoch, on_new_daemon
+        self.link = 0
+        self.epoch = 0
+        self.engine = ""
+        self.closed = False
+        self.inherited = False  # set in a forked child: the connection is the parent's
+        self.pid = os.getpid()  # (for the message a forked child's calls get)
+        self._joining: Transport | None = None  # a hello's connection until it is answered
+
+    def open(self, deadline: float) -> None:
+        """Join the world (the constructor's hello), by `deadline`."""
+        self.transport, self.epoch, self.engine = self._join(deadline)
+
+    def check_open(self) -> None:
+        if self.inherited:
+            raise MisuseError(f"this DaemonBackend belongs to process {self.pid}; a forked "
+                              "child must make its own")
+        if self.closed:
+            raise MisuseError("the backend is closed")
+
+    def _join(self, deadline: float) -> tuple[Transport, int, str]:
+        """Connect and say hello (at the last epoch seen); returns once the world is ready,
+        with the new epoch and the daemon's engine (the caller puts all three in place)."""
+        hello = self._hello(self.epoch)
+        transport = Transport(self._path, self._timeout, self._on_event)
+        with self._lock:
+            if not self.closed:
+                self._joining = transport
+        try:
+            self.check_open()  # (close() came while connecting: it never saw this one)
+            reply, _ = transport.request(hello, deadline)
+            checked(reply)
+            assert isinstance(reply, proto.Welcome)
+        except BaseException:
+            transport.close()
+            raise
+        finally:
+            with self._lock:
+                self._joining = None
+        return transport, reply.epoch, reply.engine
+
+    def rejoin(self, deadline: float) -> None:
+        """Leave the daemon and join the world again on a new connection, by `deadline`: to
+        a restarted daemon, perhaps, with backoff while it is not back yet."""
+        self.transport.close()  # the daemon must see the old connection go, or the rank is taken
+        with self._lock:
+            # after the close, so no request on the old connection can succeed under the new
+            # link; a reply that came on it before is recorded nowhere
+            self.link += 1
+            link = self.link
+        self._on_new_daemon(link)
+        delay = 0.05
+        while True:
+            self.check_open()  # closed by another thread meanwhile: never join behind its back
+            try:
+                transport, epoch, engine = self._join(deadline)
+            except DaemonUnavailable:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)  # not back yet (systemd restarts it): try again
+                delay = min(1.0, delay * 2)
+                continue
+            try:
+                with self._lock:  # close() takes `closed` under it, then closes whichever transport is ours
+                    installed = not self.closed
+                    if installed:
+                        self.transport, self.engine = transport, engine
+                        self.new_epoch(epoch)
+            except BaseException:  # (an interrupt: the welcomed connection must not keep the rank)
+                transport.close()
+                raise
+            if installed:
+                return
+            transport.close()
+            self.check_open()
+
+    def new_epoch(self, epoch: int) -> None:
+        """(Under the lock) The world is rebuilt at `epoch`."""
+        self.epoch = epoch
+        self._on_new_epoch()
+
+    def basis(self) -> Basis:
+        with self._lock:
+            return Basis(self.link, self.epoch)
+
+    def current_link(self) -> int:
+        return self.link
+
+    def request(self, make: Callable[[int], proto.Request], *, due: float | None,
+                fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
+                link: int | None = None) -> Answer:
+        """One request/reply, answered by `due` (+ `grace`; None: no deadline); daemon errors
+        become CommErrors. `make` builds the request from its id. `undo`: what undoes the
+        request if it times out and the daemon did it all the same. `link`: only to that
+        daemon connection (Superseded if a rejoin replaced it)."""
+        self.check_open()
+        # One transport for the id and the sending: another thread's rejoin may put a new one
+        # in place meanwhile, whose own ids an old one's could collide with
+        with self._lock:
+            transport, used, epoch, engine = self.transport, self.link, self.epoch, self.engine
+        if link is not None and link != used:
+            raise Superseded
+        try:
+            self._send_releases(transport)
+            msg = built(lambda: make(transport.next_id()))
+            reply, got = transport.request(
+                msg, None if due is None else due + grace, fds, undo)
+            checked(reply)
+        except CommError as exc:
+            if link is not None and link != self.link:
+                raise Superseded from exc  # (sent on the connection a rejoin was replacing)
+            # (a call refused as made for an older epoch says nothing of the current one)
+            if isinstance(exc, UNHEALTHY) and exc.code is not proto.ErrorCode.STALE_EPOCH:
+                self._health.met(self.mark_unhealthy(exc, epoch, transport))
+            raise
+        return Answer(reply, got, used, epoch, engine)
+
+    def mark_unhealthy(self, why: CommError, epoch: int = 0,
+                       transport: Transport | None = None) -> int:
+        """Record why the world is unhealthy, unless it is about an epoch (`epoch`; 0: the
+        current one) or a connection (`transport`) this rank has left behind since: a
+        reconnect on another thread must not inherit it. A hello's connection counts as
+        ours: the world it joins may fail before its welcome. Returns the epoch it is about."""
+        with self._lock:
+            about = epoch or self.epoch
+            # (_joining first: during the constructor's hello there is no transport yet)
+            left = (transport is not None and transport is not self._joining
+                    and transport is not self.transport)
+            if about >= self.epoch and not left:
+                self._health.record(why, about)
+        return about
+
+    def went_away(self, epoch: int, when: str) -> DaemonUnavailable:
+        """The error of a call made with a daemon a rejoin replaced meanwhile: the calling
+        thread met the end of the world of `epoch` (which that rejoin has repaired)."""
+        self._health.met(epoch)
+        return DaemonUnavailable(f"the daemon went away {when}; call attempt_reconnect")
+
+    def take_news(self) -> None:
+        """Read the events already waiting, and whether the connection broke."""
+        transport = self.transport
+        transport.drain_events()
+        broken = transport.broken
+        if broken is not None:
+            self.mark_unhealthy(broken, transport=transport)
+
+    def interrupted(self, exc: BaseException) -> None:
+        """An interrupt cut a call short: drop the connection (see Transport.interrupted)."""
+        if self.inherited or self.closed:  # (nothing to drop, or not ours)
+            return
+        transport = self.transport
+        self._health.met(self.mark_unhealthy(transport.interrupted(exc), transport=transport))
+
+    def close(self, first: Callable[[], None]) -> None:
+        """Drop the connection, and a rejoin's hello under way (it must not take the rank
+        after we left); `first` runs under the lock the first time."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                first()
+            transport, joining = self.transport, self._joining
+        transport.close()
+        if joining is not None:
+            joining.close()
+
+    def let_go_of_inherited(self) -> None:
+        """In a forked child (whose copies of the sockets the transports closed): the
+        connection is the parent's; no lock is taken (a thread the child lacks may have
+        held one)."""
+        self.inherited = self.closed = True
+
+    def _on_event(self, event: proto.Event, transport: Transport) -> None:
+        # (one from a connection a rejoin has replaced, a SHUTDOWN's say, whose epoch 0 would
+        # read as the rebuilt world's, is not about this rank's world any more)
+        self.mark_unhealthy(from_code(event.code, event.message), event.epoch, transport)
+
+    def _send_releases(self, transport: Transport) -> None:
+        """The Forgets go with a request on the current connection (one a rejoin is replacing
+        would lose them: the new daemon's, once it has imported some)."""
+        with self._lock:
+            if transport is not self.transport or transport.broken is not None:
+                return
+            released = self._owed()
+        for start in range(0, len(released), proto.MAX_GROUP_OPS):
+            transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
