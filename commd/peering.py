@@ -286,7 +286,9 @@ class PeerLink:
     async def _read_loop(self) -> None:
         reason = "closed by the peer"
         try:
-            while True:
+            # (a handler may close the link: the frames already read behind it must not reach
+            # it, and reads of buffered frames never suspend, where the cancel would land)
+            while not self.closed:
                 msg, payload = await self._stream.read()
                 self.last_seen = time.monotonic()
                 # (any other frame means the peer's loop runs again)

@@ -315,6 +315,34 @@ async def test_close_reports_once_on_both_sides() -> None:
         await b_to_a.drain()
 
 
+def test_a_handler_that_closes_its_link_hears_nothing_more_from_it() -> None:
+    """A handler may close the link it is handed (a daemon refusing what a peer said): the
+    frames the peer sent right behind are not handed on. Before, the read loop went on
+    through what was already buffered (those reads return without suspending, so the
+    cancel never landed) and the handler heard from a link it had closed."""
+    heard: list[p.PeerMessage] = []
+
+    class Refusing(Side):
+        def _on_message(self, link: PeerLink, msg: p.PeerMessage, payload: bytes | bytearray) -> None:
+            heard.append(msg)
+            link.close("refused")
+
+    async def test() -> None:
+        a, b = Refusing("daemon-a"), Side("daemon-b")
+        async with sides(a, b):
+            b_to_a = await b.dial(await a.listen())
+            await a.next_link()
+            for epoch in range(1, 21):
+                b_to_a.send(p.WorldFailed("job-1", epoch, ErrorCode.PEER_LOST, "refused"))
+            await b_to_a.drain()
+            _, reason, _ = await a.next_lost()
+            assert reason == "refused"
+            await b.next_lost()  # (by then a has read all it will)
+
+    on_uvloop(test)
+    assert [msg.epoch for msg in heard if isinstance(msg, p.WorldFailed)] == [1]
+
+
 async def test_several_dialers_each_get_their_own_link() -> None:
     a, b, c = Side("daemon-a"), Side("daemon-b"), Side("daemon-c")
     async with sides(a, b, c):
