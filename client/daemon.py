@@ -56,7 +56,10 @@ def _interruptible(method: Method[P, T]) -> Method[P, T]:
 # a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
 # in the hello (u64): a year is beyond any use and far inside both
 _MAX_TIMEOUT_S = 365 * 86400.0
-_JOIN_GRACE_S = 2.0  # the daemon enforces the join deadline; this covers its reply in flight
+# The daemon enforces a join's deadline, with a backstop of its own across nodes: the
+# client waits past both, so what it hears is the daemon's word on which ranks are missing,
+# not a timeout of its own that cannot say (when they were equal, either could come first)
+_JOIN_GRACE_S = proto.JOIN_BACKSTOP_S + 1.0
 
 
 class DaemonBackend(CommBackend):

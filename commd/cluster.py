@@ -102,32 +102,22 @@ class WorldNet:
         self.placement: tuple[str, ...] = ()
         self.epoch = 0
         self.inbox = Inbox()
-        self._resolved: asyncio.Future[None] | None = None
+        self.root_known = bootstrap is None  # whether `resolve` found the root
 
     @property
     def is_root(self) -> bool:
+        """(Until the root is known, a daemon takes the votes other daemons send it, as the
+        root: they may come before its own dial to the bootstrap address found itself.)"""
         return self.root is None
 
     async def resolve(self) -> None:
         """Find the root: dial the bootstrap address; if it is our own listener, we are it.
-        A link to the root that was lost (a cut network, a restarted root) is dialed anew."""
-        if self.bootstrap is None:
-            return  # created by a member's report: we are the root
-        if self._resolved is not None and self._resolved.done() and self.root is not None \
-                and self.root.closed:
-            self._resolved = None
-        if self._resolved is None:
-            self._resolved = asyncio.get_running_loop().create_future()
-            try:
-                self.root = await self.cluster.link_to(self.bootstrap)
-                self._resolved.set_result(None)
-            except BaseException as exc:
-                self._resolved.set_exception(exc)
-                self._resolved.exception()  # retrieved: later waiters re-raise it
-                self._resolved = None
-                raise
+        A link to the root that was lost (a cut network, a restarted root) is dialed anew.
+        (Concurrent calls share one dial: the cluster's.)"""
+        if self.bootstrap is None or (self.root_known and (self.root is None or not self.root.closed)):
             return
-        await asyncio.shield(self._resolved)
+        self.root = await self.cluster.link_to(self.bootstrap)
+        self.root_known = True
 
     def ranks_of(self, daemon: str) -> tuple[int, ...]:
         return tuple(r for r, d in enumerate(self.placement) if d == daemon)
@@ -221,7 +211,8 @@ class Cluster:
             link = None
         except BaseException as exc:  # whatever went wrong, later dials must not wait on this one
             del self._dials[address]
-            why = str(exc) or type(exc).__name__
+            why = "the dial was cancelled" if isinstance(exc, asyncio.CancelledError) else \
+                str(exc) or type(exc).__name__
             error = CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}")
             future.set_exception(error)
             future.exception()

@@ -137,8 +137,9 @@ class NetMembership:
         return bool(self._votes)
 
     def missing(self) -> list[int]:
-        """Ranks that never arrived in this round (only the root knows; members say so)."""
-        if self.net.is_root:
+        """Ranks that never arrived in this round (only the root knows; members say so, and
+        so does a member still looking for its root: it has counted nobody)."""
+        if self.net.is_root and self.net.root_known:
             return [r for r in range(self._world.world_size) if r not in self._arrived]
         return []
 

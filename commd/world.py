@@ -41,7 +41,6 @@ from .stats import DaemonStats
 from .tickets import Arrival, Peer, Ticket, arrivals_of, engine_op_of, order_of
 
 log = logging.getLogger("commd.world")
-_ROOT_GRACE_S = 2.0
 # How often a ready world asks its engine for async errors and checks call deadlines:
 # bounds the detection of an engine failure; one cheap wake-up per world.
 _WATCH_S = 0.25
@@ -147,7 +146,7 @@ class World:
     def _wait(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         # A member's own deadline is a backstop: the root names the missing ranks first.
-        backstop = 0.0 if self.net is None else _ROOT_GRACE_S
+        backstop = 0.0 if self.net is None else proto.JOIN_BACKSTOP_S
         waiter.timer = loop.call_later(timeout_s + backstop, self._expire, rank, waiter, timeout_s)
         self._waiting[rank] = waiter
         self.membership.vote(rank, timeout_s)

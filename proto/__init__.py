@@ -10,6 +10,7 @@ from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge, Pro
 from .messages import (
     IPC_EVENT_BYTES,
     IPC_MEM_HANDLE_BYTES,
+    JOIN_BACKSTOP_S,
     MAX_ERROR_TEXT,
     MAX_GROUP_OPS,
     MAX_MESSAGE_BYTES,
@@ -48,8 +49,8 @@ from .messages import (
 from .types import DType, EventKind, MemKind, ReduceOp
 
 __all__ = [
-    "IPC_EVENT_BYTES", "IPC_MEM_HANDLE_BYTES", "MAX_ERROR_TEXT", "MAX_GROUP_OPS", "MAX_MESSAGE_BYTES",
-    "PROTOCOL_VERSION",
+    "IPC_EVENT_BYTES", "IPC_MEM_HANDLE_BYTES", "JOIN_BACKSTOP_S", "MAX_ERROR_TEXT", "MAX_GROUP_OPS",
+    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION",
     "AllGather", "AllReduce",
     "Barrier", "Broadcast", "Connection", "DType", "DecodeError", "Deregister", "Error",
     "ErrorCode", "Event", "EventKind", "Forget", "Hello", "Import", "InvalidMessage", "Mem",

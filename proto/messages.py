@@ -26,6 +26,10 @@ U64_MAX = (1 << 64) - 1
 # A world formed from a hello goes on at its epoch + 1, and each rebuild adds one: an epoch
 # from a hello must leave room for those in the u64 the replies carry it in.
 MAX_HELLO_EPOCH = 1 << 62
+# A daemon answers a join (a hello, a reconnect) by the timeout it carries; the daemon of a
+# rank in a world across nodes waits this much longer for the world's root to say which
+# ranks never came (a client waiting for the answer must wait longer still).
+JOIN_BACKSTOP_S = 2.0
 _WORLD_NAME = re.compile(r"[A-Za-z0-9._:@/-]+")
 
 

@@ -640,3 +640,23 @@ def test_worlds_held_for_other_daemons_votes_are_bounded() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     assert len(refused) == 40 and {m.code for m in refused} == {ErrorCode.LIMIT}
     assert "max_forming_worlds" in refused[0].message
+
+
+def test_a_member_that_never_reaches_its_root_says_so() -> None:
+    """The bootstrap address answers TCP but never the handshake (a wrong port, a hung
+    root): the rank's join times out saying the root did not form the world. Before, the
+    member, not knowing yet that it was no root, said "ranks [0, 1] did not arrive"; and
+    the client, waiting no longer than the member's own backstop, often timed out first
+    with a message of its own that named nothing."""
+    tmp = short_tmpdir()
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the backlog), says nothing
+        bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+        try:
+            member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", "B", "--peer-heartbeat", "1",
+                "--peer-window", "30"])
+            with member, pytest.raises(CommTimeout, match=rf"world .*: the root daemon "
+                                                          rf"\({bootstrap}\) did not form it within 1s"):
+                DaemonBackend(str(member.socket_path), world_name(), 1, 2, timeout=1, bootstrap=bootstrap)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from commd.cluster import Cluster
+from commd.cluster import Cluster, WorldNet
 from commd.errors import CallError
 from commd.peering import PeerLink, PeerNode, PeerSettings
 from proto import peer as p
@@ -111,4 +111,38 @@ async def test_a_cancelled_dial_does_not_hold_up_the_next_one() -> None:
             await asyncio.wait_for(cluster.link_to(address), 5)
     finally:
         silent.close()
+        cluster.close()
+
+
+async def test_a_cancelled_resolve_tells_who_waited_on_it_why() -> None:
+    """A world's search for its root cancelled (its rank left) gives those who waited on the
+    same search a CallError saying so: before, they got the CancelledError, as if they had
+    been cancelled themselves."""
+    silent = await asyncio.start_server(lambda r, w: asyncio.sleep(30), "127.0.0.1", 0)
+    cluster = Cluster(PeerSettings("A", SECRET, handshake_timeout_s=5))
+    net = WorldNet(cluster, "job-1", f"127.0.0.1:{silent.sockets[0].getsockname()[1]}")
+    try:
+        first = asyncio.ensure_future(net.resolve())
+        await asyncio.sleep(0.1)
+        waiting = asyncio.ensure_future(net.resolve())  # waits on the first search
+        await asyncio.sleep(0.1)
+        assert not net.root_known
+        first.cancel()
+        with pytest.raises(CallError, match="the dial was cancelled"):
+            await asyncio.wait_for(waiting, 5)
+        assert not net.root_known and net.root is None
+    finally:
+        silent.close()
+        cluster.close()
+
+
+async def test_a_world_whose_bootstrap_is_our_own_listener_is_rooted_here() -> None:
+    cluster, _router, port = await listening()
+    try:
+        net = WorldNet(cluster, "job-1", f"127.0.0.1:{port}")
+        await asyncio.wait_for(net.resolve(), 5)
+        assert net.root_known and net.is_root
+        made_for_a_member = WorldNet(cluster, "job-2", None)
+        assert made_for_a_member.root_known and made_for_a_member.is_root
+    finally:
         cluster.close()
