@@ -41,6 +41,8 @@ from .stats import DaemonStats
 from .tickets import Arrival, Peer, Ticket, arrivals_of, engine_op_of, order_of
 
 log = logging.getLogger("commd.world")
+# How an idle world ends without anything failing: a rank leaves, the daemon stops.
+_ENDINGS = frozenset({ErrorCode.WORLD_FAILED, ErrorCode.SHUTDOWN})
 # How often a ready world asks its engine for async errors and checks call deadlines:
 # bounds the detection of an engine failure; one cheap wake-up per world.
 _WATCH_S = 0.25
@@ -377,8 +379,8 @@ class World:
         message = clip(message)
         self.state = WorldState.FAILED
         self.cause, self.cause_code = message, code
-        # A rank leaving an idle world is how jobs end; only a failure that hits calls warns.
-        level = logging.WARNING if self._tickets or code is not ErrorCode.WORLD_FAILED else logging.INFO
+        # (an ending is how jobs end; only a failure that hits calls warns)
+        level = logging.WARNING if self._tickets or code not in _ENDINGS else logging.INFO
         self.stats.world_failed(self.name, self.epoch, code, message, job_ended=level == logging.INFO)
         extra = self.log_extra(rank)
         log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message, extra=extra)
@@ -437,7 +439,14 @@ class World:
         self.forget_if_empty()
 
     def shutdown(self, message: str) -> None:
-        """The daemon stops: every pending call and waiter gets SHUTDOWN."""
+        """The daemon stops: every pending call and waiter gets SHUTDOWN. A ready world
+        fails with it first: the daemon closes its ranks' connections one by one next, and
+        the first departure would otherwise fail the world under the others with "rank N's
+        connection was lost". The other daemons' ranks lost a peer, which can come back."""
+        if self.state is WorldState.READY:
+            self.fail(ErrorCode.SHUTDOWN, message, propagate=False)
+            if self.net is not None:
+                self.membership.failed(ErrorCode.PEER_LOST, f"daemon {self.net.me} is shutting down")
         # Swap the collections out first: a reply can close its connection, whose
         # departure edits them.
         tickets, self._tickets = self._tickets, set()
@@ -446,9 +455,10 @@ class World:
         waiting, self._waiting = self._waiting, {}
         for waiter in waiting.values():
             self._cancel(waiter, ErrorCode.SHUTDOWN, message)
-        if self._comm is not None:
-            self._comm.abort()
-            self._comm = None
+        for comm in [*self._abort_when_idle, *([self._comm] if self._comm is not None else [])]:
+            comm.abort()  # (no grace now: the engine closes next)
+        self._abort_when_idle.clear()
+        self._comm = None
 
     def _abort_late(self, comm: Communicator) -> None:
         if comm in self._abort_when_idle:

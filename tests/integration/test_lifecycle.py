@@ -192,6 +192,29 @@ def test_sigterm_does_not_reset_a_client_whose_requests_are_unread(own_daemon: D
     assert any(isinstance(m, proto.Event) and m.code is ErrorCode.SHUTDOWN for m in seen), seen
 
 
+def test_idle_ranks_hear_the_shutdown_not_each_others_departure(own_daemon: DaemonProcess) -> None:
+    """The daemon stops with a world idle: every rank hears SHUTDOWN, and its next call is
+    DaemonShutdown. Before, the first connection the daemon closed failed the world under
+    the others, who heard "rank 0's connection was lost" (a WorldFailed) instead of why."""
+    sock, world = str(own_daemon.socket_path), world_name()
+    size = 3
+    raws = [RawClient(sock) for _ in range(size)]
+    try:
+        for rank, raw in enumerate(raws):
+            raw.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, size, 60_000))
+        assert all(isinstance(raw.recv(), proto.Welcome) for raw in raws)
+        assert own_daemon.stop() == 0
+        for rank, raw in enumerate(raws):
+            events = []
+            while (msg := raw.recv()) is not None:
+                events.append(msg)
+            assert events and all(isinstance(m, proto.Event) and m.code is ErrorCode.SHUTDOWN
+                                  for m in events), (rank, events)
+    finally:
+        for raw in raws:
+            raw.close()
+
+
 def test_sigterm_again_and_again_still_exits_zero(pool: RankPool, own_daemon: DaemonProcess) -> None:
     """A service manager or an impatient user signalling again while the daemon stops:
     the stop under way goes on, to its end (before: a signal after the handlers were

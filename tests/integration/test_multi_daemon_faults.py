@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import CommTimeout, DaemonBackend, MisuseError, PeerLost, WorldFailed, hostmem
+from client import CommTimeout, DaemonBackend, DaemonShutdown, MisuseError, PeerLost, WorldFailed, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from commd.peering import PeerNode, PeerSettings
@@ -660,3 +660,27 @@ def test_a_member_that_never_reaches_its_root_says_so() -> None:
                 DaemonBackend(str(member.socket_path), world_name(), 1, 2, timeout=1, bootstrap=bootstrap)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_member_daemon_stopping_tells_the_others_why(pair: list[DaemonProcess]) -> None:
+    """Daemon B stops (SIGTERM) under an idle world: its rank hears DaemonShutdown, the
+    root's rank hears that daemon B is shutting down (before: "rank 1's connection was
+    lost", B's first closed connection failing the world before the shutdown did), and
+    once B is back both rejoin."""
+    a, b = pair
+    comms = joined([a, b], a, world_name())
+    try:
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+        assert b.stop() == 0
+        with pytest.raises(PeerLost, match="daemon B is shutting down"):
+            comms[0].barrier()
+        with pytest.raises(DaemonShutdown, match="shutting down"):
+            comms[1].barrier()
+        b.start()
+        with ThreadPoolExecutor(2) as threads:
+            for rejoined in [threads.submit(comm.attempt_reconnect) for comm in comms]:
+                rejoined.result(30)
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
