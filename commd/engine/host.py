@@ -43,7 +43,7 @@ from .base import (
     TransferOp,
     op_nbytes,
 )
-from .hostnet import NetRunner
+from .hostnet import NetRunner, off_loop
 from .hostreduce import CHUNK_ELEMS, quiet_float_errors, reduce_range, split
 
 if TYPE_CHECKING:
@@ -382,9 +382,7 @@ class HostCommunicator:
 
             await self._inline.run(nbytes, job)
             return
-        jobs = _plan(op, self._parts)
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._pool, job) for job in jobs))
+        await asyncio.gather(*(off_loop(self._pool, job) for job in _plan(op, self._parts)))
 
     @staticmethod
     def _run_inline(op: EngineOp) -> None:

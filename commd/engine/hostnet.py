@@ -83,6 +83,17 @@ def _raw(array: np.ndarray) -> memoryview:
     return array.view(np.uint8).data  # through uint8: ml_dtypes' bf16 exports no buffer format
 
 
+async def off_loop(pool: Executor, fn: Callable[[], R]) -> R:
+    """`fn` on the engine's threads. Once the engine closed (the daemon stops, ops of other
+    daemons' making still coming), the op fails with SHUTDOWN like the daemon's other calls,
+    not with the pool's RuntimeError, an engine failure in the logs."""
+    try:
+        future = asyncio.get_running_loop().run_in_executor(pool, fn)
+    except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
+        raise CallError(ErrorCode.SHUTDOWN, "the daemon is shutting down") from exc
+    return await future
+
+
 def chunks(total: int, size: int) -> list[tuple[int, int]]:
     """[0, total) in pieces of `size`; one empty piece for an empty buffer."""
     return [(lo, min(lo + size, total)) for lo in range(0, total, size)] or [(0, 0)]
@@ -113,7 +124,7 @@ class NetRunner:
     # ---- plumbing -------------------------------------------------------------------
 
     async def _off_loop(self, fn: Callable[[], R]) -> R:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        return await off_loop(self._pool, fn)
 
     def _data(self, step: str, tag: CallTag, chunk: int, source: int,
               about: tuple[int, ...] = (), fingerprint: str | None = None) -> p.Data:
