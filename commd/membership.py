@@ -105,6 +105,11 @@ class NetMembership:
         except CallError as exc:
             self._world.refuse(rank, exc.code, f"world {self._world.name}: {exc.message}")
             return
+        if not self.net.is_root and self._votes:
+            # other daemons' votes, counted while we might have been the root: they were sent
+            # to the wrong daemon (theirs was told another bootstrap address than ours)
+            self._refuse_all(f"daemon {self.net.me} is not the root of world {self._world.name}; "
+                             f"its root is the daemon at {self.net.bootstrap}")
         if rank not in self._world.local_waiting():
             return  # gone while we looked for the root
         if self.net.is_root:
@@ -139,9 +144,10 @@ class NetMembership:
     def missing(self) -> list[int]:
         """Ranks that never arrived in this round (only the root knows; members say so, and
         so does a member still looking for its root: it has counted nobody)."""
-        if self.net.is_root and self.net.root_known:
-            return [r for r in range(self._world.world_size) if r not in self._arrived]
-        return []
+        return self._not_arrived() if self.net.is_root and self.net.root_known else []
+
+    def _not_arrived(self) -> list[int]:
+        return [r for r in range(self._world.world_size) if r not in self._arrived]
 
     # ---- the root's side ----------------------------------------------------------
 
@@ -201,7 +207,8 @@ class NetMembership:
         daemon = self.net.me if link is None else link.name
         if self._votes.get(rank) != daemon:
             return
-        message = (f"world {self._world.name}: ranks {rank_list(self.missing())} did not arrive "
+        # (votes are counted as the root, also by a daemon still dialing its bootstrap address)
+        message = (f"world {self._world.name}: ranks {rank_list(self._not_arrived())} did not arrive "
                    f"within {timeout_s:g}s")
         self._drop_vote(rank, link, ErrorCode.TIMEOUT, message)
 

@@ -684,3 +684,92 @@ def test_a_member_daemon_stopping_tells_the_others_why(pair: list[DaemonProcess]
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_votes_taken_while_looking_for_the_root_name_the_missing_ranks() -> None:
+    """Daemon B's rank 0 waits while B dials a bootstrap address that never answers; daemon
+    C, told B is the root, votes there for rank 1: B counts it (it may be the root: who it
+    is is not known yet) and times it out naming rank 0 as missing, as a root would (the
+    daemon still looking for its root must not name ranks of its own round, but these votes
+    are its own round's)."""
+    tmp = short_tmpdir()
+    slow = ["--peer-heartbeat", "1", "--peer-window", "30"]
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+        b = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET,
+                          args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *slow])
+        c = DaemonProcess(Path(tmp) / "C" / "commd.sock", env=SECRET,
+                          args=["--peer-listen", "127.0.0.1:0", "--peer-name", "C", *slow])
+        world = world_name()
+        try:
+            with b, c, ThreadPoolExecutor(1) as threads:
+                rank0 = threads.submit(DaemonBackend, str(b.socket_path), world, 0, 2, timeout=3,
+                                       bootstrap=bootstrap)
+                wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [0], timeout=10)
+                with pytest.raises(CommTimeout, match=r"ranks \[0\] did not arrive within 1s"):
+                    DaemonBackend(str(c.socket_path), world, 1, 2, timeout=1, bootstrap=b.peer_address())
+                with pytest.raises(CommTimeout, match=r"the root daemon .* did not form it within 3s"):
+                    rank0.result(20)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class SlowProxy:
+    """A TCP relay to `target` that holds each connection `delay_s` before it relays: a
+    daemon dialing through it finds out who is at the other end that much later."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        self._target, self._delay_s = parse_address(target), delay_s
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # (closed)
+            while True:
+                near, _ = self._server.accept()
+                threading.Thread(target=self._relay, args=(near,), daemon=True).start()
+
+    def _relay(self, near: socket.socket) -> None:
+        time.sleep(self._delay_s)
+        with near, socket.create_connection(self._target, timeout=5) as far:
+            far.settimeout(None)
+            threading.Thread(target=self._pipe, args=(far, near), daemon=True).start()
+            self._pipe(near, far)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_votes_sent_to_a_daemon_that_is_no_root_are_refused_once_it_knows() -> None:
+    """Daemon B reaches the root A slowly; meanwhile daemon C, told B is the root, votes at
+    B for rank 2. Once B finds it is a member, it refuses that vote at once, saying who the
+    root is (before: it held the vote until C's rank timed out, naming ranks missing that
+    were on their way to A)."""
+    world, tmp = world_name(), short_tmpdir()
+    slow = ["--peer-heartbeat", "1", "--peer-window", "30"]  # (B's handshake waits for the relay)
+    a, b, c = (DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", name, *slow]) for name in "ABC")
+    try:
+        with a, b, c, ThreadPoolExecutor(1) as threads, \
+                contextlib.closing(SlowProxy(a.peer_address(), 1.5)) as proxy:
+            rank1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=4,
+                                   bootstrap=proxy.address)
+            wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1], timeout=10)
+            started = time.monotonic()
+            with pytest.raises(MisuseError, match=rf"daemon B is not the root of world {world}; "
+                                                  rf"its root is the daemon at {proxy.address}"):
+                DaemonBackend(str(c.socket_path), world, 2, 3, timeout=30, bootstrap=b.peer_address())
+            assert time.monotonic() - started < 10  # (not C's rank's timeout)
+            with pytest.raises(CommTimeout, match=r"ranks \[0, 2\] did not arrive"):
+                rank1.result(20)  # (A, the root, names them)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
