@@ -60,6 +60,7 @@ _MAX_TIMEOUT_S = 365 * 86400.0
 # client waits past both, so what it hears is the daemon's word on which ranks are missing,
 # not a timeout of its own that cannot say (when they were equal, either could come first)
 _JOIN_GRACE_S = proto.JOIN_BACKSTOP_S + 1.0
+_VERDICT_GRACE_S = 2.0  # a call's: the daemon's verdict on a call open past its timeout, in flight
 
 
 class DaemonBackend(CommBackend):
@@ -503,7 +504,7 @@ class DaemonBackend(CommBackend):
             (lambda rid: proto.Submit(rid, ops, basis.epoch)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
         try:
-            self._conn.request(make, due=due, grace=_JOIN_GRACE_S, link=basis.link)
+            self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link)
         except Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._conn.went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:
