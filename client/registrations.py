@@ -15,6 +15,11 @@ from .rpc import Requester, Superseded
 class Registration(NamedTuple):
     ptr: int
     nbytes: int
+    # our id of the memory it was made on: once that is freed, another buffer may take its
+    # address, and a rejoin must not register that one in its place (a device allocation
+    # dropped from our full cache comes back under a new id too: the daemon dropped its
+    # registration with the old one)
+    buffer: int
     # None while a rejoin registers it again, or if the daemon does not hold it (its memory
     # went before a restarted daemon knew it, an attempt was cut short, it was given up)
     daemon_handle: int | None
@@ -47,12 +52,12 @@ class Registrations:
 
     def register(self, ptr: int, nbytes: int, due: float) -> int:
         while True:
-            daemon_handle, link = self._register(ptr, nbytes, due)
+            daemon_handle, link, buffer = self._register(ptr, nbytes, due)
             with self._lock:
                 if link == self._link():
                     handle = self._next_handle
                     self._next_handle += 1
-                    self._by_handle[handle] = Registration(ptr, nbytes, daemon_handle, link)
+                    self._by_handle[handle] = Registration(ptr, nbytes, buffer, daemon_handle, link)
                     return handle
             # made with a daemon a rejoin replaced meanwhile (gone, and the registration with
             # it), after the rejoin registered again what it knew: make it with the new one
@@ -92,7 +97,7 @@ class Registrations:
             made = None
             if refusal is None:
                 try:
-                    made = self._register(registration.ptr, registration.nbytes, due)
+                    made = self._register(registration.ptr, registration.nbytes, due, registration.buffer)
                 except LimitExceeded as exc:
                     refusal = exc
                 except MisuseError:  # its memory was freed meanwhile: nothing to register any more
@@ -100,7 +105,7 @@ class Registrations:
             if made is None:
                 self._give_up(handle, registration)
                 continue
-            fresh, link = made
+            fresh, link, _ = made
             with self._lock:
                 if self._by_handle.get(handle) is registration:
                     self._by_handle[handle] = registration._replace(daemon_handle=fresh, link=link)
@@ -114,16 +119,23 @@ class Registrations:
             if self._by_handle.get(handle) is registration:
                 self._by_handle[handle] = registration._replace(given_up=True)
 
-    def _register(self, ptr: int, nbytes: int, due: float) -> tuple[int, int]:
-        """The daemon's handle, and the daemon connection it holds it on."""
+    def _register(self, ptr: int, nbytes: int, due: float,
+                  buffer: int | None = None) -> tuple[int, int, int]:
+        """The daemon's handle, the daemon connection it holds it on, and our id of the memory.
+        `buffer`: only on that memory (MisuseError if another buffer holds `ptr` now)."""
+        made_on: list[int] = []
+
         def register(request_id: int) -> proto.Register:
             mem = self._mem(ptr, nbytes, due)
             if mem is None:
                 raise MisuseError("cannot register an empty buffer")
+            if buffer is not None and mem.buf != buffer:
+                raise MisuseError(f"the memory registered at 0x{ptr:x} was freed")
+            made_on.append(mem.buf)
             return proto.Register(request_id, mem, nbytes)
 
         answer = self._request(register, due=due, undo=_deregister_late)
-        return answer.value(), answer.link
+        return answer.value(), answer.link, made_on[-1]
 
     def _deregister_at(self, daemon_handle: int, link: int, due: float) -> None:
         """Drop a registration at the daemon that made it, if that one is still ours."""

@@ -394,11 +394,12 @@ def test_registrations_a_restoring_left_undone_are_made_at_the_next_rebuild(
         register = comms[0]._registrations._register
         calls = [0]
 
-        def times_out_once(ptr: int, nbytes: int, due: float) -> tuple[int, int]:
+        def times_out_once(ptr: int, nbytes: int, due: float,
+                           buffer: int | None = None) -> tuple[int, int, int]:
             calls[0] += 1
             if calls[0] == 5:
                 raise CommTimeout("the 5th re-registration took too long (made up)")
-            return register(ptr, nbytes, due)
+            return register(ptr, nbytes, due, buffer)
 
         monkeypatch.setattr(comms[0]._registrations, "_register", times_out_once)
         failed = on_both(lambda r: _error_of(comms[r].attempt_reconnect))
@@ -464,11 +465,12 @@ def test_a_refused_restoring_on_the_same_daemon_is_no_failure_a_thread_votes_on(
             register = comms[0]._registrations._register
             calls = [0]
 
-            def times_out_once(ptr: int, nbytes: int, due: float) -> tuple[int, int]:
+            def times_out_once(ptr: int, nbytes: int, due: float,
+                           buffer: int | None = None) -> tuple[int, int, int]:
                 calls[0] += 1
                 if calls[0] == 2:
                     raise CommTimeout("the 2nd re-registration took too long (made up)")
-                return register(ptr, nbytes, due)
+                return register(ptr, nbytes, due, buffer)
 
             monkeypatch.setattr(comms[0]._registrations, "_register", times_out_once)
             assert on_both(lambda r: _error_of(comms[r].attempt_reconnect)) == ["CommTimeout", None]
@@ -520,3 +522,31 @@ def test_symmetric_free_with_live_views_refuses_and_changes_nothing(daemon: Daem
         comm.symmetric_free(ptr)
         with pytest.raises(MisuseError, match="symmetric_alloc"):
             comm.symmetric_free(ptr)
+
+
+@pytest.mark.parametrize("daemon", [["--max-registrations", "1"]], indirect=True)
+def test_a_registration_whose_memory_went_is_not_made_again_on_what_took_its_address(
+        daemon: DaemonProcess) -> None:
+    """Rank 0 registers a buffer and frees it without deregistering (the daemon drops the
+    registration with the memory); a new buffer takes the same address. After a daemon
+    restart, the rejoin must not register the new buffer in the old one's place (before:
+    it did, and that registration, which the worker never made, held the daemon's one
+    allowed: the worker's next register_buffer was refused)."""
+    with joined(daemon, timeout=5) as comms:
+        gone = hostmem.alloc(4096)
+        address = gone.ptr
+        handle = comms[0].register_buffer(address, 64)
+        gone.close()  # freed without deregistering
+        on_both(lambda r: comms[r].barrier())  # (the Forget goes: the daemon drops the registration)
+        reused = hostmem.alloc(4096)
+        assert reused.ptr == address, "the kernel placed the new mapping elsewhere"
+        other = hostmem.alloc(64)
+        comms[0].deregister_buffer(comms[0].register_buffer(other.ptr, 64))  # the one slot is free
+        restart_daemon(daemon, comms)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        made = comms[0].register_buffer(other.ptr, 64)  # before: LimitExceeded
+        assert comms[0]._registrations._by_handle[handle].daemon_handle is None
+        assert summed(comms, [reused, hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+        comms[0].deregister_buffer(made)
+        comms[0].deregister_buffer(handle)  # nothing held at the daemon: it just goes
+        assert comms[0]._registrations.handles() == set()
