@@ -276,6 +276,7 @@ class CudaAllocation:
     device: int
     kind: MemKind  # CUDA_IPC (handle below) or CUDA_VMM (an fd exported per Import)
     handle: bytes = b""
+    adopted: bool = False  # the daemon's (symmetric_alloc), not an import of ours
 
     def offset_of(self, ptr: int, nbytes: int) -> int:
         offset = ptr - self.base
@@ -296,6 +297,9 @@ class CudaMemory:
     known. We cannot observe frees, so a stale entry is dropped when it is noticed: a new
     allocation overlapping its range, a failed `still_valid`, or a sweep when the cache is
     full; each dropped id goes to `on_forget` (outside our lock) so the daemon forgets it.
+    The daemon's own allocations (`adopt`) are neither counted nor dropped when full: the
+    daemon ignores their Forget, and the next call would import its memory again as a
+    second buffer, which outlives symmetric_free.
     """
 
     def __init__(self, driver: CudaDriver, next_id: Callable[[], int], *, device: int | None = None,
@@ -311,6 +315,7 @@ class CudaMemory:
         # so making room for one of them never drops another
         self._by_cuda_id: dict[int, CudaAllocation] = {}
         self._by_id: dict[int, CudaAllocation] = {}
+        self._adopted = 0  # of those, the daemon's
 
     @property
     def driver(self) -> CudaDriver:
@@ -356,10 +361,11 @@ class CudaMemory:
         if info is None:
             raise MisuseError(f"the daemon's allocation mapped at 0x{ptr:x} is not known to CUDA")
         allocation = CudaAllocation(buffer_id, info.buffer_id, info.base, info.size, info.device,
-                                    MemKind.CUDA_VMM)
+                                    MemKind.CUDA_VMM, adopted=True)
         with self._lock:
             self._by_cuda_id[allocation.cuda_id] = allocation
             self._by_id[allocation.id] = allocation
+            self._adopted += 1
 
     def discard(self, buffer_id: int) -> None:
         """Drop an adopted allocation (symmetric_free told the daemon already)."""
@@ -399,7 +405,7 @@ class CudaMemory:
             self._by_cuda_id[allocation.cuda_id] = allocation
             self._by_id[allocation.id] = allocation
         self._notify(stale)
-        if len(self._by_id) > self._max:
+        if len(self._by_id) - self._adopted > self._max:
             self._shrink()
         return allocation
 
@@ -411,8 +417,8 @@ class CudaMemory:
         freed = [a for a in candidates if self._driver.buffer_id(a.base) != a.cuda_id]
         self._forget(freed)
         with self._lock:
-            excess = len(self._by_id) - self._max
-            oldest = list(self._by_cuda_id.values())[:max(0, excess)]
+            excess = len(self._by_id) - self._adopted - self._max
+            oldest = [a for a in self._by_cuda_id.values() if not a.adopted][:max(0, excess)]
         self._forget(oldest)
 
     def _forget(self, allocations: list[CudaAllocation]) -> None:
@@ -426,6 +432,7 @@ class CudaMemory:
         for allocation in allocations:
             if self._by_id.pop(allocation.id, None) is not None:
                 del self._by_cuda_id[allocation.cuda_id]
+                self._adopted -= allocation.adopted
                 dropped.append(allocation)
         return dropped
 

@@ -579,3 +579,29 @@ def test_symmetric_memory_is_mapped_as_the_answering_daemons_engine_makes_it(
         if replacement is not None:
             replacement.stop()
         shutil.rmtree(first.tmp, ignore_errors=True)
+
+
+def test_a_full_allocation_cache_never_drops_symmetric_memory(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """The worker's allocations fill the CUDA cache past its bound: the daemon's symmetric
+    allocation, mapped here, is no import of ours and stays (before: it was dropped as the
+    least recently found, the next call on it imported the daemon's own memory again as a
+    plain buffer, and that mapping outlived symmetric_free)."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        ptr = comm.symmetric_alloc(16)
+        driver.vmm.add(ptr)  # (CUDA reports a cuMemMap'd range as no legacy IPC memory)
+        comm._resolver._cuda._max = 1  # type: ignore[union-attr]  # (full without a thousand allocations)
+        memory = gpu._allocs[ptr][0]  # the bytes of the daemon's allocation, wherever mapped
+        worker = driver.alloc(b"\x02" * 16)
+        comm.all_reduce(worker, 16, dtype="u8")
+        gpu.copy_in(ptr, b"\x03" * 16)
+        comm.all_reduce(ptr, 16, dtype="u8", op="prod")
+        assert gpu.read(ptr, 16) == b"\x03" * 16 and gpu.read(worker, 16) == b"\x02" * 16
+        comm.symmetric_free(ptr)
+        deadline = time.monotonic() + 5  # (the daemon lets go off its loop)
+        while any(buf is memory for buf, _ in gpu._allocs.values()):
+            assert time.monotonic() < deadline, "the daemon still maps its freed symmetric memory"
+            time.sleep(0.01)
+        comm.all_reduce(worker, 16, dtype="u8")
+        assert gpu.read(worker, 16) == b"\x02" * 16
