@@ -363,9 +363,8 @@ class CudaMemory:
         allocation = CudaAllocation(buffer_id, info.buffer_id, info.base, info.size, info.device,
                                     MemKind.CUDA_VMM, adopted=True)
         with self._lock:
-            self._by_cuda_id[allocation.cuda_id] = allocation
-            self._by_id[allocation.id] = allocation
-            self._adopted += 1
+            stale = self._insert(allocation)
+        self._notify(stale)
 
     def discard(self, buffer_id: int) -> None:
         """Drop an adopted allocation (symmetric_free told the daemon already)."""
@@ -397,13 +396,9 @@ class CudaMemory:
             known = self._by_cuda_id.get(info.buffer_id)
             if known is not None:  # another thread added it meanwhile
                 return known
-            # Live allocations never overlap: any cached one that does was freed.
-            stale = self._drop([a for a in self._by_cuda_id.values()
-                                if a.base < info.base + info.size and info.base < a.base + a.size])
             allocation = CudaAllocation(self._next_id(), info.buffer_id, info.base, info.size,
                                         info.device, kind, handle)
-            self._by_cuda_id[allocation.cuda_id] = allocation
-            self._by_id[allocation.id] = allocation
+            stale = self._insert(allocation)
         self._notify(stale)
         if len(self._by_id) - self._adopted > self._max:
             self._shrink()
@@ -420,6 +415,17 @@ class CudaMemory:
             excess = len(self._by_id) - self._adopted - self._max
             oldest = [a for a in self._by_cuda_id.values() if not a.adopted][:max(0, excess)]
         self._forget(oldest)
+
+    def _insert(self, allocation: CudaAllocation) -> list[CudaAllocation]:
+        """(Lock held) Cache a live allocation; returns the cached ones it proves freed, dropped."""
+        # Live allocations never overlap: any cached one that does was freed (the daemon's
+        # symmetric memory, too, may be mapped where a worker's allocation was).
+        base, end = allocation.base, allocation.base + allocation.size
+        stale = self._drop([a for a in self._by_cuda_id.values() if a.base < end and base < a.base + a.size])
+        self._by_cuda_id[allocation.cuda_id] = allocation
+        self._by_id[allocation.id] = allocation
+        self._adopted += allocation.adopted
+        return stale
 
     def _forget(self, allocations: list[CudaAllocation]) -> None:
         with self._lock:

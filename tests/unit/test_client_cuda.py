@@ -223,6 +223,27 @@ def test_still_valid_checks_each_allocation_and_forgets_the_freed() -> None:
     assert forgotten == [b.buffer_id]
 
 
+
+def test_symmetric_memory_mapped_where_a_freed_allocation_was_forgets_that_one() -> None:
+    """The worker frees an allocation the daemon imported, and the daemon's symmetric memory
+    is then mapped at its address: the stale entry is dropped and the daemon told, as when
+    a worker allocation takes the address (before: it stayed, and the daemon kept the freed
+    memory mapped for as long as the symmetric allocation lived)."""
+    driver = FakeDriver()
+    forgotten: list[int] = []
+    ids = iter(range(1, 100))
+    cuda = CudaMemory(driver, lambda: next(ids), on_forget=forgotten.append)
+    driver.alloc(BASE, MIB)
+    found = cuda.find(BASE + 64, 8)
+    assert found is not None
+    freed = found[0]
+    driver.free(BASE)
+    mapped = driver.alloc(BASE, 2 * MIB, legacy=False)  # (map_shared reserved the same range)
+    cuda.adopt(BASE, 99)
+    assert forgotten == [freed.id] and not cuda.owns(freed.id)
+    again = cuda.find(BASE + 64, 8)
+    assert again is not None and (again[0].id, again[0].cuda_id, again[1]) == (99, mapped.buffer_id, 64)
+
 def full_cache_of_two() -> tuple[FakeDriver, CudaMemory, list[int]]:
     """A cache that holds two allocations, three allocations made (none found yet), and
     the ids it drops."""
