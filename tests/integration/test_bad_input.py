@@ -432,3 +432,42 @@ def test_the_daemons_memory_returns_to_its_level_after_many_worlds(pool: RankPoo
     # (measured: +0.6 MiB; the allocator's caches settle after some 700 worlds, at ~8 MiB
     # over the first level, so this catches a leak of a buffer per world, not a few bytes)
     assert grown < 8 << 20, f"RSS {level / 2**20:.1f} MiB, after 40 more worlds {grown / 2**20:+.1f} MiB"
+
+
+def test_distinct_large_groups_do_not_grow_the_daemon_per_connection() -> None:
+    """Each connection keeps the ops of the Submit packets it saw, to decode a repeated one
+    at once; a client sending distinct groups of 512 ops (all refused: no such buffers) made
+    its connection keep 256 of them whole: ~37 MiB of the daemon's memory per connection,
+    for every connection (up to max_connections: some 37 GiB). The cache is bounded
+    in bytes too; the world goes on answering."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "run" / "commd.sock")
+    daemon.start()
+    try:
+        sock = str(daemon.socket_path)
+        with RawClient(sock) as warm:  # the first hello and refusal allocate what every one reuses
+            assert isinstance(warm.join(world_name()), proto.Welcome)
+            warm.send(proto.Submit(2, (proto.AllReduce(proto.Mem(1, 0), 2),)))
+            assert warm.error().code is ErrorCode.UNKNOWN_BUFFER
+        level = resident_bytes(daemon.pid)
+        clients = [RawClient(sock) for _ in range(3)]
+        try:
+            for c, raw in enumerate(clients):
+                assert isinstance(raw.join(world_name()), proto.Welcome)
+                for i in range(256):
+                    group = tuple(proto.ReduceScatter(proto.Mem(1 + i, (c << 40) + j), proto.Mem(2, j), 2)
+                                  for j in range(512))
+                    raw.send(proto.Submit(2 + i, group))
+                    err = raw.error()
+                    assert (err.id, err.code) == (2 + i, ErrorCode.UNKNOWN_BUFFER), err
+            grown = resident_bytes(daemon.pid) - level
+            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+                comm.barrier()  # (still serving)
+        finally:
+            for raw in clients:
+                raw.close()
+        # (measured: +110 MiB before the bound, +11 MiB with it)
+        assert grown < 32 << 20, f"3 connections grew the daemon by {grown / 2**20:.1f} MiB"
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -90,6 +90,17 @@ def test_the_cache_is_bounded() -> None:
     assert len(cache) <= codec.OPS_CACHE_SIZE
 
 
+def test_the_cache_is_bounded_in_bytes() -> None:
+    """Large groups fill the bytes before the count (a client's distinct 512-op groups
+    held ~37 MiB of the daemon's memory per connection)."""
+    cache: codec.OpsCache = {}
+    for n in range(64):
+        msg = proto.Submit(1, tuple(proto.AllReduce(proto.Mem(1 + n, i), 2) for i in range(512)))
+        assert proto.decode(proto.encode(msg), ops_cache=cache) == msg
+        assert sum(map(len, cache)) <= codec.OPS_CACHE_BYTES
+    assert cache  # (still caching)
+
+
 @settings(max_examples=100)
 @given(st.lists(st.sampled_from([
     proto.AllReduce(proto.Mem(1, 0), 8), proto.Barrier(), proto.Send(proto.Mem(2, 4), 4, 1, 99),
