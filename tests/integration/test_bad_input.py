@@ -97,6 +97,24 @@ def test_oversized_packet(raw: RawClient) -> None:
     assert raw.closed()
 
 
+def test_an_empty_packet_is_refused_not_taken_for_a_hang_up(sock: str, steady: None) -> None:
+    """SOCK_SEQPACKET carries empty packets, and the daemon read one as the peer closing:
+    the rank was dropped without a word (it read EOF, no error) and its world failed as
+    "connection lost". A client still connected gets BAD_MESSAGE for it, as for any
+    packet that does not parse."""
+    world = world_name()
+    with RawClient(sock) as a, RawClient(sock) as b:
+        a.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 0, 2, 5000))
+        b.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 5000))
+        assert isinstance(a.recv(), proto.Welcome) and isinstance(b.recv(), proto.Welcome)
+        a.send_bytes(b"")
+        err = a.error()
+        assert (err.id, err.code) == (0, ErrorCode.BAD_MESSAGE) and "undecodable" in err.message, err
+        assert a.closed()
+        failed = b.recv()  # (its world fails with the refused rank, as for any bad packet)
+        assert isinstance(failed, proto.Event) and failed.code is ErrorCode.WORLD_FAILED, failed
+
+
 def test_wrong_protocol_version(raw: RawClient) -> None:
     raw.send(proto.Hello(1, 99, os.getpid(), world_name(), 0, 1, 1000))
     err = raw.error()
