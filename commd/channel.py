@@ -57,26 +57,61 @@ def rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
 
 
 LINGER_S = 2.0
+# What a socket closed at once because too many linger reads of its peer's unread packets
+# (a client's send buffer holds a few hundred): a flood of them must not hold the loop.
+_MOST_DROPPED = 1024
 
 
-def linger_close(sock: socket.socket, seconds: float = LINGER_S) -> None:
+class Lingering:
+    """The sockets closing after a last word (a flush, then linger_close), at most `most`
+    at once. Each holds an fd for seconds after its connection stopped counting against
+    max_connections: without a bound, a client opening connection after connection
+    (refused, or sending garbage) and never closing them took the daemon's fds past any
+    limit. Past it a socket closes at once, which loses its last word only to a peer
+    writing more at that instant (see _close_unread)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._held: set[socket.socket] = set()
+
+    def hold(self, sock: socket.socket) -> bool:
+        if sock in self._held:
+            return True
+        if len(self._held) >= self.most:
+            return False
+        self._held.add(sock)
+        return True
+
+    def release(self, sock: socket.socket) -> None:
+        self._held.discard(sock)
+
+
+def linger_close(sock: socket.socket, seconds: float = LINGER_S, lingering: Lingering | None = None) -> None:
     """Close after the peer has read what we sent: shut our side, drain theirs until EOF.
 
     Closing a Unix socket with unread packets in our queue resets the peer's,
     which would drop the error we just sent it; a refused client must read why.
     """
+    if lingering is not None and not lingering.hold(sock):
+        sock.setblocking(False)
+        _close_unread(sock, _MOST_DROPPED)
+        return
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
     try:
         sock.shutdown(socket.SHUT_WR)
     except OSError:
         sock.close()
+        if lingering is not None:
+            lingering.release(sock)
         return
 
     def finish() -> None:
         if sock.fileno() != -1:
             loop.remove_reader(fd)
             sock.close()
+        if lingering is not None:
+            lingering.release(sock)
 
     def drain() -> None:
         if _drop_unread(sock):
@@ -87,12 +122,13 @@ def linger_close(sock: socket.socket, seconds: float = LINGER_S) -> None:
     loop.call_later(seconds, finish)
 
 
-def _close_unread(sock: socket.socket) -> None:
+def _close_unread(sock: socket.socket, most: int = 100_000) -> None:
     """Close now, without resetting the peer: what it sent and we did not read goes first
-    (no loop will run a linger: the daemon is ending)."""
+    (no loop will run a linger: the daemon is ending, or too many linger). A peer writing
+    without end gets no more than `most` packets read."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-    _drop_unread(sock, most=100_000)  # (a peer writing without end gets no more than this)
+    _drop_unread(sock, most)
     sock.close()
 
 
@@ -116,8 +152,10 @@ def _drop_unread(sock: socket.socket, most: int | None = None) -> bool:
 
 class PacketChannel:
     def __init__(self, sock: socket.socket, limit: int, max_queue: int,
-                 on_packet: PacketHandler, on_close: Callable[[str], None]) -> None:
+                 on_packet: PacketHandler, on_close: Callable[[str], None],
+                 lingering: Lingering | None = None) -> None:
         self._sock = sock
+        self._lingering = lingering
         self._fd = sock.fileno()
         self._limit = limit
         self._max_queue = max_queue
@@ -185,7 +223,7 @@ class PacketChannel:
         if self.closed and self._flushing is not None:  # all sent: now linger
             self._flushing.cancel()
             self._flushing = None
-            linger_close(self._sock)
+            linger_close(self._sock, lingering=self._lingering)
 
     def _readable(self) -> None:
         for _ in range(_READS_PER_WAKEUP):
@@ -222,15 +260,20 @@ class PacketChannel:
             return
         self.closed = True
         self._loop.remove_reader(self._fd)
+        too_many = linger and self._lingering is not None and not self._lingering.hold(self._sock)
+        if too_many:
+            linger = False
         if linger and self._queue:
             self._flushing = self._loop.call_later(LINGER_S, self._abandon)  # the writer goes on
         else:
             self._loop.remove_writer(self._fd)
             self._drop_queue()
             if linger:
-                linger_close(self._sock)
+                linger_close(self._sock, lingering=self._lingering)
             elif discard_input:
                 _close_unread(self._sock)
+            elif too_many:
+                _close_unread(self._sock, _MOST_DROPPED)
             else:
                 self._sock.close()
         self._on_close(reason)
@@ -243,6 +286,8 @@ class PacketChannel:
         self._loop.remove_writer(self._fd)
         self._drop_queue()
         self._sock.close()
+        if self._lingering is not None:
+            self._lingering.release(self._sock)
 
     def _drop_queue(self) -> None:
         for _, fds in self._queue:

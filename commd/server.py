@@ -24,7 +24,7 @@ import proto
 from proto import ErrorCode
 
 from . import __version__
-from .channel import PacketChannel, linger_close
+from .channel import Lingering, PacketChannel, linger_close
 from .cluster import Cluster
 from .config import ServerConfig
 from .engine.base import Engine
@@ -89,6 +89,7 @@ class Server:
                                  max_forming_worlds=config.max_forming_worlds,
                                  max_call_timeout_s=config.max_call_timeout_s)
         self.sessions: set[Session] = set()
+        self._lingering = Lingering(config.max_connections)  # closed ones, saying their last word
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
         self._started = time.time()
@@ -133,7 +134,7 @@ class Server:
             refusal = self._refusal(sock, pid, uid, gid)
             if refusal is not None:
                 log.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
-                _refuse(sock, *refusal)
+                _refuse(sock, *refusal, self._lingering)
                 continue
             self._open_session(sock, pid)
 
@@ -165,7 +166,7 @@ class Server:
                 session.on_close(reason)
 
             return PacketChannel(sock, proto.MAX_MESSAGE_BYTES, self.config.max_queued_replies,
-                                 session.on_packet, closed)
+                                 session.on_packet, closed, self._lingering)
 
         self.sessions.add(Session(self._ctx, pid, make_channel))
 
@@ -253,11 +254,11 @@ def _many_peer_groups(fd: int) -> bytes | None:
     return buf.raw[:size.value]
 
 
-def _refuse(sock: socket.socket, code: ErrorCode, message: str) -> None:
+def _refuse(sock: socket.socket, code: ErrorCode, message: str, lingering: Lingering) -> None:
     try:
         sock.setblocking(False)
         sock.send(proto.encode(proto.Error(0, code, message)))
     except OSError:
         sock.close()
         return
-    linger_close(sock)
+    linger_close(sock, lingering=lingering)

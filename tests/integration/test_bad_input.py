@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from proto import ErrorCode
 from tests.conftest import FaultReport, Steady
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, back_to, held_at_rest, short_tmpdir, world_name
+from tests.integration.harness import RankPool, back_to, held_at_rest, open_fds, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -486,6 +487,44 @@ def test_distinct_large_groups_do_not_grow_the_daemon_per_connection() -> None:
                 raw.close()
         # (measured: +110 MiB before the bound, +11 MiB with it)
         assert grown < 32 << 20, f"3 connections grew the daemon by {grown / 2**20:.1f} MiB"
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_connections_saying_their_last_word_hold_a_bounded_number_of_fds() -> None:
+    """A refused connection (the limit reached) and one refused for a bad packet stop
+    counting against max_connections at once, yet the daemon keeps each socket for up to
+    seconds so that the client reads why. A client opening connection after connection
+    and keeping them open held one daemon fd each (300 with --max-connections 4): no
+    limit bounded the daemon's fds. Now at most max_connections sockets linger; past
+    that they close at once, and each client still reads its error."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "run" / "commd.sock", args=["--max-connections", "4"],
+                           log=subprocess.DEVNULL)
+    daemon.start()
+    try:
+        sock = str(daemon.socket_path)
+        base = open_fds(daemon.pid)
+        clients: list[RawClient] = []
+        try:
+            while len(clients) < 300:
+                try:
+                    clients.append(RawClient(sock))
+                except BlockingIOError:  # the listen backlog is full: the daemon is catching up
+                    time.sleep(0.001)
+                    continue
+                clients[-1].send_bytes(b"\xc1")  # (garbage: a session refuses it; a refusal leaves it unread)
+            errors = [raw.error() for raw in clients]
+            held = open_fds(daemon.pid) - base
+        finally:
+            for raw in clients:
+                raw.close()
+        assert {e.code for e in errors} <= {ErrorCode.LIMIT, ErrorCode.BAD_MESSAGE}, errors
+        assert ErrorCode.LIMIT in {e.code for e in errors}
+        assert held <= 2 * 4 + 2, f"the daemon holds {held} fds more for 300 refused connections"
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+            comm.barrier()  # (still serving)
     finally:
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
