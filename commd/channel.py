@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import socket
+import struct
 from collections.abc import Callable, Sequence
 
 log = logging.getLogger("commd.channel")
@@ -47,9 +48,29 @@ def take_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
 
 
 def close_fds(fds: Sequence[int]) -> None:
+    """Close fds, a client's included, without waiting: see _no_linger."""
     for fd in fds:
+        _no_linger(fd)
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+_NO_LINGER = struct.pack("ii", 0, 0)
+
+
+def _no_linger(fd: int) -> None:
+    """A socket a client hands over (in place of memory, or beside a bad packet) may be set
+    to linger with data that cannot leave; closing its last reference, ours once the client
+    closed its copy, would wait for as long as it asks, and the daemon's loop with it."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # not a socket (a memfd, the usual): its close does not wait
+        return
+    try:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
+    finally:
+        sock.detach()
 
 
 def rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:

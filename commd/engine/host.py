@@ -28,6 +28,7 @@ import numpy as np
 
 from proto import ErrorCode, MemKind
 
+from ..channel import close_fds
 from ..errors import CallError
 from .base import (
     EMPTY,
@@ -159,7 +160,7 @@ class HostMapping:
         except OSError as exc:
             raise CallError(ErrorCode.BAD_MEMORY, f"cannot map host memory: {exc}") from None
         finally:
-            os.close(fd)
+            close_fds([fd])  # (a client's: it may be anything, a socket set to linger)
         self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self._size = size
         self._lingering = lingering
@@ -429,7 +430,7 @@ class HostEngine:
                       device: int | None = None) -> HostMapping:
         if kind is not MemKind.HOST or fd is None:
             if fd is not None:
-                os.close(fd)
+                close_fds([fd])
             raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
         return HostMapping(fd, size, self.lingering)
 

@@ -20,13 +20,13 @@ the same fake behind the real bindings (tests/fakecuda).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from proto import IPC_MEM_HANDLE_BYTES, ErrorCode, MemKind
 
+from ..channel import close_fds
 from ..errors import CallError
 from .gpu import Gpu, GpuError
 from .ncclcomm import NcclCommunicator
@@ -70,7 +70,7 @@ class NcclEngine:
             raise CallError(ErrorCode.BAD_MEMORY, f"cannot open {kind.value} memory: {exc}") from None
         finally:
             if fd is not None:
-                os.close(fd)
+                close_fds([fd])  # (a client's: it may be anything, a socket set to linger)
 
     def import_events(self, ready: bytes, done: bytes, device: int | None = None) -> NcclEvents:
         try:

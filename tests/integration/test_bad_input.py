@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
 import shutil
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from client import (
     hostmem,
 )
 from commd.launch import DaemonProcess
+from commd.status import query_status
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady
 from tests.integration import workers
@@ -525,6 +528,58 @@ def test_connections_saying_their_last_word_hold_a_bounded_number_of_fds() -> No
         assert held <= 2 * 4 + 2, f"the daemon holds {held} fds more for 300 refused connections"
         with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
             comm.barrier()  # (still serving)
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def a_socket_whose_close_would_wait(linger_s: int) -> tuple[socket.socket, socket.socket]:
+    """A TCP socket with SO_LINGER and data its peer (the second) never reads: closing its
+    last reference waits up to `linger_s` for the data to leave."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        stuck.connect(listener.getsockname())
+        peer, _ = listener.accept()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            stuck.send(b"x" * 65536)
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+    return stuck, peer
+
+
+def test_a_handed_over_socket_that_lingers_does_not_stop_the_daemon() -> None:
+    """A client hands the daemon a socket (with a bad packet, or as the fd of an import)
+    set to linger on close with data that cannot leave, and closes its own copy: the
+    daemon's close was the last and waited for the linger, its whole loop with it (every
+    client unanswered for as long as the socket asked: 10 s here, an hour as easily).
+    The daemon closes it without lingering; both requests get their error."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "run" / "commd.sock", log=subprocess.DEVNULL)
+    daemon.start()
+    try:
+        sock = str(daemon.socket_path)
+        with RawClient(sock) as importer, RawClient(sock) as garbage:
+            assert isinstance(importer.join(world_name()), proto.Welcome)
+            for raw, msg in ((importer, proto.Import(2, 1, proto.MemKind.HOST, 4096)), (garbage, None)):
+                stuck, peer = a_socket_whose_close_would_wait(10)
+                fd = stuck.detach()
+                raw.send_bytes(b"\xc1" if msg is None else proto.encode(msg), [fd])
+                os.close(fd)  # the daemon's is the last reference
+                started = time.monotonic()
+                info = query_status(sock, 20)
+                took = time.monotonic() - started
+                peer.close()
+                assert took < 2, f"the daemon answered a status query after {took:.1f}s"
+                assert info["ranks_connected"] == 1  # (the importer's)
+                err = raw.error()
+                assert err.code is (ErrorCode.BAD_MEMORY if msg else ErrorCode.BAD_MESSAGE), err
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+            comm.barrier()
     finally:
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
