@@ -164,7 +164,7 @@ class Session:
                 self.send(proto.Error(request_id, exc.code, exc.message))
         except Exception as exc:
             log.exception("bug while handling %s from pid %d", type(msg).__name__, self.peer_pid)
-            self.send(proto.Error(request_id, ErrorCode.INTERNAL, f"daemon bug: {exc!r}"))
+            self.send(proto.Error(request_id, ErrorCode.INTERNAL, clip(f"daemon bug: {exc!r}")))
             self.channel.close("internal error")
 
     def _stop_silence_watch(self) -> None:

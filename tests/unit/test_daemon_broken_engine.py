@@ -14,10 +14,15 @@ from pathlib import Path
 
 import pytest
 
+import proto
 from commd.config import ServerConfig
 from commd.daemon import serve
 from commd.errors import ConfigError
-from tests.integration.harness import short_tmpdir
+from commd.launch import wait_for_socket
+from commd.status import query_status
+from proto import ErrorCode
+from tests.integration.harness import short_tmpdir, world_name
+from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,3 +83,42 @@ def test_a_serve_that_cannot_start_puts_the_signal_handlers_back(sock_dir: Path)
     with pytest.raises(ConfigError):  # no GPU here (or a stand-in driver without one)
         asyncio.run(serve(config))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+BUGGY = r"""
+import asyncio, sys
+from pathlib import Path
+from commd.config import ServerConfig
+from commd.daemon import serve
+from commd.engine.host import HostEngine
+
+class Buggy(HostEngine):
+    def import_memory(self, *args, **kwargs):
+        raise RuntimeError("a bug with a long message: " + "x" * 5000)
+
+sys.exit(asyncio.run(serve(ServerConfig(socket_path=Path(sys.argv[1])), None, {}, Buggy())))
+"""
+
+
+def test_a_daemon_bug_with_a_long_message_is_answered_internal_and_closed(sock_dir: Path) -> None:
+    """A handler's unexpected exception is answered INTERNAL and the connection closed.
+    Its repr went into the error whole: past the 4096 characters an error may carry,
+    building the reply raised inside the handler's except, the exception escaped to the
+    loop, and the client got neither a reply nor a close (it waited out its timeout)."""
+    path = sock_dir / "commd.sock"
+    daemon = subprocess.Popen([sys.executable, "-c", BUGGY, str(path)], cwd=REPO,
+                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_socket(path, 20, daemon)
+        with RawClient(str(path), timeout=5) as raw:
+            assert isinstance(raw.join(world_name()), proto.Welcome)
+            reply = raw.import_memfd(2, 1, 4096)
+            assert isinstance(reply, proto.Error), reply
+            assert (reply.id, reply.code) == (2, ErrorCode.INTERNAL), reply
+            assert reply.message.startswith("daemon bug: RuntimeError('a bug with a long message: xxx")
+            assert raw.closed()
+        assert query_status(str(path), 5)["connections"] == 1  # (this query's: the daemon goes on)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(20) == 0
