@@ -21,10 +21,10 @@ from .stats import CallStats
 
 
 class CallRecord:
-    __slots__ = ("ended", "op", "rank", "seq", "started", "state", "stats", "waits_forever")
+    __slots__ = ("_open", "ended", "op", "rank", "seq", "started", "state", "stats", "waits_forever")
 
     def __init__(self, rank: int, seq: int, op: proto.Op, waits_forever: bool,
-                 stats: CallStats | None = None) -> None:
+                 stats: CallStats | None = None, open_calls: dict[CallRecord, None] | None = None) -> None:
         self.rank = rank
         self.seq = seq
         self.op = op  # described only when read: formatting on every call costs latency
@@ -33,6 +33,9 @@ class CallRecord:
         self.ended: float | None = None
         self.waits_forever = waits_forever  # recv_command_u32: no completion deadline
         self.stats = stats  # the daemon's counters, told once when the call ends
+        self._open = open_calls  # the recorder's, which it leaves when it ends
+        if open_calls is not None:
+            open_calls[self] = None
 
     @property
     def call(self) -> str:
@@ -42,6 +45,8 @@ class CallRecord:
         if self.ended is None:
             self.state = state
             self.ended = time.monotonic()
+            if self._open is not None:
+                del self._open[self]
             if self.stats is not None:
                 self.stats.record(self, state)
 
@@ -58,11 +63,16 @@ class FlightRecorder:
         self._stats = stats
         self._by_rank: dict[int, collections.deque[CallRecord]] = {}
         self._seq: dict[int, int] = {}
+        # Every open call with a deadline, oldest first (records start in time order): the
+        # rings keep only each rank's newest, and a rank may have more calls open than that
+        # (async sends to a peer that stalled), whose oldest must still time out on time.
+        self._open: dict[CallRecord, None] = {}
 
     def start(self, rank: int, op: proto.Op) -> CallRecord:
         seq = self._seq.get(rank, 0)
         self._seq[rank] = seq + 1
-        record = CallRecord(rank, seq, op, ops.waits_forever(op), self._stats)
+        forever = ops.waits_forever(op)
+        record = CallRecord(rank, seq, op, forever, self._stats, None if forever else self._open)
         ring = self._by_rank.get(rank)
         if ring is None:
             ring = self._by_rank[rank] = collections.deque(maxlen=self._depth)
@@ -71,13 +81,7 @@ class FlightRecorder:
 
     def oldest_open(self) -> CallRecord | None:
         """The longest-waiting call that has a deadline (pending or running)."""
-        oldest = None
-        for ring in self._by_rank.values():
-            for record in ring:
-                if record.ended is None and not record.waits_forever and (
-                        oldest is None or record.started < oldest.started):
-                    oldest = record
-        return oldest
+        return next(iter(self._open), None)
 
     def dump(self, last: int | None = None) -> dict[str, list[dict[str, Any]]]:
         return {str(rank): [r.as_dict() for r in list(ring)[-(last or self._depth):]]

@@ -1,0 +1,35 @@
+"""The flight recorder's view of open calls, which the world's watchdog times out."""
+
+from __future__ import annotations
+
+import pytest
+
+import proto
+from commd.recorder import FlightRecorder
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_oldest_open_call_is_found_past_the_ring() -> None:
+    """A rank with more calls open than the ring keeps (async sends to a peer that stalled):
+    the watchdog must judge the oldest, not the oldest the ring still shows (before, a
+    call's deadline was judged by the start of one 32 calls newer: late by their spacing)."""
+    recorder = FlightRecorder(depth=4)
+    first = recorder.start(0, proto.Send(proto.Mem(1, 0), 8, 1))
+    later = [recorder.start(0, proto.Send(proto.Mem(1, 0), 8, 1)) for _ in range(10)]
+    recorder.start(1, proto.Recv(proto.Mem(2, 0), 0, 0)).close("done")
+    assert recorder.oldest_open() is first
+    assert [r["seq"] for r in recorder.dump()["0"]] == [7, 8, 9, 10]  # (the ring: the newest)
+    first.close("failed")
+    assert recorder.oldest_open() is later[0]
+    for record in later:
+        record.close("done")
+    assert recorder.oldest_open() is None
+
+
+def test_calls_that_wait_for_ever_are_never_the_oldest_open() -> None:
+    recorder = FlightRecorder()
+    recorder.start(1, proto.Broadcast(proto.Mem(1, 0), 4, 0, command=True))  # recv_command_u32
+    assert recorder.oldest_open() is None
+    barrier = recorder.start(0, proto.Barrier())
+    assert recorder.oldest_open() is barrier
