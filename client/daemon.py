@@ -453,8 +453,8 @@ class DaemonBackend(CommBackend):
         self._conn.check_open()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        op, on_device = self._ops.get(key, lambda: built(lambda: make_op(due)))
-        follows = (self._stream if stream is None else stream) if on_device else None
+        op, device = self._ops.get(key, lambda: built(lambda: make_op(due)))
+        follows = (self._stream if stream is None else stream) if device else None
         group = self._groups.current()
         if group is not None:
             group.add(op, follows, early, timed)

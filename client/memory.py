@@ -75,6 +75,7 @@ class MemoryResolver:
         self._probe_lock = threading.Lock()
         self._probed = False
         self._cuda: CudaMemory | None = None
+        self._building = threading.local()  # see noting_device
 
     def host_releases(self) -> int:
         """How many host buffers have begun to be released (see HostMemory.releases)."""
@@ -100,6 +101,9 @@ class MemoryResolver:
                 f"pointer 0x{ptr:x} is neither in host memory the daemon can open "
                 "(client.hostmem.alloc) nor in CUDA device memory")
         allocation, offset = found
+        device: set[int] | None = getattr(self._building, "device", None)
+        if device is not None:
+            device.add(allocation.id)
         return MemoryRef(allocation.kind, allocation.id, allocation.size, offset, None, allocation.handle)
 
     def still_known(self, ref: MemoryRef) -> bool:
@@ -110,12 +114,18 @@ class MemoryResolver:
         cuda = self._cuda
         return cuda is not None and cuda.owns(ref.buffer_id)
 
-    def device_buffers(self, buffer_ids: Iterable[int]) -> tuple[int, ...]:
-        """Those of `buffer_ids` that are CUDA allocations (whose liveness a cached op must check)."""
-        cuda = self._cuda
-        if cuda is None:
-            return ()
-        return tuple(b for b in buffer_ids if cuda.owns(b))
+    @contextlib.contextmanager
+    def noting_device(self) -> Iterator[set[int]]:
+        """The ids of the CUDA allocations this thread resolves meanwhile (an op's build).
+        Known as device memory when resolved: asked after, an allocation another thread's
+        call has evicted from the cache since would pass for host memory."""
+        outer = getattr(self._building, "device", None)
+        device: set[int] = set()
+        self._building.device = device
+        try:
+            yield device
+        finally:
+            self._building.device = outer
 
     def device_uuid(self) -> bytes:
         """The backend's GPU's CUDA UUID, for the daemon to find the GPU by (its ordinal of

@@ -32,20 +32,22 @@ class OpCache:
         self._device: dict[Key, tuple[proto.Op, tuple[int, ...]]] = {}
         self._generation = 0  # a clear since an op was built: it may name a released buffer
 
-    def get(self, key: Key, build: Callable[[], proto.Op]) -> tuple[proto.Op, bool]:
-        """The op for `key`, and whether it names device memory. `build` makes it when none
-        is cached or alive; it runs outside the lock (it may import a buffer: a round trip)."""
+    def get(self, key: Key, build: Callable[[], proto.Op]) -> tuple[proto.Op, tuple[int, ...]]:
+        """The op for `key`, and the CUDA allocations it names (none: host memory). `build`
+        makes it when none is cached or alive; it runs outside the lock (it may import a
+        buffer: a round trip)."""
         releases = self._resolver.host_releases()
         with self._lock:
             host = self._host.get(key)
             cached = self._device.get(key) if host is None else None
             generation = self._generation
         if host is not None and host[1] == releases:
-            return host[0], False
+            return host[0], ()
         if cached is not None and self._resolver.still_valid(cached[1]):
-            return cached[0], True
-        op = build()
-        device = self._resolver.device_buffers(mem.buf for mem in _mems(op))
+            return cached
+        with self._resolver.noting_device() as noted:
+            op = build()
+        device = tuple(mem.buf for mem in _mems(op) if mem.buf in noted)
         # (made before the lock: fewer collections under it)
         entry = (op, device) if device else (op, releases)
         with self._lock:
@@ -54,7 +56,7 @@ class OpCache:
                 cache.clear()
             if generation == self._generation:  # (after anything that may have run a finalizer)
                 cache[key] = entry
-        return op, bool(device)
+        return op, device
 
     def clear(self) -> None:
         with self._lock:

@@ -605,3 +605,68 @@ def test_a_full_allocation_cache_never_drops_symmetric_memory(daemon: GpuDaemon,
             time.sleep(0.01)
         comm.all_reduce(worker, 16, dtype="u8")
         assert gpu.read(worker, 16) == b"\x02" * 16
+
+
+def _held_in(name: str, real: object, arrived: threading.Event, go: threading.Event) -> object:
+    """`real`, which holds the thread called `name` until `go` (telling `arrived` first)."""
+    def held(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name == name:
+            arrived.set()
+            assert go.wait(10)
+        return real(*args, **kwargs)  # type: ignore[operator]
+
+    return held
+
+
+
+def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
+        daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's call evicts the allocation a call has just built its op on, before
+    the op is cached. The op is still known to name device memory: later identical calls
+    check it alive, build it afresh (a new import) and follow the worker's stream. Before:
+    asked after the build whether its buffers were the CUDA cache's, it passed for a host
+    op, was cached as one naming the forgotten id, and every later identical call was
+    refused by the daemon (MisuseError: "buffer N was never imported or was freed")."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
+        cuda = comm._resolver._cuda_memory()
+        assert cuda is not None
+        cuda._max = 1  # (full without a thousand allocations)
+        arrived, go = threading.Event(), threading.Event()
+        real_get = comm._ops.get
+
+        def get_held(key: tuple[object, ...], build: object) -> object:
+            def held_build() -> object:
+                op = build()  # type: ignore[operator]
+                if threading.current_thread().name == "first":
+                    arrived.set()
+                    assert go.wait(10)
+                return op
+            return real_get(key, held_build)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(comm._ops, "get", get_held)
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                comm.all_reduce(a, 16, dtype="u8")
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=first, name="first")
+        thread.start()
+        try:
+            assert arrived.wait(5)  # its op names a, which the daemon has imported
+            a_id = next(iter(cuda._by_id))
+            comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a
+            assert not cuda.owns(a_id)
+        finally:
+            go.set()
+            thread.join(10)
+        recorded = len(driver.recorded)
+        for _ in range(3):  # the same call again
+            comm.all_reduce(a, 16, dtype="u8")
+        assert len(driver.recorded) - recorded == 3  # each ordered on the worker's stream
+        assert gpu.read(a, 16) == bytes(range(16))

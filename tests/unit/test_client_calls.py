@@ -33,7 +33,7 @@ def test_a_built_op_is_reused_until_cleared() -> None:
         return proto.AllReduce(proto.Mem(7, 0), 8)
 
     first = ops.get(("ar", 1), build)
-    assert ops.get(("ar", 1), build) == first == (proto.AllReduce(proto.Mem(7, 0), 8), False)
+    assert ops.get(("ar", 1), build) == first == (proto.AllReduce(proto.Mem(7, 0), 8), ())
     assert len(built) == 1
     ops.clear()
     ops.get(("ar", 1), build)
@@ -99,8 +99,8 @@ def test_a_finalizer_that_clears_the_cache_while_this_thread_holds_it_does_not_d
     caller.start()  # the cache is full: this call drops every entry, and with them the key
     caller.join(10)
     assert not caller.is_alive(), "the call waits for the lock its own thread holds"
-    assert outcome == [(build(), False)]
-    assert ops.get(("ar", 1), lambda: proto.Barrier()) == (proto.Barrier(), False)  # cleared: built anew
+    assert outcome == [(build(), ())]
+    assert ops.get(("ar", 1), lambda: proto.Barrier()) == (proto.Barrier(), ())  # cleared: built anew
 
 
 def test_groups_nest_and_belong_to_their_thread() -> None:

@@ -212,7 +212,6 @@ def test_still_valid_checks_each_allocation_and_forgets_the_freed() -> None:
     driver.alloc(BASE + 4 * MIB, MIB, legacy=False)
     r, forgotten = resolver(driver)
     a, b = resolved(r, BASE, 8), resolved(r, BASE + 4 * MIB, 8)
-    assert r.device_buffers([a.buffer_id, 12345, b.buffer_id]) == (a.buffer_id, b.buffer_id)
     assert r.still_valid([a.buffer_id, b.buffer_id])
     driver.free(BASE + 4 * MIB)
     assert not r.still_valid([a.buffer_id, b.buffer_id])
@@ -311,7 +310,7 @@ def test_without_a_driver_an_unknown_pointer_keeps_the_host_error() -> None:
         with pytest.raises(MisuseError, match=r"not in host memory the daemon can open \(allocate it"):
             r.resolve(BASE, 8)
     assert asked == [1]  # asked once, remembered
-    assert r.device_buffers([1, 2]) == () and not r.still_valid([1])
+    assert not r.still_valid([1])
     with host.alloc(16) as buffer:
         with pytest.raises(MisuseError, match="past the end of host buffer"):
             r.resolve(buffer.ptr, 17)
