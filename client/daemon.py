@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Concatenate, ParamSpec, TypeVar
 
 import proto
@@ -18,7 +18,7 @@ from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op
 from .connection import Connection
 from .cuda import available_driver
 from .errors import UNHEALTHY, CommTimeout, DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
-from .groups import Basis, Groups
+from .groups import Basis, Groups, OpenGroup
 from .health import Health
 from .hostmem import HostMemory, default_memory
 from .imported import ImportedBuffers
@@ -105,7 +105,7 @@ class DaemonBackend(CommBackend):
         self._reconnects = 0  # that succeeded
         self._health = Health(self._lock)
         self._imports = ImportedBuffers()
-        self._groups = Groups(on_dropped=self._health.met)
+        self._groups = Groups(on_dropped=self._group_dropped)
         # (its link is the daemon connection our bookkeeping of imports, registrations and
         # events is about)
         self._conn = Connection(os.fspath(socket_path), timeout, self._lock, self._health, self._hello,
@@ -294,8 +294,15 @@ class DaemonBackend(CommBackend):
         self._conn.check_open()
         group = self._groups.end()
         if group is not None and group.ops:
-            self._device_submit(tuple(group.ops), list(group.streams), group.early,
-                                self._due() if group.timed else None, group.basis)
+            try:
+                self._device_submit(tuple(group.ops), list(group.streams), group.early,
+                                    self._due() if group.timed else None, group.basis)
+            finally:
+                self._unpin(group.pinned)
+
+    def _group_dropped(self, group: OpenGroup) -> None:
+        self._health.met(group.basis.epoch)
+        self._unpin(group.pinned)
 
     @_interruptible
     def is_healthy(self) -> bool:
@@ -453,14 +460,37 @@ class DaemonBackend(CommBackend):
         self._conn.check_open()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        op, device = self._ops.get(key, lambda: built(lambda: make_op(due)))
+        while True:
+            op, device = self._ops.get(key, lambda: built(lambda: make_op(due)))
+            if not device:
+                break
+            with self._lock:
+                self._imports.pin(device)
+            # Evicted before it was pinned, its Forget may be on its way: the op would be
+            # refused. Built afresh, it imports the allocation again under a new id (the op's
+            # own buffers are the cache's newest, so only another thread's calls evict them).
+            if self._resolver.still_cached(device):
+                break
+            self._unpin(device)
         follows = (self._stream if stream is None else stream) if device else None
-        group = self._groups.current()
-        if group is not None:
-            group.add(op, follows, early, timed)
+        try:
+            group = self._groups.current()
+            if group is not None:
+                group.add(op, follows, early, timed, device)
+                return
+            self._device_submit((op,), [] if follows is None else [follows], early,
+                                due if timed else None, basis)
+        except BaseException:
+            self._unpin(device)
+            raise
+        self._unpin(device)
+
+    def _unpin(self, buffer_ids: Collection[int]) -> None:
+        """The op naming these is sent (or never will be): their Forgets may go."""
+        if not buffer_ids:
             return
-        self._device_submit((op,), [] if follows is None else [follows], early,
-                            due if timed else None, basis)
+        with self._lock:
+            self._imports.unpin(buffer_ids)
 
     def _due(self) -> float:
         """The deadline of a call starting now: every request the call makes shares it."""

@@ -28,16 +28,20 @@ class OpenGroup:
     basis: Basis  # at group_start
     depth: int = 0
     ops: list[proto.Op] = dataclasses.field(default_factory=list)
+    pinned: list[int] = dataclasses.field(default_factory=list)  # the CUDA buffers they name
     # the streams its device calls follow (in order), and whether all may be answered once ordered
     streams: dict[int, None] = dataclasses.field(default_factory=dict)
     early: bool = True
     timed: bool = True  # False once it holds a call that waits without a deadline (recv_command_u32)
 
-    def add(self, op: proto.Op, stream: int | None, early: bool, timed: bool = True) -> None:
-        """`stream`: the one a call on device memory follows (None: host memory)."""
+    def add(self, op: proto.Op, stream: int | None, early: bool, timed: bool = True,
+            pinned: tuple[int, ...] = ()) -> None:
+        """`stream`: the one a call on device memory follows (None: host memory). `pinned`:
+        the buffers pinned for the op, unpinned once the group is sent or dropped."""
         if len(self.ops) >= proto.MAX_GROUP_OPS:
             raise MisuseError(f"a group holds at most {proto.MAX_GROUP_OPS} calls")
         self.ops.append(op)
+        self.pinned.extend(pinned)
         self.timed &= timed
         if stream is not None:
             self.streams[stream] = None
@@ -48,9 +52,10 @@ class Groups:
     """Open groups per thread, as NCCL's are: another thread's call is never part of ours.
     A group a reconnect dropped is refused once, at the first group_start, call or group_end
     that meets it, and then forgotten: its calls, sent alone, would not be what the caller
-    meant. `on_dropped(epoch)` hears of the refusal first: the thread met that world's end."""
+    meant. `on_dropped(group)` hears of the refusal first: the thread met the end of the
+    world of the group's epoch, and its pinned buffers are let go of."""
 
-    def __init__(self, on_dropped: Callable[[int], None]) -> None:
+    def __init__(self, on_dropped: Callable[[OpenGroup], None]) -> None:
         self._local = threading.local()
         self._generation = 0
         self._on_dropped = on_dropped
@@ -77,7 +82,7 @@ class Groups:
         group: OpenGroup | None = getattr(self._local, "group", None)
         if group is not None and group.generation != self._generation:
             self._local.group = None
-            self._on_dropped(group.basis.epoch)
+            self._on_dropped(group)
             raise MisuseError("a reconnect ended this thread's group (its calls were for the world "
                               "before): make the calls again in a new group")
         return group

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+
 
 class ImportedBuffers:
     """The buffers the daemon of the current connection has imported, and the Forgets owed
     to it (they go with the next request on that connection). A daemon a rejoin replaced
     took its imports with it: `new_daemon` starts afresh. Changed under the backend's lock;
-    `in` is also read under its import lock alone (a set lookup, atomic under the GIL)."""
+    `in` is also read under its import lock alone (a set lookup, atomic under the GIL).
+
+    A buffer named by an op not yet sent is pinned: its Forget (another thread's call may
+    evict it from the CUDA cache meanwhile) waits until the op is sent, or the daemon would
+    get it first and refuse the op as naming a buffer it never imported."""
 
     def __init__(self) -> None:
         self._held: set[int] = set()
         self._owed: list[int] = []
+        self._pinned: Counter[int] = Counter()
 
     def __contains__(self, buffer_id: int) -> bool:
         return buffer_id in self._held
@@ -31,8 +39,24 @@ class ImportedBuffers:
         """An import that timed out: the daemon may hold the buffer all the same."""
         self._owed.append(buffer_id)
 
+    def pin(self, buffer_ids: Iterable[int]) -> None:
+        self._pinned.update(buffer_ids)
+
+    def unpin(self, buffer_ids: Iterable[int]) -> None:
+        for buffer_id in buffer_ids:
+            left = self._pinned[buffer_id] - 1
+            if left:
+                self._pinned[buffer_id] = left
+            else:
+                del self._pinned[buffer_id]
+
     def take_owed(self) -> list[int]:
-        owed, self._owed = self._owed, []
+        """The Forgets to send now; a pinned buffer's wait."""
+        if not self._pinned:
+            owed, self._owed = self._owed, []
+            return owed
+        owed = [b for b in self._owed if b not in self._pinned]
+        self._owed = [b for b in self._owed if b in self._pinned]
         return owed
 
     def new_daemon(self) -> None:

@@ -114,6 +114,11 @@ class MemoryResolver:
         cuda = self._cuda
         return cuda is not None and cuda.owns(ref.buffer_id)
 
+    def still_cached(self, buffer_ids: Iterable[int]) -> bool:
+        """Whether these CUDA allocations are all still in the cache (none evicted or found freed)."""
+        cuda = self._cuda
+        return all(cuda is not None and cuda.owns(b) for b in buffer_ids)
+
     @contextlib.contextmanager
     def noting_device(self) -> Iterator[set[int]]:
         """The ids of the CUDA allocations this thread resolves meanwhile (an op's build).

@@ -665,8 +665,73 @@ def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
         finally:
             go.set()
             thread.join(10)
+        assert errors == []  # (see the test below)
         recorded = len(driver.recorded)
         for _ in range(3):  # the same call again
             comm.all_reduce(a, 16, dtype="u8")
         assert len(driver.recorded) - recorded == 3  # each ordered on the worker's stream
         assert gpu.read(a, 16) == bytes(range(16))
+
+
+@pytest.mark.parametrize("held", ["before its submit", "in an open group"])
+def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_naming_it(
+        daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, held: str) -> None:
+    """A full cache drops the allocation of an op another thread has built and not yet sent
+    (its call about to submit it, or its group open). The op is served all the same, and
+    the daemon hears to forget the evicted import once it is. Before: the Forget went with
+    the evicting call's requests, ahead of the op, and the daemon refused the op
+    (MisuseError: "buffer N was never imported or was freed") though its memory was live."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
+        cuda = comm._resolver._cuda_memory()
+        assert cuda is not None
+        cuda._max = 1  # (full without a thousand allocations)
+        built, go = threading.Event(), threading.Event()
+        real_submit = comm._device_submit
+
+        def held_submit(*args: object, **kwargs: object) -> None:
+            if threading.current_thread().name == "first":
+                built.set()
+                assert go.wait(10)
+            real_submit(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(comm, "_device_submit", held_submit)
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                if held == "in an open group":
+                    comm.group_start()
+                    comm.all_reduce(a, 16, dtype="u8")
+                    comm.broadcast(a, 8, 0)
+                    built.set()
+                    assert go.wait(10)
+                    comm.group_end()
+                else:
+                    comm.all_reduce(a, 16, dtype="u8")
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=first, name="first")
+        thread.start()
+        try:
+            assert built.wait(5)  # its op names a, which the daemon has imported
+            a_id = next(iter(cuda._by_id))
+            comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a
+            assert not cuda.owns(a_id)
+        finally:
+            go.set()
+            thread.join(10)
+        assert errors == []
+        comm.all_reduce(a, 16, dtype="u8")  # imported again
+        assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+        comm.barrier()  # (what is owed goes with the next request)
+        assert comm._imports.take_owed() == [] and set(comm._imports._held) == set(cuda._by_id)
+        # and the daemon let go of the evicted imports: it maps no more than after the same
+        # calls made one after another (2 worker allocations + 2)
+        deadline = time.monotonic() + 5
+        while gpu.allocations > 2 + 2:
+            assert time.monotonic() < deadline, gpu.allocations
+            time.sleep(0.01)

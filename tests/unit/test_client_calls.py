@@ -8,7 +8,7 @@ import pytest
 
 import proto
 from client import MisuseError
-from client.groups import Basis, Groups
+from client.groups import Basis, Groups, OpenGroup
 from client.hostmem import HostMemory
 from client.memory import MemoryResolver
 from client.opcache import OpCache
@@ -104,7 +104,7 @@ def test_a_finalizer_that_clears_the_cache_while_this_thread_holds_it_does_not_d
 
 
 def test_groups_nest_and_belong_to_their_thread() -> None:
-    groups = Groups(on_dropped=lambda epoch: None)
+    groups = Groups(on_dropped=lambda group: None)
     groups.start(BASIS)
     groups.start(BASIS)
     groups.current().add(proto.Barrier(), None, early=False)  # type: ignore[union-attr]
@@ -122,7 +122,7 @@ def test_groups_nest_and_belong_to_their_thread() -> None:
 
 
 def test_a_group_on_device_memory_follows_every_stream_once() -> None:
-    groups = Groups(on_dropped=lambda epoch: None)
+    groups = Groups(on_dropped=lambda group: None)
     groups.start(BASIS)
     group = groups.current()
     assert group is not None
@@ -136,19 +136,20 @@ def test_a_group_on_device_memory_follows_every_stream_once() -> None:
 
 
 def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
-    dropped: list[int] = []
+    dropped: list[OpenGroup] = []
     groups = Groups(on_dropped=dropped.append)
     groups.start(BASIS)
     group = groups.current()
     assert group is not None
     for _ in range(proto.MAX_GROUP_OPS):
-        group.add(proto.Barrier(), None, early=False)
+        group.add(proto.Barrier(), None, early=False, pinned=(3,))
     with pytest.raises(MisuseError):
         group.add(proto.Barrier(), None, early=False)
     groups.drop_all()
     with pytest.raises(MisuseError, match="reconnect ended"):
         groups.current()  # told once: its calls would not be the group they were meant for
-    assert dropped == [BASIS.epoch]  # (the thread met the end of that epoch's world)
+    assert dropped == [group]  # (the thread met the end of that epoch's world)
+    assert group.pinned == [3] * proto.MAX_GROUP_OPS  # (what the backend unpins then)
     assert groups.current() is None
     with pytest.raises(MisuseError, match="without group_start"):
         groups.end()
