@@ -60,6 +60,10 @@ _MAX_TIMEOUT_S = 365 * 86400.0
 # client waits past both, so what it hears is the daemon's word on which ranks are missing,
 # not a timeout of its own that cannot say (when they were equal, either could come first)
 _JOIN_GRACE_S = proto.JOIN_BACKSTOP_S + 1.0
+# How often a call builds its op afresh when another thread's calls evicted its allocations
+# meanwhile; the last build goes as it is (a cache too small for one op's buffers, which
+# would evict them for ever, then gets the daemon's refusal instead of a loop)
+_BUILDS = 3
 _VERDICT_GRACE_S = 2.0  # a call's: the daemon's verdict on a call open past its timeout, in flight
 
 
@@ -460,7 +464,7 @@ class DaemonBackend(CommBackend):
         self._conn.check_open()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        while True:
+        for attempt in range(_BUILDS):
             op, device = self._ops.get(key, lambda: built(lambda: make_op(due)))
             if not device:
                 break
@@ -469,7 +473,7 @@ class DaemonBackend(CommBackend):
             # Evicted before it was pinned, its Forget may be on its way: the op would be
             # refused. Built afresh, it imports the allocation again under a new id (the op's
             # own buffers are the cache's newest, so only another thread's calls evict them).
-            if self._resolver.still_cached(device):
+            if self._resolver.still_cached(device) or attempt == _BUILDS - 1:
                 break
             self._unpin(device)
         follows = (self._stream if stream is None else stream) if device else None

@@ -735,3 +735,21 @@ def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_nam
         while gpu.allocations > 2 + 2:
             assert time.monotonic() < deadline, gpu.allocations
             time.sleep(0.01)
+
+
+def test_an_op_on_more_allocations_than_the_cache_holds_ends(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """A cache too small for one op's buffers (one entry; the real one holds 1024) evicts the
+    first as it finds the second, on every build: the call builds its op a bounded number of
+    times, then sends the last build, which the daemon refuses, as it did before calls were
+    built afresh (an unbounded rebuild never returned). The backend goes on serving."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        send, recv = driver.alloc(bytes(range(16))), driver.alloc(b"\x00" * 16)
+        cuda = comm._resolver._cuda_memory()
+        assert cuda is not None
+        cuda._max = 1
+        with pytest.raises(MisuseError, match="was never imported or was freed"):
+            comm.all_gather(send, recv, 16)
+        comm.all_reduce(send, 16, dtype="u8")  # one allocation: fits
+        assert gpu.read(send, 16) == bytes(range(16)) and comm.is_healthy()
