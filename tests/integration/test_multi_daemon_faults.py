@@ -703,12 +703,12 @@ def test_votes_taken_while_looking_for_the_root_name_the_missing_ranks() -> None
         world = world_name()
         try:
             with b, c, ThreadPoolExecutor(1) as threads:
-                rank0 = threads.submit(DaemonBackend, str(b.socket_path), world, 0, 2, timeout=3,
+                rank0 = threads.submit(DaemonBackend, str(b.socket_path), world, 0, 2, timeout=2,
                                        bootstrap=bootstrap)
                 wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [0], timeout=10)
                 with pytest.raises(CommTimeout, match=r"ranks \[0\] did not arrive within 1s"):
                     DaemonBackend(str(c.socket_path), world, 1, 2, timeout=1, bootstrap=b.peer_address())
-                with pytest.raises(CommTimeout, match=r"the root daemon .* did not form it within 3s"):
+                with pytest.raises(CommTimeout, match=r"the root daemon .* did not form it within 2s"):
                     rank0.result(20)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -761,7 +761,7 @@ def test_votes_sent_to_a_daemon_that_is_no_root_are_refused_once_it_knows() -> N
     try:
         with a, b, c, ThreadPoolExecutor(1) as threads, \
                 contextlib.closing(SlowProxy(a.peer_address(), 1.5)) as proxy:
-            rank1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=4,
+            rank1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=2.5,
                                    bootstrap=proxy.address)
             wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1], timeout=10)
             started = time.monotonic()
