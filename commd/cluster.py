@@ -119,6 +119,11 @@ class WorldNet:
         self.root = await self.cluster.link_to(self.bootstrap)
         self.root_known = True
 
+    def find_root(self, bootstrap: str) -> None:
+        """The root is at `bootstrap` (this daemon, or another): the next `resolve` dials it."""
+        self.bootstrap = bootstrap
+        self.root_known = False
+
     def ranks_of(self, daemon: str) -> tuple[int, ...]:
         return tuple(r for r, d in enumerate(self.placement) if d == daemon)
 

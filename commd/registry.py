@@ -64,6 +64,10 @@ class Registry:
             raise CallError(ErrorCode.WORLD_CONFLICT,
                             f"world {hello.world} is {'not ' if world.net is None else ''}spread over "
                             "daemons here; every rank must give (or omit) the bootstrap address")
+        if world.net is not None and world.net.bootstrap is None and hello.bootstrap is not None:
+            # made for other daemons' votes, which took us for the root: our own rank names
+            # the root, and it may be another daemon (then those votes are refused, saying so)
+            world.net.find_root(hello.bootstrap)
         if world.state is WorldState.READY and world.net is not None \
                 and world.net.placement[hello.rank] != world.net.me:
             # a healthy world's rank lives on another daemon: a stray process, not a rebuild

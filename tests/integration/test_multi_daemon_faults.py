@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -773,3 +774,78 @@ def test_votes_sent_to_a_daemon_that_is_no_root_are_refused_once_it_knows() -> N
                 rank1.result(20)  # (A, the root, names them)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class RawPeer:
+    """An authenticated daemon of the test's making, on a thread of its own: it dials whom
+    it is told and sends the frames it is told, when it is told (what a real daemon's
+    frames would be at a moment the test picks), and keeps what it receives."""
+
+    def __init__(self, name: str) -> None:
+        self.received: list[tuple[str, p.PeerMessage]] = []  # (the link's daemon, message)
+        self.lost: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._links: list[Any] = []
+        self._node = PeerNode(PeerSettings(name, SECRET["COMMD_PEER_SECRET"].encode(), 0.2, 1.0),
+                              lambda link, msg, _payload: self.received.append((link.name, msg)),
+                              lambda link, _reason: self.lost.append(link.name))
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    def dial(self, daemon: DaemonProcess) -> Any:
+        link = self._call(self._node.dial(*parse_address(daemon.peer_address())))
+        self._links.append(link)
+        return link
+
+    def send(self, link: Any, msg: p.PeerMessage) -> None:
+        async def send() -> None:
+            link.send(msg)
+            await link.drain()
+
+        self._call(send())
+
+    def close(self) -> None:
+        async def close() -> None:
+            self._node.close()
+            for link in self._links:
+                link.close("the test is over")
+            await asyncio.sleep(0)  # (the links' tasks take their cancellation)
+
+        self._call(close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_a_world_made_for_a_stray_vote_still_finds_its_root_for_its_own_ranks(
+        pair: list[DaemonProcess]) -> None:
+    """Daemon X, told B is the root, votes there for rank 2 before any rank of the world is
+    on B; then rank 1 says hello on B naming the real root, A. B must send rank 1's vote to A
+    and refuse X's saying who the root is, and the world forms on A (before: B kept the world
+    it made for X's vote as its own root, counted rank 1 there, and ranks 0 and 1 each timed
+    out naming the other missing)."""
+    a, b = pair
+    world = world_name()
+    stray = RawPeer("X")
+    try:
+        link = stray.dial(b)
+        stray.send(link, p.JoinWorld(world, 3, 2, 0, 30_000))
+        wait_until(lambda: world_status(b, world) is not None, timeout=5)  # B holds X's vote
+        with ThreadPoolExecutor(3) as threads:
+            joining = [threads.submit(DaemonBackend, str(d.socket_path), world, r, 3, timeout=4,
+                                      bootstrap=a.peer_address()) for r, d in enumerate([a, b, a])]
+            comms = [j.result(20) for j in joining]
+        try:
+            assert [c.epoch for c in comms] == [1, 1, 1]
+            assert summed_i32(comms) == [[6, 60]] * 3
+        finally:
+            for comm in comms:
+                comm.close()
+        wait_until(lambda: any(isinstance(m, p.JoinRefused) for _, m in stray.received), timeout=5)
+        (refusal,) = [m for _, m in stray.received if isinstance(m, p.JoinRefused)]
+        assert refusal.rank == 2 and refusal.code == ErrorCode.WORLD_CONFLICT
+        assert f"its root is the daemon at {a.peer_address()}" in refusal.message
+    finally:
+        stray.close()
