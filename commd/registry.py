@@ -184,16 +184,17 @@ class Registry:
 
     def _world_ready(self, link: PeerLink, msg: p.WorldReady, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
-        if world is None:
-            # Our ranks left while it formed (their withdrawal crossed this): the root's
-            # ranks must not wait on them until their timeout.
+        if world is None or not isinstance(world.membership, NetMembership) or world.net is None \
+                or world.net.root is not link:
+            # Our ranks left while it formed (their withdrawal crossed this); a world here by the
+            # name, if any, is a new one (its ranks' votes went, or go, over another link, or
+            # it is no member of that daemon's): the root's ranks must not wait on ours until
+            # their timeout.
+            if world is not None:
+                log.warning("daemon %s says world %s is ready, but it is not its root here",
+                            link.name, msg.world, extra=world.log_extra())
             link.send(p.WorldFailed(msg.world, msg.epoch, ErrorCode.WORLD_FAILED, f"daemon {self._name()}'s "
                                     f"ranks of world {msg.world} left before it formed"))
-            return
-        if not isinstance(world.membership, NetMembership) or world.net is None \
-                or world.net.root is not link:
-            log.warning("daemon %s says world %s is ready, but it is not its root here",
-                        link.name, msg.world, extra=world.log_extra())
             return
         if msg.epoch <= world.epoch:
             self._stale(link, msg.world, msg.epoch, world.epoch)

@@ -795,6 +795,20 @@ class RawPeer:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
+    def listen(self) -> str:
+        """Take links dialed to us (`accepted`); our address."""
+        self.accepted: list[Any] = []
+
+        def adopt(link: Any) -> None:
+            self.accepted.append(link)
+            self._links.append(link)
+
+        return f"127.0.0.1:{self._call(self._node.listen('127.0.0.1', 0, adopt))}"
+
+    def got(self, kind: type, **fields: object) -> bool:
+        return any(isinstance(m, kind) and all(getattr(m, k) == v for k, v in fields.items())
+                   for _, m in self.received)
+
     def dial(self, daemon: DaemonProcess) -> Any:
         link = self._call(self._node.dial(*parse_address(daemon.peer_address())))
         self._links.append(link)
@@ -849,3 +863,46 @@ def test_a_world_made_for_a_stray_vote_still_finds_its_root_for_its_own_ranks(
         assert f"its root is the daemon at {a.peer_address()}" in refusal.message
     finally:
         stray.close()
+
+
+
+def test_a_world_ready_a_member_cannot_take_is_answered_with_its_failure(pair: list[DaemonProcess]) -> None:
+    """The root (a raw peer, R) formed the world with rank 1 on B; crossing its WorldReady,
+    rank 1's process left B and a new one said hello there naming R by another address, so
+    B's new world reaches R over another link. The WorldReady, on the old link, is not for
+    that world: B must say the world cannot run there, as it does when it holds no world of
+    the name (before: B dropped it with a warning, and R's ranks, told the world was ready,
+    waited on rank 1 until their calls timed out)."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    try:
+        address = root.listen()
+        alias = address.replace("127.0.0.1", "localhost")
+
+        def rank_1_on_b(bootstrap: str) -> subprocess.Popen[bytes]:
+            code = (f"from client import DaemonBackend\nimport time\ntry:\n    DaemonBackend("
+                    f"{str(b.socket_path)!r}, {world!r}, 1, 2, timeout=8, bootstrap={bootstrap!r})\n"
+                    "    time.sleep(60)\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
+            return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                    cwd=str(Path(__file__).resolve().parents[2]))
+
+        first = rank_1_on_b(address)
+        second = None
+        try:
+            wait_until(lambda: root.got(p.JoinWorld, rank=1), timeout=20)
+            first.kill()
+            first.wait(10)
+            wait_until(lambda: root.got(p.JoinWithdrawn, rank=1), timeout=10)
+            second = rank_1_on_b(alias)
+            votes = lambda: [m for _, m in root.received if isinstance(m, p.JoinWorld)]  # noqa: E731
+            wait_until(lambda: len(root.accepted) == 2 and len(votes()) == 2, timeout=20)  # over the alias
+            old = root.accepted[0]
+            root.send(old, p.WorldReady(world, 1, ("R", "B")))
+            wait_until(lambda: root.got(p.WorldFailed, world=world, epoch=1), timeout=5)
+        finally:
+            for proc in [first, *([second] if second is not None else [])]:
+                proc.kill()
+                proc.wait(10)
+    finally:
+        root.close()
+
