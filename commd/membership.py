@@ -159,6 +159,13 @@ class NetMembership:
                                     f"rank {msg.rank} of world {self._world.name} is already on "
                                     f"daemon {holder}"))
             return
+        moved_off = self.net.member_links.get(link.name)
+        if moved_off is not None and moved_off is not link:
+            # A member reaches the root over one link per world: it left the one its earlier
+            # votes came on (lost on its side, which refused those ranks there; their
+            # withdrawals could not come, and we may not have seen that link end yet)
+            for rank in [r for r, voted_on in self._vote_links.items() if voted_on is moved_off]:
+                self._forget_vote(rank, left=True)
         self._deadline(msg.rank, msg.timeout_ms / 1000, link)
         self.net.member_links[link.name] = link  # where the world answers that daemon
         self._vote_links[msg.rank] = link

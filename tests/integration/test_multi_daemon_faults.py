@@ -906,3 +906,24 @@ def test_a_world_ready_a_member_cannot_take_is_answered_with_its_failure(pair: l
     finally:
         root.close()
 
+
+
+def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[DaemonProcess]) -> None:
+    """Daemon X (a raw peer) voted for rank 1 over link L1, then for rank 2 over a new link L2:
+    a member reaches the root over one link per world, so it has moved off L1 (lost on its
+    side, rank 1 refused there, its withdrawal unsendable), though the root has not seen L1
+    end (half-open). The root must not count rank 1's vote: rank 0 times out naming rank 1
+    (before: the world formed, rank 0 was told it was ready, and X got a WorldReady placing
+    on it a rank it had let go, which a real daemon answers by failing the world)."""
+    a = pair[0]
+    world, x = world_name(), RawPeer("X")
+    try:
+        old, new = x.dial(a), x.dial(a)
+        x.send(old, p.JoinWorld(world, 3, 1, 0, 30_000))
+        wait_until(lambda: world_status(a, world) is not None, timeout=5)  # rank 1's vote is in
+        x.send(new, p.JoinWorld(world, 3, 2, 0, 30_000))
+        with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
+            DaemonBackend(str(a.socket_path), world, 0, 3, timeout=1.5, bootstrap=a.peer_address())
+        assert not x.got(p.WorldReady)
+    finally:
+        x.close()
