@@ -90,6 +90,7 @@ class NcclCommunicator:
                              freer.launches)
         self._aborted = False
         self._aborting = False  # the abort is still running (on the gate's thread)
+        self._abort_over = asyncio.Event()  # set once it returned
         self._launches_to_end = 0  # launches it cut short: half made until it returned
         self._init_failure: CallError | None = None  # of an init made after an abort (see __init__)
         self._failure: str | None = None  # of an op answered before it was done
@@ -289,6 +290,7 @@ class NcclCommunicator:
 
     def _abort_returned(self) -> None:
         self._aborting = False
+        self._abort_over.set()
         ended, self._launches_to_end = self._launches_to_end, 0
         for _ in range(ended):
             self._freer.launches.end()
@@ -563,6 +565,8 @@ class NcclCommunicator:
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
         ranks = list(ranks)
+        if self._aborting:  # a launch that failed half made may still be enqueued by NCCL's
+            await self._abort_over.wait()  # thread until the abort returned: an event now would precede it
         async with self._turns.take(ranks):  # no work on a stream during its rank's launch
             # (none to wait for on a rank without a stream: its init never came)
             events = self._completions.record(self._streams, [r for r in ranks if r in self._streams])

@@ -1432,11 +1432,11 @@ async def test_a_launch_cut_short_by_an_abort_holds_the_frees_until_the_abort_re
         ipc_mapping(engine, gpu, b"x" * 64).close()
         gpu.abort_takes_s = 0.5
         comm.abort()
-        with pytest.raises(CallError):
-            await asyncio.wait_for(sent, 5)
         await until(lambda: gpu.aborting == 1)
         await asyncio.sleep(0.2)
         assert gpu.released_on == []  # the abort still runs
+        with pytest.raises(CallError):  # (its drain, and so its answer, waits for the abort)
+            await asyncio.wait_for(sent, 5)
         await until(lambda: gpu.released_on != [])
         assert gpu.aborting == 0
     finally:
@@ -1455,3 +1455,41 @@ async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing
     engine.close()  # (cancelled first, the launch would end its window itself)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
     await _cancelled(sent)
+
+
+async def test_a_launch_that_fails_in_progress_keeps_its_memory_until_the_device_is_past_it(
+        engine: NcclEngine, gpu: FakeGpu) -> None:
+    """A communicator fails while its launch is still in progress (queued behind the
+    worker's kernel on rank 0's stream): the run aborts, and its memory stays until the
+    stream got past the op (the aborted kernel still launches there), not at once."""
+    comm = engine.communicator("w", 1, 2, [0, 1])
+    await asyncio.wait_for(comm.run(BarrierOp((0, 1))), 5)
+    stream = gpu.worker_stream()
+    ptrs = [gpu.worker_alloc(b"\x01" * 8), gpu.worker_alloc(b"\x02" * 8, device=1)]
+    mappings = [engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(ptr), None, device=r)
+                for r, ptr in enumerate(ptrs)]
+    ready, _, pair = worker_events(engine, gpu)
+    kernel = gpu.worker_kernel(stream, ptrs[0], b"\x03" * 8)
+    gpu.event_record(ready, stream)
+    group_end = gpu.group_end
+
+    def failing_group_end() -> None:
+        group_end()
+        gpu.fail(1, "ncclSystemError: a peer's connection broke mid-launch")
+
+    gpu.group_end = failing_group_end  # type: ignore[method-assign]
+    gpu.abort_takes_s = 0.2
+    op = AllReduceOp({r: m.region(0, 8) for r, m in enumerate(mappings)}, DType.U8, ReduceOp.SUM)
+    run = asyncio.ensure_future(comm.run(op, Order({0: pair})))
+    await asyncio.sleep(0)  # (the run holds its memory)
+    for mapping in mappings:
+        mapping.close()  # the session forgot the buffers: they go once the op is over
+    await asyncio.sleep(0.5)  # the abort returned; rank 0's stream still waits for the kernel
+    assert Origin.IPC not in dict(gpu.released_on) and comm.busy()
+    gpu.finish_kernel(kernel)
+    with pytest.raises(CallError) as info:
+        await asyncio.wait_for(run, 5)
+    assert info.value.code is ErrorCode.ENGINE and "mid-launch" in info.value.message
+    await until(lambda: [o for o, _ in gpu.released_on].count(Origin.IPC) == 2)
+    await until(lambda: not comm.busy())
+    assert gpu.violations == []
