@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from proto import ErrorCode
@@ -48,15 +48,25 @@ class Completions:
         for rank, event in events.items():
             self._back_now(rank, event)
 
-    async def wait(self, events: Mapping[int, int]) -> None:
+    async def wait(self, events: Mapping[int, int], on_error: Callable[[], None] | None = None) -> None:
         """Wait on helper threads. An event is reused only once its thread is done with it:
-        a cancelled wait leaves the thread blocked in cuEventSynchronize."""
+        a cancelled wait leaves the thread blocked in cuEventSynchronize. With `on_error`,
+        a wait that fails on one GPU calls it, then raises only once the other ranks' waits
+        are over: their work may still use the memory the caller lets go after (it calls
+        it to stop that work, which may wait for the failed rank's for ever)."""
         loop = asyncio.get_running_loop()  # not in `finally`: a coroutine closed unfinished has none
         waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
                  for rank, event in events.items()}
+        wrapped = [asyncio.wrap_future(wait) for wait in waits.values()]
         try:
-            await asyncio.gather(*(asyncio.wrap_future(wait) for wait in waits.values()))
+            await asyncio.gather(*wrapped)
         except GpuError as exc:
+            if on_error is not None:
+                on_error()
+                await asyncio.wait(wrapped)
+                for other in wrapped:
+                    if not other.cancelled():
+                        other.exception()  # (retrieved: the first failure is the one to report)
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
         finally:
             for rank, event in events.items():

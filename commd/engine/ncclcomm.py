@@ -194,7 +194,7 @@ class NcclCommunicator:
                       verdict: Coroutine[None, None, None] | None, held: _Held) -> None:
         try:
             if verdict is None:
-                await self._completions.wait(events)
+                await self._completions.wait(events, on_error=self.abort)
             else:
                 await self._complete_unless_mismatched(events, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
@@ -547,7 +547,7 @@ class NcclCommunicator:
         """Wait for the device (the op's completion `events`) and for the members'
         fingerprints. On a mismatch NCCL may wait forever (or run calls that differ): abort
         it, and let go of the memory only once the device is done with it."""
-        device = asyncio.ensure_future(self._completions.wait(events))
+        device = asyncio.ensure_future(self._completions.wait(events, on_error=self.abort))
         compared = asyncio.ensure_future(verdict)
         try:
             await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
@@ -570,7 +570,7 @@ class NcclCommunicator:
         async with self._turns.take(ranks):  # no work on a stream during its rank's launch
             # (none to wait for on a rank without a stream: its init never came)
             events = self._completions.record(self._streams, [r for r in ranks if r in self._streams])
-        await self._completions.wait(events)
+        await self._completions.wait(events, on_error=self.abort)
 
     def _scratch_ptr(self, rank: int) -> int:
         mapping = self._scratch.get(rank)

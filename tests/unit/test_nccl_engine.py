@@ -1493,3 +1493,49 @@ async def test_a_launch_that_fails_in_progress_keeps_its_memory_until_the_device
     await until(lambda: [o for o, _ in gpu.released_on].count(Origin.IPC) == 2)
     await until(lambda: not comm.busy())
     assert gpu.violations == []
+
+
+async def test_a_wait_that_fails_on_one_gpu_keeps_the_memory_until_the_others_are_past_the_op(
+        gpu: FakeGpu) -> None:
+    """cuEventSynchronize fails on rank 0's GPU (a sticky error there) while rank 1's side
+    of the op still waits on its GPU behind the worker's kernel: the communicator is
+    aborted, and the memory stays until rank 1's stream got past the op."""
+    engine = NcclEngine(gpu)
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        await asyncio.wait_for(comm.run(BarrierOp((0, 1))), 5)
+        stream = gpu.worker_stream(1)
+        ptrs = [gpu.worker_alloc(b"\x01" * 8), gpu.worker_alloc(b"\x02" * 8, device=1)]
+        mappings = [engine.import_memory(MemKind.CUDA_IPC, 8, gpu.export_ipc(ptr), None, device=r)
+                    for r, ptr in enumerate(ptrs)]
+        ready, ready_handle = gpu.worker_event(1)
+        _, done_handle = gpu.worker_event(1)
+        pair = engine.import_events(ready_handle, done_handle, device=1)
+        kernel = gpu.worker_kernel(stream, ptrs[1], b"\x03" * 8)
+        gpu.event_record(ready, stream)
+        event_wait = gpu.event_wait
+
+        def failing_on_gpu_0(event: int, device: int) -> None:
+            if device == 0:
+                raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
+            event_wait(event, device)
+
+        gpu.event_wait = failing_on_gpu_0  # type: ignore[method-assign]
+        op = AllReduceOp({r: m.region(0, 8) for r, m in enumerate(mappings)}, DType.U8, ReduceOp.SUM)
+        run = asyncio.ensure_future(comm.run(op, Order({1: pair})))
+        await asyncio.sleep(0)  # (the run holds its memory)
+        for mapping in mappings:
+            mapping.close()  # the session forgot the buffers: they go once the op is over
+        await asyncio.sleep(0.3)
+        assert Origin.IPC not in dict(gpu.released_on) and comm.busy() and not run.done()
+        gpu.finish_kernel(kernel)
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(run, 5)
+        assert info.value.code is ErrorCode.ENGINE and "illegal memory access" in info.value.message
+        await until(lambda: [o for o, _ in gpu.released_on].count(Origin.IPC) == 2)
+        with pytest.raises(CallError) as info:  # aborted for it
+            await comm.run(BarrierOp((0, 1)))
+        assert info.value.code is ErrorCode.WORLD_FAILED
+        assert gpu.violations == []
+    finally:
+        engine.close()
