@@ -324,17 +324,18 @@ class NcclCommunicator:
     async def _deregister_pending(self) -> None:
         """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
         ops queued so far finished, on every local rank (a peer's kernel may still read the
-        buffer after its owner's ended). That wait holds no turn (an op may wait for a peer
-        that waits for another launch of ours); if an op launched on one of these buffers
-        meanwhile, it drains again (a buffer in constant use stays registered until it
-        rests). The deregistrations then go together in one turn (NCCL must see all of a
-        world's registrations or none in an op)."""
+        buffer after its owner's ended). That wait holds no turn, and each rank's mark takes
+        its own (an op may wait for a peer that waits for another launch of ours); if an op
+        launched on one of these buffers meanwhile, it drains again (a buffer in constant
+        use stays registered until it rests). The deregistrations then go together in one
+        turn (NCCL must see all of a world's registrations or none in an op)."""
         try:
             while self._to_deregister and not self._aborted:
                 pending = list(self._to_deregister)
-                async with self._turns.take(self._ranks):
-                    drained = self._completions.record(self._streams, self._ranks)
+                # (counted before the marks' turns are taken: a launch counted after it may
+                # come after a mark, and is waited for in the next round)
                 seen = [region.mapping.launches for _, _, region in pending]
+                drained = await self._mark_each_rank()
                 await self._completions.wait(drained)
                 ranks = sorted({rank for rank, _, _ in pending})
                 async with self._turns.take(ranks):
@@ -359,6 +360,32 @@ class NcclCommunicator:
             self._deregistering = False
             self._running -= 1
             self._maybe_teardown()
+
+    async def _mark_each_rank(self) -> dict[int, int]:
+        """An event behind the work queued so far on each local rank's stream, each in its
+        own rank's turn: one turn of all the ranks would wait for a launch still connecting
+        on one of them, and hold back the others' launches meanwhile, which that launch's
+        peer may be waiting for first."""
+        turns = [self._turns.take([rank]) for rank in self._ranks]  # (their places, now)
+        marked: dict[int, int] = {}
+
+        async def mark(turn: Turn) -> None:
+            async with turn:
+                marked.update(self._completions.record(self._streams, turn.ranks))
+
+        try:
+            outcomes = await asyncio.gather(*(mark(turn) for turn in turns), return_exceptions=True)
+        except BaseException:
+            self._completions.give_back(marked)  # not waited on: reusable
+            raise
+        finally:
+            for turn in turns:  # (a mark cancelled before it began would keep its place)
+                self._turns.leave(turn)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                self._completions.give_back(marked)
+                raise outcome
+        return marked
 
     def _register_pending(self, ranks: Iterable[int]) -> None:
         """The registrations waiting for these ranks' communicators (in their turn)."""

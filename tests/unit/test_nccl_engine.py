@@ -1539,3 +1539,38 @@ async def test_a_wait_that_fails_on_one_gpu_keeps_the_memory_until_the_others_ar
         assert gpu.violations == []
     finally:
         engine.close()
+
+
+async def test_a_deregistration_asked_during_a_launch_still_connecting_holds_back_no_other_rank() -> None:
+    """Rank 0's send to rank 2 (another daemon) is still connecting: rank 2 receives from
+    rank 1 first. A buffer of rank 1 is deregistered meanwhile; rank 1's send must still
+    launch (a valid program with a process per rank), and the deregistration goes after."""
+    gpu = FakeGpu(devices=3)
+    a, b = NcclEngine(gpu), NcclEngine(gpu)
+    try:
+        uid = a.unique_id()
+        ca = a.communicator("w", 1, 3, [0, 1], devices={0: 0, 1: 1}, unique_id=uid)
+        cb = b.communicator("w", 1, 3, [2], devices={2: 2}, unique_id=uid)
+        ca.register(1, 7, vmm_mapping(a, gpu, b"R" * 4, device=1).region(0, 4))
+        await asyncio.wait_for(asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2)))), 5)
+        assert len(gpu.registered) == 1
+        gpu.lazy_connect = {(0, 2)}
+        x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
+        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
+        got_x = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+        got_z = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+        sent_x = asyncio.ensure_future(ca.run(SendOp(0, 2, x, NO_TAG)))
+        await asyncio.sleep(0.05)  # rank 0's launch: connecting
+        ca.deregister(1, 7)
+        await asyncio.sleep(0)
+        sent_z = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
+        await asyncio.wait_for(cb.run(RecvOp(1, 2, got_z, NO_TAG)), 5)
+        await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
+        await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
+        assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+        await until(lambda: gpu.registered == {})
+        await until(lambda: not ca.busy())
+        assert gpu.violations == []
+    finally:
+        a.close()
+        b.close()
