@@ -15,14 +15,14 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from client import CommError, CommTimeout, DaemonBackend, HostMemory, MisuseError
-from client.cuda import PointerInfo
+from client.cuda import CudaMemory, PointerInfo
 from commd.engine.gpu import Imported
 from commd.launch import DaemonProcess
 from tests.contract.fakegpu import FakeGpu
@@ -619,6 +619,32 @@ def _held_in(name: str, real: object, arrived: threading.Event, go: threading.Ev
 
 
 
+def evicted_while_held(comm: DaemonBackend, cuda: CudaMemory, b: int, call: Callable[[], None],
+                       held: threading.Event, go: threading.Event) -> list[BaseException]:
+    """Run `call` on a thread named "first"; once it is `held` (its op names the allocation
+    the full one-entry cache holds), find `b` here, which drops that one, then let it go on.
+    Returns what `call` raised."""
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    try:
+        assert held.wait(5)  # its op names an allocation the daemon has imported
+        held_id = next(iter(cuda._by_id))
+        comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops the other
+        assert not cuda.owns(held_id)
+    finally:
+        go.set()
+        thread.join(10)
+    return errors
+
+
 def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
         daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another thread's call evicts the allocation a call has just built its op on, before
@@ -647,24 +673,8 @@ def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
             return real_get(key, held_build)  # type: ignore[arg-type]
 
         monkeypatch.setattr(comm._ops, "get", get_held)
-        errors: list[BaseException] = []
-
-        def first() -> None:
-            try:
-                comm.all_reduce(a, 16, dtype="u8")
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=first, name="first")
-        thread.start()
-        try:
-            assert arrived.wait(5)  # its op names a, which the daemon has imported
-            a_id = next(iter(cuda._by_id))
-            comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a
-            assert not cuda.owns(a_id)
-        finally:
-            go.set()
-            thread.join(10)
+        errors = evicted_while_held(comm, cuda, b, lambda: comm.all_reduce(a, 16, dtype="u8"),
+                                    arrived, go)
         assert errors == []  # (see the test below)
         recorded = len(driver.recorded)
         for _ in range(3):  # the same call again
@@ -698,33 +708,19 @@ def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_nam
             real_submit(*args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr(comm, "_device_submit", held_submit)
-        errors: list[BaseException] = []
 
         def first() -> None:
-            try:
-                if held == "in an open group":
-                    comm.group_start()
-                    comm.all_reduce(a, 16, dtype="u8")
-                    comm.broadcast(a, 8, 0)
-                    built.set()
-                    assert go.wait(10)
-                    comm.group_end()
-                else:
-                    comm.all_reduce(a, 16, dtype="u8")
-            except BaseException as exc:
-                errors.append(exc)
+            if held == "in an open group":
+                comm.group_start()
+                comm.all_reduce(a, 16, dtype="u8")
+                comm.broadcast(a, 8, 0)
+                built.set()
+                assert go.wait(10)
+                comm.group_end()
+            else:
+                comm.all_reduce(a, 16, dtype="u8")
 
-        thread = threading.Thread(target=first, name="first")
-        thread.start()
-        try:
-            assert built.wait(5)  # its op names a, which the daemon has imported
-            a_id = next(iter(cuda._by_id))
-            comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a
-            assert not cuda.owns(a_id)
-        finally:
-            go.set()
-            thread.join(10)
-        assert errors == []
+        assert evicted_while_held(comm, cuda, b, first, built, go) == []
         comm.all_reduce(a, 16, dtype="u8")  # imported again
         assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
         comm.barrier()  # (what is owed goes with the next request)

@@ -569,6 +569,28 @@ class PairNet:
         self.other.inbox.deliver(msg, payload)
 
 
+async def sends_crossing_a_connecting_one(gpu: FakeGpu, a: NcclEngine, b: NcclEngine,
+                                          ca: NcclCommunicator, cb: NcclCommunicator,
+                                          meanwhile: Callable[[], None] = lambda: None) -> None:
+    """Rank 0 sends X to rank 2, whose connection NCCL makes only once rank 2 posts its side;
+    while it is connecting (and after `meanwhile`), rank 1 sends Z to rank 2, which receives
+    Z first: rank 1's launch must not wait for rank 0's."""
+    gpu.lazy_connect = {(0, 2)}
+    x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
+    z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
+    got_x = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+    got_z = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
+    sent_x = asyncio.ensure_future(ca.run(SendOp(0, 2, x, NO_TAG)))
+    await asyncio.sleep(0.05)  # rank 0's launch: connecting
+    meanwhile()
+    await asyncio.sleep(0)
+    sent_z = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
+    await asyncio.wait_for(cb.run(RecvOp(1, 2, got_z, NO_TAG)), 5)
+    await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
+    await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
+    assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+
+
 async def three_rank_world(gpu: FakeGpu
                            ) -> tuple[NcclEngine, NcclEngine, NcclCommunicator, NcclCommunicator]:
     """Ranks 0 and 1 on one daemon's engine (GPUs 0, 1), rank 2 on another's (GPU 2), one
@@ -802,18 +824,7 @@ async def test_a_launch_still_connecting_holds_back_only_its_own_ranks() -> None
     gpu = FakeGpu(devices=3)
     a, b, ca, cb = await three_rank_world(gpu)
     try:
-        gpu.lazy_connect = {(0, 2)}
-        x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
-        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
-        got_x = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
-        got_z = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
-        sent_x = asyncio.ensure_future(ca.run(SendOp(0, 2, x, NO_TAG)))
-        await asyncio.sleep(0.05)  # rank 0's launch: connecting
-        sent_z = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
-        await asyncio.wait_for(cb.run(RecvOp(1, 2, got_z, NO_TAG)), 5)
-        await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
-        await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
-        assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+        await sends_crossing_a_connecting_one(gpu, a, b, ca, cb)
     finally:
         a.close()
         b.close()
@@ -1554,20 +1565,7 @@ async def test_a_deregistration_asked_during_a_launch_still_connecting_holds_bac
         ca.register(1, 7, vmm_mapping(a, gpu, b"R" * 4, device=1).region(0, 4))
         await asyncio.wait_for(asyncio.gather(ca.run(BarrierOp((0, 1, 2))), cb.run(BarrierOp((0, 1, 2)))), 5)
         assert len(gpu.registered) == 1
-        gpu.lazy_connect = {(0, 2)}
-        x = ipc_mapping(a, gpu, b"X" * 4).region(0, 4)
-        z = ipc_mapping(a, gpu, b"Z" * 4, device=1).region(0, 4)
-        got_x = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
-        got_z = ipc_mapping(b, gpu, b"." * 4, device=2).region(0, 4)
-        sent_x = asyncio.ensure_future(ca.run(SendOp(0, 2, x, NO_TAG)))
-        await asyncio.sleep(0.05)  # rank 0's launch: connecting
-        ca.deregister(1, 7)
-        await asyncio.sleep(0)
-        sent_z = asyncio.ensure_future(ca.run(SendOp(1, 2, z, NO_TAG)))
-        await asyncio.wait_for(cb.run(RecvOp(1, 2, got_z, NO_TAG)), 5)
-        await asyncio.wait_for(cb.run(RecvOp(0, 2, got_x, NO_TAG)), 5)
-        await asyncio.wait_for(asyncio.gather(sent_x, sent_z), 5)
-        assert (gpu.read(got_x.ptr, 4), gpu.read(got_z.ptr, 4)) == (b"XXXX", b"ZZZZ")
+        await sends_crossing_a_connecting_one(gpu, a, b, ca, cb, meanwhile=lambda: ca.deregister(1, 7))
         await until(lambda: gpu.registered == {})
         await until(lambda: not ca.busy())
         assert gpu.violations == []
