@@ -281,20 +281,16 @@ class PacketChannel:
             return
         self.closed = True
         self._loop.remove_reader(self._fd)
-        too_many = linger and self._lingering is not None and not self._lingering.hold(self._sock)
-        if too_many:
-            linger = False
-        if linger and self._queue:
+        # (a flush holds the socket as a linger does: past the bound, it closes at once)
+        if linger and self._queue and (self._lingering is None or self._lingering.hold(self._sock)):
             self._flushing = self._loop.call_later(LINGER_S, self._abandon)  # the writer goes on
         else:
             self._loop.remove_writer(self._fd)
             self._drop_queue()
-            if linger:
+            if linger:  # (at once, when too many linger)
                 linger_close(self._sock, lingering=self._lingering)
             elif discard_input:
                 _close_unread(self._sock)
-            elif too_many:
-                _close_unread(self._sock, _MOST_DROPPED)
             else:
                 self._sock.close()
         self._on_close(reason)
