@@ -13,6 +13,7 @@ rooted on either side; or someone relayed a handshake), each lost on its own.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any, Protocol
 
@@ -174,6 +175,9 @@ class Cluster:
         self.port: int | None = None
         self.stale_refused = 0
         self.foreign_refused = 0  # messages about a world from a daemon that is not one of its
+        # JoinWorld ids: daemon-wide, so a refusal of a vote for a world since forgotten and
+        # made anew by the name cannot match a vote of the new one
+        self.vote_ids = itertools.count(1)
 
     @property
     def refused(self) -> int:

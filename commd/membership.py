@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
@@ -80,13 +80,21 @@ class LocalMembership:
         pass
 
 
+class Ballot(NamedTuple):
+    """A member's vote, as the root holds it."""
+
+    link: PeerLink  # where the vote came, and its refusal goes
+    vote: int  # the member's id for it (JoinWorld.vote), echoed in JoinRefused
+
+
 class NetMembership:
     def __init__(self, world: Formable, net: WorldNet, token: str | None) -> None:
         self._world = world
         self.net = net
         self._token = token
         self._votes: dict[int, str] = {}  # root only: rank -> daemon, for the epoch being formed
-        self._vote_links: dict[int, PeerLink] = {}  # root only: the link a member's vote came on
+        self._ballots: dict[int, Ballot] = {}  # root only: a member's vote: its link and id
+        self._sent: dict[int, int] = {}  # member only: rank -> the id of its vote at the root
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
@@ -121,10 +129,12 @@ class NetMembership:
             self._deadline(rank, timeout_s, None)
             self._count(rank, self.net.me)
             return
+        vote = next(self.net.cluster.vote_ids)
         try:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
                                               self._world.epoch, max(1, int(timeout_s * 1000)),
-                                              self._token))
+                                              self._token, vote))
+            self._sent[rank] = vote
         except CallError as exc:  # the link went down between resolving and sending
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
 
@@ -133,9 +143,15 @@ class NetMembership:
         if self.net.is_root:
             if self._votes.get(rank) == self.net.me:
                 self._forget_vote(rank, left=True)
-        elif self.net.root is not None:
+        elif self._sent.pop(rank, None) is not None and self.net.root is not None:
             with contextlib.suppress(CallError):  # a root that is gone counts no votes
                 self.net.send("root", p.JoinWithdrawn(self._world.name, rank))
+
+    def refused(self, msg: p.JoinRefused) -> None:
+        """The root refused a vote (member only). One it refused as the rank's withdrawal
+        crossed the refusal is no longer the rank's vote: the rank may have voted again."""
+        if self._sent.get(msg.rank) == msg.vote:
+            self._world.refuse(msg.rank, msg.code, msg.message)
 
     def voting(self) -> bool:
         """Whether the root holds votes: a world with no rank here yet is not empty then."""
@@ -157,18 +173,18 @@ class NetMembership:
         if holder is not None and holder != link.name:
             link.send(p.JoinRefused(self._world.name, msg.rank, ErrorCode.DUPLICATE_RANK,
                                     f"rank {msg.rank} of world {self._world.name} is already on "
-                                    f"daemon {holder}"))
+                                    f"daemon {holder}", msg.vote))
             return
         moved_off = self.net.member_links.get(link.name)
         if moved_off is not None and moved_off is not link:
             # A member reaches the root over one link per world: it left the one its earlier
             # votes came on (lost on its side, which refused those ranks there; their
             # withdrawals could not come, and we may not have seen that link end yet)
-            for rank in [r for r, voted_on in self._vote_links.items() if voted_on is moved_off]:
+            for rank in [r for r, ballot in self._ballots.items() if ballot.link is moved_off]:
                 self._forget_vote(rank, left=True)
         self._deadline(msg.rank, msg.timeout_ms / 1000, link)
         self.net.member_links[link.name] = link  # where the world answers that daemon
-        self._vote_links[msg.rank] = link
+        self._ballots[msg.rank] = Ballot(link, msg.vote)
         self._round_epoch = max(self._round_epoch, msg.epoch)
         self._count(msg.rank, link.name)
 
@@ -184,7 +200,7 @@ class NetMembership:
         del self._votes[rank]
         if left:
             self._arrived.discard(rank)
-        self._vote_links.pop(rank, None)
+        self._ballots.pop(rank, None)
         timer = self._timers.pop(rank, None)
         if timer is not None:
             timer.cancel()
@@ -194,7 +210,7 @@ class NetMembership:
     def _end_round(self) -> None:
         """The round is over (formed, or every vote withdrawn): the next one counts afresh."""
         self._votes.clear()
-        self._vote_links.clear()
+        self._ballots.clear()
         self._arrived.clear()
         self._round_epoch = 0
         for timer in self._timers.values():
@@ -217,14 +233,16 @@ class NetMembership:
         # (votes are counted as the root, also by a daemon still dialing its bootstrap address)
         message = (f"world {self._world.name}: ranks {rank_list(self._not_arrived())} did not arrive "
                    f"within {timeout_s:g}s")
-        self._drop_vote(rank, link, ErrorCode.TIMEOUT, message)
+        self._drop_vote(rank, ErrorCode.TIMEOUT, message)
 
-    def _drop_vote(self, rank: int, link: PeerLink | None, code: ErrorCode, message: str) -> None:
+    def _drop_vote(self, rank: int, code: ErrorCode, message: str) -> None:
+        """Refuse a vote: a member's over the link it came on, ours here."""
+        ballot = self._ballots.get(rank)
         self._forget_vote(rank)
-        if link is None:
+        if ballot is None:
             self._world.refuse(rank, code, message)
         else:
-            link.send(p.JoinRefused(self._world.name, rank, code, message))
+            ballot.link.send(p.JoinRefused(self._world.name, rank, code, message, ballot.vote))
         self._world.forget_if_empty()  # (a root's world made for a member's vote, say)
 
     def _count(self, rank: int, daemon: str) -> None:
@@ -259,9 +277,8 @@ class NetMembership:
 
     def _refuse_all(self, message: str) -> None:
         for rank, daemon in list(self._votes.items()):
-            link = None if daemon == self.net.me else self._vote_links.get(rank)
-            if daemon == self.net.me or link is not None:
-                self._drop_vote(rank, link, ErrorCode.WORLD_CONFLICT, message)
+            if daemon == self.net.me or rank in self._ballots:
+                self._drop_vote(rank, ErrorCode.WORLD_CONFLICT, message)
             else:
                 self._forget_vote(rank)
         self._world.forget_if_empty()
@@ -288,7 +305,7 @@ class NetMembership:
     def peer_lost(self, link: PeerLink, reason: str) -> None:
         """`link` is gone: if the world used it, the world fails, and the votes cast over
         it go (a member that dialed the root anew votes over its new link)."""
-        lost_votes = [r for r, vote_link in self._vote_links.items() if vote_link is link]
+        lost_votes = [r for r, ballot in self._ballots.items() if ballot.link is link]
         if not self.net.uses(link) and not lost_votes:
             return
         message = f"daemon {link.name} was lost: {reason}"

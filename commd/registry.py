@@ -145,7 +145,7 @@ class Registry:
                                 f"daemon {self._name()} is not the root of world {msg.world}")
             self._same_world(world, msg.world_size, msg.token)
         except CallError as exc:
-            link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message))
+            link.send(p.JoinRefused(msg.world, msg.rank, exc.code, exc.message, msg.vote))
             return
         if world.state is WorldState.READY and (msg.epoch != world.epoch
                                                 or not self._in_world(world, link, any_link=True)
@@ -154,7 +154,7 @@ class Registry:
             # (a rebuild's vote comes from the daemon the rank was on, at the world's epoch)
             link.send(p.JoinRefused(msg.world, msg.rank, ErrorCode.DUPLICATE_RANK,
                                     f"world {msg.world} is ready with all its ranks; rank {msg.rank} "
-                                    "is taken"))
+                                    "is taken", msg.vote))
             return
         world.reconnect_requested(f"rank {msg.rank} (on daemon {link.name}) called attempt_reconnect")
         assert isinstance(world.membership, NetMembership)
@@ -173,8 +173,9 @@ class Registry:
 
     def _join_refused(self, link: PeerLink, msg: p.JoinRefused, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
-        if world is not None and world.net is not None and world.net.root is link:
-            world.refuse(msg.rank, msg.code, msg.message)
+        if world is not None and isinstance(world.membership, NetMembership) and world.net is not None \
+                and world.net.root is link:
+            world.membership.refused(msg)
 
     def _join_withdrawn(self, link: PeerLink, msg: p.JoinWithdrawn, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)

@@ -47,7 +47,8 @@ from .messages import (  # one definition of each rule for both protocols
     _u64,
 )
 
-PEER_VERSION = 6  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet
+PEER_VERSION = 7  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
+#                  7: vote ids
 NONCE_BYTES = 32
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
@@ -167,7 +168,9 @@ class Heartbeat:
 @dataclass(frozen=True, slots=True)
 class JoinWorld:
     """A daemon tells the world's root that `rank` is here: a new hello (`epoch` 0) or an
-    attempt_reconnect at `epoch`."""
+    attempt_reconnect at `epoch`. `vote` is the sender's id for this vote, which the root's
+    JoinRefused echoes: a refusal of an earlier vote for the rank (crossing its withdrawal)
+    must not refuse the one cast since."""
 
     world: str
     world_size: int
@@ -175,6 +178,7 @@ class JoinWorld:
     epoch: int
     timeout_ms: int
     token: str | None = None
+    vote: int = 0
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
@@ -186,21 +190,24 @@ class JoinWorld:
             raise InvalidMessage("timeout_ms must be positive")
         if self.token is not None:
             _short_text("token", self.token)
+        _u64("vote", self.vote)
 
 
 @dataclass(frozen=True, slots=True)
 class JoinRefused:
-    """The root refuses (or times out) one rank's join."""
+    """The root refuses (or times out) one rank's join: the JoinWorld whose `vote` this is."""
 
     world: str
     rank: int
     code: ErrorCode
     message: str
+    vote: int = 0
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("rank", self.rank)
         _short_text("message", self.message, MAX_ERROR_TEXT)
+        _u64("vote", self.vote)
 
 
 @dataclass(frozen=True, slots=True)

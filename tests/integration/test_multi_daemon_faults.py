@@ -845,7 +845,7 @@ def test_a_world_made_for_a_stray_vote_still_finds_its_root_for_its_own_ranks(
     stray = RawPeer("X")
     try:
         link = stray.dial(b)
-        stray.send(link, p.JoinWorld(world, 3, 2, 0, 30_000))
+        stray.send(link, p.JoinWorld(world, 3, 2, 0, 30_000, vote=5))
         wait_until(lambda: world_status(b, world) is not None, timeout=5)  # B holds X's vote
         with ThreadPoolExecutor(3) as threads:
             joining = [threads.submit(DaemonBackend, str(d.socket_path), world, r, 3, timeout=4,
@@ -860,10 +860,23 @@ def test_a_world_made_for_a_stray_vote_still_finds_its_root_for_its_own_ranks(
         wait_until(lambda: any(isinstance(m, p.JoinRefused) for _, m in stray.received), timeout=5)
         (refusal,) = [m for _, m in stray.received if isinstance(m, p.JoinRefused)]
         assert refusal.rank == 2 and refusal.code == ErrorCode.WORLD_CONFLICT
+        assert refusal.vote == 5  # (X's id for the vote, which X holds it by)
         assert f"its root is the daemon at {a.peer_address()}" in refusal.message
     finally:
         stray.close()
 
+
+
+def joining_process(daemon: DaemonProcess, world: str, rank: int, world_size: int,
+                    bootstrap: str) -> subprocess.Popen[bytes]:
+    """A worker process that says hello (8 s timeout), then holds its rank for a minute;
+    what it raises, it prints (type and message) on its stdout."""
+    code = (f"from client import DaemonBackend\nimport time\ntry:\n    DaemonBackend("
+            f"{str(daemon.socket_path)!r}, {world!r}, {rank}, {world_size}, timeout=8, "
+            f"bootstrap={bootstrap!r})\n    time.sleep(60)\nexcept Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            cwd=str(Path(__file__).resolve().parents[2]))
 
 
 def test_a_world_ready_a_member_cannot_take_is_answered_with_its_failure(pair: list[DaemonProcess]) -> None:
@@ -880,11 +893,7 @@ def test_a_world_ready_a_member_cannot_take_is_answered_with_its_failure(pair: l
         alias = address.replace("127.0.0.1", "localhost")
 
         def rank_1_on_b(bootstrap: str) -> subprocess.Popen[bytes]:
-            code = (f"from client import DaemonBackend\nimport time\ntry:\n    DaemonBackend("
-                    f"{str(b.socket_path)!r}, {world!r}, 1, 2, timeout=8, bootstrap={bootstrap!r})\n"
-                    "    time.sleep(60)\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
-            return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                    cwd=str(Path(__file__).resolve().parents[2]))
+            return joining_process(b, world, 1, 2, bootstrap)
 
         first = rank_1_on_b(address)
         second = None
@@ -927,3 +936,35 @@ def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[Daemo
         assert not x.got(p.WorldReady)
     finally:
         x.close()
+
+
+def test_a_refusal_crossing_a_withdrawal_leaves_the_ranks_next_vote_alone(pair: list[DaemonProcess]) -> None:
+    """The root (a raw peer, R) refused rank 1's vote from B just as rank 1's process left B:
+    the refusal crossed the withdrawal, and a new process for rank 1 voted again. The
+    refusal names the first vote, so it must not refuse the second, which stays until R
+    refuses it by its own id (before: the stale refusal failed the new process's hello)."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        address = root.listen()
+        votes = lambda: [m for _, m in root.received if isinstance(m, p.JoinWorld)]  # noqa: E731
+        processes.append(joining_process(b, world, 1, 2, address))
+        wait_until(lambda: len(votes()) == 1, timeout=20)
+        processes[0].kill()
+        processes[0].wait(10)
+        wait_until(lambda: root.got(p.JoinWithdrawn, rank=1), timeout=10)
+        processes.append(joining_process(b, world, 1, 2, address))
+        wait_until(lambda: len(votes()) == 2, timeout=20)
+        first, second = votes()
+        assert first.vote != second.vote
+        (link,) = root.accepted
+        root.send(link, p.JoinRefused(world, 1, ErrorCode.TIMEOUT, "the first vote's refusal", first.vote))
+        root.send(link, p.JoinRefused(world, 1, ErrorCode.TIMEOUT, "the second vote's refusal", second.vote))
+        out, _ = processes[1].communicate(timeout=20)
+        assert out.decode().strip() == "CommTimeout the second vote's refusal"
+    finally:
+        for proc in processes:
+            proc.kill()
+            proc.wait(10)
+        root.close()
