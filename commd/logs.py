@@ -3,6 +3,9 @@
 A JSON line carries ts, level, logger and message, and the world, epoch and rank
 when the call passed them with `extra=` (every line about a world does), so a
 log pipeline can select one world's story without parsing messages.
+
+`Throttled` bounds the warnings that strangers can cause (refused connections,
+bad packets): one line a second per kind, with a count of the ones left out.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import datetime
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 CONTEXT_FIELDS = ("world", "epoch", "rank")
@@ -46,3 +51,28 @@ def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class Throttled:
+    """Warnings of one kind, at most one every `interval_s`: a client that reconnects
+    without end with a bad packet, or a port scan of the peer port, must not flood the
+    journal (nor spend the event loop on formatting lines). The lines left out are
+    counted, and the next line that is logged says how many there were."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last = -float("inf")
+        self.left_out = 0  # since the last line logged
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        if now - self._last < self._interval_s:
+            self.left_out += 1
+            return
+        if self.left_out:
+            msg += f" ({self.left_out} more like it since the last such line were not logged)"
+        self._logger.warning(msg, *args)
+        self._last, self.left_out = now, 0

@@ -24,6 +24,8 @@ import proto
 from proto import codec
 from proto import peer as p
 
+from .logs import Throttled
+
 log = logging.getLogger("commd.peering")
 # Handshakes under way at once: each holds an fd until it ends (at most the handshake
 # timeout), and anyone who reaches the port can open them. Past this, connections are
@@ -358,7 +360,8 @@ class PeerNode:
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self.refused = 0  # handshakes refused (wrong secret, version, garbage, too many at once)
-        self._flood_logged = 0.0
+        self._floods = Throttled(log)
+        self._refusals = Throttled(log)
 
     async def listen(self, host: str, port: int, on_link: Callable[[PeerLink], None]) -> int:
         loop = asyncio.get_running_loop()
@@ -379,11 +382,8 @@ class PeerNode:
 
     def _refuse_flood(self) -> None:
         self.refused += 1
-        now = time.monotonic()
-        if now - self._flood_logged >= 1.0:  # a flood logs once a second, not once a connection
-            self._flood_logged = now
-            log.warning("refusing peer connections: %d handshakes under way already (%d refused "
-                        "in all)", len(self._handshakes), self.refused)
+        self._floods.warning("refusing peer connections: %d handshakes under way already (%d refused "
+                             "in all)", len(self._handshakes), self.refused)
 
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         try:
@@ -397,7 +397,7 @@ class PeerNode:
         except (SelfDialError, PeerRefusedError, proto.ProtoError, OSError, TimeoutError) as exc:
             if not isinstance(exc, SelfDialError):
                 self.refused += 1
-                log.warning("refused a peer: %s", exc or type(exc).__name__)
+                self._refusals.warning("refused a peer: %s", exc or type(exc).__name__)
             stream.close()
             return
         on_link(self._link(name, incarnation, stream, transcript, dialed=False))

@@ -29,6 +29,7 @@ from .cluster import Cluster
 from .config import ServerConfig
 from .engine.base import Engine
 from .errors import ConfigError
+from .logs import Throttled
 from .registry import Registry
 from .session import DaemonContext, MemoryBudget, Session
 from .stats import DaemonStats
@@ -90,12 +91,13 @@ class Server:
                                  max_call_timeout_s=config.max_call_timeout_s)
         self.sessions: set[Session] = set()
         self._lingering = Lingering(config.max_connections)  # closed ones, saying their last word
+        self._refusals = Throttled(log)
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
         self._started = time.time()
         self.metrics_address: str | None = None  # where /metrics is served, once it is
         budget = MemoryBudget(config.max_daemon_mappings, config.max_daemon_bytes)
-        self._ctx = DaemonContext(config, engine, self.registry, self.status, budget)
+        self._ctx = DaemonContext(config, engine, self.registry, self.status, budget, Throttled(log))
 
     def start(self, inherited: socket.socket | None = None) -> None:
         """Listen on the configured path, or on `inherited` (socket activation)."""
@@ -133,7 +135,7 @@ class Server:
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
             refusal = self._refusal(sock, pid, uid, gid)
             if refusal is not None:
-                log.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
+                self._refusals.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
                 _refuse(sock, *refusal, self._lingering)
                 continue
             self._open_session(sock, pid)

@@ -24,6 +24,7 @@ from .channel import PacketChannel, close_fds
 from .config import ServerConfig
 from .engine.base import Engine, EventPair, MemoryMapping, Region
 from .errors import CallError, clip
+from .logs import Throttled
 from .registry import Registry
 from .world import World
 
@@ -61,6 +62,7 @@ class DaemonContext:
     registry: Registry
     status: Callable[[], dict[str, Any]]
     budget: MemoryBudget
+    bad_packets: Throttled  # their warnings: a client may send one a connection, without end
 
 
 def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport:
@@ -179,7 +181,7 @@ class Session:
             self._drop(ErrorCode.TIMEOUT, why, why)
 
     def _refuse(self, exc: proto.ProtoError) -> None:
-        log.warning("bad packet from pid %d: %s", self.peer_pid, exc)
+        self._ctx.bad_packets.warning("bad packet from pid %d: %s", self.peer_pid, exc)
         self._drop(ErrorCode.BAD_MESSAGE, clip(str(exc)), f"bad packet: {exc}")
 
     def _drop(self, code: ErrorCode, message: str, reason: str) -> None:

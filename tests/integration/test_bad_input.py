@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import socket
 import struct
@@ -553,6 +554,33 @@ def a_socket_whose_close_would_wait(linger_s: int) -> tuple[socket.socket, socke
             stuck.send(b"x" * 65536)
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
     return stuck, peer
+
+
+def test_a_flood_of_bad_packets_logs_one_line_a_second_and_counts_the_rest() -> None:
+    """A client that reconnects without end, a bad packet each time, used to cost the
+    daemon's log one line per connection. Now one a second is logged, and the next line
+    says how many were left out: nothing goes uncounted."""
+    tmp = short_tmpdir()
+    log_path = Path(tmp) / "daemon.log"
+    try:
+        with open(log_path, "wb") as log, DaemonProcess(Path(tmp) / "run" / "commd.sock", log=log) as daemon:
+            def bad_packet() -> None:
+                with RawClient(str(daemon.socket_path)) as raw:
+                    raw.send_bytes(b"\xc1")
+                    assert raw.error().code is ErrorCode.BAD_MESSAGE
+
+            for _ in range(50):
+                bad_packet()
+            time.sleep(1.1)  # (past the interval: the next one is logged, with the count)
+            bad_packet()
+        lines = [line for line in log_path.read_text().splitlines() if "bad packet from pid" in line]
+        assert 2 <= len(lines) < 10, lines
+        left_out = [int(m.group(1)) for line in lines
+                    if (m := re.search(r"\((\d+) more like it since the last such line", line))]
+        assert len(lines) + sum(left_out) == 51, lines
+        assert left_out and "were not logged" in lines[-1], lines
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_handed_over_socket_that_lingers_does_not_stop_the_daemon() -> None:

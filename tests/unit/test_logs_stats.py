@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import proto
-from commd.logs import setup_logging
+from commd.logs import Throttled, setup_logging
 from commd.recorder import FlightRecorder
 from commd.stats import LATENCY_BOUNDS, DaemonStats
 
@@ -25,6 +25,22 @@ def restore_logging() -> object:
     yield None
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+def test_throttled_warnings_log_one_an_interval_and_count_the_rest(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    throttled = Throttled(logging.getLogger("commd.test"), interval_s=1.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "commd.test"):
+        for when, pid in [(100.0, 1), (100.2, 2), (100.9, 3), (101.0, 4), (101.5, 5), (103.0, 6)]:
+            now[0] = when
+            throttled.warning("bad packet from pid %d: %s", pid, "garbage")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad packet from pid 1: garbage",
+        "bad packet from pid 4: garbage (2 more like it since the last such line were not logged)",
+        "bad packet from pid 6: garbage (1 more like it since the last such line were not logged)",
+    ]
+    assert throttled.left_out == 0
 
 
 def test_json_lines_carry_world_epoch_rank(restore_logging: object) -> None:
