@@ -113,7 +113,7 @@ class DaemonBackend(CommBackend):
         # (its link is the daemon connection our bookkeeping of imports, registrations and
         # events is about)
         self._conn = Connection(os.fspath(socket_path), timeout, self._lock, self._health, self._hello,
-                                self._imports.take_owed, self._groups.drop_all, self._forget_daemon)
+                                self._take_owed, self._groups.drop_all, self._forget_daemon)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
@@ -488,6 +488,12 @@ class DaemonBackend(CommBackend):
             self._unpin(device)
             raise
         self._unpin(device)
+
+    def _take_owed(self) -> list[int]:
+        """The Forgets to send now (under _lock)."""
+        for group in self._groups.abandoned():  # (a thread that ended between group_start and _end)
+            self._imports.unpin(group.pinned)
+        return self._imports.take_owed()
 
     def _unpin(self, buffer_ids: Collection[int]) -> None:
         """The op naming these is sent (or never will be): their Forgets may go."""

@@ -53,17 +53,21 @@ class Groups:
     A group a reconnect dropped is refused once, at the first group_start, call or group_end
     that meets it, and then forgotten: its calls, sent alone, would not be what the caller
     meant. `on_dropped(group)` hears of the refusal first: the thread met the end of the
-    world of the group's epoch, and its pinned buffers are let go of."""
+    world of the group's epoch, and its pinned buffers are let go of.
+
+    Groups are held by thread, not in thread-locals, so that the group of a thread that
+    ended inside it is found (`abandoned`): its pinned buffers would otherwise keep their
+    Forgets, and the daemon the worker's memory, for the backend's life."""
 
     def __init__(self, on_dropped: Callable[[OpenGroup], None]) -> None:
-        self._local = threading.local()
+        self._open: dict[threading.Thread, OpenGroup] = {}
         self._generation = 0
         self._on_dropped = on_dropped
 
     def start(self, basis: Basis) -> None:
         group = self.current()
         if group is None:
-            group = self._local.group = OpenGroup(self._generation, basis)
+            group = self._open[threading.current_thread()] = OpenGroup(self._generation, basis)
         group.depth += 1
 
     def end(self) -> OpenGroup | None:
@@ -74,14 +78,14 @@ class Groups:
         group.depth -= 1
         if group.depth:
             return None
-        self._local.group = None
+        del self._open[threading.current_thread()]
         return group
 
     def current(self) -> OpenGroup | None:
         """This thread's open group."""
-        group: OpenGroup | None = getattr(self._local, "group", None)
+        group = self._open.get(threading.current_thread())
         if group is not None and group.generation != self._generation:
-            self._local.group = None
+            del self._open[threading.current_thread()]
             self._on_dropped(group)
             raise MisuseError("a reconnect ended this thread's group (its calls were for the world "
                               "before): make the calls again in a new group")
@@ -90,3 +94,10 @@ class Groups:
     def drop_all(self) -> None:
         """End every thread's open group (a reconnect: what they held was for the old world)."""
         self._generation += 1
+
+    def abandoned(self) -> list[OpenGroup]:
+        """The groups of threads that ended with them open, forgotten now: their calls
+        will never be sent."""
+        # (a copy: other threads add and remove their own groups meanwhile)
+        ended = [thread for thread in list(self._open) if not thread.is_alive()]
+        return [group for thread in ended if (group := self._open.pop(thread, None)) is not None]

@@ -683,6 +683,42 @@ def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
         assert gpu.read(a, 16) == bytes(range(16))
 
 
+def test_a_thread_that_ends_inside_its_group_lets_go_of_the_memory_its_calls_named(
+        daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """A thread opens a group, calls on an allocation, and ends without group_end; another
+    call then evicts that allocation from the full cache. Its Forget must still reach the
+    daemon. Before: the group's pin on the allocation outlived the thread, so the Forget
+    waited for ever and the daemon kept the worker's memory mapped for the backend's life."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
+        cuda = comm._resolver._cuda_memory()
+        assert cuda is not None
+        cuda._max = 1  # (full without a thousand allocations)
+        memory = gpu._allocs[a][0]
+
+        def mappings_of_a() -> int:  # (the worker's own, and the daemon's if it holds it)
+            return sum(1 for buf, _ in gpu._allocs.values() if buf is memory)
+
+        def ends_inside_its_group() -> None:
+            comm.group_start()
+            comm.all_reduce(a, 16, dtype="u8")
+
+        thread = threading.Thread(target=ends_inside_its_group)
+        thread.start()
+        thread.join(10)
+        assert mappings_of_a() == 2  # imported for the call, never sent
+        comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a (its Forget goes along)
+        deadline = time.monotonic() + 5  # (the daemon lets go off its loop)
+        while mappings_of_a() > 1:
+            assert time.monotonic() < deadline, "the daemon still maps the abandoned group's memory"
+            time.sleep(0.01)
+        assert comm._imports.take_owed() == [] and set(comm._imports._held) == set(cuda._by_id)
+        comm.all_reduce(a, 16, dtype="u8")  # imported again
+        assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+
+
 @pytest.mark.parametrize("held", ["before its submit", "in an open group"])
 def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_naming_it(
         daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, held: str) -> None:

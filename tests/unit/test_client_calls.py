@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -119,6 +120,35 @@ def test_groups_nest_and_belong_to_their_thread() -> None:
     assert groups.current() is None
     with pytest.raises(MisuseError):
         groups.end()
+
+
+def test_the_group_of_a_thread_that_ended_inside_it_is_abandoned_once() -> None:
+    groups = Groups(on_dropped=lambda group: None)
+    groups.start(BASIS)  # (this thread's, alive: never abandoned)
+    opened: list[OpenGroup] = []
+    go = threading.Event()
+
+    def leaves_its_group_open() -> None:
+        groups.start(BASIS)
+        group = groups.current()
+        assert group is not None
+        group.add(proto.Barrier(), None, early=False, pinned=(7,))
+        opened.append(group)
+        assert go.wait(5)
+
+    other = threading.Thread(target=leaves_its_group_open)
+    other.start()
+    try:
+        while not opened:
+            assert other.is_alive()
+            time.sleep(0.001)
+        assert groups.abandoned() == []  # open, and its thread still running
+    finally:
+        go.set()
+        other.join(5)
+    assert groups.abandoned() == opened and opened[0].pinned == [7]  # (what the backend unpins)
+    assert groups.abandoned() == []
+    assert groups.current() is not None and groups.end() is not None  # ours stayed open
 
 
 def test_a_group_on_device_memory_follows_every_stream_once() -> None:
