@@ -65,6 +65,7 @@ _JOIN_GRACE_S = proto.JOIN_BACKSTOP_S + 1.0
 # would evict them for ever, then gets the daemon's refusal instead of a loop)
 _BUILDS = 3
 _VERDICT_GRACE_S = 2.0  # a call's: the daemon's verdict on a call open past its timeout, in flight
+_Built = TypeVar("_Built")
 
 
 class DaemonBackend(CommBackend):
@@ -125,8 +126,8 @@ class DaemonBackend(CommBackend):
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
         # (they hold the connection's bound request: patch theirs to reach their requests)
-        self._registrations = Registrations(self._lock, self._conn.request, self._mem,
-                                            self._conn.current_link)
+        self._registrations = Registrations(self._lock, self._conn.request, self._mem_pinned,
+                                            self._unpin, self._conn.current_link)
         self._symmetric = SymmetricMemory(self._lock, self._conn.request, self._due, self._memory,
                                           self._resolver, self._imports, self._conn.current_link,
                                           lambda: self._conn.closed)
@@ -464,18 +465,7 @@ class DaemonBackend(CommBackend):
         self._conn.check_open()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        for attempt in range(_BUILDS):
-            op, device = self._ops.get(key, lambda: built(lambda: make_op(due)))
-            if not device:
-                break
-            with self._lock:
-                self._imports.pin(device)
-            # Evicted before it was pinned, its Forget may be on its way: the op would be
-            # refused. Built afresh, it imports the allocation again under a new id (the op's
-            # own buffers are the cache's newest, so only another thread's calls evict them).
-            if self._resolver.still_cached(device) or attempt == _BUILDS - 1:
-                break
-            self._unpin(device)
+        op, device = self._pinned(lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
         follows = (self._stream if stream is None else stream) if device else None
         try:
             group = self._groups.current()
@@ -488,6 +478,33 @@ class DaemonBackend(CommBackend):
             self._unpin(device)
             raise
         self._unpin(device)
+
+    def _pinned(self, build: Callable[[], tuple[_Built, tuple[int, ...]]]) -> tuple[_Built, tuple[int, ...]]:
+        """`build()` makes what a request will name memory by, and says which CUDA
+        allocations it names: those come pinned (the caller unpins them once it is sent)."""
+        for attempt in range(_BUILDS):
+            made, device = build()
+            if not device:
+                break
+            with self._lock:
+                self._imports.pin(device)
+            # Evicted before it was pinned, its Forget may be on its way: the request would be
+            # refused. Built afresh, it imports the allocation again under a new id (its own
+            # buffers are the cache's newest, so only another thread's calls evict them).
+            if self._resolver.still_cached(device) or attempt == _BUILDS - 1:
+                break
+            self._unpin(device)
+        return made, device
+
+    def _mem_pinned(self, ptr: int, nbytes: int, due: float) -> tuple[proto.Mem | None, tuple[int, ...]]:
+        """_mem for a request that names the span after it is resolved (register_buffer's):
+        a CUDA allocation comes pinned, as an op's buffers do."""
+        def resolve() -> tuple[proto.Mem | None, tuple[int, ...]]:
+            with self._resolver.noting_device() as noted:
+                mem = self._mem(ptr, nbytes, due)
+            return mem, (mem.buf,) if mem is not None and mem.buf in noted else ()
+
+        return self._pinned(resolve)
 
     def _take_owed(self) -> list[int]:
         """The Forgets to send now (under _lock)."""

@@ -38,10 +38,12 @@ class Registrations:
     its connection and `link()` change under."""
 
     def __init__(self, lock: threading.RLock, request: Requester,
-                 mem: Callable[[int, int, float], proto.Mem | None], link: Callable[[], int]) -> None:
+                 mem: Callable[[int, int, float], tuple[proto.Mem | None, tuple[int, ...]]],
+                 unpin: Callable[[tuple[int, ...]], None], link: Callable[[], int]) -> None:
         self._lock = lock
         self._request = request
-        self._mem = mem
+        self._mem = mem  # resolves a span, and pins the CUDA allocation it names (if one)
+        self._unpin = unpin
         self._link = link
         self._by_handle: dict[int, Registration] = {}
         self._next_handle = 1
@@ -52,7 +54,10 @@ class Registrations:
 
     def register(self, ptr: int, nbytes: int, due: float) -> int:
         while True:
-            daemon_handle, link, buffer = self._register(ptr, nbytes, due)
+            try:
+                daemon_handle, link, buffer = self._register(ptr, nbytes, due)
+            except Superseded:  # resolved with a daemon a rejoin replaced before it was asked
+                continue
             with self._lock:
                 if link == self._link():
                     handle = self._next_handle
@@ -98,6 +103,8 @@ class Registrations:
             if refusal is None:
                 try:
                     made = self._register(registration.ptr, registration.nbytes, due, registration.buffer)
+                except Superseded:  # another rejoin, since: it registers again what lacks a handle
+                    return
                 except LimitExceeded as exc:
                     refusal = exc
                 except MisuseError:  # its memory was freed meanwhile: nothing to register any more
@@ -122,20 +129,22 @@ class Registrations:
     def _register(self, ptr: int, nbytes: int, due: float,
                   buffer: int | None = None) -> tuple[int, int, int]:
         """The daemon's handle, the daemon connection it holds it on, and our id of the memory.
-        `buffer`: only on that memory (MisuseError if another buffer holds `ptr` now)."""
-        made_on: list[int] = []
-
-        def register(request_id: int) -> proto.Register:
-            mem = self._mem(ptr, nbytes, due)
+        `buffer`: only on that memory (MisuseError if another buffer holds `ptr` now).
+        Superseded if a rejoin replaced the daemon the memory was resolved with."""
+        link = self._link()
+        # Resolved before the request and pinned until it is sent: evicted from our cache by
+        # another thread's call meanwhile, the memory's Forget must not reach the daemon first
+        mem, pinned = self._mem(ptr, nbytes, due)
+        try:
             if mem is None:
                 raise MisuseError("cannot register an empty buffer")
             if buffer is not None and mem.buf != buffer:
                 raise MisuseError(f"the memory registered at 0x{ptr:x} was freed")
-            made_on.append(mem.buf)
-            return proto.Register(request_id, mem, nbytes)
-
-        answer = self._request(register, due=due, undo=_deregister_late)
-        return answer.value(), answer.link, made_on[-1]
+            answer = self._request(lambda rid: proto.Register(rid, mem, nbytes), due=due,
+                                   undo=_deregister_late, link=link)
+        finally:
+            self._unpin(pinned)
+        return answer.value(), answer.link, mem.buf
 
     def _deregister_at(self, daemon_handle: int, link: int, due: float) -> None:
         """Drop a registration at the daemon that made it, if that one is still ours."""

@@ -17,10 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
 
+import proto
 from client import CommError, CommTimeout, DaemonBackend, HostMemory, MisuseError
 from client.cuda import CudaMemory, PointerInfo
 from commd.engine.gpu import Imported
@@ -681,6 +683,44 @@ def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
             comm.all_reduce(a, 16, dtype="u8")
         assert len(driver.recorded) - recorded == 3  # each ordered on the worker's stream
         assert gpu.read(a, 16) == bytes(range(16))
+
+
+def test_a_registration_whose_allocation_another_thread_evicts_before_it_is_sent_is_made(
+        daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """register_buffer resolved (imported) its allocation, and before its request went out
+    another thread's call evicted the allocation from the full cache. The registration is
+    made all the same, and the daemon forgets the import once it is. Before: the eviction's
+    Forget went first and the daemon refused the registration (MisuseError: "buffer N was
+    never imported or was freed") though the worker's memory was live."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
+        cuda = comm._resolver._cuda_memory()
+        assert cuda is not None
+        cuda._max = 1  # (full without a thousand allocations)
+        built, go = threading.Event(), threading.Event()
+        real_request = comm._registrations._request
+
+        def held_request(make: Callable[[int], proto.Request], **kwargs: Any) -> object:
+            def held_make(request_id: int) -> proto.Request:
+                request = make(request_id)
+                if threading.current_thread().name == "first":
+                    built.set()
+                    assert go.wait(10)
+                return request
+            return real_request(held_make, **kwargs)
+
+        monkeypatch.setattr(comm._registrations, "_request", held_request)
+        handles: list[int] = []
+        errors = evicted_while_held(comm, cuda, b, lambda: handles.append(comm.register_buffer(a, 16)),
+                                    built, go)
+        assert errors == [] and len(handles) == 1
+        comm.all_reduce(a, 16, dtype="u8")
+        assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+        comm.deregister_buffer(handles[0])
+        with pytest.raises(MisuseError, match="not registered"):
+            comm.deregister_buffer(handles[0])
 
 
 def test_a_thread_that_ends_inside_its_group_lets_go_of_the_memory_its_calls_named(
