@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -621,6 +621,29 @@ def _held_in(name: str, real: object, arrived: threading.Event, go: threading.Ev
 
 
 
+class FullCache(NamedTuple):
+    """A backend whose CUDA cache holds one allocation (full, as after a thousand), and two
+    allocations of 16 bytes, `a` (0..15) and `b` (all 7)."""
+
+    comm: DaemonBackend
+    driver: WorkerDriver
+    cuda: CudaMemory
+    a: int
+    b: int
+
+
+@pytest.fixture
+def full_cache(daemon: GpuDaemon, gpu: FakeGpu) -> Iterator[FullCache]:
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
+        cuda = comm._resolver._cuda_memory()
+        assert cuda is not None
+        cuda._max = 1
+        yield FullCache(comm, driver, cuda, a, b)
+
+
 def evicted_while_held(comm: DaemonBackend, cuda: CudaMemory, b: int, call: Callable[[], None],
                        held: threading.Event, go: threading.Event) -> list[BaseException]:
     """Run `call` on a thread named "first"; once it is `held` (its op names the allocation
@@ -648,180 +671,150 @@ def evicted_while_held(comm: DaemonBackend, cuda: CudaMemory, b: int, call: Call
 
 
 def test_an_op_whose_allocation_left_the_cache_while_it_was_built_is_no_host_op(
-        daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+        full_cache: FullCache, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another thread's call evicts the allocation a call has just built its op on, before
     the op is cached. The op is still known to name device memory: later identical calls
     check it alive, build it afresh (a new import) and follow the worker's stream. Before:
     asked after the build whether its buffers were the CUDA cache's, it passed for a host
     op, was cached as one naming the forgotten id, and every later identical call was
     refused by the daemon (MisuseError: "buffer N was never imported or was freed")."""
-    driver = WorkerDriver(gpu)
-    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
-                       cuda_driver=lambda: driver) as comm:
-        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
-        cuda = comm._resolver._cuda_memory()
-        assert cuda is not None
-        cuda._max = 1  # (full without a thousand allocations)
-        arrived, go = threading.Event(), threading.Event()
-        real_get = comm._ops.get
+    comm, driver, cuda, a, b = full_cache
+    arrived, go = threading.Event(), threading.Event()
+    real_get = comm._ops.get
 
-        def get_held(key: tuple[object, ...], build: object) -> object:
-            def held_build() -> object:
-                op = build()  # type: ignore[operator]
-                if threading.current_thread().name == "first":
-                    arrived.set()
-                    assert go.wait(10)
-                return op
-            return real_get(key, held_build)  # type: ignore[arg-type]
+    def get_held(key: tuple[object, ...], build: object) -> object:
+        def held_build() -> object:
+            op = build()  # type: ignore[operator]
+            if threading.current_thread().name == "first":
+                arrived.set()
+                assert go.wait(10)
+            return op
+        return real_get(key, held_build)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(comm._ops, "get", get_held)
-        errors = evicted_while_held(comm, cuda, b, lambda: comm.all_reduce(a, 16, dtype="u8"),
-                                    arrived, go)
-        assert errors == []  # (see the test below)
-        recorded = len(driver.recorded)
-        for _ in range(3):  # the same call again
-            comm.all_reduce(a, 16, dtype="u8")
-        assert len(driver.recorded) - recorded == 3  # each ordered on the worker's stream
-        assert gpu.read(a, 16) == bytes(range(16))
+    monkeypatch.setattr(comm._ops, "get", get_held)
+    errors = evicted_while_held(comm, cuda, b, lambda: comm.all_reduce(a, 16, dtype="u8"),
+                                arrived, go)
+    assert errors == []  # (see the test below)
+    recorded = len(driver.recorded)
+    for _ in range(3):  # the same call again
+        comm.all_reduce(a, 16, dtype="u8")
+    assert len(driver.recorded) - recorded == 3  # each ordered on the worker's stream
+    assert gpu.read(a, 16) == bytes(range(16))
 
 
 def test_a_registration_whose_allocation_another_thread_evicts_before_it_is_sent_is_made(
-        daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+        full_cache: FullCache, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch) -> None:
     """register_buffer resolved (imported) its allocation, and before its request went out
     another thread's call evicted the allocation from the full cache. The registration is
     made all the same, and the daemon forgets the import once it is. Before: the eviction's
     Forget went first and the daemon refused the registration (MisuseError: "buffer N was
     never imported or was freed") though the worker's memory was live."""
-    driver = WorkerDriver(gpu)
-    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
-                       cuda_driver=lambda: driver) as comm:
-        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
-        cuda = comm._resolver._cuda_memory()
-        assert cuda is not None
-        cuda._max = 1  # (full without a thousand allocations)
-        built, go = threading.Event(), threading.Event()
-        real_request = comm._registrations._request
+    comm, _, cuda, a, b = full_cache
+    built, go = threading.Event(), threading.Event()
+    real_request = comm._registrations._request
 
-        def held_request(make: Callable[[int], proto.Request], **kwargs: Any) -> object:
-            def held_make(request_id: int) -> proto.Request:
-                request = make(request_id)
-                if threading.current_thread().name == "first":
-                    built.set()
-                    assert go.wait(10)
-                return request
-            return real_request(held_make, **kwargs)
+    def held_request(make: Callable[[int], proto.Request], **kwargs: Any) -> object:
+        def held_make(request_id: int) -> proto.Request:
+            request = make(request_id)
+            if threading.current_thread().name == "first":
+                built.set()
+                assert go.wait(10)
+            return request
+        return real_request(held_make, **kwargs)
 
-        monkeypatch.setattr(comm._registrations, "_request", held_request)
-        handles: list[int] = []
-        errors = evicted_while_held(comm, cuda, b, lambda: handles.append(comm.register_buffer(a, 16)),
-                                    built, go)
-        assert errors == [] and len(handles) == 1
-        comm.all_reduce(a, 16, dtype="u8")
-        assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+    monkeypatch.setattr(comm._registrations, "_request", held_request)
+    handles: list[int] = []
+    errors = evicted_while_held(comm, cuda, b, lambda: handles.append(comm.register_buffer(a, 16)),
+                                built, go)
+    assert errors == [] and len(handles) == 1
+    comm.all_reduce(a, 16, dtype="u8")
+    assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+    comm.deregister_buffer(handles[0])
+    with pytest.raises(MisuseError, match="not registered"):
         comm.deregister_buffer(handles[0])
-        with pytest.raises(MisuseError, match="not registered"):
-            comm.deregister_buffer(handles[0])
 
 
 def test_a_thread_that_ends_inside_its_group_lets_go_of_the_memory_its_calls_named(
-        daemon: GpuDaemon, gpu: FakeGpu) -> None:
+        full_cache: FullCache, gpu: FakeGpu) -> None:
     """A thread opens a group, calls on an allocation, and ends without group_end; another
     call then evicts that allocation from the full cache. Its Forget must still reach the
     daemon. Before: the group's pin on the allocation outlived the thread, so the Forget
     waited for ever and the daemon kept the worker's memory mapped for the backend's life."""
-    driver = WorkerDriver(gpu)
-    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
-                       cuda_driver=lambda: driver) as comm:
-        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
-        cuda = comm._resolver._cuda_memory()
-        assert cuda is not None
-        cuda._max = 1  # (full without a thousand allocations)
-        memory = gpu._allocs[a][0]
+    comm, _, cuda, a, b = full_cache
+    memory = gpu._allocs[a][0]
 
-        def mappings_of_a() -> int:  # (the worker's own, and the daemon's if it holds it)
-            return sum(1 for buf, _ in gpu._allocs.values() if buf is memory)
+    def mappings_of_a() -> int:  # (the worker's own, and the daemon's if it holds it)
+        return sum(1 for buf, _ in gpu._allocs.values() if buf is memory)
 
-        def ends_inside_its_group() -> None:
-            comm.group_start()
-            comm.all_reduce(a, 16, dtype="u8")
+    def ends_inside_its_group() -> None:
+        comm.group_start()
+        comm.all_reduce(a, 16, dtype="u8")
 
-        thread = threading.Thread(target=ends_inside_its_group)
-        thread.start()
-        thread.join(10)
-        assert mappings_of_a() == 2  # imported for the call, never sent
-        comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a (its Forget goes along)
-        deadline = time.monotonic() + 5  # (the daemon lets go off its loop)
-        while mappings_of_a() > 1:
-            assert time.monotonic() < deadline, "the daemon still maps the abandoned group's memory"
-            time.sleep(0.01)
-        assert comm._imports.take_owed() == [] and set(comm._imports._held) == set(cuda._by_id)
-        comm.all_reduce(a, 16, dtype="u8")  # imported again
-        assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+    thread = threading.Thread(target=ends_inside_its_group)
+    thread.start()
+    thread.join(10)
+    assert mappings_of_a() == 2  # imported for the call, never sent
+    comm.all_reduce(b, 16, dtype="u8")  # finds b: the full cache drops a (its Forget goes along)
+    deadline = time.monotonic() + 5  # (the daemon lets go off its loop)
+    while mappings_of_a() > 1:
+        assert time.monotonic() < deadline, "the daemon still maps the abandoned group's memory"
+        time.sleep(0.01)
+    assert comm._imports.take_owed() == [] and set(comm._imports._held) == set(cuda._by_id)
+    comm.all_reduce(a, 16, dtype="u8")  # imported again
+    assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
 
 
 @pytest.mark.parametrize("held", ["before its submit", "in an open group"])
 def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_naming_it(
-        daemon: GpuDaemon, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, held: str) -> None:
+        full_cache: FullCache, gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, held: str) -> None:
     """A full cache drops the allocation of an op another thread has built and not yet sent
     (its call about to submit it, or its group open). The op is served all the same, and
     the daemon hears to forget the evicted import once it is. Before: the Forget went with
     the evicting call's requests, ahead of the op, and the daemon refused the op
     (MisuseError: "buffer N was never imported or was freed") though its memory was live."""
-    driver = WorkerDriver(gpu)
-    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
-                       cuda_driver=lambda: driver) as comm:
-        a, b = driver.alloc(bytes(range(16))), driver.alloc(b"\x07" * 16)
-        cuda = comm._resolver._cuda_memory()
-        assert cuda is not None
-        cuda._max = 1  # (full without a thousand allocations)
-        built, go = threading.Event(), threading.Event()
-        real_submit = comm._device_submit
+    comm, _, cuda, a, b = full_cache
+    built, go = threading.Event(), threading.Event()
+    real_submit = comm._device_submit
 
-        def held_submit(*args: object, **kwargs: object) -> None:
-            if threading.current_thread().name == "first":
-                built.set()
-                assert go.wait(10)
-            real_submit(*args, **kwargs)  # type: ignore[arg-type]
+    def held_submit(*args: object, **kwargs: object) -> None:
+        if threading.current_thread().name == "first":
+            built.set()
+            assert go.wait(10)
+        real_submit(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(comm, "_device_submit", held_submit)
+    monkeypatch.setattr(comm, "_device_submit", held_submit)
 
-        def first() -> None:
-            if held == "in an open group":
-                comm.group_start()
-                comm.all_reduce(a, 16, dtype="u8")
-                comm.broadcast(a, 8, 0)
-                built.set()
-                assert go.wait(10)
-                comm.group_end()
-            else:
-                comm.all_reduce(a, 16, dtype="u8")
+    def first() -> None:
+        if held == "in an open group":
+            comm.group_start()
+            comm.all_reduce(a, 16, dtype="u8")
+            comm.broadcast(a, 8, 0)
+            built.set()
+            assert go.wait(10)
+            comm.group_end()
+        else:
+            comm.all_reduce(a, 16, dtype="u8")
 
-        assert evicted_while_held(comm, cuda, b, first, built, go) == []
-        comm.all_reduce(a, 16, dtype="u8")  # imported again
-        assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
-        comm.barrier()  # (what is owed goes with the next request)
-        assert comm._imports.take_owed() == [] and set(comm._imports._held) == set(cuda._by_id)
-        # and the daemon let go of the evicted imports: it maps no more than after the same
-        # calls made one after another (2 worker allocations + 2)
-        deadline = time.monotonic() + 5
-        while gpu.allocations > 2 + 2:
-            assert time.monotonic() < deadline, gpu.allocations
-            time.sleep(0.01)
+    assert evicted_while_held(comm, cuda, b, first, built, go) == []
+    comm.all_reduce(a, 16, dtype="u8")  # imported again
+    assert gpu.read(a, 16) == bytes(range(16)) and gpu.read(b, 16) == b"\x07" * 16
+    comm.barrier()  # (what is owed goes with the next request)
+    assert comm._imports.take_owed() == [] and set(comm._imports._held) == set(cuda._by_id)
+    # and the daemon let go of the evicted imports: it maps no more than after the same
+    # calls made one after another (2 worker allocations + 2)
+    deadline = time.monotonic() + 5
+    while gpu.allocations > 2 + 2:
+        assert time.monotonic() < deadline, gpu.allocations
+        time.sleep(0.01)
 
 
-def test_an_op_on_more_allocations_than_the_cache_holds_ends(daemon: GpuDaemon, gpu: FakeGpu) -> None:
+def test_an_op_on_more_allocations_than_the_cache_holds_ends(full_cache: FullCache, gpu: FakeGpu) -> None:
     """A cache too small for one op's buffers (one entry; the real one holds 1024) evicts the
     first as it finds the second, on every build: the call builds its op a bounded number of
     times, then sends the last build, which the daemon refuses, as it did before calls were
     built afresh (an unbounded rebuild never returned). The backend goes on serving."""
-    driver = WorkerDriver(gpu)
-    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
-                       cuda_driver=lambda: driver) as comm:
-        send, recv = driver.alloc(bytes(range(16))), driver.alloc(b"\x00" * 16)
-        cuda = comm._resolver._cuda_memory()
-        assert cuda is not None
-        cuda._max = 1
-        with pytest.raises(MisuseError, match="was never imported or was freed"):
-            comm.all_gather(send, recv, 16)
-        comm.all_reduce(send, 16, dtype="u8")  # one allocation: fits
-        assert gpu.read(send, 16) == bytes(range(16)) and comm.is_healthy()
+    comm, _, _, send, recv = full_cache
+    with pytest.raises(MisuseError, match="was never imported or was freed"):
+        comm.all_gather(send, recv, 16)
+    comm.all_reduce(send, 16, dtype="u8")  # one allocation: fits
+    assert gpu.read(send, 16) == bytes(range(16)) and comm.is_healthy()
