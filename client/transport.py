@@ -77,7 +77,11 @@ class Transport:
         self._on_event = on_event
         self._conn = proto.Connection(proto.Role.CLIENT)
         self._ids = itertools.count(1)
-        self._send_lock = threading.Lock()
+        # Reentrant: a signal handler runs on the thread it interrupts, which may be inside
+        # a send, and may close() the backend (a SIGTERM handler); a plain lock waited for
+        # itself for good. The send it cut into then finds the socket closed (its fd -1, not
+        # a number another socket took) and raises
+        self._send_lock = threading.RLock()
         # Taken as `with self._lock` (C code, whole): an interrupt cannot land between taking
         # it and the block's exit being armed, as it can in Condition's own __enter__
         self._lock = threading.RLock()

@@ -8,6 +8,7 @@ landed at a chosen point by a patched internal."""
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import socket
@@ -27,6 +28,8 @@ from client.transport import Transport
 from commd.launch import DaemonProcess
 from tests.conftest import held_elsewhere
 from tests.fault.ranks import joined, on_both, own_daemon, summed
+from tests.integration import workers
+from tests.integration.harness import RankPool, wait_until, world_name, world_status
 from tests.unit.standin import RecordingDaemon
 
 pytestmark = pytest.mark.timeout(60)
@@ -369,3 +372,28 @@ def test_a_close_cut_short_as_it_unmaps_unmaps_on_the_second(recording: tuple[Re
     assert unmapped == []
     backend.close()
     assert unmapped == ["unmapped"]
+
+
+def test_close_in_a_signal_handler_ends_the_call_the_signal_cut_into(
+        daemon: DaemonProcess, pool: RankPool) -> None:
+    """A worker's signal handler calls close() (a SIGTERM handler that leaves cleanly) while
+    the main thread, which runs handlers, is inside a call's send. The call ends at once
+    with DaemonUnavailable, the connection is gone and the rank can join again. Before:
+    close() waited for the send lock, held by the very call it had interrupted, for good
+    (the worker hung)."""
+    world = world_name("sig")
+    try:
+        [outcome] = pool.run(workers.closed_by_a_signal_handler,
+                             [(str(daemon.socket_path), world, 0, 1, daemon.pid)], timeout=20)
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)  # (a worker that hung left the daemon stopped)
+    after = outcome.unwrap()
+    assert after["ended"] == "DaemonUnavailable: the backend was closed"
+    assert after["took"] < 3  # (the signal came at 0.5 s; the send's own limit is 10 s)
+    assert (after["healthy"], after["next call"]) == (False, "MisuseError")
+    wait_until(lambda: world_status(daemon, world) is None, "the daemon to see the rank go")
+    with DaemonBackend(str(daemon.socket_path), world, 0, 1, timeout=10) as again:
+        buf = hostmem.alloc(8)
+        buf.view(np.int32)[:2] = [7, 70]
+        again.all_reduce(buf.ptr, 8, dtype="i32")
+        assert buf.view(np.int32)[:2].tolist() == [7, 70]

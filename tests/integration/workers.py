@@ -5,12 +5,18 @@ They return plain data (bytes, ints, tuples) for the test to check against numpy
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import signal
+import socket
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
+import proto
 from client import CommError, DaemonBackend, hostmem
 from tests.integration.data import make_input, reduce_reference
 
@@ -669,3 +675,39 @@ def stop_and_go(sock: str, world: str, rank: int, n: int, timeout: float) -> dic
         out["rebuilt_at"] = time.time()
         comm.barrier()
     return out
+
+
+def closed_by_a_signal_handler(sock: str, world: str, rank: int, n: int, daemon_pid: int) -> dict[str, Any]:
+    """This process's SIGUSR1 handler closes its backend, as a service's SIGTERM handler
+    would, while the main thread is inside a barrier's send: the daemon is stopped and the
+    socket's send buffer full, so that the send blocks until the signal lands (unstopped, a
+    signal lands there now and then: 5 runs in 12 of a barrier loop here). How the barrier
+    ended and when, and the backend's state after."""
+    with connect(sock, world, rank, n, timeout=10) as comm:
+        comm.barrier()
+        previous = signal.signal(signal.SIGUSR1, lambda signum, frame: comm.close())
+        os.kill(daemon_pid, signal.SIGSTOP)
+        try:
+            # a copy of the socket fills it (without waiting: the flag, not the shared file's mode)
+            with socket.socket(fileno=os.dup(comm._conn.transport._sock.fileno())) as filler:
+                forget = proto.encode(proto.Forget(tuple(range(1, proto.MAX_GROUP_OPS + 1))))
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        filler.send(forget, socket.MSG_DONTWAIT)
+            main = threading.main_thread().ident
+            assert main is not None
+            timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGUSR1))
+            timer.start()
+            started = time.monotonic()
+            try:
+                comm.barrier()
+                ended = "returned"
+            except CommError as exc:
+                ended = f"{type(exc).__name__}: {exc}"
+            took = time.monotonic() - started
+            timer.join()
+        finally:
+            os.kill(daemon_pid, signal.SIGCONT)
+            signal.signal(signal.SIGUSR1, previous)
+        return {"ended": ended, "took": took, "healthy": comm.is_healthy(),
+                "next call": _error_name(comm.barrier)}
