@@ -28,6 +28,7 @@ _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 _PARTING_READS = 64  # after a failed send: unread packets looked through for why the daemon went
 _PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find that out
+_MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
 
 Packet = tuple[proto.Message, list[int]]
 # What undoes a request that timed out, should its reply come late: given the reply and a
@@ -264,11 +265,12 @@ class Transport:
     def _read_one(self, deadline: float | None) -> Packet:
         if self._broken is not None:  # (closed: the socket is only shut down, never to be polled)
             raise detached(self._broken)
-        left = remaining(deadline)
-        if left is not None and left <= 0:
-            raise CommTimeout("the call did not complete before its deadline")
-        if not self._poll.poll(None if left is None else max(1, int(left * 1000))):
-            raise CommTimeout("the call did not complete before its deadline")
+        while True:  # (a deadline further than poll() can wait is waited for in steps)
+            left = remaining(deadline)
+            if left is not None and left <= 0:
+                raise CommTimeout("the call did not complete before its deadline")
+            if self._poll.poll(None if left is None else min(max(1, int(left * 1000)), _MAX_POLL_MS)):
+                break
         try:
             data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except OSError as exc:

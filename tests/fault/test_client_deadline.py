@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 
 import proto
@@ -119,3 +120,19 @@ def test_what_a_rejoin_restores_has_a_deadline_of_its_own(daemon: DaemonProcess)
         assert (world_status(daemon, world) or {})["add_kernel"] == {"0": 100, "1": 101}
         assert all(reg.daemon_handle is not None for reg in comms[0]._registrations._by_handle.values())
         assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+
+
+def test_a_timeout_of_weeks_is_waited_for_like_any_other(daemon: DaemonProcess) -> None:
+    """A timeout may be up to a year, but poll() takes its wait in milliseconds as a C int
+    (at most about 24.8 days): a longer deadline is waited for in steps. Before: every wait
+    for the daemon raised OverflowError ("timeout is too large"), no CommError, from the
+    constructor's hello on, so a backend with a timeout of 25 days or more could not be made."""
+    with joined(daemon, 30 * 86400.0) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        with ThreadPoolExecutor(1) as later:  # rank 0 waits in its reader's poll for rank 1
+            late = later.submit(lambda: (time.sleep(0.3), comms[1].all_reduce(bufs[1].ptr, 8, dtype="i32")))
+            comms[0].all_reduce(bufs[0].ptr, 8, dtype="i32")
+            late.result(10)
+        assert [buf.view(np.int32)[:2].tolist() for buf in bufs] == [[6, 60], [6, 60]]
+        assert all(comm.is_healthy() for comm in comms)
