@@ -272,7 +272,13 @@ class Transport:
             if self._poll.poll(None if left is None else min(max(1, int(left * 1000)), _MAX_POLL_MS)):
                 break
         try:
-            data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            try:
+                data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            except ConnectionResetError:
+                # The daemon closed with packets of ours unread (killed, or a bug's INTERNAL
+                # answer): Linux says so once, ahead of what it sent before, its answers and
+                # last word among them. Those come next, then the end
+                data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except OSError as exc:
             raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}")) from exc
         fds = _take_fds(ancillary)

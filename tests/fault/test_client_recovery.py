@@ -550,3 +550,36 @@ def test_a_registration_whose_memory_went_is_not_made_again_on_what_took_its_add
         comms[0].deregister_buffer(made)
         comms[0].deregister_buffer(handle)  # nothing held at the daemon: it just goes
         assert comms[0]._registrations.handles() == set()
+
+
+def test_a_reply_the_daemon_sent_before_it_was_killed_is_read(daemon: DaemonProcess) -> None:
+    """Both ranks' all_reduce is done and answered; rank 0 has not read its answer yet when
+    the daemon is killed with a packet of rank 0 unread (a Forget that went after the
+    call). Rank 0's receive meets ECONNRESET first, once, then the answer: rank 0 returns
+    the sum, as rank 1 did, and the ranks agree the step was made. Before: rank 0 raised
+    DaemonUnavailable "Connection reset by peer" for a step rank 1 had seen done."""
+    with joined(daemon, timeout=5) as comms:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]  # (imported: the next call is one request)
+        transport = comms[0]._conn.transport
+        wait, killed = transport._wait, threading.Event()
+
+        def wait_once_killed(request_id: int, deadline: float | None) -> Any:
+            killed.wait(10)
+            return wait(request_id, deadline)
+
+        transport._wait = wait_once_killed  # type: ignore[method-assign]
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:2] = [r + 2, 20 * (r + 2)]
+        with ThreadPoolExecutor(1) as rank0:
+            step = rank0.submit(comms[0].all_reduce, bufs[0].ptr, 8, dtype="i32")
+            comms[1].all_reduce(bufs[1].ptr, 8, dtype="i32")  # done: rank 0's answer went too
+            os.kill(daemon.pid, signal.SIGSTOP)
+            transport.post(proto.Forget((1 << 40,)))  # (no buffer of ours: never read anyway)
+            daemon.kill()
+            killed.set()
+            step.result(10)
+        assert [buf.view(np.int32)[:2].tolist() for buf in bufs] == [[5, 100], [5, 100]]
+        restart_daemon(daemon, comms)
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]

@@ -282,3 +282,60 @@ def test_an_interrupted_request_breaks_the_transport_and_gives_up_its_reading() 
             interrupt.join()
             transport.close()
         server.join(10)
+
+
+def test_the_daemons_last_word_is_read_though_it_closed_with_packets_of_ours_unread() -> None:
+    """The daemon answers A's request and closes at once, a packet of another thread still
+    unread in its socket (as it does after a bug of its own: session.on_packet answers
+    INTERNAL and closes; or a daemon killed with replies sent). Linux then gives the
+    client's next receive ECONNRESET, once, ahead of what the daemon sent: A gets its
+    answer all the same, and the close is seen after it. Before: A's call raised
+    DaemonUnavailable "Connection reset by peer" and the daemon's answer was never read."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "bug.sock")
+        got, posted, closed = threading.Event(), threading.Event(), threading.Event()
+
+        def daemon(conn: socket.socket) -> None:
+            first = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+            assert isinstance(first, proto.StatusQuery)
+            got.set()
+            posted.wait(10)  # (the other thread's packet is in our socket, never to be read)
+            bug = proto.Error(first.id, proto.ErrorCode.INTERNAL, "daemon bug: KeyError(7)")
+            conn.send(proto.encode(bug))
+
+        server = fake_daemon(path, daemon, closed)
+        transport = Transport(path, 5, lambda event, transport: None)
+        wait = transport._wait
+
+        def wait_once_closed(request_id: int, deadline: float | None) -> proto.Message:
+            closed.wait(10)  # (the answer and the close are both there when A reads)
+            return wait(request_id, deadline)  # type: ignore[return-value]
+
+        transport._wait = wait_once_closed  # type: ignore[method-assign]
+        results: list[object] = []
+
+        def call() -> None:
+            try:
+                results.append(transport.request(proto.StatusQuery(transport.next_id(), None),
+                                                 time.monotonic() + 10)[0])
+            except CommError as exc:
+                results.append(exc)
+
+        caller = threading.Thread(target=call)
+        try:
+            caller.start()
+            assert got.wait(10)
+            transport.post(proto.StatusQuery(transport.next_id(), None))
+            posted.set()
+            caller.join(10)
+            answered = [(type(r).__name__, getattr(r, "code", None), getattr(r, "message", str(r)))
+                        for r in results]
+            assert answered == [("Error", proto.ErrorCode.INTERNAL, "daemon bug: KeyError(7)")]
+            transport._wait = wait  # type: ignore[method-assign]
+            with pytest.raises(DaemonUnavailable, match="closed the connection"):
+                transport.request(proto.StatusQuery(transport.next_id(), None), time.monotonic() + 5)
+        finally:
+            posted.set()
+            closed.wait(10)
+            transport.close()
+            server.join(10)
