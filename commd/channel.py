@@ -258,15 +258,16 @@ class PacketChannel:
                 self.close(f"receive failed: {exc}")
                 return
             fds = take_fds(ancillary)
-            if not data and not fds and self._hung_up():  # (else an empty packet: bad input)
+            if not data and not fds and self.hung_up():  # (else an empty packet: bad input)
                 self.close("peer closed the connection")
                 return
             truncated = bool(flags & _TRUNCATED)
             self._on_packet(data, fds, truncated)
 
-    def _hung_up(self) -> bool:
-        """Whether the peer shut its side: SOCK_SEQPACKET reads an empty packet the same
-        as the end, and one from a peer still connected must get its error, not a close."""
+    def hung_up(self) -> bool:
+        """Whether the peer shut its side (what it sent may still be unread). SOCK_SEQPACKET
+        reads an empty packet the same as the end, and one from a peer still connected must
+        get its error, not a close."""
         poller = select.poll()
         poller.register(self._fd, select.POLLRDHUP)
         return bool(poller.poll(0))

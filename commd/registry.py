@@ -95,6 +95,7 @@ class Registry:
     @classmethod
     def _admissible(cls, world: World, world_size: int, token: str | None, rank: int) -> None:
         cls._same_world(world, world_size, token)
+        world.free_if_hung_up(rank)
         if world.holds(rank):
             raise CallError(ErrorCode.DUPLICATE_RANK,
                             f"rank {rank} of world {world.name} is already connected")

@@ -190,6 +190,10 @@ class Session:
         self.channel.send(proto.encode(proto.Error(0, code, message)))
         self.channel.close(reason, linger=True)
 
+    def close_if_hung_up(self) -> None:
+        if not self.channel.closed and self.channel.hung_up():
+            self.channel.close("peer closed the connection (its last packets unread)")
+
     def on_close(self, reason: str) -> None:
         self._stop_silence_watch()
         log.debug("connection of pid %d closed: %s", self.peer_pid, reason)

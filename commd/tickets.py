@@ -38,6 +38,9 @@ class Peer(Protocol):
 
     def send(self, msg: proto.Reply, fds: Sequence[int] = ()) -> None: ...
 
+    def close_if_hung_up(self) -> None:
+        """Close now if the client hung up, though its last packets are still unread."""
+
 
 class Ticket:
     """One request (a call or a group of calls) of one rank; replied to exactly once."""

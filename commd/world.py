@@ -112,6 +112,15 @@ class World:
     def holds(self, rank: int) -> bool:
         return rank in self.members or rank in self._waiting
 
+    def free_if_hung_up(self, rank: int) -> None:
+        """The daemon reads a connection a packet a wakeup: one whose client closed with
+        packets still unread holds its rank until the last is read. A new process for the
+        rank (a worker's rejoin right after close(), a restart) must not be refused for it."""
+        waiter = self._waiting.get(rank)
+        holder = self.members.get(rank) or (waiter.peer if waiter is not None else None)
+        if holder is not None:
+            holder.close_if_hung_up()  # (its close lets go of the rank, as at its end)
+
     def join(self, peer: Peer, hello: proto.Hello) -> None:
         """A new connection asks for `hello.rank`; the caller checked the slot is free."""
         if self.state is WorldState.FAILED:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,37 @@ def test_a_rank_gone_right_after_its_reconnect_does_not_hold_its_slot() -> None:
         assert isinstance(got0, proto.Ok) and got0.value == 2, got0
         r0.close()
         new1.close()
+    finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_rank_whose_connection_hung_up_with_packets_unread_is_free_for_its_new_process() -> None:
+    """A worker closes its backend with packets the daemon has not read yet (the daemon
+    is busy: here, stopped), and the rank's new process says hello at once. The daemon
+    reads one packet a connection per wakeup, so the hello comes before the old
+    connection's end. The old connection hung up: the rank is free. Before: the new
+    process was refused as 'already connected' (a rejoin right after close() too)."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    try:
+        sock = str(daemon.socket_path)
+        alone = proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), "alone", 0, 1, 3000)  # ready at once
+        old = RawClient(sock)
+        old.send(alone)
+        assert isinstance(old.recv(), proto.Welcome)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            for buf in range(1, 51):  # what the daemon reads after its stop, one a wakeup (no replies)
+                old.send(proto.Forget((buf,)))
+            old.close()
+            new = RawClient(sock)
+            new.send(alone)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        welcome = new.recv()
+        assert isinstance(welcome, proto.Welcome), f"the new process was refused: {welcome}"
+        new.close()
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
