@@ -94,6 +94,16 @@ async def off_loop(pool: Executor, fn: Callable[[], R]) -> R:
     return await future
 
 
+def sized(payload: bytes | bytearray, nbytes: int, call: str, chunk: int, daemon: str) -> bytes | bytearray:
+    """`payload`, chunk `chunk` of `call` from `daemon`, if it holds the `nbytes` the call
+    expects. Written as it came, a shorter one would be no error: numpy spreads a 1-byte
+    chunk over the whole range, and a longer one's excess would be cut off unseen."""
+    if len(payload) != nbytes:
+        raise CallError(ErrorCode.MISMATCH, f"{call}: daemon {daemon} sent {len(payload)} bytes "
+                                            f"for the {nbytes}-byte chunk {chunk}")
+    return payload
+
+
 def chunks(total: int, size: int) -> list[tuple[int, int]]:
     """[0, total) in pieces of `size`; one empty piece for an empty buffer."""
     return [(lo, min(lo + size, total)) for lo in range(0, total, size)] or [(0, 0)]
@@ -131,15 +141,17 @@ class NetRunner:
         return p.Data(self.net.world, self.epoch, step, tag.index, chunk, source,
                       tag.fingerprint if fingerprint is None else fingerprint, about)
 
-    async def _up(self, tag: CallTag, chunk: int, member: str, count: int = 0) -> bytes | bytearray:
-        """The root takes chunk `chunk` of a member's up stream, checking the call matches,
-        and grants the member the chunk the window now allows, if the stream has `count`
-        chunks (0: the root's results grant them, see _reduced)."""
+    async def _up(self, tag: CallTag, chunk: int, member: str, nbytes: int,
+                  count: int = 0) -> bytes | bytearray:
+        """The root takes chunk `chunk` of a member's up stream, checking the call matches
+        and the chunk holds `nbytes`, and grants the member the chunk the window now allows,
+        if the stream has `count` chunks (0: the root's results grant them, see _reduced)."""
         source = min(self.net.ranks_of(member))
         msg, payload = await self.inbox.get(("up", tag.index, chunk, source))
         if msg.fingerprint != tag.fingerprint:
             raise collective_mismatch(tag.index, min(self.net.ranks_of(self.net.me)), tag.fingerprint,
                                       source, msg.fingerprint)
+        sized(payload, nbytes, f"call {tag.index}", chunk, member)
         if chunk + WINDOW_CHUNKS < count:
             self.net.send(member, self._data("up-credit", tag, chunk, source))
         return payload
@@ -149,9 +161,9 @@ class NetRunner:
         if chunk >= WINDOW_CHUNKS:
             await self.inbox.get((f"{step}-credit", tag.index, chunk - WINDOW_CHUNKS, source))
 
-    async def _down(self, tag: CallTag, chunk: int) -> bytes | bytearray:
+    async def _down(self, tag: CallTag, chunk: int, nbytes: int) -> bytes | bytearray:
         _, payload = await self.inbox.get(("down", tag.index, chunk, 0))
-        return payload
+        return sized(payload, nbytes, f"call {tag.index}", chunk, self.net.placement[0])
 
     async def _send_up(self, tag: CallTag, chunk: int, payload: bytes | memoryview,
                        about: Sequence[int], granted: bool = False) -> None:
@@ -186,10 +198,7 @@ class NetRunner:
 
             async def take(i: int) -> None:
                 lo, hi = pieces[i]
-                result = np.frombuffer(await self._down(tag, i), np.uint8)
-                if len(result) != hi - lo:
-                    raise CallError(ErrorCode.INTERNAL,
-                                    f"call {tag.index}: chunk {i} has {len(result)} bytes")
+                result = np.frombuffer(await self._down(tag, i, hi - lo), np.uint8)
                 deliver(lo, hi, result)  # (only chunk i's range, summed already: in place is safe)
 
             for i, (lo, hi) in enumerate(pieces):
@@ -206,11 +215,7 @@ class NetRunner:
         for i, (lo, hi) in enumerate(pieces):
             mine = await self._off_loop(functools.partial(local_sum, lo, hi, False))
             for member in members:
-                theirs = np.frombuffer(await self._up(tag, i, member), np.uint8)  # (results grant)
-                if len(theirs) != hi - lo:
-                    raise CallError(ErrorCode.MISMATCH,
-                                    f"call {tag.index}: daemon {member} sent {len(theirs)} bytes "
-                                    f"for a {hi - lo}-byte chunk")
+                theirs = np.frombuffer(await self._up(tag, i, member, hi - lo), np.uint8)  # (results grant)
                 await self._off_loop(functools.partial(fold, mine, theirs, dtype, op))
             result = (await self._off_loop(functools.partial(narrow, mine, dtype))).view(np.uint8)
             self._send_down(tag, i, _raw(result))
@@ -253,7 +258,7 @@ class NetRunner:
                 await self._send_up(op.tag, i, mine[lo:hi], ranks)
             await self.net.drain()
             for i, (lo, hi) in enumerate(chunks(len(outs[0]), CHUNK_BYTES)):
-                piece = np.frombuffer(await self._down(op.tag, i), np.uint8)
+                piece = np.frombuffer(await self._down(op.tag, i, hi - lo), np.uint8)
                 for out in outs:
                     out[lo:hi] = piece
             return
@@ -264,8 +269,8 @@ class NetRunner:
             theirs = self.net.ranks_of(member)
             gathered = bytearray()
             pieces = chunks(len(theirs) * size, CHUNK_BYTES)
-            for i, _ in enumerate(pieces):
-                gathered += await self._up(op.tag, i, member, len(pieces))
+            for i, (lo, hi) in enumerate(pieces):
+                gathered += await self._up(op.tag, i, member, hi - lo, len(pieces))
             for j, r in enumerate(theirs):
                 full[r * size:(r + 1) * size] = np.frombuffer(gathered, np.uint8)[j * size:(j + 1) * size]
         for i, (lo, hi) in enumerate(chunks(len(full), CHUNK_BYTES)):
@@ -287,23 +292,23 @@ class NetRunner:
                 for a in arrays:
                     a[...] = data
                 await self.net.drain()
-                await self._down(op.tag, 0)  # like every collective, done when all have come
+                await self._down(op.tag, 0, 0)  # like every collective, done when all have come
                 return
             await self._send_up(op.tag, 0, b"", ranks)  # arrival, and the call for comparison
             await self.net.drain()
             for i, (lo, hi) in enumerate(pieces):
-                received = np.frombuffer(await self._down(op.tag, i), np.uint8)
+                received = np.frombuffer(await self._down(op.tag, i, hi - lo), np.uint8)
                 for a in arrays:
                     a[lo:hi] = received
             return
         members = self.net.members()
         for member in members:
             if member != source:
-                await self._up(op.tag, 0, member)
+                await self._up(op.tag, 0, member, 0)
         local_source = source == self.net.me
         for i, (lo, hi) in enumerate(pieces):
             piece = self._array(op.bufs[op.root])[lo:hi] if local_source else np.frombuffer(
-                await self._up(op.tag, i, source, len(pieces)), np.uint8)
+                await self._up(op.tag, i, source, hi - lo, len(pieces)), np.uint8)
             self._send_down(op.tag, i, _raw(piece), [m for m in members if m != source])
             for a in arrays:
                 a[lo:hi] = piece
@@ -314,10 +319,10 @@ class NetRunner:
     async def _barrier(self, op: BarrierOp) -> None:
         if not self.net.is_root:
             await self._send_up(op.tag, 0, b"", self.net.ranks_of(self.net.me))
-            await self._down(op.tag, 0)
+            await self._down(op.tag, 0, 0)
             return
         for member in self.net.members():
-            await self._up(op.tag, 0, member)
+            await self._up(op.tag, 0, member, 0)
         self._send_down(op.tag, 0, b"")
 
     # ---- point to point -----------------------------------------------------------------
@@ -344,6 +349,8 @@ class NetRunner:
             msg, payload = await self.inbox.get(("p2p", op.tag.index, i, pair))
             if msg.fingerprint != str(len(out)):
                 raise p2p_mismatch(op.src_rank, op.dst_rank, op.tag.index, msg.fingerprint, len(out))
+            sized(payload, hi - lo, f"point-to-point {op.src_rank}->{op.dst_rank} call {op.tag.index}", i,
+                  self.net.placement[op.src_rank])
             out[lo:hi] = np.frombuffer(payload, np.uint8)
             if i + WINDOW_CHUNKS < len(pieces):
                 self._route(op.src_rank, self._data("p2p-credit", op.tag, i, pair, (op.src_rank,)), b"")

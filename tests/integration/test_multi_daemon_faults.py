@@ -814,9 +814,9 @@ class RawPeer:
         self._links.append(link)
         return link
 
-    def send(self, link: Any, msg: p.PeerMessage) -> None:
+    def send(self, link: Any, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
         async def send() -> None:
-            link.send(msg)
+            link.send(msg, payload)
             await link.drain()
 
         self._call(send())
