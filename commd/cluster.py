@@ -24,28 +24,44 @@ from .errors import CallError, cannot_listen
 from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
+# What one world may hold of other daemons' data that no op has taken yet: 64 streams'
+# windows (hostnet's flow control holds each to 16 MiB)
+DEFAULT_MAX_HELD_BYTES = 1 << 30
 
 
 class Inbox:
     """Data of one world's epoch, by key; a wait may start before or after its data arrives.
 
     What arrives before its wait is held here; the senders' windows bound it (see
-    hostnet's flow control), and `held_bytes` tells how much it is."""
+    hostnet's flow control), and `held_bytes` tells how much it is. A daemon that sends
+    what no op will take (a call, step or chunk that is not due) is bound by `limit` alone:
+    past it, `deliver` refuses, and the world fails."""
 
-    def __init__(self) -> None:
+    # What a held frame costs besides its payload (its message, key and slot): empty frames
+    # no op takes must reach the limit too.
+    FRAME_COST = 1024
+
+    def __init__(self, limit: int = DEFAULT_MAX_HELD_BYTES) -> None:
         self._ready: dict[tuple[str, int, int, int], tuple[p.Data, bytes | bytearray]] = {}
         self._waiting: dict[tuple[str, int, int, int], asyncio.Future[tuple[p.Data, bytes | bytearray]]] = {}
         self._failed: CallError | None = None
         self.held_bytes = 0
+        self.limit = limit
 
     def deliver(self, msg: p.Data, payload: bytes | bytearray) -> None:
+        """Hand `payload` to its wait, or hold it for one; CallError if holding it would pass
+        the limit."""
         waiter = self._waiting.pop(msg.key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result((msg, payload))
             return
-        replaced = self._ready.get(msg.key)
+        replaced = self._ready.pop(msg.key, None)
         if replaced is not None:
             self.held_bytes -= len(replaced[1])
+        if self.held_bytes + len(payload) + self.FRAME_COST * (len(self._ready) + 1) > self.limit:
+            raise CallError(ErrorCode.WORLD_FAILED,
+                            f"{self.held_bytes} bytes that no op has taken are held, and {len(payload)} "
+                            f"more would pass the limit (max_peer_held_bytes) of {self.limit}")
         self._ready[msg.key] = (msg, payload)
         self.held_bytes += len(payload)
 
@@ -102,7 +118,7 @@ class WorldNet:
         self.member_links: dict[str, PeerLink] = {}  # root only: the link each member's votes came on
         self.placement: tuple[str, ...] = ()
         self.epoch = 0
-        self.inbox = Inbox()
+        self.inbox = Inbox(cluster.max_held_bytes)
         self.root_known = bootstrap is None  # whether `resolve` found the root
 
     @property
@@ -163,9 +179,10 @@ class Router(Protocol):
 
 
 class Cluster:
-    def __init__(self, settings: PeerSettings) -> None:
+    def __init__(self, settings: PeerSettings, max_held_bytes: int = DEFAULT_MAX_HELD_BYTES) -> None:
         self.name = settings.name
         self.settings = settings
+        self.max_held_bytes = max_held_bytes  # each world's Inbox limit
         self.links: dict[str, PeerLink] = {}  # by daemon: an open link to it (status, metrics)
         self._siblings: dict[str, list[PeerLink]] = {}  # by daemon: every open link to it
         self._node = PeerNode(settings, self._on_message, self._on_lost)

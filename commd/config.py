@@ -76,7 +76,7 @@ def flag_of(key: str) -> str:
 # every limit: a ServerConfig field, a config key, COMMD_<KEY> and --flag alike
 LIMITS = ("max_connections", "max_buffers", "max_registrations", "max_queued_replies",
            "max_pending_ops", "max_mapped_bytes", "max_daemon_mappings", "max_daemon_bytes",
-           "max_forming_worlds")
+           "max_forming_worlds", "max_peer_held_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,7 @@ class ServerConfig:
     max_daemon_mappings: int = 32768  # buffers the whole daemon maps (vm.max_map_count ~65k)
     max_daemon_bytes: int = 32 << 40  # address space the whole daemon maps
     max_forming_worlds: int = 1024  # worlds held for other daemons' votes, rank 0 not here yet
+    max_peer_held_bytes: int = 1 << 30  # other daemons' data a world holds that no op took yet
     threads: int | None = None  # host engine worker threads (default: cores, at most 8)
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one object per line, for log shippers

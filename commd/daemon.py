@@ -128,7 +128,8 @@ def _cluster(config: ServerConfig) -> Cluster | None:
     if config.peer_secret is None:
         return None
     name = config.peer_name or default_peer_name(config, socket.gethostname())
-    return Cluster(PeerSettings(name, config.peer_secret, config.peer_heartbeat_s, config.peer_window_s))
+    return Cluster(PeerSettings(name, config.peer_secret, config.peer_heartbeat_s, config.peer_window_s),
+                   config.max_peer_held_bytes)
 
 
 def default_peer_name(config: ServerConfig, host: str) -> str:

@@ -231,7 +231,10 @@ class Registry:
             except CallError as exc:
                 world.fail(exc.code, exc.message)
             return
-        world.net.inbox.deliver(msg, payload)
+        try:
+            world.net.inbox.deliver(msg, payload)
+        except CallError as exc:
+            world.fail(exc.code, f"world {world.name}: data from daemon {link.name}: {exc.message}")
 
     def _in_world(self, world: World, link: PeerLink, any_link: bool = False) -> bool:
         """Whether `link` is one the world uses (to its root, or to a member), or with

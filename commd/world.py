@@ -193,7 +193,7 @@ class World:
         """The membership's verdict: ready at `epoch` with these ranks on this daemon."""
         if self.net is not None:  # before the communicator, which takes this epoch's inbox
             self.net.epoch = epoch
-            self.net.inbox = Inbox()
+            self.net.inbox = Inbox(self.net.cluster.max_held_bytes)
         try:
             comm = self._engine.communicator(
                 self.name, epoch, self.world_size, local_ranks, self.net,

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import DaemonBackend, MismatchError, hostmem
+from client import DaemonBackend, MismatchError, WorldFailed, hostmem
 from commd.engine.crosscheck import pair_of
 from commd.launch import DaemonProcess
 from proto import peer as p
-from tests.integration.harness import short_tmpdir, wait_until, world_name
+from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
 from tests.integration.test_multi_daemon import SECRET
-from tests.integration.test_multi_daemon_faults import FAST, RawPeer
+from tests.integration.test_multi_daemon_faults import FAST, RawPeer, summed_i32
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,3 +132,36 @@ def test_a_chunk_of_the_wrong_size_fails_the_world(daemon: DaemonProcess, case: 
                 running.result(10)
                 pytest.fail(f"the call succeeded with {buf.view(np.uint8)[8:].tolist()}")
         assert comm.is_healthy() is False
+
+
+def test_data_no_op_takes_is_held_up_to_a_limit_then_fails_the_world(daemon: DaemonProcess) -> None:
+    """A member daemon sends 16 MiB frames for calls no rank makes. The root held them until
+    the world ended, however many came, while the world stayed ready (before: 1056 MiB held,
+    past the 1 GiB default of max_peer_held_bytes, and counting)."""
+    junk = bytes(16 << 20)
+    with raw_member(daemon) as (x, link, comm, world):
+        def summary() -> tuple[object, object]:
+            status = world_status(daemon, world) or {}
+            return status.get("state"), status.get("peer_bytes_held")
+
+        with ThreadPoolExecutor(1) as threads:
+            waiting = threads.submit(comm.barrier)
+            wait_until(lambda: (world_status(daemon, world) or {}).get("pending_calls") == 1, timeout=10)
+            for call in range(1000, 1066):
+                x.send(link, p.Data(world, 1, "up", call, 0, 1, "barrier()", (1,)), junk)
+            wait_until(lambda: summary() == ("failed", 0), lambda: f"(state, bytes held) {summary()}",
+                       timeout=10)
+            limit = r"data from daemon X: .* \(max_peer_held_bytes\) of 1073741824"
+            with pytest.raises(WorldFailed, match=limit):
+                waiting.result(10)
+        assert x.got(p.WorldFailed, world=world, epoch=1)  # the member heard why
+    # the daemon serves on
+    world = world_name()
+    with ThreadPoolExecutor(2) as threads:
+        comms = list(threads.map(lambda r: DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=8),
+                                 [0, 1]))
+    try:
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for c in comms:
+            c.close()
