@@ -37,7 +37,8 @@ receive) is a window per stream, not the whole buffer, and the sender's call
 waits as NCCL's does. Streams of at most WINDOW_CHUNKS chunks never wait: small
 calls cost no extra message. The root's other "down" streams (all_gather,
 broadcast) take no window: the root sends them once the member is in the call,
-and the member takes each as it comes.
+each chunk once the sockets took the one before, and the member takes each as
+it comes.
 """
 
 from __future__ import annotations
@@ -275,9 +276,9 @@ class NetRunner:
                 full[r * size:(r + 1) * size] = np.frombuffer(gathered, np.uint8)[j * size:(j + 1) * size]
         for i, (lo, hi) in enumerate(chunks(len(full), CHUNK_BYTES)):
             self._send_down(op.tag, i, _raw(full[lo:hi]))
+            await self.net.drain()  # (see _broadcast)
         for out in outs[1:]:
             out[...] = full
-        await self.net.drain()
 
     async def _broadcast(self, op: BroadcastOp) -> None:
         ranks = sorted(op.bufs)
@@ -312,6 +313,11 @@ class NetRunner:
             self._send_down(op.tag, i, _raw(piece), [m for m in members if m != source])
             for a in arrays:
                 a[lo:hi] = piece
+            # Each chunk taken by the sockets before the next is sealed: sealed in one go, the
+            # whole result sat in memory once per member until a slow network took it, and
+            # the loop (every world's heartbeats) stood still while it sealed: a big enough
+            # call had the members, and every other world on these links, take us for lost.
+            await self.net.drain()
         if source != self.net.me:
             self._send_down(op.tag, 0, b"", [source])
         await self.net.drain()
