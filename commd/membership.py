@@ -285,7 +285,20 @@ class NetMembership:
 
     # ---- messages from the root (members) or to it ----------------------------------
 
-    def ready(self, msg: p.WorldReady) -> None:
+    def ready(self, msg: p.WorldReady, root: str) -> None:
+        """The root's word (`root`, its daemon) that the world formed (member only)."""
+        misfit = (f"it places {len(msg.placement)} ranks" if len(msg.placement) != self._world.world_size
+                  else f"it places rank 0 on daemon {msg.placement[0]}" if msg.placement[0] != root
+                  else None)
+        if misfit is not None:  # a root that lost track (else every lookup by rank goes wrong here)
+            message = (f"world {self._world.name} of {self._world.world_size} ranks cannot form as the "
+                       f"root daemon {root} says: {misfit}")
+            with contextlib.suppress(CallError):
+                self.net.send("root", p.WorldFailed(self._world.name, msg.epoch, ErrorCode.WORLD_FAILED,
+                                                    message))
+            for rank in sorted(self._world.local_waiting()):
+                self._world.refuse(rank, ErrorCode.WORLD_FAILED, message)
+            return
         self.net.placement = msg.placement
         local = self.net.ranks_of(self.net.me)
         gone = sorted(set(local) - self._world.local_waiting())

@@ -201,7 +201,7 @@ class Registry:
         if msg.epoch <= world.epoch:
             self._stale(link, msg.world, msg.epoch, world.epoch)
             return
-        world.membership.ready(msg)
+        world.membership.ready(msg, link.name)
 
     def _world_failed(self, link: PeerLink, msg: p.WorldFailed, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)

@@ -968,3 +968,31 @@ def test_a_refusal_crossing_a_withdrawal_leaves_the_ranks_next_vote_alone(pair: 
             proc.kill()
             proc.wait(10)
         root.close()
+
+
+@pytest.mark.parametrize("placement", [("R",), ("B", "B"), ("R", "B", "B")],
+                         ids=["too few ranks", "rank 0 not on the root", "too many ranks"])
+def test_a_world_ready_that_does_not_fit_the_world_is_refused(pair: list[DaemonProcess],
+                                                               placement: tuple[str, ...]) -> None:
+    """The root (a raw peer, R) says the 2-rank world with rank 1 on B formed, with a
+    placement that cannot be: of another length, or without rank 0 on R. B must refuse it,
+    telling R and its rank why (before: B took it, and looked ranks up in it)."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    try:
+        address = root.listen()
+        rank_1 = joining_process(b, world, 1, 2, address)
+        try:
+            wait_until(lambda: root.got(p.JoinWorld, rank=1), timeout=20)
+            (link,) = root.accepted
+            root.send(link, p.WorldReady(world, 1, placement))
+            out, _ = rank_1.communicate(timeout=20)
+        finally:
+            rank_1.kill()
+            rank_1.wait(10)
+        assert out.decode().startswith(f"WorldFailed world {world} of 2 ranks cannot form as the root "
+                                       "daemon R says: it places "), out
+        wait_until(lambda: root.got(p.WorldFailed, world=world, epoch=1), timeout=5)
+        assert world_status(b, world) is None  # (nothing of it left on B)
+    finally:
+        root.close()
