@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 CONTEXT_FIELDS = ("world", "epoch", "rank")
@@ -67,12 +67,12 @@ class Throttled:
         self._last = -float("inf")
         self.left_out = 0  # since the last line logged
 
-    def warning(self, msg: str, *args: object) -> None:
+    def warning(self, msg: str, *args: object, extra: Mapping[str, object] | None = None) -> None:
         now = self._clock()
         if now - self._last < self._interval_s:
             self.left_out += 1
             return
         if self.left_out:
             msg += f" ({self.left_out} more like it since the last such line were not logged)"
-        self._logger.warning(msg, *args)
+        self._logger.warning(msg, *args, extra=extra)
         self._last, self.left_out = now, 0

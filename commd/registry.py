@@ -20,6 +20,7 @@ from .cluster import Cluster, WorldNet
 from .engine.base import Engine
 from .engine.crosscheck import p2p_target
 from .errors import CallError
+from .logs import Throttled
 from .membership import NetMembership
 from .peering import PeerLink
 from .stats import DaemonStats
@@ -40,6 +41,9 @@ class Registry:
         self._max_forming_worlds = max_forming_worlds
         self.cluster = cluster
         self.worlds: dict[str, World] = {}
+        # (a confused or hostile daemon may send such messages without end; the cluster counts each)
+        self._foreign_log = Throttled(log)
+        self._stale_log = Throttled(log)
         if cluster is not None:
             cluster.router = self
         self._on_peer: dict[type, Callable[[PeerLink, Any, bytes | bytearray], None]] = {
@@ -244,15 +248,16 @@ class Registry:
         known = link.name in world.net.placement if any_link else world.net.uses(link)
         if not known:
             self.cluster.foreign_refused += 1
-            log.warning("ignored a message about world %s from daemon %s, which is not one of its",
-                        world.name, link.name, extra=world.log_extra())
+            self._foreign_log.warning("ignored a message about world %s from daemon %s, which is not one of "
+                                      "its", world.name, link.name, extra=world.log_extra())
         return known
 
     def _stale(self, link: PeerLink, world: str, epoch: int, current: int) -> None:
         assert self.cluster is not None
         self.cluster.stale_refused += 1
-        log.warning("refused a message of world %s epoch %d from daemon %s: the world is at epoch %d",
-                    world, epoch, link.name, current, extra={"world": world, "epoch": current})
+        self._stale_log.warning("refused a message of world %s epoch %d from daemon %s: the world is at "
+                                "epoch %d", world, epoch, link.name, current,
+                                extra={"world": world, "epoch": current})
 
     def _name(self) -> str:
         return self.cluster.name if self.cluster is not None else "?"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -996,3 +997,34 @@ def test_a_world_ready_that_does_not_fit_the_world_is_refused(pair: list[DaemonP
         assert world_status(b, world) is None  # (nothing of it left on B)
     finally:
         root.close()
+
+
+def test_a_flood_of_stale_messages_logs_one_line_a_second_and_counts_every_one() -> None:
+    """A daemon holding the secret sends stale messages without end (confused, or hostile):
+    each is refused and counted, but the log takes one line a second, the next saying how
+    many were left out (before: a line each, 41 here)."""
+    tmp = short_tmpdir()
+    log_path = Path(tmp) / "daemon.log"
+    x = RawPeer("X")
+    try:
+        with open(log_path, "wb") as log, DaemonProcess(
+                Path(tmp) / "A" / "commd.sock", env=SECRET, log=log,
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", "A", *FAST]) as a:
+            world = world_name()
+            with DaemonBackend(str(a.socket_path), world, 0, 1, timeout=10,
+                               bootstrap=a.peer_address()) as comm:
+                assert comm.epoch == 1
+                link = x.dial(a)
+                for _ in range(40):
+                    x.send(link, p.WorldFailed(world, 0, ErrorCode.WORLD_FAILED, "old news"))
+                time.sleep(1.1)  # (past the interval: the next one is logged, with the count)
+                x.send(link, p.WorldFailed(world, 0, ErrorCode.WORLD_FAILED, "old news"))
+                wait_until(lambda: query_status(str(a.socket_path), 5)["peers"]["stale_refused"] == 41)
+                assert comm.is_healthy()
+        lines = [line for line in log_path.read_text().splitlines() if "refused a message of world" in line]
+        left_out = [int(m.group(1)) for line in lines
+                    if (m := re.search(r"\((\d+) more like it since the last such line", line))]
+        assert 2 <= len(lines) < 10 and len(lines) + sum(left_out) == 41, lines
+    finally:
+        x.close()
+        shutil.rmtree(tmp, ignore_errors=True)
