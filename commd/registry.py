@@ -18,7 +18,7 @@ from proto import peer as p
 
 from .cluster import Cluster, WorldNet
 from .engine.base import Engine
-from .engine.crosscheck import p2p_target
+from .engine.crosscheck import p2p_target, sender_rank
 from .errors import CallError
 from .logs import Throttled
 from .membership import NetMembership
@@ -229,6 +229,8 @@ class Registry:
         target = p2p_target(msg)
         if not self._in_world(world, link) or (target is not None and target >= world.world_size):
             return
+        if world.net.is_root and not self._sent_by_its_rank(world, link, msg):
+            return
         if target is not None and world.net.is_root and world.net.placement[target] != world.net.me:
             try:
                 world.net.send(world.net.placement[target], msg, payload)  # relay member -> member
@@ -239,6 +241,18 @@ class Registry:
             world.net.inbox.deliver(msg, payload)
         except CallError as exc:
             world.fail(exc.code, f"world {world.name}: data from daemon {link.name}: {exc.message}")
+
+    @staticmethod
+    def _sent_by_its_rank(world: World, link: PeerLink, msg: p.Data) -> bool:
+        """(Root) A member speaks for its own ranks only: a frame in another daemon's name
+        would be read (or relayed) as that daemon's data. It fails the world."""
+        assert world.net is not None
+        rank = sender_rank(msg)
+        if rank is not None and rank < world.world_size and world.net.placement[rank] == link.name:
+            return True
+        world.fail(ErrorCode.WORLD_FAILED, f"world {world.name}: daemon {link.name} sent {msg.step!r} data "
+                                           f"of call {msg.call} for rank {rank}, which is not one of its")
+        return False
 
     def _in_world(self, world: World, link: PeerLink, any_link: bool = False) -> bool:
         """Whether `link` is one the world uses (to its root, or to a member), or with

@@ -36,6 +36,19 @@ def p2p_target(msg: p.Data) -> int | None:
     return None
 
 
+def sender_rank(msg: p.Data) -> int | None:
+    """The rank whose daemon first sends a message a member sends the root: one of its own
+    ranks ("up" and "check" name the member's lowest; a transfer its source, its credit and
+    ack its receiver). None for what only the root sends ("down", "up-credit")."""
+    if msg.step in ("up", "check"):
+        return msg.source
+    if msg.step in ("p2p", "p2p-check"):
+        return msg.source // PAIR
+    if msg.step in ("p2p-ack", "p2p-credit"):
+        return msg.source % PAIR
+    return None
+
+
 def collective_mismatch(index: int, mine: int, my_call: str, theirs: int, their_call: str) -> CallError:
     return CallError(ErrorCode.MISMATCH, f"mismatched collective call {index}: rank {mine} called "
                                          f"{my_call}, rank {theirs} called {their_call}")
