@@ -105,6 +105,16 @@ def sized(payload: bytes | bytearray, nbytes: int, call: str, chunk: int, daemon
     return payload
 
 
+def _place(full: np.ndarray, piece: np.ndarray, lo: int, ranks: Sequence[int], size: int) -> None:
+    """Bytes [lo, lo + len(piece)) of a daemon's all_gather stream (its `ranks`' parts of
+    `size` bytes, one after the other) to those ranks' places in `full`."""
+    hi = lo + len(piece)
+    for j, rank in enumerate(ranks):
+        a, b = max(lo, j * size), min(hi, (j + 1) * size)
+        if a < b:
+            full[rank * size + a - j * size:rank * size + b - j * size] = piece[a - lo:b - lo]
+
+
 def chunks(total: int, size: int) -> list[tuple[int, int]]:
     """[0, total) in pieces of `size`; one empty piece for an empty buffer."""
     return [(lo, min(lo + size, total)) for lo in range(0, total, size)] or [(0, 0)]
@@ -253,10 +263,13 @@ class NetRunner:
         ranks = sorted(op.sends)
         size = op.sends[ranks[0]].nbytes
         outs = [self._array(op.recvs[r]) for r in ranks]
+        # Whole buffers are copied on the engine's threads: on the loop, a call of hundreds of
+        # MiB stood still every world's heartbeats for a fraction of a second
         if not self.net.is_root:
-            mine = b"".join(bytes(self._array(op.sends[r])) for r in ranks)
+            sends = [self._array(op.sends[r]) for r in ranks]
+            mine = sends[0] if len(sends) == 1 else await self._off_loop(lambda: np.concatenate(sends))
             for i, (lo, hi) in enumerate(chunks(len(mine), CHUNK_BYTES)):
-                await self._send_up(op.tag, i, mine[lo:hi], ranks)
+                await self._send_up(op.tag, i, _raw(mine[lo:hi]), ranks)
             await self.net.drain()
             for i, (lo, hi) in enumerate(chunks(len(outs[0]), CHUNK_BYTES)):
                 piece = np.frombuffer(await self._down(op.tag, i, hi - lo), np.uint8)
@@ -264,21 +277,27 @@ class NetRunner:
                     out[lo:hi] = piece
             return
         full = outs[0]
-        for r in ranks:
-            full[r * size:(r + 1) * size] = self._array(op.sends[r])
+
+        def own() -> None:
+            for r in ranks:
+                full[r * size:(r + 1) * size] = self._array(op.sends[r])
+
+        await self._off_loop(own)
         for member in self.net.members():
             theirs = self.net.ranks_of(member)
-            gathered = bytearray()
             pieces = chunks(len(theirs) * size, CHUNK_BYTES)
             for i, (lo, hi) in enumerate(pieces):
-                gathered += await self._up(op.tag, i, member, hi - lo, len(pieces))
-            for j, r in enumerate(theirs):
-                full[r * size:(r + 1) * size] = np.frombuffer(gathered, np.uint8)[j * size:(j + 1) * size]
+                piece = np.frombuffer(await self._up(op.tag, i, member, hi - lo, len(pieces)), np.uint8)
+                _place(full, piece, lo, theirs, size)
         for i, (lo, hi) in enumerate(chunks(len(full), CHUNK_BYTES)):
             self._send_down(op.tag, i, _raw(full[lo:hi]))
             await self.net.drain()  # (see _broadcast)
-        for out in outs[1:]:
-            out[...] = full
+
+        def copies() -> None:
+            for out in outs[1:]:
+                out[...] = full
+
+        await self._off_loop(copies)
 
     async def _broadcast(self, op: BroadcastOp) -> None:
         ranks = sorted(op.bufs)

@@ -106,10 +106,15 @@ def test_all_reduce_of_several_chunks_again_and_again(pool: RankPool, daemons: l
     assert wrong == [[]] * 4
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+# (interleaved: a member's ranks are not side by side in the result, so its stream's chunks
+# are cut up between their places)
+GATHER_PLACEMENTS = {**PLACEMENTS, "interleaved": [0, 1, 0, 1]}
+
+
+@pytest.mark.parametrize("placement", GATHER_PLACEMENTS)
 @pytest.mark.parametrize("nbytes", [0, 2, 1001, 9 << 20])  # 9 MiB: a member's 2 ranks take credits
 def test_all_gather(pool: RankPool, daemons: list[DaemonProcess], placement: str, nbytes: int) -> None:
-    results = run(pool, specs(daemons, PLACEMENTS[placement]), workers.all_gather, nbytes, 3)
+    results = run(pool, specs(daemons, GATHER_PLACEMENTS[placement]), workers.all_gather, nbytes, 3)
     want = b"".join(make_input(3, r, nbytes, "u8", "sum").tobytes() for r in range(4))
     assert all(raw == want for raw in results)
 
