@@ -22,7 +22,7 @@ from .groups import Basis, Groups, OpenGroup
 from .health import Health
 from .hostmem import HostMemory, default_memory
 from .imported import ImportedBuffers
-from .memory import DriverFactory, MemoryResolver
+from .memory import DriverFactory, MemoryRef, MemoryResolver
 from .opcache import OpCache
 from .registrations import Registrations
 from .rpc import Superseded, built
@@ -432,28 +432,41 @@ class DaemonBackend(CommBackend):
         if ref is None:
             return None
         # Its own lock, held over the round trip: a thread reading replies for another call
-        # (and taking _lock for an event) must never wait for this one.
-        with self._import_lock:
+        # (and taking _lock for an event) must never wait for this one. Waited for by this
+        # call's deadline: another thread's import, begun later, may hold it past it.
+        taken = False
+        try:  # (taken inside: an interrupt right after the acquire must not keep it)
+            taken = self._import_lock.acquire(timeout=max(0.0, due - time.monotonic()))
+            if not taken:
+                raise CommTimeout("the call's deadline passed while another thread's import "
+                                  "into the daemon held the turn this call's import waited for")
             if ref.buffer_id not in self._imports:
-                try:
-                    with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
-                        answer = self._conn.request(lambda rid: proto.Import(
-                            rid, ref.buffer_id, ref.kind, ref.size, ref.handle), due=due, fds=fds)
-                except CommTimeout:  # the daemon may have mapped it (or never got it): forget it first
-                    with self._lock:
-                        self._imports.owe(ref.buffer_id)
-                    raise
-                with self._lock:
-                    handed = answer.link == self._conn.link
-                    if handed:
-                        self._imports.add(ref.buffer_id)
-                        # freed or evicted meanwhile, its release heard before it was held
-                        # here: the daemon is owed a Forget all the same
-                        if not self._resolver.still_known(ref):
-                            self._imports.release(ref.buffer_id)
-                if not handed:
-                    raise self._conn.went_away(answer.epoch, "while this call handed it a buffer")
+                self._import(ref, due)
+        finally:
+            if taken:
+                self._import_lock.release()
         return proto.Mem(ref.buffer_id, ref.offset)
+
+    def _import(self, ref: MemoryRef, due: float) -> None:
+        """(Under _import_lock) Hand the daemon `ref`'s allocation, by `due`."""
+        try:
+            with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
+                answer = self._conn.request(lambda rid: proto.Import(
+                    rid, ref.buffer_id, ref.kind, ref.size, ref.handle), due=due, fds=fds)
+        except CommTimeout:  # the daemon may have mapped it (or never got it): forget it first
+            with self._lock:
+                self._imports.owe(ref.buffer_id)
+            raise
+        with self._lock:
+            handed = answer.link == self._conn.link
+            if handed:
+                self._imports.add(ref.buffer_id)
+                # freed or evicted meanwhile, its release heard before it was held
+                # here: the daemon is owed a Forget all the same
+                if not self._resolver.still_known(ref):
+                    self._imports.release(ref.buffer_id)
+        if not handed:
+            raise self._conn.went_away(answer.epoch, "while this call handed it a buffer")
 
     def _call(self, key: tuple[object, ...], make_op: Callable[[float], proto.Op],
               timed: bool = True, stream: int | None = None, early: bool = False) -> None:

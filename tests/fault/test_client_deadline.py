@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommTimeout, hostmem
+from client import CommTimeout, DaemonBackend, hostmem
 from client import daemon as client_daemon
 from commd.launch import DaemonProcess
-from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, summed
+from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, slowed, summed
 from tests.integration.harness import query_status, wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,6 +61,38 @@ def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submi
     # would have given the submission that much again after the import's IMPORT_S
     one_deadline = TIMEOUT_S + client_daemon._VERDICT_GRACE_S
     assert took < one_deadline + 0.5 < IMPORT_S + one_deadline
+
+
+def test_a_call_waiting_for_another_threads_import_gives_up_by_its_own_deadline(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Imports take turns (one lock, held over the round trip). Thread `early` starts its
+    call first but reaches its import late (its pointer lookup slowed); thread `late`,
+    started meanwhile, holds the turn over a slow import, within its own deadline. The
+    early call raises CommTimeout by its own deadline (before: it waited for the turn until
+    the late import was done, 1.5 s past its deadline, and only then timed out); the late
+    call succeeds, and so does the early call's buffer afterwards."""
+    timeout = 4.0
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=timeout) as comm:
+        early_buf, late_buf = hostmem.alloc(8), hostmem.alloc(8)  # (neither imported yet)
+        early_buf.view(np.int32)[:2] = [1, 10]
+        late_buf.view(np.int32)[:2] = [2, 20]
+        looking_up = slowed(monkeypatch, comm._resolver, "resolve", "early", 3.0)
+        slowed(monkeypatch, comm._conn.transport, "request", "late", 3.0,
+               when=lambda msg, *args, **kwargs: isinstance(msg, proto.Import))
+        with ThreadPoolExecutor(1, "early") as early, ThreadPoolExecutor(1, "late") as late:
+            started = time.monotonic()
+            early_call = early.submit(comm.all_reduce, early_buf.ptr, 8, dtype="i32")
+            assert looking_up.wait(5)
+            time.sleep(max(0.0, started + 2.5 - time.monotonic()))
+            late_call = late.submit(comm.all_reduce, late_buf.ptr, 8, dtype="i32")
+            error = early_call.exception(20)
+            took = time.monotonic() - started
+            late_call.result(20)
+        assert took < timeout + 0.8, took  # (before: 5.5 s, when the late import was done)
+        assert isinstance(error, CommTimeout) and "another thread's import" in str(error), repr(error)
+        assert late_buf.view(np.int32)[:2].tolist() == [2, 20]
+        comm.all_reduce(early_buf.ptr, 8, dtype="i32")
+        assert early_buf.view(np.int32)[:2].tolist() == [1, 10]
 
 
 @pytest.mark.parametrize("daemon", [["--max-call-timeout", "1"]], indirect=True)
