@@ -140,11 +140,11 @@ class Connection:
             transport, used, epoch, engine = self.transport, self.link, self.epoch, self.engine
         if link is not None and link != used:
             raise Superseded
+        deadline = None if due is None else due + grace
         try:
-            self._send_releases(transport)
+            self._send_releases(transport, deadline)
             msg = built(lambda: make(transport.next_id()))
-            reply, got = transport.request(
-                msg, None if due is None else due + grace, fds, undo)
+            reply, got = transport.request(msg, deadline, fds, undo)
             checked(reply)
         except CommError as exc:
             if link is not None and link != self.link:
@@ -214,12 +214,12 @@ class Connection:
         # read as the rebuilt world's, is not about this rank's world any more)
         self.mark_unhealthy(from_code(event.code, event.message), event.epoch, transport)
 
-    def _send_releases(self, transport: Transport) -> None:
+    def _send_releases(self, transport: Transport, deadline: float | None = None) -> None:
         """The Forgets go with a request on the current connection (one a rejoin is replacing
-        would lose them: the new daemon's, once it has imported some)."""
+        would lose them: the new daemon's, once it has imported some), by its `deadline`."""
         with self._lock:
             if transport is not self.transport or transport.broken is not None:
                 return
             released = self._owed()
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
-            transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])))
+            transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])), (), deadline)

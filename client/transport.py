@@ -27,7 +27,7 @@ from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, de
 _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 _PARTING_READS = 64  # after a failed send: unread packets looked through for why the daemon went
-_PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find that out
+_PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find that out (deadline allowing)
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
 
 Packet = tuple[proto.Message, list[int]]
@@ -120,8 +120,9 @@ class Transport:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def post(self, msg: proto.Message, fds: Sequence[int] = ()) -> None:
-        """Send without waiting for a reply."""
+    def post(self, msg: proto.Message, fds: Sequence[int] = (), deadline: float | None = None) -> None:
+        """Send without waiting for a reply; should the send fail, what the daemon said before
+        it went is looked for until `deadline` at the latest (the call's; None: none)."""
         with self._send_lock:
             if self._broken is not None:
                 raise detached(self._broken)
@@ -141,20 +142,24 @@ class Transport:
             except OSError as exc:
                 lost = exc
         # (outside the send lock: what is read may be a late reply whose undo sends)
-        raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}")) from lost
+        raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}"),
+                                 deadline) from lost
 
-    def _read_parting(self, lost: CommError) -> CommError:
+    def _read_parting(self, lost: CommError, deadline: float | None) -> CommError:
         """A send found the daemon gone: read what it sent before it went, as the reader, so
         that replies reach the threads that wait for them and its parting word (a refusal,
         or a stopping daemon's event) breaks the transport. With another thread reading,
-        that thread meets them: wait a little for it to, or to stop reading first."""
+        that thread meets them: wait a little for it to, or to stop reading first, as long as
+        the call's `deadline` allows."""
         me = threading.get_ident()
+        left = remaining(deadline)
+        wait = _PARTING_WAIT_S if left is None else max(0.0, min(_PARTING_WAIT_S, left))
         with self._lock:
             self._undo.clear()  # the daemon drops what the connection did: nothing to undo
             # Another thread reading meets the parting word, unless it stops reading first
             # (its own reply read): then the rest is read here.
             self._cond.wait_for(lambda: self._broken is not None or self._reader in (None, me),
-                                _PARTING_WAIT_S)
+                                wait)
             nested = self._reader == me  # (a reader whose undo of a late reply sent this)
             reading = nested or (self._reader is None and self._broken is None)
             if reading:
@@ -181,7 +186,7 @@ class Transport:
         sent = answered = False
         try:
             with _Interruptible(self):
-                self.post(msg, fds)
+                self.post(msg, fds, deadline)
                 sent = True
                 packet = self._wait(request_id, deadline)
                 answered = True

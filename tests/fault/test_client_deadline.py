@@ -6,8 +6,10 @@ timeout the ranks ask for."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +19,9 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommTimeout, DaemonBackend, hostmem
+from client import CommTimeout, DaemonBackend, DaemonUnavailable, hostmem
 from client import daemon as client_daemon
+from client import transport as client_transport
 from commd.launch import DaemonProcess
 from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, slowed, summed
 from tests.integration.harness import query_status, wait_until, world_name, world_status
@@ -93,6 +96,46 @@ def test_a_call_waiting_for_another_threads_import_gives_up_by_its_own_deadline(
         assert late_buf.view(np.int32)[:2].tolist() == [2, 20]
         comm.all_reduce(early_buf.ptr, 8, dtype="i32")
         assert early_buf.view(np.int32)[:2].tolist() == [1, 10]
+
+
+def test_a_failed_send_waits_for_the_daemons_last_word_no_longer_than_the_call_may(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's recv_command_u32 (no deadline) reads for every thread when the daemon stops
+    reading (SIGSTOP, the socket's buffer filled): symmetric_alloc's send fails after the
+    backend's timeout, and the call then waits for the reader to learn why the daemon went,
+    but only while its deadline allows: it raises DaemonUnavailable by its deadline (before:
+    it waited the whole parting wait, stretched here from 1 s to 5 s so that the two tell
+    apart with slack, then raised). The reader's call ends with the broken connection."""
+    monkeypatch.setattr(client_transport, "_PARTING_WAIT_S", 5.0)
+    with joined(daemon, TIMEOUT_S) as comms:
+        bufs = [hostmem.alloc(8), hostmem.alloc(8)]
+        summed(comms, bufs)  # (rank 0's buffer is imported: its command request is the one read for)
+        transport = comms[0]._conn.transport
+        with ThreadPoolExecutor(1) as waiting:
+            command = waiting.submit(comms[0].recv_command_u32, bufs[0].ptr, 1)  # rank 1 never sends
+            wait_until(lambda: transport._reader is not None, "rank 0 reading for its command")
+            os.kill(daemon.pid, signal.SIGSTOP)
+            try:
+                fill_send_buffer(transport._sock)
+                started = time.monotonic()
+                with pytest.raises(DaemonUnavailable, match="lost the daemon connection"):
+                    comms[0].symmetric_alloc(64)
+                took = time.monotonic() - started
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            with pytest.raises(DaemonUnavailable):
+                command.result(10)
+    assert took < TIMEOUT_S + 1.0, took  # (its send took TIMEOUT_S, the kernel's send timeout)
+
+
+def fill_send_buffer(sock: socket.socket) -> None:
+    """Fill the connection's send buffer through a copy of its socket (without waiting: by
+    the flag, not the shared file's mode), so that the next send blocks."""
+    with socket.socket(fileno=os.dup(sock.fileno())) as filler:
+        forget = proto.encode(proto.Forget(tuple(range(1, proto.MAX_GROUP_OPS + 1))))
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                filler.send(forget, socket.MSG_DONTWAIT)
 
 
 @pytest.mark.parametrize("daemon", [["--max-call-timeout", "1"]], indirect=True)

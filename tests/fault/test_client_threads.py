@@ -300,7 +300,7 @@ def test_forgets_for_the_new_daemon_do_not_go_on_the_replaced_connection(
         bufs = [hostmem.alloc(8) for _ in range(2)]
         old = comms[0]._conn.transport
         taken = slowed(monkeypatch, comms[0]._conn, "_send_releases", "stale", 3.0,
-                       when=lambda transport: transport is old)
+                       when=lambda transport, *deadline: transport is old)
         request = stale.submit(comms[0].set_add_kernel, 0)
         assert taken.wait(5)
         restart_daemon(daemon, comms)

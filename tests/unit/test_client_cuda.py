@@ -493,10 +493,10 @@ class AcceptingCuda(DaemonBackend):
         conn = self._conn
         post, request = conn.transport.post, conn.request
 
-        def spy(msg: proto.Message, fds: Sequence[int] = ()) -> None:
+        def spy(msg: proto.Message, fds: Sequence[int] = (), deadline: float | None = None) -> None:
             if isinstance(msg, proto.Forget):
                 self.sent.append(msg)
-            post(msg, fds)
+            post(msg, fds, deadline)
 
         def accepting(make: Callable[[int], proto.Request], *, fds: Sequence[int] = (),
                       **kwargs: Any) -> Answer:
