@@ -62,7 +62,7 @@ class Connection:
         """Connect and say hello (at the last epoch seen); returns once the world is ready,
         with the new epoch and the daemon's engine (the caller puts all three in place)."""
         hello = self._hello(self.epoch)
-        transport = Transport(self._path, self._timeout, self._on_event)
+        transport = Transport(self._path, self._timeout, self._on_event, deadline)
         with self._lock:
             if not self.closed:
                 self._joining = transport

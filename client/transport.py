@@ -64,6 +64,7 @@ def _connect(sock: socket.socket, path: str, timeout: float) -> None:
 
 
 def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, 1e-6)  # (a zero timeval is no timeout at all: a wait for good)
     return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
@@ -74,7 +75,10 @@ def remaining(deadline: float | None) -> float | None:
 
 class Transport:
     def __init__(self, path: str, timeout: float,
-                 on_event: Callable[[proto.Event, Transport], None]) -> None:
+                 on_event: Callable[[proto.Event, Transport], None],
+                 deadline: float | None = None) -> None:
+        """Connect to the daemon at `path` by `deadline` (a rejoin's, of which a try may come
+        late; None: `timeout` from now); every send then waits at most `timeout`."""
         self._on_event = on_event
         self._conn = proto.Connection(proto.Role.CLIENT)
         self._ids = itertools.count(1)
@@ -101,12 +105,15 @@ class Transport:
             _OPEN.add(self)
         try:
             # A kernel timeout instead of Python's: a blocked send (a daemon that stopped
-            # reading, or a full listen backlog while connecting) ends after `timeout`.
+            # reading) ends after `timeout`, and a connect waiting in a full listen backlog
+            # by the deadline if that comes first.
             # Receives wait in poll() with the call's deadline, and then read what is there;
             # the short receive timeout only bounds a read that finds nothing after all.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+            connecting = timeout if deadline is None else min(timeout, deadline - time.monotonic())
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connecting))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(0.25, timeout / 4)))
-            _connect(sock, path, timeout)
+            _connect(sock, path, connecting)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc

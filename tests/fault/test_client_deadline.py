@@ -128,6 +128,57 @@ def test_a_failed_send_waits_for_the_daemons_last_word_no_longer_than_the_call_m
     assert took < TIMEOUT_S + 1.0, took  # (its send took TIMEOUT_S, the kernel's send timeout)
 
 
+def test_a_rejoin_connects_within_what_is_left_of_its_deadline(daemon: DaemonProcess) -> None:
+    """The daemon is killed and a new one started that accepts nothing (stopped, its listen
+    backlog full), its socket kept out of sight (renamed) until 1.2 s before rank 0's rejoin
+    gives up: the rejoin's last try to connect waits only for what is left of the rejoin's
+    deadline, and attempt_reconnect raises DaemonUnavailable by then (before: that connect
+    waited the backend's whole timeout, 3 s, and the call ended 1.8 s or more past its
+    deadline). Once the daemon goes on, the rank rejoins and its calls work."""
+    timeout = 3.0
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=timeout) as comm:
+        daemon.kill()
+        met_the_failure(comm)
+        daemon.start()
+        hidden = daemon.socket_path.with_name("hidden.sock")
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with fill_backlog(str(daemon.socket_path)), ThreadPoolExecutor(1) as rank0:
+                os.rename(daemon.socket_path, hidden)
+                started = time.monotonic()
+                rejoin = rank0.submit(comm.attempt_reconnect)
+                gives_up = started + timeout + client_daemon._JOIN_GRACE_S
+                time.sleep(max(0.0, gives_up - 1.2 - time.monotonic()))
+                os.rename(hidden, daemon.socket_path)  # (its next try to connect waits in the backlog)
+                error = rejoin.exception(20)
+                took = time.monotonic() - started
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert took < timeout + client_daemon._JOIN_GRACE_S + 0.8, took
+        assert isinstance(error, DaemonUnavailable), repr(error)
+        assert "cannot connect to the daemon" in str(error), str(error)
+        comm.attempt_reconnect()
+        buf = hostmem.alloc(8)
+        buf.view(np.int32)[:2] = [5, 50]
+        comm.all_reduce(buf.ptr, 8, dtype="i32")
+        assert buf.view(np.int32)[:2].tolist() == [5, 50]
+
+
+@contextlib.contextmanager
+def fill_backlog(path: str) -> Iterator[None]:
+    """Connections that fill the listen backlog of a daemon that accepts none (stopped), so
+    that the next connect waits; closed at the end."""
+    with contextlib.ExitStack() as connections:
+        while True:
+            sock = connections.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            sock.setblocking(False)
+            try:
+                sock.connect(path)
+            except BlockingIOError:
+                break
+        yield
+
+
 def fill_send_buffer(sock: socket.socket) -> None:
     """Fill the connection's send buffer through a copy of its socket (without waiting: by
     the flag, not the shared file's mode), so that the next send blocks."""
