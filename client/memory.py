@@ -159,10 +159,13 @@ class MemoryResolver:
             raise
         return ptr, size
 
-    def unmap_symmetric(self, buffer_id: int, ptr: int, size: int) -> None:
+    def unmap_symmetric(self, buffer_id: int, ptr: int, size: int, *, discard: bool = True) -> None:
+        """Unmap the daemon's device allocation `buffer_id`; `discard`: drop it from the cache
+        too (False: for a closed backend, whose cache nothing reads again)."""
         cuda = self._cuda
         if cuda is not None:
-            cuda.discard(buffer_id)
+            if discard:
+                cuda.discard(buffer_id)
             cuda.driver.unmap_shared(ptr, size)
 
     @property

@@ -34,7 +34,14 @@ class StreamOrder:
         # daemon connection that answered
         self._send_events = send_events
         self._link = link  # the current daemon connection (Connection.link)
-        self._lock = threading.Lock()
+        # Reentrant: close() may come from a signal handler (a SIGTERM handler's
+        # DaemonBackend.close), which runs on the thread it interrupts, perhaps under this
+        # very lock: a plain one waited for itself for good. The bookkeeping it cuts into
+        # stays sound: close() is the only loop over the tables and never cuts into itself
+        # (the backend runs it once); a pair it destroys before the call it cut into marked
+        # it in use never reaches the driver or the daemon (that call's next request finds
+        # the backend closed), and one made after it goes at _done_with.
+        self._lock = threading.RLock()
         self._events: dict[int, tuple[int, int, bytes, bytes]] = {}  # stream -> ready, done, handles
         self._held_on: dict[int, int] = {}  # stream -> the connection whose daemon took its pair
         self._exposed: set[int] = set()  # streams whose pair a daemon has or may have: kept

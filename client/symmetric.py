@@ -124,7 +124,12 @@ class SymmetricMemory:
         def unmap() -> None:
             for ptr, (buffer_id, size, _) in device.items():
                 with contextlib.suppress(MisuseError):  # the driver or the mapping is gone: nothing to undo
-                    self._resolver.unmap_symmetric(buffer_id, ptr, size)
+                    # Left in the cache (a closed backend's, read no more): close() may run
+                    # in a signal handler that cut into the cache's bookkeeping on this
+                    # thread, under its lock, and a reentrant lock would let it change the
+                    # tables part way through (find takes an entry out and puts it back,
+                    # _insert loops over them)
+                    self._resolver.unmap_symmetric(buffer_id, ptr, size, discard=False)
             for buffer in host:
                 with contextlib.suppress(MisuseError):
                     buffer.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -818,3 +819,99 @@ def test_an_op_on_more_allocations_than_the_cache_holds_ends(full_cache: FullCac
         comm.all_gather(send, recv, 16)
     comm.all_reduce(send, 16, dtype="u8")  # one allocation: fits
     assert gpu.read(send, 16) == bytes(range(16)) and comm.is_healthy()
+
+
+class CutIn:
+    """Raises SIGUSR1 on the main thread once, from the place `at` names (None: nowhere yet)."""
+
+    def __init__(self) -> None:
+        self.at: str | None = None
+        self.landed = False
+
+    def __call__(self, place: str) -> None:
+        if place == self.at and not self.landed:
+            self.landed = True
+            main = threading.main_thread().ident
+            assert main is not None
+            signal.pthread_kill(main, signal.SIGUSR1)  # (its handler runs before this returns)
+
+
+class CuttingDriver(WorkerDriver):
+    """Creating an event (StreamOrder does it under its lock) is where the signal may land."""
+
+    def __init__(self, gpu: FakeGpu, cut_in: CutIn) -> None:
+        super().__init__(gpu)
+        self.cut_in = cut_in
+
+    def create_ipc_event(self) -> tuple[int, bytes]:
+        made = super().create_ipc_event()
+        self.cut_in("StreamOrder")
+        return made
+
+
+class CuttingMemory(HostMemory):
+    """Drawing an id (CudaMemory does it under its lock for a new allocation) is where the
+    signal may land."""
+
+    def __init__(self, cut_in: CutIn) -> None:
+        super().__init__()
+        self.cut_in = cut_in
+
+    def next_id(self) -> int:
+        self.cut_in("CudaMemory")
+        return super().next_id()
+
+
+@contextlib.contextmanager
+def closed_by_a_signal_handler(comm: DaemonBackend) -> Iterator[None]:
+    """Within, SIGUSR1's handler closes `comm`, as a service's SIGTERM handler would. A
+    handler still in close() after 5 s is cut short by an AssertionError (raised by
+    SIGUSR2's handler, which runs over it)."""
+    assert threading.current_thread() is threading.main_thread()  # (where handlers run)
+
+    def stuck(signum: int, frame: object) -> None:
+        raise AssertionError("close() in the signal handler did not return in 5 s")
+
+    previous = (signal.signal(signal.SIGUSR1, lambda signum, frame: comm.close()),
+                signal.signal(signal.SIGUSR2, stuck))
+    watchdog = threading.Timer(5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR2))
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        watchdog.join()
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGUSR2, previous[1])
+
+
+@pytest.mark.parametrize("inside", ["StreamOrder", "CudaMemory"])
+def test_close_in_a_signal_handler_that_cut_into_a_call_on_device_memory(
+        daemon: GpuDaemon, gpu: FakeGpu, inside: str) -> None:
+    """close() may be called from a signal handler (README), which runs on the main thread
+    at the point it interrupted: here inside a call on device memory, while it holds the
+    lock of the stream events' bookkeeping (StreamOrder, making the stream's event pair) or
+    of the allocation cache (CudaMemory, adding the call's allocation), with symmetric device
+    memory for close() to unmap. close() returns; the call it cut into raises MisuseError;
+    the symmetric memory is unmapped and the call's events destroyed. Before: close() waited
+    for the lock its own thread held, for good."""
+    cut_in = CutIn()
+    driver = CuttingDriver(gpu, cut_in)
+    comm = DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, device=0, timeout=10,
+                         memory=CuttingMemory(cut_in), cuda_driver=lambda: driver)
+    try:
+        comm.symmetric_alloc(16)
+        data = driver.alloc(b"\x01" * 8)
+        assert len(driver.mapped) == 1
+        cut_in.at = inside
+        with closed_by_a_signal_handler(comm), pytest.raises(MisuseError, match="the backend is closed"):
+            comm.all_reduce(data, 8, dtype="u8")
+        assert cut_in.landed
+        assert not comm.is_healthy()
+        with pytest.raises(MisuseError, match="the backend is closed"):
+            comm.barrier()
+    finally:
+        comm.close()
+    assert driver.mapped == {}
+    assert sorted(driver.destroyed) == sorted(driver.created)
+    assert len(driver.created) == (2 if inside == "StreamOrder" else 0)
