@@ -60,10 +60,14 @@ class Registry:
     def join(self, peer: Peer, hello: proto.Hello) -> World:
         """Admit `hello` into its world (creating it), or raise CallError saying why not."""
         world = self.worlds.get(hello.world)
+        if world is not None:
+            self._admissible(world, hello.world_size, hello.token, hello.rank)
+            # freeing the rank may have ended the world (its hung-up holder was the last rank
+            # there): this hello then starts the new one, which the other ranks find by name
+            world = self.worlds.get(hello.world)
         if world is None:
             world = self._create(hello.world, hello.world_size, hello.token, hello.bootstrap,
                                  call_timeout_s=hello.timeout_ms / 1000)
-        self._admissible(world, hello.world_size, hello.token, hello.rank)
         if (world.net is None) != (hello.bootstrap is None):
             raise CallError(ErrorCode.WORLD_CONFLICT,
                             f"world {hello.world} is {'not ' if world.net is None else ''}spread over "

@@ -17,6 +17,7 @@ from commd.config import ServerConfig
 from commd.engine.host import HostEngine
 from commd.launch import DaemonProcess
 from commd.server import Server
+from commd.status import query_status
 from commd.world import WorldState
 from proto import ErrorCode
 from tests.integration.harness import short_tmpdir
@@ -141,5 +142,53 @@ def test_a_rank_whose_connection_hung_up_with_packets_unread_is_free_for_its_new
         assert isinstance(welcome, proto.Welcome), f"the new process was refused: {welcome}"
         new.close()
     finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_restart_of_every_rank_whose_last_old_connection_hung_up_forms_one_world() -> None:
+    """Every rank of a 2-rank world restarts: rank 1's old connection has ended, rank 0's
+    hung up with packets unread when its new process says hello. Freeing rank 0 ends the
+    old world (no rank left). Before: the hello joined that ended world, which the daemon
+    no longer listed, and rank 1's hello made another by the same name; each waited for
+    the other until both got TIMEOUT ('ranks [1] did not arrive', 'ranks [0] ...')."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    clients: list[RawClient] = []
+    try:
+        sock = str(daemon.socket_path)
+        old0, old1 = RawClient(sock), RawClient(sock)
+        clients += [old0, old1]
+        old0.send(hello(0, 3000))
+        old1.send(hello(1, 3000))
+        assert isinstance(old0.recv(), proto.Welcome) and isinstance(old1.recv(), proto.Welcome)
+        old1.close()
+        failed = old0.recv()  # (read: rank 1's end has been handled)
+        assert isinstance(failed, proto.Event) and failed.code is ErrorCode.WORLD_FAILED, failed
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            for buf in range(1, 51):  # what the daemon reads after its stop, one a wakeup
+                old0.send(proto.Forget((buf,)))
+            old0.close()
+            new0 = RawClient(sock)
+            clients.append(new0)
+            new0.send(hello(0, 3000))
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        new1 = RawClient(sock)
+        clients.append(new1)
+        new1.send(hello(1, 3000))
+        got0, got1 = new0.recv(), new1.recv()
+        assert isinstance(got0, proto.Welcome), f"the new rank 0 was refused: {got0}"
+        assert isinstance(got1, proto.Welcome), f"the new rank 1 was refused: {got1}"
+        assert got0.epoch == got1.epoch
+        new0.send(proto.Submit(2, (proto.Barrier(),)))
+        new1.send(proto.Submit(2, (proto.Barrier(),)))
+        assert (new0.recv(), new1.recv()) == (proto.Ok(2), proto.Ok(2))  # one world: they meet
+        worlds = query_status(sock, 5)["worlds"]
+        assert [(w["name"], w["ranks"]) for w in worlds] == [("w", [0, 1])]
+    finally:
+        for client in clients:
+            client.close()
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
