@@ -132,6 +132,8 @@ class World:
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
+        if self.state is WorldState.READY and self.members.get(rank) is not peer:
+            raise self._placed_elsewhere(rank)  # (its vote would fail the world its rank runs in)
         self.stats.reconnects += 1
         self.reconnect_requested(f"rank {rank} called attempt_reconnect")
         old = self._waiting.pop(rank, None)
@@ -234,6 +236,11 @@ class World:
                 else proto.Ok(waiter.request_id, value=self.epoch)
             )
         for rank, waiter in sorted(strays.items()):
+            if self.members.get(rank) is waiter.peer:
+                # a rank of the last epoch whose vote lost the race: the rank is another
+                # daemon's now, and this connection's end must not fail the world it runs in
+                del self.members[rank]
+                self._extras.forget(rank)
             where = placement[rank] if rank < len(placement) else "another daemon"
             self._cancel(waiter, ErrorCode.DUPLICATE_RANK,
                          f"rank {rank} of world {self.name} is on daemon {where}")
@@ -245,8 +252,10 @@ class World:
                events: EventPair | None = None, early: bool = False) -> None:
         """Enter one request's calls into matching; the ticket replies when all ran."""
         peer = self.members.get(rank)
-        if self.state is not WorldState.READY or peer is None:
+        if self.state is not WorldState.READY:
             raise CallError(self.cause_code, self._not_ready())
+        if peer is None:
+            raise self._placed_elsewhere(rank)
         pending = self._pending_ops.get(rank, 0)
         if pending + len(calls) > self._max_pending_ops:
             raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
@@ -492,6 +501,12 @@ class World:
         if rank is not None:
             extra["rank"] = rank
         return extra
+
+    def _placed_elsewhere(self, rank: int) -> CallError:
+        """For a connection of this rank that the world, ready, does not hold (the rebuild
+        placed the rank on another daemon)."""
+        where = f"daemon {self.net.placement[rank]}" if self.net is not None else "another connection"
+        return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on {where}")
 
     def _not_ready(self) -> str:
         if self.cause is None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import proto
 from client import CommTimeout, DaemonBackend, DaemonShutdown, MisuseError, PeerLost, WorldFailed, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
@@ -39,6 +40,7 @@ from tests.integration.harness import (
     world_name,
     world_status,
 )
+from tests.integration.rawclient import RawClient
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -916,6 +918,61 @@ def test_a_world_ready_a_member_cannot_take_is_answered_with_its_failure(pair: l
     finally:
         root.close()
 
+
+
+def test_a_rank_whose_rebuild_placed_it_on_another_daemon_no_longer_fails_the_world(
+        pair: list[DaemonProcess]) -> None:
+    """Ranks 1 and 2 of a 3-rank world are on B, rank 0 on a raw root R. Both vote to rebuild;
+    R, which took another process's vote for rank 1 first, forms epoch 2 with rank 1 on
+    daemon X. B's rank 1 is refused, and when that process ends, B's world, where rank 2
+    runs, must go on. Before: B kept the refused connection as rank 1; its end failed the
+    healthy epoch 2 ("rank 1's connection was lost"), on B and, through R, everywhere; its
+    calls and votes were taken too."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    ranks: list[RawClient] = []
+    try:
+        address = root.listen()
+        sock = str(b.socket_path)
+        ranks += [RawClient(sock, 10), RawClient(sock, 10)]
+        r1, r2 = ranks
+        for client, rank in ((r1, 1), (r2, 2)):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, 8000,
+                                    bootstrap=address))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
+        (link,) = root.accepted
+        root.send(link, p.WorldReady(world, 1, ("R", "B", "B")))
+        assert isinstance(r1.recv(), proto.Welcome) and isinstance(r2.recv(), proto.Welcome)
+        r1.send(proto.Reconnect(2))
+        for client in (r1, r2):
+            failed = client.recv()  # (rank 1's vote fails epoch 1)
+            assert isinstance(failed, proto.Event) and failed.epoch == 1, failed
+        r2.send(proto.Reconnect(2))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
+                   timeout=10)
+        root.send(link, p.WorldReady(world, 2, ("R", "X", "B")))
+        lost = r1.recv()
+        assert isinstance(lost, proto.Error) and lost.code is ErrorCode.DUPLICATE_RANK, lost
+        assert "is on daemon X" in lost.message
+        assert r2.recv() == proto.Ok(2, value=2)
+        assert (world_status(b, world) or {}).get("ranks") == [2]
+        # what the process that lost rank 1 may still send is refused, and fails nothing
+        for request in (proto.Submit(3, (proto.Barrier(),)), proto.Reconnect(4)):
+            r1.send(request)
+            refused = r1.error()
+            assert refused.code is ErrorCode.DUPLICATE_RANK and "is on daemon X" in refused.message, refused
+        r1.close()  # then it ends
+        wait_until(lambda: query_status(sock, 5)["connections"] == 2, timeout=10)  # (r2 and the query)
+        status = world_status(b, world) or {}
+        assert (status.get("state"), status.get("epoch"), status.get("cause")) == ("ready", 2, None), status
+        assert not root.got(p.WorldFailed, epoch=2)
+        r2.sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # rank 2 heard of no failure
+            r2.recv()
+    finally:
+        for client in ranks:
+            client.close()
+        root.close()
 
 
 def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[DaemonProcess]) -> None:
