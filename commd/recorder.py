@@ -46,7 +46,7 @@ class CallRecord:
             self.state = state
             self.ended = time.monotonic()
             if self._open is not None:
-                del self._open[self]
+                self._open.pop(self, None)  # (gone already if its world failed meanwhile)
             if self.stats is not None:
                 self.stats.record(self, state)
 
@@ -78,6 +78,12 @@ class FlightRecorder:
             ring = self._by_rank[rank] = collections.deque(maxlen=self._depth)
         ring.append(record)
         return record
+
+    def end_deadlines(self) -> None:
+        """The world failed: the calls still open are its engine's to end, or the abort's
+        after the grace. Their deadline was the failed epoch's: a rebuilt world's watch must
+        not fail the new epoch for them."""
+        self._open.clear()
 
     def oldest_open(self) -> CallRecord | None:
         """The longest-waiting call that has a deadline (pending or running)."""

@@ -427,6 +427,7 @@ class World:
                 ticket.fail(code, message)
             else:
                 self._tickets.add(ticket)  # all in the engine: it answers them
+        self.recorder.end_deadlines()
         self._matcher = Matcher(self.world_size, self.local_ranks)
         event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
         for peer in list(self.members.values()):  # a send may close a peer and shrink members

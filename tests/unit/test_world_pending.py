@@ -1,5 +1,6 @@
-"""A rank's count of calls not yet done (`--max-pending-ops`) is about the current epoch:
-an op of a failed epoch that finishes after the rebuild does not count against it."""
+"""A rank's count of calls not yet done (`--max-pending-ops`) and the world's call deadline
+are about the current epoch: an op of a failed epoch that finishes after the rebuild does
+not count against the new one, nor fail it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import proto
 from commd.engine.base import EngineOp, Region
 from commd.errors import CallError
-from commd.world import World
+from commd.world import World, WorldState
 from proto import ErrorCode
 
 pytestmark = pytest.mark.timeout(30)
@@ -97,5 +98,43 @@ async def test_an_op_of_a_failed_epoch_finishing_late_leaves_the_new_epochs_coun
             barrier(world, 0, 3)
         assert refused.value.code is ErrorCode.LIMIT
     finally:
+        world.shutdown("the test ends")
+        world.forget_if_empty()
+
+
+async def test_an_op_of_a_failed_epoch_still_running_does_not_time_the_rebuilt_epoch_out() -> None:
+    """A rank's connection is lost while both ranks' barrier runs in the engine (NCCL: one
+    waiting for the lost peer until its communicator is aborted, after a grace of 2 s);
+    the world is rebuilt at once and stays idle. Before: the new epoch's watch found epoch
+    1's barrier still open past the 0.2 s call deadline and failed the healthy epoch 2
+    with TIMEOUT ("rank 0's call #0 barrier() did not complete within 0.2s")."""
+    engine = HeldEngine()
+    world = World("w", 2, None, engine, lambda _: None, call_timeout_s=0.2)  # type: ignore[arg-type]
+    peers = {0: Peer(), 1: Peer()}
+    try:
+        world.form(1, (0, 1), ())
+        world.members.update(peers)
+        barrier(world, 0, 1)
+        barrier(world, 1, 1)  # matched: epoch 1's barrier runs (held)
+        world.fail(ErrorCode.WORLD_FAILED, "rank 1's connection was lost")
+        world.form(2, (0, 1), ())
+        world.members.update(peers)
+        await asyncio.sleep(0.6)  # past the deadline, several watch intervals
+        assert world.state is WorldState.READY, world.cause
+        assert world.epoch == 2
+        engine.made[0].go.set()  # epoch 1's barrier ends: answered, as ops in the engine are
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert proto.Ok(1) in peers[0].sent and proto.Ok(1) in peers[1].sent
+        barrier(world, 0, 2)
+        barrier(world, 1, 2)  # and the new epoch runs its calls
+        engine.made[1].go.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert proto.Ok(2) in peers[0].sent and proto.Ok(2) in peers[1].sent
+        assert world.state is WorldState.READY, world.cause
+    finally:
+        for made in engine.made:
+            made.go.set()
         world.shutdown("the test ends")
         world.forget_if_empty()
