@@ -344,6 +344,8 @@ class Session:
         world = self._member_world()
         if len(self._registrations) >= self._ctx.config.max_registrations:
             raise CallError(ErrorCode.LIMIT, f"at most {self._ctx.config.max_registrations} registrations")
+        if msg.buf.buf not in self._buffers:  # (an empty span's too: the handle names that buffer)
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, f"buffer {msg.buf.buf} was never imported or was freed")
         region = self._region(msg.buf, msg.nbytes)  # bounds-checked now
         handle = self._next_handle
         self._next_handle += 1

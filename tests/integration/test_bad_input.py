@@ -195,6 +195,10 @@ def test_unknown_and_freed_handles(sock: str, steady: None) -> None:
         assert raw.error().code is ErrorCode.UNKNOWN_HANDLE
         raw.send(proto.SymFree(4, 7))  # an import, not a symmetric allocation
         assert raw.error().code is ErrorCode.UNKNOWN_HANDLE
+        for nbytes in (0, 8):  # (an empty registration names its buffer all the same)
+            raw.send(proto.Register(4, proto.Mem(99, 0), nbytes))
+            err = raw.error()
+            assert err.code is ErrorCode.UNKNOWN_BUFFER and "99" in err.message, err
         raw.send(proto.Forget((7,)))
         raw.send(proto.Submit(5, (proto.AllReduce(proto.Mem(7, 0), 8),)))
         assert raw.error().code is ErrorCode.UNKNOWN_BUFFER
