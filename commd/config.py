@@ -20,6 +20,13 @@ MAX_LIMIT = (1 << 63) - 1  # a limit travels in status reports as a msgpack inte
 MAX_ID = (1 << 32) - 2  # uids and gids: (uid_t)-1 means "none"
 
 
+def utf8_text(text: str | os.PathLike[str]) -> str:
+    """`text` as the UTF-8 that a status report or a peer handshake must carry: a path (or a
+    name the system gave) need not be UTF-8, and its undecodable bytes, held as lone
+    surrogates, made the encoder fail; they are backslash-escaped instead."""
+    return os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
 def read_small_file(path: str, limit: int, what: str, key: str | None = None) -> bytes:
     """A regular file of at most `limit` bytes: a FIFO would block start-up for ever, and
     /dev/zero would fill the memory."""
@@ -157,8 +164,8 @@ class ServerConfig:
             if f.name == "peer_secret":
                 out["peer_secret_set"] = value is not None
                 continue
-            elif isinstance(value, Path):  # (a path need not be UTF-8; the report must be)
-                value = os.fsencode(value).decode("utf-8", "backslashreplace")
+            elif isinstance(value, Path):
+                value = utf8_text(value)
             elif isinstance(value, frozenset):
                 value = sorted(value)
             elif isinstance(value, tuple):

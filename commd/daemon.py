@@ -12,7 +12,7 @@ import socket
 from collections.abc import MutableMapping
 
 from .cluster import Cluster
-from .config import ServerConfig
+from .config import ServerConfig, utf8_text
 from .engine import create_engine
 from .engine.base import Engine
 from .peering import PeerSettings
@@ -135,9 +135,10 @@ def _cluster(config: ServerConfig) -> Cluster | None:
 def default_peer_name(config: ServerConfig, host: str) -> str:
     """host:port, or host:socket-path for a daemon without a fixed peer port: stable
     across restarts (the root then knows a restarted daemon for what it is, and ends
-    the old process's links at once), and unique on the host (one daemon per socket)."""
+    the old process's links at once), and unique on the host (one daemon per socket).
+    UTF-8 whatever the path's bytes: the handshake carries it as text."""
     port = config.peer_listen[1] if config.peer_listen else 0
-    return f"{host}:{port}" if port else f"{host}:{config.socket_path}"
+    return utf8_text(f"{host}:{port}" if port else f"{host}:{os.fspath(config.socket_path)}")
 
 
 def _tune_gc() -> None:

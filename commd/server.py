@@ -26,7 +26,7 @@ from proto import ErrorCode
 from . import __version__
 from .channel import Lingering, PacketChannel, linger_close
 from .cluster import Cluster
-from .config import ServerConfig
+from .config import ServerConfig, utf8_text
 from .engine.base import Engine
 from .errors import ConfigError
 from .logs import Throttled
@@ -181,7 +181,7 @@ class Server:
             "uptime_s": self.uptime(),
             "connections": len(self.sessions),
             "ranks_connected": self.registry.connected_ranks(),
-            "socket": os.fspath(self.config.socket_path),
+            "socket": utf8_text(self.config.socket_path),
             "socket_activated": self._listener is not None and not self._owns_path,
             "metrics": self.metrics_address,
             "config": self.config.public(),

@@ -326,6 +326,35 @@ def run_cli(*args: str) -> str:
     return done.stdout.decode()
 
 
+def test_a_daemon_on_a_socket_path_that_is_not_utf8_reports_and_joins_worlds(tmp: Path,
+                                                                              pool: RankPool) -> None:
+    """The settings take a socket path of any bytes, but the report carried it raw and the
+    default peer name (host:SOCKET without a fixed peer port) was made of it: every `commd
+    status` failed as a daemon bug (the report could not be encoded), and every world across
+    daemons failed in the handshake (peer_hello cannot be encoded)."""
+    secret = {"COMMD_PEER_SECRET": "test-secret-0123456789"}
+    path = tmp / os.fsdecode(b"caf\xe9") / "commd.sock"
+    member = Spawned(serve_cmd(path), child_env(**secret))
+    try:
+        with DaemonProcess(tmp / "root" / "commd.sock", env=secret,
+                           args=["--peer-listen", "127.0.0.1:0"]) as root:
+            wait_until(lambda: path.exists() or member.proc.poll() is not None, "the member's socket")
+            info = query_status(str(path), 5)
+            assert info["socket"] == info["config"]["socket"] == f"{tmp}/caf\\xe9/commd.sock"
+            assert info["peers"]["name"] == f"{socket.gethostname()}:{tmp}/caf\\xe9/commd.sock"
+            assert run_cli("status", "--socket", str(path)).startswith("commd ")
+
+            world = world_name("utf8")
+            specs = [f"{root.socket_path}@{root.peer_address()}", f"{path}@{root.peer_address()}"]
+            outcomes = pool.run(service_workers.reduce_then_wait,
+                                [(specs[r], world, r, 2, 2, 4, False) for r in range(2)], timeout=30)
+            assert [o.unwrap() for o in outcomes] == [([1, 3], "done")] * 2
+        code, err = member.terminate()
+        assert code == 0 and "Traceback" not in err, err
+    finally:
+        member.kill()
+
+
 def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
     pytest.importorskip("prometheus_client")
     with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
