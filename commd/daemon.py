@@ -25,20 +25,22 @@ log = logging.getLogger("commd")
 ENGINE_CHECK_S = 0.5  # how often the engine is asked whether its GPU is still usable
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: commd has no reload, and the default action of a hang-up killed it with no
+# teardown (socket file left, ranks not told, and a death systemd does not restart)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
                 environ: MutableMapping[str, str] | None = None, engine: Engine | None = None,
                 *, ignore_signals_after: bool = False) -> int:
-    """Serve until SIGTERM or SIGINT; then fail pending calls, remove the socket, return 0.
+    """Serve until SIGTERM, SIGINT or SIGHUP; then fail pending calls, remove the socket, return 0.
     Return 1 instead when the engine broke for good (a sticky CUDA error): the service
     manager starts the daemon afresh (Restart=on-failure), which is the only recovery.
 
     `environ` (os.environ by default) carries what systemd passes: $NOTIFY_SOCKET,
     $WATCHDOG_USEC, and the LISTEN_* variables of socket activation (removed once read).
     `engine`: the one to serve with, instead of the configured one (tests).
-    `ignore_signals_after`: leave SIGTERM and SIGINT ignored on the way out, not as they
+    `ignore_signals_after`: leave the stop signals ignored on the way out, not as they
     were (see run)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -66,6 +66,23 @@ def test_sigterm_fails_pending_calls_removes_socket_exits_zero(pool: RankPool,
     assert not os.path.exists(sock)
 
 
+def test_sighup_stops_the_daemon_as_sigterm_does(pool: RankPool, own_daemon: DaemonProcess) -> None:
+    """A hang-up (the terminal of a daemon run by hand closing, `kill -HUP` from someone
+    expecting a reload, which commd does not do) is a stop like the others (before: the
+    default action killed it mid-flight: exit -1, the socket file left behind, the ranks
+    told nothing; and systemd's Restart=on-failure counts a SIGHUP death as clean)."""
+    sock, world = str(own_daemon.socket_path), world_name()
+    started = pool.start(workers.wait_for_command, [(sock, world, r, 2) for r in range(2)])
+    wait_pending(sock, world, 2)
+    assert own_daemon.proc is not None
+    own_daemon.proc.send_signal(signal.SIGHUP)
+    assert own_daemon.proc.wait(20) == 0
+    outcomes = [o.unwrap() for o in pool.collect(started, 20)]
+    for name, message in outcomes:
+        assert name == "DaemonShutdown" and "shutting down" in message
+    assert not os.path.exists(sock)
+
+
 def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
     tmp = short_tmpdir()
     path = Path(tmp) / "run" / "commd.sock"
