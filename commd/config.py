@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from proto.peer import MAX_DAEMON_NAME
+
 from .errors import ConfigError
 
 DEFAULT_SOCKET = "/run/commd/commd.sock"
@@ -132,6 +134,10 @@ class ServerConfig:
                 raise ConfigError(f"{KEY_OF_FIELD.get(name, name)}: ids are 0..{MAX_ID}", key=name)
         if self.threads is not None and not 1 <= self.threads <= 256:
             raise ConfigError("threads: must be 1..256", key="threads")
+        # (checked here: the handshake refuses to carry it, and a daemon that started with it
+        # failed every world across daemons instead)
+        if self.peer_name is not None and not 0 < len(self.peer_name) <= MAX_DAEMON_NAME:
+            raise ConfigError(f"peer_name: must be 1..{MAX_DAEMON_NAME} characters", key="peer_name")
         if self.peer_secret is not None and len(self.peer_secret) < 16:
             raise ConfigError("peer secret: must be at least 16 bytes", key="peer_secret")
         if self.peer_listen is not None and self.peer_secret is None:

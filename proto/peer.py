@@ -54,10 +54,11 @@ TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
+MAX_DAEMON_NAME = 256  # characters of a daemon's name (peer_name)
 FRAME = struct.Struct(">II")
 
 
-def _name(name: str, value: str, limit: int = 256) -> None:
+def _name(name: str, value: str, limit: int = MAX_DAEMON_NAME) -> None:
     if not 0 < len(value) <= limit:
         raise InvalidMessage(f"{name} must be 1..{limit} characters")
 

@@ -234,6 +234,21 @@ def test_values_a_status_report_could_not_carry_are_refused_at_start(argv: tuple
         load_config(flags(*argv), {}, "")
 
 
+@pytest.mark.parametrize(("env", "argv"), [
+    ({"COMMD_PEER_NAME": "n" * 257}, ()),
+    ({}, ("--peer-name", "")),
+])
+def test_a_peer_name_the_handshake_cannot_carry_is_refused_at_start(env: dict[str, str],
+                                                                     argv: tuple[str, ...]) -> None:
+    """Accepted, the daemon served, and every world across daemons failed when it dialed or
+    answered: "the listener does not speak the peer protocol: daemon must be 1..256
+    characters" (an empty one silently became the default name instead)."""
+    message = error(Path("/nonexistent"), env=env, argv=argv)
+    assert "peer_name: must be 1..256 characters" in message, message
+    assert ("$COMMD_PEER_NAME" if env else "--peer-name") in message, message
+    assert load_config(flags("--peer-name", "n" * 256), {}, "").peer_name == "n" * 256
+
+
 def test_text_that_is_not_utf8_is_refused_but_a_path_may_be_any_bytes() -> None:
     with pytest.raises(ConfigError, match=r"peer_name .*not UTF-8"):
         load_config(flags(), {"COMMD_PEER_NAME": "\udcff"}, "")
