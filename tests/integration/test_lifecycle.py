@@ -102,6 +102,40 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_stopped_daemon_whose_backlog_is_full_is_not_taken_for_a_stale_socket() -> None:
+    """A second `commd serve` on the socket of a daemon that is stopped, its listen backlog
+    full, says another daemon is there and exits (before: its probe's connect waited for
+    good, and start-up with it, without a word)."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    waiting: list[socket.socket] = []
+    try:
+        with DaemonProcess(path) as first:
+            os.kill(first.pid, signal.SIGSTOP)
+            try:
+                while True:  # fill its backlog
+                    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+                    try:
+                        client.connect(str(path))
+                    except BlockingIOError:
+                        client.close()
+                        break
+                    waiting.append(client)
+                second = subprocess.run([sys.executable, "-m", "commd", "serve", "--socket", str(path)],
+                                        capture_output=True, text=True, timeout=30)
+            finally:
+                os.kill(first.pid, signal.SIGCONT)
+            assert second.returncode == 2, second.stderr
+            assert "another daemon is listening" in second.stderr and "backlog is full" in second.stderr
+            for client in waiting:
+                client.close()
+            assert query_status(str(path), 5)["pid"] == first.pid
+    finally:
+        for client in waiting:
+            client.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_status_reports_worlds_and_refuses_unknown_ones(pool: RankPool,
                                                         own_daemon: DaemonProcess) -> None:
     sock, world = str(own_daemon.socket_path), world_name()
