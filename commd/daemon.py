@@ -11,10 +11,13 @@ import signal
 import socket
 from collections.abc import MutableMapping
 
+from proto.peer import MAX_DAEMON_NAME
+
 from .cluster import Cluster
 from .config import ServerConfig, utf8_text
 from .engine import create_engine
 from .engine.base import Engine
+from .errors import ConfigError
 from .peering import PeerSettings
 from .server import Server
 from .systemd import Notifier, inherited_listener, keep_alive, watchdog_interval
@@ -130,6 +133,9 @@ def _cluster(config: ServerConfig) -> Cluster | None:
     if config.peer_secret is None:
         return None
     name = config.peer_name or default_peer_name(config, socket.gethostname())
+    if len(name) > MAX_DAEMON_NAME:  # (a set peer_name was checked with the settings)
+        raise ConfigError(f"peer_name: the default, {name[:60]}..., is {len(name)} characters; the peer "
+                          f"protocol carries at most {MAX_DAEMON_NAME}: set peer_name", key="peer_name")
     return Cluster(PeerSettings(name, config.peer_secret, config.peer_heartbeat_s, config.peer_window_s),
                    config.max_peer_held_bytes)
 

@@ -355,6 +355,18 @@ def test_a_daemon_on_a_socket_path_that_is_not_utf8_reports_and_joins_worlds(tmp
         member.kill()
 
 
+def test_a_default_peer_name_the_handshake_cannot_carry_is_refused_at_start(tmp: Path) -> None:
+    """Without peer_name, a daemon is named host:SOCKET, and each byte of the path that is
+    not UTF-8 takes four characters (backslash-escaped): past 256, the handshake could not
+    carry the name and every world across daemons failed. The daemon refuses to start."""
+    path = tmp / os.fsdecode(b"\xff" * 60) / "commd.sock"
+    done = subprocess.run(serve_cmd(path), env=child_env(COMMD_PEER_SECRET="test-secret-0123456789"),
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert "peer_name: the default" in done.stderr and "set peer_name" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
     pytest.importorskip("prometheus_client")
     with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
