@@ -251,10 +251,12 @@ class Session:
             nonlocal handed_over
             handed_over = True  # from here the engine owns the fd, and closes it on failure
             mapping = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd, self._device)
-            if mapping.device is not None and self._device is not None and mapping.device != self._device:
+            # (a hello without a device puts the rank on GPU 0, as the world and engine do)
+            device = self._device or 0
+            if mapping.device is not None and mapping.device != device:
                 mapping.close()  # NCCL would run this rank's op on another GPU's memory
                 raise CallError(ErrorCode.MISUSE, f"buffer {msg.buf} lives on GPU {mapping.device}; "
-                                                  f"this rank's device is {self._device}")
+                                                  f"this rank's device is {device}")
             return mapping
 
         try:

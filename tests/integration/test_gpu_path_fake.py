@@ -205,6 +205,27 @@ def test_memory_of_another_gpu_is_refused(daemon: GpuDaemon, gpu: FakeGpu) -> No
         assert np.frombuffer(gpu.read(here, 16), np.float32).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_memory_of_another_gpu_is_refused_to_a_rank_that_named_no_device(daemon: GpuDaemon,
+                                                                        gpu: FakeGpu) -> None:
+    """A hello without a device puts the rank on GPU 0 (its communicator, streams and
+    symmetric memory): memory of GPU 1 is refused as for a rank that named GPU 0, not run
+    on by GPU 0's kernels (the client, told no device, cannot check it)."""
+    driver = WorkerDriver(gpu)
+    with DaemonBackend(str(daemon.socket_path), world_name("gpu"), 0, 1, timeout=10,
+                       cuda_driver=lambda: driver) as comm:
+        here = driver.alloc(b"\x02" * 8, device=0)
+        comm.all_reduce(here, 8, dtype="u8")
+        opened = gpu.allocations
+        elsewhere = driver.alloc(b"\x01" * 8, device=1)
+        with pytest.raises(MisuseError, match="lives on GPU 1; this rank's device is 0"):
+            comm.all_reduce(elsewhere, 8, dtype="u8")
+        wait_until(lambda: gpu.allocations == opened + 1,  # the worker's; the daemon's opening went
+                   lambda: (gpu.allocations, opened + 1))
+        assert [c.device for c in gpu._comms.values()] == [0]
+        comm.all_reduce(here, 8, dtype="u8")  # the rank serves on
+        assert gpu.read(here, 8) == b"\x02" * 8
+
+
 def test_async_calls_are_ordered_on_the_workers_stream(daemon: GpuDaemon, gpu: FakeGpu) -> None:
     """The ordering proof through the whole stack: rank 0's long kernel writes its buffer
     right before all_reduce_async. The call returns before the kernel ran (ordered, not
