@@ -16,7 +16,7 @@ from client.vmm import map_fd
 from proto import DType, ReduceOp
 
 from .addkernel import compile_add_bf16
-from .gpu import CommState, GpuError, Imported, Origin
+from .gpu import CommState, GpuError, Imported, Origin, Unshareable
 
 _UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
 # CUresults after which the context stays unusable (cuda.h: "the process must be
@@ -180,11 +180,11 @@ class BindingsGpu:
                                      "cuMemExportToShareableHandle"))
             finally:
                 cu.cuMemRelease(handle)
-        except GpuError as exc:
-            self._nccl.mem_free(ptr)
-            raise GpuError(f"ncclMemAlloc's memory cannot be handed to a worker as a POSIX fd: NCCL "
-                           f"allocates with cudaMalloc when its cuMem allocator is off (NCCL_CUMEM_ENABLE=0 "
-                           f"or unsupported) and with fabric handles on multi-node NVLink ({exc})") from None
+        except GpuError as exc:  # (its ncclMemFree is the caller's: see Unshareable)
+            raise Unshareable(f"ncclMemAlloc's memory cannot be handed to a worker as a POSIX fd: NCCL "
+                              f"allocates with cudaMalloc when its cuMem allocator is off "
+                              f"(NCCL_CUMEM_ENABLE=0 or unsupported) and with fabric handles on multi-node "
+                              f"NVLink ({exc})", Imported(ptr, nbytes, device, Origin.NCCL)) from None
         except BaseException:
             self._nccl.mem_free(ptr)
             raise

@@ -26,6 +26,15 @@ class GpuError(Exception):
     """A CUDA or NCCL call failed."""
 
 
+class Unshareable(GpuError):
+    """alloc_shared's memory has no fd for a worker: `memory` is still allocated, and the
+    caller lets it go as it lets go of any (its free may wait for the device)."""
+
+    def __init__(self, message: str, memory: Imported) -> None:
+        super().__init__(message)
+        self.memory = memory
+
+
 class CommState(enum.Enum):
     """A communicator's state, from ncclCommGetAsyncError."""
 
@@ -92,7 +101,8 @@ class Gpu(Protocol):
         ...
 
     def alloc_shared(self, nbytes: int, device: int) -> tuple[Imported, int]:
-        """Memory for symmetric_alloc (ncclMemAlloc) and a POSIX fd a worker can import."""
+        """Memory for symmetric_alloc (ncclMemAlloc) and a POSIX fd a worker can import;
+        Unshareable if the memory has no such fd."""
         ...
 
     def copy_in(self, ptr: int, data: bytes) -> None:

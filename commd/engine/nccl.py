@@ -28,7 +28,7 @@ from proto import IPC_MEM_HANDLE_BYTES, ErrorCode, MemKind
 
 from ..channel import close_fds
 from ..errors import CallError
-from .gpu import Gpu, GpuError
+from .gpu import Gpu, GpuError, Unshareable
 from .ncclcomm import NcclCommunicator
 from .ncclgate import NcclGate
 from .ncclmemory import Freer, NcclEvents, NcclMapping
@@ -87,6 +87,11 @@ class NcclEngine:
         self._gate.wait()  # ncclMemAlloc
         try:
             memory, fd = self.gpu.alloc_shared(nbytes, device or 0)
+        except Unshareable as exc:
+            # ncclMemFree (a cudaFree: it waits for the device) not here on the loop, and
+            # not inside a launch: as every free goes
+            self._freer.free(exc.memory)
+            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         except GpuError as exc:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         return NcclMapping(self._freer, memory), fd

@@ -278,7 +278,9 @@ def test_symmetric_alloc_where_ncclmemalloc_gives_cudamalloc_memory(daemon: GpuD
     with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
         with pytest.raises(CommError, match="NCCL_CUMEM_ENABLE=0"):
             comm.symmetric_alloc(4096)
-        assert device.gpu.allocations == baseline and device.calls["ncclMemFree"] == 1
+        # (ncclMemFree runs on the daemon's NCCL gate thread, as every ncclMemFree does)
+        wait_until(lambda: device.gpu.allocations == baseline and device.calls.get("ncclMemFree") == 1,
+                   lambda: (device.gpu.allocations, baseline, device.calls.get("ncclMemFree")))
         ptr = worker.alloc(b"\x02" * 8)
         comm.all_reduce(ptr, 8, dtype="u8")
         comm.barrier()

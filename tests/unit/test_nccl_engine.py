@@ -28,6 +28,7 @@ from commd.engine.base import (
     SendOp,
     TransferOp,
 )
+from commd.engine.bindings import BindingsGpu
 from commd.engine.gpu import CommState, GpuError, Imported, Origin
 from commd.engine.nccl import NcclEngine
 from commd.engine.ncclcomm import NcclCommunicator, _by_request, _Launch
@@ -36,6 +37,7 @@ from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
 from proto import DType, ErrorCode, MemKind, ReduceOp
 from proto import peer as p
+from tests import fakecuda
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import eventually as until
@@ -1466,6 +1468,43 @@ async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing
     engine.close()  # (cancelled first, the launch would end its window itself)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
     await _cancelled(sent)
+
+
+async def test_ncclmemalloc_memory_that_cannot_be_handed_over_goes_between_launches() -> None:
+    """With NCCL's cuMem allocator off, ncclMemAlloc gives cudaMalloc memory, which has no
+    fd for the worker: symmetric_alloc fails and the memory goes (ncclMemFree, a cudaFree
+    that waits for the device). Through the real bindings, asked while a launch is half
+    made: it must not go inside it, yet must go."""
+    gpu = _FreesDuringLaunches()
+    with fakecuda.bound(gpu) as abi:
+        engine = NcclEngine(BindingsGpu())
+        try:
+            baseline = gpu.allocations
+            shared, fd = engine.allocate(8)  # (the payload: cuMem memory, shareable)
+            os.close(fd)
+            gpu.lazy_connect = {(0, 1)}
+            comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
+            landing = engine.allocate(8)
+            os.close(landing[1])
+            await comm.run(BarrierOp((0, 1)))
+            sent = asyncio.ensure_future(comm.run(SendOp(0, 1, shared.region(0, 8), NO_TAG)))
+            await until(lambda: bool(gpu.launching))
+            abi.nccl_cumem = False
+            with pytest.raises(CallError) as info:
+                engine.allocate(64)
+            assert info.value.code is ErrorCode.LIMIT and "NCCL_CUMEM_ENABLE=0" in info.value.message
+            assert gpu.inside == [] and gpu.launching  # not inside the launch, still half made
+            await asyncio.wait_for(asyncio.gather(sent, comm.run(RecvOp(0, 1, landing[0].region(0, 8),
+                                                                         NO_TAG))), 5)
+            await until(lambda: abi.calls.get("ncclMemFree", 0) == 1)  # once the launch settled
+            assert gpu.inside == []
+            for mapping in (shared, landing[0]):
+                mapping.close()
+            comm.abort()
+            await until(lambda: not comm.busy() and abi.calls.get("ncclMemFree", 0) == 3)
+        finally:
+            engine.close()
+        assert gpu.allocations == baseline and gpu.violations == []
 
 
 async def test_a_launch_that_fails_in_progress_keeps_its_memory_until_the_device_is_past_it(
