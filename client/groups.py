@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -55,19 +56,23 @@ class Groups:
     meant. `on_dropped(group)` hears of the refusal first: the thread met the end of the
     world of the group's epoch, and its pinned buffers are let go of.
 
-    Groups are held by thread, not in thread-locals, so that the group of a thread that
-    ended inside it is found (`abandoned`): its pinned buffers would otherwise keep their
-    Forgets, and the daemon the worker's memory, for the backend's life."""
+    Groups are held here, by a token each thread keeps in its thread-locals, so that the
+    group of a thread that ended inside it is found (`abandoned`: its locals, and the
+    token, went with it): its pinned buffers would otherwise keep their Forgets, and the
+    daemon the worker's memory, for the backend's life. (Not by `threading.current_thread()`:
+    a thread `threading` did not start, native code calling in, is a `_DummyThread` that
+    never ends and is handed to the next such thread with its id.)"""
 
     def __init__(self, on_dropped: Callable[[OpenGroup], None]) -> None:
-        self._open: dict[threading.Thread, OpenGroup] = {}
+        self._local = threading.local()
+        self._open: dict[weakref.ref[_Token], OpenGroup] = {}
         self._generation = 0
         self._on_dropped = on_dropped
 
     def start(self, basis: Basis) -> None:
         group = self.current()
         if group is None:
-            group = self._open[threading.current_thread()] = OpenGroup(self._generation, basis)
+            group = self._open[self._key()] = OpenGroup(self._generation, basis)
         group.depth += 1
 
     def end(self) -> OpenGroup | None:
@@ -78,14 +83,15 @@ class Groups:
         group.depth -= 1
         if group.depth:
             return None
-        del self._open[threading.current_thread()]
+        del self._open[self._key()]
         return group
 
     def current(self) -> OpenGroup | None:
         """This thread's open group."""
-        group = self._open.get(threading.current_thread())
+        key = self._key()
+        group = self._open.get(key)
         if group is not None and group.generation != self._generation:
-            del self._open[threading.current_thread()]
+            del self._open[key]
             self._on_dropped(group)
             raise MisuseError("a reconnect ended this thread's group (its calls were for the world "
                               "before): make the calls again in a new group")
@@ -99,5 +105,18 @@ class Groups:
         """The groups of threads that ended with them open, forgotten now: their calls
         will never be sent."""
         # (a copy: other threads add and remove their own groups meanwhile)
-        ended = [thread for thread in list(self._open) if not thread.is_alive()]
-        return [group for thread in ended if (group := self._open.pop(thread, None)) is not None]
+        ended = [key for key in list(self._open) if key() is None]
+        return [group for key in ended if (group := self._open.pop(key, None)) is not None]
+
+    def _key(self) -> weakref.ref[_Token]:
+        """This thread's key (one ref per token: weakref.ref hands out the same one)."""
+        token: _Token | None = getattr(self._local, "token", None)
+        if token is None:
+            token = self._local.token = _Token()
+        return weakref.ref(token)
+
+
+class _Token:
+    """A thread's, held in its thread-locals alone: dead once the thread has ended."""
+
+    __slots__ = ("__weakref__",)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 
@@ -191,3 +192,37 @@ def test_drop_all_ends_every_open_group_and_a_full_group_refuses() -> None:
     assert groups.current() is None
     groups.start(BASIS)  # after the reconnect: a new group
     assert groups.current() is not None
+
+
+def test_a_thread_python_did_not_start_has_its_own_group_and_abandons_it() -> None:
+    """A thread started outside `threading` (native code calling in, `_thread`) is a
+    `_DummyThread` to Python: never "not alive", and handed to the next such thread that
+    reuses its id. Its group must end with it, as a `threading.Thread`'s does."""
+    groups = Groups(on_dropped=lambda group: None)
+    opened: list[OpenGroup] = []
+    seen: list[OpenGroup | None] = []
+    first_done, second_done = threading.Event(), threading.Event()
+
+    def leaves_its_group_open() -> None:
+        groups.start(BASIS)
+        group = groups.current()
+        assert group is not None
+        group.add(proto.Barrier(), None, early=False, pinned=(7,))
+        opened.append(group)
+        first_done.set()
+
+    def calls_alone() -> None:
+        seen.append(groups.current())
+        second_done.set()
+
+    _thread.start_new_thread(leaves_its_group_open, ())
+    assert first_done.wait(5)
+    deadline = time.monotonic() + 5
+    abandoned: list[OpenGroup] = []
+    while not abandoned and time.monotonic() < deadline:  # (its locals go once it has ended)
+        abandoned = groups.abandoned()
+        time.sleep(0.01)
+    assert abandoned == opened and opened[0].pinned == [7]  # (before: never, its pins held for good)
+    _thread.start_new_thread(calls_alone, ())  # (likely under the same thread id)
+    assert second_done.wait(5)
+    assert seen == [None]  # its calls are its own, not the ended thread's group's
