@@ -269,3 +269,17 @@ def test_the_root_sends_a_slow_member_its_result_a_chunk_at_a_time(
     finally:
         proxy.close()
     assert grown[0] <= allowed, f"the root's memory rose by {grown[0] >> 20} MiB for a 64 MiB {call}"
+
+
+def test_a_member_sending_data_in_another_daemons_name_fails_the_world(daemon: DaemonProcess) -> None:
+    """Daemon X (a raw peer) holds rank 1 of a world rooted on A, and sends A an "up" chunk
+    in rank 0's name, which is on A: read as that rank's part, it would stand for data its
+    daemon never sent. A fails the world, naming X (before: A kept the frame, for a call to
+    read as another daemon's)."""
+    with raw_member(daemon) as (x, link, comm, world):
+        assert x.got(p.WorldReady, world=world, epoch=1)
+        x.send(link, p.Data(world, 1, "up", 0, 0, 0, "barrier()", (0,)))
+        wait_until(lambda: not comm.is_healthy(), timeout=5)
+        with pytest.raises(WorldFailed, match="daemon X sent 'up' data of call 0 for rank 0, which is "
+                                              "not one of its"):
+            comm.barrier()

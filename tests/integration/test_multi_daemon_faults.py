@@ -1085,30 +1085,3 @@ def test_a_flood_of_stale_messages_logs_one_line_a_second_and_counts_every_one()
     finally:
         x.close()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_a_member_sending_data_in_another_daemons_name_fails_the_world(pair: list[DaemonProcess]) -> None:
-    """Daemon X (a raw peer) holds rank 1 of a world rooted on A, and sends A an "up" chunk
-    in rank 0's name, which is on A: read as that rank's part, it would stand for data its
-    daemon never sent. A fails the world, naming X (before: A kept the frame, for a call to
-    read as another daemon's)."""
-    a = pair[0]
-    world, x = world_name(), RawPeer("X")
-    try:
-        link = x.dial(a)
-        with ThreadPoolExecutor(1) as threads:
-            joining = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=10,
-                                     bootstrap=a.peer_address())
-            x.send(link, p.JoinWorld(world, 2, 1, 0, 10_000, vote=1))
-            comm = joining.result(20)
-        try:
-            assert x.got(p.WorldReady, world=world, epoch=1)
-            x.send(link, p.Data(world, 1, "up", 0, 0, 0, "barrier()", (0,)))
-            wait_until(lambda: not comm.is_healthy(), timeout=5)
-            with pytest.raises(WorldFailed, match="daemon X sent 'up' data of call 0 for rank 0, which is "
-                                                  "not one of its"):
-                comm.barrier()
-        finally:
-            comm.close()
-    finally:
-        x.close()

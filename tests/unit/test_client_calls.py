@@ -123,6 +123,15 @@ def test_groups_nest_and_belong_to_their_thread() -> None:
         groups.end()
 
 
+def open_group_pinning(groups: Groups, buffer_id: int) -> OpenGroup:
+    """This thread's group, opened with one call that pins `buffer_id`."""
+    groups.start(BASIS)
+    group = groups.current()
+    assert group is not None
+    group.add(proto.Barrier(), None, early=False, pinned=(buffer_id,))
+    return group
+
+
 def test_the_group_of_a_thread_that_ended_inside_it_is_abandoned_once() -> None:
     groups = Groups(on_dropped=lambda group: None)
     groups.start(BASIS)  # (this thread's, alive: never abandoned)
@@ -130,11 +139,7 @@ def test_the_group_of_a_thread_that_ended_inside_it_is_abandoned_once() -> None:
     go = threading.Event()
 
     def leaves_its_group_open() -> None:
-        groups.start(BASIS)
-        group = groups.current()
-        assert group is not None
-        group.add(proto.Barrier(), None, early=False, pinned=(7,))
-        opened.append(group)
+        opened.append(open_group_pinning(groups, 7))
         assert go.wait(5)
 
     other = threading.Thread(target=leaves_its_group_open)
@@ -204,11 +209,7 @@ def test_a_thread_python_did_not_start_has_its_own_group_and_abandons_it() -> No
     first_done, second_done = threading.Event(), threading.Event()
 
     def leaves_its_group_open() -> None:
-        groups.start(BASIS)
-        group = groups.current()
-        assert group is not None
-        group.add(proto.Barrier(), None, early=False, pinned=(7,))
-        opened.append(group)
+        opened.append(open_group_pinning(groups, 7))
         first_done.set()
 
     def calls_alone() -> None:

@@ -77,18 +77,24 @@ def barrier(world: World, rank: int, request_id: int) -> None:
     world.submit(rank, request_id, [(proto.Barrier(), ())])
 
 
+def rebuilt_while_a_barrier_runs(world: World, peers: dict[int, Peer], why: str) -> None:
+    """Epoch 1's barrier of both ranks runs in the (held) engine; the world fails (`why`)
+    and forms again at epoch 2, with the same connections."""
+    world.form(1, (0, 1), ())
+    world.members.update(peers)
+    barrier(world, 0, 1)
+    barrier(world, 1, 1)  # matched: epoch 1's barrier runs (held)
+    world.fail(ErrorCode.WORLD_FAILED, why)
+    world.form(2, (0, 1), ())
+    world.members.update(peers)
+
+
 async def test_an_op_of_a_failed_epoch_finishing_late_leaves_the_new_epochs_count() -> None:
     engine = HeldEngine()
     world = World("w", 2, None, engine, lambda _: None, max_pending_ops=1)  # type: ignore[arg-type]
     peers = {0: Peer(), 1: Peer()}
     try:
-        world.form(1, (0, 1), ())
-        world.members.update(peers)
-        barrier(world, 0, 1)
-        barrier(world, 1, 1)  # matched: epoch 1's barrier runs (held)
-        world.fail(ErrorCode.WORLD_FAILED, "a rank asked for a rebuild")
-        world.form(2, (0, 1), ())
-        world.members.update(peers)
+        rebuilt_while_a_barrier_runs(world, peers, "a rank asked for a rebuild")
         barrier(world, 0, 2)  # epoch 2: rank 0's one call allowed, waiting for rank 1's
         engine.made[0].go.set()  # epoch 1's barrier ends now
         for _ in range(5):
@@ -112,13 +118,7 @@ async def test_an_op_of_a_failed_epoch_still_running_does_not_time_the_rebuilt_e
     world = World("w", 2, None, engine, lambda _: None, call_timeout_s=0.2)  # type: ignore[arg-type]
     peers = {0: Peer(), 1: Peer()}
     try:
-        world.form(1, (0, 1), ())
-        world.members.update(peers)
-        barrier(world, 0, 1)
-        barrier(world, 1, 1)  # matched: epoch 1's barrier runs (held)
-        world.fail(ErrorCode.WORLD_FAILED, "rank 1's connection was lost")
-        world.form(2, (0, 1), ())
-        world.members.update(peers)
+        rebuilt_while_a_barrier_runs(world, peers, "rank 1's connection was lost")
         await asyncio.sleep(0.6)  # past the deadline, several watch intervals
         assert world.state is WorldState.READY, world.cause
         assert world.epoch == 2
