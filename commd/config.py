@@ -20,6 +20,7 @@ SECRET_ENV = "COMMD_PEER_SECRET"
 
 MAX_LIMIT = (1 << 63) - 1  # a limit travels in status reports as a msgpack integer
 MAX_ID = (1 << 32) - 2  # uids and gids: (uid_t)-1 means "none"
+MIN_TIMER_S = 0.01  # the shortest hello_timeout and peer_heartbeat
 
 
 def utf8_text(text: str | os.PathLike[str]) -> str:
@@ -147,13 +148,15 @@ class ServerConfig:
         for name in ("peer_heartbeat_s", "peer_window_s", "hello_timeout_s"):  # nan compares false
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{KEY_OF_FIELD[name]}: must be a finite number of seconds", key=name)
-        if self.hello_timeout_s <= 0:
-            raise ConfigError("hello_timeout: must be positive", key="hello_timeout_s")
+        # (timers: 1e-6 closed every connection before its hello could come, and a heartbeat
+        # that short floods the peers)
+        if self.hello_timeout_s < MIN_TIMER_S:
+            raise ConfigError(f"hello_timeout: must be at least {MIN_TIMER_S:g}s", key="hello_timeout_s")
         if self.max_call_timeout_s is not None and not 0 < self.max_call_timeout_s < math.inf:
             raise ConfigError("max_call_timeout: must be a positive, finite number of seconds",
                               key="max_call_timeout_s")
-        if self.peer_heartbeat_s <= 0:
-            raise ConfigError("peer_heartbeat: must be positive", key="peer_heartbeat_s")
+        if self.peer_heartbeat_s < MIN_TIMER_S:
+            raise ConfigError(f"peer_heartbeat: must be at least {MIN_TIMER_S:g}s", key="peer_heartbeat_s")
         if self.peer_window_s <= self.peer_heartbeat_s:
             raise ConfigError("peer_window: must be longer than the heartbeat interval "
                               f"({self.peer_heartbeat_s:g}s)", key="peer_window_s")

@@ -169,6 +169,8 @@ def file_layer(path: str) -> dict[str, Value]:
         table = tomllib.loads(read_small_file(path, MAX_CONFIG_BYTES, "config file").decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:  # (tomllib's parser recurses once per nested array or table)
+        raise ConfigError(f"config file {path} nests arrays or tables too deeply") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
     for name in table:

@@ -161,6 +161,8 @@ def test_wrong_type_in_file(tmp_path: Path, text: str, words: list[str]) -> None
     ("", {"COMMD_PEER_LISTEN": "127.0.0.1:7420"}, (), ["peer_listen", "secret"]),
     ("peer_window = 0.2\n", {}, (), ["peer_window", "heartbeat", "commd.toml"]),
     ("", {"COMMD_PEER_HEARTBEAT": "nan"}, (), ["peer_heartbeat", "finite", "$COMMD_PEER_HEARTBEAT"]),
+    ("peer_heartbeat = 1e-9\n", {}, (), ["peer_heartbeat", "at least 0.01s", "commd.toml"]),
+    ("", {}, ("--hello-timeout", "1e-6"), ["hello_timeout", "at least 0.01s", "--hello-timeout"]),
     ("peer_window = inf\n", {}, (), ["peer_window", "finite", "commd.toml"]),
     ("max_call_timeout = 0\n", {}, (), ["max_call_timeout", "positive", "commd.toml"]),
     ("", {"COMMD_MAX_CALL_TIMEOUT": "inf"}, (), ["max_call_timeout", "finite", "$COMMD_MAX_CALL_TIMEOUT"]),
@@ -173,6 +175,11 @@ def test_bad_values_name_key_and_source(tmp_path: Path, text: str, env: dict[str
                                          argv: tuple[str, ...], words: list[str]) -> None:
     message = error(tmp_path, text, env, argv)
     assert all(w in message for w in words), message
+
+
+def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    message = error(tmp_path, "threads = " + "[" * 2000 + "]" * 2000 + "\n")
+    assert "nests arrays or tables too deeply" in message and "commd.toml" in message, message
 
 
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
