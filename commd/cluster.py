@@ -20,13 +20,11 @@ from typing import Any, Protocol
 from proto import ErrorCode
 from proto import peer as p
 
+from .config import DEFAULT_MAX_HELD_BYTES
 from .errors import CallError, cannot_listen
 from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
-# What one world may hold of other daemons' data that no op has taken yet: 64 streams'
-# windows (hostnet's flow control holds each to 16 MiB)
-DEFAULT_MAX_HELD_BYTES = 1 << 30
 
 
 class Inbox:

@@ -21,6 +21,9 @@ SECRET_ENV = "COMMD_PEER_SECRET"
 MAX_LIMIT = (1 << 63) - 1  # a limit travels in status reports as a msgpack integer
 MAX_ID = (1 << 32) - 2  # uids and gids: (uid_t)-1 means "none"
 MIN_TIMER_S = 0.01  # the shortest hello_timeout and peer_heartbeat
+# What one world may hold of other daemons' data that no op has taken yet (max_peer_held_bytes):
+# 64 streams' windows (hostnet's flow control holds each to 16 MiB)
+DEFAULT_MAX_HELD_BYTES = 1 << 30
 
 
 def utf8_text(text: str | os.PathLike[str]) -> str:
@@ -104,7 +107,7 @@ class ServerConfig:
     max_daemon_mappings: int = 32768  # buffers the whole daemon maps (vm.max_map_count ~65k)
     max_daemon_bytes: int = 32 << 40  # address space the whole daemon maps
     max_forming_worlds: int = 1024  # worlds held for other daemons' votes, rank 0 not here yet
-    max_peer_held_bytes: int = 1 << 30  # other daemons' data a world holds that no op took yet
+    max_peer_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # other daemons' data a world holds, no op took yet
     threads: int | None = None  # host engine worker threads (default: cores, at most 8)
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one object per line, for log shippers
