@@ -68,6 +68,20 @@ _VERDICT_GRACE_S = 2.0  # a call's: the daemon's verdict on a call open past its
 _Built = TypeVar("_Built")
 
 
+def _socket_path(given: object) -> str:
+    """The daemon's socket path as text, or MisuseError: connect() would cut a path at a NUL
+    and reach whichever socket the prefix names."""
+    try:
+        path = os.fspath(given)  # type: ignore[call-overload]
+    except TypeError:
+        raise MisuseError(f"socket_path must be a path, got {type(given).__name__} {given!r}") from None
+    if not isinstance(path, str):
+        raise MisuseError(f"socket_path must be text, got {type(path).__name__} {path!r}")
+    if not path or "\0" in path:
+        raise MisuseError(f"socket_path must be a non-empty path without NUL, got {path!r}")
+    return path
+
+
 class DaemonBackend(CommBackend):
     """One rank of `world`, served by the daemon at `socket_path`.
 
@@ -98,6 +112,7 @@ class DaemonBackend(CommBackend):
         for name, text in (("world", world), ("bootstrap", bootstrap), ("token", token)):
             if text is not None and not isinstance(text, str):
                 raise MisuseError(f"{name} must be a string, got {type(text).__name__}")
+        path = _socket_path(socket_path)
         self._rank = rank
         self._world_size = world_size
         self._world = world
@@ -113,7 +128,7 @@ class DaemonBackend(CommBackend):
         self._groups = Groups(on_dropped=self._group_dropped)
         # (its link is the daemon connection our bookkeeping of imports, registrations and
         # events is about)
-        self._conn = Connection(os.fspath(socket_path), timeout, self._lock, self._health, self._hello,
+        self._conn = Connection(path, timeout, self._lock, self._health, self._hello,
                                 self._take_owed, self._groups.drop_all, self._forget_daemon)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)

@@ -138,6 +138,18 @@ def test_invalid_hello_values(raw: RawClient, sock: str) -> None:
         DaemonBackend(sock, "bad name with spaces", 0, 1, timeout=2)
 
 
+def test_a_socket_path_that_is_no_text_path_is_refused_before_connecting(sock: str, steady: None) -> None:
+    # connect() cuts a path at its NUL: this one reached the daemon at `sock` and joined
+    with pytest.raises(MisuseError, match="NUL"):
+        DaemonBackend(sock + "\0junk", world_name(), 0, 1, timeout=2)
+    with pytest.raises(MisuseError, match="socket_path must be a path, got int"):
+        DaemonBackend(123, world_name(), 0, 1, timeout=2)  # type: ignore[arg-type]
+    with pytest.raises(MisuseError, match="socket_path must be text"):
+        DaemonBackend(sock.encode(), world_name(), 0, 1, timeout=2)  # type: ignore[arg-type]
+    with DaemonBackend(Path(sock), world_name(), 0, 1, timeout=2) as comm:
+        comm.barrier()
+
+
 def test_world_conflict_and_duplicate_rank(sock: str, steady: None) -> None:
     world = world_name()
     with RawClient(sock) as first:
