@@ -36,11 +36,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from .settings import socket_of
     from .status import query_status, render_status
 
     if args.world is not None:
         _check_world_name(args.world)
-    info = query_status(args.socket, args.timeout, args.world)
+    # (the daemon's own settings say where it listens; a systemd unit may set them)
+    socket = socket_of({"socket": args.socket}, os.environ, args.config)
+    info = query_status(str(socket), args.timeout, args.world)
     try:
         # one world asked for: its whole flight recorder as sent (the last 8 calls per rank)
         print(json.dumps(info, indent=2, allow_nan=False) if args.json
@@ -127,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="ask a running daemon what it is doing")
-    status.add_argument("--socket", default=DEFAULT_SOCKET)
+    status.add_argument("--config", default=None, metavar="PATH",
+                        help="the daemon's TOML config file, for its socket "
+                             "(default: /etc/commd/commd.toml if it exists)")
+    status.add_argument("--socket", help=f"the daemon's Unix socket (default: the config's, "
+                                         f"$COMMD_SOCKET, or {DEFAULT_SOCKET})")
     status.add_argument("--json", action="store_true")
     status.add_argument("--world", default=None, help="only this world")
     status.add_argument("--timeout", type=_seconds, default=5.0)

@@ -150,6 +150,23 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
                 config_path: str | None) -> ServerConfig:
     """The effective configuration. `flags` are the command line's values by key name,
     None where a flag was not given."""
+    values = _layered(flags, environ, config_path)
+    parsed = {name: _parse(KEYS[name], value) for name, value in values.items()}
+    try:
+        return ServerConfig(**_fields(parsed, values, environ))
+    except ConfigError as exc:
+        raise _located(exc, values, environ) from None
+
+
+def socket_of(flags: Mapping[str, Any], environ: Mapping[str, str], config_path: str | None) -> Path:
+    """The socket the daemon these settings start listens on: what `commd status` asks."""
+    value = _layered(flags, environ, config_path).get("socket")
+    socket: Path = _parse(KEYS["socket"], value) if value is not None else Path(DEFAULT_SOCKET)
+    return socket
+
+
+def _layered(flags: Mapping[str, Any], environ: Mapping[str, str],
+             config_path: str | None) -> dict[str, Value]:
     values: dict[str, Value] = {}
     path = config_path if config_path is not None else (
         DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
@@ -157,11 +174,7 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
         values.update(file_layer(path))
     values.update(env_layer(environ))
     values.update(flag_layer(flags))
-    parsed = {name: _parse(KEYS[name], value) for name, value in values.items()}
-    try:
-        return ServerConfig(**_fields(parsed, values, environ))
-    except ConfigError as exc:
-        raise _located(exc, values, environ) from None
+    return values
 
 
 def file_layer(path: str) -> dict[str, Value]:

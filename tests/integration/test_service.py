@@ -319,11 +319,27 @@ def test_status_shows_two_worlds(tmp: Path, pool: RankPool) -> None:
         assert [o.unwrap()[1] for o in pool.collect(held, 20)] == ["DaemonShutdown"] * 4
 
 
-def run_cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "commd", *args], env=child_env(), capture_output=True,
+def run_cli(*args: str, **env: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "commd", *args], env=child_env(**env), capture_output=True,
                           timeout=30)
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode()
+
+
+def test_status_asks_the_socket_the_daemons_settings_name(tmp: Path) -> None:
+    """`commd status` asked /run/commd/commd.sock whatever the config file or $COMMD_SOCKET
+    (which a unit's Environment= sets) told the daemon."""
+    sock = tmp / "configured.sock"
+    config = tmp / "commd.toml"
+    config.write_text(f'socket = "{sock}"\n')
+    with DaemonProcess(sock, args=["--config", str(config)]):
+        for args, env in ((["--config", str(config)], {}), ([], {"COMMD_SOCKET": str(sock)}),
+                          (["--config", str(config), "--socket", str(sock)], {"COMMD_SOCKET": "/nowhere"})):
+            as_json = json.loads(run_cli("status", "--json", *args, **env))
+            assert as_json["socket"] == str(sock), (args, env)
+    done = subprocess.run([sys.executable, "-m", "commd", "status", "--config", str(tmp / "none.toml")],
+                          env=child_env(), capture_output=True, timeout=30)
+    assert done.returncode == 2 and b"none.toml" in done.stderr and b"Traceback" not in done.stderr
 
 
 def test_a_daemon_on_a_socket_path_that_is_not_utf8_reports_and_joins_worlds(tmp: Path,
