@@ -299,7 +299,14 @@ class Cluster:
 def parse_address(address: str) -> tuple[str, int]:
     """`host:port` (IPv6 as `[::1]:port`)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
+    if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise ValueError(f"{address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    if host.startswith("[") or host.endswith("]"):
+        if not (len(host) > 2 and host[0] == "[" and host[-1] == "]" and "[" not in host[1:]
+                and "]" not in host[:-1]):
+            raise ValueError(f"{address!r}: unbalanced brackets around the host")
+        return host[1:-1], int(port)
+    if ":" in host:  # (which colon ends the host is a guess: ::1:9420 may be [::1:9420]:PORT)
+        raise ValueError(f"{address!r}: an IPv6 host goes in brackets, [ADDRESS]:PORT")
+    return host, int(port)
 

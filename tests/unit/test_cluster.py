@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 
 import pytest
 
-from commd.cluster import Cluster, WorldNet
+from commd.cluster import Cluster, WorldNet, parse_address
 from commd.errors import CallError
 from commd.peering import PeerLink, PeerNode, PeerSettings
 from proto import peer as p
@@ -146,3 +147,29 @@ async def test_a_world_whose_bootstrap_is_our_own_listener_is_rooted_here() -> N
         assert made_for_a_member.root_known and made_for_a_member.is_root
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize(("address", "expected"), [
+    ("127.0.0.1:7420", ("127.0.0.1", 7420)),
+    ("node-3.example:0", ("node-3.example", 0)),
+    ("[::1]:9420", ("::1", 9420)),
+    ("[fe80::1%eth0]:7420", ("fe80::1%eth0", 7420)),
+])
+def test_an_address_is_host_and_port(address: str, expected: tuple[str, int]) -> None:
+    assert parse_address(address) == expected
+
+
+@pytest.mark.parametrize(("address", "words"), [
+    ("[::1:9420", "unbalanced brackets"),  # was taken for ::1 port 9420
+    ("::1]:9420", "unbalanced brackets"),
+    ("[]:9420", "unbalanced brackets"),
+    ("[[::1]]:9420", "unbalanced brackets"),
+    ("::1:9420", "IPv6 host goes in brackets"),  # was taken for ::1 port 9420
+    ("localhost", "is not HOST:PORT"),
+    (":7420", "is not HOST:PORT"),
+    ("host:", "is not HOST:PORT"),
+    ("host:7\u0664", "is not HOST:PORT"),  # (an Arabic-Indic digit: isdigit() says yes)
+])
+def test_an_address_that_is_not_host_and_port_is_refused(address: str, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        parse_address(address)
