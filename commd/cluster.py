@@ -116,8 +116,16 @@ class WorldNet:
         self.member_links: dict[str, PeerLink] = {}  # root only: the link each member's votes came on
         self.placement: tuple[str, ...] = ()
         self.epoch = 0
-        self.inbox = Inbox(cluster.max_held_bytes)
+        self.inbox = self._new_inbox()
         self.root_known = bootstrap is None  # whether `resolve` found the root
+
+    def begin_epoch(self, epoch: int) -> None:
+        """The world formed at `epoch`: what other daemons sent for the last one is dropped."""
+        self.epoch = epoch
+        self.inbox = self._new_inbox()
+
+    def _new_inbox(self) -> Inbox:
+        return Inbox(self.cluster.max_held_bytes)
 
     @property
     def is_root(self) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import proto
 from proto import ErrorCode
 
-from .cluster import Inbox, WorldNet
+from .cluster import WorldNet
 from .engine.base import (
     Communicator,
     Engine,
@@ -194,8 +194,7 @@ class World:
              engine_id: bytes = b"") -> None:
         """The membership's verdict: ready at `epoch` with these ranks on this daemon."""
         if self.net is not None:  # before the communicator, which takes this epoch's inbox
-            self.net.epoch = epoch
-            self.net.inbox = Inbox(self.net.cluster.max_held_bytes)
+            self.net.begin_epoch(epoch)
         try:
             comm = self._engine.communicator(
                 self.name, epoch, self.world_size, local_ranks, self.net,
