@@ -219,6 +219,8 @@ class Session:
             ours = self._ctx.engine.device_of(msg.device_uuid)
             if ours is not None:
                 msg = dataclasses.replace(msg, device=ours)
+        elif msg.device is not None:
+            self._ctx.engine.check_device(msg.device)
         self._device = msg.device
         try:
             world = self._ctx.registry.join(self, msg)

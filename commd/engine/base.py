@@ -271,6 +271,12 @@ class Engine(Protocol):
         CallError (misuse) for a GPU this daemon does not see."""
         ...
 
+    def check_device(self, device: int) -> None:
+        """CallError (misuse) for a GPU ordinal this daemon does not have (a world with such
+        a rank would fail its communicators' init for every rank); engines without GPUs
+        take any."""
+        ...
+
     def on_loop_stall(self, announce: Callable[[float], None]) -> None:
         """Call `announce(limit_s)` right before the event loop may wait up to `limit_s`
         (a NCCL call waiting for an ncclCommAbort to return): the daemon tells its peers,

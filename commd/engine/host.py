@@ -466,6 +466,9 @@ class HostEngine:
     def device_of(self, uuid: bytes) -> int | None:
         return None  # host memory only: a worker's GPU is no concern of this engine
 
+    def check_device(self, device: int) -> None:
+        pass  # (as above)
+
     def describe(self) -> str:
         return f"host ({self._threads} threads)"
 

@@ -54,6 +54,7 @@ class NcclEngine:
         self._gate = NcclGate(self._stuck)
         self._freer = Freer(gpu, self._gate)
         self._uuids: dict[bytes, int] | None = None  # each GPU's UUID -> its ordinal here
+        self._device_count: int | None = None  # (read with them)
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> NcclMapping:
@@ -112,18 +113,31 @@ class NcclEngine:
                 f"{gpus} GPU{'' if gpus == 1 else 's'})" + (f"; {holding}" if holding else ""))
 
     def device_of(self, uuid: bytes) -> int | None:
-        if self._uuids is None:  # read once: the GPUs a process sees do not change
-            try:
-                uuids: dict[bytes, int] = {}
-                for device in range(self.gpu.device_count()):
-                    uuids.setdefault(self.gpu.device_uuid(device), device)
-                self._uuids = uuids
-            except GpuError as exc:
-                raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
-        if uuid in self._uuids:
-            return self._uuids[uuid]
+        uuids = self._gpus()
+        if uuid in uuids:
+            return uuids[uuid]
         raise CallError(ErrorCode.MISUSE, f"the worker's GPU (UUID {uuid.hex()}) is not one this daemon "
                                           f"sees (is the daemon's CUDA_VISIBLE_DEVICES narrower?)")
+
+    def check_device(self, device: int) -> None:
+        self._gpus()
+        count = self._device_count or 0
+        if not 0 <= device < count:
+            raise CallError(ErrorCode.MISUSE, f"GPU {device} is not one this daemon sees "
+                                              f"(it sees {count}: 0..{count - 1})")
+
+    def _gpus(self) -> dict[bytes, int]:
+        """Each GPU's UUID -> its ordinal here, read once (the GPUs a process sees do not change)."""
+        if self._uuids is None:
+            try:
+                count = self.gpu.device_count()
+                uuids: dict[bytes, int] = {}
+                for device in range(count):
+                    uuids.setdefault(self.gpu.device_uuid(device), device)
+            except GpuError as exc:
+                raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
+            self._uuids, self._device_count = uuids, count
+        return self._uuids
 
     def unique_id(self) -> bytes:
         """The bootstrap handle of a new communicator (the root's, handed to the others)."""

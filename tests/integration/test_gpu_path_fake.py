@@ -28,6 +28,7 @@ from client import CommError, CommTimeout, DaemonBackend, HostMemory, MisuseErro
 from client.cuda import CudaMemory, PointerInfo
 from commd.engine.gpu import Imported
 from commd.launch import DaemonProcess
+from commd.status import query_status
 from tests.contract.fakegpu import FakeGpu
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.gpu_daemon import GpuDaemon
@@ -224,6 +225,31 @@ def test_memory_of_another_gpu_is_refused_to_a_rank_that_named_no_device(daemon:
         assert [c.device for c in gpu._comms.values()] == [0]
         comm.all_reduce(here, 8, dtype="u8")  # the rank serves on
         assert gpu.read(here, 8) == b"\x02" * 8
+
+
+def test_a_rank_naming_a_gpu_the_daemon_lacks_is_refused_and_its_world_forms_without_it(
+        daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """A hello naming GPU 5 (no UUID: the worker had no driver to ask) on a daemon with
+    two was taken: the world formed, and its NCCL init failed every rank."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+
+    def rank(r: int) -> bytes:
+        driver.set_device(r)
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            data = driver.alloc(bytes([r + 1]) * 8, device=r)
+            comm.all_reduce(data, 8, dtype="u8")
+            return gpu.read(data, 8)
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(rank, 0)
+        sock = str(daemon.socket_path)
+        wait_until(lambda: [w["waiting"] for w in query_status(sock, 5)["worlds"]] == [[0]],
+                   "rank 0 to wait for its world")
+        with pytest.raises(MisuseError, match="GPU 5 is not one this daemon sees"):
+            DaemonBackend(sock, world, 1, 2, device=5, timeout=5,
+                          cuda_driver=lambda: None)
+        assert pool.submit(rank, 1).result(30) == first.result(30) == b"\x03" * 8
 
 
 def test_async_calls_are_ordered_on_the_workers_stream(daemon: GpuDaemon, gpu: FakeGpu) -> None:
