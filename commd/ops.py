@@ -54,6 +54,24 @@ def check_ranks(op: proto.Op, rank: int, world_size: int) -> None:
         raise CallError(ErrorCode.MISUSE, f"rank {rank} is the root: recv_command_u32 refuses root")
 
 
+def check_overlap(op: proto.Op, rank: int, world_size: int) -> None:
+    """Refuse an all_gather or reduce_scatter whose send and receive memory overlap other
+    than in place (NCCL's rule: the rank's own block of the whole buffer is the other
+    one): the op would read what it had already written (wrong data, no error)."""
+    if not isinstance(op, proto.AllGather | proto.ReduceScatter) or op.send is None or op.recv is None:
+        return
+    (send, send_bytes), (recv, recv_bytes) = spans(op, world_size)
+    assert send is not None and recv is not None
+    if send.buf != recv.buf or send.offset + send_bytes <= recv.offset \
+            or recv.offset + recv_bytes <= send.offset:
+        return
+    whole, block = (recv, send) if isinstance(op, proto.AllGather) else (send, recv)
+    if block.offset != whole.offset + rank * op.nbytes:
+        raise CallError(ErrorCode.MISUSE, f"{call_name(op)}: send and receive memory overlap; in "
+                                          f"place, rank {rank}'s block starts {rank * op.nbytes} bytes "
+                                          f"into the {world_size * op.nbytes}-byte buffer")
+
+
 def waits_forever(op: proto.Op) -> bool:
     """recv_command_u32 waits for the next command with no deadline (the seed's rule)."""
     return isinstance(op, proto.Broadcast) and op.command

@@ -315,6 +315,7 @@ class Session:
         calls = []
         for op in msg.ops:
             ops.check_ranks(op, self.rank, world.world_size)
+            ops.check_overlap(op, self.rank, world.world_size)
             regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
             calls.append((op, regions))
         world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)

@@ -87,6 +87,24 @@ def test_reduce_scatter_default_is_u8_sum(pool: RankPool, sock: str, n: int, sha
         assert raw == full[rank * share:(rank + 1) * share].tobytes()
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_gather_and_reduce_scatter_in_place_and_refused_overlaps(pool: RankPool, sock: str,
+                                                                    n: int) -> None:
+    """Send and receive memory overlapping other than in place gave wrong data, no error:
+    the op read what it had already written."""
+    nbytes = 1000
+    inputs = [make_input(51, r, nbytes * n, "u8", "sum") for r in range(n)]
+    full = reduce_reference(inputs, "u8", "sum").tobytes()
+    for rank, result in enumerate(run(pool, sock, n, workers.in_place_and_overlapping, nbytes, 51)):
+        assert isinstance(result, tuple)
+        gathered, reduced, errors = result
+        assert gathered == b"".join(inputs[r][r * nbytes:(r + 1) * nbytes].tobytes() for r in range(n))
+        assert reduced == full[rank * nbytes:(rank + 1) * nbytes]
+        assert errors == [f"MisuseError: {name}: send and receive memory overlap; in place, rank {rank}'s "
+                          f"block starts {rank * size} bytes into the {n * size}-byte buffer"
+                          for name, size in (("all_gather", nbytes), ("reduce_scatter", nbytes - 1))]
+
+
 @pytest.mark.parametrize("dtype,op", [("bf16", "sum"), ("f32", "max"), ("i64", "prod"), ("f16", "min")])
 def test_reduce_scatter_dtypes(pool: RankPool, sock: str, dtype: str, op: str) -> None:
     n, share = 4, 333

@@ -119,6 +119,31 @@ def reduce_scatter(sock: str, world: str, rank: int, n: int, share_elems: int, d
         return _read(recv, 0, share)
 
 
+def in_place_and_overlapping(sock: str, world: str, rank: int, n: int, nbytes: int,
+                             seed: int) -> tuple[bytes, bytes, list[str]]:
+    """all_gather and reduce_scatter in place (the rank's block of one buffer), then each
+    with its two spans overlapping otherwise (their errors), then a barrier."""
+    data = make_input(seed, rank, nbytes * n, "u8", "sum")
+    with connect(sock, world, rank, n) as comm:
+        whole = _load(data, extra=8)  # (room past the end for the misplaced block below)
+        block = whole.ptr + rank * nbytes
+        comm.all_gather(block, whole.ptr, nbytes)
+        gathered = _read(whole, 0, nbytes * n)
+        whole.view(np.uint8)[:nbytes * n] = data
+        comm.reduce_scatter(whole.ptr, block, nbytes)
+        reduced = _read(whole, rank * nbytes, nbytes)
+        errors = []
+        for call, args in ((comm.all_gather, (block + 1, whole.ptr, nbytes)),
+                           (comm.reduce_scatter, (whole.ptr, block + 1, nbytes - 1))):
+            try:
+                call(*args)
+                errors.append("no error")
+            except CommError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        comm.barrier()
+        return gathered, reduced, errors
+
+
 def broadcast(sock: str, world: str, rank: int, n: int, nbytes: int, root: int, seed: int) -> bytes:
     data = make_input(seed, rank, nbytes, "u8", "sum")
     with connect(sock, world, rank, n) as comm:
