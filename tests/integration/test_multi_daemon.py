@@ -119,6 +119,22 @@ def test_all_gather(pool: RankPool, daemons: list[DaemonProcess], placement: str
     assert all(raw == want for raw in results)
 
 
+@pytest.mark.parametrize("placement", GATHER_PLACEMENTS)
+def test_all_gather_and_reduce_scatter_in_place(pool: RankPool, daemons: list[DaemonProcess],
+                                                placement: str) -> None:
+    """The rank's block is the other buffer: chunks of it leave while others' land beside it."""
+    where, nbytes = GATHER_PLACEMENTS[placement], 9 << 20
+    inputs = [make_input(52, r, nbytes * 4, "u8", "sum") for r in range(4)]
+    full = reduce_reference(inputs, "u8", "sum").tobytes()  # (u8 sums wrap: any grouping gives it)
+    results = run(pool, specs(daemons, where), workers.in_place_and_overlapping, nbytes, 52)
+    for rank, result in enumerate(results):
+        assert isinstance(result, tuple)
+        gathered, reduced, errors = result
+        assert gathered == b"".join(inputs[r][r * nbytes:(r + 1) * nbytes].tobytes() for r in range(4))
+        assert reduced == full[rank * nbytes:(rank + 1) * nbytes]
+        assert [e.split(":")[0] for e in errors] == ["MisuseError"] * 2
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("share,dtype", [(0, None), (1001, None), (1 << 20, None), (333, "f32")])
 def test_reduce_scatter(pool: RankPool, daemons: list[DaemonProcess], placement: str, share: int,
