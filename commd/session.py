@@ -105,7 +105,10 @@ class Session:
         self.peer_pid = pid
         self._conn = proto.Connection(proto.Role.DAEMON)
         self._buffers: dict[int, MemoryMapping] = {}
-        self._mapped = 0  # bytes of self._buffers
+        # what this connection really maps: self._buffers and the forgotten ones a call
+        # still holds (see _drop_buffer)
+        self._mappings = 0
+        self._mapped = 0  # their bytes
         self._symmetric: set[int] = set()
         self._registrations: dict[int, int] = {}  # handle -> the buffer it is in
         self._next_handle = 1
@@ -274,8 +277,11 @@ class Session:
         config = self._ctx.config
         if buf in self._buffers:
             raise CallError(ErrorCode.MISUSE, f"buffer id {buf} is already in use")
-        if len(self._buffers) >= config.max_buffers:
-            raise CallError(ErrorCode.LIMIT, f"a connection may hold at most {config.max_buffers} buffers")
+        if self._mappings >= config.max_buffers:
+            forgotten = self._mappings - len(self._buffers)
+            raise CallError(ErrorCode.LIMIT, f"a connection may hold at most {config.max_buffers} buffers "
+                                             f"({forgotten} forgotten ones still in use by calls waiting "
+                                             "for their match)")
         if self._mapped + size > config.max_mapped_bytes:
             raise CallError(ErrorCode.LIMIT, f"a connection may map at most {config.max_mapped_bytes} bytes")
         self._ctx.budget.take(size)
@@ -285,6 +291,7 @@ class Session:
             self._ctx.budget.give(size)
             raise
         self._buffers[buf] = mapping
+        self._mappings += 1
         self._mapped += size
 
     def _drop_buffer(self, buf: int) -> None:
@@ -296,6 +303,7 @@ class Session:
         mapping.close(functools.partial(self._unmapped, mapping.size))
 
     def _unmapped(self, size: int) -> None:
+        self._mappings -= 1
         self._mapped -= size
         self._ctx.budget.give(size)
 

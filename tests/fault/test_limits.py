@@ -3,6 +3,7 @@ replies each give a clear LimitExceeded (or drop only the hoarder); others go on
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import time
@@ -13,10 +14,11 @@ import pytest
 
 import proto
 from client import DaemonBackend, LimitExceeded, hostmem
+from commd.engine.host import create_memfd
 from commd.launch import DaemonProcess
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady, steady_world
-from tests.integration.harness import short_tmpdir, world_name
+from tests.integration.harness import held_at_rest, memfd_mappings, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,7 +29,7 @@ def tight() -> Iterator[DaemonProcess]:
     tmp = short_tmpdir()
     daemon = DaemonProcess(Path(tmp) / "commd.sock", args=[
         "--max-connections", "8", "--max-registrations", "5", "--max-pending-ops", "20",
-        "--max-queued-replies", "16", "--hello-timeout", "2"],
+        "--max-queued-replies", "16", "--hello-timeout", "2", "--max-buffers", "6"],
         env={"COMMD_MAX_MAPPED_BYTES": str(4 << 20)}).start()
     yield daemon
     daemon.stop()
@@ -140,6 +142,51 @@ def test_forgotten_memory_a_waiting_call_still_holds_counts_until_it_goes(
             assert time.monotonic() < deadline, reply
             time.sleep(0.1)
     fault_report.add("a client forgets buffers its waiting calls hold: LimitExceeded until they go",
+                     float("nan"), float("nan"), steady_t.errors() - unrelated, "none")
+
+
+def test_forgotten_buffers_a_waiting_call_still_maps_count_against_max_buffers(
+        tight: DaemonProcess, steady_t: Steady, fault_report: FaultReport) -> None:
+    """max_buffers counted the ids a connection holds, not its mappings: import, a call
+    that waits for its match, forget, again, and one connection held as many mappings as
+    it liked past the limit (each call keeps its forgotten buffer mapped). A forgotten
+    buffer counts until it is unmapped, as its bytes do."""
+    sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
+    world = world_name()
+    before = held_at_rest(tight.pid)[1]  # (an earlier test's mappings may still be going)
+    with RawClient(sock) as a, RawClient(sock) as b:
+        for client, rank in ((a, 0), (b, 1)):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 60_000))
+        assert isinstance(a.recv(), proto.Welcome) and isinstance(b.recv(), proto.Welcome)
+        memory = []
+        for i in range(6):  # the limit
+            fd = create_memfd(4096, "raw")
+            memory.append(mmap.mmap(fd, 4096))
+            memory[i][:] = bytes([i + 1]) * 4096
+            a.send(proto.Import(100 + i, 1 + i, proto.MemKind.HOST, 4096), [fd])
+            os.close(fd)
+            assert a.recv() == proto.Ok(100 + i)
+            a.send(proto.Submit(200 + i, (proto.AllReduce(proto.Mem(1 + i, 0), 4096, proto.DType.U8),)))
+            a.send(proto.Forget((1 + i,)))  # (each call waits for rank 1, holding its buffer)
+        refused = a.import_memfd(300, 50, 4096)
+        assert isinstance(refused, proto.Error) and refused.code is ErrorCode.LIMIT, refused
+        assert "at most 6 buffers" in refused.message and "6 forgotten" in refused.message, refused
+        assert memfd_mappings(tight.pid) - before == 6
+        # rank 1 matches the waiting calls: they run on the forgotten buffers' memory
+        for i in range(6):
+            assert isinstance(b.import_memfd(400 + i, 1 + i, 4096), proto.Ok)
+        for i in range(6):
+            b.send(proto.Submit(500 + i, (proto.AllReduce(proto.Mem(1 + i, 0), 4096, proto.DType.U8),)))
+        for i in range(6):
+            assert a.recv() == proto.Ok(200 + i) and b.recv() == proto.Ok(500 + i)
+            assert memory[i][:] == bytes([i + 1]) * 4096  # (b's memfds hold zeros)
+        deadline = time.monotonic() + 10
+        while not isinstance(reply := a.import_memfd(600, 60, 4096), proto.Ok):  # room once unmapped
+            assert isinstance(reply, proto.Error) and reply.code is ErrorCode.LIMIT, reply
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.1)
+    fault_report.add("a client forgets buffers its waiting calls map: LimitExceeded until unmapped",
                      float("nan"), float("nan"), steady_t.errors() - unrelated, "none")
 
 
