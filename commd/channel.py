@@ -12,11 +12,14 @@ import array
 import asyncio
 import collections
 import contextlib
+import fcntl
 import logging
 import os
+import queue
 import select
 import socket
 import struct
+import threading
 from collections.abc import Callable, Sequence
 
 log = logging.getLogger("commd.channel")
@@ -58,19 +61,83 @@ def close_fds(fds: Sequence[int]) -> None:
 _NO_LINGER = struct.pack("ii", 0, 0)
 
 
-def _no_linger(fd: int) -> None:
+def _no_linger(fd: int) -> bool:
     """A socket a client hands over (in place of memory, or beside a bad packet) may be set
     to linger with data that cannot leave; closing its last reference, ours once the client
-    closed its copy, would wait for as long as it asks, and the daemon's loop with it."""
+    closed its copy, would wait for as long as it asks, and the daemon's loop with it.
+    Whether `fd` is a socket (its close no longer waits)."""
     try:
         sock = socket.socket(fileno=fd)
-    except OSError:  # not a socket (a memfd, the usual): its close does not wait
-        return
+    except OSError:  # not a socket (a memfd, the usual)
+        return False
     try:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
     finally:
         sock.detach()
+    return True
+
+
+class FdCloser:
+    """Closes the fds clients hand over without the loop waiting on them. The close of a
+    file whose filesystem has a server (FUSE, NFS) waits for that server (FUSE flushes on
+    every close), and a client's own server may never answer: one such fd, sent as
+    memory or beside any packet, held the loop and every world with it. Memory (a memfd),
+    sockets (unlingered) and pipes close at once, on the loop; anything else closes on
+    `threads` threads of their own. A server that never answers holds a thread for good;
+    with all of them held, later such fds stay open, in order, until one answers (they
+    come only from clients that send what no real client sends)."""
+
+    def __init__(self, threads: int = 4) -> None:
+        self._threads = threads
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._started: list[threading.Thread] = []
+
+    def close(self, fds: Sequence[int]) -> None:
+        for fd in fds:
+            if _closes_at_once(fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                continue
+            if len(self._started) < self._threads:
+                thread = threading.Thread(target=self._closing, name=f"commd-fd-close_{len(self._started)}",
+                                          daemon=True)  # (one held for good must not hold the exit)
+                thread.start()
+                self._started.append(thread)
+            self._queue.put(fd)
+
+    def _closing(self) -> None:
+        while (fd := self._queue.get()) is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def stop(self) -> None:
+        """End the threads once what is queued is closed (not waiting for them)."""
+        for _ in self._started:
+            self._queue.put(None)
+        self._started.clear()
+
+
+def close_theirs(fds: Sequence[int], closer: FdCloser | None) -> None:
+    """Close fds a client sent: with `closer`, or (none given) at once."""
+    if closer is not None:
+        closer.close(fds)
+    else:
+        close_fds(fds)
+
+
+def _closes_at_once(fd: int) -> bool:
+    """Whether closing `fd` cannot wait, told without asking its filesystem anything
+    (fstat would: FUSE asks its server)."""
+    if _no_linger(fd):
+        return True
+    for probe in (fcntl.F_GET_SEALS, fcntl.F_GETPIPE_SZ):  # memfd (shmem, hugetlbfs); pipe
+        try:
+            fcntl.fcntl(fd, probe)
+            return True
+        except OSError:
+            pass
+    return False
 
 
 def rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
@@ -107,7 +174,8 @@ class Lingering:
         self._held.discard(sock)
 
 
-def linger_close(sock: socket.socket, seconds: float = LINGER_S, lingering: Lingering | None = None) -> None:
+def linger_close(sock: socket.socket, seconds: float = LINGER_S, lingering: Lingering | None = None,
+                 closer: FdCloser | None = None) -> None:
     """Close after the peer has read what we sent: shut our side, drain theirs until EOF.
 
     Closing a Unix socket with unread packets in our queue resets the peer's,
@@ -115,7 +183,7 @@ def linger_close(sock: socket.socket, seconds: float = LINGER_S, lingering: Ling
     """
     if lingering is not None and not lingering.hold(sock):
         sock.setblocking(False)
-        _close_unread(sock, _MOST_DROPPED)
+        _close_unread(sock, _MOST_DROPPED, closer)
         return
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
@@ -135,7 +203,7 @@ def linger_close(sock: socket.socket, seconds: float = LINGER_S, lingering: Ling
             lingering.release(sock)
 
     def drain() -> None:
-        if _drop_unread(sock):
+        if _drop_unread(sock, closer=closer):
             finish()
 
     sock.setblocking(False)
@@ -143,19 +211,20 @@ def linger_close(sock: socket.socket, seconds: float = LINGER_S, lingering: Ling
     loop.call_later(seconds, finish)
 
 
-def _close_unread(sock: socket.socket, most: int = 100_000) -> None:
+def _close_unread(sock: socket.socket, most: int = 100_000, closer: FdCloser | None = None) -> None:
     """Close now, without resetting the peer: what it sent and we did not read goes first
     (no loop will run a linger: the daemon is ending, or too many linger). A peer writing
     without end gets no more than `most` packets read."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-    _drop_unread(sock, most)
+    _drop_unread(sock, most, closer)
     sock.close()
 
 
-def _drop_unread(sock: socket.socket, most: int | None = None) -> bool:
-    """Read and drop what waits in non-blocking `sock` (closing the fds it carries), at
-    most `most` packets; True once the peer closed its side or the socket failed."""
+def _drop_unread(sock: socket.socket, most: int | None = None, closer: FdCloser | None = None) -> bool:
+    """Read and drop what waits in non-blocking `sock` (closing the fds it carries, with
+    `closer` if any), at most `most` packets; True once the peer closed its side or the
+    socket failed."""
     read = 0
     while most is None or read < most:
         try:
@@ -165,7 +234,7 @@ def _drop_unread(sock: socket.socket, most: int | None = None) -> bool:
         except OSError:
             return True
         read += 1
-        close_fds(take_fds(ancillary))
+        close_theirs(take_fds(ancillary), closer)
         if not data and not ancillary:
             return True
     return False
@@ -174,9 +243,10 @@ def _drop_unread(sock: socket.socket, most: int | None = None) -> bool:
 class PacketChannel:
     def __init__(self, sock: socket.socket, limit: int, max_queue: int,
                  on_packet: PacketHandler, on_close: Callable[[str], None],
-                 lingering: Lingering | None = None) -> None:
+                 lingering: Lingering | None = None, closer: FdCloser | None = None) -> None:
         self._sock = sock
         self._lingering = lingering
+        self.closer = closer  # (for the fds its client sends)
         self._fd = sock.fileno()
         self._limit = limit
         self._max_queue = max_queue
@@ -244,7 +314,7 @@ class PacketChannel:
         if self.closed and self._flushing is not None:  # all sent: now linger
             self._flushing.cancel()
             self._flushing = None
-            linger_close(self._sock, lingering=self._lingering)
+            linger_close(self._sock, lingering=self._lingering, closer=self.closer)
 
     def _readable(self) -> None:
         for _ in range(_READS_PER_WAKEUP):
@@ -289,9 +359,9 @@ class PacketChannel:
             self._loop.remove_writer(self._fd)
             self._drop_queue()
             if linger:  # (at once, when too many linger)
-                linger_close(self._sock, lingering=self._lingering)
+                linger_close(self._sock, lingering=self._lingering, closer=self.closer)
             elif discard_input:
-                _close_unread(self._sock)
+                _close_unread(self._sock, closer=self.closer)
             else:
                 self._sock.close()
         self._on_close(reason)

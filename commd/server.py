@@ -24,7 +24,7 @@ import proto
 from proto import ErrorCode
 
 from . import __version__
-from .channel import Lingering, PacketChannel, linger_close
+from .channel import FdCloser, Lingering, PacketChannel, linger_close
 from .cluster import Cluster
 from .config import ServerConfig, utf8_text
 from .engine.base import Engine
@@ -96,13 +96,15 @@ class Server:
                                  max_call_timeout_s=config.max_call_timeout_s)
         self.sessions: set[Session] = set()
         self._lingering = Lingering(config.max_connections)  # closed ones, saying their last word
+        self._closer = FdCloser()  # of the fds clients send
         self._refusals = Throttled(log)
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
         self._started = time.time()
         self.metrics_address: str | None = None  # where /metrics is served, once it is
         budget = MemoryBudget(config.max_daemon_mappings, config.max_daemon_bytes)
-        self._ctx = DaemonContext(config, engine, self.registry, self.status, budget, Throttled(log))
+        self._ctx = DaemonContext(config, engine, self.registry, self.status, budget, Throttled(log),
+                                  self._closer)
 
     def start(self, inherited: socket.socket | None = None) -> None:
         """Listen on the configured path, or on `inherited` (socket activation)."""
@@ -141,7 +143,7 @@ class Server:
             refusal = self._refusal(sock, pid, uid, gid)
             if refusal is not None:
                 self._refusals.warning("refused pid %d uid %d gid %d: %s", pid, uid, gid, refusal[1])
-                _refuse(sock, *refusal, self._lingering)
+                _refuse(sock, *refusal, self._lingering, self._closer)
                 continue
             self._open_session(sock, pid)
 
@@ -173,7 +175,7 @@ class Server:
                 session.on_close(reason)
 
             return PacketChannel(sock, proto.MAX_MESSAGE_BYTES, self.config.max_queued_replies,
-                                 session.on_packet, closed, self._lingering)
+                                 session.on_packet, closed, self._lingering, self._closer)
 
         self.sessions.add(Session(self._ctx, pid, make_channel))
 
@@ -223,6 +225,7 @@ class Server:
             session.send(event)
             session.channel.close("shutdown", discard_input=True)
         self.engine.close()
+        self._closer.stop()
 
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
@@ -261,11 +264,12 @@ def _many_peer_groups(fd: int) -> bytes | None:
     return buf.raw[:size.value]
 
 
-def _refuse(sock: socket.socket, code: ErrorCode, message: str, lingering: Lingering) -> None:
+def _refuse(sock: socket.socket, code: ErrorCode, message: str, lingering: Lingering,
+            closer: FdCloser) -> None:
     try:
         sock.setblocking(False)
         sock.send(proto.encode(proto.Error(0, code, message)))
     except OSError:
         sock.close()
         return
-    linger_close(sock, lingering=lingering)
+    linger_close(sock, lingering=lingering, closer=closer)

@@ -20,7 +20,7 @@ import proto
 from proto import ErrorCode
 
 from . import ops
-from .channel import PacketChannel, close_fds
+from .channel import FdCloser, PacketChannel, close_fds
 from .config import ServerConfig
 from .engine.base import Engine, EventPair, MemoryMapping, Region
 from .errors import CallError, clip
@@ -63,6 +63,7 @@ class DaemonContext:
     status: Callable[[], dict[str, Any]]
     budget: MemoryBudget
     bad_packets: Throttled  # their warnings: a client may send one a connection, without end
+    closer: FdCloser  # of the fds clients send (their close may wait: never on the loop)
 
 
 def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport:
@@ -158,7 +159,7 @@ class Session:
                 raise proto.MessageTooLarge("packet (or its fds) was truncated: over the limit")
             msg = self._conn.receive(data, len(fds))
         except proto.ProtoError as exc:
-            close_fds(fds)
+            self._ctx.closer.close(fds)
             self._refuse(exc)
             return
         request_id = getattr(msg, "id", 0)
@@ -250,11 +251,8 @@ class Session:
 
     def _import(self, msg: proto.Import, fds: list[int]) -> None:
         fd = fds[0] if fds else None
-        handed_over = False
 
         def open_mapping() -> MemoryMapping:
-            nonlocal handed_over
-            handed_over = True  # from here the engine owns the fd, and closes it on failure
             mapping = self._ctx.engine.import_memory(msg.kind, msg.size, msg.handle, fd, self._device)
             # (a hello without a device puts the rank on GPU 0, as the world and engine do)
             device = self._device or 0
@@ -266,10 +264,8 @@ class Session:
 
         try:
             self._add_buffer(msg.buf, msg.size, open_mapping)
-        except CallError:
-            if not handed_over:
-                close_fds(fds)
-            raise
+        finally:
+            self._ctx.closer.close(fds)  # (mapped, it needs no fd)
         self.send(proto.Ok(msg.id))
 
     def _add_buffer(self, buf: int, size: int, open_mapping: Callable[[], MemoryMapping]) -> None:

@@ -227,8 +227,9 @@ class Engine(Protocol):
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> MemoryMapping:
-        """Open a worker's allocation (for `device`, the rank's GPU); takes ownership of
-        `fd`. CallError on refusal."""
+        """Open a worker's allocation (for `device`, the rank's GPU); `fd` stays the
+        caller's (a client's may be anything: closing it may wait, see FdCloser).
+        CallError on refusal."""
         ...
 
     def import_events(self, ready: bytes, done: bytes, device: int | None = None) -> EventPair:

@@ -28,7 +28,6 @@ import numpy as np
 
 from proto import ErrorCode, MemKind
 
-from ..channel import close_fds
 from ..errors import CallError
 from .base import (
     EMPTY,
@@ -138,29 +137,29 @@ def unmap(mapped: mmap.mmap, on_released: Callable[[], None] | None) -> bool:
 
 
 class HostMapping:
-    """A shared mapping of one memfd. Closing drops it; a view still held keeps it (see
-    Lingering)."""
+    """A shared mapping of one memfd (`fd` stays the caller's). Closing drops it; a view
+    still held keeps it (see Lingering)."""
 
     def __init__(self, fd: int, size: int, lingering: Lingering) -> None:
         try:
+            # first, as it asks the file's filesystem nothing: a client's fd may be of a
+            # FUSE file, whose fstat waits on its server (for good, if it never answers)
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                raise CallError(ErrorCode.BAD_MEMORY, "host memory must be a sealable memfd") from None
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise CallError(ErrorCode.BAD_MEMORY, "host memory must be a memfd")
             if info.st_size < size:
                 raise CallError(ErrorCode.BAD_MEMORY,
                                 f"memfd holds {info.st_size} bytes, {size} were claimed")
-            try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            except OSError:
-                raise CallError(ErrorCode.BAD_MEMORY, "host memory must be a sealable memfd") from None
             if not seals & _SEALS_NEEDED:
                 raise CallError(ErrorCode.BAD_MEMORY, "memfd must be sealed against shrinking")
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED,
                                                      mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             raise CallError(ErrorCode.BAD_MEMORY, f"cannot map host memory: {exc}") from None
-        finally:
-            close_fds([fd])  # (a client's: it may be anything, a socket set to linger)
         self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self._size = size
         self._lingering = lingering
@@ -429,8 +428,6 @@ class HostEngine:
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> HostMapping:
         if kind is not MemKind.HOST or fd is None:
-            if fd is not None:
-                close_fds([fd])
             raise CallError(ErrorCode.MISUSE, f"the host engine cannot open {kind.value} memory")
         return HostMapping(fd, size, self.lingering)
 
@@ -443,10 +440,7 @@ class HostEngine:
         except OSError as exc:
             raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
         try:
-            mapping = HostMapping(os.dup(fd), nbytes, self.lingering)
-        except OSError as exc:  # out of fds
-            os.close(fd)
-            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
+            mapping = HostMapping(fd, nbytes, self.lingering)
         except BaseException:
             os.close(fd)
             raise

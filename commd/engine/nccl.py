@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from proto import IPC_MEM_HANDLE_BYTES, ErrorCode, MemKind
 
-from ..channel import close_fds
 from ..errors import CallError
 from .gpu import Gpu, GpuError, Unshareable
 from .ncclcomm import NcclCommunicator
@@ -69,9 +68,6 @@ class NcclEngine:
             raise CallError(ErrorCode.MISUSE, f"the nccl engine cannot open {kind.value} memory")
         except GpuError as exc:
             raise CallError(ErrorCode.BAD_MEMORY, f"cannot open {kind.value} memory: {exc}") from None
-        finally:
-            if fd is not None:
-                close_fds([fd])  # (a client's: it may be anything, a socket set to linger)
 
     def import_events(self, ready: bytes, done: bytes, device: int | None = None) -> NcclEvents:
         try:

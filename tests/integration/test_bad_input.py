@@ -34,6 +34,7 @@ from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, back_to, held_at_rest, open_fds, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
+from tests.integration.stallfs import StallFs, Unmountable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -628,5 +629,73 @@ def test_a_handed_over_socket_that_lingers_does_not_stop_the_daemon() -> None:
         with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
             comm.barrier()
     finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def stallfs() -> Iterator[StallFs]:
+    try:
+        fs = StallFs().mount()
+    except Unmountable as exc:
+        pytest.skip(f"no FUSE filesystem can be mounted here: {exc}")
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+def barrier_took(a: RawClient, b: RawClient, request_id: int) -> float:
+    """Seconds a barrier of the 2-rank world of `a` and `b` took (their sockets' timeout
+    bounds the wait)."""
+    started = time.monotonic()
+    for raw in (a, b):
+        raw.send(proto.Submit(request_id, (proto.Barrier(),)))
+    assert a.recv() == proto.Ok(request_id) and b.recv() == proto.Ok(request_id)
+    return time.monotonic() - started
+
+
+def test_a_handed_over_file_whose_filesystem_never_answers_does_not_stop_the_daemon(
+        stallfs: StallFs) -> None:
+    """A client hands over, as memory or beside a bad packet, a file on a FUSE mount whose
+    server never answers the daemon: its fstat (in an import) and its close (of any fd a
+    client sends) waited on that server, and the daemon's whole loop with them, every
+    other world's calls unanswered for as long as the server liked. The daemon asks
+    nothing of such a file on its loop; its close waits on a thread of its own; both
+    requests get their error at once, and the fd goes once the server answers."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "run" / "commd.sock", log=subprocess.DEVNULL)
+    daemon.start()
+    try:
+        sock = str(daemon.socket_path)
+        world = world_name()
+        with RawClient(sock) as importer, RawClient(sock) as garbage, \
+                RawClient(sock) as a, RawClient(sock) as b:
+            for raw, rank in ((a, 0), (b, 1)):
+                raw.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 30_000))
+            assert isinstance(a.recv(), proto.Welcome) and isinstance(b.recv(), proto.Welcome)
+            assert isinstance(importer.join(world_name()), proto.Welcome)
+            assert barrier_took(a, b, 2) < 2
+            base = held_at_rest(daemon.pid)[0]
+            stallfs.stall_pid = daemon.pid
+            for i, (raw, msg) in enumerate(((importer, proto.Import(2, 1, proto.MemKind.HOST, 4096)),
+                                            (garbage, None))):
+                fd = os.open(stallfs.file, os.O_RDWR)
+                raw.send_bytes(b"\xc1" if msg is None else proto.encode(msg), [fd])
+                os.close(fd)  # (its flush is ours: answered)
+                took = barrier_took(a, b, 3 + i)
+                assert took < 2, f"another world's barrier took {took:.1f}s"
+                err = raw.error()
+                assert err.code is (ErrorCode.BAD_MEMORY if msg else ErrorCode.BAD_MESSAGE), err
+            assert stallfs.held >= 1  # (the closes wait on the server, off the loop)
+            assert query_status(sock, 5)["ranks_connected"] == 3
+            stallfs.close()  # the server answers at last: the daemon lets the files go
+            deadline = time.monotonic() + 10
+            while open_fds(daemon.pid) > base - 1:  # (less the garbage connection, closed)
+                assert time.monotonic() < deadline, f"daemon holds {open_fds(daemon.pid)} fds, had {base}"
+                time.sleep(0.05)
+            assert barrier_took(a, b, 9) < 2
+    finally:
+        stallfs.close()
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)

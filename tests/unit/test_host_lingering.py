@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from commd.engine.host import HostEngine, create_memfd
+from commd.engine.host import HostEngine, HostMapping, create_memfd
 from proto import MemKind
 
 pytestmark = pytest.mark.timeout(30)
@@ -40,10 +41,18 @@ async def until(predicate: object, timeout: float = 5.0) -> bool:
     return False
 
 
+def imported(engine: HostEngine) -> HostMapping:
+    fd = create_memfd(4096, NAME)
+    try:
+        return engine.import_memory(MemKind.HOST, 4096, b"", fd)
+    finally:
+        os.close(fd)  # (the caller's: the mapping needs it no more)
+
+
 async def test_a_view_in_a_garbage_cycle_does_not_keep_the_mapping(no_collector: None) -> None:
     engine = HostEngine(threads=1)
     try:
-        mapping = engine.import_memory(MemKind.HOST, 4096, b"", create_memfd(4096, NAME))
+        mapping = imported(engine)
         cycle: list[object] = [mapping.region(0, 64)]
         cycle.append(cycle)  # like a failed op's traceback: frame -> future -> exception -> frame
         mapping.close()
@@ -59,7 +68,7 @@ async def test_a_view_in_a_garbage_cycle_does_not_keep_the_mapping(no_collector:
 async def test_a_view_in_use_keeps_the_mapping_until_it_goes(no_collector: None) -> None:
     engine = HostEngine(threads=1)
     try:
-        mapping = engine.import_memory(MemKind.HOST, 4096, b"", create_memfd(4096, NAME))
+        mapping = imported(engine)
         region = mapping.region(0, 64)
         mapping.close()
         await asyncio.sleep(3 * engine.lingering.RETRY_S)
@@ -77,7 +86,7 @@ async def test_the_unmap_runs_off_the_loop() -> None:
     engine = HostEngine(threads=1)
     held = threading.Event()
     try:
-        mapping = engine.import_memory(MemKind.HOST, 4096, b"", create_memfd(4096, NAME))
+        mapping = imported(engine)
         engine.lingering._thread.submit(held.wait, 10)  # the unmap thread is busy for now
         released: list[str] = []
         mapping.close(lambda: released.append(threading.current_thread().name))
