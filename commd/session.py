@@ -319,8 +319,8 @@ class Session:
         calls = []
         for op in msg.ops:
             ops.check_ranks(op, self.rank, world.world_size)
-            ops.check_overlap(op, self.rank, world.world_size)
             regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
+            ops.check_overlap(op, self.rank, world.world_size)  # (of spans inside their buffers)
             calls.append((op, regions))
         world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)
 
