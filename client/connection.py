@@ -128,10 +128,11 @@ class Connection:
 
     def request(self, make: Callable[[int], proto.Request], *, due: float | None,
                 fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
-                link: int | None = None) -> Answer:
+                link: int | None = None, abandon: bool = False) -> Answer:
         """One request/reply, answered by `due` (+ `grace`; None: no deadline); daemon errors
         become CommErrors. `make` builds the request from its id. `undo`: what undoes the
-        request if it times out and the daemon did it all the same. `link`: only to that
+        request if it times out and the daemon did it all the same; `abandon`: nothing
+        can, so a timeout drops the connection (Transport.request). `link`: only to that
         daemon connection (Superseded if a rejoin replaced it)."""
         self.check_open()
         # One transport for the id and the sending: another thread's rejoin may put a new one
@@ -144,7 +145,7 @@ class Connection:
         try:
             self._send_releases(transport, deadline)
             msg = built(lambda: make(transport.next_id()))
-            reply, got = transport.request(msg, deadline, fds, undo)
+            reply, got = transport.request(msg, deadline, fds, undo, abandon)
             checked(reply)
         except CommError as exc:
             if link is not None and link != self.link:

@@ -589,7 +589,8 @@ class DaemonBackend(CommBackend):
             (lambda rid: proto.Submit(rid, ops, basis.epoch)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
         try:
-            self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link)
+            # (abandon: a call this rank gave up on must never write its memory later)
+            self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link, abandon=True)
         except Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._conn.went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:

@@ -180,10 +180,14 @@ class Transport:
         return self._break(lost)
 
     def request(self, msg: proto.Message, deadline: float | None,
-                fds: Sequence[int] = (), undo: Undo | None = None) -> Packet:
+                fds: Sequence[int] = (), undo: Undo | None = None,
+                abandon: bool = False) -> Packet:
         """Send `msg` (which carries an id) and wait for its reply until `deadline`.
         `undo`: should the wait time out, what undoes the request if its reply comes late
-        (the daemon did it all the same); it runs on whichever thread reads that reply."""
+        (the daemon did it all the same); it runs on whichever thread reads that reply.
+        `abandon`: should the wait time out, nothing can undo what the daemon would do
+        (a collective that writes the worker's memory): the connection is dropped before
+        the CommTimeout is raised, so that the daemon never starts it (see _abandon)."""
         request_id: int = msg.id  # type: ignore[union-attr]
         left = remaining(deadline)
         if left is not None and left <= 0:  # (sent, the daemon would do it for nobody)
@@ -195,7 +199,12 @@ class Transport:
             with _Interruptible(self):
                 self.post(msg, fds, deadline)
                 sent = True
-                packet = self._wait(request_id, deadline)
+                try:
+                    packet = self._wait(request_id, deadline)
+                except CommTimeout as exc:
+                    if not abandon:
+                        raise
+                    packet = self._abandon(request_id, exc)
                 answered = True
                 return packet
         finally:
@@ -206,6 +215,23 @@ class Transport:
                     self._undo[request_id] = undo
             if late is not None:
                 self._late(late, undo)
+
+    def _abandon(self, request_id: int, timeout: CommTimeout) -> Packet:
+        """The caller gives up on request `request_id`, which the daemon may still carry
+        out: its reply, if it came meanwhile (then it is done, and nothing comes late);
+        else the connection is shut down before the caller hears of the failure, and the
+        CommTimeout raised. The daemon checks that a rank is still connected before it
+        starts the rank's op, so what the caller hears failed never writes its memory
+        later, when the caller may have written, reused or freed it."""
+        with self._lock:
+            packet = self._replies.pop(request_id, None)
+        if packet is not None:
+            return packet
+        self._break(DaemonUnavailable(
+            f"request {request_id} was given up on unanswered (CommTimeout), so this "
+            "connection was dropped; call attempt_reconnect"))
+        raise CommTimeout(f"{timeout}; the connection was dropped so that the daemon does "
+                          "not start the call later: call attempt_reconnect") from timeout
 
     def _wait(self, request_id: int, deadline: float | None) -> Packet:
         while True:

@@ -258,6 +258,10 @@ class PacketChannel:
         self._loop = asyncio.get_running_loop()
         self.closed = False
         sock.setblocking(False)
+        # (kept: asked before every op the connection's rank takes part in; only while open,
+        # as a closed fd's number may be another socket's)
+        self._hang_up = select.poll()
+        self._hang_up.register(self._fd, select.POLLRDHUP)
         self._loop.add_reader(self._fd, self._readable)
 
     def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
@@ -338,9 +342,7 @@ class PacketChannel:
         """Whether the peer shut its side (what it sent may still be unread). SOCK_SEQPACKET
         reads an empty packet the same as the end, and one from a peer still connected must
         get its error, not a close."""
-        poller = select.poll()
-        poller.register(self._fd, select.POLLRDHUP)
-        return bool(poller.poll(0))
+        return bool(self._hang_up.poll(0))
 
     def close(self, reason: str, linger: bool = False, discard_input: bool = False) -> None:
         """Stop; with `linger`, send what waits first (the error that explains the close is

@@ -194,9 +194,10 @@ class Session:
         self.channel.send(proto.encode(proto.Error(0, code, message)))
         self.channel.close(reason, linger=True)
 
-    def close_if_hung_up(self) -> None:
+    def close_if_hung_up(self) -> bool:
         if not self.channel.closed and self.channel.hung_up():
             self.channel.close("peer closed the connection (its last packets unread)")
+        return self.channel.closed
 
     def on_close(self, reason: str) -> None:
         self._stop_silence_watch()

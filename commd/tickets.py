@@ -38,8 +38,9 @@ class Peer(Protocol):
 
     def send(self, msg: proto.Reply, fds: Sequence[int] = ()) -> None: ...
 
-    def close_if_hung_up(self) -> None:
-        """Close now if the client hung up, though its last packets are still unread."""
+    def close_if_hung_up(self) -> bool:
+        """Close now if the client hung up, though its last packets are still unread;
+        whether the connection is closed (now or before)."""
 
 
 class Ticket:

@@ -274,17 +274,30 @@ class World:
                 self.fail(ErrorCode.MISMATCH, str(exc))
                 return
             if match is not None:
+                if self._given_up(match):
+                    return  # (its world failed: the ticket has its error, as below)
                 self._dispatch(match)
                 if self.state is not WorldState.READY or self.epoch != epoch:
                     return  # it failed meanwhile (a reply found its peer gone): the ticket has
                     # its error, and the group's other calls must not stay open in the next epoch
+
+    def _given_up(self, match: Match[Arrival]) -> bool:
+        """Whether a rank of the match hung up (the world fails for it): its client gave
+        up on the call (CommTimeout, an interrupt) and drops its connection before it says
+        so, and may write, reuse or free the buffers the op would write. The daemon reads
+        a packet a wakeup, so other ranks' calls may match it before the hang-up is read:
+        it is looked for before the op starts (what started before goes on). A rank that
+        left earlier (killed) has its op not started either: its world failed already."""
+        # (every one looked at: each hung-up connection closes, and leaves the world)
+        return any([arrival.ticket.peer.close_if_hung_up() for arrival in arrivals_of(match)])
 
     def _dispatch(self, match: Match[Arrival]) -> None:
         """Run a matched op: inline when nothing is queued and it is small, else in order.
 
         From here the op belongs to the engine: if the world fails meanwhile, it still
         completes (or fails) on its own, so calls every rank already made are not
-        failed by a rank that left after making them."""
+        failed by a rank that left after making them; unless it waits its turn, and one
+        of its own ranks leaves meanwhile (see _given_up)."""
         assert self._comm is not None
         spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
         engine_op = engine_op_of(match, spans_daemons)
@@ -311,6 +324,8 @@ class World:
                        epoch: int, ordered: bool) -> None:
         try:
             async with self._exec_lock if ordered else contextlib.nullcontext():
+                if engine_op is not None and self._given_up(match):  # (while it waited its turn)
+                    raise CallError(ErrorCode.WORLD_FAILED, "a rank of the call left before it started")
                 if engine_op is not None:
                     arrivals = arrivals_of(match)
                     await comm.run(engine_op, order_of(arrivals), frozenset(a.ticket for a in arrivals))

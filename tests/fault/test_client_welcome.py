@@ -32,11 +32,11 @@ class FailedBeforeWelcome(Transport):
     """A connection on which the world fails before the hello is answered."""
 
     def request(self, msg: proto.Message, deadline: float | None, fds: Sequence[int] = (),
-                undo: Undo | None = None) -> Packet:
+                undo: Undo | None = None, abandon: bool = False) -> Packet:
         if isinstance(msg, proto.Hello):  # the 1-rank world forms at the epoch after the hello's
             self._route(proto.Event(proto.EventKind.WORLD_FAILED, proto.ErrorCode.PEER_LOST,
                                     "a rank's welcome found it gone", msg.epoch + 1), [])
-        return super().request(msg, deadline, fds, undo)
+        return super().request(msg, deadline, fds, undo, abandon)
 
 
 def test_constructor_hears_the_failure_before_its_welcome(

@@ -69,8 +69,8 @@ class Peer:
     def send(self, msg: proto.Message) -> None:
         self.sent.append(msg)
 
-    def close_if_hung_up(self) -> None:
-        pass  # (always connected)
+    def close_if_hung_up(self) -> bool:
+        return False  # (always connected)
 
 
 def barrier(world: World, rank: int, request_id: int) -> None:
@@ -136,5 +136,62 @@ async def test_an_op_of_a_failed_epoch_still_running_does_not_time_the_rebuilt_e
     finally:
         for made in engine.made:
             made.go.set()
+        world.shutdown("the test ends")
+        world.forget_if_empty()
+
+
+class HangingUp(Peer):
+    """A connection whose client hangs up (gives up on its call) when told to: asked
+    next, it closes, and its rank leaves the world, as a Session does."""
+
+    def __init__(self, world: World, rank: int) -> None:
+        super().__init__()
+        self._world, self._rank = world, rank
+        self.hung_up = self.closed = False
+
+    def close_if_hung_up(self) -> bool:
+        if self.hung_up and not self.closed:
+            self.closed = True
+            self._world.leave(self._rank, self)
+        return self.closed
+
+
+async def test_an_op_waiting_its_turn_does_not_start_once_a_rank_of_it_hung_up() -> None:
+    """Both ranks' barrier #1 runs in the (held) engine; their op #2 (a barrier here, an
+    all_reduce writing their buffers alike) is matched and waits its turn. Rank 0's client
+    then gives up on it (CommTimeout) and hangs up, and may write its buffer. Before: op #2
+    ran once #1 was done. Now it never starts, and rank 1 gets the world's failure."""
+    engine = HeldEngine()
+    world = World("w", 2, None, engine, lambda _: None)  # type: ignore[arg-type]
+    peers = {0: HangingUp(world, 0), 1: HangingUp(world, 1)}
+    ran: list[EngineOp] = []
+    try:
+        world.form(1, (0, 1), ())
+        world.members.update(peers)
+        held = engine.made[0]
+        real_run = held.run
+
+        async def run(op: EngineOp, *args: Any, **kwargs: Any) -> None:
+            ran.append(op)
+            await real_run(op, *args, **kwargs)
+
+        held.run = run  # type: ignore[method-assign]
+        barrier(world, 0, 1)
+        barrier(world, 1, 1)  # matched: runs (held)
+        barrier(world, 0, 2)
+        barrier(world, 1, 2)  # matched: waits its turn
+        await asyncio.sleep(0)
+        assert len(ran) == 1
+        peers[0].hung_up = True
+        held.go.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(ran) == 1, ran  # (#1 only)
+        assert world.state is WorldState.FAILED
+        assert proto.Ok(1) in peers[1].sent
+        failed = [m for m in peers[1].sent if isinstance(m, proto.Error) and m.id == 2]
+        assert failed and "rank 0's connection was lost" in failed[0].message, peers[1].sent
+    finally:
+        engine.made[0].go.set()
         world.shutdown("the test ends")
         world.forget_if_empty()

@@ -1,0 +1,121 @@
+"""What happens to a call after the client gave up on it. A rank whose call raised
+CommTimeout believes the call failed and may write, reuse or free its buffer: the
+daemon, stalled (SIGSTOP) past the call's deadline and its verdict's grace, must not
+run that call when it goes on, and the other ranks of the world must get a typed error
+for theirs, not a result made of the given-up rank's buffer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from client import CommTimeout, DaemonBackend, WorldFailed, hostmem
+from commd.launch import DaemonProcess
+from tests.fault.ranks import joined, on_both, own_daemon, summed
+from tests.integration.harness import query_status, wait_until, world_name, world_status
+
+pytestmark = pytest.mark.timeout(60)
+TIMEOUT_S = 1.0
+MARKER = [-7, -70]  # what a rank writes into its buffer once its call has failed
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    yield from own_daemon()
+
+
+def mark(buf: hostmem.HostBuffer) -> None:
+    buf.view(np.int32)[:2] = MARKER
+
+
+def held(buf: hostmem.HostBuffer) -> list[int]:
+    values: list[int] = buf.view(np.int32)[:2].tolist()
+    return values
+
+
+def rebuilt(comms: list[DaemonBackend]) -> list[list[int]]:
+    """Both ranks reconnect, then sum afresh (the world works again)."""
+    on_both(lambda r: comms[r].attempt_reconnect())
+    return summed(comms, [hostmem.alloc(8), hostmem.alloc(8)])
+
+
+def test_calls_both_ranks_gave_up_on_never_run_when_the_daemon_goes_on(daemon: DaemonProcess) -> None:
+    """The daemon stops before it reads either rank's all_reduce; both ranks give up
+    (CommTimeout) and write their buffers. When the daemon goes on, neither buffer is
+    written by the all_reduce they gave up on (before: both held the sum of the two
+    ranks' markers)."""
+    with joined(daemon, TIMEOUT_S) as comms:
+        bufs = [hostmem.alloc(8), hostmem.alloc(8)]
+        summed(comms, bufs)  # (imported: the calls below are one Submit each)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            errors = on_both(lambda r: _raised(lambda: comms[r].all_reduce(bufs[r].ptr, 8, dtype="i32")))
+            assert all(isinstance(e, CommTimeout) for e in errors), errors
+            for buf in bufs:
+                mark(buf)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        _settled(daemon)
+        assert [held(b) for b in bufs] == [MARKER, MARKER]
+        assert rebuilt(comms) == [[3, 30], [3, 30]]
+
+
+def test_a_call_one_rank_gave_up_on_fails_the_others_when_the_daemon_goes_on(
+        daemon: DaemonProcess) -> None:
+    """Rank 0's all_reduce reaches the daemon, which then stops; rank 0 gives up
+    (CommTimeout) and writes its buffer; rank 1 makes the matching call while the daemon
+    is still stopped. Rank 1 joined first with a longer timeout (the world's), so the
+    daemon's own verdict on rank 0's call is far off when it goes on. Rank 1 gets
+    WorldFailed (rank 0 is gone from the world), and neither buffer is written by the
+    all_reduce: rank 0 gave up on it, and rank 1's result would be made of what rank 0
+    wrote after giving up (before: both held the marker plus rank 1's values)."""
+    world = world_name()
+    with ThreadPoolExecutor(1) as rank0, ThreadPoolExecutor(1) as rank1:
+        joining = rank1.submit(DaemonBackend, str(daemon.socket_path), world, 1, 2, timeout=10.0)
+        wait_until(lambda: (world_status(daemon, world) or {}).get("waiting") == [1], "rank 1 first")
+        comms = [DaemonBackend(str(daemon.socket_path), world, 0, 2, timeout=TIMEOUT_S), joining.result(10)]
+        try:
+            bufs = [hostmem.alloc(8), hostmem.alloc(8)]
+            summed(comms, bufs)
+            for r, buf in enumerate(bufs):
+                buf.view(np.int32)[:2] = [r + 1, 10 * (r + 1)]
+            first = rank0.submit(_raised, lambda: comms[0].all_reduce(bufs[0].ptr, 8, dtype="i32"))
+            wait_until(lambda: (world_status(daemon, world) or {}).get("pending_calls") == 1,
+                       "rank 0's call at the daemon")
+            os.kill(daemon.pid, signal.SIGSTOP)
+            try:
+                assert isinstance(first.result(10), CommTimeout)
+                mark(bufs[0])
+                second = rank1.submit(_raised, lambda: comms[1].all_reduce(bufs[1].ptr, 8, dtype="i32"))
+                time.sleep(0.3)  # (its Submit waits in the socket)
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            error = second.result(10)
+            assert isinstance(error, WorldFailed), repr(error)
+            _settled(daemon)
+            assert [held(b) for b in bufs] == [MARKER, [2, 20]]
+            assert rebuilt(comms) == [[3, 30], [3, 30]]
+        finally:
+            for comm in comms:
+                comm.close()
+
+
+def _raised(call: Callable[[], object]) -> Exception | None:
+    """What `call` raised (None: it returned)."""
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _settled(daemon: DaemonProcess) -> None:
+    """The daemon, gone on, answers again: a late op would have run by now."""
+    query_status(str(daemon.socket_path), 5)
+    time.sleep(0.5)
