@@ -104,21 +104,24 @@ class Transport:
             self._sock = sock
             _OPEN.add(self)
         try:
-            # A kernel timeout instead of Python's: a blocked send (a daemon that stopped
-            # reading) ends after `timeout`, and a connect waiting in a full listen backlog
-            # by the deadline if that comes first.
+            # A kernel timeout instead of Python's: a connect waiting in a full listen
+            # backlog ends by the deadline, or after `timeout` if that comes first.
             # Receives wait in poll() with the call's deadline, and then read what is there;
             # the short receive timeout only bounds a read that finds nothing after all.
+            # Sends never block in the kernel: one the daemon does not take (it stopped
+            # reading) waits in poll() by the call's deadline (see _send).
             connecting = timeout if deadline is None else min(timeout, deadline - time.monotonic())
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connecting))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(0.25, timeout / 4)))
             _connect(sock, path, connecting)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
+        self._timeout = timeout
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
+        self._send_poll = select.poll()
+        self._send_poll.register(sock.fileno(), select.POLLOUT)
 
     @property
     def state(self) -> proto.State:
@@ -140,17 +143,49 @@ class Transport:
                 # attempt_reconnect connects afresh rather than failing on it for good
                 raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
             try:
-                if fds:
-                    self._sock.sendmsg([packet], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                   struct.pack(f"{len(fds)}i", *fds))])
-                else:
-                    self._sock.send(packet)
-                return
+                if self._send(packet, fds, deadline):
+                    return
             except OSError as exc:
                 lost = exc
+            else:  # the daemon took nothing of this connection's by then: it may never
+                # (stopped). Nothing of the packet went, but the Forgets taken for it may
+                # have been lost, and the send buffer stays full: the connection goes.
+                self._break(DaemonUnavailable(
+                    f"the daemon took no {type(msg).__name__} from this connection before a "
+                    "call's deadline, so the connection was dropped; call attempt_reconnect"))
+                raise CommTimeout(f"the daemon took no {type(msg).__name__} before the call's "
+                                  "deadline (it reads nothing), so the connection was dropped: "
+                                  "call attempt_reconnect")
         # (outside the send lock: what is read may be a late reply whose undo sends)
         raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}"),
                                  deadline) from lost
+
+    def _send(self, packet: bytes, fds: Sequence[int], deadline: float | None) -> bool:
+        """(Under the send lock) Send one packet (whole, or nothing of it: SOCK_SEQPACKET)
+        once the daemon has room for it, by `deadline` (None: within the backend's
+        timeout, as every blocking call is). False if the deadline came first; an OSError
+        if the timeout did, or the connection failed."""
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+        limit = time.monotonic() + self._timeout
+        if deadline is not None and deadline < limit:
+            limit = deadline
+        while True:
+            try:
+                if ancillary:
+                    self._sock.sendmsg([packet], ancillary, socket.MSG_DONTWAIT)
+                else:
+                    self._sock.send(packet, socket.MSG_DONTWAIT)
+                return True
+            except BlockingIOError:
+                pass
+            left = limit - time.monotonic()
+            if left <= 0:
+                if limit == deadline:
+                    return False
+                raise TimeoutError(f"the daemon took nothing within {self._timeout:g}s")
+            # (a close() from a signal handler on this thread shuts the socket: poll wakes,
+            # and the send meets the closed socket)
+            self._send_poll.poll(min(max(1, int(left * 1000)), _MAX_POLL_MS))
 
     def _read_parting(self, lost: CommError, deadline: float | None) -> CommError:
         """A send found the daemon gone: read what it sent before it went, as the reader, so

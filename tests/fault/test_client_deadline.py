@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommTimeout, DaemonBackend, DaemonUnavailable, hostmem
+from client import CommError, CommTimeout, DaemonBackend, DaemonUnavailable, hostmem
 from client import daemon as client_daemon
 from client import transport as client_transport
 from commd.launch import DaemonProcess
@@ -66,6 +66,44 @@ def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submi
     assert took < one_deadline + 0.5 < IMPORT_S + one_deadline
 
 
+def test_a_send_the_daemon_does_not_take_gives_up_at_the_calls_deadline(daemon: DaemonProcess) -> None:
+    """register_buffer hands the daemon its buffer first (slowed to IMPORT_S), and the
+    daemon then stops reading (SIGSTOP, the socket's send buffer filled): the Register's
+    send waits only for what is left of the call's deadline, and the call raises
+    CommTimeout by then (before: the send waited the backend's whole timeout from its own
+    start, and the call raised DaemonUnavailable IMPORT_S + TIMEOUT_S after it began). The
+    connection is dropped (the daemon may have taken nothing), and the ranks rebuild."""
+    with joined(daemon, TIMEOUT_S) as comms:
+        transport = comms[0]._conn.transport
+        request = transport.request
+
+        def slow_import_then_a_full_socket(msg: proto.Message, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(msg, proto.Import):
+                return request(msg, *args, **kwargs)
+            time.sleep(IMPORT_S)
+            try:
+                return request(msg, *args, **kwargs)
+            finally:
+                os.kill(daemon.pid, signal.SIGSTOP)
+                fill_send_buffer(transport._sock)
+
+        transport.request = slow_import_then_a_full_socket  # type: ignore[method-assign]
+        fresh = hostmem.alloc(64)
+        started = time.monotonic()
+        try:
+            with pytest.raises(CommTimeout, match="dropped"):
+                comms[0].register_buffer(fresh.ptr, 64)
+            took = time.monotonic() - started
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert took < TIMEOUT_S + 0.5 < IMPORT_S + TIMEOUT_S, took
+        with pytest.raises(CommError):  # (the daemon heard rank 0 go: the world failed)
+            comms[1].barrier()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, [hostmem.alloc(8), hostmem.alloc(8)]) == [[3, 30], [3, 30]]
+        assert comms[0].register_buffer(fresh.ptr, 64) > 0
+
+
 def test_a_call_waiting_for_another_threads_import_gives_up_by_its_own_deadline(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Imports take turns (one lock, held over the round trip). Thread `early` starts its
@@ -101,11 +139,12 @@ def test_a_call_waiting_for_another_threads_import_gives_up_by_its_own_deadline(
 def test_a_failed_send_waits_for_the_daemons_last_word_no_longer_than_the_call_may(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's recv_command_u32 (no deadline) reads for every thread when the daemon stops
-    reading (SIGSTOP, the socket's buffer filled): symmetric_alloc's send fails after the
-    backend's timeout, and the call then waits for the reader to learn why the daemon went,
-    but only while its deadline allows: it raises DaemonUnavailable by its deadline (before:
-    it waited the whole parting wait, stretched here from 1 s to 5 s so that the two tell
-    apart with slack, then raised). The reader's call ends with the broken connection."""
+    reading (SIGSTOP, the socket's buffer filled): symmetric_alloc's send gives up at the
+    call's deadline, and the call raises CommTimeout then, without waiting for the reader
+    to learn why the daemon went (a failed send waits for that only while its deadline
+    allows: before, it waited the whole parting wait, stretched here from 1 s to 5 s so
+    that the two tell apart with slack, then raised). The connection is dropped, and the
+    reader's call ends with it."""
     monkeypatch.setattr(client_transport, "_PARTING_WAIT_S", 5.0)
     with joined(daemon, TIMEOUT_S) as comms:
         bufs = [hostmem.alloc(8), hostmem.alloc(8)]
@@ -118,14 +157,14 @@ def test_a_failed_send_waits_for_the_daemons_last_word_no_longer_than_the_call_m
             try:
                 fill_send_buffer(transport._sock)
                 started = time.monotonic()
-                with pytest.raises(DaemonUnavailable, match="lost the daemon connection"):
+                with pytest.raises(CommTimeout, match="connection was dropped"):
                     comms[0].symmetric_alloc(64)
                 took = time.monotonic() - started
             finally:
                 os.kill(daemon.pid, signal.SIGCONT)
             with pytest.raises(DaemonUnavailable):
                 command.result(10)
-    assert took < TIMEOUT_S + 1.0, took  # (its send took TIMEOUT_S, the kernel's send timeout)
+    assert took < TIMEOUT_S + 1.0, took  # (its send took TIMEOUT_S, the call's deadline)
 
 
 def test_a_rejoin_connects_within_what_is_left_of_its_deadline(daemon: DaemonProcess) -> None:
