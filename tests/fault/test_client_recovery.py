@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import signal
 import threading
 import time
@@ -29,6 +30,7 @@ from tests.integration.harness import (
     held_at_rest,
     memfd_mappings,
     open_fds,
+    wait_until,
     world_name,
     world_status,
 )
@@ -575,7 +577,11 @@ def test_a_reply_the_daemon_sent_before_it_was_killed_is_read(daemon: DaemonProc
             buf.view(np.int32)[:2] = [r + 2, 20 * (r + 2)]
         with ThreadPoolExecutor(1) as rank0:
             step = rank0.submit(comms[0].all_reduce, bufs[0].ptr, 8, dtype="i32")
-            comms[1].all_reduce(bufs[1].ptr, 8, dtype="i32")  # done: rank 0's answer went too
+            comms[1].all_reduce(bufs[1].ptr, 8, dtype="i32")  # done: rank 0's answer goes too,
+            # maybe a moment after rank 1's (the daemon writes one socket at a time)
+            answered = select.poll()
+            answered.register(transport._sock.fileno(), select.POLLIN)
+            wait_until(lambda: answered.poll(0), "rank 0's answer in its socket")
             os.kill(daemon.pid, signal.SIGSTOP)
             transport.post(proto.Forget((1 << 40,)))  # (no buffer of ours: never read anyway)
             daemon.kill()
