@@ -159,8 +159,13 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
 
 
 def socket_of(flags: Mapping[str, Any], environ: Mapping[str, str], config_path: str | None) -> Path:
-    """The socket the daemon these settings start listens on: what `commd status` asks."""
-    value = _layered(flags, environ, config_path).get("socket")
+    """The socket the daemon these settings start listens on: what `commd status` asks.
+    Only the socket is read: a flag naming it needs no file, and the caller's environment
+    may hold variables the daemon would refuse (a Kubernetes Service's $COMMD_SERVICE_HOST)."""
+    own = ENV_PREFIX + "SOCKET"
+    layers = flag_layer(flags) if flags.get("socket") is not None else _layered(
+        flags, {var: raw for var, raw in environ.items() if var == own}, config_path)
+    value = layers.get("socket")
     socket: Path = _parse(KEYS["socket"], value) if value is not None else Path(DEFAULT_SOCKET)
     return socket
 

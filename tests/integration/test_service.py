@@ -342,6 +342,23 @@ def test_status_asks_the_socket_the_daemons_settings_name(tmp: Path) -> None:
     assert done.returncode == 2 and b"none.toml" in done.stderr and b"Traceback" not in done.stderr
 
 
+def test_status_reads_no_setting_but_the_socket(tmp: Path) -> None:
+    """`commd status` read every setting to find the socket: --socket given, it still
+    failed (exit 2) on a variable the daemon would refuse ($COMMD_SERVICE_HOST, which a
+    Kubernetes Service named commd injects; a script's own $COMMD_GPU_CHECK_DRY) and on a
+    config file it could not take (unreadable to the user, root-only; a key of another
+    commd version)."""
+    sock = tmp / "configured.sock"
+    unreadable = tmp / "other.toml"
+    unreadable.write_text("thread_count = 4\n")
+    stray = {"COMMD_SERVICE_HOST": "10.0.0.1", "COMMD_GPU_CHECK_DRY": "1"}
+    with DaemonProcess(sock):
+        for args, env in ((["--socket", str(sock)], stray),
+                          (["--socket", str(sock), "--config", str(unreadable)], {}),
+                          ([], {**stray, "COMMD_SOCKET": str(sock)})):
+            assert json.loads(run_cli("status", "--json", *args, **env))["socket"] == str(sock), (args, env)
+
+
 def test_a_daemon_on_a_socket_path_that_is_not_utf8_reports_and_joins_worlds(tmp: Path,
                                                                               pool: RankPool) -> None:
     """The settings take a socket path of any bytes, but the report carried it raw and the
