@@ -99,6 +99,10 @@ class Transport:
         # close() came while a thread read: that reader closes the socket when it stops (the
         # fd must not be closed under it, or it may poll whichever socket takes the number)
         self._close_when_read = False
+        # (under the send lock) a send is under way, which may wait in poll() by the socket's
+        # fd number; a close() meanwhile is on the same thread (a signal handler: the lock is
+        # reentrant), and the send closes the socket once it stops (see _close_socket)
+        self._sending = self._close_when_sent = False
         with _MAKING:  # (a fork waits: the child must know of every socket it has a copy of)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._sock = sock
@@ -169,23 +173,29 @@ class Transport:
         limit = time.monotonic() + self._timeout
         if deadline is not None and deadline < limit:
             limit = deadline
-        while True:
-            try:
-                if ancillary:
-                    self._sock.sendmsg([packet], ancillary, socket.MSG_DONTWAIT)
-                else:
-                    self._sock.send(packet, socket.MSG_DONTWAIT)
-                return True
-            except BlockingIOError:
-                pass
-            left = limit - time.monotonic()
-            if left <= 0:
-                if limit == deadline:
-                    return False
-                raise TimeoutError(f"the daemon took nothing within {self._timeout:g}s")
-            # (a close() from a signal handler on this thread shuts the socket: poll wakes,
-            # and the send meets the closed socket)
-            self._send_poll.poll(min(max(1, int(left * 1000)), _MAX_POLL_MS))
+        self._sending = True
+        try:
+            while True:
+                try:
+                    if ancillary:
+                        self._sock.sendmsg([packet], ancillary, socket.MSG_DONTWAIT)
+                    else:
+                        self._sock.send(packet, socket.MSG_DONTWAIT)
+                    return True
+                except BlockingIOError:
+                    pass
+                left = limit - time.monotonic()
+                if left <= 0:
+                    if limit == deadline:
+                        return False
+                    raise TimeoutError(f"the daemon took nothing within {self._timeout:g}s")
+                # (a close() from a signal handler on this thread shuts the socket and leaves
+                # it open: poll wakes, and the send meets the shut socket)
+                self._send_poll.poll(min(max(1, int(left * 1000)), _MAX_POLL_MS))
+        finally:
+            self._sending = False
+            if self._close_when_sent:
+                self._sock.close()
 
     def _read_parting(self, lost: CommError, deadline: float | None) -> CommError:
         """A send found the daemon gone: read what it sent before it went, as the reader, so
@@ -441,6 +451,10 @@ class Transport:
 
     def _close_socket(self) -> None:
         with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
+            if self._sending:  # (this thread's, cut into by a signal handler) poll() would retry
+                # by the fd number, which another socket or pipe may take once closed
+                self._close_when_sent = True
+                return
             self._sock.close()
 
 

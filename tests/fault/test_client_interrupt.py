@@ -374,17 +374,21 @@ def test_a_close_cut_short_as_it_unmaps_unmaps_on_the_second(recording: tuple[Re
     assert unmapped == ["unmapped"]
 
 
+@pytest.mark.parametrize("reuse", [False, True])
 def test_close_in_a_signal_handler_ends_the_call_the_signal_cut_into(
-        daemon: DaemonProcess, pool: RankPool) -> None:
+        daemon: DaemonProcess, pool: RankPool, reuse: bool) -> None:
     """A worker's signal handler calls close() (a SIGTERM handler that leaves cleanly) while
     the main thread, which runs handlers, is inside a call's send. The call ends at once
     with DaemonUnavailable, the connection is gone and the rank can join again. Before:
     close() waited for the send lock, held by the very call it had interrupted, for good
-    (the worker hung)."""
+    (the worker hung). `reuse`: the handler then opens pipes until one takes the socket's
+    fd number: the send, waiting for room in poll() by that number, waited on the pipe's
+    read end (never writable) until the backend's timeout (10 s). Now the socket closes
+    once the send is over, and no pipe can take its number before."""
     world = world_name("sig")
     try:
         [outcome] = pool.run(workers.closed_by_a_signal_handler,
-                             [(str(daemon.socket_path), world, 0, 1, daemon.pid)], timeout=20)
+                             [(str(daemon.socket_path), world, 0, 1, daemon.pid, reuse)], timeout=30)
     finally:
         os.kill(daemon.pid, signal.SIGCONT)  # (a worker that hung left the daemon stopped)
     after = outcome.unwrap()

@@ -702,15 +702,25 @@ def stop_and_go(sock: str, world: str, rank: int, n: int, timeout: float) -> dic
     return out
 
 
-def closed_by_a_signal_handler(sock: str, world: str, rank: int, n: int, daemon_pid: int) -> dict[str, Any]:
+def closed_by_a_signal_handler(sock: str, world: str, rank: int, n: int, daemon_pid: int,
+                               reuse: bool = False) -> dict[str, Any]:
     """This process's SIGUSR1 handler closes its backend, as a service's SIGTERM handler
     would, while the main thread is inside a barrier's send: the daemon is stopped and the
     socket's send buffer full, so that the send blocks until the signal lands (unstopped, a
-    signal lands there now and then: 5 runs in 12 of a barrier loop here). How the barrier
-    ended and when, and the backend's state after."""
+    signal lands there now and then: 5 runs in 12 of a barrier loop here). With `reuse`,
+    the handler then opens pipes until one takes the socket's fd number, if it is free (as
+    any other thread may). How the barrier ended and when, and the backend's state after."""
     with connect(sock, world, rank, n, timeout=10) as comm:
         comm.barrier()
-        previous = signal.signal(signal.SIGUSR1, lambda signum, frame: comm.close())
+        number = comm._conn.transport._sock.fileno()
+        pipes: list[int] = []
+
+        def close(signum: int, frame: object) -> None:
+            comm.close()
+            while reuse and number not in pipes and len(pipes) < 64:  # (the lowest free number first)
+                pipes.extend(os.pipe())
+
+        previous = signal.signal(signal.SIGUSR1, close)
         os.kill(daemon_pid, signal.SIGSTOP)
         try:
             # a copy of the socket fills it (without waiting: the flag, not the shared file's mode)
@@ -734,5 +744,7 @@ def closed_by_a_signal_handler(sock: str, world: str, rank: int, n: int, daemon_
         finally:
             os.kill(daemon_pid, signal.SIGCONT)
             signal.signal(signal.SIGUSR1, previous)
+            for fd in pipes:
+                os.close(fd)
         return {"ended": ended, "took": took, "healthy": comm.is_healthy(),
                 "next call": _error_name(comm.barrier)}
