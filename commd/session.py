@@ -107,7 +107,7 @@ class Session:
         self._conn = proto.Connection(proto.Role.DAEMON)
         self._buffers: dict[int, MemoryMapping] = {}
         # what this connection really maps: self._buffers and the forgotten ones a call
-        # still holds (see _drop_buffer)
+        # still holds or whose unmap is under way (see _drop_buffer)
         self._mappings = 0
         self._mapped = 0  # their bytes
         self._symmetric: set[int] = set()
@@ -277,8 +277,8 @@ class Session:
         if self._mappings >= config.max_buffers:
             forgotten = self._mappings - len(self._buffers)
             raise CallError(ErrorCode.LIMIT, f"a connection may hold at most {config.max_buffers} buffers "
-                                             f"({forgotten} forgotten ones still in use by calls waiting "
-                                             "for their match)")
+                                             f"({forgotten} forgotten ones still mapped: held by calls "
+                                             "waiting for their match, or being unmapped)")
         if self._mapped + size > config.max_mapped_bytes:
             raise CallError(ErrorCode.LIMIT, f"a connection may map at most {config.max_mapped_bytes} bytes")
         self._ctx.budget.take(size)

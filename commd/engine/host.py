@@ -74,14 +74,22 @@ class Lingering:
     collector may not run for a long time. `on_released` runs on the loop, once unmapped."""
 
     RETRY_S = 0.5
+    # What the loop unmaps itself in one turn, of mappings no view holds (~0.1 ms of page
+    # frees): a worker's Forget comes right before the Import that replaces it, and the
+    # connection's limits must be free by then; more (a departing worker's thousands of
+    # buffers) goes on the thread
+    AT_ONCE_BYTES = 1 << 20
 
     def __init__(self) -> None:
         self._maps: list[tuple[mmap.mmap, Callable[[], None] | None]] = []  # and who waits for it
         self._timer: asyncio.TimerHandle | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-unmap")
         self._in_flight = 0  # handed to the thread, not yet back
+        self._at_once = 0  # bytes the loop unmapped itself this turn
 
     def release(self, mapped: mmap.mmap, on_released: Callable[[], None] | None = None) -> None:
+        if self._unmapped_at_once(mapped, on_released):
+            return
         try:
             loop = asyncio.get_running_loop()
             self._thread.submit(self._unmap, loop, mapped, on_released)
@@ -90,6 +98,25 @@ class Lingering:
                 on_released()  # (unmapped with the last view; nobody can wait for that)
             return
         self._in_flight += 1
+
+    def _unmapped_at_once(self, mapped: mmap.mmap, on_released: Callable[[], None] | None) -> bool:
+        """Unmapped here, on the loop, within this turn's AT_ONCE_BYTES (no view held it)."""
+        size = len(mapped)
+        if self._at_once + size > self.AT_ONCE_BYTES:
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        if not unmap(mapped, on_released):
+            return False
+        if self._at_once == 0:
+            loop.call_soon(self._new_turn)
+        self._at_once += size
+        return True
+
+    def _new_turn(self) -> None:
+        self._at_once = 0
 
     def _unmap(self, loop: asyncio.AbstractEventLoop, mapped: mmap.mmap,
                on_released: Callable[[], None] | None) -> None:

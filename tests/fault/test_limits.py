@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import proto
@@ -188,6 +189,29 @@ def test_forgotten_buffers_a_waiting_call_still_maps_count_against_max_buffers(
             time.sleep(0.1)
     fault_report.add("a client forgets buffers its waiting calls map: LimitExceeded until unmapped",
                      float("nan"), float("nan"), steady_t.errors() - unrelated, "none")
+
+
+def test_a_buffer_freed_at_max_buffers_makes_room_for_the_next(
+        tight: DaemonProcess, steady_t: Steady) -> None:
+    """At the limit (6), a worker frees a host buffer and calls on a new one: the Forget
+    goes right before the new one's Import. The forgotten buffer, held by no call, counted
+    until its unmap (on a thread) came back to the loop, after the Import: every other
+    call was refused (10 of 20, "1 forgotten ones still in use by calls waiting for their
+    match"). A small mapping no call holds is unmapped at once."""
+    with DaemonBackend(str(tight.socket_path), world_name(), 0, 1, timeout=10) as comm:
+        kept = [hostmem.alloc(64) for _ in range(5)]
+        for buf in kept:
+            comm.all_reduce(buf.ptr, 8, dtype="i32")
+        results = []
+        for i in range(20):
+            with hostmem.alloc(64) as buf:
+                buf.view(np.int32)[:2] = [i, -i]
+                try:
+                    comm.all_reduce(buf.ptr, 8, dtype="i32")
+                    results.append(buf.view(np.int32)[:2].tolist())
+                except LimitExceeded as exc:
+                    results.append(str(exc))
+        assert results == [[i, -i] for i in range(20)]
 
 
 class _two:

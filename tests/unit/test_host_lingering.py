@@ -41,10 +41,10 @@ async def until(predicate: object, timeout: float = 5.0) -> bool:
     return False
 
 
-def imported(engine: HostEngine) -> HostMapping:
-    fd = create_memfd(4096, NAME)
+def imported(engine: HostEngine, size: int = 4096) -> HostMapping:
+    fd = create_memfd(size, NAME)
     try:
-        return engine.import_memory(MemKind.HOST, 4096, b"", fd)
+        return engine.import_memory(MemKind.HOST, size, b"", fd)
     finally:
         os.close(fd)  # (the caller's: the mapping needs it no more)
 
@@ -86,7 +86,7 @@ async def test_the_unmap_runs_off_the_loop() -> None:
     engine = HostEngine(threads=1)
     held = threading.Event()
     try:
-        mapping = imported(engine)
+        mapping = imported(engine, engine.lingering.AT_ONCE_BYTES + 4096)  # (a small one goes at once)
         engine.lingering._thread.submit(held.wait, 10)  # the unmap thread is busy for now
         released: list[str] = []
         mapping.close(lambda: released.append(threading.current_thread().name))
@@ -96,4 +96,33 @@ async def test_the_unmap_runs_off_the_loop() -> None:
         assert released == [threading.current_thread().name] and len(engine.lingering) == 0
     finally:
         held.set()
+        engine.close()
+
+
+async def test_a_small_mapping_no_view_holds_is_unmapped_at_once() -> None:
+    """(Its connection's limits are free before the client's next packet.) Past
+    AT_ONCE_BYTES in one turn of the loop, the rest go on the thread; one a view holds
+    still waits for the view to go."""
+    engine = HostEngine(threads=1)
+    busy = threading.Event()
+    try:
+        released: list[str] = []
+        imported(engine).close(lambda: released.append("free"))
+        assert released == ["free"] and mapped() == 0 and len(engine.lingering) == 0
+        await asyncio.sleep(0)
+        turn = [imported(engine) for _ in range(engine.lingering.AT_ONCE_BYTES // 4096 + 2)]
+        engine.lingering._thread.submit(busy.wait, 10)  # (so the thread's two are seen waiting)
+        for mapping in turn:
+            mapping.close()
+        assert mapped() == 2 and len(engine.lingering) == 2
+        busy.set()
+        assert await until(lambda: mapped() == 0)
+        mapping = imported(engine)
+        region = mapping.region(0, 64)
+        mapping.close(lambda: released.append("held"))
+        assert released == ["free"] and mapped() == 1
+        del region
+        assert await until(lambda: released == ["free", "held"] and mapped() == 0)
+    finally:
+        busy.set()
         engine.close()
