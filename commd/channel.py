@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("commd.channel")
 
@@ -92,12 +93,22 @@ class FdCloser:
         self._threads = threads
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._started: list[threading.Thread] = []
+        # A large memfd's last close frees its pages (~50 ms a GiB), when the client closed
+        # its copy: a refused import of a filled one would stall the loop that long. Such
+        # closes take time but end: on a thread of their own, never behind a stuck server's.
+        self._freeing = ThreadPoolExecutor(1, thread_name_prefix="commd-fd-free")
 
     def close(self, fds: Sequence[int]) -> None:
         for fd in fds:
-            if _closes_at_once(fd):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            pages = _memfd_bytes(fd)
+            if pages is not None and pages > _FREED_ON_THE_LOOP_BYTES:
+                try:
+                    self._freeing.submit(_close_quietly, fd)
+                    continue
+                except RuntimeError:  # stopped: the daemon is ending
+                    pass
+            if pages is not None or _closes_at_once(fd):
+                _close_quietly(fd)
                 continue
             if len(self._started) < self._threads:
                 thread = threading.Thread(target=self._closing, name=f"commd-fd-close_{len(self._started)}",
@@ -108,14 +119,14 @@ class FdCloser:
 
     def _closing(self) -> None:
         while (fd := self._queue.get()) is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            _close_quietly(fd)
 
     def stop(self) -> None:
         """End the threads once what is queued is closed (not waiting for them)."""
         for _ in self._started:
             self._queue.put(None)
         self._started.clear()
+        self._freeing.shutdown(wait=False)
 
 
 def close_theirs(fds: Sequence[int], closer: FdCloser | None) -> None:
@@ -126,18 +137,33 @@ def close_theirs(fds: Sequence[int], closer: FdCloser | None) -> None:
         close_fds(fds)
 
 
+_FREED_ON_THE_LOOP_BYTES = 64 << 20
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _memfd_bytes(fd: int) -> int | None:
+    """A memfd's size (at most what its last close frees); None for anything else, told
+    without asking its filesystem anything (fstat would: FUSE asks its server)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # (only shmem and hugetlbfs files take seals)
+        return os.fstat(fd).st_size
+    except OSError:
+        return None
+
+
 def _closes_at_once(fd: int) -> bool:
-    """Whether closing `fd` cannot wait, told without asking its filesystem anything
-    (fstat would: FUSE asks its server)."""
+    """Whether closing `fd`, no memfd, cannot wait (a socket, unlingered; a pipe)."""
     if _no_linger(fd):
         return True
-    for probe in (fcntl.F_GET_SEALS, fcntl.F_GETPIPE_SZ):  # memfd (shmem, hugetlbfs); pipe
-        try:
-            fcntl.fcntl(fd, probe)
-            return True
-        except OSError:
-            pass
-    return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        return True
+    except OSError:
+        return False
 
 
 def rights(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
+import time
 
 import pytest
 
-from commd.channel import MAX_QUEUED_BYTES, MAX_QUEUED_FDS, PacketChannel
+from commd.channel import MAX_QUEUED_BYTES, MAX_QUEUED_FDS, FdCloser, PacketChannel
 from tests.integration.harness import open_fds
 
 pytestmark = pytest.mark.timeout(30)
@@ -95,3 +97,35 @@ async def test_closing_with_linger_sends_what_waits_and_the_error_last() -> None
     assert closed == ["bad message"]
     assert len(got) == 2001 and got[-1] == b"error: bad message"
     assert [int.from_bytes(g[:4], "little") for g in got[:-1]] == list(range(2000))
+
+
+def is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_a_large_memfd_a_client_sent_is_closed_off_the_loop() -> None:
+    """Its last close frees its pages (~50 ms a GiB): a refused import of a filled 20 GiB
+    memfd, its client's copy closed, held the loop a second. Small memfds, sockets and
+    pipes still close at once; the large one on the closer's own thread (held here)."""
+    closer = FdCloser()
+    held = threading.Event()
+    try:
+        closer._freeing.submit(held.wait, 10)
+        large, small = os.memfd_create("large"), os.memfd_create("small")
+        os.ftruncate(large, 1 << 30)  # (its size is what counts: sparse is enough here)
+        os.ftruncate(small, 4096)
+        read_end, write_end = os.pipe()
+        closer.close([large, small, read_end, write_end])
+        assert [is_open(fd) for fd in (large, small, read_end, write_end)] == [True, False, False, False]
+        held.set()
+        deadline = time.monotonic() + 10
+        while is_open(large):
+            assert time.monotonic() < deadline, "the large memfd was never closed"
+            time.sleep(0.01)
+    finally:
+        held.set()
+        closer.stop()
