@@ -104,6 +104,8 @@ class DaemonBackend(CommBackend):
                  memory: HostMemory | None = None, stream: int = 0,
                  cuda_driver: DriverFactory = available_driver) -> None:
         rank, world_size, stream = as_ints(rank=rank, world_size=world_size, stream=stream)
+        if not 0 <= stream < 1 << 64:  # (a CUstream is a pointer; found wrong only on a GPU)
+            raise MisuseError(f"stream={stream} is not a CUDA stream handle")
         if device is not None:
             device, = as_ints(device=device)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) \

@@ -45,9 +45,9 @@ def _positive(name: str, value: int) -> None:
         raise InvalidMessage(f"{name}={value} must be a positive 64-bit integer")
 
 
-def _rank(name: str, value: int) -> None:
+def _rank(name: str, value: int, what: str = "a rank") -> None:
     if type(value) is not int or not 0 <= value < MAX_RANKS:
-        raise InvalidMessage(f"{name}={value} is not a rank (0..{MAX_RANKS - 1})")
+        raise InvalidMessage(f"{name}={value} is not {what} (0..{MAX_RANKS - 1})")
 
 
 def _short_text(name: str, value: str, limit: int = 256) -> None:
@@ -206,7 +206,7 @@ class Hello:
             raise InvalidMessage(f"rank={self.rank} is not in 0..{self.world_size - 1}")
         _positive("timeout_ms", self.timeout_ms)
         if self.device is not None:
-            _rank("device", self.device)
+            _rank("device", self.device, "a GPU ordinal")
         for name in ("bootstrap", "token"):
             value = getattr(self, name)
             if value is not None:

@@ -151,6 +151,13 @@ def test_a_socket_path_that_is_no_text_path_is_refused_before_connecting(sock: s
         comm.barrier()
 
 
+def test_a_stream_or_device_that_cannot_be_one_is_refused_by_name(sock: str, steady: None) -> None:
+    with pytest.raises(MisuseError, match="stream=-1 is not a CUDA stream handle"):
+        DaemonBackend(sock, world_name(), 0, 1, timeout=2, stream=-1)  # (was taken, a host-only run)
+    with pytest.raises(MisuseError, match="device=-1 is not a GPU ordinal"):  # (said "not a rank")
+        DaemonBackend(sock, world_name(), 0, 1, timeout=2, device=-1)
+
+
 def test_world_conflict_and_duplicate_rank(sock: str, steady: None) -> None:
     world = world_name()
     with RawClient(sock) as first:
