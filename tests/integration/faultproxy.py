@@ -13,6 +13,7 @@ interpreter) and forwards bytes both ways, until told to:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 
@@ -35,8 +36,12 @@ class _Proxy:
             writer.close()
             return
         self.writers.update((writer, up_writer))
-        await asyncio.gather(self.pipe(reader, up_writer, "up"), self.pipe(up_reader, writer, "down"),
-                             return_exceptions=True)
+        # Cancelled, the proxy is closing, and this connection ends with it; not re-raised:
+        # 3.11's start_server asks the task for its exception, which a cancelled one raises
+        # there, printed as "Exception in callback"
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(self.pipe(reader, up_writer, "up"), self.pipe(up_reader, writer, "down"),
+                                 return_exceptions=True)
 
     async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                    direction: str) -> None:
