@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, types, then unit, contract and integration tests.
+# The whole test suite: lint, types, then unit, contract, integration and fault tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test
