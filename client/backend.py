@@ -138,8 +138,8 @@ class CommBackend(abc.ABC):
         """Close the group opened by group_start. Default: nothing."""
 
     def is_healthy(self) -> bool:
-        """False after a transport error or completion timeout, until a successful
-        attempt_reconnect. Default: true."""
+        """False once the world failed (a transport error, a completion timeout, a mismatch,
+        a lost rank), until a successful attempt_reconnect. Default: true."""
         return True
 
     def attempt_reconnect(self) -> None:

@@ -94,7 +94,8 @@ class DaemonBackend(CommBackend):
     MisuseError (and close() does nothing).
 
     Pointers may be host memory (`client.hostmem`) or, when a CUDA driver is
-    available, CUDA device memory of `device`. `cuda_driver` is asked once, on the
+    available, CUDA device memory of `device`. `cuda_driver` is asked once: in the
+    constructor when `device` is given (the hello carries the GPU's UUID), else on the
     first pointer that is not host memory (tests pass a fake).
     """
 

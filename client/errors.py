@@ -3,7 +3,7 @@
     CommError                     every failure of a CommBackend call (the seed's Result error)
     ├── MisuseError               the call was wrong: bad pointer, size, rank, handle, state
     ├── AccessDenied              the daemon refused this process (credentials, join token)
-    ├── LimitExceeded             a daemon limit (connections, buffers, registrations, queue)
+    ├── LimitExceeded             a daemon limit (connections, buffers, registrations, pending calls)
     ├── ProtocolError             client and daemon disagree on the wire (version, malformed)
     ├── DaemonUnavailable         no daemon at the socket, or the connection to it broke
     │   └── DaemonShutdown        the daemon is stopping

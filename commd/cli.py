@@ -20,6 +20,7 @@ from .config import (
     LOG_LEVELS,
     SECRET_ENV,
     SECRET_FILE_ENV,
+    ServerConfig,
     flag_of,
 )
 from .errors import ConfigError
@@ -98,18 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                                   "these flags, each overriding the one before (see deploy/commd.toml).")
     serve.add_argument("--config", default=None, metavar="PATH",
                        help="TOML config file (default: /etc/commd/commd.toml if it exists)")
-    serve.add_argument("--socket", help=f"Unix socket path ({DEFAULT_SOCKET})")
+    serve.add_argument("--socket", metavar="PATH", help=f"Unix socket path ({DEFAULT_SOCKET})")
     serve.add_argument("--engine", choices=ENGINES, help="host by default")
-    serve.add_argument(flag_of("allow_uids"), dest="allow_uids", type=int, action="append",
+    serve.add_argument(flag_of("allow_uids"), dest="allow_uids", type=int, action="append", metavar="N",
                        help="also admit this uid (repeatable; own uid and root always)")
-    serve.add_argument(flag_of("allow_gids"), dest="allow_gids", type=int, action="append",
+    serve.add_argument(flag_of("allow_gids"), dest="allow_gids", type=int, action="append", metavar="N",
                        help="admit members of this gid (repeatable)")
-    serve.add_argument(flag_of("allow_groups"), dest="allow_groups", action="append",
+    serve.add_argument(flag_of("allow_groups"), dest="allow_groups", action="append", metavar="NAME",
                        help="admit members of this group, by name (repeatable)")
-    serve.add_argument("--threads", type=int, help="host engine threads")
+    serve.add_argument("--threads", type=int, metavar="N",
+                       help="host engine threads (default: the cores, at most 8)")
     serve.add_argument("--peer-listen", metavar="HOST:PORT",
                        help="accept other daemons here (worlds across nodes; needs a secret)")
-    serve.add_argument("--peer-name", help="this daemon's name among its peers "
+    serve.add_argument("--peer-name", metavar="NAME", help="this daemon's name among its peers "
                        "(default: hostname:port, or hostname:SOCKET without a fixed port)")
     serve.add_argument("--peer-secret-file", metavar="PATH",
                        help=f"the shared secret (or ${SECRET_FILE_ENV} / ${SECRET_ENV})")
@@ -122,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a call open longer fails its world, whatever timeout its ranks "
                             "ask for (default: theirs)")
     for limit in LIMITS:
-        serve.add_argument(flag_of(limit), type=int, metavar="N", help="a limit")
+        serve.add_argument(flag_of(limit), type=int, metavar="N",
+                           help=f"a limit ({ServerConfig.__dataclass_fields__[limit].default} by default)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")
     serve.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")
     serve.add_argument(flag_of("metrics_listen"), dest="metrics_listen", metavar="HOST:PORT",
@@ -133,11 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--config", default=None, metavar="PATH",
                         help="the daemon's TOML config file, for its socket "
                              "(default: /etc/commd/commd.toml if it exists)")
-    status.add_argument("--socket", help=f"the daemon's Unix socket (default: the config's, "
-                                         f"$COMMD_SOCKET, or {DEFAULT_SOCKET})")
-    status.add_argument("--json", action="store_true")
-    status.add_argument("--world", default=None, help="only this world")
-    status.add_argument("--timeout", type=_seconds, default=5.0)
+    status.add_argument("--socket", metavar="PATH",
+                        help=f"the daemon's Unix socket (default: $COMMD_SOCKET, else the config's, "
+                             f"else {DEFAULT_SOCKET})")
+    status.add_argument("--json", action="store_true",
+                        help="everything, as JSON (with the effective configuration)")
+    status.add_argument("--world", default=None, metavar="NAME",
+                        help="only this world, with its last 8 calls per rank")
+    status.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                        help="how long to wait for the daemon's answer (5 by default)")
     status.set_defaults(func=_status)
 
     demo = sub.add_parser("demo", help="a tensor-parallel decode loop through the daemon")

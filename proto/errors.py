@@ -55,7 +55,7 @@ class ErrorCode(enum.Enum):
     WORLD_FAILED = "world_failed"  # the world failed; reconnect to go on
     STALE_EPOCH = "stale_epoch"  # a call made for an epoch of the world that a reconnect has ended
     TIMEOUT = "timeout"  # a deadline passed (join, completion)
-    LIMIT = "limit"  # a daemon limit was reached (connections, buffers, queue)
+    LIMIT = "limit"  # a daemon limit was reached (connections, buffers, pending calls)
     SHUTDOWN = "shutdown"  # the daemon is stopping
     PEER_LOST = "peer_lost"  # another daemon of the world is unreachable or was lost
     ENGINE = "engine"  # the engine (NCCL) reported an error of the world's communicator
