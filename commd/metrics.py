@@ -50,7 +50,7 @@ class DaemonCollector:
         stats = server.registry.stats
         calls = CounterMetricFamily("commd_calls", "Calls by op and outcome", labels=["op", "outcome"])
         nbytes = CounterMetricFamily("commd_call_bytes", "Bytes given by completed calls, per rank "
-                                     "call (send buffer size)", labels=["op"])
+                                     "call (the call's bytes argument)", labels=["op"])
         latency = HistogramMetricFamily("commd_call_latency_seconds", "From a call's arrival at the "
                                         "daemon to its completion (completed calls)", labels=["op"])
         for op, s in sorted(stats.calls.by_op.items()):
