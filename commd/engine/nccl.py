@@ -53,7 +53,7 @@ class NcclEngine:
         self._gate = NcclGate(self._stuck)
         self._freer = Freer(gpu, self._gate)
         self._uuids: dict[bytes, int] | None = None  # each GPU's UUID -> its ordinal here
-        self._device_count: int | None = None  # (read with them)
+        self._device_count: int | None = None
 
     def import_memory(self, kind: MemKind, size: int, handle: bytes, fd: int | None,
                       device: int | None = None) -> NcclMapping:
@@ -116,23 +116,30 @@ class NcclEngine:
                                           f"sees (is the daemon's CUDA_VISIBLE_DEVICES narrower?)")
 
     def check_device(self, device: int) -> None:
-        self._gpus()
-        count = self._device_count or 0
+        count = self._count_gpus()
         if not 0 <= device < count:
             raise CallError(ErrorCode.MISUSE, f"GPU {device} is not one this daemon sees "
                                               f"(it sees {count}: 0..{count - 1})")
 
+    def _count_gpus(self) -> int:
+        """(Read once: the GPUs a process sees do not change.)"""
+        if self._device_count is None:
+            try:
+                self._device_count = self.gpu.device_count()
+            except GpuError as exc:
+                raise CallError(ErrorCode.ENGINE, f"cannot count the GPUs: {exc}") from None
+        return self._device_count
+
     def _gpus(self) -> dict[bytes, int]:
-        """Each GPU's UUID -> its ordinal here, read once (the GPUs a process sees do not change)."""
+        """Each GPU's UUID -> its ordinal here, read once (as their count)."""
         if self._uuids is None:
             try:
-                count = self.gpu.device_count()
                 uuids: dict[bytes, int] = {}
-                for device in range(count):
+                for device in range(self._count_gpus()):
                     uuids.setdefault(self.gpu.device_uuid(device), device)
             except GpuError as exc:
                 raise CallError(ErrorCode.ENGINE, f"cannot read the GPUs' UUIDs: {exc}") from None
-            self._uuids, self._device_count = uuids, count
+            self._uuids = uuids
         return self._uuids
 
     def unique_id(self) -> bytes:

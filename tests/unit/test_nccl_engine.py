@@ -1618,3 +1618,22 @@ async def test_a_deregistration_asked_during_a_launch_still_connecting_holds_bac
     finally:
         a.close()
         b.close()
+
+
+def test_a_gpu_ordinal_is_checked_against_the_count_alone(engine: NcclEngine, gpu: FakeGpu,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hello naming a GPU by ordinal needs only the count: a driver that cannot give UUIDs
+    (they find a worker's GPU by UUID, a separate question) refused every such hello."""
+    def no_uuid(device: int) -> bytes:
+        raise GpuError("cuDeviceGetUuid: not supported")
+
+    monkeypatch.setattr(gpu, "device_uuid", no_uuid)
+    engine.check_device(0)
+    engine.check_device(1)
+    for device in (2, -1):
+        with pytest.raises(CallError, match=f"GPU {device} is not one this daemon sees") as caught:
+            engine.check_device(device)
+        assert caught.value.code is ErrorCode.MISUSE
+    with pytest.raises(CallError, match="cannot read the GPUs' UUIDs") as caught:
+        engine.device_of(bytes(16))
+    assert caught.value.code is ErrorCode.ENGINE
