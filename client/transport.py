@@ -267,7 +267,19 @@ class Transport:
         else the connection is shut down before the caller hears of the failure, and the
         CommTimeout raised. The daemon checks that a rank is still connected before it
         starts the rank's op, so what the caller hears failed never writes its memory
-        later, when the caller may have written, reused or freed it."""
+        later, when the caller may have written, reused or freed it. A reply already in
+        the socket with no thread reading is read first: the daemon did the call, and the
+        other ranks saw it done."""
+        me = threading.get_ident()
+        with self._lock:
+            reading = self._reader is None and self._broken is None
+            if reading:
+                self._reader = me
+        if reading:
+            try:
+                self._route_waiting(_PARTING_READS)
+            finally:
+                self._stop_reading()
         with self._lock:
             packet = self._replies.pop(request_id, None)
         if packet is not None:

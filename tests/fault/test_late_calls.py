@@ -7,10 +7,12 @@ for theirs, not a result made of the given-up rank's buffer."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,6 +106,32 @@ def test_a_call_one_rank_gave_up_on_fails_the_others_when_the_daemon_goes_on(
         finally:
             for comm in comms:
                 comm.close()
+
+
+def test_a_reply_in_the_socket_when_the_wait_gives_up_is_the_calls_answer(daemon: DaemonProcess) -> None:
+    """The daemon did rank 0's all_reduce and its answer is in rank 0's socket, unread,
+    when rank 0's wait gives up (its deadline came as the answer did): the call returns
+    the sum, as rank 1's did, and the connection stays (before: CommTimeout, the
+    connection dropped, and the ranks disagreed on whether the step was made)."""
+    with joined(daemon, TIMEOUT_S) as comms:
+        bufs = [hostmem.alloc(8), hostmem.alloc(8)]
+        summed(comms, bufs)  # (imported: the call below is one Submit)
+        transport = comms[0]._conn.transport
+        wait = transport._wait
+        answered = select.poll()
+        answered.register(transport._sock.fileno(), select.POLLIN)
+
+        def gives_up_as_the_answer_comes(request_id: int, deadline: float | None) -> Any:
+            wait_until(lambda: answered.poll(0), "rank 0's answer in its socket")
+            raise CommTimeout(f"request {request_id}: the deadline came (as the answer did)")
+
+        transport._wait = gives_up_as_the_answer_comes  # type: ignore[method-assign]
+        try:
+            assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        finally:
+            transport._wait = wait  # type: ignore[method-assign]
+        assert comms[0].is_healthy() and comms[1].is_healthy()
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
 
 
 def _raised(call: Callable[[], object]) -> Exception | None:
