@@ -217,12 +217,17 @@ class Transport:
             if reading:
                 self._reader = me
         if reading:
-            try:
-                self._route_waiting(_PARTING_READS)
-            finally:
-                if not nested:
-                    self._stop_reading()
+            self._route_last(nested)
         return self._break(lost)
+
+    def _route_last(self, nested: bool = False) -> None:
+        """(As the reader, just made one unless `nested`) route what is in the socket, up
+        to _PARTING_READS packets, then stop reading."""
+        try:
+            self._route_waiting(_PARTING_READS)
+        finally:
+            if not nested:
+                self._stop_reading()
 
     def request(self, msg: proto.Message, deadline: float | None,
                 fds: Sequence[int] = (), undo: Undo | None = None,
@@ -270,16 +275,12 @@ class Transport:
         later, when the caller may have written, reused or freed it. A reply already in
         the socket with no thread reading is read first: the daemon did the call, and the
         other ranks saw it done."""
-        me = threading.get_ident()
         with self._lock:
             reading = self._reader is None and self._broken is None
             if reading:
-                self._reader = me
+                self._reader = threading.get_ident()
         if reading:
-            try:
-                self._route_waiting(_PARTING_READS)
-            finally:
-                self._stop_reading()
+            self._route_last()
         with self._lock:
             packet = self._replies.pop(request_id, None)
         if packet is not None:
