@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MisuseError
+from .backend import as_ints
+from .errors import LimitExceeded, MisuseError
 
 ReleaseListener = Callable[[int], None]
 
@@ -140,19 +141,32 @@ class HostMemory:
             return next(self._ids)
 
     def alloc(self, nbytes: int) -> HostBuffer:
+        nbytes, = as_ints(nbytes=nbytes)
         if nbytes < 0:
             raise MisuseError(f"cannot allocate {nbytes} bytes")
-        return self.adopt(_sealed_memfd(max(nbytes, 1)), nbytes, self.next_id())
+        try:
+            fd = _sealed_memfd(max(nbytes, 1))
+            try:
+                buffer = HostBuffer(self, self.next_id(), fd, nbytes)
+            except BaseException:  # (never mapped: its finalizer, which closes the fd, never made)
+                os.close(fd)
+                raise
+        except (OSError, OverflowError, ValueError) as exc:  # RLIMIT_AS, ENOMEM, EMFILE, max_map_count
+            raise LimitExceeded(f"cannot allocate {nbytes} bytes of host memory here: {exc}") from exc
+        return self._enter(buffer)
 
     def adopt(self, fd: int, nbytes: int, buffer_id: int) -> HostBuffer:
-        """Map a memfd made elsewhere (the daemon's symmetric_alloc) into this table."""
-        buffer = HostBuffer(self, buffer_id, fd, nbytes)
+        """Map a memfd made elsewhere (the daemon's symmetric_alloc) into this table; the
+        fd stays the caller's if this raises."""
+        return self._enter(HostBuffer(self, buffer_id, fd, nbytes))
+
+    def _enter(self, buffer: HostBuffer) -> HostBuffer:
         with self._lock:
             # The address may be a buffer's just unmapped on another thread whose entry is not
             # gone yet: this one takes it over (the old one's release then leaves it be).
             if buffer.ptr not in self._by_start:
                 bisect.insort(self._starts, buffer.ptr)
-            self._by_start[buffer.ptr] = (buffer_id, weakref.ref(buffer))
+            self._by_start[buffer.ptr] = (buffer.id, weakref.ref(buffer))
         return buffer
 
     def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:

@@ -325,6 +325,35 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
         comm.barrier()
 
 
+def test_host_memory_this_process_cannot_map_or_size_is_a_comm_error_and_leaks_nothing(
+        daemon: DaemonProcess) -> None:
+    """hostmem.alloc under RLIMIT_AS (a batch system's memory limit), as a worker that tries
+    smaller sizes until one fits would: a LimitExceeded each time and no fd left open; a
+    size that is no integer is a MisuseError (before: a bare OSError, and each failure
+    leaked its memfd: a retrying worker runs out of fds; a float was a TypeError)."""
+    memory = hostmem.HostMemory()
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5, memory=memory) as comm:
+        comm.barrier()
+        fds = open_fds(os.getpid())
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 30), hard))
+        try:
+            for _ in range(20):
+                with pytest.raises(LimitExceeded, match="cannot allocate"):
+                    memory.alloc(4 << 30)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        for size in (64.0, "64", None):
+            with pytest.raises(MisuseError, match="nbytes must be an integer"):
+                memory.alloc(size)  # type: ignore[arg-type]
+        assert open_fds(os.getpid()) == fds
+        with memory.alloc(np.int64(16)) as buf:  # (a numpy integer is one)
+            assert type(buf.nbytes) is int
+            buf.view(np.int32)[:] = [1, 2, 3, 4]
+            comm.all_reduce(buf.ptr, 16, dtype="i32", op="max")
+            assert buf.view(np.int32).tolist() == [1, 2, 3, 4]
+
+
 def test_a_symmetric_alloc_that_fails_after_its_answer_leaks_no_fd(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer with two fds (a ProtocolError) and a mapping that fails with anything but
