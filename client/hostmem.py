@@ -72,7 +72,7 @@ class HostBuffer:
         if self._bytes is None:
             raise MisuseError(f"host buffer {self.id} is closed")
         dt = np.dtype(dtype)
-        return self._bytes[: self.nbytes - self.nbytes % dt.itemsize].view(dt)
+        return np.asarray(_View(self._bytes[: self.nbytes - self.nbytes % dt.itemsize].view(dt), self))
 
     def offset_of(self, ptr: int, nbytes: int) -> int:
         """The offset of `ptr` in this buffer; MisuseError if [ptr, ptr+nbytes) runs past its end."""
@@ -107,6 +107,19 @@ class HostBuffer:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"ptr=0x{self.ptr:x}"
         return f"HostBuffer(id={self.id}, nbytes={self.nbytes}, {state})"
+
+
+class _View:
+    """The base of a view: `x = alloc(n).view(...)` keeps only the view, and a collection
+    must not free the buffer under it (its memory would stay mapped for the view, but a
+    call on x.ctypes.data is refused, and the daemon told to let go of it)."""
+
+    __slots__ = ("__array_interface__", "_array", "_buffer")
+
+    def __init__(self, array: np.ndarray, buffer: HostBuffer) -> None:
+        self.__array_interface__ = array.__array_interface__
+        self._array = array  # (holds the mapping's export: close() still refuses while it lives)
+        self._buffer = buffer
 
 
 def _reclaim(owner: HostMemory, buffer_id: int, ptr: int, mapped: mmap.mmap, fd: int) -> None:

@@ -7,6 +7,7 @@ connection holding the rank. Each ends with a call whose data is checked."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 from client import CommError, DaemonBackend, MisuseError, hostmem
 from commd.launch import DaemonProcess
 from tests.fault.ranks import joined, on_both, own_daemon, restart_daemon, slowed, summed
-from tests.integration.harness import wait_until, world_name, world_status
+from tests.integration.harness import held_at_rest, wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
 _BIG = 64 << 20
@@ -58,6 +59,33 @@ def test_a_buffer_at_the_address_of_one_freed_on_another_thread_is_not_taken_for
             assert new[0].ptr == old[0].ptr  # (mmap hands the address out again)
             assert summed(comms, new) == [[3, 30], [3, 30]]
             freed.result(10)
+
+
+def test_a_view_of_a_buffer_keeps_it_for_the_calls_made_on_the_view(daemon: DaemonProcess) -> None:
+    """`x = hostmem.alloc(n).view(np.int32)` keeps only the view: a collection freed the
+    buffer under it (its memory stayed mapped for the view), and a call on x.ctypes.data
+    was refused, "not in host memory the daemon can open (allocate it with
+    client.hostmem.alloc)". A view, and a slice of one, keep their buffer; once they go,
+    the buffer is freed and the daemon lets go of its mapping."""
+    def summed_in(arrays: list[np.ndarray]) -> list[list[int]]:
+        for r, array in enumerate(arrays):
+            array[:] = r + 1
+        on_both(lambda r: comms[r].all_reduce(arrays[r].ctypes.data, arrays[r].nbytes, dtype="i32"))
+        return [array.tolist() for array in arrays]
+
+    with joined(daemon, timeout=5) as comms:
+        at_rest = held_at_rest(daemon.pid)
+        views = [hostmem.alloc(64).view(np.int32) for _ in range(2)]
+        gc.collect()
+        assert summed_in(views) == [[3] * 16, [3] * 16]
+        tails = [view[8:] for view in views]
+        views.clear()
+        gc.collect()
+        assert summed_in(tails) == [[3] * 8, [3] * 8]
+        tails.clear()
+        gc.collect()
+        on_both(lambda r: comms[r].barrier())  # (the Forgets go with it)
+        wait_until(lambda: held_at_rest(daemon.pid) == at_rest, timeout=10)
 
 
 def test_an_op_built_while_a_rejoin_drops_the_old_imports_is_not_kept(
