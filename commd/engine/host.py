@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import fcntl
 import gc
 import mmap
@@ -163,6 +164,9 @@ def unmap(mapped: mmap.mmap, on_released: Callable[[], None] | None) -> bool:
     return True
 
 
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
 class HostMapping:
     """A shared mapping of one memfd (`fd` stays the caller's). Closing drops it; a view
     still held keeps it (see Lingering)."""
@@ -186,7 +190,9 @@ class HostMapping:
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED,
                                                      mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            raise CallError(ErrorCode.BAD_MEMORY, f"cannot map host memory: {exc}") from None
+            # out of fds (the mmap keeps a copy of the fd) or of memory: the daemon's limits
+            code = ErrorCode.LIMIT if exc.errno in _OUT_OF_RESOURCES else ErrorCode.BAD_MEMORY
+            raise CallError(code, f"cannot map host memory: {exc}") from None
         self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self._size = size
         self._lingering = lingering

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import shutil
 import time
 from collections.abc import Iterator
@@ -261,3 +262,44 @@ def test_a_client_that_never_reads_is_dropped(tight: DaemonProcess, steady_t: St
         comm.barrier()
     fault_report.add("a client that never reads its replies: dropped", float("nan"), float("nan"),
                      steady_t.errors() - unrelated, "none (its connection closed)")
+
+
+def test_a_daemon_out_of_fds_refuses_imports_as_a_limit_and_serves_on_once_some_go() -> None:
+    """Each mapping holds an fd in the daemon (the mmap's copy): out of them, an import was
+    refused as bad memory (MisuseError), as if the worker's buffer were at fault."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    try:
+        with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=10) as comm:
+            first = hostmem.alloc(4096)
+            comm.all_reduce(first.ptr, 8, dtype="u8")  # (the daemon's fds at rest, with a mapping)
+            room = 4
+            limit = held_at_rest(daemon.pid)[0] + room
+            resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (limit, limit))
+            bufs, refused = [], []
+            for i in range(room + 3):
+                buf = hostmem.alloc(4096)
+                buf.view(np.uint8)[:8] = i + 1
+                bufs.append(buf)
+                try:
+                    comm.all_reduce(buf.ptr, 8, dtype="u8")
+                except LimitExceeded as exc:
+                    refused.append(str(exc))
+            # (some fit: an import holds the fd it came with and the mapping's copy for a moment)
+            assert 1 <= len(refused) < len(bufs) and all("Too many open files" in r for r in refused), refused
+            for buf in bufs:
+                buf.close()
+            fresh = hostmem.alloc(4096)
+            fresh.view(np.uint8)[:8] = 7
+            deadline = time.monotonic() + 10
+            while True:  # (the daemon unmaps the closed ones in its own time)
+                try:
+                    comm.all_reduce(fresh.ptr, 8, dtype="u8")
+                    break
+                except LimitExceeded:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert fresh.view(np.uint8)[:8].tolist() == [7] * 8 and comm.is_healthy()
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
