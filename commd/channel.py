@@ -308,8 +308,11 @@ class PacketChannel:
                 return
         if (len(self._queue) >= self._max_queue or self._queued_bytes + len(data) > MAX_QUEUED_BYTES
                 or self._queued_fds + len(fds) > MAX_QUEUED_FDS):
-            self.close(f"client did not read its replies ({len(self._queue)} queued, "
-                       f"{self._queued_bytes} bytes, {self._queued_fds} fds)")
+            why = (f"client did not read its replies ({len(self._queue)} queued, "
+                   f"{self._queued_bytes} bytes, {self._queued_fds} fds)")
+            # (the one trace of why its rank's world failed: its client hears nothing)
+            log.warning("connection dropped: %s", why)
+            self.close(why)
             return
         copies: list[int] = []
         try:

@@ -44,7 +44,8 @@ async def test_replies_holding_fds_drop_the_client_past_the_fd_limit() -> None:
     assert open_fds() <= before  # what the kernel and the queue held is gone with the sockets
 
 
-async def test_large_unread_replies_drop_the_client_past_the_byte_limit() -> None:
+async def test_large_unread_replies_drop_the_client_past_the_byte_limit(
+        caplog: pytest.LogCaptureFixture) -> None:
     channel, theirs, closed = channel_to_a_peer_that_never_reads()
     try:
         sent = 0
@@ -54,6 +55,9 @@ async def test_large_unread_replies_drop_the_client_past_the_byte_limit() -> Non
         assert closed and "bytes" in closed[0], closed
         queued = int(closed[0].split(", ")[1].split()[0])
         assert MAX_QUEUED_BYTES - 60_000 < queued <= MAX_QUEUED_BYTES
+        # the operator's one trace of it (it was at DEBUG: the world's failure said only "lost")
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"connection dropped: {closed[0]}"]
     finally:
         theirs.close()
 
