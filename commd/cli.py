@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     for limit in LIMITS:
         serve.add_argument(flag_of(limit), type=int, metavar="N",
                            help=f"a limit ({ServerConfig.__dataclass_fields__[limit].default} by default)")
-    serve.add_argument("--log-level", choices=LOG_LEVELS, help="INFO by default")
+    # (any case, as the config file and the environment take it)
+    serve.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="INFO by default")
     serve.add_argument("--log-format", choices=LOG_FORMATS, help="text (default) or json lines")
     serve.add_argument(flag_of("metrics_listen"), dest="metrics_listen", metavar="HOST:PORT",
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default)")

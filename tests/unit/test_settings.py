@@ -49,7 +49,7 @@ def test_file_sets_values(tmp_path: Path) -> None:
                                  "max_call_timeout"])
 def test_each_layer_overrides_the_one_below(tmp_path: Path, key: str) -> None:
     values = {"threads": ("2", "3", "4"), "max_buffers": ("10", "20", "30"),
-              "log_level": ('"ERROR"', "WARNING", "DEBUG"), "socket": ('"/tmp/a"', "/tmp/b", "/tmp/c"),
+              "log_level": ('"error"', "warning", "debug"), "socket": ('"/tmp/a"', "/tmp/b", "/tmp/c"),
               "allow_gids": ("[5]", "6,7", "8"), "max_call_timeout": ("5", "6.5", "7")}[key]
     field = {"socket": "socket_path", "max_call_timeout": "max_call_timeout_s"}.get(key, key)
     path = write(tmp_path, f"{key} = {values[0]}\n")
