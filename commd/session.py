@@ -107,7 +107,7 @@ class Session:
         self._conn = proto.Connection(proto.Role.DAEMON)
         self._buffers: dict[int, MemoryMapping] = {}
         # what this connection really maps: self._buffers and the forgotten ones a call
-        # still holds or whose unmap is under way (see _drop_buffer)
+        # still holds (see _drop_buffer)
         self._mappings = 0
         self._mapped = 0  # their bytes
         self._symmetric: set[int] = set()
@@ -277,8 +277,8 @@ class Session:
         if self._mappings >= config.max_buffers:
             forgotten = self._mappings - len(self._buffers)
             raise CallError(ErrorCode.LIMIT, f"a connection may hold at most {config.max_buffers} buffers "
-                                             f"({forgotten} forgotten ones still mapped: held by calls "
-                                             "waiting for their match, or being unmapped)")
+                                             f"({forgotten} forgotten ones still held by calls "
+                                             "waiting for their match)")
         if self._mapped + size > config.max_mapped_bytes:
             raise CallError(ErrorCode.LIMIT, f"a connection may map at most {config.max_mapped_bytes} bytes")
         self._ctx.budget.take(size)
@@ -295,14 +295,17 @@ class Session:
         for handle in [h for h, registered in self._registrations.items() if registered == buf]:
             self._drop_registration(handle)  # the engine must not keep freed memory registered
         mapping = self._buffers.pop(buf)
-        # counted against the limits until really unmapped: a call waiting for its match
-        # keeps forgotten memory mapped, and it must not let a client map past them
-        mapping.close(functools.partial(self._unmapped, mapping.size))
+        # counted against the connection's limits until no op holds it: a call waiting for
+        # its match keeps forgotten memory mapped, and it must not let a client map past
+        # them. Not until it is unmapped: a worker's Forget comes right before the Import
+        # that replaces it, before a large mapping's unmap (on a thread) is back. The
+        # daemon's budget counts it until then.
+        mapping.close(functools.partial(self._ctx.budget.give, mapping.size),
+                      functools.partial(self._let_go, mapping.size))
 
-    def _unmapped(self, size: int) -> None:
+    def _let_go(self, size: int) -> None:
         self._mappings -= 1
         self._mapped -= size
-        self._ctx.budget.give(size)
 
     def _forget(self, msg: proto.Forget, fds: list[int]) -> None:
         for buf in msg.bufs:

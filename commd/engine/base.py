@@ -52,9 +52,11 @@ class MemoryMapping(Protocol):
         """The window [offset, offset+nbytes); raises CallError(BAD_MEMORY) outside."""
         ...
 
-    def close(self, on_released: Callable[[], None] | None = None) -> None:
+    def close(self, on_released: Callable[[], None] | None = None,
+              on_let_go: Callable[[], None] | None = None) -> None:
         """Let it go; `on_released` runs once the memory is really unmapped, which an op
-        still using it (one in flight, or a call waiting for its match) defers."""
+        still using it (one in flight, or a call waiting for its match) defers;
+        `on_let_go` once no op uses it, which may be before (its unmap takes time)."""
         ...
 
 

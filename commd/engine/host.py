@@ -21,6 +21,7 @@ import gc
 import mmap
 import os
 import stat
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -76,9 +77,8 @@ class Lingering:
 
     RETRY_S = 0.5
     # What the loop unmaps itself in one turn, of mappings no view holds (~0.1 ms of page
-    # frees): a worker's Forget comes right before the Import that replaces it, and the
-    # connection's limits must be free by then; more (a departing worker's thousands of
-    # buffers) goes on the thread
+    # frees, less than the thread's round trip); more (a departing worker's thousands of
+    # buffers, or one large one) goes on the thread
     AT_ONCE_BYTES = 1 << 20
 
     def __init__(self) -> None:
@@ -215,10 +215,30 @@ class HostMapping:
             )
         return HostRegion(self._array[offset:offset + nbytes])
 
-    def close(self, on_released: Callable[[], None] | None = None) -> None:
-        mapped, self._mmap, self._array = self._mmap, None, None
-        if mapped is not None:
-            self._lingering.release(mapped, on_released)
+    def close(self, on_released: Callable[[], None] | None = None,
+              on_let_go: Callable[[], None] | None = None) -> None:
+        mapped, self._mmap = self._mmap, None
+        if mapped is None or self._array is None:
+            return
+        # every region is a view of the array and keeps it alive: gone with our reference,
+        # no op holds the memory, and the caller hears so now, not when the unmap (on the
+        # thread, for a large mapping) comes back, which is after the client's next packet
+        views = weakref.ref(self._array)
+        self._array = None
+        if on_let_go is not None:
+            if views() is None:
+                on_let_go()
+            else:  # (an op holds it: it lets go as the unmap succeeds)
+                on_released = _one_then_other(on_let_go, on_released)
+        self._lingering.release(mapped, on_released)
+
+
+def _one_then_other(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        if then is not None:
+            then()
+    return both
 
 
 def create_memfd(nbytes: int, name: str) -> int:

@@ -48,6 +48,7 @@ class UsedByOps:
         self._users = 0
         self._closing = False
         self._on_released: Callable[[], None] | None = None
+        self._on_let_go: Callable[[], None] | None = None
 
     def hold(self) -> None:
         """An op will use it: refused once it is closing (released, or about to be), so an
@@ -61,19 +62,22 @@ class UsedByOps:
         if self._closing and self._users == 0:
             self._release()
 
-    def close(self, on_released: Callable[[], None] | None = None) -> None:
+    def close(self, on_released: Callable[[], None] | None = None,
+              on_let_go: Callable[[], None] | None = None) -> None:
         if self._closing:
             return
         self._closing = True
-        self._on_released = on_released
+        self._on_released, self._on_let_go = on_released, on_let_go
         if self._users == 0:
             self._release()
 
     def _release(self) -> None:
         self._free()
-        on_released, self._on_released = self._on_released, None
-        if on_released is not None:
-            on_released()
+        done = (self._on_let_go, self._on_released)
+        self._on_let_go = self._on_released = None
+        for told in done:
+            if told is not None:
+                told()
 
 
 class Freer:

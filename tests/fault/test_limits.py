@@ -215,6 +215,33 @@ def test_a_buffer_freed_at_max_buffers_makes_room_for_the_next(
         assert results == [[i, -i] for i in range(20)]
 
 
+def test_a_large_buffer_freed_at_max_buffers_makes_room_for_the_next(
+        tight: DaemonProcess, steady_t: Steady) -> None:
+    """As above, with buffers past the loop's AT_ONCE_BYTES: their unmap runs on a thread
+    and came back after the Import that replaced them, so the forgotten one, held by no
+    call, still counted: 10 of 20 calls LimitExceeded at 4 MiB ("1 forgotten ones still
+    mapped: ... or being unmapped"). It counts against the connection's buffers and bytes
+    (2 MiB each: the two together are past its 4 MiB) only while a call holds it."""
+    size = 2 << 20
+    with DaemonBackend(str(tight.socket_path), world_name(), 0, 1, timeout=10) as comm:
+        kept = [hostmem.alloc(64) for _ in range(5)]
+        for buf in kept:
+            comm.all_reduce(buf.ptr, 8, dtype="i32")
+        results = []
+        for i in range(20):
+            with hostmem.alloc(size) as buf:
+                values = buf.view(np.int32)
+                values[:] = i  # (every page: their unmap takes longer)
+                values[:2] = [i, -i]
+                try:
+                    comm.all_reduce(buf.ptr, size // 4, dtype="i32")
+                    results.append([*values[:2].tolist(), int(values[2:].min()), int(values[2:].max())])
+                except LimitExceeded as exc:
+                    results.append([str(exc)])
+                del values  # (the buffer is freed with no view of it left)
+        assert results == [[i, -i, i, i] for i in range(20)]
+
+
 class _two:
     """Rank 0 of a 2-rank world whose rank 1 joins raw and never calls."""
 

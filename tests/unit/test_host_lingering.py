@@ -126,3 +126,31 @@ async def test_a_small_mapping_no_view_holds_is_unmapped_at_once() -> None:
     finally:
         busy.set()
         engine.close()
+
+
+async def test_a_mapping_no_view_holds_is_let_go_before_its_unmap() -> None:
+    """(Its connection's limits are free before the client's next packet, which may come
+    before a large mapping's unmap is back from the thread.) One a view holds is let go
+    as it unmaps, once the view went."""
+    engine = HostEngine(threads=1)
+    busy = threading.Event()
+    try:
+        told: list[str] = []
+        mapping = imported(engine, engine.lingering.AT_ONCE_BYTES + 4096)
+        engine.lingering._thread.submit(busy.wait, 10)  # the unmap thread is busy for now
+        mapping.close(lambda: told.append("unmapped"), lambda: told.append("let go"))
+        assert told == ["let go"] and mapped() == 1
+        busy.set()
+        assert await until(lambda: told == ["let go", "unmapped"] and mapped() == 0)
+        told.clear()
+        mapping = imported(engine, engine.lingering.AT_ONCE_BYTES + 4096)
+        region = mapping.region(0, 64)
+        mapping.close(lambda: told.append("unmapped"), lambda: told.append("let go"))
+        await asyncio.sleep(2 * engine.lingering.RETRY_S)
+        region.array[:] = 7  # (an op in flight finishes on it)
+        assert told == [] and mapped() == 1
+        del region
+        assert await until(lambda: told == ["let go", "unmapped"] and mapped() == 0)
+    finally:
+        busy.set()
+        engine.close()
