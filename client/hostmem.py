@@ -72,7 +72,10 @@ class HostBuffer:
         if self._bytes is None:
             raise MisuseError(f"host buffer {self.id} is closed")
         dt = np.dtype(dtype)
-        return np.asarray(_View(self._bytes[: self.nbytes - self.nbytes % dt.itemsize].view(dt), self))
+        # (bytes through the interface, then the dtype: it carries only numpy's own types,
+        # and would make ml_dtypes' bfloat16 a void type)
+        whole = self._bytes[: self.nbytes - self.nbytes % dt.itemsize]
+        return np.asarray(_View(whole, self)).view(dt)
 
     def offset_of(self, ptr: int, nbytes: int) -> int:
         """The offset of `ptr` in this buffer; MisuseError if [ptr, ptr+nbytes) runs past its end."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 import proto
@@ -115,3 +118,15 @@ def test_an_op_built_while_its_buffer_is_closed_is_not_reused() -> None:
     assert built == [buffer.id]  # the racing call did find the closing buffer
     with pytest.raises(MisuseError):
         cache.get(key, build)  # a later call builds afresh: the address is no buffer now
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.int64, np.uint8])
+def test_a_view_has_the_dtype_asked_for_and_takes_assignment(dtype: Any) -> None:
+    """(A view made through the array interface became a void array for ml_dtypes'
+    bfloat16: assigning floats to it raised "No cast function available", the demo's
+    first step.)"""
+    buf = HostMemory().alloc(64)
+    view = buf.view(dtype)
+    assert view.dtype == np.dtype(dtype) and view.size == 64 // np.dtype(dtype).itemsize
+    view[:] = np.arange(view.size) % 100
+    assert view.astype(np.float64).tolist() == [float(i % 100) for i in range(view.size)]
