@@ -175,12 +175,27 @@ def _collect(out: Any, workers: list[Any], steps: int, timeout: float
              ) -> tuple[dict[int, tuple[dict[str, list[float]], dict[str, int]]], list[str]]:
     results: dict[int, tuple[dict[str, list[float]], dict[str, int]]] = {}
     errors: list[str] = []
+    last_word = time.monotonic()
+    heard: set[int] = set()
     while len(results) + len(errors) < len(workers):
         try:
-            kind, rank, payload, extra = out.get(timeout=timeout)
+            kind, rank, payload, extra = out.get(timeout=0.5)
         except queue.Empty:
-            errors.append(f"no word from the workers for {timeout}s")
-            break
+            # a worker that died of something else than a CommError says nothing: its
+            # exit code does (the others would wait for it until their timeout)
+            dead = [f"rank {r}: its process ended with exit code {w.exitcode}, saying nothing "
+                    f"(its traceback is above)" for r, w in enumerate(workers)
+                    if w.exitcode not in (None, 0) and r not in heard]
+            if dead:
+                errors.extend(dead)
+                break
+            if time.monotonic() - last_word > timeout:
+                errors.append(f"no word from the workers for {timeout}s")
+                break
+            continue
+        last_word = time.monotonic()
+        if kind != "progress":
+            heard.add(rank)
         if kind == "progress":
             print(f"  step {payload}/{steps}", flush=True)
         elif kind == "done":
