@@ -192,37 +192,16 @@ def test_forgotten_buffers_a_waiting_call_still_maps_count_against_max_buffers(
                      float("nan"), float("nan"), steady_t.errors() - unrelated, "none")
 
 
+@pytest.mark.parametrize("size", [64, 2 << 20])
 def test_a_buffer_freed_at_max_buffers_makes_room_for_the_next(
-        tight: DaemonProcess, steady_t: Steady) -> None:
+        tight: DaemonProcess, steady_t: Steady, size: int) -> None:
     """At the limit (6), a worker frees a host buffer and calls on a new one: the Forget
     goes right before the new one's Import. The forgotten buffer, held by no call, counted
-    until its unmap (on a thread) came back to the loop, after the Import: every other
-    call was refused (10 of 20, "1 forgotten ones still in use by calls waiting for their
-    match"). A small mapping no call holds is unmapped at once."""
-    with DaemonBackend(str(tight.socket_path), world_name(), 0, 1, timeout=10) as comm:
-        kept = [hostmem.alloc(64) for _ in range(5)]
-        for buf in kept:
-            comm.all_reduce(buf.ptr, 8, dtype="i32")
-        results = []
-        for i in range(20):
-            with hostmem.alloc(64) as buf:
-                buf.view(np.int32)[:2] = [i, -i]
-                try:
-                    comm.all_reduce(buf.ptr, 8, dtype="i32")
-                    results.append(buf.view(np.int32)[:2].tolist())
-                except LimitExceeded as exc:
-                    results.append(str(exc))
-        assert results == [[i, -i] for i in range(20)]
-
-
-def test_a_large_buffer_freed_at_max_buffers_makes_room_for_the_next(
-        tight: DaemonProcess, steady_t: Steady) -> None:
-    """As above, with buffers past the loop's AT_ONCE_BYTES: their unmap runs on a thread
-    and came back after the Import that replaced them, so the forgotten one, held by no
-    call, still counted: 10 of 20 calls LimitExceeded at 4 MiB ("1 forgotten ones still
-    mapped: ... or being unmapped"). It counts against the connection's buffers and bytes
-    (2 MiB each: the two together are past its 4 MiB) only while a call holds it."""
-    size = 2 << 20
+    until its unmap came back to the loop, after the Import: every other call was refused
+    (10 of 20, "1 forgotten ones still in use by calls waiting for their match"). Small
+    mappings no call holds are unmapped at once; larger ones (past the loop's
+    AT_ONCE_BYTES) on a thread, and count against the connection's buffers and bytes (2 MiB
+    each: the two together are past its 4 MiB) only while a call holds them."""
     with DaemonBackend(str(tight.socket_path), world_name(), 0, 1, timeout=10) as comm:
         kept = [hostmem.alloc(64) for _ in range(5)]
         for buf in kept:
@@ -231,10 +210,10 @@ def test_a_large_buffer_freed_at_max_buffers_makes_room_for_the_next(
         for i in range(20):
             with hostmem.alloc(size) as buf:
                 values = buf.view(np.int32)
-                values[:] = i  # (every page: their unmap takes longer)
+                values[:] = i  # (every page: a large one's unmap takes longer)
                 values[:2] = [i, -i]
                 try:
-                    comm.all_reduce(buf.ptr, size // 4, dtype="i32")
+                    comm.all_reduce(buf.ptr, size // 4 * 4, dtype="i32")
                     results.append([*values[:2].tolist(), int(values[2:].min()), int(values[2:].max())])
                 except LimitExceeded as exc:
                     results.append([str(exc)])
