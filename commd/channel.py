@@ -83,9 +83,10 @@ class FdCloser:
     """Closes the fds clients hand over without the loop waiting on them. The close of a
     file whose filesystem has a server (FUSE, NFS) waits for that server (FUSE flushes on
     every close), and a client's own server may never answer: one such fd, sent as
-    memory or beside any packet, held the loop and every world with it. Memory (a memfd),
-    sockets (unlingered) and pipes close at once, on the loop; anything else closes on
-    `threads` threads of their own. A server that never answers holds a thread for good;
+    memory or beside any packet, held the loop and every world with it. Memfds up to
+    64 MiB, sockets (unlingered) and pipes close at once, on the loop; larger memfds on a
+    thread of their own (see __init__); anything else on `threads` threads of their
+    own. A server that never answers holds a thread for good;
     with all of them held, later such fds stay open, in order, until one answers (they
     come only from clients that send what no real client sends)."""
 
