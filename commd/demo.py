@@ -194,11 +194,11 @@ def _collect(out: Any, workers: list[Any], steps: int, timeout: float
                 break
             continue
         last_word = time.monotonic()
-        if kind != "progress":
-            heard.add(rank)
         if kind == "progress":
             print(f"  step {payload}/{steps}", flush=True)
-        elif kind == "done":
+            continue
+        heard.add(rank)
+        if kind == "done":
             results[rank] = (payload, extra)
         else:
             errors.append(f"rank {rank}: {payload}")

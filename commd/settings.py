@@ -164,7 +164,7 @@ def socket_of(flags: Mapping[str, Any], environ: Mapping[str, str], config_path:
     may hold variables the daemon would refuse (a Kubernetes Service's $COMMD_SERVICE_HOST)."""
     own = ENV_PREFIX + "SOCKET"
     layers = flag_layer(flags) if flags.get("socket") is not None else _layered(
-        flags, {var: raw for var, raw in environ.items() if var == own}, config_path)
+        flags, {own: environ[own]} if own in environ else {}, config_path)
     value = layers.get("socket")
     socket: Path = _parse(KEYS["socket"], value) if value is not None else Path(DEFAULT_SOCKET)
     return socket
