@@ -39,19 +39,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
 def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submit(
         daemon: DaemonProcess) -> None:
     with joined(daemon, TIMEOUT_S) as comms:
-        transport = comms[0]._conn.transport
-        request = transport.request
-
-        def slow_import_then_a_frozen_daemon(msg: proto.Message, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(msg, proto.Import):
-                return request(msg, *args, **kwargs)
-            time.sleep(IMPORT_S)
-            try:
-                return request(msg, *args, **kwargs)
-            finally:  # the submission that follows is never answered
-                os.kill(daemon.pid, signal.SIGSTOP)
-
-        transport.request = slow_import_then_a_frozen_daemon  # type: ignore[method-assign]
+        slow_import_then_stop(comms[0], daemon)  # (the submission that follows is never answered)
         fresh = hostmem.alloc(64)  # (never handed to the daemon: the call imports it first)
         started = time.monotonic()
         try:
@@ -74,20 +62,7 @@ def test_a_send_the_daemon_does_not_take_gives_up_at_the_calls_deadline(daemon: 
     start, and the call raised DaemonUnavailable IMPORT_S + TIMEOUT_S after it began). The
     connection is dropped (the daemon may have taken nothing), and the ranks rebuild."""
     with joined(daemon, TIMEOUT_S) as comms:
-        transport = comms[0]._conn.transport
-        request = transport.request
-
-        def slow_import_then_a_full_socket(msg: proto.Message, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(msg, proto.Import):
-                return request(msg, *args, **kwargs)
-            time.sleep(IMPORT_S)
-            try:
-                return request(msg, *args, **kwargs)
-            finally:
-                os.kill(daemon.pid, signal.SIGSTOP)
-                fill_send_buffer(transport._sock)
-
-        transport.request = slow_import_then_a_full_socket  # type: ignore[method-assign]
+        slow_import_then_stop(comms[0], daemon, full_socket=True)
         fresh = hostmem.alloc(64)
         started = time.monotonic()
         try:
@@ -216,6 +191,26 @@ def fill_backlog(path: str) -> Iterator[None]:
             except BlockingIOError:
                 break
         yield
+
+
+def slow_import_then_stop(comm: DaemonBackend, daemon: DaemonProcess, full_socket: bool = False) -> None:
+    """`comm`'s next Import takes IMPORT_S more, and once it is answered the daemon stops
+    (SIGSTOP; with `full_socket`, `comm`'s send buffer filled too, so its next send waits)."""
+    transport = comm._conn.transport
+    request = transport.request
+
+    def slow_import_then_a_stopped_daemon(msg: proto.Message, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(msg, proto.Import):
+            return request(msg, *args, **kwargs)
+        time.sleep(IMPORT_S)
+        try:
+            return request(msg, *args, **kwargs)
+        finally:
+            os.kill(daemon.pid, signal.SIGSTOP)
+            if full_socket:
+                fill_send_buffer(transport._sock)
+
+    transport.request = slow_import_then_a_stopped_daemon  # type: ignore[method-assign]
 
 
 def fill_send_buffer(sock: socket.socket) -> None:
