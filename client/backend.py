@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import operator
+import os
 from typing import TypeVar
 
 from proto import DType, ReduceOp
@@ -53,6 +54,34 @@ def as_ints(**values: object) -> tuple[int, ...]:
         except TypeError:
             raise MisuseError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
     return tuple(ints)
+
+
+# a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
+# in the hello (u64): a year is beyond any use and far inside both
+MAX_TIMEOUT_S = 365 * 86400.0
+
+
+def as_seconds(**values: object) -> float:
+    """The one argument, seconds in (0, MAX_TIMEOUT_S); MisuseError for anything else."""
+    (name, value), = values.items()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < MAX_TIMEOUT_S:
+        raise MisuseError(f"{name} must be seconds in (0, {MAX_TIMEOUT_S:g}), got {value!r}")
+    return value
+
+
+def as_path(**values: object) -> str:
+    """The one argument, a path as text; MisuseError for anything else: connect() would cut a
+    path at a NUL and reach whichever socket the prefix names."""
+    (name, given), = values.items()
+    try:
+        path = os.fspath(given)  # type: ignore[call-overload]
+    except TypeError:
+        raise MisuseError(f"{name} must be a path, got {type(given).__name__} {given!r}") from None
+    if not isinstance(path, str):
+        raise MisuseError(f"{name} must be text, got {type(path).__name__} {path!r}")
+    if not path or "\0" in path:
+        raise MisuseError(f"{name} must be a non-empty path without NUL, got {path!r}")
+    return path
 
 
 class CommBackend(abc.ABC):

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar
 
 import proto
 from proto import DType, ReduceOp
 
-from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op
+from .addkernel import AddKernel
+from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
 from .connection import Connection
 from .cuda import available_driver
-from .errors import UNHEALTHY, CommTimeout, DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
+from .errors import DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
+from .handover import Handover
 from .health import Health
 from .hostmem import HostMemory, default_memory
 from .imported import ImportedBuffers
-from .memory import DriverFactory, MemoryRef, MemoryResolver
+from .memory import DriverFactory, MemoryResolver
 from .opcache import OpCache
 from .registrations import Registrations
 from .rpc import Superseded, built
@@ -53,33 +54,11 @@ def _interruptible(method: Method[P, T]) -> Method[P, T]:
     return call
 
 
-# a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
-# in the hello (u64): a year is beyond any use and far inside both
-_MAX_TIMEOUT_S = 365 * 86400.0
 # The daemon enforces a join's deadline, with a backstop of its own across nodes: the
 # client waits past both, so what it hears is the daemon's word on which ranks are missing,
 # not a timeout of its own that cannot say (when they were equal, either could come first)
 _JOIN_GRACE_S = proto.JOIN_BACKSTOP_S + 1.0
-# How often a call builds its op afresh when another thread's calls evicted its allocations
-# meanwhile; the last build goes as it is (a cache too small for one op's buffers, which
-# would evict them for ever, then gets the daemon's refusal instead of a loop)
-_BUILDS = 3
 _VERDICT_GRACE_S = 2.0  # a call's: the daemon's verdict on a call open past its timeout, in flight
-_Built = TypeVar("_Built")
-
-
-def _socket_path(given: object) -> str:
-    """The daemon's socket path as text, or MisuseError: connect() would cut a path at a NUL
-    and reach whichever socket the prefix names."""
-    try:
-        path = os.fspath(given)  # type: ignore[call-overload]
-    except TypeError:
-        raise MisuseError(f"socket_path must be a path, got {type(given).__name__} {given!r}") from None
-    if not isinstance(path, str):
-        raise MisuseError(f"socket_path must be text, got {type(path).__name__} {path!r}")
-    if not path or "\0" in path:
-        raise MisuseError(f"socket_path must be a non-empty path without NUL, got {path!r}")
-    return path
 
 
 class DaemonBackend(CommBackend):
@@ -109,13 +88,11 @@ class DaemonBackend(CommBackend):
             raise MisuseError(f"stream={stream} is not a CUDA stream handle")
         if device is not None:
             device, = as_ints(device=device)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
-                or not 0 < timeout < _MAX_TIMEOUT_S:
-            raise MisuseError(f"timeout must be seconds in (0, {_MAX_TIMEOUT_S:g}), got {timeout!r}")
+        timeout = as_seconds(timeout=timeout)
         for name, text in (("world", world), ("bootstrap", bootstrap), ("token", token)):
             if text is not None and not isinstance(text, str):
                 raise MisuseError(f"{name} must be a string, got {type(text).__name__}")
-        path = _socket_path(socket_path)
+        path = as_path(socket_path=socket_path)
         self._rank = rank
         self._world_size = world_size
         self._world = world
@@ -123,7 +100,6 @@ class DaemonBackend(CommBackend):
         self._device, self._bootstrap, self._token = device, bootstrap, token
         self._memory = memory if memory is not None else default_memory()
         self._lock = threading.RLock()  # buffer bookkeeping, never over I/O
-        self._import_lock = threading.Lock()
         self._reconnect_lock = threading.Lock()  # one attempt_reconnect of this rank at a time
         self._reconnects = 0  # that succeeded
         self._health = Health(self._lock)
@@ -139,13 +115,14 @@ class DaemonBackend(CommBackend):
         # (with an engine with streams)
         self._order = StreamOrder(device, self._send_events, self._conn.current_link)
         self._unmap_symmetric: Callable[[], None] | None = None  # close()'s, until it has run
-        self._add_kernel: int | None = None
+        self._add_kernel = AddKernel(self._lock, self._conn)
         self._resolver = MemoryResolver(self._memory, driver=cuda_driver, device=device,
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
+        self._handover = Handover(self._lock, self._conn, self._resolver, self._imports)
         # (they hold the connection's bound request: patch theirs to reach their requests)
-        self._registrations = Registrations(self._lock, self._conn.request, self._mem_pinned,
-                                            self._unpin, self._conn.current_link)
+        self._registrations = Registrations(self._lock, self._conn.request, self._handover.mem_pinned,
+                                            self._handover.unpin, self._conn.current_link)
         self._symmetric = SymmetricMemory(self._lock, self._conn.request, self._due, self._memory,
                                           self._resolver, self._imports, self._conn.current_link,
                                           lambda: self._conn.closed)
@@ -182,28 +159,29 @@ class DaemonBackend(CommBackend):
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes = as_ints(ptr=ptr, bytes=bytes)
         self._call(("ar", ptr, bytes, d, o),
-                   lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o))
+                   lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o))
 
     @_interruptible
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
         send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
+        mem = self._handover.mem
         self._call(("ag", send_ptr, recv_ptr, bytes), lambda due: proto.AllGather(
-            self._mem(send_ptr, bytes, due), self._mem(recv_ptr, bytes * self._world_size, due), bytes))
+            mem(send_ptr, bytes, due), mem(recv_ptr, bytes * self._world_size, due), bytes))
 
     @_interruptible
     def reduce_scatter(self, send_ptr: int, recv_ptr: int, bytes: int, *,
                        dtype: DTypeLike = DType.U8, op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
         send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
+        mem = self._handover.mem
         self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda due: proto.ReduceScatter(
-            self._mem(send_ptr, bytes * self._world_size, due), self._mem(recv_ptr, bytes, due), bytes,
-            d, o))
+            mem(send_ptr, bytes * self._world_size, due), mem(recv_ptr, bytes, due), bytes, d, o))
 
     @_interruptible
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
         ptr, bytes, root = as_ints(ptr=ptr, bytes=bytes, root=root)
         self._call(("bc", ptr, bytes, root),
-                   lambda due: proto.Broadcast(self._mem(ptr, bytes, due), bytes, root))
+                   lambda due: proto.Broadcast(self._handover.mem(ptr, bytes, due), bytes, root))
 
     @_interruptible
     def barrier(self) -> None:
@@ -213,7 +191,7 @@ class DaemonBackend(CommBackend):
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
         ptr, bytes, dest_rank, stream = as_ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
         self._call(("send", ptr, bytes, dest_rank, stream),
-                   lambda due: proto.Send(self._mem(ptr, bytes, due), bytes, dest_rank, stream),
+                   lambda due: proto.Send(self._handover.mem(ptr, bytes, due), bytes, dest_rank, stream),
                    stream=stream or None,
                    early=True)
 
@@ -221,7 +199,7 @@ class DaemonBackend(CommBackend):
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
         ptr, bytes, src_rank, stream = as_ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
         self._call(("recv", ptr, bytes, src_rank, stream),
-                   lambda due: proto.Recv(self._mem(ptr, bytes, due), bytes, src_rank, stream),
+                   lambda due: proto.Recv(self._handover.mem(ptr, bytes, due), bytes, src_rank, stream),
                    stream=stream or None,
                    early=True)
 
@@ -231,7 +209,7 @@ class DaemonBackend(CommBackend):
         if root == self._rank:
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
         self._call(("cmd", ptr, root),
-                   lambda due: proto.Broadcast(self._mem(ptr, 4, due), 4, root, command=True),
+                   lambda due: proto.Broadcast(self._handover.mem(ptr, 4, due), 4, root, command=True),
                    timed=False)
 
     @_interruptible
@@ -242,7 +220,7 @@ class DaemonBackend(CommBackend):
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes, compute_stream = as_ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
         self._call(("ar", ptr, bytes, d, o),
-                   lambda due: proto.AllReduce(self._mem(ptr, bytes, due), bytes, d, o),
+                   lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o),
                    stream=compute_stream or None, early=True)
 
     def rank(self) -> int:
@@ -277,34 +255,9 @@ class DaemonBackend(CommBackend):
 
     @_interruptible
     def set_add_kernel(self, handle: int) -> None:
-        # The seed's call cannot fail, and the handle holds from here on even if telling the
-        # daemon fails (it went away, the world failed): a rejoin tells the new one, as it
-        # does after a restart (undone, it could not be sure not to have told a rejoin's
-        # daemon already). The failure shows as is_healthy() false and the next call's error.
         self._conn.check_open()
         handle, = as_ints(handle=handle)
-        built(lambda: proto.SetAddKernel(1, handle))  # (a bad one is never kept)
-        with self._lock:
-            self._add_kernel = handle
-        with contextlib.suppress(*UNHEALTHY):
-            self._tell_add_kernel(self._due())
-
-    def _tell_add_kernel(self, due: float) -> None:
-        """Tell the daemon the newest handle, again if a rejoin replaced it meanwhile (it may
-        have told the new one an older handle, or none)."""
-        while True:
-            with self._lock:
-                handle, link = self._add_kernel, self._conn.link
-            if handle is None:
-                return
-            self._set_add_kernel_at(handle, link, due)
-            with self._lock:
-                if (self._add_kernel, self._conn.link) == (handle, link):
-                    return
-
-    def _set_add_kernel_at(self, handle: int, link: int, due: float) -> None:
-        with contextlib.suppress(Superseded):  # (that daemon is gone: the caller tells the new one)
-            self._conn.request(lambda rid: proto.SetAddKernel(rid, handle), due=due, link=link)
+        self._add_kernel.set(handle, self._due())
 
     @_interruptible
     def group_start(self) -> None:
@@ -321,11 +274,11 @@ class DaemonBackend(CommBackend):
                 self._device_submit(tuple(group.ops), list(group.streams), group.early,
                                     self._due() if group.timed else None, group.basis)
             finally:
-                self._unpin(group.pinned)
+                self._handover.unpin(group.pinned)
 
     def _group_dropped(self, group: OpenGroup) -> None:
         self._health.met(group.basis.epoch)
-        self._unpin(group.pinned)
+        self._handover.unpin(group.pinned)
 
     @_interruptible
     def is_healthy(self) -> bool:
@@ -391,7 +344,7 @@ class DaemonBackend(CommBackend):
             self._registrations.register_again(restore)
         except LimitExceeded as exc:
             refusal = exc
-        self._tell_add_kernel(restore)
+        self._add_kernel.tell(restore)
         self._health.repaired_up_to(self.epoch)
         return refusal
 
@@ -441,51 +394,6 @@ class DaemonBackend(CommBackend):
 
     # ---- plumbing ---------------------------------------------------------------------
 
-    def _mem(self, ptr: int, nbytes: int, due: float) -> proto.Mem | None:
-        """Resolve a span, importing its allocation into the daemon the first time (by `due`,
-        the deadline of the call it is for)."""
-        if nbytes < 0:
-            raise MisuseError(f"bytes must not be negative, got {nbytes}")
-        ref = self._resolver.resolve(ptr, nbytes)
-        if ref is None:
-            return None
-        # Its own lock, held over the round trip: a thread reading replies for another call
-        # (and taking _lock for an event) must never wait for this one. Waited for by this
-        # call's deadline: another thread's import, begun later, may hold it past it.
-        taken = False
-        try:  # (taken inside: an interrupt right after the acquire must not keep it)
-            taken = self._import_lock.acquire(timeout=max(0.0, due - time.monotonic()))
-            if not taken:
-                raise CommTimeout("the call's deadline passed while another thread's import "
-                                  "into the daemon held the turn this call's import waited for")
-            if ref.buffer_id not in self._imports:
-                self._import(ref, due)
-        finally:
-            if taken:
-                self._import_lock.release()
-        return proto.Mem(ref.buffer_id, ref.offset)
-
-    def _import(self, ref: MemoryRef, due: float) -> None:
-        """(Under _import_lock) Hand the daemon `ref`'s allocation, by `due`."""
-        try:
-            with self._resolver.import_fds(ref) as fds:  # a VMM fd is closed once sent
-                answer = self._conn.request(lambda rid: proto.Import(
-                    rid, ref.buffer_id, ref.kind, ref.size, ref.handle), due=due, fds=fds)
-        except CommTimeout:  # the daemon may have mapped it (or never got it): forget it first
-            with self._lock:
-                self._imports.owe(ref.buffer_id)
-            raise
-        with self._lock:
-            handed = answer.link == self._conn.link
-            if handed:
-                self._imports.add(ref.buffer_id)
-                # freed or evicted meanwhile, its release heard before it was held
-                # here: the daemon is owed a Forget all the same
-                if not self._resolver.still_known(ref):
-                    self._imports.release(ref.buffer_id)
-        if not handed:
-            raise self._conn.went_away(answer.epoch, "while this call handed it a buffer")
-
     def _call(self, key: tuple[object, ...], make_op: Callable[[float], proto.Op],
               timed: bool = True, stream: int | None = None, early: bool = False) -> None:
         """Submit one op, or add it to this thread's open group. The built op is cached by
@@ -496,7 +404,7 @@ class DaemonBackend(CommBackend):
         self._conn.check_open()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        op, device = self._pinned(lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
+        op, device = self._handover.pinned(lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
         follows = (self._stream if stream is None else stream) if device else None
         try:
             group = self._groups.current()
@@ -506,49 +414,15 @@ class DaemonBackend(CommBackend):
             self._device_submit((op,), [] if follows is None else [follows], early,
                                 due if timed else None, basis)
         except BaseException:
-            self._unpin(device)
+            self._handover.unpin(device)
             raise
-        self._unpin(device)
-
-    def _pinned(self, build: Callable[[], tuple[_Built, tuple[int, ...]]]) -> tuple[_Built, tuple[int, ...]]:
-        """`build()` makes what a request will name memory by, and says which CUDA
-        allocations it names: those come pinned (the caller unpins them once it is sent)."""
-        for attempt in range(_BUILDS):
-            made, device = build()
-            if not device:
-                break
-            with self._lock:
-                self._imports.pin(device)
-            # Evicted before it was pinned, its Forget may be on its way: the request would be
-            # refused. Built afresh, it imports the allocation again under a new id (its own
-            # buffers are the cache's newest, so only another thread's calls evict them).
-            if self._resolver.still_cached(device) or attempt == _BUILDS - 1:
-                break
-            self._unpin(device)
-        return made, device
-
-    def _mem_pinned(self, ptr: int, nbytes: int, due: float) -> tuple[proto.Mem | None, tuple[int, ...]]:
-        """_mem for a request that names the span after it is resolved (register_buffer's):
-        a CUDA allocation comes pinned, as an op's buffers do."""
-        def resolve() -> tuple[proto.Mem | None, tuple[int, ...]]:
-            with self._resolver.noting_device() as noted:
-                mem = self._mem(ptr, nbytes, due)
-            return mem, (mem.buf,) if mem is not None and mem.buf in noted else ()
-
-        return self._pinned(resolve)
+        self._handover.unpin(device)
 
     def _take_owed(self) -> list[int]:
         """The Forgets to send now (under _lock)."""
         for group in self._groups.abandoned():  # (a thread that ended between group_start and _end)
             self._imports.unpin(group.pinned)
         return self._imports.take_owed()
-
-    def _unpin(self, buffer_ids: Collection[int]) -> None:
-        """The op naming these is sent (or never will be): their Forgets may go."""
-        if not buffer_ids:
-            return
-        with self._lock:
-            self._imports.unpin(buffer_ids)
 
     def _due(self) -> float:
         """The deadline of a call starting now: every request the call makes shares it."""

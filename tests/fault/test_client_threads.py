@@ -495,7 +495,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
         restart_daemon(daemon, comms)
-        tell = comms[0]._set_add_kernel_at
+        tell = comms[0]._add_kernel.tell_at
         failed = threading.Event()
 
         def held(handle: int, link: int, due: float) -> None:
@@ -507,7 +507,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
                     time.sleep(2.0)  # the rejoin runs here
                 raise
 
-        monkeypatch.setattr(comms[0], "_set_add_kernel_at", held)
+        monkeypatch.setattr(comms[0]._add_kernel, "tell_at", held)
         outcome: list[Any] = []
 
         def setting() -> None:
@@ -525,7 +525,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
         daemon_has = (world_status(daemon, comms[0]._world) or {}).get("add_kernel")
         assert outcome == ["ok"]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
-        assert (comms[0]._add_kernel, daemon_has) == (7, {"0": 7})
+        assert (comms[0]._add_kernel.handle, daemon_has) == (7, {"0": 7})
         restart_daemon(daemon, comms)
         on_both(lambda r: comms[r].attempt_reconnect())
         assert (world_status(daemon, comms[0]._world) or {}).get("add_kernel") == {"0": 7}
