@@ -16,7 +16,7 @@ import pytest
 
 import proto
 from client import DaemonBackend, LimitExceeded, hostmem
-from commd.engine.host import create_memfd
+from commd.engine.hostmemory import create_memfd
 from commd.launch import DaemonProcess
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady, steady_world

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 
 import proto
-from commd.engine.host import create_memfd
+from commd.engine.hostmemory import create_memfd
 
 
 class RawClient:

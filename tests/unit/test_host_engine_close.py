@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from commd.engine.base import AllReduceOp
-from commd.engine.host import HostEngine, HostRegion
+from commd.engine.host import HostEngine
+from commd.engine.hostmemory import HostRegion
 from commd.engine.hostnet import off_loop
 from commd.errors import CallError
 from proto import DType, ErrorCode, ReduceOp

@@ -16,7 +16,8 @@ import uvloop
 
 from client import hostmem
 from commd.engine.base import AllReduceOp, BarrierOp
-from commd.engine.host import HostEngine, HostRegion, InlineBudget
+from commd.engine.host import HostEngine, InlineBudget
+from commd.engine.hostmemory import HostRegion
 from commd.launch import DaemonProcess
 from proto import DType, ReduceOp
 from tests.fault.ranks import joined, on_both, own_daemon

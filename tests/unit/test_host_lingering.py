@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from commd.engine.host import HostEngine, HostMapping, create_memfd
+from commd.engine.host import HostEngine
+from commd.engine.hostmemory import HostMapping, create_memfd
 from proto import MemKind
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,10 +57,10 @@ async def test_a_view_in_a_garbage_cycle_does_not_keep_the_mapping(no_collector:
         cycle: list[object] = [mapping.region(0, 64)]
         cycle.append(cycle)  # like a failed op's traceback: frame -> future -> exception -> frame
         mapping.close()
-        assert mapped() == 1 and len(engine.lingering) == 1
+        assert mapped() == 1 and len(engine.unmapper) == 1
         del cycle
         # (unmapped on the unmap thread; the loop hears of it a moment later)
-        assert await until(lambda: mapped() == 0 and len(engine.lingering) == 0), \
+        assert await until(lambda: mapped() == 0 and len(engine.unmapper) == 0), \
             "the mapping outlived its last (garbage) view"
     finally:
         engine.close()
@@ -71,9 +72,9 @@ async def test_a_view_in_use_keeps_the_mapping_until_it_goes(no_collector: None)
         mapping = imported(engine)
         region = mapping.region(0, 64)
         mapping.close()
-        await asyncio.sleep(3 * engine.lingering.RETRY_S)
+        await asyncio.sleep(3 * engine.unmapper.RETRY_S)
         region.array[:] = 7  # still mapped: an op in flight finishes on it
-        assert mapped() == 1 and len(engine.lingering) == 1
+        assert mapped() == 1 and len(engine.unmapper) == 1
         del region
         assert await until(lambda: mapped() == 0)
     finally:
@@ -86,14 +87,14 @@ async def test_the_unmap_runs_off_the_loop() -> None:
     engine = HostEngine(threads=1)
     held = threading.Event()
     try:
-        mapping = imported(engine, engine.lingering.AT_ONCE_BYTES + 4096)  # (a small one goes at once)
-        engine.lingering._thread.submit(held.wait, 10)  # the unmap thread is busy for now
+        mapping = imported(engine, engine.unmapper.AT_ONCE_BYTES + 4096)  # (a small one goes at once)
+        engine.unmapper._thread.submit(held.wait, 10)  # the unmap thread is busy for now
         released: list[str] = []
         mapping.close(lambda: released.append(threading.current_thread().name))
-        assert mapped() == 1 and released == [] and len(engine.lingering) == 1  # not done here
+        assert mapped() == 1 and released == [] and len(engine.unmapper) == 1  # not done here
         held.set()
         assert await until(lambda: released and mapped() == 0)
-        assert released == [threading.current_thread().name] and len(engine.lingering) == 0
+        assert released == [threading.current_thread().name] and len(engine.unmapper) == 0
     finally:
         held.set()
         engine.close()
@@ -108,13 +109,13 @@ async def test_a_small_mapping_no_view_holds_is_unmapped_at_once() -> None:
     try:
         released: list[str] = []
         imported(engine).close(lambda: released.append("free"))
-        assert released == ["free"] and mapped() == 0 and len(engine.lingering) == 0
+        assert released == ["free"] and mapped() == 0 and len(engine.unmapper) == 0
         await asyncio.sleep(0)
-        turn = [imported(engine) for _ in range(engine.lingering.AT_ONCE_BYTES // 4096 + 2)]
-        engine.lingering._thread.submit(busy.wait, 10)  # (so the thread's two are seen waiting)
+        turn = [imported(engine) for _ in range(engine.unmapper.AT_ONCE_BYTES // 4096 + 2)]
+        engine.unmapper._thread.submit(busy.wait, 10)  # (so the thread's two are seen waiting)
         for mapping in turn:
             mapping.close()
-        assert mapped() == 2 and len(engine.lingering) == 2
+        assert mapped() == 2 and len(engine.unmapper) == 2
         busy.set()
         assert await until(lambda: mapped() == 0)
         mapping = imported(engine)
@@ -136,17 +137,17 @@ async def test_a_mapping_no_view_holds_is_let_go_before_its_unmap() -> None:
     busy = threading.Event()
     try:
         told: list[str] = []
-        mapping = imported(engine, engine.lingering.AT_ONCE_BYTES + 4096)
-        engine.lingering._thread.submit(busy.wait, 10)  # the unmap thread is busy for now
+        mapping = imported(engine, engine.unmapper.AT_ONCE_BYTES + 4096)
+        engine.unmapper._thread.submit(busy.wait, 10)  # the unmap thread is busy for now
         mapping.close(lambda: told.append("unmapped"), lambda: told.append("let go"))
         assert told == ["let go"] and mapped() == 1
         busy.set()
         assert await until(lambda: told == ["let go", "unmapped"] and mapped() == 0)
         told.clear()
-        mapping = imported(engine, engine.lingering.AT_ONCE_BYTES + 4096)
+        mapping = imported(engine, engine.unmapper.AT_ONCE_BYTES + 4096)
         region = mapping.region(0, 64)
         mapping.close(lambda: told.append("unmapped"), lambda: told.append("let go"))
-        await asyncio.sleep(2 * engine.lingering.RETRY_S)
+        await asyncio.sleep(2 * engine.unmapper.RETRY_S)
         region.array[:] = 7  # (an op in flight finishes on it)
         assert told == [] and mapped() == 1
         del region
