@@ -321,10 +321,17 @@ class Session:
             raise CallError(ErrorCode.STALE_EPOCH, f"these calls were made for epoch {msg.epoch} of "
                                                    f"world {world.name}, which is at epoch {world.epoch}")
         calls = []
-        for op in msg.ops:
-            ops.check_ranks(op, self.rank, world.world_size)
-            regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
-            ops.check_overlap(op, self.rank, world.world_size)  # (of spans inside their buffers)
+        for index, op in enumerate(msg.ops):
+            try:
+                ops.check_ranks(op, self.rank, world.world_size)
+                regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
+                ops.check_overlap(op, self.rank, world.world_size)  # (of spans inside their buffers)
+            except CallError as exc:
+                if len(msg.ops) == 1:
+                    raise
+                # (the whole group is refused: say which of its calls was at fault)
+                raise CallError(exc.code, f"group_end: call #{index} of the group, "
+                                          f"{ops.describe(op)}: {exc.message}") from None
             calls.append((op, regions))
         world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)
 
@@ -350,7 +357,8 @@ class Session:
             return None
         mapping = self._buffers.get(mem.buf)
         if mapping is None:
-            raise CallError(ErrorCode.UNKNOWN_BUFFER, f"buffer {mem.buf} was never imported or was freed")
+            raise CallError(ErrorCode.UNKNOWN_BUFFER, f"its memory (buffer {mem.buf}) was freed, or was never "
+                                                       "handed to this daemon")
         return mapping.region(mem.offset, nbytes)
 
     def _register(self, msg: proto.Register, fds: list[int]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import proto
@@ -30,6 +32,7 @@ from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady
+from tests.fault.ranks import on_both
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, back_to, held_at_rest, open_fds, short_tmpdir, world_name
@@ -206,6 +209,50 @@ def test_out_of_bounds_and_unknown_buffers(sock: str, steady: None) -> None:
             assert (err.id, err.code) == (i, code) and text in err.message, err
         raw.send(proto.Submit(50, (proto.AllReduce(proto.Mem(7, 0), 4096),)))  # still usable
         assert raw.recv() == proto.Ok(50)
+
+
+def test_a_refused_group_names_its_call_at_fault(sock: str, steady: None) -> None:
+    """Rank 0's group of two all_reduces, the second on memory freed before group_end, is
+    refused whole, and the error says which call and why (before: "buffer 2 was never
+    imported or was freed", an id the worker never saw). Made again on live memory, the
+    group pairs with rank 1's and both sums are right."""
+    name = world_name()
+    comms = on_both(lambda r: DaemonBackend(sock, name, r, 2, timeout=10))
+    try:
+        bufs = [[hostmem.alloc(8) for _ in range(2)] for _ in range(2)]
+        for r in range(2):
+            for i in range(2):
+                bufs[r][i].view(np.int32)[:] = [r + 1, 10 * (i + 1) * (r + 1)]
+
+        def group(r: int) -> None:
+            comms[r].group_start()
+            for buf in bufs[r]:
+                comms[r].all_reduce(buf.ptr, 8, dtype="i32")
+            comms[r].group_end()
+
+        def rank(r: int) -> Exception | None:
+            refused = None
+            if r == 0:
+                freed = hostmem.alloc(8)
+                comms[0].group_start()
+                comms[0].all_reduce(bufs[0][0].ptr, 8, dtype="i32")
+                comms[0].all_reduce(freed.ptr, 8, dtype="i32")
+                del freed  # (the daemon hears of it with the group's submit)
+                gc.collect()
+                with pytest.raises(MisuseError) as raised:
+                    comms[0].group_end()
+                refused = raised.value
+            group(r)
+            return refused
+
+        refused, _ = on_both(rank)
+        assert isinstance(refused, MisuseError)
+        assert "call #1 of the group, all_reduce(bytes=8, dtype=i32, op=sum)" in str(refused), refused
+        assert "freed" in str(refused), refused
+        assert [[b.view(np.int32).tolist() for b in row] for row in bufs] == [[[3, 30], [3, 60]]] * 2
+    finally:
+        for comm in comms:
+            comm.close()
 
 
 def test_unknown_and_freed_handles(sock: str, steady: None) -> None:
