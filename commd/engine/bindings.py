@@ -19,10 +19,12 @@ from .addkernel import compile_add_bf16
 from .gpu import CommState, GpuError, Imported, Origin, Unshareable
 
 _UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
-# CUresults after which the context stays unusable (cuda.h: "the process must be
-# terminated and relaunched"): ILLEGAL_ADDRESS, HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION,
-# MISALIGNED_ADDRESS, INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED
-_STICKY = frozenset({700, 714, 715, 716, 717, 718, 719})
+# CUresults after which the context stays unusable, each so documented in cuda.h ("the
+# process must be terminated and relaunched", or for ASSERT "the context cannot be used
+# anymore"): CONTAINED (a bad NVLink access to a peer's memory, which NCCL's kernels make),
+# ILLEGAL_ADDRESS, LAUNCH_TIMEOUT, ASSERT, HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION,
+# MISALIGNED_ADDRESS, INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED, MPS_CLIENT_TERMINATED
+_STICKY = frozenset({226, 700, 702, 710, 714, 715, 716, 717, 718, 719, 810})
 
 
 class BindingsGpu:

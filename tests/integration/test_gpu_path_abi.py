@@ -588,6 +588,21 @@ def test_a_sticky_cuda_error_marks_the_engine_broken(daemon: GpuDaemon, device: 
     assert daemon.engine.broken() == "cuEventSynchronize: an illegal memory access was encountered"
 
 
+# cuda.h documents each as leaving the context (ASSERT) or the process unusable: CONTAINED,
+# LAUNCH_TIMEOUT, ASSERT, MPS_CLIENT_TERMINATED
+@pytest.mark.parametrize("code", [226, 702, 710, 810])
+def test_every_sticky_cuda_error_marks_the_engine_broken(daemon: GpuDaemon, device: fakecuda.AbiDevice,
+                                                         code: int) -> None:
+    worker = Worker(0)
+    with DaemonBackend(str(daemon.socket_path), world_name("abi"), 0, 1, device=0, timeout=10) as comm:
+        ptr = worker.alloc(b"\x01" * 8)
+        comm.all_reduce(ptr, 8, dtype="u8")
+        device.fail_with["cuEventSynchronize"] = code
+        with pytest.raises(WorldFailed, match="cuEventSynchronize"):
+            comm.all_reduce(ptr, 8, dtype="u8")
+    assert daemon.engine.broken() == "cuEventSynchronize: unknown error"  # (the fake's text for these)
+
+
 def test_the_engine_names_its_nccl_and_gpus(device: fakecuda.AbiDevice) -> None:
     engine = create_engine("auto")
     try:
