@@ -95,8 +95,14 @@ class BindingsGpu:
         return int(self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
     def nccl_version(self) -> int:
-        """The loaded libnccl's version code (2.27.3 is 22703)."""
-        return int(self._nccl_call("ncclGetVersion", self._nccl.get_version))
+        """The loaded libnccl's version code (2.27.3 is 22703). The first NCCL call, so the
+        one that finds whether there is a libnccl at all."""
+        try:
+            return int(self._nccl_call("ncclGetVersion", self._nccl.get_version))
+        except GpuError:
+            raise
+        except Exception as exc:  # no libnccl (loaded at first use): cuda-pathfinder raises its own
+            raise GpuError(f"cannot load NCCL: {type(exc).__name__}: {str(exc).strip()}") from None
 
     def device_uuid(self, device: int) -> bytes:
         dev = self._check(self._cu.cuDeviceGet(device), "cuDeviceGet")

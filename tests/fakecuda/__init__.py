@@ -733,9 +733,11 @@ class _NoDevice:
 class FakeCuda:
     """The loaded libraries; `bind` a FakeGpu to answer through them."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, names: tuple[str, ...] = _LIBRARIES) -> None:
+        """`names`: which of the libraries stand in (the others are then missing, unless
+        the machine has them)."""
         self._libraries = [ctypes.CDLL(str(directory / name), mode=ctypes.RTLD_GLOBAL)
-                           for name in _LIBRARIES]
+                           for name in names]
         self._target: Any = _NoDevice()
         self._callback = _DISPATCH(lambda name, args, nargs: self._target.dispatch(name, args, nargs))
         for library in self._libraries:
@@ -769,11 +771,11 @@ def load() -> FakeCuda:
             else:
                 raise RuntimeError("this machine has a real CUDA driver (libcuda.so.1), which the fake "
                                    "would shadow")
-            _loaded = FakeCuda(_build())
+            _loaded = FakeCuda(build())
         return _loaded
 
 
-def _build() -> Path:
+def build() -> Path:
     source = _SOURCE.read_bytes()
     directory = Path(tempfile.gettempdir()) / f"commd-fakecuda-{hashlib.sha256(source).hexdigest()[:12]}"
     if all((directory / name).exists() for name in _LIBRARIES):

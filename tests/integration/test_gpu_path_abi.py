@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -609,6 +611,52 @@ def test_the_engine_names_its_nccl_and_gpus(device: fakecuda.AbiDevice) -> None:
         assert engine.describe() == "nccl (NCCL 2.32.3, 2 GPUs)"  # ncclGetVersion, cuDeviceGetCount
     finally:
         engine.close()
+
+
+_WITHOUT_LIBNCCL = """
+from cuda.pathfinder import load_nvidia_dynamic_lib
+from commd.engine import create_engine
+from commd.errors import ConfigError
+from tests import fakecuda
+from tests.contract.fakegpu import FakeGpu
+
+try:
+    load_nvidia_dynamic_lib("nccl")
+except RuntimeError:
+    pass
+else:
+    raise SystemExit("SKIP: this machine has a libnccl")
+driver = fakecuda.FakeCuda(fakecuda.build(), names=("libcuda.so.1",))  # a driver and a GPU
+driver.bind(FakeGpu())
+engine = create_engine("auto")
+print("auto:", engine.name)
+engine.close()
+try:
+    create_engine("nccl")
+except ConfigError as exc:
+    print("nccl:", exc)
+"""
+
+
+def test_a_gpu_machine_without_libnccl_serves_on_the_host_engine() -> None:
+    """cuda-bindings, a driver and a GPU, nccl4py but no libnccl (the cuda13 extra without
+    its nvidia-nccl wheel): `auto` takes the host engine and `nccl` is refused, saying why.
+    In a process of its own, where the fake NCCL was never loaded."""
+    pytest.importorskip("nccl.bindings.nccl", reason="nccl4py is not installed")
+    try:
+        fakecuda.load()  # (built, and no real driver here to stand in for)
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot use the fake CUDA driver: {exc}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_LIBNCCL], cwd=root, capture_output=True,
+                          text=True, timeout=50, env={**os.environ, "PYTHONPATH": root})
+    if done.stderr.startswith("SKIP: "):
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    auto, nccl = done.stdout.strip().splitlines()
+    assert auto == "auto: host"
+    assert nccl.startswith("nccl: engine 'nccl' is not available here: cannot load NCCL")
+    assert "libnccl.so.2" in nccl
 
 
 def test_an_nccl_older_than_2_27_is_refused(device: fakecuda.AbiDevice) -> None:
