@@ -357,8 +357,8 @@ class Session:
             return None
         mapping = self._buffers.get(mem.buf)
         if mapping is None:
-            raise CallError(ErrorCode.UNKNOWN_BUFFER, f"its memory (buffer {mem.buf}) was freed, or was never "
-                                                       "handed to this daemon")
+            raise CallError(ErrorCode.UNKNOWN_BUFFER,
+                            f"its memory (buffer {mem.buf}) was freed, or was never handed to this daemon")
         return mapping.region(mem.offset, nbytes)
 
     def _register(self, msg: proto.Register, fds: list[int]) -> None:

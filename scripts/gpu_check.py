@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -823,6 +824,20 @@ def table(rows: list[tuple[Step, Result, float]]) -> list[str]:
     return out
 
 
+def nccl_warnings(logs: list[str], most: int = 12) -> list[str]:
+    """The distinct NCCL WARN lines of the daemons' logs, most frequent first, with counts:
+    the one device run must show at a glance whether NCCL objected to how it was driven (e.g.
+    "Attempt to use communicator before the previous operation returned ncclSuccess", which
+    the per-rank launch turns rely on NCCL not to say)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for text in logs:
+        for line in text.splitlines():
+            at = line.find(" NCCL WARN ")
+            if at >= 0:  # (without NCCL's "host:pid:tid [dev]" prefix, which differs per line)
+                counts[line[at + 1:].strip()[:300]] += 1
+    return [f"{n}x {line}" for line, n in counts.most_common(most)]
+
+
 def write_json(ctx: Ctx, rows: list[tuple[Step, Result, float]], started: str) -> None:
     if ctx.out is None:
         return
@@ -903,6 +918,10 @@ def main(argv: list[str] | None = None) -> int:
             f"2-rank mode: {ctx.mode}")
     for line in table(rows):
         ctx.log(line)
+    warnings = nccl_warnings(ctx.daemon_logs)
+    ctx.log(f"\nNCCL WARN lines in the daemons' logs: {len(warnings) or 'none'}")
+    for line in warnings:
+        ctx.log(f"  {line}")
     return 0 if all(r.status != "FAIL" for _, r, _ in rows) else 1
 
 

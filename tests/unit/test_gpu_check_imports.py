@@ -71,3 +71,16 @@ async def test_the_fault_step_reads_how_long_the_engines_abort_took(caplog: pyte
     ctx = types.SimpleNamespace(daemon_logs=["==== daemon of an earlier step", log])
     assert gpu_check().abort_note(ctx, 1) == "abort 0.00 s"
     assert gpu_check().abort_note(ctx, 2) == "no abort logged"
+
+
+def test_the_nccl_warnings_of_the_daemons_logs_are_counted_once_each() -> None:
+    """The run's end lists NCCL's WARN lines (without their per-process prefix) by count, so
+    a warning about how commd drives NCCL is seen in the one device run's output."""
+    logs = ["h1:10:11 [0] NCCL INFO Bootstrap\nh1:10:12 [0] NCCL WARN Attempt to use communicator "
+            "before the previous operation returned ncclSuccess\ncommd: world ready",
+            "h1:20:21 [0] NCCL WARN Attempt to use communicator before the previous operation "
+            "returned ncclSuccess\nh1:20:21 [0] NCCL WARN Cuda failure 'invalid argument'"]
+    assert gpu_check().nccl_warnings(logs) == [
+        "2x NCCL WARN Attempt to use communicator before the previous operation returned ncclSuccess",
+        "1x NCCL WARN Cuda failure 'invalid argument'"]
+    assert gpu_check().nccl_warnings(["commd: no warnings here"]) == []
