@@ -189,10 +189,12 @@ class BindingsGpu:
             finally:
                 cu.cuMemRelease(handle)
         except GpuError as exc:  # (its ncclMemFree is the caller's: see Unshareable)
+            # (NCCL's cuMem allocator always asks for POSIX fds: only its cudaMalloc fallback
+            # lacks one)
             raise Unshareable(f"ncclMemAlloc's memory cannot be handed to a worker as a POSIX fd: NCCL "
                               f"allocates with cudaMalloc when its cuMem allocator is off "
-                              f"(NCCL_CUMEM_ENABLE=0 or unsupported) and with fabric handles on multi-node "
-                              f"NVLink ({exc})", Imported(ptr, nbytes, device, Origin.NCCL)) from None
+                              f"(NCCL_CUMEM_ENABLE=0, or no cuMem support) ({exc})",
+                              Imported(ptr, nbytes, device, Origin.NCCL)) from None
         except BaseException:
             self._nccl.mem_free(ptr)
             raise
