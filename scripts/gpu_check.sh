@@ -20,6 +20,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl nccl4py==0.6.0 pytest-asyncio==1.5.0 \
 #     cryptography==50.0.2 cffi==2.1.1 pycparser==2.23   (peer frames between two daemons are sealed)
+#     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0   (the runner CI uses)
 #   python3 -m pip download ...same flags... -d .whl/fallback cuda-core==1.2.2 cuda-pathfinder==1.9.0
 #   (.whl/fallback is installed only when the machine's cuda-core/cuda-pathfinder miss nccl4py's pins)
 #
@@ -43,7 +44,7 @@ export GPU_CHECK_LOG_TEED=1 PYTHONUNBUFFERED=1
 main() {
   echo "gpu_check.sh: $(date -u +%FT%TZ) $(uname -n) $($PY -V 2>&1) at $(command -v "$PY")"
   if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-    # the carried wheels (nccl4py, pytest-asyncio, cryptography and cffi), without the network
+    # the carried wheels (nccl4py, pytest and its plugins, cryptography and cffi), without the network
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || echo "gpu_check.sh: wheel install FAILED"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
