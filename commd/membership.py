@@ -285,11 +285,13 @@ class NetMembership:
 
     # ---- messages from the root (members) or to it ----------------------------------
 
-    def ready(self, msg: p.WorldReady, root: str) -> None:
-        """The root's word (`root`, its daemon) that the world formed (member only)."""
+    def ready(self, msg: p.WorldReady, root: str, running: bool = False) -> None:
+        """The root's word (`root`, its daemon) that the world formed (member only).
+        `running`: the world runs an epoch here, so none of our ranks voted for this one."""
         misfit = (f"it places {len(msg.placement)} ranks" if len(msg.placement) != self._world.world_size
                   else f"it places rank 0 on daemon {msg.placement[0]}" if msg.placement[0] != root
-                  else None)
+                  else f"daemon {self.net.me}'s ranks run epoch {self._world.epoch} and voted for no other"
+                  if running else None)
         if misfit is not None:  # a root that lost track (else every lookup by rank goes wrong here)
             message = (f"world {self._world.name} of {self._world.world_size} ranks cannot form as the "
                        f"root daemon {root} says: {misfit}")
@@ -298,6 +300,9 @@ class NetMembership:
                                                     message))
             for rank in sorted(self._world.local_waiting()):
                 self._world.refuse(rank, ErrorCode.WORLD_FAILED, message)
+            # (the running epoch's ops wait on data the root now sends to another epoch: they
+            # must hear it; the root heard already, of the epoch it believes in)
+            self._world.fail(ErrorCode.WORLD_FAILED, message, propagate=False)
             return
         self.net.placement = msg.placement
         local = self.net.ranks_of(self.net.me)

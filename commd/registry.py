@@ -209,7 +209,7 @@ class Registry:
         if msg.epoch <= world.epoch:
             self._stale(link, msg.world, msg.epoch, world.epoch)
             return
-        world.membership.ready(msg, link.name)
+        world.membership.ready(msg, link.name, running=world.state is WorldState.READY)
 
     def _world_failed(self, link: PeerLink, msg: p.WorldFailed, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)

@@ -1085,3 +1085,38 @@ def test_a_flood_of_stale_messages_logs_one_line_a_second_and_counts_every_one()
     finally:
         x.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_world_ready_for_a_world_running_here_fails_it_and_its_calls(pair: list[DaemonProcess]) -> None:
+    """The root (a raw peer, R) formed the world at epoch 1 with rank 1 on B, and rank 1's
+    barrier is under way; then R says the world formed again at epoch 2, which no rank of B
+    voted for (a root that lost track, or a duplicated frame). B must refuse it, telling R,
+    and fail epoch 1 so the barrier hears why (before: B formed epoch 2 over the running
+    one, said rank 1 "left before it formed", and the barrier waited, unanswered, on data
+    now routed to epoch 2's inbox)."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    rank1 = RawClient(str(b.socket_path), 10)
+    try:
+        address = root.listen()
+        rank1.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 8000, bootstrap=address))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1), timeout=10)
+        (link,) = root.accepted
+        root.send(link, p.WorldReady(world, 1, ("R", "B")))
+        assert isinstance(rank1.recv(), proto.Welcome)
+        rank1.send(proto.Submit(2, (proto.Barrier(),)))
+        wait_until(lambda: root.got(p.Data, world=world, epoch=1, step="up"), timeout=10)
+        root.send(link, p.WorldReady(world, 2, ("R", "B")))
+        why = "cannot form as the root daemon R says: daemon B's ranks run epoch 1 and voted for no other"
+        replies = [rank1.recv(), rank1.recv()]  # (the failure's event, and the barrier's error)
+        (event,) = [m for m in replies if isinstance(m, proto.Event)]
+        (error,) = [m for m in replies if isinstance(m, proto.Error)]
+        assert event.epoch == 1 and why in event.message, event
+        assert error.id == 2 and error.code is ErrorCode.WORLD_FAILED and why in error.message, error
+        wait_until(lambda: root.got(p.WorldFailed, world=world, epoch=2), timeout=5)
+        status = world_status(b, world) or {}
+        assert (status.get("state"), status.get("epoch"), status.get("pending_calls")) == ("failed", 1, 0), \
+            status
+    finally:
+        rank1.close()
+        root.close()
