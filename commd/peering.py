@@ -468,6 +468,10 @@ class PeerNode:
         if hello.nonce in self._dialing:
             stream.write(p.PeerRefused("self"))
             raise SelfDialError()
+        if hello.daemon == self.settings.name:  # (names place ranks: its would be taken for ours)
+            stream.write(p.PeerRefused(f"daemon name {hello.daemon!r} is this daemon's own: each daemon "
+                                       "needs a peer_name of its own"))
+            raise PeerRefusedError(f"a daemon named {hello.daemon!r}, as this one is")
         if hello.version != p.PEER_VERSION:
             stream.write(p.PeerRefused(f"peer protocol {hello.version} is not {p.PEER_VERSION}"))
             raise PeerRefusedError(f"version {hello.version}")

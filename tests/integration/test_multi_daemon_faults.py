@@ -1120,3 +1120,35 @@ def test_a_world_ready_for_a_world_running_here_fails_it_and_its_calls(pair: lis
     finally:
         rank1.close()
         root.close()
+
+
+def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
+    """Daemon A2 was given A's peer_name (a copied config). Its rank 1 names A as the root:
+    A must refuse A2's link at the handshake, naming the clash, and the rank hear it at once
+    (before: A took A2's vote as its own daemon's, formed the world with rank 1 "here", rank
+    0's first call hung until its timeout, and rank 1 timed out saying the root did not form
+    the world); A keeps serving its other worlds."""
+    tmp = short_tmpdir()
+    try:
+        a, a2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", "A", *FAST]) for sock in ("A", "A2"))
+        with a, a2, ThreadPoolExecutor(1) as threads:
+            world = world_name()
+            rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
+                                   bootstrap=a.peer_address())
+            started = time.monotonic()
+            with pytest.raises(PeerLost, match=r"cannot reach the daemon at .*: daemon name 'A' is this "
+                                               r"daemon's own: each daemon needs a peer_name of its own"):
+                DaemonBackend(str(a2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
+            assert time.monotonic() - started < 2  # (not its timeout)
+            with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
+                rank0.result(20)
+            assert query_status(str(a.socket_path), 5)["peers"]["links"] == []
+            comms = joined([a, a], a, world_name())
+            try:
+                assert summed_i32(comms) == [[3, 30], [3, 30]]
+            finally:
+                for comm in comms:
+                    comm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
