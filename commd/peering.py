@@ -31,6 +31,9 @@ log = logging.getLogger("commd.peering")
 # timeout), and anyone who reaches the port can open them. Past this, connections are
 # dropped at once, so a flood cannot take the fds the daemon's workers need.
 MAX_HANDSHAKES = 128
+# ... and from any one host: one that holds no secret would otherwise keep every slot, and no
+# daemon (nor this one's dial to itself, how it finds it is a world's root) could link.
+MAX_HANDSHAKES_PER_HOST = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._writable: asyncio.Future[None] | None = None
+        self._made: asyncio.Future[None] | None = None  # (see peer_host)
         # When payload bytes last came: a big frame on a slow link takes a while, and its
         # bytes say the peer lives as well as a heartbeat would (which waits behind it). Only
         # a payload's: its header opened, so the peer sent it (a relay trickling junk into a
@@ -107,6 +111,8 @@ class FrameStream(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        if self._made is not None and not self._made.done():
+            self._made.set_result(None)
         if self._drop:
             self._transport.abort()
             return
@@ -198,6 +204,15 @@ class FrameStream(asyncio.BufferedProtocol):
             self._writable.set_result(None)
 
     # ---- what the link uses -------------------------------------------------------------
+
+    async def peer_host(self) -> str:
+        """The other side's host ("" if not known), once connected: uvloop runs a task made in
+        the protocol's factory before it hands the protocol its connection."""
+        if self._transport is None:
+            self._made = asyncio.get_running_loop().create_future()
+            await self._made
+        name = self._transport.get_extra_info("peername") if self._transport is not None else None
+        return str(name[0]) if isinstance(name, tuple) and name else ""
 
     def trust(self, open_key: bytes) -> None:
         """The other side proved the secret: open what it sends after its last clear frame
@@ -359,6 +374,7 @@ class PeerNode:
         self._dialing: set[bytes] = set()  # our own hello nonces: how a self-dial is recognized
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._handshakes_from: collections.Counter[str] = collections.Counter()  # by the dialer's host
         self.refused = 0  # handshakes refused (wrong secret, version, garbage, too many at once)
         self._floods = Throttled(log)
         self._refusals = Throttled(log)
@@ -385,11 +401,23 @@ class PeerNode:
         self._floods.warning("refusing peer connections: %d handshakes under way already (%d refused "
                              "in all)", len(self._handshakes), self.refused)
 
+    def _admit(self, stream: FrameStream, host: str) -> str:
+        """Count a handshake from `host` among those under way, if it may have one more."""
+        if self._handshakes_from[host] >= MAX_HANDSHAKES_PER_HOST:
+            # (said, for a daemon among many behind one address: its rank hears why)
+            reason = f"{MAX_HANDSHAKES_PER_HOST} handshakes from {host} are under way already"
+            stream.write(p.PeerRefused(reason))
+            raise PeerRefusedError(reason)
+        self._handshakes_from[host] += 1
+        return host
+
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
+        host = None  # once counted among its host's handshakes
         try:
             # (a timeout scope, not wait_for: on 3.11 wait_for can swallow the node's close
             # when it lands as the handshake ends, and the closed node would adopt the link)
             async with asyncio.timeout(self.settings.handshake_s):
+                host = self._admit(stream, await stream.peer_host())
                 name, incarnation, transcript = await self._answer(stream)
         except asyncio.CancelledError:  # the node closed
             stream.abort()
@@ -400,6 +428,11 @@ class PeerNode:
                 self._refusals.warning("refused a peer: %s", exc or type(exc).__name__)
             stream.close()
             return
+        finally:
+            if host is not None:
+                self._handshakes_from[host] -= 1
+                if not self._handshakes_from[host]:
+                    del self._handshakes_from[host]
         on_link(self._link(name, incarnation, stream, transcript, dialed=False))
 
     async def dial(self, host: str, port: int) -> PeerLink:

@@ -1152,3 +1152,47 @@ def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
                     comm.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> None:
+    """Someone on another host (127.0.0.2 here) who holds no secret keeps hundreds of
+    connections to A's peer port open, saying nothing: each is cut at the handshake timeout
+    (5 s here), and more come. A and B must still link and form a world (before: every
+    handshake slot was the flood's; A's own dial to its bootstrap address was cut, or B's,
+    and the ranks heard PeerLost 'closed by the peer')."""
+    tmp = short_tmpdir()
+    stop = threading.Event()
+
+    def flood(host: str, port: int) -> None:
+        held: list[socket.socket] = []
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    held.append(socket.create_connection((host, port), timeout=1,
+                                                         source_address=("127.0.0.2", 0)))
+                if len(held) > 400:
+                    held.pop(0).close()
+                time.sleep(0.001)
+        finally:
+            for sock in held:
+                sock.close()
+
+    try:
+        a, b = (DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", name, "--peer-window", "5"]) for name in "AB")
+        with a, b:
+            flooding = threading.Thread(target=flood, args=parse_address(a.peer_address()), daemon=True)
+            flooding.start()
+            try:
+                wait_until(lambda: query_status(str(a.socket_path), 5)["peers"]["refused_handshakes"] > 200)
+                comms = joined([a, b], a, world_name())
+                try:
+                    assert summed_i32(comms) == [[3, 30], [3, 30]]
+                finally:
+                    for comm in comms:
+                        comm.close()
+            finally:
+                stop.set()
+                flooding.join(10)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
