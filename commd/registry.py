@@ -145,6 +145,10 @@ class Registry:
         """A member reports one of its ranks (we are, or should be, the world's root)."""
         world = self.worlds.get(msg.world)
         try:
+            if msg.epoch > p.MAX_VOTE_EPOCH:
+                raise CallError(ErrorCode.BAD_MESSAGE, f"rank {msg.rank}'s vote for world {msg.world} "
+                                                       f"names epoch {msg.epoch}, past any world's "
+                                                       f"({p.MAX_VOTE_EPOCH})")
             if world is None:
                 self._may_form_for_others()
                 world = self._create(msg.world, msg.world_size, msg.token, None, as_root=True,

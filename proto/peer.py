@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
 from .messages import (  # one definition of each rule for both protocols
     MAX_ERROR_TEXT,
+    MAX_HELLO_EPOCH,
     MAX_MESSAGE_BYTES,
     MAX_RANKS,
     MAX_WORLD_NAME,
@@ -55,6 +56,9 @@ INCARNATION_BYTES = 16
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
 MAX_DAEMON_NAME = 256  # characters of a daemon's name (peer_name)
+# The newest epoch a root takes a vote at: a hello's, and as many rebuilds again. The root goes
+# on from the newest vote's, so one past this would leave no room in the u64 for rebuilds.
+MAX_VOTE_EPOCH = 2 * MAX_HELLO_EPOCH
 FRAME = struct.Struct(">II")
 
 

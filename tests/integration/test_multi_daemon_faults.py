@@ -1196,3 +1196,32 @@ def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> Non
                 flooding.join(10)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_vote_from_an_epoch_past_any_worlds_is_refused(pair: list[DaemonProcess]) -> None:
+    """Daemon X (a raw peer) votes for rank 1 at epoch 2^64 - 2 (a confused daemon). The root
+    must refuse the vote, naming the epoch, and the world form with the real rank 1 and
+    rebuild as usual (before: the vote was counted, the world formed with X at epoch 2^64 - 1,
+    the real rank 1 was refused as a duplicate, and every rebuild after was refused: 'epoch
+    18446744073709551616 is not an unsigned 64-bit integer')."""
+    a, b = pair
+    world, x = world_name(), RawPeer("X")
+    try:
+        link = x.dial(a)
+        x.send(link, p.JoinWorld(world, 2, 1, (1 << 64) - 2, 30_000, vote=7))
+        wait_until(lambda: x.got(p.JoinRefused, vote=7), timeout=5)
+        (refusal,) = [m for _, m in x.received if isinstance(m, p.JoinRefused)]
+        assert refusal.code is ErrorCode.BAD_MESSAGE and "epoch 18446744073709551614" in refusal.message
+        comms = joined([a, b], a, world)
+        try:
+            assert [c.epoch for c in comms] == [1, 1] and summed_i32(comms) == [[3, 30], [3, 30]]
+            with ThreadPoolExecutor(2) as threads:
+                for reconnect in [threads.submit(c.attempt_reconnect) for c in comms]:
+                    reconnect.result(20)
+            assert [c.epoch for c in comms] == [2, 2] and summed_i32(comms) == [[3, 30], [3, 30]]
+        finally:
+            for comm in comms:
+                comm.close()
+        assert not x.got(p.WorldReady)
+    finally:
+        x.close()
