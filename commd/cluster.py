@@ -191,7 +191,7 @@ class Cluster:
         self.max_held_bytes = max_held_bytes  # each world's Inbox limit
         self.links: dict[str, PeerLink] = {}  # by daemon: an open link to it (status, metrics)
         self._siblings: dict[str, list[PeerLink]] = {}  # by daemon: every open link to it
-        self._node = PeerNode(settings, self._on_message, self._on_lost)
+        self._node = PeerNode(settings, self._on_message, self._on_lost, self._name_taken)
         self._dials: dict[str, asyncio.Future[PeerLink | None]] = {}
         self._self_addresses: set[str] = set()
         self.router: Router | None = None
@@ -213,6 +213,19 @@ class Cluster:
             raise cannot_listen("peer_listen", host, port, exc) from None
         log.info("peer port %s:%d, daemon name %s", host, self.port, self.name)
         return self.port
+
+    def _name_taken(self, name: str, incarnation: bytes) -> str | None:
+        """Why a daemon called `name`, of process `incarnation`, may not link: another process
+        of that name speaks on a link here (two daemons given one peer_name would take each
+        other's ranks, and each link of one would end the other's worlds as a restart does).
+        A restarted daemon's old process closed its links as it died, or fell silent with its
+        host, before the new one could come."""
+        for old in self._siblings.get(name, []):
+            if old.incarnation != incarnation and old.heard_within(2 * self.settings.heartbeat_s):
+                return (f"daemon name {name!r} is taken: a running daemon of that name (another "
+                        f"process) is linked to daemon {self.name}; each daemon needs a peer_name "
+                        "of its own")
+        return None
 
     def _adopt(self, link: PeerLink) -> None:
         """Keep a new link. One from a new process of a known daemon (restarted) ends the

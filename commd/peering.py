@@ -63,6 +63,8 @@ class SelfDialError(Exception):
 
 Handler = Callable[["PeerLink", p.PeerMessage, bytes | bytearray], None]
 LostHandler = Callable[["PeerLink", str], None]
+# Why a daemon (its name, its process's incarnation) may not link now; None: it may
+NameCheck = Callable[[str, bytes], "str | None"]
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -288,6 +290,10 @@ class PeerLink:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._heartbeat_loop())]
 
+    def heard_within(self, seconds: float) -> bool:
+        """Whether the link is open and the other side spoke within `seconds`."""
+        return not self.closed and time.monotonic() - max(self.last_seen, self._stream.last_bytes) <= seconds
+
     def send(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """Queue one frame (never blocks; `drain` waits for the socket to take it)."""
         if not self.closed:
@@ -367,10 +373,12 @@ class PeerLink:
 class PeerNode:
     """This daemon's side of the handshake, for links it dials and links it accepts."""
 
-    def __init__(self, settings: PeerSettings, handler: Handler, on_lost: LostHandler) -> None:
+    def __init__(self, settings: PeerSettings, handler: Handler, on_lost: LostHandler,
+                 name_taken: NameCheck = lambda name, incarnation: None) -> None:
         self.settings = settings
         self._handler = handler
         self._on_lost = on_lost
+        self._name_taken = name_taken  # asked of the other side, once it proved the secret
         self._dialing: set[bytes] = set()  # our own hello nonces: how a self-dial is recognized
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
@@ -486,6 +494,7 @@ class PeerNode:
         if not hmac.compare_digest(p.proof(self.settings.secret, "listener", transcript), challenge.proof):
             stream.write(p.PeerRefused("wrong listener proof"))
             raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
+        self._refuse_if_taken(stream, challenge.daemon, challenge.incarnation)
         stream.trust(self._frame_keys(transcript, dialed=True)[1])  # before its ready
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
         ready, _ = await stream.read()
@@ -522,9 +531,16 @@ class PeerNode:
             with contextlib.suppress(Exception):
                 stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
             raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
+        self._refuse_if_taken(stream, hello.daemon, hello.incarnation)
         stream.trust(self._frame_keys(transcript, dialed=False)[1])  # before our ready
         stream.write(p.PeerReady())
         return hello.daemon, hello.incarnation, transcript
+
+    def _refuse_if_taken(self, stream: FrameStream, name: str, incarnation: bytes) -> None:
+        reason = self._name_taken(name, incarnation)
+        if reason is not None:
+            stream.write(p.PeerRefused(reason))
+            raise PeerRefusedError(reason)
 
     def close(self) -> None:
         if self._server is not None:

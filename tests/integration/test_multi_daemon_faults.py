@@ -1154,6 +1154,37 @@ def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on() -> None:
+    """Daemons B1 and B2 were both given the peer_name B (a copied config). World x runs on
+    A (root) and B1; then B2's rank joins world y rooted on A. A must refuse B2's link while
+    B1 speaks, naming the clash, and world x go on (before: A took B2's link for B restarted,
+    closed B1's links, and world x failed, 'replaced: the daemon runs as a new process')."""
+    tmp = short_tmpdir()
+    try:
+        a, b1, b2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST])
+            for sock, name in (("A", "A"), ("B1", "B"), ("B2", "B")))
+        with a, b1, b2, ThreadPoolExecutor(1) as threads:
+            comms = joined([a, b1], a, world_name())
+            try:
+                assert summed_i32(comms) == [[3, 30], [3, 30]]
+                world = world_name()
+                rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
+                                       bootstrap=a.peer_address())
+                with pytest.raises(PeerLost, match=r"daemon name 'B' is taken: a running daemon of that "
+                                                   r"name \(another process\) is linked to daemon A"):
+                    DaemonBackend(str(b2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
+                with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
+                    rank0.result(20)
+                assert all(c.is_healthy() for c in comms)
+                assert summed_i32(comms) == [[3, 30], [3, 30]]
+            finally:
+                for comm in comms:
+                    comm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> None:
     """Someone on another host (127.0.0.2 here) who holds no secret keeps hundreds of
     connections to A's peer port open, saying nothing: each is cut at the handshake timeout

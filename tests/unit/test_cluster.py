@@ -10,7 +10,7 @@ import pytest
 
 from commd.cluster import Cluster, WorldNet, parse_address
 from commd.errors import CallError
-from commd.peering import PeerLink, PeerNode, PeerSettings
+from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings
 from proto import peer as p
 from tests.integration.harness import eventually
 
@@ -74,12 +74,35 @@ async def test_a_new_process_of_a_daemon_replaces_the_old_ones_links() -> None:
     try:
         before = await old.dial("127.0.0.1", port)
         await adopted(cluster, 1)
-        after = await new.dial("127.0.0.1", port)  # (the old process still holds its link: half-open)
+        # The old process's host went (its link half-open: nothing comes on it); the new one
+        # dials once it was silent past two heartbeats, before the window declares it lost.
+        before._tasks[1].cancel()  # (its heartbeats)
+        await asyncio.sleep(3 * cluster.settings.heartbeat_s)
+        after = await new.dial("127.0.0.1", port)
         await eventually(lambda: router.lost != [] and old_lost != [], "the old process's link to go")
         assert router.lost == [("B", "replaced: the daemon runs as a new process")]
         assert old_lost and new_lost == [] and not after.closed
         assert cluster.links["B"].incarnation == new.settings.incarnation
         assert before.incarnation == after.incarnation == cluster.settings.incarnation  # (A's, seen by B)
+    finally:
+        cluster.close()
+
+
+async def test_a_second_process_of_one_name_is_refused_while_the_first_speaks() -> None:
+    """Two daemons given one name (a copied config): the second's handshake is refused,
+    naming the clash, and the first's link stays."""
+    cluster, router, port = await listening()
+    first, first_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    second, _ = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    try:
+        kept = await first.dial("127.0.0.1", port)
+        await adopted(cluster, 1)
+        with pytest.raises(PeerRefusedError, match=r"daemon name 'B' is taken: a running daemon of that "
+                                                   r"name \(another process\) is linked to daemon A"):
+            await second.dial("127.0.0.1", port)
+        await asyncio.sleep(2 * cluster.settings.heartbeat_s)
+        assert not kept.closed and first_lost == [] and router.lost == []
+        assert cluster.links["B"].incarnation == first.settings.incarnation
     finally:
         cluster.close()
 
