@@ -224,7 +224,7 @@ def test_calls_after_close_are_refused_before_they_touch_anything(daemon: Daemon
                      lambda: comm.symmetric_alloc(64), lambda: comm.set_add_kernel(0), comm.group_end):
             with pytest.raises(CommError, match="the backend is closed"):
                 call()
-        assert comm._add_kernel is None
+        assert comm._add_kernel.handle is None
 
 
 # Rank 0's backend is made on a thread (as a trainer may, while its main thread starts a
