@@ -421,11 +421,13 @@ class PeerNode:
 
     async def _accept(self, stream: FrameStream, on_link: Callable[[PeerLink], None]) -> None:
         host = None  # once counted among its host's handshakes
+        peer = "?"
         try:
             # (a timeout scope, not wait_for: on 3.11 wait_for can swallow the node's close
             # when it lands as the handshake ends, and the closed node would adopt the link)
             async with asyncio.timeout(self.settings.handshake_s):
-                host = self._admit(stream, await stream.peer_host())
+                peer = await stream.peer_host()
+                host = self._admit(stream, peer)
                 name, incarnation, transcript = await self._answer(stream)
         except asyncio.CancelledError:  # the node closed
             stream.abort()
@@ -433,7 +435,9 @@ class PeerNode:
         except (SelfDialError, PeerRefusedError, proto.ProtoError, OSError, TimeoutError) as exc:
             if not isinstance(exc, SelfDialError):
                 self.refused += 1
-                self._refusals.warning("refused a peer: %s", exc or type(exc).__name__)
+                why = (f"no handshake within {self.settings.handshake_s:g}s" if isinstance(exc, TimeoutError)
+                       else str(exc) or type(exc).__name__)
+                self._refusals.warning("refused a peer from %s: %s", peer or "?", why)
             stream.close()
             return
         finally:

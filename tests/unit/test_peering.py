@@ -449,7 +449,9 @@ async def test_listener_refuses_a_bad_opening(opening: bytes) -> None:
         assert a.accepted.empty()
 
 
-async def test_listener_refuses_a_handshake_that_stalls() -> None:
+async def test_listener_refuses_a_handshake_that_stalls(caplog: pytest.LogCaptureFixture) -> None:
+    """A dialer that says nothing is cut at the handshake timeout, and the log says why
+    (before: 'refused a peer: ', the timeout's empty text)."""
     a = Side("daemon-a", handshake_s=0.2)
     async with sides(a):
         reader, writer = await asyncio.open_connection(HOST, await a.listen())
@@ -460,6 +462,7 @@ async def test_listener_refuses_a_handshake_that_stalls() -> None:
         finally:
             writer.close()
         await eventually(lambda: a.node.refused == 1)
+        assert "refused a peer from 127.0.0.1: no handshake within 0.2s" in caplog.text, caplog.text
 
 
 async def test_dialer_reports_a_refusal_in_words() -> None:
