@@ -7,6 +7,7 @@ import ctypes
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 from collections.abc import MutableMapping
@@ -174,10 +175,26 @@ def _tune_malloc() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+def _raise_fd_limit() -> None:
+    """Every buffer the daemon maps holds an fd (the mmap's), every client and peer link one
+    more: a shell's soft limit of 1024 would refuse imports (LimitExceeded) long before the
+    configured limits do. Take the hard limit, as the unit's LimitNOFILE does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # (a hard limit of "unlimited" is no soft one's)
+        log.warning("open files: cannot raise the soft limit %d to %s: %s", soft, hard, exc)
+        return
+    log.info("open files: soft limit raised from %d to %d", soft, hard)
+
+
 def run(config: ServerConfig) -> int:
     """The daemon process: `serve` on uvloop. A signal once the stop is under way is
     ignored: the default action would kill the rest of the teardown (the loop's, the
     interpreter's) with exit -15."""
     import uvloop
 
+    _raise_fd_limit()
     return uvloop.run(serve(config, ignore_signals_after=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -14,10 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import proto
-from client import DaemonBackend, DaemonShutdown, DaemonUnavailable, MisuseError
+from client import DaemonBackend, DaemonShutdown, DaemonUnavailable, MisuseError, hostmem
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
@@ -295,3 +297,32 @@ def test_a_call_after_the_daemon_stopped_says_it_stopped(own_daemon: DaemonProce
             comm.barrier()
     finally:
         comm.close()
+
+
+def test_a_daemon_started_under_a_low_soft_fd_limit_takes_the_hard_one() -> None:
+    """Each buffer the daemon maps holds an fd: started from a shell whose soft limit is low
+    (64 here; 1024 is common), the daemon raises it to the hard limit, and a worker's 100
+    buffers map (before: the imports past the limit were refused, LimitExceeded "cannot map host
+    memory: [Errno 24] Too many open files")."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard limit here is {hard}")
+    tmp = short_tmpdir()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # (the daemon inherits it)
+    try:
+        daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        with open(f"/proc/{daemon.pid}/limits") as limits:
+            line = next(line for line in limits if line.startswith("Max open files"))
+        assert line.split()[3:5] == [str(hard)] * 2, line
+        with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=10) as comm:
+            bufs = [hostmem.alloc(8) for _ in range(100)]
+            for i, buf in enumerate(bufs):
+                buf.view(np.int32)[:] = [i, -i]
+                comm.all_reduce(buf.ptr, 8, dtype="i32")
+            assert [buf.view(np.int32).tolist() for buf in bufs] == [[i, -i] for i in range(100)]
+    finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
