@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import fcntl
 import itertools
 import mmap
@@ -168,7 +169,9 @@ class HostMemory:
                 os.close(fd)
                 raise
         except (OSError, OverflowError, ValueError) as exc:  # RLIMIT_AS, ENOMEM, EMFILE, max_map_count
-            raise LimitExceeded(f"cannot allocate {nbytes} bytes of host memory here: {exc}") from exc
+            hint = ("; each host buffer holds two of this process's open files: raise its limit "
+                    "(ulimit -n)" if getattr(exc, "errno", None) == errno.EMFILE else "")
+            raise LimitExceeded(f"cannot allocate {nbytes} bytes of host memory here: {exc}{hint}") from exc
         return self._enter(buffer)
 
     def adopt(self, fd: int, nbytes: int, buffer_id: int) -> HostBuffer:

@@ -166,7 +166,9 @@ class HostMapping:
         except OSError as exc:
             # out of fds (the mmap keeps a copy of the fd) or of memory: the daemon's limits
             code = ErrorCode.LIMIT if exc.errno in _OUT_OF_RESOURCES else ErrorCode.BAD_MEMORY
-            raise CallError(code, f"cannot map host memory: {exc}") from None
+            hint = ("; each buffer the daemon maps holds one of its open files: raise its "
+                    "LimitNOFILE" if exc.errno == errno.EMFILE else "")
+            raise CallError(code, f"cannot map host memory: {exc}{hint}") from None
         self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self._size = size
         self._unmapper = unmapper

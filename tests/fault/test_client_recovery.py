@@ -328,7 +328,8 @@ def test_symmetric_memory_this_process_cannot_map_is_a_comm_error_and_leaks_noth
 def test_host_memory_this_process_cannot_map_or_size_is_a_comm_error_and_leaks_nothing(
         daemon: DaemonProcess) -> None:
     """hostmem.alloc under RLIMIT_AS (a batch system's memory limit), as a worker that tries
-    smaller sizes until one fits would: a LimitExceeded each time and no fd left open; a
+    smaller sizes until one fits would: a LimitExceeded each time and no fd left open (out
+    of open files too, saying which limit to raise); a
     size that is no integer is a MisuseError (before: a bare OSError, and each failure
     leaked its memfd: a retrying worker runs out of fds; a float was a TypeError)."""
     memory = hostmem.HostMemory()
@@ -343,6 +344,20 @@ def test_host_memory_this_process_cannot_map_or_size_is_a_comm_error_and_leaks_n
                     memory.alloc(4 << 30)
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))  # (new fds fit only in holes)
+        held = []
+        try:
+            with pytest.raises(LimitExceeded) as raised:
+                for _ in range(top + 1):
+                    held.append(memory.alloc(64))
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert ("Too many open files; each host buffer holds two of this process's open files: "
+                "raise its limit (ulimit -n)") in str(raised.value), raised.value
+        for buf in held:
+            buf.close()
         for size in (64.0, "64", None):
             with pytest.raises(MisuseError, match="nbytes must be an integer"):
                 memory.alloc(size)  # type: ignore[arg-type]
