@@ -31,8 +31,10 @@ log = logging.getLogger("commd.peering")
 # timeout), and anyone who reaches the port can open them. Past this, connections are
 # dropped at once, so a flood cannot take the fds the daemon's workers need.
 MAX_HANDSHAKES = 128
-# ... and from any one host: one that holds no secret would otherwise keep every slot, and no
-# daemon (nor this one's dial to itself, how it finds it is a world's root) could link.
+# ... and from any one host, once half of those are taken: one that holds no secret would
+# otherwise keep every slot, and no daemon (nor this one's dial to itself, how it finds it is
+# a world's root) could link. Below that the limit does not bind: many daemons behind one
+# address (a NAT) dial at once as a job starts, and a host's 17th would be refused for nothing.
 MAX_HANDSHAKES_PER_HOST = 16
 
 
@@ -411,7 +413,8 @@ class PeerNode:
 
     def _admit(self, stream: FrameStream, host: str) -> str:
         """Count a handshake from `host` among those under way, if it may have one more."""
-        if self._handshakes_from[host] >= MAX_HANDSHAKES_PER_HOST:
+        if self._handshakes_from[host] >= MAX_HANDSHAKES_PER_HOST and \
+                len(self._handshakes) > MAX_HANDSHAKES // 2:
             # (said, for a daemon among many behind one address: its rank hears why)
             reason = f"{MAX_HANDSHAKES_PER_HOST} handshakes from {host} are under way already"
             stream.write(p.PeerRefused(reason))

@@ -25,7 +25,7 @@ import proto
 from client import CommTimeout, DaemonBackend, DaemonShutdown, MisuseError, PeerLost, WorldFailed, hostmem
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
-from commd.peering import PeerNode, PeerSettings
+from commd.peering import PeerLink, PeerNode, PeerSettings
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
@@ -1225,6 +1225,38 @@ def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> Non
             finally:
                 stop.set()
                 flooding.join(10)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_many_daemons_behind_one_address_dialing_at_once_all_link() -> None:
+    """24 daemons behind one address (a NAT; 127.0.0.1 here) dial A at once, as at a job's
+    start: each must link, and A refuse none (before: past 16 handshakes under way from one
+    host, the rest were refused, '16 handshakes from 127.0.0.1 are under way already', and
+    their ranks heard PeerLost; 20 at once lost 4)."""
+    tmp = short_tmpdir()
+    names = [f"n{i:02d}" for i in range(24)]
+
+    async def dial_all(address: str) -> tuple[list[str], list[str]]:
+        """What each dial reached (or why not), and the links A lists meanwhile."""
+        nodes = [PeerNode(PeerSettings(name, SECRET["COMMD_PEER_SECRET"].encode()),
+                          lambda link, msg, payload: None, lambda link, reason: None) for name in names]
+        links = await asyncio.gather(*(node.dial(*parse_address(address)) for node in nodes),
+                                     return_exceptions=True)
+        try:
+            status = await asyncio.to_thread(query_status, str(a.socket_path), 5)
+            return [link.name if isinstance(link, PeerLink) else str(link) for link in links], \
+                status["peers"]["links"]
+        finally:
+            for link in links:
+                if isinstance(link, PeerLink):
+                    link.close("done")
+
+    try:
+        with DaemonProcess(Path(tmp) / "A" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", "A"]) as a:
+            assert asyncio.run(dial_all(a.peer_address())) == (["A"] * len(names), names)
+            assert query_status(str(a.socket_path), 5)["peers"]["refused_handshakes"] == 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
