@@ -216,15 +216,16 @@ class Cluster:
 
     def _name_taken(self, name: str, incarnation: bytes) -> str | None:
         """Why a daemon called `name`, of process `incarnation`, may not link: another process
-        of that name speaks on a link here (two daemons given one peer_name would take each
-        other's ranks, and each link of one would end the other's worlds as a restart does).
-        A restarted daemon's old process closed its links as it died, or fell silent with its
-        host, before the new one could come."""
+        of that name still counts as alive here (two daemons given one peer_name would take
+        each other's ranks, and each link of one would end the other's worlds as a restart
+        does). A restarted daemon's old process closed its links as it died; one that fell
+        silent with its host is lost within the window, and the new one links then. (Not a
+        few of our heartbeats: the other daemon beats at its own --peer-heartbeat.)"""
         for old in self._siblings.get(name, []):
-            if old.incarnation != incarnation and old.heard_within(2 * self.settings.heartbeat_s):
-                return (f"daemon name {name!r} is taken: a running daemon of that name (another "
-                        f"process) is linked to daemon {self.name}; each daemon needs a peer_name "
-                        "of its own")
+            if old.incarnation != incarnation and old.speaks():
+                return (f"daemon name {name!r} is taken: another process of that name is linked to "
+                        f"daemon {self.name} (heard {old.silence():.1f}s ago; lost once silent "
+                        f"{self.settings.window_s:g}s); each daemon needs a peer_name of its own")
         return None
 
     def _adopt(self, link: PeerLink) -> None:

@@ -292,9 +292,15 @@ class PeerLink:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._heartbeat_loop())]
 
-    def heard_within(self, seconds: float) -> bool:
-        """Whether the link is open and the other side spoke within `seconds`."""
-        return not self.closed and time.monotonic() - max(self.last_seen, self._stream.last_bytes) <= seconds
+    def silence(self) -> float:
+        """Seconds since the other side last spoke on the link."""
+        return time.monotonic() - max(self.last_seen, self._stream.last_bytes)
+
+    def speaks(self) -> bool:
+        """Whether the other side counts as alive: the link open, and heard within the window
+        or in a stall it announced (as the heartbeat loop judges, which closes it otherwise)."""
+        return not self.closed and (self.silence() <= self._settings.window_s
+                                    or time.monotonic() < self._quiet_until)
 
     def send(self, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """Queue one frame (never blocks; `drain` waits for the socket to take it)."""
@@ -351,7 +357,7 @@ class PeerLink:
             # the next tick, not this one (one tick only: a loop late every tick still judges).
             excused = now - ticked > 2 * self._settings.heartbeat_s and not excused
             ticked = now
-            silent = now - max(self.last_seen, self._stream.last_bytes)
+            silent = self.silence()
             if silent > self._settings.window_s and not excused and now >= self._quiet_until:
                 self.close(f"silent for {silent:.1f}s (window {self._settings.window_s:g}s)")
                 return

@@ -1171,11 +1171,40 @@ def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on(
                 world = world_name()
                 rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
                                        bootstrap=a.peer_address())
-                with pytest.raises(PeerLost, match=r"daemon name 'B' is taken: a running daemon of that "
-                                                   r"name \(another process\) is linked to daemon A"):
+                with pytest.raises(PeerLost, match=r"daemon name 'B' is taken: another process of that "
+                                                   r"name is linked to daemon A \(heard"):
                     DaemonBackend(str(b2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
                 with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
                     rank0.result(20)
+                assert all(c.is_healthy() for c in comms)
+                assert summed_i32(comms) == [[3, 30], [3, 30]]
+            finally:
+                for comm in comms:
+                    comm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_second_daemon_of_one_name_is_refused_while_the_first_beats_slower() -> None:
+    """As above, but B1 runs with --peer-heartbeat 2 (its own setting; A's is 0.5 s): B2's
+    rank must be refused each time, however long since B1's last beat, and world x go on
+    (before: A refused only while B1 was heard within two of A's heartbeats, 1 s; in B1's
+    silences between beats B2's link was taken for B restarted, and world x failed)."""
+    tmp = short_tmpdir()
+    try:
+        a, b2, b1 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", name, *extra])
+            for sock, name, extra in (("A", "A", []), ("B2", "B", []),
+                                      ("B1", "B", ["--peer-heartbeat", "2", "--peer-window", "12"])))
+        with a, b1, b2:
+            comms = joined([a, b1], a, world_name())
+            try:
+                assert summed_i32(comms) == [[3, 30], [3, 30]]
+                for _ in range(7):  # (over one of B1's beats and more)
+                    with pytest.raises(PeerLost, match=r"daemon name 'B' is taken"):
+                        DaemonBackend(str(b2.socket_path), world_name(), 1, 2, timeout=1,
+                                      bootstrap=a.peer_address())
+                    time.sleep(0.4)
                 assert all(c.is_healthy() for c in comms)
                 assert summed_i32(comms) == [[3, 30], [3, 30]]
             finally:

@@ -37,8 +37,8 @@ def process_of(name: str, incarnation: bytes) -> tuple[PeerNode, list[str]]:
     return node, lost
 
 
-async def listening() -> tuple[Cluster, Router, int]:
-    cluster, router = Cluster(PeerSettings("A", SECRET)), Router()
+async def listening(**settings: float) -> tuple[Cluster, Router, int]:
+    cluster, router = Cluster(PeerSettings("A", SECRET, **settings)), Router()
     cluster.router = router
     return cluster, router, await cluster.listen("127.0.0.1", 0)
 
@@ -67,23 +67,48 @@ async def test_links_from_one_process_are_kept_and_lost_one_by_one() -> None:
         cluster.close()
 
 
-async def test_a_new_process_of_a_daemon_replaces_the_old_ones_links() -> None:
-    cluster, router, port = await listening()
+async def test_a_new_process_of_a_daemon_links_once_the_old_ones_link_is_lost() -> None:
+    """The old process's host went (its link half-open: nothing comes on it). Its restart
+    is refused while the old link still counts as alive, then taken once the window has
+    judged it lost."""
+    cluster, router, port = await listening(heartbeat_s=0.1, window_s=0.6)
+    old, _ = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    new, new_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
+    try:
+        before = await old.dial("127.0.0.1", port)
+        await adopted(cluster, 1)
+        before._tasks[1].cancel()  # (its heartbeats: the link goes silent, and stays open)
+        with pytest.raises(PeerRefusedError, match=r"daemon name 'B' is taken: another process of that "
+                                                   r"name is linked to daemon A \(heard 0\.\ds ago"):
+            await new.dial("127.0.0.1", port)
+        await eventually(lambda: router.lost != [], "the old process's link to be lost")
+        assert router.lost[0][0] == "B" and router.lost[0][1].startswith("silent for")
+        after = await new.dial("127.0.0.1", port)
+        await adopted(cluster, 1)
+        assert new_lost == [] and not after.closed
+        assert cluster.links["B"].incarnation == new.settings.incarnation
+        assert after.incarnation == cluster.settings.incarnation  # (A's, seen by B)
+    finally:
+        cluster.close()
+
+
+async def test_a_new_process_of_a_daemon_replaces_old_links_not_yet_judged_lost() -> None:
+    """The old process's link fell silent past the window, and A's heartbeat loop has yet
+    to judge it (held here): the new process's link is taken, and ends the old one's."""
+    cluster, router, port = await listening(heartbeat_s=0.1, window_s=0.3)
     old, old_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
     new, new_lost = process_of("B", os.urandom(p.INCARNATION_BYTES))
     try:
         before = await old.dial("127.0.0.1", port)
         await adopted(cluster, 1)
-        # The old process's host went (its link half-open: nothing comes on it); the new one
-        # dials once it was silent past two heartbeats, before the window declares it lost.
         before._tasks[1].cancel()  # (its heartbeats)
-        await asyncio.sleep(3 * cluster.settings.heartbeat_s)
+        cluster.links["B"]._tasks[1].cancel()  # (A's judgement of the link)
+        await asyncio.sleep(0.5)
         after = await new.dial("127.0.0.1", port)
         await eventually(lambda: router.lost != [] and old_lost != [], "the old process's link to go")
         assert router.lost == [("B", "replaced: the daemon runs as a new process")]
-        assert old_lost and new_lost == [] and not after.closed
+        assert new_lost == [] and not after.closed
         assert cluster.links["B"].incarnation == new.settings.incarnation
-        assert before.incarnation == after.incarnation == cluster.settings.incarnation  # (A's, seen by B)
     finally:
         cluster.close()
 
@@ -97,8 +122,8 @@ async def test_a_second_process_of_one_name_is_refused_while_the_first_speaks() 
     try:
         kept = await first.dial("127.0.0.1", port)
         await adopted(cluster, 1)
-        with pytest.raises(PeerRefusedError, match=r"daemon name 'B' is taken: a running daemon of that "
-                                                   r"name \(another process\) is linked to daemon A"):
+        with pytest.raises(PeerRefusedError, match=r"daemon name 'B' is taken: another process of that "
+                                                   r"name is linked to daemon A \(heard"):
             await second.dial("127.0.0.1", port)
         await asyncio.sleep(2 * cluster.settings.heartbeat_s)
         assert not kept.closed and first_lost == [] and router.lost == []
