@@ -357,8 +357,7 @@ class Session:
             return None
         mapping = self._buffers.get(mem.buf)
         if mapping is None:
-            raise CallError(ErrorCode.UNKNOWN_BUFFER,
-                            f"its memory (buffer {mem.buf}) was freed, or was never handed to this daemon")
+            raise _unknown_buffer(mem.buf)
         return mapping.region(mem.offset, nbytes)
 
     def _register(self, msg: proto.Register, fds: list[int]) -> None:
@@ -366,7 +365,7 @@ class Session:
         if len(self._registrations) >= self._ctx.config.max_registrations:
             raise CallError(ErrorCode.LIMIT, f"at most {self._ctx.config.max_registrations} registrations")
         if msg.buf.buf not in self._buffers:  # (an empty span's too: the handle names that buffer)
-            raise CallError(ErrorCode.UNKNOWN_BUFFER, f"buffer {msg.buf.buf} was never imported or was freed")
+            raise _unknown_buffer(msg.buf.buf)
         region = self._region(msg.buf, msg.nbytes)  # bounds-checked now
         handle = self._next_handle
         self._next_handle += 1
@@ -423,3 +422,8 @@ class Session:
         if self.world is None:
             raise CallError(ErrorCode.MISUSE, "this connection is not a rank of any world")
         return self.world
+
+
+def _unknown_buffer(buf: int) -> CallError:
+    return CallError(ErrorCode.UNKNOWN_BUFFER,
+                     f"the memory it names (buffer {buf}) was freed, or was never handed to this daemon")
