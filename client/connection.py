@@ -46,6 +46,7 @@ class Connection:
         self.inherited = False  # set in a forked child: the connection is the parent's
         self.pid = os.getpid()  # (for the message a forked child's calls get)
         self._joining: Transport | None = None  # a hello's connection until it is answered
+        self._taking = False  # (under the lock) the owed Forgets are being taken
 
     def open(self, deadline: float) -> None:
         """Join the world (the constructor's hello), by `deadline`."""
@@ -215,12 +216,34 @@ class Connection:
         # read as the rebuilt world's, is not about this rank's world any more)
         self.mark_unhealthy(from_code(event.code, event.message), event.epoch, transport)
 
+    def forget_now(self, owe_again: Callable[[list[int]], None]) -> None:
+        """Send the Forgets owed now if the connection takes them at once; else (another send
+        under way, no room) `owe_again` gets them back, and they go with the next request."""
+        with self._lock:
+            transport = self.transport
+            # (_taking: a collection cut into this thread's taking of them, which sends them)
+            if self.closed or transport.broken is not None or self._taking:
+                return
+            released = self._take_owed()
+        for start in range(0, len(released), proto.MAX_GROUP_OPS):
+            if not transport.try_post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS]))):
+                owe_again(released[start:])
+                return
+
+    def _take_owed(self) -> list[int]:
+        """(Under the lock) The Forgets owed, taken."""
+        self._taking = True
+        try:
+            return self._owed()
+        finally:
+            self._taking = False
+
     def _send_releases(self, transport: Transport, deadline: float | None = None) -> None:
         """The Forgets go with a request on the current connection (one a rejoin is replacing
         would lose them: the new daemon's, once it has imported some), by its `deadline`."""
         with self._lock:
             if transport is not self.transport or transport.broken is not None:
                 return
-            released = self._owed()
+            released = self._take_owed()
         for start in range(0, len(released), proto.MAX_GROUP_OPS):
             transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])), (), deadline)

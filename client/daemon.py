@@ -128,7 +128,7 @@ class DaemonBackend(CommBackend):
                                           lambda: self._conn.closed)
         self._conn.open(time.monotonic() + timeout + _JOIN_GRACE_S)
         try:
-            self._memory.on_release(self._on_buffer_released)
+            self._memory.on_release(self._on_host_buffer_released)
             _ALIVE.add(self)
         except BaseException:  # (an interrupt: nobody could close the rank's connection)
             self._conn.transport.close()
@@ -485,6 +485,19 @@ class DaemonBackend(CommBackend):
             return
         with self._lock:
             self._imports.release(buffer_id)
+
+    def _on_host_buffer_released(self, buffer_id: int) -> None:
+        self._on_buffer_released(buffer_id)
+        # Told now, not with this rank's next request: a process in several worlds frees a
+        # buffer that some of them will not call on for long (or ever), and their daemon
+        # connections kept the freed memory mapped, counted against the daemon's limits
+        if os.getpid() == self._conn.pid:
+            self._conn.forget_now(self._owe_again)
+
+    def _owe_again(self, buffer_ids: list[int]) -> None:
+        with self._lock:
+            for buffer_id in buffer_ids:
+                self._imports.owe(buffer_id)
 
 
 # The backends of this process that a fork's child must let go of (see _in_forked_child).

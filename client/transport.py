@@ -103,6 +103,7 @@ class Transport:
         # fd number; a close() meanwhile is on the same thread (a signal handler: the lock is
         # reentrant), and the send closes the socket once it stops (see _close_socket)
         self._sending = self._close_when_sent = False
+        self._posting = 0  # (under the send lock) posts under way: nested ones on this thread too
         with _MAKING:  # (a fork waits: the child must know of every socket it has a copy of)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._sock = sock
@@ -138,31 +139,59 @@ class Transport:
         """Send without waiting for a reply; should the send fail, what the daemon said before
         it went is looked for until `deadline` at the latest (the call's; None: none)."""
         with self._send_lock:
-            if self._broken is not None:
-                raise detached(self._broken)
+            self._posting += 1
             try:
-                packet = self._conn.send(msg)
-            except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
-                # the connection's state machine is in ERROR now: break it, so that the next
-                # attempt_reconnect connects afresh rather than failing on it for good
-                raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
-            try:
-                if self._send(packet, fds, deadline):
-                    return
-            except OSError as exc:
-                lost = exc
-            else:  # the daemon took nothing of this connection's by then: it may never
-                # (stopped). Nothing of the packet went, but the Forgets taken for it may
-                # have been lost, and the send buffer stays full: the connection goes.
-                self._break(DaemonUnavailable(
-                    f"the daemon took no {type(msg).__name__} from this connection before a "
-                    "call's deadline, so the connection was dropped; call attempt_reconnect"))
-                raise CommTimeout(f"the daemon took no {type(msg).__name__} before the call's "
-                                  "deadline (it reads nothing), so the connection was dropped: "
-                                  "call attempt_reconnect")
+                lost = self._post(msg, fds, deadline)
+            finally:
+                self._posting -= 1
+        if lost is None:
+            return
         # (outside the send lock: what is read may be a late reply whose undo sends)
         raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}"),
                                  deadline) from lost
+
+    def try_post(self, msg: proto.Message) -> bool:
+        """Send `msg` only if that waits for nothing: no send under way (another thread's, or
+        one this thread was in when a finalizer or a signal handler cut in) and room in the
+        socket. False if nothing went; a failed send is left for the next request to meet."""
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._posting or self._broken is not None or self._conn.state is not proto.State.READY:
+                return False
+            packet = self._conn.send(msg)
+            try:
+                self._sock.send(packet, socket.MSG_DONTWAIT)
+            except OSError:  # (no room, or the daemon went)
+                return False
+            return True
+        finally:
+            self._send_lock.release()
+
+    def _post(self, msg: proto.Message, fds: Sequence[int], deadline: float | None) -> OSError | None:
+        """(Under the send lock) post's send: the error if the connection failed."""
+        if self._broken is not None:
+            raise detached(self._broken)
+        try:
+            packet = self._conn.send(msg)
+        except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
+            # the connection's state machine is in ERROR now: break it, so that the next
+            # attempt_reconnect connects afresh rather than failing on it for good
+            raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
+        try:
+            if self._send(packet, fds, deadline):
+                return None
+        except OSError as exc:
+            return exc
+        # the daemon took nothing of this connection's by then: it may never (stopped).
+        # Nothing of the packet went, but the Forgets taken for it may have been lost, and
+        # the send buffer stays full: the connection goes.
+        self._break(DaemonUnavailable(
+            f"the daemon took no {type(msg).__name__} from this connection before a "
+            "call's deadline, so the connection was dropped; call attempt_reconnect"))
+        raise CommTimeout(f"the daemon took no {type(msg).__name__} before the call's "
+                          "deadline (it reads nothing), so the connection was dropped: "
+                          "call attempt_reconnect")
 
     def _send(self, packet: bytes, fds: Sequence[int], deadline: float | None) -> bool:
         """(Under the send lock) Send one packet (whole, or nothing of it: SOCK_SEQPACKET)

@@ -97,6 +97,24 @@ def all_reduce_repeated(sock: str, world: str, rank: int, n: int, nelem: int, dt
     return wrong
 
 
+def checked_rounds(comm: DaemonBackend, view: np.ndarray, ptr: int, rank: int, first: int,
+                   rounds: int) -> None:
+    """`rounds` i32 sums of `view` (at `ptr`) in a 2-rank world, each checked: rank r puts
+    first * (r + 1) + i, both get 3 * first + 2 * i."""
+    for i in range(rounds):
+        view[:] = first * (rank + 1) + i
+        comm.all_reduce(ptr, view.nbytes, dtype="i32")
+        assert (view == 3 * first + 2 * i).all(), (i, view[:4])
+
+
+def rounds_in_world(sock: str, world: str, rank: int, n: int, nelem: int, first: int, rounds: int) -> None:
+    """Join, `checked_rounds` on a buffer of `nelem` i32s, then a barrier."""
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(4 * nelem)
+        checked_rounds(comm, buf.view(np.int32), buf.ptr, rank, first, rounds)
+        comm.barrier()
+
+
 def all_gather(sock: str, world: str, rank: int, n: int, nbytes: int, seed: int) -> bytes:
     data = make_input(seed, rank, nbytes, "u8", "sum")
     with connect(sock, world, rank, n) as comm:
