@@ -127,6 +127,11 @@ class Connection:
     def current_link(self) -> int:
         return self.link
 
+    def gone(self, link: int) -> bool:
+        """Whether the daemon connection `link` is no more (a rejoin replaced it, or it broke):
+        the daemon let go of all it held for it."""
+        return link != self.link or self.transport.broken is not None
+
     def request(self, make: Callable[[int], proto.Request], *, due: float | None,
                 fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
                 link: int | None = None, abandon: bool = False) -> Answer:

@@ -125,7 +125,7 @@ class DaemonBackend(CommBackend):
                                             self._handover.unpin, self._conn.current_link)
         self._symmetric = SymmetricMemory(self._lock, self._conn.request, self._due, self._memory,
                                           self._resolver, self._imports, self._conn.current_link,
-                                          lambda: self._conn.closed)
+                                          self._conn.gone, lambda: self._conn.closed)
         self._conn.open(time.monotonic() + timeout + _JOIN_GRACE_S)
         try:
             self._memory.on_release(self._on_host_buffer_released)

@@ -27,7 +27,8 @@ class SymmetricMemory:
 
     def __init__(self, lock: threading.RLock, request: Requester, fresh_due: Callable[[], float],
                  memory: HostMemory, resolver: MemoryResolver, imports: ImportedBuffers,
-                 link: Callable[[], int], closed: Callable[[], bool]) -> None:
+                 link: Callable[[], int], gone: Callable[[int], bool],
+                 closed: Callable[[], bool]) -> None:
         self._lock = lock
         self._request = request
         self._fresh_due = fresh_due  # the deadline of a call starting now (a clean-up's own)
@@ -35,6 +36,7 @@ class SymmetricMemory:
         self._resolver = resolver
         self._imports = imports
         self._link = link
+        self._gone = gone  # whether a daemon connection is no more (its memory went with it)
         self._host: dict[int, tuple[HostBuffer, int]] = {}  # ptr -> (the mapping, its link)
         self._device: dict[int, tuple[int, int, int]] = {}  # ptr -> (buffer id, size mapped, link)
         self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
@@ -138,8 +140,13 @@ class SymmetricMemory:
 
     def _sym_free(self, buffer_id: int, link: int, due: float) -> None:
         """Tell the daemon that made it (on connection `link`), unless it is gone."""
-        with contextlib.suppress(Superseded):  # gone, and its memory with it: ours is the only copy
+        try:
             self._request(lambda rid: proto.SymFree(rid, buffer_id), due=due, link=link)
+        except (Superseded, CommError) as exc:
+            # Gone (replaced, or broken: the daemon died, or the connection was dropped), and
+            # its memory with it: ours is the only copy, and this free is done
+            if isinstance(exc, CommError) and not self._gone(link):
+                raise
         with self._lock:
             # a daemon a rejoin put in place since may have imported it as a plain buffer: it
             # forgets it as one (the one that made it dropped it from its imports with it)

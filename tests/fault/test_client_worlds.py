@@ -245,3 +245,29 @@ def test_symmetric_memory_of_a_closed_world_in_another_world(
     assert all(comm.is_healthy() for comm in b)
     with pytest.raises(CommError):
         a[0].barrier()  # (closed)
+
+
+def test_symmetric_memory_freed_while_the_daemon_is_down_is_freed(
+        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]]) -> None:
+    """The daemon is killed under both worlds, and before attempt_reconnect each rank frees
+    its symmetric memory of each world (one of them used in the other world's calls), as a
+    worker cleaning up after an error would. The daemon that made it let go of it with the
+    connection, and the worker's mapping goes: the free is done, and says so. Before, it
+    raised DaemonUnavailable all the same, and once reconnected, the free tried again was a
+    MisuseError, 'not a pointer from this backend's symmetric_alloc'."""
+    a, b = two_worlds
+    sym = on_both(lambda r: (a[r].symmetric_alloc(64), b[r].symmetric_alloc(64)))
+    on_both(lambda r: checked_rounds(b[r], host(sym[r][0]).view(np.int32), sym[r][0], r, 1, 2))
+    daemon.kill()
+    daemon.start()
+    base = held_at_rest(daemon.pid)[1]
+    on_both(lambda r: (a[r].symmetric_free(sym[r][0]), b[r].symmetric_free(sym[r][1])))
+    assert [hostmem.default_memory().locate(p) for pair in sym for p in pair] == [None] * 4
+    for world in (a, b):
+        on_both(lambda r, world=world: world[r].attempt_reconnect())  # type: ignore[misc]
+    with pytest.raises(MisuseError, match="not a pointer from this backend's symmetric_alloc"):
+        a[0].symmetric_free(sym[0][0])  # (freed: once)
+    fresh = [hostmem.alloc(64) for _ in range(2)]
+    on_both(lambda r: (checked_rounds(a[r], fresh[r].view(np.int32), fresh[r].ptr, r, 2, 2),
+                       checked_rounds(b[r], fresh[r].view(np.int32), fresh[r].ptr, r, 3, 2)))
+    assert memfd_mappings(daemon.pid) - base == 4  # the fresh buffers alone, in both worlds
