@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +24,9 @@ from client import CommError, DaemonBackend, MisuseError, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.conftest import held_elsewhere
 from tests.fault.ranks import join, met_the_failure, on_both, own_daemon
+from tests.fault.test_kill_daemon import restart, start
 from tests.integration import workers
-from tests.integration.harness import held_at_rest, memfd_mappings, wait_until, world_name
+from tests.integration.harness import held_at_rest, memfd_mappings, short_tmpdir, wait_until, world_name
 from tests.integration.workers import checked_rounds
 
 pytestmark = pytest.mark.timeout(90)
@@ -271,3 +275,90 @@ def test_symmetric_memory_freed_while_the_daemon_is_down_is_freed(
     on_both(lambda r: (checked_rounds(a[r], fresh[r].view(np.int32), fresh[r].ptr, r, 2, 2),
                        checked_rounds(b[r], fresh[r].view(np.int32), fresh[r].ptr, r, 3, 2)))
     assert memfd_mappings(daemon.pid) - base == 4  # the fresh buffers alone, in both worlds
+
+
+def test_an_interrupt_in_one_worlds_call_leaves_the_other_worlds_calls_on_the_memory_be(
+        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]]) -> None:
+    """Ctrl-C in rank 0's call of world A (the main thread, waiting for rank 1) while both
+    ranks run world B's calls on the other half of A's symmetric memory on threads of their
+    own: A's connection is dropped and A rebuilt, B sees no error and every sum is right."""
+    a, b = two_worlds
+    sym = on_both(lambda r: a[r].symmetric_alloc(8192))
+    b_rounds, goal = [0, 0], [0]  # (goal 0: on until told how many)
+
+    def world_b(r: int) -> None:
+        view = host(sym[r]).view(np.int32)[1024:]
+        while not goal[0] or b_rounds[r] < goal[0]:
+            checked_rounds(b[r], view, sym[r] + 4096, r, 5 + b_rounds[r], 1)
+            b_rounds[r] += 1
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(world_b, r) for r in range(2)]
+        timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            a[0].all_reduce(sym[0], 64, dtype="i32")  # rank 1 never makes it
+        timer.join()
+        with pytest.raises(WorldFailed):
+            a[1].barrier()
+        on_both(lambda r: a[r].attempt_reconnect())
+        on_both(lambda r: checked_rounds(a[r], host(sym[r]).view(np.int32)[:16], sym[r], r, 3, 3))
+        goal[0] = max(b_rounds) + 2  # (read as one: a rank may be a round ahead of the other)
+        for future in running:
+            future.result(30)
+    assert b_rounds[0] == b_rounds[1] > 0
+    assert all(comm.is_healthy() for comm in a + b)
+
+
+def rebuild_both(*comms: DaemonBackend) -> None:
+    """One worker's worlds, each rebuilt on a thread of its own (as its other ranks' daemon,
+    or the network, allow: attempt_reconnect until it succeeds)."""
+    with ThreadPoolExecutor(len(comms)) as pool:
+        for future in [pool.submit(workers.reconnect_until, comm, time.monotonic() + 30) for comm in comms]:
+            future.result(60)
+
+
+def test_worlds_rooted_on_two_daemons_come_back_after_one_is_restarted() -> None:
+    """Two workers, each on its node's daemon, each in world A (rooted on daemon 1) and world
+    B (rooted on daemon 2, rank 0 there), each on one buffer and A's symmetric memory
+    registered with B. Daemon 1 is killed -9 and restarted: worker 0's worlds lose their
+    daemon, worker 1's their peer; all four rebuild, and the calls of both worlds (on two
+    threads at once), A's symmetric memory in B and B's deregistration are right."""
+    tmp = Path(short_tmpdir())
+    first, second = start(tmp / "1" / "commd.sock", "n1"), start(tmp / "2" / "commd.sock", "n2")
+    port = int(first.peer_address().rsplit(":", 1)[1])
+    roots = first.peer_address(), second.peer_address()
+    try:
+        def worker(w: int) -> tuple[DaemonBackend, DaemonBackend]:
+            sock = str((first if w == 0 else second).socket_path)
+            with ThreadPoolExecutor(2) as pool:
+                joining = [pool.submit(DaemonBackend, sock, world, rank, 2, timeout=5, bootstrap=root)
+                           for world, rank, root in ((world_a, w, roots[0]), (world_b, 1 - w, roots[1]))]
+                made = [f.result(30) for f in joining]
+            return made[0], made[1]
+
+        world_a, world_b = world_name("tp"), world_name("dp")
+        comms = on_both(worker)
+        a, b = [c[0] for c in comms], [c[1] for c in comms]
+        bufs = [hostmem.alloc(8192) for _ in range(2)]
+        sym = on_both(lambda w: a[w].symmetric_alloc(64))
+        handles = on_both(lambda w: b[w].register_buffer(sym[w], 64))
+
+        def calls() -> None:
+            both_worlds_at_once(a, b, bufs, 3)  # (world B's rank is 1 - w: the same sums)
+            on_both(lambda w: checked_rounds(b[w], host(sym[w]).view(np.int32), sym[w], 1 - w, 2, 2))
+
+        calls()
+        first.kill()
+        first = restart(tmp / "1" / "commd.sock", "n1", port)
+        for comm in a + b:
+            met_the_failure(comm)
+        on_both(lambda w: rebuild_both(a[w], b[w]))
+        calls()
+        on_both(lambda w: b[w].deregister_buffer(handles[w]))
+        for comm in a + b:
+            comm.close()
+    finally:
+        first.stop()
+        second.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
