@@ -363,7 +363,8 @@ class Session:
     def _register(self, msg: proto.Register, fds: list[int]) -> None:
         world = self._member_world()
         if len(self._registrations) >= self._ctx.config.max_registrations:
-            raise CallError(ErrorCode.LIMIT, f"at most {self._ctx.config.max_registrations} registrations")
+            raise CallError(ErrorCode.LIMIT, f"a connection may hold at most "
+                                             f"{self._ctx.config.max_registrations} registrations")
         if msg.buf.buf not in self._buffers:  # (an empty span's too: the handle names that buffer)
             raise _unknown_buffer(msg.buf.buf)
         region = self._region(msg.buf, msg.nbytes)  # bounds-checked now
