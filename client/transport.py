@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import proto
 
 from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, detached, from_code
+from .sockets import close_fds, connect_within, take_fds, timeval
 
 _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
@@ -34,38 +35,6 @@ Packet = tuple[proto.Message, list[int]]
 # What undoes a request that timed out, should its reply come late: given the reply and a
 # fresh request id, the message to send (its own reply is read by nobody), or None.
 Undo = Callable[[proto.Message, int], proto.Message | None]
-
-
-def _take_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4]))
-    return fds
-
-
-def close_fds(fds: Sequence[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _connect(sock: socket.socket, path: str, timeout: float) -> None:
-    """Connect within `timeout`; a full listen backlog (EAGAIN on Unix sockets) is retried."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock.connect(path)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.01)
-
-
-def _timeval(seconds: float) -> bytes:
-    seconds = max(seconds, 1e-6)  # (a zero timeval is no timeout at all: a wait for good)
-    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -116,9 +85,9 @@ class Transport:
             # Sends never block in the kernel: one the daemon does not take (it stopped
             # reading) waits in poll() by the call's deadline (see _send).
             connecting = timeout if deadline is None else min(timeout, deadline - time.monotonic())
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connecting))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(0.25, timeout / 4)))
-            _connect(sock, path, connecting)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(connecting))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(min(0.25, timeout / 4)))
+            connect_within(sock, path, connecting)
         except OSError as exc:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
@@ -406,7 +375,7 @@ class Transport:
                 data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except OSError as exc:
             raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}")) from exc
-        fds = _take_fds(ancillary)
+        fds = take_fds(ancillary)
         if not data and not fds:
             raise self._break(DaemonUnavailable("the daemon closed the connection"))
         try:
