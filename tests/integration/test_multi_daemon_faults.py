@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -1154,28 +1154,22 @@ def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on() -> None:
-    """Daemons B1 and B2 were both given the peer_name B (a copied config). World x runs on
-    A (root) and B1; then B2's rank joins world y rooted on A. A must refuse B2's link while
-    B1 speaks, naming the clash, and world x go on (before: A took B2's link for B restarted,
-    closed B1's links, and world x failed, 'replaced: the daemon runs as a new process')."""
+@contextlib.contextmanager
+def beside_a_namesake(fast: bool, first: Sequence[str] = ()) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """Daemons A, B1 and B2, B1 and B2 both given the peer_name B (a copied config), B1 with
+    `first` too: world x runs on A (root) and B1, summed right before the body and after it
+    (which B2's ranks must not disturb). Yields A and B2."""
     tmp = short_tmpdir()
     try:
+        common = FAST if fast else []
         a, b1, b2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
-            "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST])
-            for sock, name in (("A", "A"), ("B1", "B"), ("B2", "B")))
-        with a, b1, b2, ThreadPoolExecutor(1) as threads:
+            "--peer-listen", "127.0.0.1:0", "--peer-name", name, *common, *extra])
+            for sock, name, extra in (("A", "A", ()), ("B1", "B", first), ("B2", "B", ())))
+        with a, b1, b2:
             comms = joined([a, b1], a, world_name())
             try:
                 assert summed_i32(comms) == [[3, 30], [3, 30]]
-                world = world_name()
-                rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
-                                       bootstrap=a.peer_address())
-                with pytest.raises(PeerLost, match=r"daemon name 'B' is taken: another process of that "
-                                                   r"name is linked to daemon A \(heard"):
-                    DaemonBackend(str(b2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
-                with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
-                    rank0.result(20)
+                yield a, b2
                 assert all(c.is_healthy() for c in comms)
                 assert summed_i32(comms) == [[3, 30], [3, 30]]
             finally:
@@ -1183,6 +1177,21 @@ def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on(
                     comm.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on() -> None:
+    """B2's rank joins world y rooted on A: A must refuse B2's link while B1 speaks, naming
+    the clash, and world x go on (before: A took B2's link for B restarted, closed B1's
+    links, and world x failed, 'replaced: the daemon runs as a new process')."""
+    with beside_a_namesake(fast=True) as (a, b2), ThreadPoolExecutor(1) as threads:
+        world = world_name()
+        rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
+                               bootstrap=a.peer_address())
+        with pytest.raises(PeerLost, match=r"daemon name 'B' is taken: another process of that "
+                                           r"name is linked to daemon A \(heard"):
+            DaemonBackend(str(b2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
+        with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
+            rank0.result(20)
 
 
 def test_a_second_daemon_of_one_name_is_refused_while_the_first_beats_slower() -> None:
@@ -1190,28 +1199,12 @@ def test_a_second_daemon_of_one_name_is_refused_while_the_first_beats_slower() -
     rank must be refused each time, however long since B1's last beat, and world x go on
     (before: A refused only while B1 was heard within two of A's heartbeats, 1 s; in B1's
     silences between beats B2's link was taken for B restarted, and world x failed)."""
-    tmp = short_tmpdir()
-    try:
-        a, b2, b1 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
-            "--peer-listen", "127.0.0.1:0", "--peer-name", name, *extra])
-            for sock, name, extra in (("A", "A", []), ("B2", "B", []),
-                                      ("B1", "B", ["--peer-heartbeat", "2", "--peer-window", "12"])))
-        with a, b1, b2:
-            comms = joined([a, b1], a, world_name())
-            try:
-                assert summed_i32(comms) == [[3, 30], [3, 30]]
-                for _ in range(7):  # (over one of B1's beats and more)
-                    with pytest.raises(PeerLost, match=r"daemon name 'B' is taken"):
-                        DaemonBackend(str(b2.socket_path), world_name(), 1, 2, timeout=1,
-                                      bootstrap=a.peer_address())
-                    time.sleep(0.4)
-                assert all(c.is_healthy() for c in comms)
-                assert summed_i32(comms) == [[3, 30], [3, 30]]
-            finally:
-                for comm in comms:
-                    comm.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with beside_a_namesake(fast=False, first=["--peer-heartbeat", "2", "--peer-window", "12"]) as (a, b2):
+        for _ in range(7):  # (over one of B1's beats and more)
+            with pytest.raises(PeerLost, match=r"daemon name 'B' is taken"):
+                DaemonBackend(str(b2.socket_path), world_name(), 1, 2, timeout=1,
+                              bootstrap=a.peer_address())
+            time.sleep(0.4)
 
 
 def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> None:
