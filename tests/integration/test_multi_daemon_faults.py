@@ -352,6 +352,16 @@ def joined(daemons: list[DaemonProcess], root: DaemonProcess, world: str) -> lis
         return [j.result(20) for j in joining]
 
 
+def a_new_world_sums(daemons: list[DaemonProcess], root: DaemonProcess) -> None:
+    """A new world, one rank on each of `daemons`, forms and sums right (the daemons serve)."""
+    comms = joined(daemons, root, world_name())
+    try:
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
 def test_worlds_rooted_on_either_daemon_live_side_by_side(pair: list[DaemonProcess]) -> None:
     """World X is rooted on A with a rank on B; world Y on B with a rank on A: each daemon
     dials the other. Both links stay (before, the second replaced the first: X failed when
@@ -1144,12 +1154,7 @@ def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
             with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
                 rank0.result(20)
             assert query_status(str(a.socket_path), 5)["peers"]["links"] == []
-            comms = joined([a, a], a, world_name())
-            try:
-                assert summed_i32(comms) == [[3, 30], [3, 30]]
-            finally:
-                for comm in comms:
-                    comm.close()
+            a_new_world_sums([a, a], a)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -1238,12 +1243,7 @@ def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> Non
             flooding.start()
             try:
                 wait_until(lambda: query_status(str(a.socket_path), 5)["peers"]["refused_handshakes"] > 200)
-                comms = joined([a, b], a, world_name())
-                try:
-                    assert summed_i32(comms) == [[3, 30], [3, 30]]
-                finally:
-                    for comm in comms:
-                        comm.close()
+                a_new_world_sums([a, b], a)
             finally:
                 stop.set()
                 flooding.join(10)
