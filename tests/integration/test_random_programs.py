@@ -66,16 +66,21 @@ def test_one_daemon(pool: RankPool, sock: str, seed: int) -> None:
     check(pool, seed, [sock] * n, [list(range(n))], big=300_000)
 
 
-@pytest.mark.parametrize("seed", _seeds(range(6)), ids=lambda s: f"seed-{s}")
-def test_two_daemons(pool: RankPool, two_daemons: list[DaemonProcess], seed: int) -> None:
+def split_over(daemons: list[DaemonProcess], seed: int) -> tuple[list[str], list[list[int]]]:
+    """2-4 ranks placed at random on two daemons (each holds one at least), rank 0's daemon
+    the root: each rank's address, and each daemon's ranks."""
     rng = random.Random(seed)
     n = rng.randint(2, 4)
     placement = [0, 1] + [rng.randrange(2) for _ in range(n - 2)]
     rng.shuffle(placement)
-    root = two_daemons[placement[0]].peer_address()
-    addresses = [f"{two_daemons[d].socket_path}@{root}" for d in placement]
-    groups = [[r for r in range(n) if placement[r] == d] for d in (0, 1)]
-    check(pool, seed, addresses, groups, big=(4 << 20) + 3)  # past one chunk between daemons
+    root = daemons[placement[0]].peer_address()
+    addresses = [f"{daemons[d].socket_path}@{root}" for d in placement]
+    return addresses, [[r for r in range(n) if placement[r] == d] for d in (0, 1)]
+
+
+@pytest.mark.parametrize("seed", _seeds(range(6)), ids=lambda s: f"seed-{s}")
+def test_two_daemons(pool: RankPool, two_daemons: list[DaemonProcess], seed: int) -> None:
+    check(pool, seed, *split_over(two_daemons, seed), big=(4 << 20) + 3)  # past one chunk between daemons
 
 
 def disagree(pool: RankPool, seed: int, addresses: list[str], groups: list[list[int]]) -> None:
@@ -125,10 +130,4 @@ def test_one_disagreement_one_daemon(pool: RankPool, sock: str, seed: int) -> No
 
 @pytest.mark.parametrize("seed", _seeds(range(6)), ids=lambda s: f"seed-{s}")
 def test_one_disagreement_two_daemons(pool: RankPool, two_daemons: list[DaemonProcess], seed: int) -> None:
-    rng = random.Random(seed)
-    n = rng.randint(2, 4)
-    placement = [0, 1] + [rng.randrange(2) for _ in range(n - 2)]
-    rng.shuffle(placement)
-    root = two_daemons[placement[0]].peer_address()
-    groups = [[r for r in range(n) if placement[r] == d] for d in (0, 1)]
-    disagree(pool, seed, [f"{two_daemons[d].socket_path}@{root}" for d in placement], groups)
+    disagree(pool, seed, *split_over(two_daemons, seed))
