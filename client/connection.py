@@ -230,10 +230,18 @@ class Connection:
             if self.closed or transport.broken is not None or self._taking:
                 return
             released = self._take_owed()
-        for start in range(0, len(released), proto.MAX_GROUP_OPS):
-            if not transport.try_post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS]))):
-                owe_again(released[start:])
-                return
+        # Owed again unless sent, however this ends: an interrupt (Ctrl-C in a buffer's
+        # close) lost the ones taken, and nothing drops this connection for it, so the
+        # daemon kept the memory mapped while it lived. (Sent and owed again if it lands
+        # just after a send: the daemon ignores a Forget of a buffer it no longer holds.)
+        sent = 0
+        try:
+            while sent < len(released) and transport.try_post(
+                    proto.Forget(tuple(released[sent:sent + proto.MAX_GROUP_OPS]))):
+                sent += proto.MAX_GROUP_OPS
+        finally:
+            if sent < len(released):
+                owe_again(released[sent:])
 
     def _take_owed(self) -> list[int]:
         """(Under the lock) The Forgets owed, taken."""

@@ -362,3 +362,37 @@ def test_worlds_rooted_on_two_daemons_come_back_after_one_is_restarted() -> None
         first.stop()
         second.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ctrl_c() -> None:
+    """A real SIGINT to the main thread, from it: KeyboardInterrupt lands as pthread_kill returns."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+    time.sleep(5)  # (not reached)
+
+
+def test_a_free_interrupted_as_its_forget_goes_still_tells_the_daemon(
+        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C lands in a buffer's close() as its Forget, taken from what the daemon is owed,
+    is about to go on world A's connection: the interrupt reaches the worker, and the Forget
+    goes with A's next request. Before, the Forget taken was lost: the daemon kept the freed
+    memory mapped for as long as the connection lived, whatever A called after."""
+    a, _ = two_worlds
+    base = held_at_rest(daemon.pid)[1]
+    bufs = [hostmem.alloc(64) for _ in range(2)]
+    on_both(lambda r: checked_rounds(a[r], bufs[r].view(np.int32), bufs[r].ptr, r, 1, 2))
+    transport = a[0]._conn.transport
+    real = type(transport).try_post
+
+    def try_post(self: object, msg: object) -> bool:
+        if self is transport:
+            monkeypatch.setattr(type(transport), "try_post", real)
+            ctrl_c()
+        return real(self, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(transport), "try_post", try_post)
+    with pytest.raises(KeyboardInterrupt):
+        bufs[0].close()
+    on_both(lambda r: a[r].barrier())
+    wait_until(lambda: memfd_mappings(daemon.pid) - base == 1,
+               lambda: f"{memfd_mappings(daemon.pid) - base} buffers mapped, 1 live", timeout=5)
