@@ -123,9 +123,16 @@ class Transport:
         """Send `msg` only if that waits for nothing: no send under way (another thread's, or
         one this thread was in when a finalizer or a signal handler cut in) and room in the
         socket. False if nothing went; a failed send is left for the next request to meet."""
-        if not self._send_lock.acquire(blocking=False):
+        # Nested in this thread's own send or close (a finalizer, a signal handler): never.
+        # Else whether the lock was taken is read back from it: an interrupt lands as the
+        # acquire returns (a signal's handler runs after the C call), before any flag set
+        # here could say so, and the lock kept would make every other thread's send wait
+        # for good (`with` is no help: it would wait)
+        if self._send_lock._is_owned():  # type: ignore[attr-defined]
             return False
         try:
+            if not self._send_lock.acquire(blocking=False):
+                return False
             if self._posting or self._broken is not None or self._conn.state is not proto.State.READY:
                 return False
             packet = self._conn.send(msg)
@@ -135,7 +142,8 @@ class Transport:
                 return False
             return True
         finally:
-            self._send_lock.release()
+            if self._send_lock._is_owned():  # type: ignore[attr-defined]
+                self._send_lock.release()
 
     def _post(self, msg: proto.Message, fds: Sequence[int], deadline: float | None) -> OSError | None:
         """(Under the send lock) post's send: the error if the connection failed."""

@@ -396,3 +396,55 @@ def test_a_free_interrupted_as_its_forget_goes_still_tells_the_daemon(
     on_both(lambda r: a[r].barrier())
     wait_until(lambda: memfd_mappings(daemon.pid) - base == 1,
                lambda: f"{memfd_mappings(daemon.pid) - base} buffers mapped, 1 live", timeout=5)
+
+
+class _InterruptedAsTaken:
+    """A transport's send lock (the real one) on which Ctrl-C lands as a non-blocking
+    acquire (try_post's) returns, as Python runs a signal's handler after a C call."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock, self.armed = lock, True
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self.lock.acquire(blocking, timeout)
+        if self.armed and not blocking:
+            self.armed = False
+            ctrl_c()
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def _is_owned(self) -> bool:
+        return self.lock._is_owned()  # type: ignore[attr-defined, no-any-return]
+
+    def __enter__(self) -> bool:
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.__exit__(*exc)
+
+
+def test_a_free_interrupted_as_it_takes_the_send_lock_leaves_other_threads_calls_no_wait(
+        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]]) -> None:
+    """Ctrl-C lands in a buffer's close() just as its Forget took world A's send lock: the
+    interrupt reaches the worker, and another thread's call on A then runs. Before, the main
+    thread kept the lock for good: every other thread's send on A waited for it forever."""
+    a, _ = two_worlds
+    bufs = [hostmem.alloc(64) for _ in range(2)]
+    on_both(lambda r: checked_rounds(a[r], bufs[r].view(np.int32), bufs[r].ptr, r, 1, 2))
+    transport = a[0]._conn.transport
+    lock = transport._send_lock
+    transport._send_lock = _InterruptedAsTaken(lock)  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bufs[0].close()
+        done = threading.Event()
+        other = threading.Thread(target=lambda: (a[0].barrier(), done.set()), daemon=True)
+        other.start()
+        a[1].barrier()
+        assert done.wait(5), "rank 0's barrier on another thread waits for the send lock"
+    finally:
+        transport._send_lock = lock
+        while lock._is_owned():  # type: ignore[attr-defined]
+            lock.release()  # (let the stuck thread go)
