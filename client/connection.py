@@ -25,14 +25,14 @@ class Connection:
 
     `lock` is the backend's (its bookkeeping, never held over I/O): under it the transport,
     the link and the epoch move together with what is judged against them. `hello(epoch)`
-    builds the hello at the last epoch seen; `owed()` (under the lock) takes the buffer ids
+    builds the hello at the last epoch seen; `owed(freed_only)` (under the lock) takes the buffer ids
     whose Forget the daemon is owed; `on_new_epoch()` (under the lock) and
     `on_new_daemon(link)` tell the backend what a rebuild and a rejoin leave behind."""
 
     transport: Transport  # (from open(): a failure during its hello is judged by _joining)
 
     def __init__(self, path: str, timeout: float, lock: threading.RLock, health: Health,
-                 hello: Callable[[int], proto.Hello], owed: Callable[[], list[int]],
+                 hello: Callable[[int], proto.Hello], owed: Callable[[bool], list[int]],
                  on_new_epoch: Callable[[], None], on_new_daemon: Callable[[int], None]) -> None:
         self._path, self._timeout = path, timeout
         self._lock = lock
@@ -229,7 +229,7 @@ class Connection:
             # (_taking: a collection cut into this thread's taking of them, which sends them)
             if self.closed or transport.broken is not None or self._taking:
                 return
-            released = self._take_owed()
+            released = self._take_owed(freed_only=True)  # (see ImportedBuffers.take_owed)
         # Owed again unless sent, however this ends: an interrupt (Ctrl-C in a buffer's
         # close) lost the ones taken, and nothing drops this connection for it, so the
         # daemon kept the memory mapped while it lived. (Sent and owed again if it lands
@@ -243,11 +243,11 @@ class Connection:
             if sent < len(released):
                 owe_again(released[sent:])
 
-    def _take_owed(self) -> list[int]:
+    def _take_owed(self, freed_only: bool = False) -> list[int]:
         """(Under the lock) The Forgets owed, taken."""
         self._taking = True
         try:
-            return self._owed()
+            return self._owed(freed_only)
         finally:
             self._taking = False
 

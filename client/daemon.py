@@ -418,11 +418,11 @@ class DaemonBackend(CommBackend):
             raise
         self._handover.unpin(device)
 
-    def _take_owed(self) -> list[int]:
-        """The Forgets to send now (under _lock)."""
+    def _take_owed(self, freed_only: bool = False) -> list[int]:
+        """The Forgets to send now (under _lock; see ImportedBuffers.take_owed)."""
         for group in self._groups.abandoned():  # (a thread that ended between group_start and _end)
             self._imports.unpin(group.pinned)
-        return self._imports.take_owed()
+        return self._imports.take_owed(freed_only)
 
     def _due(self) -> float:
         """The deadline of a call starting now: every request the call makes shares it."""
@@ -496,8 +496,7 @@ class DaemonBackend(CommBackend):
 
     def _owe_again(self, buffer_ids: list[int]) -> None:
         with self._lock:
-            for buffer_id in buffer_ids:
-                self._imports.owe(buffer_id)
+            self._imports.owe_freed(buffer_ids)
 
 
 # The backends of this process that a fork's child must let go of (see _in_forked_child).

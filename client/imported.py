@@ -19,6 +19,9 @@ class ImportedBuffers:
     def __init__(self) -> None:
         self._held: set[int] = set()
         self._owed: list[int] = []
+        # Forgets of imports that timed out: unlike a freed buffer's, the buffer may be
+        # imported again, and its Forget must go before that Import (see take_owed)
+        self._unsure: list[int] = []
         self._pinned: Counter[int] = Counter()
 
     def __contains__(self, buffer_id: int) -> bool:
@@ -37,7 +40,11 @@ class ImportedBuffers:
 
     def owe(self, buffer_id: int) -> None:
         """An import that timed out: the daemon may hold the buffer all the same."""
-        self._owed.append(buffer_id)
+        self._unsure.append(buffer_id)
+
+    def owe_freed(self, buffer_ids: Iterable[int]) -> None:
+        """Freed buffers' Forgets taken and not sent: owed again."""
+        self._owed.extend(buffer_ids)
 
     def pin(self, buffer_ids: Iterable[int]) -> None:
         self._pinned.update(buffer_ids)
@@ -50,8 +57,13 @@ class ImportedBuffers:
             else:
                 del self._pinned[buffer_id]
 
-    def take_owed(self) -> list[int]:
-        """The Forgets to send now; a pinned buffer's wait."""
+    def take_owed(self, freed_only: bool = False) -> list[int]:
+        """The Forgets to send now; a pinned buffer's wait. `freed_only`: not those of the
+        imports that timed out, which only a request may take, sent on its own thread before
+        it (a retry's Import of the buffer; taken by a free's Forget on another thread, it
+        could go after that Import, which the daemon refuses as naming a buffer it holds)."""
+        if not freed_only:
+            self._owed, self._unsure = self._unsure + self._owed, []
         if not self._pinned:
             owed, self._owed = self._owed, []
             return owed
@@ -62,3 +74,4 @@ class ImportedBuffers:
     def new_daemon(self) -> None:
         self._held.clear()
         self._owed.clear()
+        self._unsure.clear()

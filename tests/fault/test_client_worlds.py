@@ -448,3 +448,46 @@ def test_a_free_interrupted_as_it_takes_the_send_lock_leaves_other_threads_calls
         transport._send_lock = lock
         while lock._is_owned():  # type: ignore[attr-defined]
             lock.release()  # (let the stuck thread go)
+
+
+def test_a_free_on_another_thread_never_takes_a_timed_out_imports_forget_from_its_retry(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's import of X times out (the daemon stopped; it maps X once resumed), so the
+    daemon is owed X's Forget, which must go before the call's retry imports X again. Another
+    thread frees buffer Y meanwhile, and its Forget is slow to go; the world is rebuilt, and
+    the retry's sums are right.
+    Before, that free took X's Forget with Y's, the retry's Import went first, and the daemon
+    refused it: 'buffer id N is already in use'."""
+    comms = join(daemon, 1.5)
+    try:
+        ys = [hostmem.alloc(64) for _ in range(2)]
+        on_both(lambda r: checked_rounds(comms[r], ys[r].view(np.int32), ys[r].ptr, r, 1, 1))
+        xs = [hostmem.alloc(64) for _ in range(2)]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CommError):
+                comms[0].all_reduce(xs[0].ptr, 64, dtype="i32")
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        transport, real = comms[0]._conn.transport, type(comms[0]._conn.transport).try_post
+        taken, go = threading.Event(), threading.Event()
+
+        def slow_try_post(self: object, msg: object) -> bool:
+            if self is transport and threading.current_thread() is not threading.main_thread():
+                taken.set()
+                go.wait(10)
+            return real(self, msg)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(transport), "try_post", slow_try_post)
+        freeing = threading.Thread(target=ys[0].close, daemon=True)
+        freeing.start()
+        assert taken.wait(5)
+        try:
+            on_both(lambda r: comms[r].attempt_reconnect())  # (the timeout failed the world)
+            on_both(lambda r: checked_rounds(comms[r], xs[r].view(np.int32), xs[r].ptr, r, 5, 2))
+        finally:
+            go.set()
+            freeing.join(10)
+    finally:
+        for comm in comms:
+            comm.close()
