@@ -72,7 +72,6 @@ class Transport:
         # fd number; a close() meanwhile is on the same thread (a signal handler: the lock is
         # reentrant), and the send closes the socket once it stops (see _close_socket)
         self._sending = self._close_when_sent = False
-        self._posting = 0  # (under the send lock) posts under way: nested ones on this thread too
         with _MAKING:  # (a fork waits: the child must know of every socket it has a copy of)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             self._sock = sock
@@ -108,11 +107,7 @@ class Transport:
         """Send without waiting for a reply; should the send fail, what the daemon said before
         it went is looked for until `deadline` at the latest (the call's; None: none)."""
         with self._send_lock:
-            self._posting += 1
-            try:
-                lost = self._post(msg, fds, deadline)
-            finally:
-                self._posting -= 1
+            lost = self._post(msg, fds, deadline)
         if lost is None:
             return
         # (outside the send lock: what is read may be a late reply whose undo sends)
@@ -133,7 +128,7 @@ class Transport:
         try:
             if not self._send_lock.acquire(blocking=False):
                 return False
-            if self._posting or self._broken is not None or self._conn.state is not proto.State.READY:
+            if self._broken is not None or self._conn.state is not proto.State.READY:
                 return False
             packet = self._conn.send(msg)
             try:
