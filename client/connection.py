@@ -13,7 +13,7 @@ from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, from_c
 from .groups import Basis
 from .health import Health
 from .rpc import Answer, Superseded, built, checked
-from .transport import Transport, Undo
+from .transport import Abandon, Transport, Undo
 
 
 class Connection:
@@ -134,11 +134,11 @@ class Connection:
 
     def request(self, make: Callable[[int], proto.Request], *, due: float | None,
                 fds: Sequence[int] = (), grace: float = 0.0, undo: Undo | None = None,
-                link: int | None = None, abandon: bool = False) -> Answer:
+                link: int | None = None, abandon: Abandon | None = None) -> Answer:
         """One request/reply, answered by `due` (+ `grace`; None: no deadline); daemon errors
         become CommErrors. `make` builds the request from its id. `undo`: what undoes the
         request if it times out and the daemon did it all the same; `abandon`: nothing
-        can, so a timeout drops the connection (Transport.request). `link`: only to that
+        can (see Transport.request). `link`: only to that
         daemon connection (Superseded if a rejoin replaced it)."""
         self.check_open()
         # One transport for the id and the sending: another thread's rejoin may put a new one

@@ -466,8 +466,8 @@ class DaemonBackend(CommBackend):
             (lambda rid: proto.Submit(rid, ops, basis.epoch)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
         try:
-            # (abandon: a call this rank gave up on must never write its memory later)
-            self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link, abandon=True)
+            self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link,
+                               abandon=functools.partial(self._let_go_of, ops))
         except Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._conn.went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:
@@ -475,6 +475,16 @@ class DaemonBackend(CommBackend):
                 self._health.met(basis.epoch)  # (which that reconnect has repaired)
             raise
         self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
+
+    def _let_go_of(self, ops: tuple[proto.Op, ...], error: BaseException) -> None:
+        """The daemon may have started `ops`, sent and left unanswered, and may go on writing
+        their memory after the caller hears `error` and makes it its own again: their host
+        buffers move to fresh memory (HostBuffer.detach). Device memory stays: the world's
+        failure aborts its communicator, which stops what runs there."""
+        named = {mem.buf for op in ops for mem in proto.mems_of(op)}
+        for buffer_id, why in self._resolver.detach(named).items():
+            error.add_note(f"host buffer {buffer_id} could not be moved off the memory the daemon "
+                           f"may still write ({why}): what it holds is not safe to use")
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -22,7 +23,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,23 @@ from .backend import as_ints
 from .errors import LimitExceeded, MisuseError
 
 ReleaseListener = Callable[[int], None]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+
+
+def _map_over(ptr: int, size: int, fd: int) -> None:
+    """Put `fd`'s memory at [ptr, ptr+size), in place of what is mapped there, in one step."""
+    placed = _LIBC.mmap(ptr, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if placed != ptr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map memory at 0x{ptr:x}: {os.strerror(err)}")
+
+
+_MAP_FIXED = 0x10  # (Linux, every architecture; Python's mmap module does not name it)
 
 
 def _sealed_memfd(nbytes: int) -> int:
@@ -45,24 +63,48 @@ def _sealed_memfd(nbytes: int) -> int:
     return fd
 
 
+class _Name:
+    """A buffer's id, which a detach changes: its finalizer releases the one it has then."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, buffer_id: int) -> None:
+        self.id = buffer_id
+
+
 class HostBuffer:
     """One shared allocation: `.ptr` is valid in this process, `.fd` lets the daemon map it."""
 
-    def __init__(self, owner: HostMemory, buffer_id: int, fd: int, nbytes: int) -> None:
-        self.id = buffer_id
+    def __init__(self, owner: HostMemory, buffer_id: int, fd: int, nbytes: int, *,
+                 adopted: bool = False) -> None:
+        self._name = _Name(buffer_id)
         self.nbytes = nbytes
         self.size = max(nbytes, 1)  # mmap cannot map 0 bytes; ptr stays valid for 0-byte calls
-        self.fd = fd
+        self.fd = fd  # (a detach puts fresh memory under this same number)
+        self.adopted = adopted  # the daemon's memory (symmetric_alloc): never detached
         self._owner = owner
         self._closing = threading.Lock()  # close() from two threads unmaps once
         _BUFFERS.add(self)  # (a fork's child gives it a fresh lock, whatever its table holds)
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
+        # Anonymous memory holds the address, and the memfd goes over it: mapped from the fd,
+        # the mmap object would keep a duplicate of it open, and with it the memory a detach
+        # moves the buffer off, for as long as the buffer lives.
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, self.size, mmap.MAP_SHARED,
                                                  mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self.ptr: int = self._bytes.ctypes.data
+        try:
+            _map_over(self.ptr, self.size, fd)
+        except BaseException:
+            self._bytes = None
+            self._mmap.close()
+            raise
         # A buffer dropped without close() still gives back its fd, its table entry and
         # the daemon's mapping (the listeners tell the backends).
-        self._reclaim = weakref.finalize(self, _reclaim, owner, buffer_id, self.ptr, self._mmap, fd)
+        self._reclaim = weakref.finalize(self, _reclaim, owner, self._name, self.ptr, self._mmap, fd)
+
+    @property
+    def id(self) -> int:
+        return self._name.id
 
     @property
     def closed(self) -> bool:
@@ -102,6 +144,36 @@ class HostBuffer:
             self._mmap = None
         self._reclaim()
 
+    def detach(self) -> bool:
+        """Move this buffer, in place, onto fresh memory holding the same bytes, under a new
+        id (False: closed, or the daemon's own memory, which stays). What mapped the old
+        memory, a daemon still running a call the worker gave up on, no longer reaches
+        what the worker reads and writes at `.ptr`; the release listeners hear of the old
+        id, so every daemon connection that had imported it forgets it, and a later call
+        imports the new memory."""
+        with self._closing:
+            if self._mmap is None or self.adopted:
+                return False
+            fresh = _sealed_memfd(self.size)
+            try:
+                self._owner._releasing()  # (ops built from the address before are stale now)
+                staging = mmap.mmap(fresh, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                try:
+                    np.copyto(np.frombuffer(staging, np.uint8), np.frombuffer(self._mmap, np.uint8))
+                finally:
+                    staging.close()
+                _map_over(self.ptr, self.size, fresh)
+                # The same number, so an import on another thread sends one memory or the
+                # other, never a closed (or reused) fd; the old memory goes with the last map
+                os.dup2(fresh, self.fd, inheritable=False)
+            finally:
+                os.close(fresh)
+            old = self._name.id
+            self._name.id = self._owner.next_id()
+            self._owner._enter(self)
+        self._owner._released(old, self.ptr)
+        return True
+
     def __enter__(self) -> HostBuffer:
         return self
 
@@ -126,15 +198,15 @@ class _View:
         self._buffer = buffer
 
 
-def _reclaim(owner: HostMemory, buffer_id: int, ptr: int, mapped: mmap.mmap, fd: int) -> None:
+def _reclaim(owner: HostMemory, name: _Name, ptr: int, mapped: mmap.mmap, fd: int) -> None:
     if _FORKING and _FORKING[0] != os.getpid():  # a fork's child whose locks are not fresh yet
-        _DEFERRED.append((owner, buffer_id, ptr, mapped, fd))
+        _DEFERRED.append((owner, name, ptr, mapped, fd))
         return
     owner._releasing()
     with contextlib.suppress(BufferError):  # dropped with live views: unmapped when they go
         mapped.close()
     os.close(fd)
-    owner._released(buffer_id, ptr)
+    owner._released(name.id, ptr)
 
 
 class HostMemory:
@@ -169,7 +241,7 @@ class HostMemory:
                 os.close(fd)
                 raise
         except (OSError, OverflowError, ValueError) as exc:  # RLIMIT_AS, ENOMEM, EMFILE, max_map_count
-            hint = ("; each host buffer holds two of this process's open files: raise its limit "
+            hint = ("; each host buffer holds one of this process's open files: raise its limit "
                     "(ulimit -n)" if getattr(exc, "errno", None) == errno.EMFILE else "")
             raise LimitExceeded(f"cannot allocate {nbytes} bytes of host memory here: {exc}{hint}") from exc
         return self._enter(buffer)
@@ -177,7 +249,7 @@ class HostMemory:
     def adopt(self, fd: int, nbytes: int, buffer_id: int) -> HostBuffer:
         """Map a memfd made elsewhere (the daemon's symmetric_alloc) into this table; the
         fd stays the caller's if this raises."""
-        return self._enter(HostBuffer(self, buffer_id, fd, nbytes))
+        return self._enter(HostBuffer(self, buffer_id, fd, nbytes, adopted=True))
 
     def _enter(self, buffer: HostBuffer) -> HostBuffer:
         with self._lock:
@@ -187,6 +259,20 @@ class HostMemory:
                 bisect.insort(self._starts, buffer.ptr)
             self._by_start[buffer.ptr] = (buffer.id, weakref.ref(buffer))
         return buffer
+
+    def detach(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
+        """Detach the live buffers of `buffer_ids` (see HostBuffer.detach); those that could
+        not be (out of memory or files), by id, with why."""
+        with self._lock:
+            found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
+        failed: dict[int, Exception] = {}
+        for buffer in found:
+            if buffer is not None:
+                try:
+                    buffer.detach()
+                except (OSError, ValueError) as exc:
+                    failed[buffer.id] = exc
+        return failed
 
     def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:
         """The buffer holding [ptr, ptr+nbytes) and the offset of ptr in it."""
@@ -245,7 +331,7 @@ class HostMemory:
 _TABLES: weakref.WeakSet[HostMemory] = weakref.WeakSet()
 _BUFFERS: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # every live buffer
 _FORKING: list[int] = []  # the pid of the process a fork is under way from
-_DEFERRED: list[tuple[HostMemory, int, int, mmap.mmap, int]] = []  # the child's, till then
+_DEFERRED: list[tuple[HostMemory, _Name, int, mmap.mmap, int]] = []  # the child's, till then
 
 
 def _before_fork() -> None:

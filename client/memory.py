@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from proto import MemKind
@@ -105,6 +105,11 @@ class MemoryResolver:
         if device is not None:
             device.add(allocation.id)
         return MemoryRef(allocation.kind, allocation.id, allocation.size, offset, None, allocation.handle)
+
+    def detach(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
+        """Move the host buffers among `buffer_ids` off the memory the daemon mapped (see
+        HostMemory.detach); those that could not be, with why."""
+        return self._host.detach(buffer_ids)
 
     def still_known(self, ref: MemoryRef) -> bool:
         """Whether `ref`'s allocation was not let go of since it was resolved (freed, evicted):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import proto
@@ -47,7 +46,7 @@ class OpCache:
             return cached
         with self._resolver.noting_device() as noted:
             op = build()
-        device = tuple(mem.buf for mem in _mems(op) if mem.buf in noted)
+        device = tuple(mem.buf for mem in proto.mems_of(op) if mem.buf in noted)
         # (made before the lock: fewer collections under it)
         entry = (op, device) if device else (op, releases)
         with self._lock:
@@ -63,11 +62,3 @@ class OpCache:
             self._host.clear()
             self._device.clear()
             self._generation += 1
-
-
-def _mems(op: proto.Op) -> Iterator[proto.Mem]:
-    """The memory an op names."""
-    for field in dataclasses.fields(op):
-        value = getattr(op, field.name)
-        if isinstance(value, proto.Mem):
-            yield value

@@ -35,6 +35,9 @@ Packet = tuple[proto.Message, list[int]]
 # What undoes a request that timed out, should its reply come late: given the reply and a
 # fresh request id, the message to send (its own reply is read by nobody), or None.
 Undo = Callable[[proto.Message, int], proto.Message | None]
+# What a request the daemon may still carry out unanswered leaves the caller to do (see
+# Transport.request), given the error the caller is about to hear
+Abandon = Callable[[BaseException], None]
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -232,13 +235,16 @@ class Transport:
 
     def request(self, msg: proto.Message, deadline: float | None,
                 fds: Sequence[int] = (), undo: Undo | None = None,
-                abandon: bool = False) -> Packet:
+                abandon: Abandon | None = None) -> Packet:
         """Send `msg` (which carries an id) and wait for its reply until `deadline`.
         `undo`: should the wait time out, what undoes the request if its reply comes late
         (the daemon did it all the same); it runs on whichever thread reads that reply.
-        `abandon`: should the wait time out, nothing can undo what the daemon would do
-        (a collective that writes the worker's memory): the connection is dropped before
-        the CommTimeout is raised, so that the daemon never starts it (see _abandon)."""
+        `abandon`: nothing can undo what the daemon would do (a collective that writes the
+        worker's memory): should the wait time out, the connection is dropped before the
+        CommTimeout is raised, so that the daemon never starts it (see _abandon); and
+        whenever it went out and ends unanswered (that timeout, a lost connection, an
+        interrupt), `abandon(error)` runs before the error is raised, for what the daemon
+        may have started already."""
         request_id: int = msg.id  # type: ignore[union-attr]
         left = remaining(deadline)
         if left is not None and left <= 0:  # (sent, the daemon would do it for nobody)
@@ -253,11 +259,15 @@ class Transport:
                 try:
                     packet = self._wait(request_id, deadline)
                 except CommTimeout as exc:
-                    if not abandon:
+                    if abandon is None:
                         raise
                     packet = self._abandon(request_id, exc)
                 answered = True
                 return packet
+        except BaseException as exc:
+            if sent and abandon is not None:
+                abandon(exc)
+            raise
         finally:
             with self._lock:
                 self._awaited.discard(request_id)

@@ -45,6 +45,7 @@ from .messages import (
     SymAlloc,
     SymFree,
     Welcome,
+    mems_of,
 )
 from .types import DType, EventKind, MemKind, ReduceOp
 
@@ -58,4 +59,5 @@ __all__ = [
     "ReduceOp", "ReduceScatter", "Register", "Reply", "Request", "Role", "Send",
     "SetAddKernel", "State", "StateError", "StatusQuery", "StatusReport", "StreamEvents",
     "StreamSubmit", "Submit", "SymAlloc", "SymFree", "Welcome", "decode", "encode", "expected_fds",
+    "mems_of",
 ]

@@ -8,7 +8,9 @@ world to do) travel inside a `Submit`; one op is a plain call, several are a
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +168,14 @@ class Recv:
 
 Op = AllReduce | AllGather | ReduceScatter | Broadcast | Barrier | Send | Recv
 OP_TYPES: tuple[type, ...] = (AllReduce, AllGather, ReduceScatter, Broadcast, Barrier, Send, Recv)
+
+
+def mems_of(op: Op) -> Iterator[Mem]:
+    """The memory an op names."""
+    for field in dataclasses.fields(op):
+        value = getattr(op, field.name)
+        if isinstance(value, Mem):
+            yield value
 
 
 # ---- client → daemon --------------------------------------------------------------

@@ -354,7 +354,7 @@ def test_host_memory_this_process_cannot_map_or_size_is_a_comm_error_and_leaks_n
                     held.append(memory.alloc(64))
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        assert ("Too many open files; each host buffer holds two of this process's open files: "
+        assert ("Too many open files; each host buffer holds one of this process's open files: "
                 "raise its limit (ulimit -n)") in str(raised.value), raised.value
         for buf in held:
             buf.close()

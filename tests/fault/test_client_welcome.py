@@ -15,7 +15,7 @@ import pytest
 import proto
 from client import CommError, DaemonBackend, hostmem
 from client import connection as client_connection
-from client.transport import Packet, Transport, Undo
+from client.transport import Abandon, Packet, Transport, Undo
 from commd.launch import DaemonProcess
 from tests.fault.ranks import own_daemon
 from tests.integration.harness import world_name
@@ -32,7 +32,7 @@ class FailedBeforeWelcome(Transport):
     """A connection on which the world fails before the hello is answered."""
 
     def request(self, msg: proto.Message, deadline: float | None, fds: Sequence[int] = (),
-                undo: Undo | None = None, abandon: bool = False) -> Packet:
+                undo: Undo | None = None, abandon: Abandon | None = None) -> Packet:
         if isinstance(msg, proto.Hello):  # the 1-rank world forms at the epoch after the hello's
             self._route(proto.Event(proto.EventKind.WORLD_FAILED, proto.ErrorCode.PEER_LOST,
                                     "a rank's welcome found it gone", msg.epoch + 1), [])

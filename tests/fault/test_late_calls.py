@@ -25,6 +25,8 @@ from tests.integration.harness import query_status, wait_until, world_name, worl
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT_S = 1.0
 MARKER = [-7, -70]  # what a rank writes into its buffer once its call has failed
+_BIG = 64 << 20  # an all_reduce long enough (~20 ms) to stop the daemon in the middle of
+_ATTEMPTS = 5
 
 
 @pytest.fixture
@@ -108,6 +110,73 @@ def test_a_call_one_rank_gave_up_on_fails_the_others_when_the_daemon_goes_on(
                 comm.close()
 
 
+def test_an_op_the_daemon_started_before_the_ranks_gave_up_no_longer_reaches_their_buffers(
+        daemon: DaemonProcess) -> None:
+    """The daemon stops in the middle of a 64 MiB all_reduce, both ranks give up
+    (CommTimeout) and write their buffers, and the daemon goes on: the op it had started
+    finishes, but on memory the worker no longer sees (the call's host buffers moved to
+    fresh memory as the call was given up on). Before: all 16,777,216 elements of each
+    buffer were overwritten with the sum."""
+    for _ in range(_ATTEMPTS):
+        with joined(daemon, TIMEOUT_S) as comms:
+            bufs = [hostmem.alloc(_BIG), hostmem.alloc(_BIG)]
+            summed(comms, bufs)  # (imported: the calls below are one Submit each)
+            for buf in bufs:
+                buf.view(np.float32)[:] = 1.0
+            with ThreadPoolExecutor(2) as ranks:
+                calls = [ranks.submit(_raised, comms[r].all_reduce, bufs[r].ptr, _BIG, dtype="f32")
+                         for r in range(2)]
+                caught = _stop_while_running(daemon, comms[0]._world, seq=1)
+                try:
+                    errors = [call.result(10) for call in calls]
+                    for buf in bufs:
+                        buf.view(np.float32)[:] = -7.0
+                finally:
+                    os.kill(daemon.pid, signal.SIGCONT)
+            if not caught or not all(isinstance(e, CommTimeout) for e in errors):
+                continue  # the op ended before the daemon stopped: once more
+            _settled(daemon)
+            assert [int((buf.view(np.float32) != -7.0).sum()) for buf in bufs] == [0, 0]
+            assert rebuilt(comms) == [[3, 30], [3, 30]]
+            return
+    pytest.fail(f"the daemon was never stopped in the middle of the op ({_ATTEMPTS} tries)")
+
+
+def test_a_buffer_moved_off_a_given_up_call_is_named_afresh_to_another_worlds_daemon(
+        daemon: DaemonProcess) -> None:
+    """One worker process in two worlds: world A's call on a buffer is given up on (the
+    buffer moves to fresh memory), and world B, which had the buffer mapped already, calls
+    on it again: B's daemon connection forgets the old memory and maps the new, so B's
+    all_reduce reads what the worker wrote since and writes where the worker reads (before
+    the forget: the sum of the old bytes, written where the worker never looks)."""
+    with joined(daemon, TIMEOUT_S) as a, joined(daemon, 10.0) as b:
+        shared, other = hostmem.alloc(8), hostmem.alloc(8)
+        assert summed(a, [shared, hostmem.alloc(8)]) == [[3, 30], [3, 30]]  # (imported for both)
+        assert summed(b, [shared, other]) == [[3, 30], [3, 30]]
+        old = shared.id
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            assert isinstance(_raised(a[0].all_reduce, shared.ptr, 8, dtype="i32"), CommTimeout)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert shared.id != old
+        assert summed(b, [shared, other]) == [[3, 30], [3, 30]]
+        assert old not in b[0]._imports and shared.id in b[0]._imports  # (the old one forgotten)
+
+
+def _stop_while_running(daemon: DaemonProcess, world: str, seq: int) -> bool:
+    """SIGSTOP the daemon once both ranks' call #`seq` runs there (False: it ended first, and
+    the daemon is stopped all the same)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        calls = ((world_status(daemon, world) or {}).get("recent_calls") or {}).values()
+        states = [c["state"] for made in calls for c in made if c["seq"] == seq]  # type: ignore[attr-defined]
+        if len(states) == 2 and (states == ["running", "running"] or "done" in states):
+            os.kill(daemon.pid, signal.SIGSTOP)
+            return states == ["running", "running"]
+    raise AssertionError(f"call #{seq} never ran at the daemon")
+
+
 def test_a_reply_in_the_socket_when_the_wait_gives_up_is_the_calls_answer(daemon: DaemonProcess) -> None:
     """The daemon did rank 0's all_reduce and its answer is in rank 0's socket, unread,
     when rank 0's wait gives up (its deadline came as the answer did): the call returns
@@ -134,10 +203,10 @@ def test_a_reply_in_the_socket_when_the_wait_gives_up_is_the_calls_answer(daemon
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
 
 
-def _raised(call: Callable[[], object]) -> Exception | None:
-    """What `call` raised (None: it returned)."""
+def _raised(call: Callable[..., object], *args: Any, **kwargs: Any) -> Exception | None:
+    """What `call(*args, **kwargs)` raised (None: it returned)."""
     try:
-        call()
+        call(*args, **kwargs)
     except Exception as exc:
         return exc
     return None

@@ -1,0 +1,170 @@
+"""HostBuffer.detach: a buffer moves, at the same address, onto fresh memory that holds
+its bytes, under a new id, so that whoever mapped the old memory (a daemon still running
+a call the worker gave up on) no longer reaches what the worker reads and writes."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+import proto
+from client.hostmem import HostBuffer, HostMemory
+from client.memory import MemoryResolver
+from client.opcache import OpCache
+from tests.conftest import garbage
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Heard:
+    """The ids a table's release listeners hear of."""
+
+    def __init__(self, memory: HostMemory) -> None:
+        self.ids: list[int] = []
+        memory.on_release(self.release)
+
+    def release(self, buffer_id: int) -> None:
+        self.ids.append(buffer_id)
+
+
+def mapped_elsewhere(buffer: HostBuffer) -> mmap.mmap:
+    """The buffer's memory as another process (the daemon) maps it: from its fd."""
+    return mmap.mmap(buffer.fd, buffer.size)
+
+
+def test_the_worker_keeps_its_bytes_and_the_old_mapping_no_longer_reaches_them() -> None:
+    memory = HostMemory()
+    buffer = memory.alloc(1 << 20)
+    ours = buffer.view(np.int32)
+    ours[:] = np.arange(ours.size)
+    daemons = mapped_elsewhere(buffer)
+    theirs = np.frombuffer(daemons, np.int32)
+    old_id, fd, ptr = buffer.id, buffer.fd, buffer.ptr
+    assert buffer.detach()
+    assert buffer.id > old_id
+    assert (buffer.fd, buffer.ptr) == (fd, ptr)  # (the same fd number, now naming the fresh memory)
+    assert np.array_equal(ours, np.arange(ours.size))  # a view made before sees the same bytes
+    theirs[:4] = -7  # the daemon goes on writing the old memory
+    ours[4] = 99
+    assert ours[:5].tolist() == [0, 1, 2, 3, 99]
+    assert theirs[4] == 4
+    later = mapped_elsewhere(buffer)  # a later import maps what the worker sees
+    assert np.frombuffer(later, np.int32)[:5].tolist() == [0, 1, 2, 3, 99]
+    del ours, theirs
+    for mapping in (daemons, later):
+        mapping.close()
+    buffer.close()
+
+
+def test_the_table_finds_it_under_its_new_id_and_listeners_hear_of_the_old() -> None:
+    memory = HostMemory()
+    heard = Heard(memory)
+    buffer = memory.alloc(64)
+    old_id = buffer.id
+    releases = memory.releases
+    assert buffer.detach()
+    assert heard.ids == [old_id]
+    assert memory.releases > releases  # ops built from its address before are stale
+    found, offset = memory.find(buffer.ptr + 8, 8)
+    assert found is buffer and offset == 8 and found.id != old_id
+    new_id = buffer.id
+    buffer.close()
+    assert heard.ids == [old_id, new_id]
+    assert memory.locate(buffer.ptr) is None
+
+
+def test_a_collected_buffer_releases_the_id_it_has_then() -> None:
+    memory = HostMemory()
+    heard = Heard(memory)
+    buffer = memory.alloc(64)
+    buffer.detach()
+    new_id, ptr = buffer.id, buffer.ptr
+    garbage(buffer)
+    del buffer
+    gc.collect()
+    assert heard.ids[-1] == new_id
+    assert memory.locate(ptr) is None
+
+
+def test_an_op_built_before_the_detach_is_built_afresh_with_the_new_id() -> None:
+    memory = HostMemory()
+    resolver = MemoryResolver(memory, driver=lambda: None)
+    cache = OpCache(resolver)
+    buffer = memory.alloc(64)
+
+    def build() -> proto.Op:
+        ref = resolver.resolve(buffer.ptr, 64)
+        assert ref is not None
+        return proto.AllReduce(proto.Mem(ref.buffer_id, ref.offset), 64, proto.DType.F32)
+
+    first, _ = cache.get(("all_reduce", buffer.ptr), build)
+    assert resolver.detach({buffer.id}) == {}
+    second, _ = cache.get(("all_reduce", buffer.ptr), build)
+    assert isinstance(first, proto.AllReduce) and isinstance(second, proto.AllReduce)
+    assert first.buf is not None and second.buf is not None
+    assert second.buf.buf == buffer.id != first.buf.buf
+    buffer.close()
+
+
+def test_only_the_named_live_buffers_move() -> None:
+    memory = HostMemory()
+    named, other = memory.alloc(64), memory.alloc(64)
+    ids = (named.id, other.id)
+    closed = memory.alloc(64)
+    closed_id = closed.id
+    closed.close()
+    assert memory.detach({ids[0], closed_id, 12345}) == {}
+    assert named.id != ids[0] and other.id == ids[1]
+    assert not closed.detach()
+    named.close()
+    other.close()
+
+
+def test_the_daemons_own_memory_is_not_moved() -> None:
+    """symmetric_alloc's host memory is the daemon's (freed by its id there)."""
+    memory = HostMemory()
+    fd = os.memfd_create("symmetric", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 64)
+    adopted = memory.adopt(fd, 64, memory.next_id())
+    buffer_id = adopted.id
+    assert not adopted.detach()
+    assert memory.detach({buffer_id}) == {}
+    assert adopted.id == buffer_id
+    adopted.close()
+
+
+def test_a_buffer_holds_one_open_file() -> None:
+    """The mapping is made over reserved memory, not from the fd (an mmap object keeps a
+    duplicate of the fd it maps, and with it the memory a detach leaves)."""
+    before = len(os.listdir("/proc/self/fd"))
+    buffers = [HostMemory().alloc(64) for _ in range(8)]
+    assert len(os.listdir("/proc/self/fd")) - before == 8
+    for buffer in buffers:
+        buffer.detach()
+    assert len(os.listdir("/proc/self/fd")) - before == 8
+    for buffer in buffers:
+        buffer.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_failed_detach_leaves_the_buffer_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    buffer.view(np.int32)[:2] = [5, 6]
+    old_id = buffer.id
+
+    def no_memory(nbytes: int) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(hostmem, "_sealed_memfd", no_memory)
+    failed = memory.detach({old_id})
+    assert list(failed) == [old_id] and isinstance(failed[old_id], OSError)
+    assert buffer.id == old_id and buffer.view(np.int32)[:2].tolist() == [5, 6]
+    assert memory.find(buffer.ptr, 8)[0] is buffer
+    buffer.close()
