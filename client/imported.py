@@ -64,12 +64,15 @@ class ImportedBuffers:
         could go after that Import, which the daemon refuses as naming a buffer it holds)."""
         if not freed_only:
             self._owed, self._unsure = self._unsure + self._owed, []
+        # Swapped out before it is looked through: a collection meanwhile (a finalizer on
+        # this thread) may add a release, which must land in the list left owed, not in
+        # one being split (where neither part would hold it)
+        taken, self._owed = self._owed, []
         if not self._pinned:
-            owed, self._owed = self._owed, []
-            return owed
-        owed = [b for b in self._owed if b not in self._pinned]
-        self._owed = [b for b in self._owed if b in self._pinned]
-        return owed
+            return taken
+        waiting = [b for b in taken if b in self._pinned]
+        self._owed.extend(waiting)
+        return [b for b in taken if b not in self._pinned]
 
     def new_daemon(self) -> None:
         self._held.clear()

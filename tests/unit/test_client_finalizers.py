@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -161,6 +162,51 @@ def test_a_device_allocation_evicted_while_it_is_imported_is_forgotten(
         assert a_id not in backend._imports
     finally:
         go.set()
+        backend.close()
+
+
+class CollectingPins(Counter[int]):
+    """Stands in for ImportedBuffers._pinned: its second lookup (one per owed Forget, in
+    take_owed) starts a collection, as any allocation there may."""
+
+    lookups = 0
+
+    def __contains__(self, buffer_id: object) -> bool:
+        self.lookups += 1
+        if self.lookups == 2:
+            gc.collect()
+        return super().__contains__(buffer_id)
+
+
+def test_a_buffer_freed_as_a_pinned_calls_forgets_are_taken_is_still_forgotten(
+        recording: tuple[RecordingDaemon, str], no_automatic_collection: None) -> None:
+    """A call on a CUDA allocation (pinned until its op is sent) takes the Forgets owed before
+    it; a collection then frees a host buffer the daemon imported, on the same thread: its
+    Forget goes with the next request. Before: the release, added to the list take_owed was
+    splitting into what goes and what waits, ended up in neither, and the daemon kept the
+    freed memory mapped for as long as the connection lived."""
+    fake, path = recording
+    driver = FakeDriver()
+    device = driver.alloc(0x10000, 4096)
+    memory = HostMemory()
+    backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: driver)
+    try:
+        owed, freed = memory.alloc(64), memory.alloc(64)
+        for ptr in (owed.ptr, freed.ptr, device.base):  # (all three imported)
+            backend.broadcast(ptr, 8, 0)
+        owed_id, freed_id = owed.id, freed.id
+        with held_elsewhere(backend._conn.transport._send_lock):  # (its Forget cannot go at once)
+            owed.close()
+        garbage(freed)
+        gone = weakref.ref(freed)
+        del freed
+        pins = backend._imports._pinned = CollectingPins()
+        backend.broadcast(device.base, 8, 0)
+        assert pins.lookups >= 2 and gone() is None  # (freed as the Forgets were taken)
+        backend.barrier()  # (what is owed goes with the next request)
+        forgotten = [b for _, m in fake.seen if isinstance(m, proto.Forget) for b in m.bufs]
+        assert sorted(forgotten) == sorted([owed_id, freed_id]), "the daemon keeps freed memory mapped"
+    finally:
         backend.close()
 
 
