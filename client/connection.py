@@ -253,10 +253,14 @@ class Connection:
 
     def _send_releases(self, transport: Transport, deadline: float | None = None) -> None:
         """The Forgets go with a request on the current connection (one a rejoin is replacing
-        would lose them: the new daemon's, once it has imported some), by its `deadline`."""
-        with self._lock:
-            if transport is not self.transport or transport.broken is not None:
-                return
-            released = self._take_owed()
-        for start in range(0, len(released), proto.MAX_GROUP_OPS):
-            transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])), (), deadline)
+        would lose them: the new daemon's, once it has imported some), by its `deadline`.
+        Taken and sent in one hold of the send lock: a timed-out import's Forget must reach
+        the daemon before that buffer's next Import, which another thread may be about to
+        send (the daemon refuses it while it holds the buffer)."""
+        with transport.sending():
+            with self._lock:
+                if transport is not self.transport or transport.broken is not None:
+                    return
+                released = self._take_owed()
+            for start in range(0, len(released), proto.MAX_GROUP_OPS):
+                transport.post(proto.Forget(tuple(released[start:start + proto.MAX_GROUP_OPS])), (), deadline)

@@ -58,10 +58,11 @@ class ImportedBuffers:
                 del self._pinned[buffer_id]
 
     def take_owed(self, freed_only: bool = False) -> list[int]:
-        """The Forgets to send now; a pinned buffer's wait. `freed_only`: not those of the
-        imports that timed out, which only a request may take, sent on its own thread before
-        it (a retry's Import of the buffer; taken by a free's Forget on another thread, it
-        could go after that Import, which the daemon refuses as naming a buffer it holds)."""
+        """The Forgets to send now; a pinned buffer's wait. A timed-out import's must reach
+        the daemon before that buffer's next Import (which the daemon refuses while it holds
+        the buffer): it is taken only with the send lock held until it is sent, as a request
+        does (Connection._send_releases). `freed_only`: not those, for a free's Forget sent at
+        once, which takes the lock only as it sends (a freed buffer is never imported again)."""
         if not freed_only:
             self._owed, self._unsure = self._unsure + self._owed, []
         # Swapped out before it is looked through: a collection meanwhile (a finalizer on

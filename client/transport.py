@@ -117,6 +117,11 @@ class Transport:
         raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}"),
                                  deadline) from lost
 
+    def sending(self) -> threading.RLock:
+        """Held over sends that must reach the daemon before any other thread's next one, from
+        before what they say is decided: the send lock, which every send takes (reentrant)."""
+        return self._send_lock
+
     def try_post(self, msg: proto.Message) -> bool:
         """Send `msg` only if that waits for nothing: no send under way (another thread's, or
         one this thread was in when a finalizer or a signal handler cut in) and room in the

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import proto
 from client import CommError, DaemonBackend, MisuseError, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.conftest import held_elsewhere
@@ -488,6 +489,53 @@ def test_a_free_on_another_thread_never_takes_a_timed_out_imports_forget_from_it
         finally:
             go.set()
             freeing.join(10)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_another_threads_request_never_sends_a_timed_out_imports_forget_after_its_retry(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's import of X times out (the daemon stopped; it maps X once resumed), so the
+    daemon is owed X's Forget, which must go before the call's retry imports X again. Another
+    thread of rank 0 registers a buffer meanwhile: its request takes X's Forget and is slow
+    to send it; the world is rebuilt, and the retry's sums are right.
+    Before, the retry's Import went before that Forget, and the daemon refused it: 'buffer
+    id N is already in use'."""
+    comms = join(daemon, 1.5)
+    try:
+        ys = [hostmem.alloc(64) for _ in range(2)]
+        on_both(lambda r: checked_rounds(comms[r], ys[r].view(np.int32), ys[r].ptr, r, 1, 1))
+        xs = [hostmem.alloc(64) for _ in range(2)]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CommError):
+                comms[0].all_reduce(xs[0].ptr, 64, dtype="i32")
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        transport = comms[0]._conn.transport
+        real = type(transport).post
+        taken, go = threading.Event(), threading.Event()
+
+        def slow_post(self: object, msg: proto.Message, *args: object) -> None:
+            if self is transport and isinstance(msg, proto.Forget) and threading.current_thread() is other:
+                taken.set()
+                go.wait(0.5)  # (the thread preempted; not for good: after the fix others wait for it)
+            real(self, msg, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(transport), "post", slow_post)
+        handles: list[int] = []
+        other = threading.Thread(target=lambda: handles.append(comms[0].register_buffer(ys[0].ptr, 64)),
+                                 daemon=True)
+        other.start()
+        assert taken.wait(5)
+        try:
+            on_both(lambda r: comms[r].attempt_reconnect())  # (the timeout failed the world)
+            on_both(lambda r: checked_rounds(comms[r], xs[r].view(np.int32), xs[r].ptr, r, 5, 2))
+        finally:
+            go.set()
+            other.join(10)
+        assert len(handles) == 1  # (the other thread's call went through too)
     finally:
         for comm in comms:
             comm.close()
