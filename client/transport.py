@@ -130,7 +130,9 @@ class Transport:
         # Else whether the lock was taken is read back from it: an interrupt lands as the
         # acquire returns (a signal's handler runs after the C call), before any flag set
         # here could say so, and the lock kept would make every other thread's send wait
-        # for good (`with` is no help: it would wait)
+        # for good (`with` is no help: it would wait). An owner recorded here would not say
+        # either: it is written after the acquire returns, where the interrupt lands. So
+        # the lock itself is asked (_is_owned: what threading.Condition asks an RLock)
         if self._send_lock._is_owned():  # type: ignore[attr-defined]
             return False
         try:
@@ -138,10 +140,9 @@ class Transport:
                 return False
             if self._broken is not None or self._conn.state is not proto.State.READY:
                 return False
-            packet = self._conn.send(msg)
             try:
-                self._sock.send(packet, socket.MSG_DONTWAIT)
-            except OSError:  # (no room, or the daemon went)
+                self._sock.send(self._packet(msg), socket.MSG_DONTWAIT)
+            except (OSError, CommError):  # (no room, or the daemon went; or broken, see _packet)
                 return False
             return True
         finally:
@@ -152,12 +153,7 @@ class Transport:
         """(Under the send lock) post's send: the error if the connection failed."""
         if self._broken is not None:
             raise detached(self._broken)
-        try:
-            packet = self._conn.send(msg)
-        except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
-            # the connection's state machine is in ERROR now: break it, so that the next
-            # attempt_reconnect connects afresh rather than failing on it for good
-            raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
+        packet = self._packet(msg)
         try:
             if self._send(packet, fds, deadline):
                 return None
@@ -172,6 +168,17 @@ class Transport:
         raise CommTimeout(f"the daemon took no {type(msg).__name__} before the call's "
                           "deadline (it reads nothing), so the connection was dropped: "
                           "call attempt_reconnect")
+
+    def _packet(self, msg: proto.Message) -> bytes:
+        """(Under the send lock) `msg` as the state machine lets it go. A ProtocolError if it
+        does not: `msg` cannot be encoded, or the reader, reading a bad packet, put it in
+        ERROR since the caller looked (another thread's: the send lock does not hold it)."""
+        try:
+            return self._conn.send(msg)
+        except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
+            # the state machine is in ERROR now: break the connection, so that the next
+            # attempt_reconnect connects afresh rather than failing on it for good
+            raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
 
     def _send(self, packet: bytes, fds: Sequence[int], deadline: float | None) -> bool:
         """(Under the send lock) Send one packet (whole, or nothing of it: SOCK_SEQPACKET)

@@ -339,3 +339,64 @@ def test_the_daemons_last_word_is_read_though_it_closed_with_packets_of_ours_unr
             closed.wait(10)
             transport.close()
             server.join(10)
+
+
+def test_a_forget_at_once_as_a_bad_packet_is_read_breaks_the_transport_and_raises_nothing() -> None:
+    """A free's Forget goes at once (try_post) just as the reader, on another thread, reads
+    a packet it cannot decode, which puts the connection's state machine in ERROR after
+    try_post looked at it: nothing goes, the transport is broken (for the next request to
+    meet) and the free raises nothing. Before: proto's StateError came out of try_post, so
+    out of the buffer's close() (a ProtoError, not a CommError), or was lost in a finalizer."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "bad.sock")
+        asked, received = threading.Event(), []
+
+        def bad_daemon(conn: socket.socket) -> None:
+            hello = proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES))
+            assert isinstance(hello, proto.Hello)
+            conn.send(proto.encode(proto.Welcome(hello.id, proto.PROTOCOL_VERSION, "fake", "host", 1,
+                                                 proto.MAX_MESSAGE_BYTES)))
+            received.append(proto.decode(conn.recv(proto.MAX_MESSAGE_BYTES)))  # the reader's request
+            asked.wait(10)  # (until the Forget is on its way)
+            conn.send(b"\xc1 not msgpack")
+            while packet := conn.recv(proto.MAX_MESSAGE_BYTES):  # until the client hangs up
+                received.append(proto.decode(packet))
+
+        server = fake_daemon(path, bad_daemon)
+        transport = Transport(path, 5, lambda event, transport: None)
+        errors: list[Exception] = []
+
+        def call() -> None:
+            try:
+                transport.request(proto.StatusQuery(transport.next_id(), None), None)
+            except CommError as exc:
+                errors.append(exc)
+
+        reader = threading.Thread(target=call)
+        try:
+            transport.request(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), "w", 0, 1, 5000), None)
+            reader.start()
+            _wait_for_a_reader(transport)
+            machine = transport._conn
+            send = machine.send
+
+            def send_once_the_reader_met_the_packet(msg: proto.Message) -> bytes:
+                asked.set()
+                for _ in range(1000):  # (try_post looked at the state before)
+                    if machine.state is proto.State.ERROR:
+                        break
+                    time.sleep(0.01)
+                return send(msg)
+
+            machine.send = send_once_the_reader_met_the_packet  # type: ignore[method-assign]
+            assert transport.try_post(proto.Forget((7,))) is False
+            reader.join(10)
+            assert isinstance(transport.broken, ProtocolError)
+            with pytest.raises(ProtocolError):  # (the next request meets it)
+                transport.post(proto.Forget((8,)))
+        finally:
+            asked.set()
+            transport.close()
+            server.join(10)
+        assert [type(e) for e in errors] == [ProtocolError]
+        assert [type(m) for m in received] == [proto.StatusQuery]  # (no Forget went)
