@@ -254,9 +254,9 @@ class Transport:
         `abandon`: nothing can undo what the daemon would do (a collective that writes the
         worker's memory): should the wait time out, the connection is dropped before the
         CommTimeout is raised, so that the daemon never starts it (see _abandon); and
-        whenever it went out and ends unanswered (that timeout, a lost connection, an
-        interrupt), `abandon(error)` runs before the error is raised, for what the daemon
-        may have started already."""
+        whenever it went out (or may have: an interrupt in its send) and ends unanswered
+        (that timeout, a lost connection, an interrupt), `abandon(error)` runs before the
+        error is raised, for what the daemon may have started already."""
         request_id: int = msg.id  # type: ignore[union-attr]
         left = remaining(deadline)
         if left is not None and left <= 0:  # (sent, the daemon would do it for nobody)
@@ -266,8 +266,13 @@ class Transport:
         sent = answered = False
         try:
             with _Interruptible(self):
-                self.post(msg, fds, deadline)
+                # (gone, perhaps, once the send is made: an interrupt lands as it returns)
                 sent = True
+                try:
+                    self.post(msg, fds, deadline)
+                except CommError:  # (nothing of it went)
+                    sent = False
+                    raise
                 try:
                     packet = self._wait(request_id, deadline)
                 except CommTimeout as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -216,3 +217,54 @@ def _settled(daemon: DaemonProcess) -> None:
     """The daemon, gone on, answers again: a late op would have run by now."""
     query_status(str(daemon.socket_path), 5)
     time.sleep(0.5)
+
+
+def test_an_op_running_when_ctrl_c_lands_as_its_submit_went_no_longer_reaches_the_buffer(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's 64 MiB all_reduce waits at the daemon; rank 0's Submit goes (the daemon
+    starts the op at once, and is stopped in the middle of it), and a Ctrl-C lands as the
+    send returns. Rank 0 hears KeyboardInterrupt and writes its buffer, the daemon goes on:
+    the op it had started must not write what rank 0 sees now (before: the call was not
+    counted as sent, and 16,580,608 of its 16,777,216 elements were overwritten)."""
+    for _ in range(_ATTEMPTS):
+        with joined(daemon, 10.0) as comms, ThreadPoolExecutor(1) as rank1:
+            bufs = [hostmem.alloc(_BIG), hostmem.alloc(_BIG)]
+            summed(comms, bufs)
+            for buf in bufs:
+                buf.view(np.float32)[:] = 1.0
+            other = rank1.submit(_raised, comms[1].all_reduce, bufs[1].ptr, _BIG, dtype="f32")
+            wait_until(lambda: (world_status(daemon, comms[0]._world) or {}).get("pending_calls") == 1,
+                       "rank 1's call at the daemon")
+            caught = _ctrl_c_once_sent(monkeypatch, daemon, comms[0])
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    comms[0].all_reduce(bufs[0].ptr, _BIG, dtype="f32")
+                bufs[0].view(np.float32)[:] = -7.0
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            other.result(10)
+            if not caught[0]:
+                continue  # the op ended before the daemon stopped: once more
+            _settled(daemon)
+            assert int((bufs[0].view(np.float32) != -7.0).sum()) == 0
+            return
+    pytest.fail(f"the daemon was never stopped in the middle of the op ({_ATTEMPTS} tries)")
+
+
+def _ctrl_c_once_sent(monkeypatch: pytest.MonkeyPatch, daemon: DaemonProcess,
+                      comm: DaemonBackend) -> list[bool]:
+    """Rank `comm`'s next send stops the daemon in the middle of its call #1 once it is
+    made, then a real SIGINT lands as it returns; what _stop_while_running said, once sent."""
+    transport = comm._conn.transport
+    real_send, caught = transport._send, []
+
+    def send_then_ctrl_c(packet: bytes, fds: Any, deadline: float | None) -> bool:
+        monkeypatch.undo()
+        went = real_send(packet, fds, deadline)
+        caught.append(_stop_while_running(daemon, comm._world, seq=1))
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        time.sleep(5)  # (not reached)
+        return went
+
+    monkeypatch.setattr(transport, "_send", send_then_ctrl_c)
+    return caught
