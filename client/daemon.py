@@ -465,26 +465,36 @@ class DaemonBackend(CommBackend):
         make: Callable[[int], proto.Request] = (
             (lambda rid: proto.Submit(rid, ops, basis.epoch)) if stream is None
             else (lambda rid: proto.StreamSubmit(rid, ops, stream, early, basis.epoch)))
+        names = functools.partial(_named, ops)  # (also the call's token)
         try:
+            self._memory.calling(names, names)
             self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link,
-                               abandon=functools.partial(self._let_go_of, ops))
+                               abandon=functools.partial(self._let_go_of, names))
         except Superseded:  # built against a daemon a rejoin replaced meanwhile
             raise self._conn.went_away(basis.epoch, "during this call") from None
         except WorldFailed as exc:
             if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
                 self._health.met(basis.epoch)  # (which that reconnect has repaired)
             raise
+        finally:
+            self._memory.called(names)
         self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
 
-    def _let_go_of(self, ops: tuple[proto.Op, ...], error: BaseException) -> None:
-        """The daemon may have started `ops`, sent and left unanswered, and may go on writing
-        their memory after the caller hears `error` and makes it its own again: their host
-        buffers move to fresh memory (HostBuffer.detach). Device memory stays: the world's
-        failure aborts its communicator, which stops what runs there."""
-        named = {mem.buf for op in ops for mem in proto.mems_of(op)}
-        for buffer_id, why in self._resolver.detach(named).items():
+    def _let_go_of(self, names: Callable[[], set[int]], error: BaseException) -> None:
+        """The daemon may have started the ops of the call `names` lists the memory of, sent
+        and left unanswered, and may go on writing that memory after the caller hears `error`
+        and makes it its own again: its host buffers move to fresh memory (HostBuffer.detach),
+        those another call in flight names (another thread's, another world's) once that
+        call ends, its own writes kept. Device memory stays: the world's failure aborts its
+        communicator, which stops what runs there."""
+        failed, waiting = self._resolver.detach(names(), names)
+        for buffer_id, why in failed.items():
             error.add_note(f"host buffer {buffer_id} could not be moved off the memory the daemon "
                            f"may still write ({why}): what it holds is not safe to use")
+        for buffer_id in sorted(waiting):
+            error.add_note(f"host buffer {buffer_id} is named by another call in flight too: it "
+                           "moves off the memory the daemon may still write once that call ends, "
+                           "and until then what it holds may still change")
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)
@@ -507,6 +517,11 @@ class DaemonBackend(CommBackend):
     def _owe_again(self, buffer_ids: list[int]) -> None:
         with self._lock:
             self._imports.owe_freed(buffer_ids)
+
+
+def _named(ops: tuple[proto.Op, ...]) -> set[int]:
+    """The buffer ids `ops` name."""
+    return {mem.buf for op in ops for mem in proto.mems_of(op)}
 
 
 # The backends of this process that a fork's child must let go of (see _in_forked_child).

@@ -223,6 +223,10 @@ class HostMemory:
         # (the listeners hear of it only after): what was built from an address before is
         # stale; and again once its entry is gone, for what was built from the entry meanwhile
         self.releases = 0
+        # The calls in flight (from before their request is sent until they end), each with
+        # how to list the buffer ids it names: asked only when a buffer is to move (detach)
+        self._calls: dict[object, Callable[[], Collection[int]]] = {}
+        self._to_move: set[int] = set()  # buffers to move once no call in flight names them
         _TABLES.add(self)
 
     def next_id(self) -> int:
@@ -260,9 +264,42 @@ class HostMemory:
             self._by_start[buffer.ptr] = (buffer.id, weakref.ref(buffer))
         return buffer
 
-    def detach(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
-        """Detach the live buffers of `buffer_ids` (see HostBuffer.detach); those that could
-        not be (out of memory or files), by id, with why."""
+    def calling(self, call: object, names: Callable[[], Collection[int]]) -> None:
+        """`call` (a token), naming the buffers `names()` lists, may be sent from now until
+        `called(call)`: a buffer it names that another call's failure moves waits for it to
+        end (what its daemon writes meanwhile must reach the worker)."""
+        with self._lock:
+            self._calls[call] = names
+
+    def called(self, call: object) -> None:
+        """`call` ended, answered or not: the buffers that waited for it alone move now."""
+        with self._lock:
+            self._calls.pop(call, None)
+            if not self._to_move:
+                return
+            due = self._to_move - self._named()
+            self._to_move -= due
+        self._move(due)  # (one that cannot move stays: nobody is left to tell)
+
+    def detach(self, buffer_ids: Collection[int],
+               call: object = None) -> tuple[dict[int, Exception], set[int]]:
+        """Detach the live buffers of `buffer_ids`, named by `call` (see HostBuffer.detach):
+        those that could not be (out of memory or files), by id, with why; and those that
+        another call in flight names too, which move once it ends (see `calling`)."""
+        with self._lock:
+            live = {buffer_id for buffer_id, _ref in self._by_start.values() if buffer_id in buffer_ids}
+            waiting = live & self._named(but=call)
+            self._to_move |= waiting
+        return self._move(live - waiting), waiting
+
+    def _named(self, but: object = None) -> set[int]:
+        """(Under the lock) the buffer ids the calls in flight name, but `but`'s."""
+        return {buffer_id for call, names in self._calls.items() if call is not but
+                for buffer_id in names()}
+
+    def _move(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
+        if not buffer_ids:
+            return {}
         with self._lock:
             found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
         failed: dict[int, Exception] = {}
@@ -358,6 +395,7 @@ def _in_forked_child() -> None:
         for table in list(_TABLES):
             table._lock = threading.RLock()
             table._starts = sorted(table._by_start)
+            table._calls, table._to_move = {}, set()  # (the parent's threads')
         for buffer in list(_BUFFERS):  # (one whose address another took over is in no table)
             buffer._closing = threading.Lock()
     finally:

@@ -106,10 +106,12 @@ class MemoryResolver:
             device.add(allocation.id)
         return MemoryRef(allocation.kind, allocation.id, allocation.size, offset, None, allocation.handle)
 
-    def detach(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
-        """Move the host buffers among `buffer_ids` off the memory the daemon mapped (see
-        HostMemory.detach); those that could not be, with why."""
-        return self._host.detach(buffer_ids)
+    def detach(self, buffer_ids: Collection[int],
+               call: object = None) -> tuple[dict[int, Exception], set[int]]:
+        """Move the host buffers among `buffer_ids`, named by `call`, off the memory the daemon
+        mapped (see HostMemory.detach): those that could not be, with why, and those that
+        wait for another call in flight."""
+        return self._host.detach(buffer_ids, call)
 
     def still_known(self, ref: MemoryRef) -> bool:
         """Whether `ref`'s allocation was not let go of since it was resolved (freed, evicted):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import CommTimeout, DaemonBackend, WorldFailed, hostmem
+from client import CommError, CommTimeout, DaemonBackend, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.fault.ranks import joined, on_both, own_daemon, summed
 from tests.integration.harness import query_status, wait_until, world_name, world_status
@@ -217,6 +217,39 @@ def _settled(daemon: DaemonProcess) -> None:
     """The daemon, gone on, answers again: a late op would have run by now."""
     query_status(str(daemon.socket_path), 5)
     time.sleep(0.5)
+
+
+def test_a_call_in_flight_in_another_world_keeps_its_result_when_a_lost_call_moves_the_buffer(
+        daemon: DaemonProcess) -> None:
+    """One worker process in two worlds (each on a daemon of its own) uses two halves of one
+    buffer: world B's all_reduce on the second half waits at its daemon for B's other rank
+    while world A's call on the first half is lost (A's daemon killed). B's call then
+    completes and returns: its sum must be in the buffer the worker reads."""
+    other = own_daemon()
+    b_daemon = next(other)
+    try:
+        with joined(daemon, 10.0) as a, joined(b_daemon, 10.0) as b, \
+                ThreadPoolExecutor(2) as calls:
+            shared, a1, b1 = hostmem.alloc(16), hostmem.alloc(8), hostmem.alloc(8)
+            on_both(lambda r: a[r].all_reduce([shared, a1][r].ptr, 8, dtype="i32"))  # (imported)
+            on_both(lambda r: b[r].all_reduce([shared, b1][r].ptr + 8 * (1 - r), 8, dtype="i32"))
+            shared.view(np.int32)[:] = [1, 10, 1, 10]
+            b1.view(np.int32)[:] = [2, 20]
+            in_b = calls.submit(b[0].all_reduce, shared.ptr + 8, 8, dtype="i32")
+            wait_until(lambda: (world_status(b_daemon, b[0]._world) or {}).get("pending_calls") == 1,
+                       "B's call at its daemon")
+            in_a = calls.submit(_raised, a[0].all_reduce, shared.ptr, 8, dtype="i32")
+            wait_until(lambda: (world_status(daemon, a[0]._world) or {}).get("pending_calls") == 1,
+                       "A's call at its daemon")
+            daemon.kill()
+            assert isinstance(in_a.result(10), CommError)
+            b[1].all_reduce(b1.ptr, 8, dtype="i32")
+            in_b.result(10)
+            assert b1.view(np.int32).tolist() == [3, 30]
+            assert shared.view(np.int32)[2:].tolist() == [3, 30]  # B's result, where the worker reads
+    finally:
+        next(other, None)
+
 
 
 def test_an_op_running_when_ctrl_c_lands_as_its_submit_went_no_longer_reaches_the_buffer(

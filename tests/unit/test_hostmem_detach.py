@@ -102,7 +102,7 @@ def test_an_op_built_before_the_detach_is_built_afresh_with_the_new_id() -> None
         return proto.AllReduce(proto.Mem(ref.buffer_id, ref.offset), 64, proto.DType.F32)
 
     first, _ = cache.get(("all_reduce", buffer.ptr), build)
-    assert resolver.detach({buffer.id}) == {}
+    assert resolver.detach({buffer.id}) == ({}, set())
     second, _ = cache.get(("all_reduce", buffer.ptr), build)
     assert isinstance(first, proto.AllReduce) and isinstance(second, proto.AllReduce)
     assert first.buf is not None and second.buf is not None
@@ -117,7 +117,7 @@ def test_only_the_named_live_buffers_move() -> None:
     closed = memory.alloc(64)
     closed_id = closed.id
     closed.close()
-    assert memory.detach({ids[0], closed_id, 12345}) == {}
+    assert memory.detach({ids[0], closed_id, 12345}) == ({}, set())
     assert named.id != ids[0] and other.id == ids[1]
     assert not closed.detach()
     named.close()
@@ -132,7 +132,7 @@ def test_the_daemons_own_memory_is_not_moved() -> None:
     adopted = memory.adopt(fd, 64, memory.next_id())
     buffer_id = adopted.id
     assert not adopted.detach()
-    assert memory.detach({buffer_id}) == {}
+    assert memory.detach({buffer_id}) == ({}, set())
     assert adopted.id == buffer_id
     adopted.close()
 
@@ -163,8 +163,33 @@ def test_a_failed_detach_leaves_the_buffer_as_it_was(monkeypatch: pytest.MonkeyP
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(hostmem, "_sealed_memfd", no_memory)
-    failed = memory.detach({old_id})
+    failed, _ = memory.detach({old_id})
     assert list(failed) == [old_id] and isinstance(failed[old_id], OSError)
     assert buffer.id == old_id and buffer.view(np.int32)[:2].tolist() == [5, 6]
     assert memory.find(buffer.ptr, 8)[0] is buffer
     buffer.close()
+
+
+def test_a_buffer_another_call_in_flight_names_moves_once_that_call_ends() -> None:
+    """Two calls in flight name one buffer (two worlds, each its half): the first fails and
+    its buffers are to move, but what the second's daemon writes must reach the worker, so
+    the buffer waits for the second call to end, and moves then, with what it wrote."""
+    memory = HostMemory()
+    buffer, alone = memory.alloc(64), memory.alloc(64)
+    ids = (buffer.id, alone.id)
+    theirs = mapped_elsewhere(buffer)
+    memory.calling("failed", lambda: set(ids))
+    memory.calling("other", lambda: {ids[0]})
+    assert memory.detach(set(ids), "failed") == ({}, {ids[0]})
+    assert (buffer.id, alone.id != ids[1]) == (ids[0], True)
+    memory.called("failed")
+    assert buffer.id == ids[0]
+    np.frombuffer(theirs, np.int32)[8:] = 7  # the second call's daemon writes its result
+    memory.called("other")
+    assert buffer.id != ids[0]
+    assert buffer.view(np.int32)[8:].tolist() == [7] * 8
+    np.frombuffer(theirs, np.int32)[:] = -1  # the failed call's daemon, late: not seen
+    assert buffer.view(np.int32)[:8].tolist() == [0] * 8
+    theirs.close()
+    buffer.close()
+    alone.close()
