@@ -151,28 +151,48 @@ class HostBuffer:
         what the worker reads and writes at `.ptr`; the release listeners hear of the old
         id, so every daemon connection that had imported it forgets it, and a later call
         imports the new memory."""
-        with self._closing:
-            if self._mmap is None or self.adopted:
-                return False
-            fresh = _sealed_memfd(self.size)
-            try:
-                self._owner._releasing()  # (ops built from the address before are stale now)
-                staging = mmap.mmap(fresh, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                try:
-                    np.copyto(np.frombuffer(staging, np.uint8), np.frombuffer(self._mmap, np.uint8))
-                finally:
-                    staging.close()
-                _map_over(self.ptr, self.size, fresh)
-                # The same number, so an import on another thread sends one memory or the
-                # other, never a closed (or reused) fd; the old memory goes with the last map
-                os.dup2(fresh, self.fd, inheritable=False)
-            finally:
-                os.close(fresh)
-            old = self._name.id
-            self._name.id = self._owner.next_id()
-            self._owner._enter(self)
-        self._owner._released(old, self.ptr)
+        old: int | None = None
+        try:
+            with self._closing:
+                if self._mmap is None or self.adopted:
+                    return False
+                old = self._name.id
+                self._move(self._mmap, self._owner.next_id())
+        finally:
+            if old is not None and self._name.id != old:  # (moved, if cut short after)
+                self._owner._released(old, self.ptr)
         return True
+
+    def _move(self, mapped: mmap.mmap, new_id: int) -> None:
+        """(Under _closing) detach's work: onto a copy of `mapped`, under `new_id`."""
+        fresh = _sealed_memfd(self.size)
+        copied = False
+        try:
+            self._owner._releasing()  # (ops built from the address before are stale now)
+            staging = mmap.mmap(fresh, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                np.copyto(np.frombuffer(staging, np.uint8), np.frombuffer(mapped, np.uint8))
+            finally:
+                staging.close()
+            copied = True
+            self._put_on(fresh, new_id)
+        except BaseException as exc:
+            # An interrupt (long calls for a big buffer: the copy, unmapping the old) cut it
+            # short, perhaps midway, the worker's mapping, the fd and the id no longer one
+            # memory: done whole, each step again (each may be), or not at all, before the copy
+            if copied and not isinstance(exc, Exception):
+                self._put_on(fresh, new_id)
+            raise
+        finally:
+            os.close(fresh)
+
+    def _put_on(self, fresh: int, new_id: int) -> None:
+        _map_over(self.ptr, self.size, fresh)
+        # The same number, so an import on another thread sends one memory or the other,
+        # never a closed (or reused) fd; the old memory goes with the last map
+        os.dup2(fresh, self.fd, inheritable=False)
+        self._name.id = new_id
+        self._owner._enter(self)
 
     def __enter__(self) -> HostBuffer:
         return self
@@ -303,12 +323,17 @@ class HostMemory:
         with self._lock:
             found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
         failed: dict[int, Exception] = {}
+        interrupted: list[BaseException] = []
         for buffer in found:
             if buffer is not None:
                 try:
                     buffer.detach()
                 except (OSError, ValueError) as exc:
                     failed[buffer.id] = exc
+                except BaseException as exc:  # (an interrupt: the others move all the same)
+                    interrupted.append(exc)
+        if interrupted:
+            raise interrupted[0]
         return failed
 
     def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:

@@ -7,6 +7,10 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import signal
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -193,3 +197,66 @@ def test_a_buffer_another_call_in_flight_names_moves_once_that_call_ends() -> No
     theirs.close()
     buffer.close()
     alone.close()
+
+
+@pytest.mark.parametrize("where", ["_map_over", "dup2"])
+def test_a_detach_a_ctrl_c_cuts_short_midway_still_leaves_one_memory(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A real SIGINT lands as the mapping is put over the old one (or as the fd is), long
+    calls for a big buffer: what the worker sees at `.ptr`, what a later import maps from
+    `.fd`, and the id the daemons know it by must still be one memory, the fresh one
+    (before: the worker's writes went to the fresh memory, the next import mapped the
+    old, under the old id every daemon still held)."""
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    heard = Heard(memory)
+    buffer = memory.alloc(64)
+    old_id = buffer.id
+    theirs = mapped_elsewhere(buffer)
+    target = hostmem if where == "_map_over" else hostmem.os
+    real = getattr(target, where)
+
+    def then_ctrl_c(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.undo()
+        done = real(*args, **kwargs)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        time.sleep(5)  # (not reached)
+        return done
+
+    monkeypatch.setattr(target, where, then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        buffer.detach()
+    buffer.view(np.int32)[0] = 99
+    later = mapped_elsewhere(buffer)
+    assert np.frombuffer(later, np.int32)[0] == 99
+    assert np.frombuffer(theirs, np.int32)[0] == 0
+    assert buffer.id != old_id and heard.ids == [old_id]
+    assert memory.find(buffer.ptr, 8)[0] is buffer
+    later.close()
+    theirs.close()
+    buffer.close()
+
+
+def test_a_ctrl_c_in_one_buffers_move_still_moves_the_calls_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupt is raised once every buffer the failed call named has moved (before:
+    those after the one it cut into stayed where the daemon may still write)."""
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    buffers = [memory.alloc(64), memory.alloc(64)]
+    ids = [b.id for b in buffers]
+    real = hostmem._map_over
+
+    def then_ctrl_c(ptr: int, size: int, fd: int) -> None:
+        monkeypatch.undo()
+        real(ptr, size, fd)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        time.sleep(5)  # (not reached)
+
+    monkeypatch.setattr(hostmem, "_map_over", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        memory.detach(set(ids))
+    assert [b.id != i for b, i in zip(buffers, ids, strict=True)] == [True, True]
+    for buffer in buffers:
+        buffer.close()
