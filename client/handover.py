@@ -12,6 +12,7 @@ import proto
 
 from .connection import Connection
 from .errors import CommTimeout, MisuseError
+from .hostmem import HostBuffer
 from .imported import ImportedBuffers
 from .memory import MemoryRef, MemoryResolver
 
@@ -45,8 +46,14 @@ class Handover:
         if nbytes < 0:
             raise MisuseError(f"bytes must not be negative, got {nbytes}")
         ref = self._resolver.resolve(ptr, nbytes)
-        if ref is None:
-            return None
+        return None if ref is None else self._handed(ref, due)
+
+    def moved(self, mem: proto.Mem, buffer: HostBuffer, due: float) -> proto.Mem:
+        """`mem`, of a host buffer that has moved since (`buffer`, under its new id: see
+        HostBuffer.detach), named by the buffer's id now, imported the first time."""
+        return self._handed(self._resolver.host_ref(buffer, mem.offset), due)
+
+    def _handed(self, ref: MemoryRef, due: float) -> proto.Mem:
         # Waited for by this call's deadline: another thread's import, begun later, may hold
         # the turn past it.
         taken = False

@@ -22,6 +22,7 @@ import itertools
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Collection
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .backend import as_ints
-from .errors import LimitExceeded, MisuseError
+from .errors import CommTimeout, LimitExceeded, MisuseError
 
 ReleaseListener = Callable[[int], None]
 
@@ -48,6 +49,9 @@ def _map_over(ptr: int, size: int, fd: int) -> None:
         raise OSError(err, f"cannot map memory at 0x{ptr:x}: {os.strerror(err)}")
 
 
+# How long a lost call waits for another thread's move of a buffer it names (a copy and a
+# remap of memory here: long only for many GiB on a loaded machine)
+_MOVE_WAIT_S = 60.0
 _MAP_FIXED = 0x10  # (Linux, every architecture; Python's mmap module does not name it)
 
 
@@ -191,6 +195,8 @@ class HostBuffer:
         # The same number, so an import on another thread sends one memory or the other,
         # never a closed (or reused) fd; the old memory goes with the last map
         os.dup2(fresh, self.fd, inheritable=False)
+        if self._name.id != new_id:  # (once, if done again after an interrupt)
+            self._owner._moving(self._name.id, self)
         self._name.id = new_id
         self._owner._enter(self)
 
@@ -247,6 +253,11 @@ class HostMemory:
         # how to list the buffer ids it names: asked only when a buffer is to move (detach)
         self._calls: dict[object, Callable[[], Collection[int]]] = {}
         self._to_move: set[int] = set()  # buffers to move once no call in flight names them
+        # A moved buffer by each id it had before: an op built before the move names the
+        # memory by one of those (see moved)
+        self._moved_from: dict[int, weakref.ref[HostBuffer]] = {}
+        self._leaving: set[int] = set()  # ids of buffers moving now (decided, not done)
+        self._settled = threading.Condition(self._lock)  # notified as moves end
         _TABLES.add(self)
 
     def next_id(self) -> int:
@@ -284,6 +295,29 @@ class HostMemory:
             self._by_start[buffer.ptr] = (buffer.id, weakref.ref(buffer))
         return buffer
 
+    def moved(self, names: Callable[[], Collection[int]], due: float) -> dict[int, HostBuffer]:
+        """Those of the ids `names()` lists whose buffers moved since (see HostBuffer.detach),
+        each with its buffer, live under a new id; one moving now is waited for, by `due`.
+        (For a call in flight, see `calling`: no buffer it names starts to move after.)"""
+        if not (self._leaving or self._moved_from):  # (the common case: no call was ever lost)
+            return {}
+        buffer_ids = names()
+        with self._lock:
+            if not self._settled.wait_for(lambda: self._leaving.isdisjoint(buffer_ids),
+                                          max(0.0, due - time.monotonic())):
+                raise CommTimeout("the call's deadline passed while a buffer it names moved "
+                                  "off memory a daemon may still write")
+            found = {buffer_id: self._moved_from[buffer_id]() for buffer_id in buffer_ids
+                     if buffer_id in self._moved_from}
+        return {buffer_id: buffer for buffer_id, buffer in found.items()
+                if buffer is not None and not buffer.closed and buffer.id != buffer_id}
+
+    def _moving(self, old_id: int, buffer: HostBuffer) -> None:
+        with self._lock:
+            self._moved_from = {buffer_id: ref for buffer_id, ref in self._moved_from.items()
+                                if ref() is not None}  # (rare: only a lost call moves one)
+            self._moved_from[old_id] = weakref.ref(buffer)
+
     def calling(self, call: object, names: Callable[[], Collection[int]]) -> None:
         """`call` (a token), naming the buffers `names()` lists, may be sent from now until
         `called(call)`: a buffer it names that another call's failure moves waits for it to
@@ -297,8 +331,9 @@ class HostMemory:
             self._calls.pop(call, None)
             if not self._to_move:
                 return
-            due = self._to_move - self._named()
+            due = self._to_move - self._named() - self._leaving
             self._to_move -= due
+            self._leaving |= due
         self._move(due)  # (one that cannot move stays: nobody is left to tell)
 
     def detach(self, buffer_ids: Collection[int],
@@ -310,7 +345,15 @@ class HostMemory:
             live = {buffer_id for buffer_id, _ref in self._by_start.values() if buffer_id in buffer_ids}
             waiting = live & self._named(but=call)
             self._to_move |= waiting
-        return self._move(live - waiting), waiting
+            elsewhere = (live - waiting) & self._leaving  # (another thread's lost call moves them)
+            mine = live - waiting - elsewhere
+            self._leaving |= mine  # (a call sent from now on waits for these: see moved)
+        failed = self._move(mine)
+        with self._lock:  # (before the caller, told they moved, writes them)
+            if not self._settled.wait_for(lambda: self._leaving.isdisjoint(elsewhere), _MOVE_WAIT_S):
+                failed.update(dict.fromkeys(elsewhere & self._leaving, TimeoutError(
+                    f"another thread's move of it did not end within {_MOVE_WAIT_S:g}s")))
+        return failed, waiting
 
     def _named(self, but: object = None) -> set[int]:
         """(Under the lock) the buffer ids the calls in flight name, but `but`'s."""
@@ -318,20 +361,26 @@ class HostMemory:
                 for buffer_id in names()}
 
     def _move(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
+        """Move the buffers of `buffer_ids` (among those _leaving): those that could not be."""
         if not buffer_ids:
             return {}
-        with self._lock:
-            found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
         failed: dict[int, Exception] = {}
         interrupted: list[BaseException] = []
-        for buffer in found:
-            if buffer is not None:
-                try:
-                    buffer.detach()
-                except (OSError, ValueError) as exc:
-                    failed[buffer.id] = exc
-                except BaseException as exc:  # (an interrupt: the others move all the same)
-                    interrupted.append(exc)
+        try:
+            with self._lock:
+                found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
+            for buffer in found:
+                if buffer is not None:
+                    try:
+                        buffer.detach()
+                    except (OSError, ValueError) as exc:
+                        failed[buffer.id] = exc
+                    except BaseException as exc:  # (an interrupt: the others move all the same)
+                        interrupted.append(exc)
+        finally:
+            with self._lock:
+                self._leaving -= set(buffer_ids)
+                self._settled.notify_all()
         if interrupted:
             raise interrupted[0]
         return failed
@@ -420,7 +469,8 @@ def _in_forked_child() -> None:
         for table in list(_TABLES):
             table._lock = threading.RLock()
             table._starts = sorted(table._by_start)
-            table._calls, table._to_move = {}, set()  # (the parent's threads')
+            table._calls, table._to_move, table._leaving = {}, set(), set()  # (the parent's threads')
+            table._settled = threading.Condition(table._lock)
         for buffer in list(_BUFFERS):  # (one whose address another took over is in no table)
             buffer._closing = threading.Lock()
     finally:

@@ -113,11 +113,14 @@ class MemoryResolver:
         wait for another call in flight."""
         return self._host.detach(buffer_ids, call)
 
+    def host_ref(self, buffer: HostBuffer, offset: int) -> MemoryRef:
+        return _host_ref(buffer, offset)
+
     def still_known(self, ref: MemoryRef) -> bool:
-        """Whether `ref`'s allocation was not let go of since it was resolved (freed, evicted):
-        if it was, its release listener has run already."""
+        """Whether `ref`'s allocation was not let go of since it was resolved (freed, evicted,
+        moved: HostBuffer.detach): if it was, its release listener has run already."""
         if ref.owner is not None:
-            return not ref.owner.closed
+            return not ref.owner.closed and ref.owner.id == ref.buffer_id
         cuda = self._cuda
         return cuda is not None and cuda.owns(ref.buffer_id)
 

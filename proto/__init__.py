@@ -46,6 +46,7 @@ from .messages import (
     SymFree,
     Welcome,
     mems_of,
+    with_mems,
 )
 from .types import DType, EventKind, MemKind, ReduceOp
 
@@ -59,5 +60,5 @@ __all__ = [
     "ReduceOp", "ReduceScatter", "Register", "Reply", "Request", "Role", "Send",
     "SetAddKernel", "State", "StateError", "StatusQuery", "StatusReport", "StreamEvents",
     "StreamSubmit", "Submit", "SymAlloc", "SymFree", "Welcome", "decode", "encode", "expected_fds",
-    "mems_of",
+    "mems_of", "with_mems",
 ]

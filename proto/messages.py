@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,15 @@ def mems_of(op: Op) -> Iterator[Mem]:
         value = getattr(op, field.name)
         if isinstance(value, Mem):
             yield value
+
+
+def with_mems(op: Op, change: Callable[[Mem], Mem]) -> Op:
+    """`op` naming `change(mem)` for each memory it names."""
+    original: Any = op  # (mypy cannot type a replace over the union of ops)
+    changed: Op = dataclasses.replace(original, **{
+        field.name: change(value) for field in dataclasses.fields(op)
+        if isinstance(value := getattr(op, field.name), Mem)})
+    return changed
 
 
 # ---- client → daemon --------------------------------------------------------------

@@ -24,7 +24,7 @@ import proto
 from client import CommError, DaemonBackend, MisuseError, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.conftest import held_elsewhere
-from tests.fault.ranks import join, met_the_failure, on_both, own_daemon
+from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, slowed
 from tests.fault.test_kill_daemon import restart, start
 from tests.integration import workers
 from tests.integration.harness import held_at_rest, memfd_mappings, short_tmpdir, wait_until, world_name
@@ -538,4 +538,40 @@ def test_another_threads_request_never_sends_a_timed_out_imports_forget_after_it
         assert len(handles) == 1  # (the other thread's call went through too)
     finally:
         for comm in comms:
+            comm.close()
+
+
+@pytest.mark.parametrize("window", ["imported", "importing"])
+def test_a_buffer_moved_while_another_worlds_call_on_it_is_built_is_named_afresh(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, window: str) -> None:
+    """A buffer moves (what a lost call on it in another world does: HostBuffer.detach)
+    while world B's call on it has resolved it and not yet sent its Submit: its import
+    done ('imported'), or on its way ('importing': the fd then names the new memory under
+    the old id). B's call names the buffer by its new id, so its result is where the
+    worker reads, and B's daemon connection lets go of the old one (before: the sum in
+    memory the worker no longer sees, [1, 10]; or a second mapping of the buffer kept for
+    the connection's life)."""
+    b = join(daemon, 10)
+    try:
+        base = held_at_rest(daemon.pid)[1]
+        bufs = [hostmem.alloc(8), hostmem.alloc(8)]
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
+        target, method = ((b[0]._imports, "add") if window == "imported"
+                          else (b[0]._resolver, "import_fds"))
+        importing = slowed(monkeypatch, target, method, "B", 0.5)
+        with ThreadPoolExecutor(1, thread_name_prefix="B") as rank0, ThreadPoolExecutor(1) as rank1:
+            calls = [rank0.submit(b[0].all_reduce, bufs[0].ptr, 8, dtype="i32"),
+                     rank1.submit(b[1].all_reduce, bufs[1].ptr, 8, dtype="i32")]
+            assert importing.wait(5)
+            hostmem.default_memory().detach({bufs[0].id})
+            for call in calls:
+                call.result(10)
+        assert [buf.view(np.int32).tolist() for buf in bufs] == [[3, 30], [3, 30]]
+        on_both(lambda r: checked_rounds(b[r], bufs[r].view(np.int32), bufs[r].ptr, r, 1, 2))
+        bufs[0].close()
+        wait_until(lambda: memfd_mappings(daemon.pid) - base == 1,
+                   lambda: f"{memfd_mappings(daemon.pid) - base} buffers mapped, 1 live", timeout=5)
+    finally:
+        for comm in b:
             comm.close()
