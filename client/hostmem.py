@@ -169,8 +169,20 @@ class HostBuffer:
 
     def _move(self, mapped: mmap.mmap, new_id: int) -> None:
         """(Under _closing) detach's work: onto a copy of `mapped`, under `new_id`."""
+        try:
+            self._copy_and_put_on(mapped, new_id)
+        except BaseException as exc:
+            # An interrupt lands as a long call returns (for a big buffer: the copy, unmapping
+            # the old), perhaps midway, the worker's mapping, the fd and the id no longer one
+            # memory, or before any of them moved, where the daemon running the lost call
+            # may still write: done whole again (each step may be) before it goes on
+            if isinstance(exc, Exception):
+                raise
+            self._copy_and_put_on(mapped, new_id)
+            raise
+
+    def _copy_and_put_on(self, mapped: mmap.mmap, new_id: int) -> None:
         fresh = _sealed_memfd(self.size)
-        copied = False
         try:
             self._owner._releasing()  # (ops built from the address before are stale now)
             staging = mmap.mmap(fresh, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -178,15 +190,7 @@ class HostBuffer:
                 np.copyto(np.frombuffer(staging, np.uint8), np.frombuffer(mapped, np.uint8))
             finally:
                 staging.close()
-            copied = True
             self._put_on(fresh, new_id)
-        except BaseException as exc:
-            # An interrupt (long calls for a big buffer: the copy, unmapping the old) cut it
-            # short, perhaps midway, the worker's mapping, the fd and the id no longer one
-            # memory: done whole, each step again (each may be), or not at all, before the copy
-            if copied and not isinstance(exc, Exception):
-                self._put_on(fresh, new_id)
-            raise
         finally:
             os.close(fresh)
 

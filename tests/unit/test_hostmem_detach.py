@@ -260,3 +260,36 @@ def test_a_ctrl_c_in_one_buffers_move_still_moves_the_calls_others(monkeypatch: 
     assert [b.id != i for b, i in zip(buffers, ids, strict=True)] == [True, True]
     for buffer in buffers:
         buffer.close()
+
+
+def test_a_ctrl_c_during_the_copy_still_moves_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT lands during the copy onto the fresh memory, the longest step for a
+    big buffer (Python raises it as the copy returns): the buffer still moves before the
+    interrupt goes on (before: it stayed on the old memory, under the id every daemon
+    held, where the daemon running the lost call went on writing what the worker reads)."""
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    heard = Heard(memory)
+    buffer = memory.alloc(64)
+    buffer.view(np.int32)[:] = 5
+    old_id = buffer.id
+    theirs = mapped_elsewhere(buffer)
+    real = hostmem.np.copyto
+
+    def then_ctrl_c(*args: Any, **kwargs: Any) -> None:
+        monkeypatch.undo()
+        real(*args, **kwargs)
+        del args, kwargs  # (as the real call's end drops its arguments, the mapping's exports)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        time.sleep(5)  # (not reached)
+
+    monkeypatch.setattr(hostmem.np, "copyto", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        memory.detach({old_id})
+    np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
+    assert buffer.view(np.int32).tolist() == [5] * 16
+    assert buffer.id != old_id and heard.ids == [old_id]
+    assert memory.find(buffer.ptr, 8)[0] is buffer
+    theirs.close()
+    buffer.close()
