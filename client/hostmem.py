@@ -88,6 +88,9 @@ class HostBuffer:
         self.adopted = adopted  # the daemon's memory (symmetric_alloc): never detached
         self._owner = owner
         self._closing = threading.Lock()  # close() from two threads unmaps once
+        # A move under way (see _copy_and_put_on): the fresh memory's fd, the new id, and
+        # whether the copy is done, for a fork's child to finish or drop
+        self._onto: tuple[int, int, bool] | None = None
         _BUFFERS.add(self)  # (a fork's child gives it a fresh lock, whatever its table holds)
         # Anonymous memory holds the address, and the memfd goes over it: mapped from the fd,
         # the mmap object would keep a duplicate of it open, and with it the memory a detach
@@ -184,13 +187,31 @@ class HostBuffer:
     def _copy_and_put_on(self, mapped: mmap.mmap, new_id: int) -> None:
         fresh = _sealed_memfd(self.size)
         try:
+            self._onto = (fresh, new_id, False)
             self._owner._releasing()  # (ops built from the address before are stale now)
-            staging = mmap.mmap(fresh, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                np.copyto(np.frombuffer(staging, np.uint8), np.frombuffer(mapped, np.uint8))
-            finally:
-                staging.close()
+            # Written through the fd, not a mapping of it: an mmap object holds a duplicate
+            # of the fd, which a fork's child would keep open, with the fresh memory
+            with memoryview(mapped) as source:
+                copied = 0
+                while copied < self.size:  # (one write takes at most 2 GiB)
+                    copied += os.pwrite(fresh, source[copied:], copied)
+            self._onto = (fresh, new_id, True)
             self._put_on(fresh, new_id)
+        finally:
+            self._onto = None  # (before the close: a child forked between would close another fd)
+            os.close(fresh)
+
+    def _finish_move(self) -> None:
+        """(In a fork's child) A parent thread's move of this buffer, cut short by the fork:
+        done if the copy was (the address may be on the fresh memory, the fd and the id
+        not yet), and the fresh memory's fd, which nothing else would close, closed."""
+        if self._onto is None:
+            return
+        fresh, new_id, copied = self._onto
+        self._onto = None
+        try:
+            if copied:
+                self._put_on(fresh, new_id)
         finally:
             os.close(fresh)
 
@@ -477,6 +498,7 @@ def _in_forked_child() -> None:
             table._settled = threading.Condition(table._lock)
         for buffer in list(_BUFFERS):  # (one whose address another took over is in no table)
             buffer._closing = threading.Lock()
+            buffer._finish_move()
     finally:
         _FORKING.clear()
     deferred, _DEFERRED[:] = list(_DEFERRED), []

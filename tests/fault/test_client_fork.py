@@ -518,3 +518,49 @@ def test_a_gc_disable_made_while_a_fork_waits_in_its_hooks_stays() -> None:
         print("enabled after:", gc.isenabled())
     """)
     assert out.strip() == "enabled after: False"
+
+
+@pytest.mark.parametrize("where", ["_map_over", "pwrite"])
+def test_a_fork_while_a_thread_moves_a_host_buffer_leaves_the_child_one_memory(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A thread moves a host buffer (a call on it was lost: HostBuffer.detach) and the
+    process forks midway: the fresh memory mapped at the buffer's address, its fd not yet
+    put on the buffer's number (or the copy onto it under way, long for a big buffer, and
+    without the GIL). The child's copy must still be one memory, the one its `.ptr`
+    reaches (an import there sends `.fd`), and hold no other (before: the child wrote the
+    fresh memory and its fd named the old; and it kept the fresh memory's fd open for good)."""
+    memory = hostmem.HostMemory()
+    buffer = memory.alloc(64)
+    reached, forked = threading.Event(), threading.Event()
+    target = hostmem if where == "_map_over" else hostmem.os
+    real, parent = getattr(target, where), os.getpid()
+
+    def then_wait(*args: Any) -> Any:
+        done = real(*args)
+        if os.getpid() == parent:
+            reached.set()
+            forked.wait(10)
+        return done
+
+    monkeypatch.setattr(target, where, then_wait)
+    def through_the_fd() -> list[int]:
+        buffer.view(np.int32)[:2] = [4, 5]
+        return list(np.frombuffer(os.pread(buffer.fd, 8, 0), np.int32).tolist())
+
+    def memfds_open() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:commd-host")
+                   for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    before = memfds_open()  # (the buffer's, and those of buffers alive elsewhere)
+    with ThreadPoolExecutor(1) as mover:
+        moving = mover.submit(memory.detach, {buffer.id})
+        try:
+            assert reached.wait(5)
+            seen = in_child({"written, read through the fd": through_the_fd,
+                             "memfds open": memfds_open})
+        finally:
+            forked.set()
+        assert moving.result(10) == ({}, set())
+    assert seen == {"written, read through the fd": ["returned", "[4, 5]"],
+                    "memfds open": ["returned", str(before)]}
+    buffer.close()

@@ -275,16 +275,17 @@ def test_a_ctrl_c_during_the_copy_still_moves_the_buffer(monkeypatch: pytest.Mon
     buffer.view(np.int32)[:] = 5
     old_id = buffer.id
     theirs = mapped_elsewhere(buffer)
-    real = hostmem.np.copyto
+    real = hostmem.os.pwrite
 
-    def then_ctrl_c(*args: Any, **kwargs: Any) -> None:
+    def then_ctrl_c(*args: Any, **kwargs: Any) -> int:
         monkeypatch.undo()
-        real(*args, **kwargs)
+        written: int = real(*args, **kwargs)
         del args, kwargs  # (as the real call's end drops its arguments, the mapping's exports)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
         time.sleep(5)  # (not reached)
+        return written
 
-    monkeypatch.setattr(hostmem.np, "copyto", then_ctrl_c)
+    monkeypatch.setattr(hostmem.os, "pwrite", then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         memory.detach({old_id})
     np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
