@@ -352,14 +352,30 @@ class HostMemory:
 
     def called(self, call: object) -> None:
         """`call` ended, answered or not: the buffers that waited for it alone move now."""
-        with self._lock:
-            self._calls.pop(call, None)
-            if not self._to_move:
-                return
-            due = self._to_move - self._named() - self._leaving
-            self._to_move -= due
-            self._leaving |= due
-        self._move(due)  # (one that cannot move stays: nobody is left to tell)
+        try:
+            self._end(call)
+        except BaseException as exc:
+            # An interrupt as the lock was waited for (another thread's: every call ends at
+            # once when a daemon dies) or left: the call would stay in flight for good, and
+            # the buffers waiting for it where the lost call's daemon writes. Ended all the
+            # same before it goes on
+            if isinstance(exc, Exception):
+                raise
+            self._end(call)
+            raise
+
+    def _end(self, call: object) -> None:
+        due: set[int] = set()
+        try:
+            with self._lock:
+                self._calls.pop(call, None)
+                if not self._to_move:
+                    return
+                due = self._to_move - self._named() - self._leaving
+                self._to_move -= due
+                self._leaving |= due
+        finally:
+            self._move(due)  # (one that cannot move stays: nobody is left to tell)
 
     def detach(self, buffer_ids: Collection[int],
                call: object = None) -> tuple[dict[int, Exception], set[int]]:

@@ -294,3 +294,41 @@ def test_a_ctrl_c_during_the_copy_still_moves_the_buffer(monkeypatch: pytest.Mon
     assert memory.find(buffer.ptr, 8)[0] is buffer
     theirs.close()
     buffer.close()
+
+
+def test_a_ctrl_c_as_a_call_ends_still_moves_what_waited_for_it() -> None:
+    """A buffer waits for another call in flight to end before it moves (see the test
+    above); a real SIGINT lands as that call's end waits for the table's lock (another
+    thread's, at the moment a daemon's death ends every call at once). The buffer must
+    still move before the interrupt goes on (before: the call stayed in flight for good,
+    so the buffer never moved, and the lost call's daemon went on writing what the worker
+    reads)."""
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    buffer_id = buffer.id
+    theirs = mapped_elsewhere(buffer)
+    memory.calling("failed", lambda: {buffer_id})
+    memory.calling("other", lambda: {buffer_id})
+    assert memory.detach({buffer_id}, "failed") == ({}, {buffer_id})
+    memory.called("failed")
+    held = threading.Event()
+
+    def hold_then_ctrl_c() -> None:
+        with memory._lock:
+            held.set()
+            time.sleep(0.2)  # (the main thread's call end waits for the lock meanwhile)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            time.sleep(0.2)
+
+    holder = threading.Thread(target=hold_then_ctrl_c)
+    holder.start()
+    try:
+        assert held.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            memory.called("other")
+    finally:
+        holder.join(5)
+    np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
+    assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
+    theirs.close()
+    buffer.close()
