@@ -382,14 +382,30 @@ class HostMemory:
         """Detach the live buffers of `buffer_ids`, named by `call` (see HostBuffer.detach):
         those that could not be (out of memory or files), by id, with why; and those that
         another call in flight names too, which move once it ends (see `calling`)."""
-        with self._lock:
-            live = {buffer_id for buffer_id, _ref in self._by_start.values() if buffer_id in buffer_ids}
-            waiting = live & self._named(but=call)
-            self._to_move |= waiting
-            elsewhere = (live - waiting) & self._leaving  # (another thread's lost call moves them)
-            mine = live - waiting - elsewhere
-            self._leaving |= mine  # (a call sent from now on waits for these: see moved)
-        failed = self._move(mine)
+        try:
+            return self._detach(buffer_ids, call)
+        except BaseException as exc:
+            # An interrupt as the lock was waited for (another thread's: every call is lost
+            # at once when a daemon dies) or left: the buffers would stay where the lost
+            # call's daemon writes. Moved all the same before it goes on
+            if isinstance(exc, Exception):
+                raise
+            self._detach(buffer_ids, call)
+            raise
+
+    def _detach(self, buffer_ids: Collection[int],
+                call: object) -> tuple[dict[int, Exception], set[int]]:
+        mine: set[int] = set()
+        try:
+            with self._lock:
+                live = {buffer_id for buffer_id, _ref in self._by_start.values() if buffer_id in buffer_ids}
+                waiting = live & self._named(but=call)
+                self._to_move |= waiting
+                elsewhere = (live - waiting) & self._leaving  # (another thread's lost call moves them)
+                mine = live - waiting - elsewhere
+                self._leaving |= mine  # (a call sent from now on waits for these: see moved)
+        finally:
+            failed = self._move(mine)
         with self._lock:  # (before the caller, told they moved, writes them)
             if not self._settled.wait_for(lambda: self._leaving.isdisjoint(elsewhere), _MOVE_WAIT_S):
                 failed.update(dict.fromkeys(elsewhere & self._leaving, TimeoutError(

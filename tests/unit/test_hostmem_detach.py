@@ -332,3 +332,36 @@ def test_a_ctrl_c_as_a_call_ends_still_moves_what_waited_for_it() -> None:
     assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
     theirs.close()
     buffer.close()
+
+
+def test_a_ctrl_c_as_a_lost_call_waits_for_the_table_still_moves_its_buffers() -> None:
+    """A real SIGINT lands as a lost call's move waits for the table's lock (another
+    thread's, at the moment a daemon's death loses every call at once): its buffers must
+    still move before the interrupt goes on (before: none moved, and the lost call's
+    daemon went on writing what the worker reads)."""
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    buffer_id = buffer.id
+    theirs = mapped_elsewhere(buffer)
+    held = threading.Event()
+
+    def hold_then_ctrl_c() -> None:
+        with memory._lock:
+            held.set()
+            time.sleep(0.2)  # (the main thread's detach waits for the lock meanwhile)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            time.sleep(0.2)
+
+    holder = threading.Thread(target=hold_then_ctrl_c)
+    holder.start()
+    try:
+        assert held.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            memory.detach({buffer_id}, "lost")
+    finally:
+        holder.join(5)
+    np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
+    assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
+    assert not memory._leaving
+    theirs.close()
+    buffer.close()
