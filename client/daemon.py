@@ -24,6 +24,7 @@ from .health import Health
 from .hostmem import HostMemory, default_memory
 from .imported import ImportedBuffers
 from .memory import DriverFactory, MemoryResolver
+from .moves import InFlight
 from .opcache import OpCache
 from .registrations import Registrations
 from .rpc import Superseded, built
@@ -460,52 +461,25 @@ class DaemonBackend(CommBackend):
             self._health.met(about)
             raise type(failure)(f"world {self._world} is not healthy: {failure}; "
                                 "call attempt_reconnect", failure.code)
-        # The daemon fails a call open past the timeout and says which rank is behind;
-        # wait a little longer than that for its answer before deciding alone.
-        call = _InFlight(ops)
-        make: Callable[[int], proto.Request] = (
-            (lambda rid: proto.Submit(rid, call.ops, basis.epoch)) if stream is None
-            else (lambda rid: proto.StreamSubmit(rid, call.ops, stream, early, basis.epoch)))
-        try:
-            self._memory.calling(call, call.names)
-            self._follow_moves(call, self._due() if due is None else due)
-            self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link,
-                               abandon=functools.partial(self._let_go_of, call))
-        except Superseded:  # built against a daemon a rejoin replaced meanwhile
-            raise self._conn.went_away(basis.epoch, "during this call") from None
-        except WorldFailed as exc:
-            if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
-                self._health.met(basis.epoch)  # (which that reconnect has repaired)
-            raise
-        finally:
-            self._memory.called(call)
+        with InFlight(self._memory.moves, ops) as call:
+            make: Callable[[int], proto.Request] = (
+                (lambda rid: proto.Submit(rid, call.ops, basis.epoch)) if stream is None
+                else (lambda rid: proto.StreamSubmit(rid, call.ops, stream, early, basis.epoch)))
+            try:
+                imports_due = self._due() if due is None else due
+                call.follow_moves(lambda mem, buffer: self._handover.moved(mem, buffer, imports_due),
+                                  imports_due)
+                # The daemon fails a call open past the timeout and says which rank is behind;
+                # wait a little longer than that for its answer before deciding alone.
+                self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link,
+                                   abandon=call.let_go)
+            except Superseded:  # built against a daemon a rejoin replaced meanwhile
+                raise self._conn.went_away(basis.epoch, "during this call") from None
+            except WorldFailed as exc:
+                if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
+                    self._health.met(basis.epoch)  # (which that reconnect has repaired)
+                raise
         self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
-
-    def _follow_moves(self, call: _InFlight, due: float) -> None:
-        """(The call in flight, so no buffer it names moves from now on) Name each host buffer
-        that moved since the call's ops were built (another call on it was lost: see
-        _let_go_of) by its new id, imported here the first time: the old id names memory
-        the worker no longer sees, and this daemon connection forgets it."""
-        while moved := self._memory.moved(call.names, due):
-            call.ops = tuple(proto.with_mems(op, lambda mem: mem if mem.buf not in moved else
-                                             self._handover.moved(mem, moved[mem.buf], due))
-                             for op in call.ops)
-
-    def _let_go_of(self, call: _InFlight, error: BaseException) -> None:
-        """The daemon may have started the ops of `call`, sent and left unanswered, and may go
-        on writing their memory after the caller hears `error` and makes it its own again:
-        their host buffers move to fresh memory (HostBuffer.detach), those another call in
-        flight names (another thread's, another world's) once that call ends, its own
-        writes kept. Device memory stays: the world's failure aborts its
-        communicator, which stops what runs there."""
-        failed, waiting = self._resolver.detach(call.names(), call)
-        for buffer_id, why in failed.items():
-            error.add_note(f"host buffer {buffer_id} could not be moved off the memory the daemon "
-                           f"may still write ({why}): what it holds is not safe to use")
-        for buffer_id in sorted(waiting):
-            error.add_note(f"host buffer {buffer_id} is named by another call in flight too: it "
-                           "moves off the memory the daemon may still write once that call ends, "
-                           "and until then what it holds may still change")
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)
@@ -528,20 +502,6 @@ class DaemonBackend(CommBackend):
     def _owe_again(self, buffer_ids: list[int]) -> None:
         with self._lock:
             self._imports.owe_freed(buffer_ids)
-
-
-class _InFlight:
-    """A call from before its request is sent until it ends: its ops (renamed if a buffer
-    they name moved first; see DaemonBackend._follow_moves)."""
-
-    __slots__ = ("ops",)
-
-    def __init__(self, ops: tuple[proto.Op, ...]) -> None:
-        self.ops = ops
-
-    def names(self) -> set[int]:
-        """The buffer ids the ops name."""
-        return {mem.buf for op in self.ops for mem in proto.mems_of(op)}
 
 
 # The backends of this process that a fork's child must let go of (see _in_forked_child).

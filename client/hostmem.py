@@ -22,7 +22,6 @@ import itertools
 import mmap
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Collection
 from typing import Any
@@ -30,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from .backend import as_ints
-from .errors import CommTimeout, LimitExceeded, MisuseError
+from .errors import LimitExceeded, MisuseError
+from .moves import Moves
 
 ReleaseListener = Callable[[int], None]
 
@@ -49,9 +49,6 @@ def _map_over(ptr: int, size: int, fd: int) -> None:
         raise OSError(err, f"cannot map memory at 0x{ptr:x}: {os.strerror(err)}")
 
 
-# How long a lost call waits for another thread's move of a buffer it names (a copy and a
-# remap of memory here: long only for many GiB on a loaded machine)
-_MOVE_WAIT_S = 60.0
 _MAP_FIXED = 0x10  # (Linux, every architecture; Python's mmap module does not name it)
 
 
@@ -221,7 +218,7 @@ class HostBuffer:
         # never a closed (or reused) fd; the old memory goes with the last map
         os.dup2(fresh, self.fd, inheritable=False)
         if self._name.id != new_id:  # (once, if done again after an interrupt)
-            self._owner._moving(self._name.id, self)
+            self._owner.moves.record(self._name.id, self)
         self._name.id = new_id
         self._owner._enter(self)
 
@@ -274,15 +271,7 @@ class HostMemory:
         # (the listeners hear of it only after): what was built from an address before is
         # stale; and again once its entry is gone, for what was built from the entry meanwhile
         self.releases = 0
-        # The calls in flight (from before their request is sent until they end), each with
-        # how to list the buffer ids it names: asked only when a buffer is to move (detach)
-        self._calls: dict[object, Callable[[], Collection[int]]] = {}
-        self._to_move: set[int] = set()  # buffers to move once no call in flight names them
-        # A moved buffer by each id it had before: an op built before the move names the
-        # memory by one of those (see moved)
-        self._moved_from: dict[int, weakref.ref[HostBuffer]] = {}
-        self._leaving: set[int] = set()  # ids of buffers moving now (decided, not done)
-        self._settled = threading.Condition(self._lock)  # notified as moves end
+        self.moves = Moves(self._lock, self._live)  # (which buffers a lost call moves, and when)
         _TABLES.add(self)
 
     def next_id(self) -> int:
@@ -320,127 +309,11 @@ class HostMemory:
             self._by_start[buffer.ptr] = (buffer.id, weakref.ref(buffer))
         return buffer
 
-    def moved(self, names: Callable[[], Collection[int]], due: float) -> dict[int, HostBuffer]:
-        """Those of the ids `names()` lists whose buffers moved since (see HostBuffer.detach),
-        each with its buffer, live under a new id; one moving now is waited for, by `due`.
-        (For a call in flight, see `calling`: no buffer it names starts to move after.)"""
-        if not (self._leaving or self._moved_from):  # (the common case: no call was ever lost)
-            return {}
-        buffer_ids = names()
+    def _live(self, buffer_ids: Collection[int]) -> list[HostBuffer]:
+        """The live buffers among `buffer_ids`."""
         with self._lock:
-            if not self._settled.wait_for(lambda: self._leaving.isdisjoint(buffer_ids),
-                                          max(0.0, due - time.monotonic())):
-                raise CommTimeout("the call's deadline passed while a buffer it names moved "
-                                  "off memory a daemon may still write")
-            found = {buffer_id: self._moved_from[buffer_id]() for buffer_id in buffer_ids
-                     if buffer_id in self._moved_from}
-        return {buffer_id: buffer for buffer_id, buffer in found.items()
-                if buffer is not None and not buffer.closed and buffer.id != buffer_id}
-
-    def _moving(self, old_id: int, buffer: HostBuffer) -> None:
-        with self._lock:
-            self._moved_from = {buffer_id: ref for buffer_id, ref in self._moved_from.items()
-                                if ref() is not None}  # (rare: only a lost call moves one)
-            self._moved_from[old_id] = weakref.ref(buffer)
-
-    def calling(self, call: object, names: Callable[[], Collection[int]]) -> None:
-        """`call` (a token), naming the buffers `names()` lists, may be sent from now until
-        `called(call)`: a buffer it names that another call's failure moves waits for it to
-        end (what its daemon writes meanwhile must reach the worker)."""
-        with self._lock:
-            self._calls[call] = names
-
-    def called(self, call: object) -> None:
-        """`call` ended, answered or not: the buffers that waited for it alone move now."""
-        try:
-            self._end(call)
-        except BaseException as exc:
-            # An interrupt as the lock was waited for (another thread's: every call ends at
-            # once when a daemon dies) or left: the call would stay in flight for good, and
-            # the buffers waiting for it where the lost call's daemon writes. Ended all the
-            # same before it goes on
-            if isinstance(exc, Exception):
-                raise
-            self._end(call)
-            raise
-
-    def _end(self, call: object) -> None:
-        due: set[int] = set()
-        try:
-            with self._lock:
-                self._calls.pop(call, None)
-                if not self._to_move:
-                    return
-                due = self._to_move - self._named() - self._leaving
-                self._to_move -= due
-                self._leaving |= due
-        finally:
-            self._move(due)  # (one that cannot move stays: nobody is left to tell)
-
-    def detach(self, buffer_ids: Collection[int],
-               call: object = None) -> tuple[dict[int, Exception], set[int]]:
-        """Detach the live buffers of `buffer_ids`, named by `call` (see HostBuffer.detach):
-        those that could not be (out of memory or files), by id, with why; and those that
-        another call in flight names too, which move once it ends (see `calling`)."""
-        try:
-            return self._detach(buffer_ids, call)
-        except BaseException as exc:
-            # An interrupt as the lock was waited for (another thread's: every call is lost
-            # at once when a daemon dies) or left: the buffers would stay where the lost
-            # call's daemon writes. Moved all the same before it goes on
-            if isinstance(exc, Exception):
-                raise
-            self._detach(buffer_ids, call)
-            raise
-
-    def _detach(self, buffer_ids: Collection[int],
-                call: object) -> tuple[dict[int, Exception], set[int]]:
-        mine: set[int] = set()
-        try:
-            with self._lock:
-                live = {buffer_id for buffer_id, _ref in self._by_start.values() if buffer_id in buffer_ids}
-                waiting = live & self._named(but=call)
-                self._to_move |= waiting
-                elsewhere = (live - waiting) & self._leaving  # (another thread's lost call moves them)
-                mine = live - waiting - elsewhere
-                self._leaving |= mine  # (a call sent from now on waits for these: see moved)
-        finally:
-            failed = self._move(mine)
-        with self._lock:  # (before the caller, told they moved, writes them)
-            if not self._settled.wait_for(lambda: self._leaving.isdisjoint(elsewhere), _MOVE_WAIT_S):
-                failed.update(dict.fromkeys(elsewhere & self._leaving, TimeoutError(
-                    f"another thread's move of it did not end within {_MOVE_WAIT_S:g}s")))
-        return failed, waiting
-
-    def _named(self, but: object = None) -> set[int]:
-        """(Under the lock) the buffer ids the calls in flight name, but `but`'s."""
-        return {buffer_id for call, names in self._calls.items() if call is not but
-                for buffer_id in names()}
-
-    def _move(self, buffer_ids: Collection[int]) -> dict[int, Exception]:
-        """Move the buffers of `buffer_ids` (among those _leaving): those that could not be."""
-        if not buffer_ids:
-            return {}
-        failed: dict[int, Exception] = {}
-        interrupted: list[BaseException] = []
-        try:
-            with self._lock:
-                found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
-            for buffer in found:
-                if buffer is not None:
-                    try:
-                        buffer.detach()
-                    except (OSError, ValueError) as exc:
-                        failed[buffer.id] = exc
-                    except BaseException as exc:  # (an interrupt: the others move all the same)
-                        interrupted.append(exc)
-        finally:
-            with self._lock:
-                self._leaving -= set(buffer_ids)
-                self._settled.notify_all()
-        if interrupted:
-            raise interrupted[0]
-        return failed
+            found = [ref() for buffer_id, ref in self._by_start.values() if buffer_id in buffer_ids]
+        return [buffer for buffer in found if buffer is not None]
 
     def find(self, ptr: int, nbytes: int) -> tuple[HostBuffer, int]:
         """The buffer holding [ptr, ptr+nbytes) and the offset of ptr in it."""
@@ -526,8 +399,7 @@ def _in_forked_child() -> None:
         for table in list(_TABLES):
             table._lock = threading.RLock()
             table._starts = sorted(table._by_start)
-            table._calls, table._to_move, table._leaving = {}, set(), set()  # (the parent's threads')
-            table._settled = threading.Condition(table._lock)
+            table.moves.in_forked_child(table._lock)
         for buffer in list(_BUFFERS):  # (one whose address another took over is in no table)
             buffer._closing = threading.Lock()
             buffer._finish_move()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from proto import MemKind
@@ -105,13 +105,6 @@ class MemoryResolver:
         if device is not None:
             device.add(allocation.id)
         return MemoryRef(allocation.kind, allocation.id, allocation.size, offset, None, allocation.handle)
-
-    def detach(self, buffer_ids: Collection[int],
-               call: object = None) -> tuple[dict[int, Exception], set[int]]:
-        """Move the host buffers among `buffer_ids`, named by `call`, off the memory the daemon
-        mapped (see HostMemory.detach): those that could not be, with why, and those that
-        wait for another call in flight."""
-        return self._host.detach(buffer_ids, call)
 
     def host_ref(self, buffer: HostBuffer, offset: int) -> MemoryRef:
         return _host_ref(buffer, offset)

@@ -553,7 +553,7 @@ def test_a_fork_while_a_thread_moves_a_host_buffer_leaves_the_child_one_memory(
 
     before = memfds_open()  # (the buffer's, and those of buffers alive elsewhere)
     with ThreadPoolExecutor(1) as mover:
-        moving = mover.submit(memory.detach, {buffer.id})
+        moving = mover.submit(memory.moves.detach, {buffer.id})
         try:
             assert reached.wait(5)
             seen = in_child({"written, read through the fd": through_the_fd,

@@ -564,7 +564,7 @@ def test_a_buffer_moved_while_another_worlds_call_on_it_is_built_is_named_afresh
             calls = [rank0.submit(b[0].all_reduce, bufs[0].ptr, 8, dtype="i32"),
                      rank1.submit(b[1].all_reduce, bufs[1].ptr, 8, dtype="i32")]
             assert importing.wait(5)
-            hostmem.default_memory().detach({bufs[0].id})
+            hostmem.default_memory().moves.detach({bufs[0].id})
             for call in calls:
                 call.result(10)
         assert [buf.view(np.int32).tolist() for buf in bufs] == [[3, 30], [3, 30]]

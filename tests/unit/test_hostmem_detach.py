@@ -106,7 +106,7 @@ def test_an_op_built_before_the_detach_is_built_afresh_with_the_new_id() -> None
         return proto.AllReduce(proto.Mem(ref.buffer_id, ref.offset), 64, proto.DType.F32)
 
     first, _ = cache.get(("all_reduce", buffer.ptr), build)
-    assert resolver.detach({buffer.id}) == ({}, set())
+    assert memory.moves.detach({buffer.id}) == ({}, set())
     second, _ = cache.get(("all_reduce", buffer.ptr), build)
     assert isinstance(first, proto.AllReduce) and isinstance(second, proto.AllReduce)
     assert first.buf is not None and second.buf is not None
@@ -121,7 +121,7 @@ def test_only_the_named_live_buffers_move() -> None:
     closed = memory.alloc(64)
     closed_id = closed.id
     closed.close()
-    assert memory.detach({ids[0], closed_id, 12345}) == ({}, set())
+    assert memory.moves.detach({ids[0], closed_id, 12345}) == ({}, set())
     assert named.id != ids[0] and other.id == ids[1]
     assert not closed.detach()
     named.close()
@@ -136,7 +136,7 @@ def test_the_daemons_own_memory_is_not_moved() -> None:
     adopted = memory.adopt(fd, 64, memory.next_id())
     buffer_id = adopted.id
     assert not adopted.detach()
-    assert memory.detach({buffer_id}) == ({}, set())
+    assert memory.moves.detach({buffer_id}) == ({}, set())
     assert adopted.id == buffer_id
     adopted.close()
 
@@ -167,7 +167,7 @@ def test_a_failed_detach_leaves_the_buffer_as_it_was(monkeypatch: pytest.MonkeyP
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(hostmem, "_sealed_memfd", no_memory)
-    failed, _ = memory.detach({old_id})
+    failed, _ = memory.moves.detach({old_id})
     assert list(failed) == [old_id] and isinstance(failed[old_id], OSError)
     assert buffer.id == old_id and buffer.view(np.int32)[:2].tolist() == [5, 6]
     assert memory.find(buffer.ptr, 8)[0] is buffer
@@ -182,14 +182,14 @@ def test_a_buffer_another_call_in_flight_names_moves_once_that_call_ends() -> No
     buffer, alone = memory.alloc(64), memory.alloc(64)
     ids = (buffer.id, alone.id)
     theirs = mapped_elsewhere(buffer)
-    memory.calling("failed", lambda: set(ids))
-    memory.calling("other", lambda: {ids[0]})
-    assert memory.detach(set(ids), "failed") == ({}, {ids[0]})
+    memory.moves.calling("failed", lambda: set(ids))
+    memory.moves.calling("other", lambda: {ids[0]})
+    assert memory.moves.detach(set(ids), "failed") == ({}, {ids[0]})
     assert (buffer.id, alone.id != ids[1]) == (ids[0], True)
-    memory.called("failed")
+    memory.moves.called("failed")
     assert buffer.id == ids[0]
     np.frombuffer(theirs, np.int32)[8:] = 7  # the second call's daemon writes its result
-    memory.called("other")
+    memory.moves.called("other")
     assert buffer.id != ids[0]
     assert buffer.view(np.int32)[8:].tolist() == [7] * 8
     np.frombuffer(theirs, np.int32)[:] = -1  # the failed call's daemon, late: not seen
@@ -256,7 +256,7 @@ def test_a_ctrl_c_in_one_buffers_move_still_moves_the_calls_others(monkeypatch: 
 
     monkeypatch.setattr(hostmem, "_map_over", then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        memory.detach(set(ids))
+        memory.moves.detach(set(ids))
     assert [b.id != i for b, i in zip(buffers, ids, strict=True)] == [True, True]
     for buffer in buffers:
         buffer.close()
@@ -287,7 +287,7 @@ def test_a_ctrl_c_during_the_copy_still_moves_the_buffer(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(hostmem.os, "pwrite", then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        memory.detach({old_id})
+        memory.moves.detach({old_id})
     np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
     assert buffer.view(np.int32).tolist() == [5] * 16
     assert buffer.id != old_id and heard.ids == [old_id]
@@ -307,10 +307,10 @@ def test_a_ctrl_c_as_a_call_ends_still_moves_what_waited_for_it() -> None:
     buffer = memory.alloc(64)
     buffer_id = buffer.id
     theirs = mapped_elsewhere(buffer)
-    memory.calling("failed", lambda: {buffer_id})
-    memory.calling("other", lambda: {buffer_id})
-    assert memory.detach({buffer_id}, "failed") == ({}, {buffer_id})
-    memory.called("failed")
+    memory.moves.calling("failed", lambda: {buffer_id})
+    memory.moves.calling("other", lambda: {buffer_id})
+    assert memory.moves.detach({buffer_id}, "failed") == ({}, {buffer_id})
+    memory.moves.called("failed")
     held = threading.Event()
 
     def hold_then_ctrl_c() -> None:
@@ -325,7 +325,7 @@ def test_a_ctrl_c_as_a_call_ends_still_moves_what_waited_for_it() -> None:
     try:
         assert held.wait(5)
         with pytest.raises(KeyboardInterrupt):
-            memory.called("other")
+            memory.moves.called("other")
     finally:
         holder.join(5)
     np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
@@ -357,11 +357,33 @@ def test_a_ctrl_c_as_a_lost_call_waits_for_the_table_still_moves_its_buffers() -
     try:
         assert held.wait(5)
         with pytest.raises(KeyboardInterrupt):
-            memory.detach({buffer_id}, "lost")
+            memory.moves.detach({buffer_id}, "lost")
     finally:
         holder.join(5)
     np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
     assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
-    assert not memory._leaving
+    assert not memory.moves._leaving
     theirs.close()
     buffer.close()
+
+
+def test_a_call_looks_for_moved_buffers_only_while_one_lives() -> None:
+    """Each call asks the table whether a buffer it names moved: the ids are listed (a
+    walk over its ops) only while a moved buffer lives."""
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    old = buffer.id
+    listed: list[int] = []
+
+    def names() -> set[int]:
+        listed.append(1)
+        return {old}
+
+    assert memory.moves.moved(names, time.monotonic() + 5) == {} and not listed
+    buffer.detach()
+    assert memory.moves.moved(names, time.monotonic() + 5) == {old: buffer} and len(listed) == 1
+    buffer.close()
+    garbage(buffer)
+    del buffer
+    gc.collect()
+    assert memory.moves.moved(names, time.monotonic() + 5) == {} and len(listed) == 1
