@@ -30,7 +30,7 @@ import numpy as np
 
 from .backend import as_ints
 from .errors import LimitExceeded, MisuseError
-from .moves import Moves
+from .moves import Moves, despite_interrupts
 
 ReleaseListener = Callable[[int], None]
 
@@ -168,18 +168,11 @@ class HostBuffer:
         return True
 
     def _move(self, mapped: mmap.mmap, new_id: int) -> None:
-        """(Under _closing) detach's work: onto a copy of `mapped`, under `new_id`."""
-        try:
-            self._copy_and_put_on(mapped, new_id)
-        except BaseException as exc:
-            # An interrupt lands as a long call returns (for a big buffer: the copy, unmapping
-            # the old), perhaps midway, the worker's mapping, the fd and the id no longer one
-            # memory, or before any of them moved, where the daemon running the lost call
-            # may still write: done whole again (each step may be) before it goes on
-            if isinstance(exc, Exception):
-                raise
-            self._copy_and_put_on(mapped, new_id)
-            raise
+        """(Under _closing) detach's work: onto a copy of `mapped`, under `new_id`. Cut short
+        (an interrupt lands as a long call returns: for a big buffer the copy, unmapping the
+        old), the worker's mapping, the fd and the id would name two memories, or none
+        would have moved where the lost call's daemon may still write."""
+        despite_interrupts(lambda: self._copy_and_put_on(mapped, new_id))
 
     def _copy_and_put_on(self, mapped: mmap.mmap, new_id: int) -> None:
         fresh = _sealed_memfd(self.size)

@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import proto
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 _MOVE_WAIT_S = 60.0
 
 Names = Callable[[], Collection[int]]
+_T = TypeVar("_T")
 
 
 class Moves:
@@ -83,17 +84,9 @@ class Moves:
 
     def called(self, call: object) -> None:
         """`call` ended, answered or not: the buffers that waited for it alone move now."""
-        try:
-            self._end(call)
-        except BaseException as exc:
-            # An interrupt as the lock was waited for (another thread's: every call ends at
-            # once when a daemon dies) or left: the call would stay in flight for good, and
-            # the buffers waiting for it where the lost call's daemon writes. Ended all the
-            # same before it goes on
-            if isinstance(exc, Exception):
-                raise
-            self._end(call)
-            raise
+        # (cut short, the call would stay in flight for good, and the buffers waiting for it
+        # where the lost call's daemon writes)
+        despite_interrupts(lambda: self._end(call))
 
     def _end(self, call: object) -> None:
         due: set[int] = set()
@@ -113,16 +106,8 @@ class Moves:
         """Detach the live buffers of `buffer_ids`, named by `call` (see HostBuffer.detach):
         those that could not be (out of memory or files), by id, with why; and those that
         another call in flight names too, which move once it ends (see `calling`)."""
-        try:
-            return self._detach(buffer_ids, call)
-        except BaseException as exc:
-            # An interrupt as the lock was waited for (another thread's: every call is lost
-            # at once when a daemon dies) or left: the buffers would stay where the lost
-            # call's daemon writes. Moved all the same before it goes on
-            if isinstance(exc, Exception):
-                raise
-            self._detach(buffer_ids, call)
-            raise
+        # (cut short, the buffers would stay where the lost call's daemon writes)
+        return despite_interrupts(lambda: self._detach(buffer_ids, call))
 
     def _detach(self, buffer_ids: Collection[int],
                 call: object) -> tuple[dict[int, Exception], set[int]]:
@@ -163,12 +148,29 @@ class Moves:
                 except BaseException as exc:  # (an interrupt: the others move all the same)
                     interrupted.append(exc)
         finally:
-            with self._lock:
-                self._leaving -= set(buffer_ids)
-                self._settled.notify_all()
+            # (cut short, they would stay _leaving, and every call naming them wait for them)
+            despite_interrupts(lambda: self._settle(buffer_ids))
         if interrupted:
             raise interrupted[0]
         return failed
+
+    def _settle(self, buffer_ids: Collection[int]) -> None:
+        with self._lock:
+            self._leaving -= set(buffer_ids)
+            self._settled.notify_all()
+
+
+def despite_interrupts(step: Callable[[], _T]) -> _T:
+    """`step()`, done whole: an interrupt (a BaseException that is no Exception: Ctrl-C,
+    landing as a lock is waited for or a long call returns) that cuts it short has it done
+    again before it goes on. For steps that may be done twice."""
+    try:
+        return step()
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            raise
+        step()
+        raise
 
 
 class InFlight:

@@ -387,3 +387,43 @@ def test_a_call_looks_for_moved_buffers_only_while_one_lives() -> None:
     del buffer
     gc.collect()
     assert memory.moves.moved(names, time.monotonic() + 5) == {} and len(listed) == 1
+
+
+def test_a_ctrl_c_as_a_move_is_marked_done_still_marks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT lands as a lost call's move, done, waits for the table's lock (another
+    thread's) to mark itself done: marked all the same before the interrupt goes on
+    (before: the buffer stayed 'moving' for good, and every later call naming it waited
+    out its deadline, then failed CommTimeout)."""
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    old = buffer.id
+    moved, held = threading.Event(), threading.Event()
+    detach = buffer.detach
+
+    def detach_then_wait_for_the_holder() -> bool:
+        done = detach()
+        moved.set()
+        assert held.wait(5)
+        return done
+
+    monkeypatch.setattr(buffer, "detach", detach_then_wait_for_the_holder)
+
+    def hold_then_ctrl_c() -> None:
+        assert moved.wait(5)
+        with memory._lock:
+            held.set()
+            time.sleep(0.2)  # (the mover waits for the lock meanwhile, to mark the move done)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            time.sleep(0.2)
+
+    holder = threading.Thread(target=hold_then_ctrl_c)
+    holder.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            memory.moves.detach({old})
+    finally:
+        holder.join(5)
+    started = time.monotonic()
+    assert memory.moves.moved(lambda: {old}, started + 2) == {old: buffer}
+    assert time.monotonic() - started < 1
+    buffer.close()
