@@ -461,15 +461,7 @@ def test_a_free_on_another_thread_never_takes_a_timed_out_imports_forget_from_it
     refused it: 'buffer id N is already in use'."""
     comms = join(daemon, 1.5)
     try:
-        ys = [hostmem.alloc(64) for _ in range(2)]
-        on_both(lambda r: checked_rounds(comms[r], ys[r].view(np.int32), ys[r].ptr, r, 1, 1))
-        xs = [hostmem.alloc(64) for _ in range(2)]
-        os.kill(daemon.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(CommError):
-                comms[0].all_reduce(xs[0].ptr, 64, dtype="i32")
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+        ys, xs = _an_import_timed_out(daemon, comms)
         transport, real = comms[0]._conn.transport, type(comms[0]._conn.transport).try_post
         taken, go = threading.Event(), threading.Event()
 
@@ -504,15 +496,7 @@ def test_another_threads_request_never_sends_a_timed_out_imports_forget_after_it
     id N is already in use'."""
     comms = join(daemon, 1.5)
     try:
-        ys = [hostmem.alloc(64) for _ in range(2)]
-        on_both(lambda r: checked_rounds(comms[r], ys[r].view(np.int32), ys[r].ptr, r, 1, 1))
-        xs = [hostmem.alloc(64) for _ in range(2)]
-        os.kill(daemon.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(CommError):
-                comms[0].all_reduce(xs[0].ptr, 64, dtype="i32")
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+        ys, xs = _an_import_timed_out(daemon, comms)
         transport = comms[0]._conn.transport
         real = type(transport).post
         taken, go = threading.Event(), threading.Event()
@@ -539,6 +523,25 @@ def test_another_threads_request_never_sends_a_timed_out_imports_forget_after_it
     finally:
         for comm in comms:
             comm.close()
+
+
+Buffers = list[hostmem.HostBuffer]
+
+
+def _an_import_timed_out(daemon: DaemonProcess, comms: list[DaemonBackend]) -> tuple[Buffers, Buffers]:
+    """Buffers Y, summed, and X, whose import by rank 0 timed out (the daemon stopped; it
+    maps X once resumed): the daemon is owed X's Forget, which must go before X's next
+    Import."""
+    ys = [hostmem.alloc(64) for _ in range(2)]
+    on_both(lambda r: checked_rounds(comms[r], ys[r].view(np.int32), ys[r].ptr, r, 1, 1))
+    xs = [hostmem.alloc(64) for _ in range(2)]
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(CommError):
+            comms[0].all_reduce(xs[0].ptr, 64, dtype="i32")
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    return ys, xs
 
 
 @pytest.mark.parametrize("window", ["imported", "importing"])

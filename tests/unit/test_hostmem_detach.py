@@ -4,12 +4,14 @@ a call the worker gave up on) no longer reaches what the worker reads and writes
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import mmap
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,31 @@ class Heard:
 def mapped_elsewhere(buffer: HostBuffer) -> mmap.mmap:
     """The buffer's memory as another process (the daemon) maps it: from its fd."""
     return mmap.mmap(buffer.fd, buffer.size)
+
+
+@contextlib.contextmanager
+def interrupted_while_held(lock: threading.RLock, first: threading.Event | None = None
+                           ) -> Iterator[threading.Event]:
+    """Another thread holds `lock` (once `first` is set, if given) and, holding it, sends
+    this thread a real SIGINT 0.2 s later (what waits for the lock meanwhile meets the
+    interrupt there), then lets go. Yields the event set once the lock is held."""
+    held = threading.Event()
+
+    def hold_then_ctrl_c() -> None:
+        if first is not None:
+            assert first.wait(5)
+        with lock:
+            held.set()
+            time.sleep(0.2)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            time.sleep(0.2)
+
+    holder = threading.Thread(target=hold_then_ctrl_c)
+    holder.start()
+    try:
+        yield held
+    finally:
+        holder.join(5)
 
 
 def test_the_worker_keeps_its_bytes_and_the_old_mapping_no_longer_reaches_them() -> None:
@@ -311,23 +338,10 @@ def test_a_ctrl_c_as_a_call_ends_still_moves_what_waited_for_it() -> None:
     memory.moves.calling("other", lambda: {buffer_id})
     assert memory.moves.detach({buffer_id}, "failed") == ({}, {buffer_id})
     memory.moves.called("failed")
-    held = threading.Event()
-
-    def hold_then_ctrl_c() -> None:
-        with memory._lock:
-            held.set()
-            time.sleep(0.2)  # (the main thread's call end waits for the lock meanwhile)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-            time.sleep(0.2)
-
-    holder = threading.Thread(target=hold_then_ctrl_c)
-    holder.start()
-    try:
+    with interrupted_while_held(memory._lock) as held:
         assert held.wait(5)
         with pytest.raises(KeyboardInterrupt):
-            memory.moves.called("other")
-    finally:
-        holder.join(5)
+            memory.moves.called("other")  # (waits for the lock)
     np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
     assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
     theirs.close()
@@ -343,23 +357,10 @@ def test_a_ctrl_c_as_a_lost_call_waits_for_the_table_still_moves_its_buffers() -
     buffer = memory.alloc(64)
     buffer_id = buffer.id
     theirs = mapped_elsewhere(buffer)
-    held = threading.Event()
-
-    def hold_then_ctrl_c() -> None:
-        with memory._lock:
-            held.set()
-            time.sleep(0.2)  # (the main thread's detach waits for the lock meanwhile)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-            time.sleep(0.2)
-
-    holder = threading.Thread(target=hold_then_ctrl_c)
-    holder.start()
-    try:
+    with interrupted_while_held(memory._lock) as held:
         assert held.wait(5)
         with pytest.raises(KeyboardInterrupt):
-            memory.moves.detach({buffer_id}, "lost")
-    finally:
-        holder.join(5)
+            memory.moves.detach({buffer_id}, "lost")  # (waits for the lock)
     np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
     assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
     assert not memory.moves._leaving
@@ -397,32 +398,19 @@ def test_a_ctrl_c_as_a_move_is_marked_done_still_marks_it(monkeypatch: pytest.Mo
     memory = HostMemory()
     buffer = memory.alloc(64)
     old = buffer.id
-    moved, held = threading.Event(), threading.Event()
+    moved = threading.Event()
     detach = buffer.detach
+    with interrupted_while_held(memory._lock, first=moved) as held:
 
-    def detach_then_wait_for_the_holder() -> bool:
-        done = detach()
-        moved.set()
-        assert held.wait(5)
-        return done
+        def detach_then_wait_for_the_holder() -> bool:
+            done = detach()
+            moved.set()
+            assert held.wait(5)  # (then the mover waits for the lock, to mark the move done)
+            return done
 
-    monkeypatch.setattr(buffer, "detach", detach_then_wait_for_the_holder)
-
-    def hold_then_ctrl_c() -> None:
-        assert moved.wait(5)
-        with memory._lock:
-            held.set()
-            time.sleep(0.2)  # (the mover waits for the lock meanwhile, to mark the move done)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-            time.sleep(0.2)
-
-    holder = threading.Thread(target=hold_then_ctrl_c)
-    holder.start()
-    try:
+        monkeypatch.setattr(buffer, "detach", detach_then_wait_for_the_holder)
         with pytest.raises(KeyboardInterrupt):
             memory.moves.detach({old})
-    finally:
-        holder.join(5)
     started = time.monotonic()
     assert memory.moves.moved(lambda: {old}, started + 2) == {old: buffer}
     assert time.monotonic() - started < 1
