@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import logging
 import os
+import random
 import time
 import typing
 from collections.abc import Callable
@@ -36,6 +37,11 @@ MAX_HANDSHAKES = 128
 # a world's root) could link. Below that the limit does not bind: many daemons behind one
 # address (a NAT) dial at once as a job starts, and a host's 17th would be refused for nothing.
 MAX_HANDSHAKES_PER_HOST = 16
+# A dial the listener had no room for (PeerBusyError) is made again after a pause that starts
+# at the first and doubles up to the second, each drawn between its half and itself: daemons
+# that dialed at once, and were turned away at once, come back spread out, not together.
+# (Each holds no connection while it waits, so none adds to what the listener holds.)
+DIAL_RETRY_S = (0.02, 0.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,11 @@ class PeerSettings:
 
 class PeerRefusedError(Exception):
     """The other side refused the handshake (or was not a commd daemon with our secret)."""
+
+
+class PeerBusyError(PeerRefusedError):
+    """The listener had no room for one more handshake: it said so (PeerBusy), or it closed
+    the connection before it said a word, as it does past MAX_HANDSHAKES. That passes."""
 
 
 class SelfDialError(Exception):
@@ -421,9 +432,9 @@ class PeerNode:
         """Count a handshake from `host` among those under way, if it may have one more."""
         if self._handshakes_from[host] >= MAX_HANDSHAKES_PER_HOST and \
                 len(self._handshakes) > MAX_HANDSHAKES // 2:
-            # (said, for a daemon among many behind one address: its rank hears why)
+            # (said, for a daemon among many behind one address: it dials again)
             reason = f"{MAX_HANDSHAKES_PER_HOST} handshakes from {host} are under way already"
-            stream.write(p.PeerRefused(reason))
+            stream.write(p.PeerBusy(reason))
             raise PeerRefusedError(reason)
         self._handshakes_from[host] += 1
         return host
@@ -457,16 +468,38 @@ class PeerNode:
         on_link(self._link(name, incarnation, stream, transcript, dialed=False))
 
     async def dial(self, host: str, port: int) -> PeerLink:
-        """Connect and authenticate; SelfDialError if the address is our own listener."""
+        """Connect and authenticate; SelfDialError if the address is our own listener. A
+        listener with no room for the handshake now (many daemons dial it at once) is dialed
+        again until the handshake timeout; any other refusal ends the dial at once."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.settings.handshake_s):  # connecting and the handshake, together
-            _, stream = await loop.create_connection(
-                lambda: FrameStream(sealed_after=p.PeerReady), host, port)
+        window = self.settings.handshake_s  # connecting, the handshake and the tries again, together
+        deadline = loop.time() + window
+        pause, tries = DIAL_RETRY_S[0], 1
+        busy: str | None = None  # why the listener turned the last try away
+        while True:
             try:
-                name, incarnation, transcript = await self._ask(stream)
-            except BaseException:
-                stream.close()
-                raise
+                async with asyncio.timeout_at(deadline):
+                    return await self._dial_once(host, port)
+            except PeerBusyError as exc:
+                busy = str(exc)
+            except TimeoutError:
+                if busy is None:
+                    raise
+                raise PeerBusyError(f"{busy} (dialed {tries} times, no handshake in {window:g}s)") from None
+            wait = random.uniform(pause / 2, pause)
+            if loop.time() + wait >= deadline:
+                raise PeerBusyError(f"{busy} (dialed {tries} times in {window:g}s)")
+            await asyncio.sleep(wait)
+            pause, tries = min(2 * pause, DIAL_RETRY_S[1]), tries + 1
+
+    async def _dial_once(self, host: str, port: int) -> PeerLink:
+        loop = asyncio.get_running_loop()
+        _, stream = await loop.create_connection(lambda: FrameStream(sealed_after=p.PeerReady), host, port)
+        try:
+            name, incarnation, transcript = await self._ask(stream)
+        except BaseException:
+            stream.close()
+            raise
         return self._link(name, incarnation, stream, transcript, dialed=True)
 
     def _frame_keys(self, transcript: bytes, dialed: bool) -> tuple[bytes, bytes]:
@@ -496,7 +529,15 @@ class PeerNode:
         """The listener's name and incarnation, and the handshake's transcript."""
         hello = p.PeerHello(p.PEER_VERSION, self.settings.name, nonce, self.settings.incarnation)
         stream.write(hello)
-        challenge, _ = await stream.read()
+        # A listener says why it refuses a hello: one that closes before any word dropped the
+        # connection at MAX_HANDSHAKES (or its node closed, and a try again's connect is refused)
+        try:
+            challenge, _ = await stream.read()
+        except ConnectionError as exc:
+            raise PeerBusyError(f"the listener closed the connection before the handshake ({exc}): "
+                                "too many handshakes under way?") from None
+        if isinstance(challenge, p.PeerBusy):
+            raise PeerBusyError(challenge.reason)
         if isinstance(challenge, p.PeerRefused):
             if challenge.reason == "self":
                 raise SelfDialError()

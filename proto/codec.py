@@ -50,6 +50,7 @@ TAGS: dict[type, str] = {
     p.PeerProof: "peer_proof",
     p.PeerReady: "peer_ready",
     p.PeerRefused: "peer_refused",
+    p.PeerBusy: "peer_busy",
     p.Heartbeat: "heartbeat",
     p.JoinWorld: "join_world",
     p.JoinRefused: "join_refused",

@@ -13,6 +13,10 @@ Every link starts with a mutual HMAC challenge-response on a shared secret:
     dialer checks it; PeerProof(HMAC(secret, "dialer" | T)) ──▶
     listener checks it; PeerReady ──▶     (or PeerRefused and close, on either side)
 
+A listener with too many handshakes under way answers a connection PeerBusy before it
+reads the hello (or, past its hard limit, closes it without a word): the dialer dials
+again after a pause, within its handshake timeout.
+
 T (`transcript`) holds the version and both names, incarnations and nonces: a proof
 vouches for the identities it was made for, and no field can be swapped. Every
 frame after the handshake is sealed (`FrameSeal`): its header and its payload are
@@ -126,13 +130,30 @@ class PeerReady:
     pass
 
 
+def _reason(reason: str) -> None:
+    if len(reason) > 1024:
+        raise InvalidMessage("a refusal reason is at most 1024 characters")
+
+
 @dataclass(frozen=True, slots=True)
 class PeerRefused:
     reason: str
 
     def __post_init__(self) -> None:
-        if len(self.reason) > 1024:
-            raise InvalidMessage("a refusal reason is at most 1024 characters")
+        _reason(self.reason)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBusy:
+    """The listener has no room for one more handshake now (too many under way): unlike a
+    refusal, this one passes, and the dialer dials again. Sent first, before the hello is
+    read, so the version cannot announce it: a dialer that does not know it takes it for a
+    listener that does not speak the protocol, a refusal, as PeerRefused was before it."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        _reason(self.reason)
 
 
 def transcript(hello: PeerHello, listener: str, listener_incarnation: bytes, listener_nonce: bytes) -> bytes:
@@ -298,12 +319,12 @@ class Data:
 
 
 PEER_MESSAGES: tuple[type, ...] = (
-    PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, Heartbeat, JoinWorld,
+    PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, PeerBusy, Heartbeat, JoinWorld,
     JoinRefused, JoinWithdrawn, WorldReady, WorldFailed, Data,
 )
 PeerMessage = (
-    PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | Heartbeat | JoinWorld
-    | JoinRefused | JoinWithdrawn | WorldReady | WorldFailed | Data
+    PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | PeerBusy | Heartbeat
+    | JoinWorld | JoinRefused | JoinWithdrawn | WorldReady | WorldFailed | Data
 )
 
 

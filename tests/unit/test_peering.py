@@ -912,6 +912,140 @@ async def test_a_flood_of_silent_connections_is_cut_at_the_handshake_limit(
         assert not link.closed and a.node.refused == 4  # (the three cut handshakes count too)
 
 
+# ---- a listener too busy for one more handshake ---------------------------------------------
+
+
+async def hold_handshakes(port: int, per_source: dict[str, int]) -> list[asyncio.StreamWriter]:
+    """Connections that say nothing (each holds a handshake slot until it is closed), opened
+    from loopback addresses of their own: `per_source` says how many from which."""
+    writers = []
+    for source, count in per_source.items():
+        for _ in range(count):
+            writers.append((await asyncio.open_connection(HOST, port, local_addr=(source, 0)))[1])
+    return writers
+
+
+# what fills the listener's MAX_HANDSHAKES (128): 64 from one host, then 16 (its cap past 64)
+# from each of four more
+FULL = {"127.0.0.2": 64, "127.0.0.3": 16, "127.0.0.4": 16, "127.0.0.5": 16, "127.0.0.6": 16}
+
+
+async def test_a_dial_a_host_has_too_many_handshakes_for_is_made_again() -> None:
+    """64 handshakes under way from 127.0.0.2 and 16 from 127.0.0.1: the listener turns a 17th
+    from 127.0.0.1 away, saying it is busy; the dial comes again and links once there is room
+    (before: it failed at once, PeerRefusedError '16 handshakes from 127.0.0.1 are under way
+    already', and the daemon's ranks heard PeerLost)."""
+    a, b = Side("daemon-a", handshake_s=30), Side("daemon-b", handshake_s=5)
+    async with sides(a, b):
+        port = await a.listen()
+        held = await hold_handshakes(port, {"127.0.0.2": 64, HOST: 16})
+        try:
+            await eventually(lambda: len(a.node._handshakes) == 80)
+            dial = asyncio.create_task(b.dial(port))
+            await eventually(lambda: a.node.refused >= 2 or dial.done())  # turned away twice
+            assert not dial.done(), dial.exception()
+            # what it hears, first thing
+            reader, writer = await asyncio.open_connection(HOST, port)
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)
+            writer.close()
+            assert frames == [p.PeerBusy("16 handshakes from 127.0.0.1 are under way already")]
+        finally:
+            for silent in held:
+                silent.close()
+        link = await asyncio.wait_for(dial, 5)
+        assert link.name == "daemon-a" and (await a.next_link())[0].name == "daemon-b"
+        link.send(p.JoinWithdrawn("w", 3))
+        assert (await a.next_message())[1] == p.JoinWithdrawn("w", 3)
+
+
+async def test_a_dial_dropped_at_the_handshake_limit_is_made_again() -> None:
+    """MAX_HANDSHAKES (128) are under way: the listener drops a dial's connection without a
+    word; the dial comes again and links once there is room (before: it failed at once,
+    'closed by the peer')."""
+    a, b = Side("daemon-a", handshake_s=30), Side("daemon-b", handshake_s=5)
+    async with sides(a, b):
+        port = await a.listen()
+        held = await hold_handshakes(port, FULL)
+        try:
+            await eventually(lambda: len(a.node._handshakes) == peering.MAX_HANDSHAKES)
+            dial = asyncio.create_task(b.dial(port))
+            await eventually(lambda: a.node.refused >= 3 or dial.done())  # dropped three times
+            assert not dial.done(), dial.exception()
+            assert len(a.node._handshakes) == peering.MAX_HANDSHAKES
+        finally:
+            for silent in held:
+                silent.close()
+        link = await asyncio.wait_for(dial, 5)
+        assert link.name == "daemon-a" and (await a.next_link())[0].name == "daemon-b"
+
+
+async def test_daemons_kept_out_by_a_flood_dial_again_spaced_out_and_give_up_in_their_window() -> None:
+    """Silent connections hold every handshake slot for longer than the dialers wait: each of
+    20 daemons dials again a few times, spaced out, never holding more than its one
+    connection, and fails at its handshake timeout (1 s) saying why, so honest daemons do not
+    make the flood bigger; once the flood is gone, one links."""
+    a = Side("daemon-a", handshake_s=30)
+    dialers = [Side(f"daemon-{i}", handshake_s=1) for i in range(20)]
+    async with sides(a, *dialers):
+        port = await a.listen()
+        held = await hold_handshakes(port, FULL)
+        try:
+            await eventually(lambda: len(a.node._handshakes) == peering.MAX_HANDSHAKES)
+            started = time.monotonic()
+            dials = await asyncio.gather(*(side.dial(port) for side in dialers), return_exceptions=True)
+            took = time.monotonic() - started
+        finally:
+            for silent in held:
+                silent.close()
+        assert all(isinstance(error, PeerRefusedError) for error in dials), dials
+        assert all("closed the connection before the handshake" in str(error) for error in dials), dials
+        assert 0.5 < took < 1.5, took
+        tries = [int(str(error).split("(dialed ")[1].split(" ")[0]) for error in dials]
+        # pauses of at least 10, 20, 40, 80, 160, then 250 ms: no more than 8 tries in 1 s
+        assert all(3 <= n <= 8 for n in tries), tries
+        assert a.node.refused == sum(tries)  # each try one connection, dropped at once
+        await eventually(lambda: not a.node._handshakes)
+        assert (await dialers[0].dial(port)).name == "daemon-a"
+
+
+@pytest.mark.parametrize("case", ["secret", "own name", "name taken", "version"])
+async def test_a_refusal_that_will_not_pass_ends_the_dial_at_once(case: str) -> None:
+    """A dial refused for a reason that a try again would meet as well fails at once, with
+    the reason, after one connection, as before (only 'busy' is worth a try again)."""
+    connections = 0
+
+    async def refuse_by_version(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_frame(reader)
+        await send_frame(writer, p.PeerRefused(f"peer protocol {p.PEER_VERSION} is not 99"))
+        writer.close()
+
+    b = Side("daemon-b", secret=b"another secret" if case == "secret" else SECRET, handshake_s=5)
+    a = Side("daemon-b" if case == "own name" else "daemon-a", handshake_s=5)
+    if case == "name taken":
+        a.node = PeerNode(a.settings, a._on_message, a._on_lost,
+                          lambda name, incarnation: f"daemon name {name!r} is taken")
+    async with sides(a, b):
+        if case == "version":
+            server = await asyncio.start_server(refuse_by_version, HOST, 0)
+            port = server.sockets[0].getsockname()[1]
+        else:
+            port = await a.listen()
+        try:
+            started = time.monotonic()
+            with pytest.raises(PeerRefusedError) as refused:
+                await b.dial(port)
+            assert time.monotonic() - started < 0.5
+        finally:
+            if case == "version":
+                server.close()
+        assert type(refused.value) is PeerRefusedError  # (not PeerBusyError)
+        assert {"secret": "does not hold our secret", "own name": "this daemon's own",
+                "name taken": "'daemon-b' is taken", "version": "is not 99"}[case] in str(refused.value)
+        await asyncio.sleep(0.1)  # (a try again would have come by now)
+        assert (connections if case == "version" else a.node.refused) == 1
+
 async def test_someone_relaying_a_handshake_cannot_speak_on_the_link() -> None:
     """A worker can make its daemon (C) dial any address: there, a relay passes C's handshake
     with daemon A through, byte for byte, so A and C link up through it. The relay holds no

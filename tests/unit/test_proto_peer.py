@@ -30,6 +30,7 @@ from proto.peer import (
     JoinRefused,
     JoinWithdrawn,
     JoinWorld,
+    PeerBusy,
     PeerChallenge,
     PeerHello,
     PeerProof,
@@ -85,6 +86,7 @@ EXAMPLES: tuple[Any, ...] = (
     PeerRefused(""),
     PeerRefused("wrong proof: this daemon does not share our secret"),
     PeerRefused("r" * 1024),
+    PeerBusy("16 handshakes from 10.0.0.7 are under way already"),
     Heartbeat(0),
     Heartbeat(U64_MAX),
     Heartbeat(3, quiet_ms=p.MAX_QUIET_MS),
@@ -166,6 +168,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     PeerProof: st.builds(PeerProof, proofs),
     PeerReady: st.just(PeerReady()),
     PeerRefused: st.builds(PeerRefused, st.text(max_size=1024)),
+    PeerBusy: st.builds(PeerBusy, st.text(max_size=1024)),
     Heartbeat: st.builds(Heartbeat, u64),
     JoinWorld: join_worlds(),
     JoinRefused: st.builds(JoinRefused, worlds, u64, codes, texts),
@@ -215,6 +218,7 @@ BAD: dict[str, Callable[[], object]] = {
     "proof long": lambda: PeerProof(PROOF * 2),
     "proof empty": lambda: PeerProof(b""),
     "refused reason long": lambda: PeerRefused("r" * 1025),
+    "busy reason long": lambda: PeerBusy("r" * 1025),
     "heartbeat negative": lambda: Heartbeat(-1),
     "heartbeat over u64": lambda: Heartbeat(U64_MAX + 1),
     "quiet for longer than a stall may last": lambda: Heartbeat(1, quiet_ms=p.MAX_QUIET_MS + 1),
@@ -296,6 +300,7 @@ DECODED_INVALID: dict[str, bytes] = {
     "data step long": _raw(DATA, step="s" * 33),
     "data call negative": _raw(DATA, call=-(1 << 63)),
     "refused reason long": _raw(PeerRefused("x"), reason="r" * 1025),
+    "busy reason long": _raw(PeerBusy("x"), reason="r" * 1025),
 }
 
 # maps that do not fit the schema at all
