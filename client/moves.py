@@ -184,7 +184,13 @@ class InFlight:
         self.ops = ops
 
     def __enter__(self) -> InFlight:
-        self._moves.calling(self, self.names)
+        try:
+            self._moves.calling(self, self.names)
+        except BaseException:
+            # (an interrupt as the table's lock is left, the call recorded: a `with` runs no
+            # exit for an enter that raised, and the call would stay in flight for good)
+            self._moves.called(self)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

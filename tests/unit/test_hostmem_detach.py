@@ -20,6 +20,7 @@ import pytest
 import proto
 from client.hostmem import HostBuffer, HostMemory
 from client.memory import MemoryResolver
+from client.moves import InFlight
 from client.opcache import OpCache
 from tests.conftest import garbage
 
@@ -414,4 +415,32 @@ def test_a_ctrl_c_as_a_move_is_marked_done_still_marks_it(monkeypatch: pytest.Mo
     started = time.monotonic()
     assert memory.moves.moved(lambda: {old}, started + 2) == {old: buffer}
     assert time.monotonic() - started < 1
+    buffer.close()
+
+
+def test_a_ctrl_c_as_a_call_is_recorded_in_flight_still_ends_it() -> None:
+    """A real SIGINT lands as a call is recorded in flight (InFlight's enter, which a `with`
+    has no exit for if it raises), once the record is made: the call must end all the same
+    (before: it stayed in flight for good, so a buffer it names that a later lost call moves
+    waited for it for ever, where that call's daemon went on writing what the worker reads)."""
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    buffer_id = buffer.id
+    theirs = mapped_elsewhere(buffer)
+
+    class ThenCtrlC(dict[object, Any]):
+        def __setitem__(self, call: object, names: Any) -> None:
+            super().__setitem__(call, names)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            time.sleep(5)  # (not reached)
+
+    memory.moves._calls = ThenCtrlC()
+    with pytest.raises(KeyboardInterrupt), InFlight(memory.moves, (proto.AllReduce(
+            proto.Mem(buffer_id, 0), 64, proto.DType.I32),)):
+        pytest.fail("the call went on")  # (not reached)
+    assert memory.moves.detach({buffer_id}, "lost") == ({}, set())  # (a later call on it, lost)
+    assert not memory.moves._calls
+    np.frombuffer(theirs, np.int32)[:] = -1  # that call's daemon, late
+    assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
+    theirs.close()
     buffer.close()
