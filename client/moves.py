@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import proto
 
-from .errors import CommTimeout
+from .errors import CommTimeout, LimitExceeded
 
 if TYPE_CHECKING:
     from .hostmem import HostBuffer
@@ -42,6 +42,10 @@ class Moves:
         # A moved buffer by each id it had before: an op built before the move names the
         # memory by one of those (see moved); gone with the buffer
         self._moved_from: weakref.WeakValueDictionary[int, HostBuffer] = weakref.WeakValueDictionary()
+        # A buffer a lost call's daemon may still write that could not be moved (out of memory
+        # or files), with why: the next call naming it is refused (see moved). Why in words:
+        # the error's traceback holds the buffer, which would then never be freed
+        self._unmoved: weakref.WeakKeyDictionary[HostBuffer, str] = weakref.WeakKeyDictionary()
 
     def in_forked_child(self, lock: threading.RLock) -> None:
         """(And at the start) No call in flight, no move under way: a fork's child has none
@@ -62,8 +66,10 @@ class Moves:
     def moved(self, names: Names, due: float) -> dict[int, HostBuffer]:
         """Those of the ids `names()` lists whose buffers moved since (see HostBuffer.detach),
         each with its buffer, live under a new id; one moving now is waited for, by `due`.
-        (For a call in flight, see `calling`: no buffer it names starts to move after.)"""
-        if not (self._leaving or self._moved_from):  # (the common case: no call was ever lost)
+        (For a call in flight, see `calling`: no buffer it names starts to move after.)
+        LimitExceeded if one could not be moved: the call must not go, and the buffer is
+        tried again as the call ends."""
+        if not (self._leaving or self._moved_from or self._unmoved):  # (the common case: none lost)
             return {}
         buffer_ids = names()
         with self._lock:
@@ -71,9 +77,28 @@ class Moves:
                                           max(0.0, due - time.monotonic())):
                 raise CommTimeout("the call's deadline passed while a buffer it names moved "
                                   "off memory a daemon may still write")
+            if self._unmoved:  # (its walk costs a call 1 us)
+                self._refuse_unmoved(buffer_ids)
             found = {buffer_id: self._moved_from.get(buffer_id) for buffer_id in buffer_ids}
         return {buffer_id: buffer for buffer_id, buffer in found.items()
                 if buffer is not None and not buffer.closed and buffer.id != buffer_id}
+
+    def _refuse_unmoved(self, buffer_ids: Collection[int]) -> None:
+        """(Under the lock) LimitExceeded if a buffer of `buffer_ids` could not be moved: a
+        lost call's daemon may have written it since, and may still. Told once: it moves
+        once no call in flight names it (this one ends, not sent)."""
+        unmoved = [(buffer, why) for buffer, why in self._unmoved.items()
+                   if buffer.id in buffer_ids and not buffer.closed]
+        if not unmoved:
+            return
+        for buffer, _why in unmoved:
+            del self._unmoved[buffer]
+            self._to_move.add(buffer.id)
+        raise LimitExceeded("; ".join(
+            f"host buffer {buffer.id} could not be moved off the memory a daemon may still "
+            f"write for a call left unanswered ({why}): what it holds may be that daemon's"
+            for buffer, why in unmoved) + "; this call was not sent, and the buffer moves as "
+            "it ends: write it again, then make the call again")
 
     def calling(self, call: object, names: Names) -> None:
         """`call` (a token), naming the buffers `names()` lists, may be sent from now until
@@ -99,7 +124,7 @@ class Moves:
                 self._to_move -= due
                 self._leaving |= due
         finally:
-            self._move(due)  # (one that cannot move stays: nobody is left to tell)
+            self._move(due)  # (one that cannot move stays: the next call naming it is told)
 
     def detach(self, buffer_ids: Collection[int],
                call: object = None) -> tuple[dict[int, Exception], set[int]]:
@@ -145,6 +170,8 @@ class Moves:
                     buffer.detach()
                 except (OSError, ValueError) as exc:
                     failed[buffer.id] = exc
+                    with self._lock:
+                        self._unmoved[buffer] = str(exc)
                 except BaseException as exc:  # (an interrupt: the others move all the same)
                     interrupted.append(exc)
         finally:
@@ -219,7 +246,8 @@ class InFlight:
         failed, waiting = self._moves.detach(self.names(), self)
         for buffer_id, why in failed.items():
             error.add_note(f"host buffer {buffer_id} could not be moved off the memory the daemon "
-                           f"may still write ({why}): what it holds is not safe to use")
+                           f"may still write ({why}): what it holds is not safe to use, and the "
+                           "next call naming it is refused (LimitExceeded) as it moves")
         for buffer_id in sorted(waiting):
             error.add_note(f"host buffer {buffer_id} is named by another call in flight too: it "
                            "moves off the memory the daemon may still write once that call ends, "

@@ -6,6 +6,8 @@ for theirs, not a result made of the given-up rank's buffer."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import select
 import signal
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import CommError, CommTimeout, DaemonBackend, WorldFailed, hostmem
+from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.fault.ranks import joined, on_both, own_daemon, summed
 from tests.integration.harness import query_status, wait_until, world_name, world_status
@@ -248,6 +250,56 @@ def test_a_call_in_flight_in_another_world_keeps_its_result_when_a_lost_call_mov
             in_b.result(10)
             assert b1.view(np.int32).tolist() == [3, 30]
             assert shared.view(np.int32)[2:].tolist() == [3, 30]  # B's result, where the worker reads
+    finally:
+        next(other, None)
+
+
+def test_a_buffer_whose_move_once_another_call_ended_failed_is_refused_at_its_next_call(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the move B's call's end makes fails (out of open files): the buffer
+    stays on the memory the lost call's daemon may still write. The next call naming it
+    must say so (LimitExceeded), not go on with that memory (before: nothing told the
+    worker, and it went on reading what that daemon wrote); the buffer moves as that call
+    ends, and the call made again works."""
+    other = own_daemon()
+    b_daemon = next(other)
+    try:
+        with joined(daemon, 10.0) as a, joined(b_daemon, 10.0) as b, \
+                ThreadPoolExecutor(2) as calls:
+            shared, a1, b1 = hostmem.alloc(16), hostmem.alloc(8), hostmem.alloc(8)
+            on_both(lambda r: a[r].all_reduce([shared, a1][r].ptr, 8, dtype="i32"))  # (imported)
+            on_both(lambda r: b[r].all_reduce([shared, b1][r].ptr + 8 * (1 - r), 8, dtype="i32"))
+            shared.view(np.int32)[:] = [1, 10, 1, 10]
+            b1.view(np.int32)[:] = [2, 20]
+            in_b = calls.submit(b[0].all_reduce, shared.ptr + 8, 8, dtype="i32")
+            wait_until(lambda: (world_status(b_daemon, b[0]._world) or {}).get("pending_calls") == 1,
+                       "B's call at its daemon")
+            in_a = calls.submit(_raised, a[0].all_reduce, shared.ptr, 8, dtype="i32")
+            wait_until(lambda: (world_status(daemon, a[0]._world) or {}).get("pending_calls") == 1,
+                       "A's call at its daemon")
+
+            def out_of_files(nbytes: int) -> int:
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+            monkeypatch.setattr(hostmem, "_sealed_memfd", out_of_files)
+            daemon.kill()
+            assert isinstance(in_a.result(10), CommError)
+            b[1].all_reduce(b1.ptr, 8, dtype="i32")
+            in_b.result(10)  # (the buffer's move, once B's call ended, failed)
+            monkeypatch.undo()
+            old = shared.id
+            theirs = mmap.mmap(shared.fd, shared.size)  # the memory as A's daemon maps it
+            rank1 = calls.submit(b[1].all_reduce, b1.ptr, 8, dtype="i32")
+            with pytest.raises(LimitExceeded, match=f"host buffer {old} could not be moved"):
+                b[0].all_reduce(shared.ptr + 8, 8, dtype="i32")
+            assert shared.id != old
+            np.frombuffer(theirs, np.int32)[:] = -1  # A's daemon, late
+            assert shared.view(np.int32).tolist() == [1, 10, 3, 30]
+            b[0].all_reduce(shared.ptr + 8, 8, dtype="i32")  # (made again)
+            rank1.result(10)
+            assert shared.view(np.int32).tolist() == [1, 10, 6, 60]
+            assert b1.view(np.int32).tolist() == [6, 60]
+            theirs.close()
     finally:
         next(other, None)
 

@@ -5,12 +5,14 @@ a call the worker gave up on) no longer reaches what the worker reads and writes
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import mmap
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 import proto
+from client.errors import CommTimeout, LimitExceeded
 from client.hostmem import HostBuffer, HostMemory
 from client.memory import MemoryResolver
 from client.moves import InFlight
@@ -444,3 +447,62 @@ def test_a_ctrl_c_as_a_call_is_recorded_in_flight_still_ends_it() -> None:
     assert buffer.id != buffer_id and buffer.view(np.int32).tolist() == [0] * 16
     theirs.close()
     buffer.close()
+
+
+def test_a_buffer_a_lost_call_could_not_move_is_refused_at_its_next_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost call's move of its buffer fails (out of open files): its error says so, and
+    the next call naming the buffer is refused (LimitExceeded) rather than sent on memory
+    the lost call's daemon may still write; the buffer moves as that call ends (before:
+    the next call went on, and the worker read what that daemon wrote)."""
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    buffer.view(np.int32)[:] = 5
+    old = buffer.id
+    theirs = mapped_elsewhere(buffer)
+    op = proto.AllReduce(proto.Mem(old, 0), 64, proto.DType.I32)
+    real = hostmem._sealed_memfd
+
+    def out_of_files(nbytes: int) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(hostmem, "_sealed_memfd", out_of_files)
+    with InFlight(memory.moves, (op,)) as lost:
+        lost.let_go(error := CommTimeout("lost"))
+    assert "could not be moved" in error.__notes__[0] and buffer.id == old
+    monkeypatch.setattr(hostmem, "_sealed_memfd", real)
+    with pytest.raises(LimitExceeded, match=f"host buffer {old} could not be moved .*Too many open files"), \
+            InFlight(memory.moves, (op,)) as call:
+        call.follow_moves(lambda mem, moved: pytest.fail("renamed"), time.monotonic() + 5)
+    np.frombuffer(theirs, np.int32)[:] = -1  # the lost call's daemon, late
+    assert buffer.id != old and buffer.view(np.int32).tolist() == [5] * 16
+    with InFlight(memory.moves, (op,)) as call:  # (made again: goes, under the new id)
+        call.follow_moves(lambda mem, moved: proto.Mem(moved.id, mem.offset), time.monotonic() + 5)
+    assert [mem.buf for mem in proto.mems_of(call.ops[0])] == [buffer.id]
+    theirs.close()
+    buffer.close()
+
+
+def test_a_buffer_a_lost_call_could_not_move_is_still_freed_once_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What keeps the buffer's refusal for its next call (see above) must not keep the
+    buffer: dropped, its memory and its file go."""
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    before = len(os.listdir("/proc/self/fd"))
+    buffer = memory.alloc(64)
+
+    def out_of_files(nbytes: int) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(hostmem, "_sealed_memfd", out_of_files)
+    failed, _ = memory.moves.detach({buffer.id})
+    assert list(failed) == [buffer.id]
+    del failed
+    ref = weakref.ref(buffer)
+    del buffer
+    gc.collect()
+    assert ref() is None and len(os.listdir("/proc/self/fd")) == before
