@@ -6,6 +6,7 @@ for theirs, not a result made of the given-up rank's buffer."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -14,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -207,6 +208,37 @@ def test_a_reply_in_the_socket_when_the_wait_gives_up_is_the_calls_answer(daemon
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
 
 
+Halves = tuple[list[DaemonBackend], hostmem.HostBuffer, hostmem.HostBuffer,
+               "Future[Exception | None]", "Future[None]", ThreadPoolExecutor]
+
+
+@contextlib.contextmanager
+def _halves_in_two_worlds(daemon: DaemonProcess) -> Iterator[Halves]:
+    """One worker process in two worlds, A on `daemon` and B (its ranks `b`) on a daemon of
+    its own, on two halves of one buffer `shared`: B's all_reduce on the second half
+    (`in_b`) waits at its daemon for B's other rank (whose buffer is `b1`), and A's on the
+    first half (`in_a`, what it raised) waits at A's daemon for A's other rank."""
+    other = own_daemon()
+    b_daemon = next(other)
+    try:
+        with joined(daemon, 10.0) as a, joined(b_daemon, 10.0) as b, \
+                ThreadPoolExecutor(2) as calls:
+            shared, a1, b1 = hostmem.alloc(16), hostmem.alloc(8), hostmem.alloc(8)
+            on_both(lambda r: a[r].all_reduce([shared, a1][r].ptr, 8, dtype="i32"))  # (imported)
+            on_both(lambda r: b[r].all_reduce([shared, b1][r].ptr + 8 * (1 - r), 8, dtype="i32"))
+            shared.view(np.int32)[:] = [1, 10, 1, 10]
+            b1.view(np.int32)[:] = [2, 20]
+            in_b = calls.submit(b[0].all_reduce, shared.ptr + 8, 8, dtype="i32")
+            wait_until(lambda: (world_status(b_daemon, b[0]._world) or {}).get("pending_calls") == 1,
+                       "B's call at its daemon")
+            in_a = calls.submit(_raised, a[0].all_reduce, shared.ptr, 8, dtype="i32")
+            wait_until(lambda: (world_status(daemon, a[0]._world) or {}).get("pending_calls") == 1,
+                       "A's call at its daemon")
+            yield b, shared, b1, in_a, in_b, calls
+    finally:
+        next(other, None)
+
+
 def _raised(call: Callable[..., object], *args: Any, **kwargs: Any) -> Exception | None:
     """What `call(*args, **kwargs)` raised (None: it returned)."""
     try:
@@ -228,30 +260,13 @@ def test_a_call_in_flight_in_another_world_keeps_its_result_when_a_lost_call_mov
     buffer: world B's all_reduce on the second half waits at its daemon for B's other rank
     while world A's call on the first half is lost (A's daemon killed). B's call then
     completes and returns: its sum must be in the buffer the worker reads."""
-    other = own_daemon()
-    b_daemon = next(other)
-    try:
-        with joined(daemon, 10.0) as a, joined(b_daemon, 10.0) as b, \
-                ThreadPoolExecutor(2) as calls:
-            shared, a1, b1 = hostmem.alloc(16), hostmem.alloc(8), hostmem.alloc(8)
-            on_both(lambda r: a[r].all_reduce([shared, a1][r].ptr, 8, dtype="i32"))  # (imported)
-            on_both(lambda r: b[r].all_reduce([shared, b1][r].ptr + 8 * (1 - r), 8, dtype="i32"))
-            shared.view(np.int32)[:] = [1, 10, 1, 10]
-            b1.view(np.int32)[:] = [2, 20]
-            in_b = calls.submit(b[0].all_reduce, shared.ptr + 8, 8, dtype="i32")
-            wait_until(lambda: (world_status(b_daemon, b[0]._world) or {}).get("pending_calls") == 1,
-                       "B's call at its daemon")
-            in_a = calls.submit(_raised, a[0].all_reduce, shared.ptr, 8, dtype="i32")
-            wait_until(lambda: (world_status(daemon, a[0]._world) or {}).get("pending_calls") == 1,
-                       "A's call at its daemon")
-            daemon.kill()
-            assert isinstance(in_a.result(10), CommError)
-            b[1].all_reduce(b1.ptr, 8, dtype="i32")
-            in_b.result(10)
-            assert b1.view(np.int32).tolist() == [3, 30]
-            assert shared.view(np.int32)[2:].tolist() == [3, 30]  # B's result, where the worker reads
-    finally:
-        next(other, None)
+    with _halves_in_two_worlds(daemon) as (b, shared, b1, in_a, in_b, _calls):
+        daemon.kill()
+        assert isinstance(in_a.result(10), CommError)
+        b[1].all_reduce(b1.ptr, 8, dtype="i32")
+        in_b.result(10)
+        assert b1.view(np.int32).tolist() == [3, 30]
+        assert shared.view(np.int32)[2:].tolist() == [3, 30]  # B's result, where the worker reads
 
 
 def test_a_buffer_whose_move_once_another_call_ended_failed_is_refused_at_its_next_call(
@@ -261,48 +276,29 @@ def test_a_buffer_whose_move_once_another_call_ended_failed_is_refused_at_its_ne
     must say so (LimitExceeded), not go on with that memory (before: nothing told the
     worker, and it went on reading what that daemon wrote); the buffer moves as that call
     ends, and the call made again works."""
-    other = own_daemon()
-    b_daemon = next(other)
-    try:
-        with joined(daemon, 10.0) as a, joined(b_daemon, 10.0) as b, \
-                ThreadPoolExecutor(2) as calls:
-            shared, a1, b1 = hostmem.alloc(16), hostmem.alloc(8), hostmem.alloc(8)
-            on_both(lambda r: a[r].all_reduce([shared, a1][r].ptr, 8, dtype="i32"))  # (imported)
-            on_both(lambda r: b[r].all_reduce([shared, b1][r].ptr + 8 * (1 - r), 8, dtype="i32"))
-            shared.view(np.int32)[:] = [1, 10, 1, 10]
-            b1.view(np.int32)[:] = [2, 20]
-            in_b = calls.submit(b[0].all_reduce, shared.ptr + 8, 8, dtype="i32")
-            wait_until(lambda: (world_status(b_daemon, b[0]._world) or {}).get("pending_calls") == 1,
-                       "B's call at its daemon")
-            in_a = calls.submit(_raised, a[0].all_reduce, shared.ptr, 8, dtype="i32")
-            wait_until(lambda: (world_status(daemon, a[0]._world) or {}).get("pending_calls") == 1,
-                       "A's call at its daemon")
+    with _halves_in_two_worlds(daemon) as (b, shared, b1, in_a, in_b, calls):
+        def out_of_files(nbytes: int) -> int:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-            def out_of_files(nbytes: int) -> int:
-                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-
-            monkeypatch.setattr(hostmem, "_sealed_memfd", out_of_files)
-            daemon.kill()
-            assert isinstance(in_a.result(10), CommError)
-            b[1].all_reduce(b1.ptr, 8, dtype="i32")
-            in_b.result(10)  # (the buffer's move, once B's call ended, failed)
-            monkeypatch.undo()
-            old = shared.id
-            theirs = mmap.mmap(shared.fd, shared.size)  # the memory as A's daemon maps it
-            rank1 = calls.submit(b[1].all_reduce, b1.ptr, 8, dtype="i32")
-            with pytest.raises(LimitExceeded, match=f"host buffer {old} could not be moved"):
-                b[0].all_reduce(shared.ptr + 8, 8, dtype="i32")
-            assert shared.id != old
-            np.frombuffer(theirs, np.int32)[:] = -1  # A's daemon, late
-            assert shared.view(np.int32).tolist() == [1, 10, 3, 30]
-            b[0].all_reduce(shared.ptr + 8, 8, dtype="i32")  # (made again)
-            rank1.result(10)
-            assert shared.view(np.int32).tolist() == [1, 10, 6, 60]
-            assert b1.view(np.int32).tolist() == [6, 60]
-            theirs.close()
-    finally:
-        next(other, None)
-
+        monkeypatch.setattr(hostmem, "_sealed_memfd", out_of_files)
+        daemon.kill()
+        assert isinstance(in_a.result(10), CommError)
+        b[1].all_reduce(b1.ptr, 8, dtype="i32")
+        in_b.result(10)  # (the buffer's move, once B's call ended, failed)
+        monkeypatch.undo()
+        old = shared.id
+        theirs = mmap.mmap(shared.fd, shared.size)  # the memory as A's daemon maps it
+        rank1 = calls.submit(b[1].all_reduce, b1.ptr, 8, dtype="i32")
+        with pytest.raises(LimitExceeded, match=f"host buffer {old} could not be moved"):
+            b[0].all_reduce(shared.ptr + 8, 8, dtype="i32")
+        assert shared.id != old
+        np.frombuffer(theirs, np.int32)[:] = -1  # A's daemon, late
+        assert shared.view(np.int32).tolist() == [1, 10, 3, 30]
+        b[0].all_reduce(shared.ptr + 8, 8, dtype="i32")  # (made again)
+        rank1.result(10)
+        assert shared.view(np.int32).tolist() == [1, 10, 6, 60]
+        assert b1.view(np.int32).tolist() == [6, 60]
+        theirs.close()
 
 
 def test_an_op_running_when_ctrl_c_lands_as_its_submit_went_no_longer_reaches_the_buffer(
