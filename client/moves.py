@@ -166,20 +166,26 @@ class Moves:
         interrupted: list[BaseException] = []
         try:
             for buffer in self._live(buffer_ids):
+                old = buffer.id
                 try:
                     buffer.detach()
                 except (OSError, ValueError) as exc:
-                    failed[buffer.id] = exc
-                    with self._lock:
-                        self._unmoved[buffer] = str(exc)
+                    failed[old] = exc
+                    self._not_moved(buffer, str(exc))
                 except BaseException as exc:  # (an interrupt: the others move all the same)
                     interrupted.append(exc)
+                    if buffer.id == old and not buffer.closed:  # (its move, done again, failed)
+                        self._not_moved(buffer, "interrupted, and failed when done again")
         finally:
             # (cut short, they would stay _leaving, and every call naming them wait for them)
             despite_interrupts(lambda: self._settle(buffer_ids))
         if interrupted:
             raise interrupted[0]
         return failed
+
+    def _not_moved(self, buffer: HostBuffer, why: str) -> None:
+        with self._lock:
+            self._unmoved[buffer] = why
 
     def _settle(self, buffer_ids: Collection[int]) -> None:
         with self._lock:
@@ -190,13 +196,18 @@ class Moves:
 def despite_interrupts(step: Callable[[], _T]) -> _T:
     """`step()`, done whole: an interrupt (a BaseException that is no Exception: Ctrl-C,
     landing as a lock is waited for or a long call returns) that cuts it short has it done
-    again before it goes on. For steps that may be done twice."""
+    again before it goes on. For steps that may be done twice. If the step fails when
+    done again, the interrupt still goes on (a note says why), not the failure: the caller
+    tells a step undone by its effect."""
     try:
         return step()
     except BaseException as exc:
         if isinstance(exc, Exception):
             raise
-        step()
+        try:
+            step()
+        except Exception as again:
+            exc.add_note(f"done again after the interrupt, it failed: {again!r}")
         raise
 
 

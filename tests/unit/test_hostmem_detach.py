@@ -506,3 +506,40 @@ def test_a_buffer_a_lost_call_could_not_move_is_still_freed_once_dropped(
     del buffer
     gc.collect()
     assert ref() is None and len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_ctrl_c_in_a_move_whose_redo_fails_still_goes_on_and_the_buffer_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT lands as a lost call's move maps the fresh memory, and the move, done
+    again, fails (out of open files): the interrupt goes on, saying so (before: the redo's
+    OSError took its place, and the Ctrl-C was lost), and the buffer counts as not moved,
+    so the next call naming it is refused (LimitExceeded)."""
+    import client.hostmem as hostmem
+
+    memory = HostMemory()
+    buffer = memory.alloc(64)
+    old = buffer.id
+    real_map, real_memfd = hostmem._map_over, hostmem._sealed_memfd
+    made: list[int] = []
+
+    def then_ctrl_c(ptr: int, size: int, fd: int) -> None:
+        monkeypatch.setattr(hostmem, "_map_over", real_map)
+        real_map(ptr, size, fd)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        time.sleep(5)  # (not reached)
+
+    def once_then_out_of_files(nbytes: int) -> int:
+        made.append(nbytes)
+        if len(made) > 1:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_memfd(nbytes)
+
+    monkeypatch.setattr(hostmem, "_map_over", then_ctrl_c)
+    monkeypatch.setattr(hostmem, "_sealed_memfd", once_then_out_of_files)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        memory.moves.detach({old})
+    monkeypatch.undo()
+    assert any("Too many open files" in note for note in raised.value.__notes__)
+    with pytest.raises(LimitExceeded, match=f"host buffer {old} could not be moved"):
+        memory.moves.moved(lambda: {old}, time.monotonic() + 5)
+    buffer.close()
