@@ -114,17 +114,17 @@ class Moves:
         despite_interrupts(lambda: self._end(call))
 
     def _end(self, call: object) -> None:
-        due: set[int] = set()
+        free: set[int] = set()  # waiting buffers no call in flight names any more
         try:
             with self._lock:
                 self._calls.pop(call, None)
                 if not self._to_move:
                     return
-                due = self._to_move - self._named() - self._leaving
-                self._to_move -= due
-                self._leaving |= due
+                free = self._to_move - self._named() - self._leaving
+                self._to_move -= free
+                self._leaving |= free
         finally:
-            self._move(due)  # (one that cannot move stays: the next call naming it is told)
+            self._move(free)  # (one that cannot move stays: the next call naming it is told)
 
     def detach(self, buffer_ids: Collection[int],
                call: object = None) -> tuple[dict[int, Exception], set[int]]:

@@ -475,12 +475,7 @@ def test_a_free_on_another_thread_never_takes_a_timed_out_imports_forget_from_it
         freeing = threading.Thread(target=ys[0].close, daemon=True)
         freeing.start()
         assert taken.wait(5)
-        try:
-            on_both(lambda r: comms[r].attempt_reconnect())  # (the timeout failed the world)
-            on_both(lambda r: checked_rounds(comms[r], xs[r].view(np.int32), xs[r].ptr, r, 5, 2))
-        finally:
-            go.set()
-            freeing.join(10)
+        _rebuilt_and_retried(comms, xs, go, freeing)
     finally:
         for comm in comms:
             comm.close()
@@ -513,12 +508,7 @@ def test_another_threads_request_never_sends_a_timed_out_imports_forget_after_it
                                  daemon=True)
         other.start()
         assert taken.wait(5)
-        try:
-            on_both(lambda r: comms[r].attempt_reconnect())  # (the timeout failed the world)
-            on_both(lambda r: checked_rounds(comms[r], xs[r].view(np.int32), xs[r].ptr, r, 5, 2))
-        finally:
-            go.set()
-            other.join(10)
+        _rebuilt_and_retried(comms, xs, go, other)
         assert len(handles) == 1  # (the other thread's call went through too)
     finally:
         for comm in comms:
@@ -526,6 +516,18 @@ def test_another_threads_request_never_sends_a_timed_out_imports_forget_after_it
 
 
 Buffers = list[hostmem.HostBuffer]
+
+
+def _rebuilt_and_retried(comms: list[DaemonBackend], xs: Buffers, go: threading.Event,
+                         held: threading.Thread) -> None:
+    """Both ranks rebuild the world (the import's timeout failed it) and the call on X is made
+    again, its sums checked, while `held` waits for `go`; then it goes on."""
+    try:
+        on_both(lambda r: comms[r].attempt_reconnect())
+        on_both(lambda r: checked_rounds(comms[r], xs[r].view(np.int32), xs[r].ptr, r, 5, 2))
+    finally:
+        go.set()
+        held.join(10)
 
 
 def _an_import_timed_out(daemon: DaemonProcess, comms: list[DaemonBackend]) -> tuple[Buffers, Buffers]:
