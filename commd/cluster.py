@@ -21,7 +21,7 @@ from proto import ErrorCode
 from proto import peer as p
 
 from .config import DEFAULT_MAX_HELD_BYTES
-from .errors import CallError, cannot_listen
+from .errors import CallError, NotListening, cannot_listen
 from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
@@ -259,7 +259,8 @@ class Cluster:
             del self._dials[address]
             why = "the dial was cancelled" if isinstance(exc, asyncio.CancelledError) else \
                 str(exc) or type(exc).__name__
-            error = CallError(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}")
+            kind = NotListening if isinstance(exc, ConnectionRefusedError) else CallError
+            error = kind(ErrorCode.PEER_LOST, f"cannot reach the daemon at {address}: {why}")
             future.set_exception(error)
             future.exception()
             if not isinstance(exc, Exception):

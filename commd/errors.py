@@ -1,7 +1,7 @@
 """Errors inside the daemon.
 
     CallError            a request fails; carries the wire ErrorCode sent back to the rank
-    └── (no subclasses: the code is the type on the wire)
+    └── NotListening     nothing listens at a daemon's address (yet): a join dials it again
     ConfigError          bad configuration at start (the CLI prints it and exits 2)
 
 Anything else escaping a handler is a daemon bug: the connection gets an
@@ -35,6 +35,12 @@ class CallError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class NotListening(CallError):
+    """The daemon at an address refused the connection: none listens there, as when a world's
+    root daemon starts after its members' (or restarts). A join dials it again until its
+    timeout; the code on the wire, when it gives up, is that of any unreachable daemon."""
 
 
 class ConfigError(Exception):

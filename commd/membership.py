@@ -20,13 +20,17 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
 
-from .errors import CallError, rank_list
+from .errors import CallError, NotListening, rank_list
+from .peering import Backoff
 
 if TYPE_CHECKING:
     from .cluster import WorldNet
     from .peering import PeerLink
 
 log = logging.getLogger("commd.membership")
+# A root daemon not listening yet is dialed again after a Backoff of these pauses: daemons
+# come up within about a second of each other, and a refused connect costs next to nothing.
+ROOT_RETRY_S = (0.05, 1.0)
 
 
 class Formable(Protocol):
@@ -109,7 +113,7 @@ class NetMembership:
 
     async def _vote(self, rank: int, timeout_s: float) -> None:
         try:
-            await self.net.resolve()
+            await self._find_root(rank, timeout_s)
         except CallError as exc:
             self._world.refuse(rank, exc.code, f"world {self._world.name}: {exc.message}")
             return
@@ -137,6 +141,30 @@ class NetMembership:
             self._sent[rank] = vote
         except CallError as exc:  # the link went down between resolving and sending
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
+
+    async def _find_root(self, rank: int, timeout_s: float) -> None:
+        """Resolve the root. One whose address nothing listens at yet (its daemon starts after
+        ours, or restarts) is dialed again until the rank's timeout: daemons of one job start
+        in no set order. Any other failure to reach it refuses the rank at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        backoff = Backoff(*ROOT_RETRY_S)
+        while True:
+            try:
+                await self.net.resolve()
+                return
+            except NotListening as exc:
+                if rank not in self._world.local_waiting():
+                    return  # the rank left: nobody waits for the root now
+                tries = backoff.tries
+                wait = backoff.pause()
+                if loop.time() + wait >= deadline:
+                    raise CallError(ErrorCode.TIMEOUT, f"{exc.message} (dialed {tries} times in "
+                                                       f"{timeout_s:g}s; is its daemon running?)") from None
+                if tries == 1:
+                    log.info("world %s: %s; dialing again for up to %gs", self._world.name, exc.message,
+                             timeout_s)
+                await asyncio.sleep(wait)
 
     def withdraw(self, rank: int) -> None:
         """A local rank that voted is gone (or was refused): its vote goes too."""

@@ -37,11 +37,27 @@ MAX_HANDSHAKES = 128
 # a world's root) could link. Below that the limit does not bind: many daemons behind one
 # address (a NAT) dial at once as a job starts, and a host's 17th would be refused for nothing.
 MAX_HANDSHAKES_PER_HOST = 16
-# A dial the listener had no room for (PeerBusyError) is made again after a pause that starts
-# at the first and doubles up to the second, each drawn between its half and itself: daemons
-# that dialed at once, and were turned away at once, come back spread out, not together.
-# (Each holds no connection while it waits, so none adds to what the listener holds.)
+# A dial the listener had no room for (PeerBusyError) is made again after a Backoff of these
+# pauses. (Each dialer holds no connection while it waits, so none adds to what the listener holds.)
 DIAL_RETRY_S = (0.02, 0.5)
+
+
+class Backoff:
+    """Pauses between tries that start at `first` and double up to `most`, each drawn between
+    its half and itself: daemons that dialed at once, and were turned away at once, come back
+    spread out, not together."""
+
+    def __init__(self, first: float, most: float) -> None:
+        self._pause = first
+        self._most = most
+        self.tries = 1  # made so far, counting the one before the first pause
+
+    def pause(self) -> float:
+        """The pause before the next try (counted in `tries`)."""
+        wait = random.uniform(self._pause / 2, self._pause)
+        self._pause = min(2 * self._pause, self._most)
+        self.tries += 1
+        return wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,7 +490,7 @@ class PeerNode:
         loop = asyncio.get_running_loop()
         window = self.settings.handshake_s  # connecting, the handshake and the tries again, together
         deadline = loop.time() + window
-        pause, tries = DIAL_RETRY_S[0], 1
+        backoff = Backoff(*DIAL_RETRY_S)
         busy: str | None = None  # why the listener turned the last try away
         while True:
             try:
@@ -485,12 +501,13 @@ class PeerNode:
             except TimeoutError:
                 if busy is None:
                     raise
-                raise PeerBusyError(f"{busy} (dialed {tries} times, no handshake in {window:g}s)") from None
-            wait = random.uniform(pause / 2, pause)
+                raise PeerBusyError(f"{busy} (dialed {backoff.tries} times, no handshake in {window:g}s)") \
+                    from None
+            tries = backoff.tries
+            wait = backoff.pause()
             if loop.time() + wait >= deadline:
                 raise PeerBusyError(f"{busy} (dialed {tries} times in {window:g}s)")
             await asyncio.sleep(wait)
-            pause, tries = min(2 * pause, DIAL_RETRY_S[1]), tries + 1
 
     async def _dial_once(self, host: str, port: int) -> PeerLink:
         loop = asyncio.get_running_loop()

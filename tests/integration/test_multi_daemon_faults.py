@@ -1376,3 +1376,77 @@ def test_a_vote_from_an_epoch_past_any_worlds_is_refused(pair: list[DaemonProces
         assert not x.got(p.WorldReady)
     finally:
         x.close()
+
+
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[DaemonProcess]) -> None:
+    """Daemons of one job start in no set order: rank 1 joins on B while nothing listens at
+    the root's address yet; B dials it again until the join's timeout, so once the root
+    daemon R starts there and rank 0 joins on it, the world forms and sums (before: rank 1
+    was refused at once, PeerLost 'cannot reach the daemon at ...: Connection refused')."""
+    b = pair[1]
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    world = world_name()
+    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
+        "--peer-listen", address, "--peer-name", "R", *FAST])
+    comms: list[DaemonBackend] = []
+    try:
+        with ThreadPoolExecutor(1) as threads:
+            member = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=20,
+                                    bootstrap=address)
+            wait_until(lambda: world_status(b, world) is not None, "rank 1's world on B")
+            time.sleep(0.5)  # (several dials refused meanwhile)
+            assert not member.done(), member.exception()
+            late_root.start()
+            comms.append(DaemonBackend(str(late_root.socket_path), world, 0, 2, timeout=20,
+                                       bootstrap=address))
+            comms.append(member.result(20))
+        assert [c.epoch for c in comms] == [1, 1] and summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+        late_root.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_root_daemon_that_never_starts_times_the_join_out_saying_where_it_dialed(
+        pair: list[DaemonProcess]) -> None:
+    """Nothing ever listens at the root's address: the join fails when its timeout ends, a
+    CommTimeout naming the address and how often it was dialed, and B serves on."""
+    b = pair[1]
+    address = f"127.0.0.1:{_unused_port()}"
+    started = time.monotonic()
+    with pytest.raises(CommTimeout, match=rf"cannot reach the daemon at {address}: .*Connection refused "
+                                          r"\(dialed \d+ times in 1.5s; is its daemon running\?\)"):
+        DaemonBackend(str(b.socket_path), world_name(), 1, 2, timeout=1.5, bootstrap=address)
+    assert 1.0 < time.monotonic() - started < 5
+    a_new_world_sums(pair, pair[0])
+
+
+def test_a_rank_that_leaves_while_its_root_is_not_up_stops_the_dialing(pair: list[DaemonProcess]) -> None:
+    """Rank 1 joins on B with nothing at the root's address, then its process goes: B must
+    stop dialing for it, so the root daemon that starts there later hears no dial from B."""
+    b = pair[1]
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    world = world_name()
+    rank_1 = RawClient(str(b.socket_path))
+    try:
+        rank_1.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 20_000,
+                                bootstrap=address))
+        wait_until(lambda: world_status(b, world) is not None, "rank 1's world on B")
+        rank_1.close()
+        wait_until(lambda: world_status(b, world) is None, "B forgetting the world")
+        with DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", address, "--peer-name", "R", *FAST]) as late_root:
+            time.sleep(1.5)  # (B's pauses grow to 1 s: a dial still going on would come by now)
+            peers = query_status(str(late_root.socket_path), 5)["peers"]
+            assert peers["links"] == [] and peers["refused_handshakes"] == 0, peers
+        assert query_status(str(b.socket_path), 5)["peers"]["links"] == []
+    finally:
+        rank_1.close()
+        shutil.rmtree(tmp, ignore_errors=True)
