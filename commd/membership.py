@@ -99,6 +99,10 @@ class NetMembership:
         self._votes: dict[int, str] = {}  # root only: rank -> daemon, for the epoch being formed
         self._ballots: dict[int, Ballot] = {}  # root only: a member's vote: its link and id
         self._sent: dict[int, int] = {}  # member only: rank -> the id of its vote at the root
+        # rank -> the id of its newest vote, until cast. A vote still looking for the root is
+        # the rank's no more once a newer one came: its process left and a new one took the
+        # rank number, or it called attempt_reconnect again; the older vote must not speak for it.
+        self._casting: dict[int, int] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
@@ -109,21 +113,29 @@ class NetMembership:
     # ---- local ranks --------------------------------------------------------------
 
     def vote(self, rank: int, timeout_s: float) -> None:
-        asyncio.get_running_loop().create_task(self._vote(rank, timeout_s))
+        vote = next(self.net.cluster.vote_ids)
+        self._casting[rank] = vote
+        asyncio.get_running_loop().create_task(self._vote(rank, vote, timeout_s))
 
-    async def _vote(self, rank: int, timeout_s: float) -> None:
+    def _still_casting(self, rank: int, vote: int) -> bool:
+        """Whether `vote` is still the rank's, and the rank still waits."""
+        return self._casting.get(rank) == vote and rank in self._world.local_waiting()
+
+    async def _vote(self, rank: int, vote: int, timeout_s: float) -> None:
         try:
-            await self._find_root(rank, timeout_s)
+            await self._find_root(rank, vote, timeout_s)
         except CallError as exc:
-            self._world.refuse(rank, exc.code, f"world {self._world.name}: {exc.message}")
+            if self._still_casting(rank, vote):
+                self._world.refuse(rank, exc.code, f"world {self._world.name}: {exc.message}")
             return
         if not self.net.is_root and self._votes:
             # other daemons' votes, counted while we might have been the root: they were sent
             # to the wrong daemon (theirs was told another bootstrap address than ours)
             self._refuse_all(f"daemon {self.net.me} is not the root of world {self._world.name}; "
                              f"its root is the daemon at {self.net.bootstrap}")
-        if rank not in self._world.local_waiting():
-            return  # gone while we looked for the root
+        if not self._still_casting(rank, vote):
+            return  # gone (or voting anew) while we looked for the root
+        del self._casting[rank]
         if self.net.is_root:
             holder = self._votes.get(rank)
             if holder is not None and holder != self.net.me:  # first come, as in remote_vote
@@ -133,7 +145,6 @@ class NetMembership:
             self._deadline(rank, timeout_s, None)
             self._count(rank, self.net.me)
             return
-        vote = next(self.net.cluster.vote_ids)
         try:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
                                               self._world.epoch, max(1, int(timeout_s * 1000)),
@@ -142,7 +153,7 @@ class NetMembership:
         except CallError as exc:  # the link went down between resolving and sending
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
 
-    async def _find_root(self, rank: int, timeout_s: float) -> None:
+    async def _find_root(self, rank: int, vote: int, timeout_s: float) -> None:
         """Resolve the root. One whose address nothing listens at yet (its daemon starts after
         ours, or restarts) is dialed again until the rank's timeout: daemons of one job start
         in no set order. Any other failure to reach it refuses the rank at once."""
@@ -154,8 +165,8 @@ class NetMembership:
                 await self.net.resolve()
                 return
             except NotListening as exc:
-                if rank not in self._world.local_waiting():
-                    return  # the rank left: nobody waits for the root now
+                if not self._still_casting(rank, vote):
+                    return  # the rank left, or voted anew: this vote waits for the root no more
                 tries = backoff.tries
                 wait = backoff.pause()
                 if loop.time() + wait >= deadline:
@@ -168,6 +179,7 @@ class NetMembership:
 
     def withdraw(self, rank: int) -> None:
         """A local rank that voted is gone (or was refused): its vote goes too."""
+        self._casting.pop(rank, None)
         if self.net.is_root:
             if self._votes.get(rank) == self.net.me:
                 self._forget_vote(rank, left=True)

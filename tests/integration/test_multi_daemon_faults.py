@@ -1450,3 +1450,45 @@ def test_a_rank_that_leaves_while_its_root_is_not_up_stops_the_dialing(pair: lis
     finally:
         rank_1.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_new_process_for_a_rank_whose_old_one_left_while_dialing_keeps_its_own_timeout(
+        pair: list[DaemonProcess]) -> None:
+    """Ranks 1 and 2 of a world of 3 join on B with nothing at the root's address (rank 1's
+    hello allows 0.6 s); rank 1's process goes and a new one takes rank 1 (20 s). The old
+    vote's dialing must stop with its process: before, it went on (rank 1 waited again) and,
+    at the old process's deadline, refused the new one (CommTimeout 'dialed 5 times in 0.6s')."""
+    b = pair[1]
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    world = world_name()
+    old = RawClient(str(b.socket_path))
+    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
+        "--peer-listen", address, "--peer-name", "R", *FAST])
+    comms: list[DaemonBackend] = []
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            joins = {2: threads.submit(DaemonBackend, str(b.socket_path), world, 2, 3, timeout=20,
+                                       bootstrap=address)}
+            old.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 3, 600,
+                                 bootstrap=address))
+            old_deadline = time.monotonic() + 0.6
+            wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1, 2], "ranks 1, 2 on B")
+            old.close()
+            wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [2], "rank 1 gone")
+            joins[1] = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=20,
+                                      bootstrap=address)
+            wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1, 2], "rank 1 back")
+            time.sleep(max(0.0, old_deadline + 0.3 - time.monotonic()))
+            assert not joins[1].done(), joins[1].exception()
+            late_root.start()
+            comms.append(DaemonBackend(str(late_root.socket_path), world, 0, 3, timeout=20,
+                                       bootstrap=address))
+            comms += [joins[1].result(20), joins[2].result(20)]
+        assert [c.epoch for c in comms] == [1, 1, 1]
+        assert summed_i32(comms) == [[6, 60]] * 3
+    finally:
+        old.close()
+        for comm in comms:
+            comm.close()
+        late_root.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
