@@ -167,15 +167,16 @@ class NetMembership:
             except NotListening as exc:
                 if not self._still_casting(rank, vote):
                     return  # the rank left, or voted anew: this vote waits for the root no more
-                tries = backoff.tries
-                wait = backoff.pause()
-                if loop.time() + wait >= deadline:
-                    raise CallError(ErrorCode.TIMEOUT, f"{exc.message} (dialed {tries} times in "
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise CallError(ErrorCode.TIMEOUT, f"{exc.message} (dialed {backoff.tries} times in "
                                                        f"{timeout_s:g}s; is its daemon running?)") from None
-                if tries == 1:
+                if backoff.tries == 1:
                     log.info("world %s: %s; dialing again for up to %gs", self._world.name, exc.message,
                              timeout_s)
-                await asyncio.sleep(wait)
+                # (the last pause ends at the deadline, with one more try: giving up when the next
+                # pause would pass it gave up as much as a whole pause, up to 1 s, early)
+                await asyncio.sleep(min(backoff.pause(), left))
 
     def withdraw(self, rank: int) -> None:
         """A local rank that voted is gone (or was refused): its vote goes too."""

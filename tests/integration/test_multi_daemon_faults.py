@@ -1492,3 +1492,28 @@ def test_a_new_process_for_a_rank_whose_old_one_left_while_dialing_keeps_its_own
             comm.close()
         late_root.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_member_dials_a_root_not_up_for_all_of_each_ranks_timeout(pair: list[DaemonProcess]) -> None:
+    """Three ranks join on B, allowing 1.5 s each, with nothing ever at the root's address:
+    each is refused when its own 1.5 s are over, not before (before: B gave up as soon as the
+    next pause would pass the deadline, up to a whole pause early; seen: refused after 1.39 s,
+    a root coming up in the time left would not have been found), and B serves on."""
+    b = pair[1]
+    address, world = f"127.0.0.1:{_unused_port()}", world_name()
+    ranks = [RawClient(str(b.socket_path)) for _ in range(3)]
+    try:
+        started = time.monotonic()
+        for rank, client in enumerate(ranks, 1):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 4, 1500,
+                                    bootstrap=address))
+        for client in ranks:
+            refusal = client.error()
+            assert refusal.code is ErrorCode.TIMEOUT and re.fullmatch(
+                rf"world {world}: cannot reach the daemon at {address}: .*Connection refused "
+                r"\(dialed \d+ times in 1.5s; is its daemon running\?\)", refusal.message), refusal
+            assert time.monotonic() - started > 1.49  # (a millisecond: the daemon's clock ticks in them)
+    finally:
+        for client in ranks:
+            client.close()
+    a_new_world_sums(pair, pair[0])
