@@ -40,12 +40,14 @@ class DaemonProcess:
     def __init__(self, socket_path: str | os.PathLike[str], *, engine: str = "host",
                  args: Sequence[str] = (), log: IO[bytes] | int | None = None,
                  cpus: Sequence[int] | None = None, log_level: str = "WARNING",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, under: Sequence[str] = ()) -> None:
+        """`under`: a command that execs the daemon's (given as its last arguments), to run
+        it in a namespace of its own, say."""
         self.socket_path = Path(socket_path)
         # No --config: read none (not the host's /etc/commd/commd.toml, which is the service's)
         config = () if "--config" in args else ("--config", "")
-        self._cmd = [sys.executable, "-m", "commd", "serve", *config, "--socket", str(self.socket_path),
-                     "--engine", engine, "--log-level", log_level, *args]
+        self._cmd = [*under, sys.executable, "-m", "commd", "serve", *config, "--socket",
+                     str(self.socket_path), "--engine", engine, "--log-level", log_level, *args]
         self._log = log
         self._cpus = cpus
         self._env = env or {}

@@ -16,6 +16,7 @@ import hmac
 import logging
 import os
 import random
+import socket
 import time
 import typing
 from collections.abc import Callable
@@ -58,6 +59,29 @@ class Backoff:
         self._pause = min(2 * self._pause, self._most)
         self.tries += 1
         return wait
+
+
+async def _connect(host: str, port: int) -> FrameStream:
+    """A connection to the first of `host`'s addresses that takes one. When none does and one
+    of them refused (nothing listens there yet), ConnectionRefusedError names every address's
+    error: the loop, trying them itself, raises a plain OSError unless all its errors read
+    alike, and one refused beside one unreachable (a name with an IPv6 address on a host
+    without IPv6) is then not told from a daemon that can never be reached."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    errors: dict[str, OSError] = {}
+    for address in dict.fromkeys(str(info[4][0]) for info in infos):
+        try:
+            _, stream = await loop.create_connection(lambda: FrameStream(sealed_after=p.PeerReady),
+                                                     address, port)
+            return stream
+        except OSError as exc:
+            errors[address] = exc
+    if len(errors) == 1:
+        raise next(iter(errors.values()))
+    refused = any(isinstance(exc, ConnectionRefusedError) for exc in errors.values())
+    raise (ConnectionRefusedError if refused else OSError)(
+        "; ".join(f"{address}: {exc}" for address, exc in errors.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,8 +534,7 @@ class PeerNode:
             await asyncio.sleep(wait)
 
     async def _dial_once(self, host: str, port: int) -> PeerLink:
-        loop = asyncio.get_running_loop()
-        _, stream = await loop.create_connection(lambda: FrameStream(sealed_after=p.PeerReady), host, port)
+        stream = await _connect(host, port)
         try:
             name, incarnation, transcript = await self._ask(stream)
         except BaseException:

@@ -1517,3 +1517,53 @@ def test_a_member_dials_a_root_not_up_for_all_of_each_ranks_timeout(pair: list[D
         for client in ranks:
             client.close()
     a_new_world_sums(pair, pair[0])
+
+
+def hosts_where(tmp: str, name: str, addresses: Sequence[str]) -> list[str]:
+    """A command that runs the rest in a mount namespace whose /etc/hosts resolves `name` to
+    `addresses` (and all else as here); the test is skipped where none can be made."""
+    hosts = Path(tmp) / "hosts"
+    hosts.write_text(Path("/etc/hosts").read_text() + "".join(f"\n{a} {name}" for a in addresses) + "\n")
+    under = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+    try:
+        made = subprocess.run([*under, "getent", "ahosts", name], capture_output=True, text=True, timeout=10)
+    except OSError:
+        made = None
+    if made is None or made.returncode != 0 or not all(a in made.stdout for a in addresses):
+        pytest.skip(f"no mount namespace with its own /etc/hosts here ({made and made.stderr.strip()})")
+    return under
+
+
+def test_a_member_waits_for_a_root_whose_name_has_an_address_that_fails_otherwise() -> None:
+    """The root's name resolves to two addresses: 127.0.0.1, where its daemon starts late,
+    and one no connection can go to (network unreachable). While the root is not up, the
+    loop's error for the name is a plain OSError ('Multiple exceptions: ... Connection
+    refused, ... Network is unreachable'), since its addresses failed in two ways: the member
+    must dial again all the same (before: rank 1 was refused at once, PeerLost), and the
+    world forms once the root is up."""
+    tmp = short_tmpdir()
+    port = _unused_port()
+    under = hosts_where(tmp, "commd-root", ["255.255.255.255", "127.0.0.1"])
+    member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, under=under, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST])
+    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
+        "--peer-listen", f"127.0.0.1:{port}", "--peer-name", "R", *FAST])
+    comms: list[DaemonBackend] = []
+    try:
+        member.start()
+        with ThreadPoolExecutor(1) as threads:
+            joining = threads.submit(DaemonBackend, str(member.socket_path), world := world_name(), 1, 2,
+                                     timeout=20, bootstrap=f"commd-root:{port}")
+            time.sleep(0.5)
+            assert not joining.done(), joining.exception()
+            late_root.start()
+            comms.append(DaemonBackend(str(late_root.socket_path), world, 0, 2, timeout=20,
+                                       bootstrap=f"127.0.0.1:{port}"))
+            comms.append(joining.result(20))
+        assert [c.epoch for c in comms] == [1, 1] and summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+        late_root.stop()
+        member.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
