@@ -173,7 +173,7 @@ class NetMembership:
                                                        f"{timeout_s:g}s; is its daemon running?)") from None
                 if backoff.tries == 1:
                     log.info("world %s: %s; dialing again for up to %gs", self._world.name, exc.message,
-                             timeout_s)
+                             timeout_s, extra=self._world.log_extra(rank))
                 # (the last pause ends at the deadline, with one more try: giving up when the next
                 # pause would pass it gave up as much as a whole pause, up to 1 s, early)
                 await asyncio.sleep(min(backoff.pause(), left))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -1567,3 +1568,23 @@ def test_a_member_waits_for_a_root_whose_name_has_an_address_that_fails_otherwis
         late_root.stop()
         member.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_member_dialing_a_root_not_up_says_so_once_a_rank_in_a_line_of_its_world(tmp_path: Path) -> None:
+    """The line saying a member dials its root again is a world's, logged once for the
+    rank's dialing: in JSON it carries the world and the rank, as every line about a world
+    does, for a pipeline to select (before: no world, no rank)."""
+    tmp, address, world = short_tmpdir(), f"127.0.0.1:{_unused_port()}", world_name()
+    with (tmp_path / "member.log").open("wb") as log:
+        member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="INFO", args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", "B", "--log-format", "json", *FAST])
+        try:
+            with member, pytest.raises(CommTimeout, match="is its daemon running"):
+                DaemonBackend(str(member.socket_path), world, 1, 2, timeout=0.6, bootstrap=address)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    lines = [json.loads(line) for line in (tmp_path / "member.log").read_text().splitlines()]
+    dialing = [line for line in lines if "dialing again" in line["message"]]
+    assert [(line["world"], line["rank"], line["level"]) for line in dialing] == [(world, 1, "INFO")], lines
+    assert dialing[0]["message"] == (f"world {world}: cannot reach the daemon at {address}: [Errno 111] "
+                                     "Connection refused; dialing again for up to 0.6s")
