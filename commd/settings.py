@@ -241,13 +241,16 @@ def _fields(parsed: dict[str, Any], values: dict[str, Value],
 
 
 def _secret(path: str | None, value: Value | None, environ: Mapping[str, str]) -> bytes | None:
-    """A secret file named by a flag or the environment beats $COMMD_PEER_SECRET, which
-    beats one named in the config file (the environment overrides the file)."""
-    if path and value is not None and not value.from_file:
-        return read_secret_file(path)
-    if environ.get(SECRET_ENV):
+    if _secret_from_env(value, environ):
         return os.fsencode(environ[SECRET_ENV])  # (bytes as given, UTF-8 or not)
     return read_secret_file(path) if path else None
+
+
+def _secret_from_env(value: Value | None, environ: Mapping[str, str]) -> bool:
+    """Whether $COMMD_PEER_SECRET gives the secret: a secret file named by a flag or the
+    environment beats it, and it beats one named in the config file (the environment
+    overrides the file)."""
+    return bool(environ.get(SECRET_ENV)) and (value is None or value.from_file)
 
 
 def _group_ids(names: tuple[str, ...], value: Value | None) -> frozenset[int]:
@@ -267,10 +270,11 @@ def _located(exc: ConfigError, values: dict[str, Value], environ: Mapping[str, s
     """`exc`, saying where the value it names came from."""
     name = KEY_OF_FIELD.get(exc.key or "", exc.key)
     value = values.get(name or "")
+    # (the variable may have beaten a file the config names: that file is not to blame)
+    if name == "peer_secret_file" and _secret_from_env(value, environ):
+        return ConfigError(f"{exc} (from ${SECRET_ENV})", key=name)
     if value is not None:
         return ConfigError(f"{exc} ({name} = {value.raw!r} from {value.source})", key=name)
-    if name == "peer_secret_file" and environ.get(SECRET_ENV):
-        return ConfigError(f"{exc} (from ${SECRET_ENV})", key=name)
     return exc
 
 

@@ -265,6 +265,23 @@ def test_config_errors_exit_2_naming_key_and_source(tmp: Path, toml: str | bytes
     assert not (tmp / "c.sock").exists()
 
 
+def test_a_short_secret_is_blamed_on_the_variable_that_gave_it(tmp: Path) -> None:
+    """$COMMD_PEER_SECRET beats a peer_secret_file the config file names, and a secret too
+    short from it was blamed on the file ('(peer_secret_file = ... from commd.toml)'), whose
+    secret is fine: the operator was sent to look in the wrong place."""
+    secret = tmp / "peer.secret"
+    secret.write_text("0123456789abcdef0123\n")
+    secret.chmod(0o600)
+    config = tmp / "commd.toml"
+    config.write_text(f'peer_secret_file = "{secret}"\n')
+    cmd = [sys.executable, "-m", "commd", "serve", "--config", str(config), "--socket", str(tmp / "c.sock")]
+    done = subprocess.run(cmd, env=child_env(COMMD_PEER_SECRET="short"), capture_output=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.decode() == ("commd: configuration error: peer secret: must be at least 16 bytes "
+                                    "(from $COMMD_PEER_SECRET)\n")
+    assert not (tmp / "c.sock").exists()
+
+
 def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
     """(before: a traceback, exit 1)"""
     secret = tmp / "secret"
