@@ -67,7 +67,13 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
                 raise ConfigError(f"socket: cannot probe {path}: {exc}") from None
         finally:
             probe.close()
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # (gone since the probe: nothing to replace)
+        except OSError as exc:
+            raise ConfigError(f"socket: cannot remove the stale socket file {path} (no daemon listens "
+                              f"there): {exc.strerror}", key="socket_path") from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         old_umask = os.umask(0o117)  # the file is born 0660: no window where others may connect

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import shutil
@@ -102,6 +103,42 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
             assert query_status(str(path), 5)["pid"] == first.pid
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _bound_by_file_modes() -> None:
+    """(In the child, before exec.) Root keeps no capability that overrides file modes, so a
+    directory's mode refuses it as it would the service's user (PR_CAPBSET_DROP: exec leaves
+    root only what the bounding set holds)."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+            if libc.prctl(24, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_stale_socket_the_daemon_may_not_remove_is_a_configuration_error() -> None:
+    """A stale socket file in a directory the daemon may not write (a daemon run as another
+    user left it there) stopped start-up with a PermissionError traceback, exit 1."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    path.parent.mkdir(mode=0o750)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(str(path))
+    stale.close()
+    path.parent.chmod(0o550)
+    try:
+        done = subprocess.run([sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(path)],
+                              capture_output=True, text=True, timeout=30, preexec_fn=_bound_by_file_modes)
+    except subprocess.SubprocessError as exc:
+        pytest.skip(f"cannot give up the capabilities that override file modes: {exc}")
+    finally:
+        path.parent.chmod(0o750)
+        left = path.exists()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"commd: configuration error: socket: cannot remove the stale socket file {path} "
+                           "(no daemon listens there): Permission denied\n")
+    assert left
 
 
 def test_a_stopped_daemon_whose_backlog_is_full_is_not_taken_for_a_stale_socket() -> None:
