@@ -106,6 +106,7 @@ class Server:
         self._refusals = Throttled(log)
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
+        self._socket_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we bound
         self._started = time.time()
         self.metrics_address: str | None = None  # where /metrics is served, once it is
         budget = MemoryBudget(config.max_daemon_mappings, config.max_daemon_bytes)
@@ -117,6 +118,7 @@ class Server:
         if inherited is None:
             self._listener = bind_socket(self.config.socket_path)
             self._owns_path = True
+            self._socket_file = _file_id(self.config.socket_path)
         else:
             self._listener = inherited
             bound = inherited.getsockname()
@@ -221,7 +223,9 @@ class Server:
             loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
-            if self._owns_path:
+            # Only the file we bound: once ours was removed, the path may be another daemon's,
+            # live, whose clients would lose it
+            if self._owns_path and _file_id(self.config.socket_path) == self._socket_file:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.config.socket_path)
         message = "the daemon is shutting down"
@@ -232,6 +236,14 @@ class Server:
             session.channel.close("shutdown", discard_input=True)
         self.engine.close()
         self._closer.stop()
+
+
+def _file_id(path: os.PathLike[str] | str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13

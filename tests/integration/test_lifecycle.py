@@ -105,6 +105,23 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_stopping_daemon_leaves_the_socket_file_of_the_daemon_that_replaced_it() -> None:
+    """A daemon whose socket file was removed (by hand, by a cleaner of old files) and bound
+    again by a second daemon removed the second's file as it stopped: the second, still
+    serving, could no longer be reached (status: 'No such file or directory')."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    try:
+        with DaemonProcess(path) as first:
+            path.unlink()
+            with DaemonProcess(path) as second:
+                assert first.stop() == 0
+                assert query_status(str(path), 5)["pid"] == second.pid
+            assert not path.exists()  # its own file, the second removes
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _bound_by_file_modes() -> None:
     """(In the child, before exec.) Root keeps no capability that overrides file modes, so a
     directory's mode refuses it as it would the service's user (PR_CAPBSET_DROP: exec leaves
