@@ -91,8 +91,16 @@ def _list(item: Parser) -> Parser:
     return parse
 
 
+def _file(value: Any, text: bool = False) -> str:
+    """A file's path: a name, and not empty (the system takes "" for "." or for no file)."""
+    path = _name(value)
+    if not path:
+        raise ValueError("an empty path names no file")
+    return path
+
+
 def _path(value: Any, text: bool) -> Path:
-    return Path(_name(value))
+    return Path(_file(value))
 
 
 def _upper(value: Any, text: bool) -> str:
@@ -127,7 +135,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("metrics_listen", _address, "metrics_listen"),
     Key("peer_listen", _address, "peer_listen"),
     Key("peer_name", _text, "peer_name"),
-    Key("peer_secret_file", _name, None),
+    Key("peer_secret_file", _file, None),
     Key("peer_heartbeat", _float, "peer_heartbeat_s"),
     Key("peer_window", _float, "peer_window_s"),
     Key("hello_timeout", _float, "hello_timeout_s"),

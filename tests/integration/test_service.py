@@ -248,6 +248,11 @@ def test_config_layers_and_json_logs_through_a_real_daemon(tmp: Path, pool: Rank
     ('allow_groups = ["a\\u0000b"]\n', {}, (), ["allow_groups", "NUL"]),
     ('peer_secret_file = "/tmp/a\\u0000b"\n', {}, (), ["peer_secret_file", "NUL"]),
     ("", {}, ("--socket", "{tmp}/commd.toml/c.sock"), ["socket", "cannot create the directory"]),
+    # an empty path: before, the socket was "." ('socket: . exists and is not a socket'), and the
+    # variable silently took away the secret file the config names ('peer_listen: needs a secret')
+    ("", {}, ("--socket", ""), ["socket (from --socket)", "an empty path"]),
+    ('peer_secret_file = "/etc/commd/peer.secret"\n', {"COMMD_PEER_SECRET_FILE": ""},
+     ("--peer-listen", "127.0.0.1:0"), ["peer_secret_file (from $COMMD_PEER_SECRET_FILE)", "an empty path"]),
 ])
 def test_config_errors_exit_2_naming_key_and_source(tmp: Path, toml: str | bytes | None, env: dict[str, str],
                                                     args: tuple[str, ...], words: list[str]) -> None:
