@@ -43,12 +43,22 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
     """Bind a SEQPACKET listener at `path`, replacing a stale socket file, never a live one."""
     path = os.fspath(path)
     parent = os.path.dirname(path) or "."
-    if not os.path.isdir(parent):
+    # Each directory made, not only the socket's own (makedirs gives those above it the umask's
+    # mode: 0700 shuts the group's workers out, 0770 lets them move the socket's directory)
+    missing = []
+    while parent and not os.path.isdir(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for directory in reversed(missing):
         try:
-            os.makedirs(parent, mode=0o750, exist_ok=True)
-            os.chmod(parent, 0o750)
+            os.mkdir(directory, 0o750)
+            os.chmod(directory, 0o750)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise ConfigError(f"socket: cannot create the directory {directory}: a file is there",
+                                  key="socket_path") from None
         except OSError as exc:
-            raise ConfigError(f"socket: cannot create the directory {parent}: {exc.strerror}",
+            raise ConfigError(f"socket: cannot create the directory {directory}: {exc.strerror}",
                               key="socket_path") from None
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):

@@ -9,6 +9,7 @@ import resource
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -102,6 +103,28 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
             assert "another daemon is listening" in second.stderr
             assert query_status(str(path), 5)["pid"] == first.pid
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o007])
+def test_every_directory_the_daemon_makes_for_its_socket_is_0750(umask: int) -> None:
+    """Only the socket's own directory was made 0750; those above it took the umask: 0700
+    under a umask of 077 (the group's workers could not reach the socket), 0770 under the
+    unit's 0007 (a worker could move the socket's directory away and put its own there)."""
+    tmp = short_tmpdir()
+    top = Path(tmp) / "a"
+    before = os.umask(umask)  # (the daemon inherits it)
+    try:
+        daemon = DaemonProcess(top / "b" / "run" / "commd.sock").start()
+    finally:
+        os.umask(before)
+    try:
+        modes = {str(d.relative_to(tmp)): stat.S_IMODE(d.stat().st_mode)
+                 for d in (top, top / "b", top / "b" / "run")}
+        assert modes == {"a": 0o750, "a/b": 0o750, "a/b/run": 0o750}
+        assert stat.S_IMODE((top / "b" / "run" / "commd.sock").stat().st_mode) == 0o660
+    finally:
+        daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
