@@ -47,11 +47,17 @@ def _status(args: argparse.Namespace) -> int:
     info = query_status(str(socket), args.timeout, args.world)
     try:
         # one world asked for: its whole flight recorder as sent (the last 8 calls per rank)
-        print(json.dumps(info, indent=2, allow_nan=False) if args.json
-              else render_status(info, 8 if args.world else 1))
+        report = (json.dumps(info, indent=2, allow_nan=False) if args.json
+                  else render_status(info, 8 if args.world else 1))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a daemon of another version?
         raise ProtocolError(f"the daemon's status report is not what this commd reads: "
                             f"{type(exc).__name__}: {exc}") from None
+    try:
+        print(report, flush=True)
+    except BrokenPipeError:  # the reader went away (`commd status | head`): nobody to tell
+        # (the interpreter's last flush would meet the pipe again, and say so)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a command that SIGPIPE ended
     return 0
 
 

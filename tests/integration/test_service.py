@@ -348,6 +348,24 @@ def run_cli(*args: str, **env: str) -> str:
     return done.stdout.decode()
 
 
+@pytest.mark.parametrize("args", [["--json"], []])
+def test_status_into_a_pipe_whose_reader_went_away_says_nothing_more(tmp: Path, args: list[str]) -> None:
+    """`commd status --json | head -c 10` printed a BrokenPipeError traceback (exit 1), and
+    the text report 'Exception ignored ... BrokenPipeError' (exit 120), once the report was
+    more than head read; here the reader is gone before the report is written."""
+    with DaemonProcess(tmp / "commd.sock") as daemon:
+        sock = str(daemon.socket_path)
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            done = subprocess.run([sys.executable, "-m", "commd", "status", "--socket", sock, *args],
+                                  env=child_env(), stdout=write, stderr=subprocess.PIPE, timeout=30)
+        finally:
+            os.close(write)
+        assert json.loads(run_cli("status", "--json", "--socket", sock))["pid"] == daemon.pid
+    assert (done.returncode, done.stderr) == (141, b"")
+
+
 def test_status_asks_the_socket_the_daemons_settings_name(tmp: Path) -> None:
     """`commd status` asked /run/commd/commd.sock whatever the config file or $COMMD_SOCKET
     (which a unit's Environment= sets) told the daemon."""
