@@ -60,10 +60,17 @@ def read_small_file(path: str, limit: int, what: str, key: str | None = None) ->
     return data
 
 
+def secret_of(given: bytes) -> bytes:
+    """The secret in what a file or $COMMD_PEER_SECRET holds: a file's trailing newline
+    (`openssl rand -hex 32 > file`) is not part of it, and the same text given either way
+    must be the same secret, or the daemons refuse each other."""
+    return given.strip()
+
+
 def read_secret_file(path: str) -> bytes:
     """The shared peer secret, from a file: never from the command line, where `ps` would
     show it, nor from the config file itself, which is world-readable more often than not."""
-    secret = read_small_file(path, 4096, "peer secret file", key="peer_secret_file").strip()
+    secret = secret_of(read_small_file(path, 4096, "peer secret file", key="peer_secret_file"))
     if not secret:
         raise ConfigError(f"peer secret file {path} is empty", key="peer_secret_file")
     return secret

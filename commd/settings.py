@@ -30,6 +30,7 @@ from .config import (
     flag_of,
     read_secret_file,
     read_small_file,
+    secret_of,
 )
 from .errors import ConfigError
 
@@ -250,7 +251,7 @@ def _fields(parsed: dict[str, Any], values: dict[str, Value],
 
 def _secret(path: str | None, value: Value | None, environ: Mapping[str, str]) -> bytes | None:
     if _secret_from_env(value, environ):
-        return os.fsencode(environ[SECRET_ENV])  # (bytes as given, UTF-8 or not)
+        return secret_of(os.fsencode(environ[SECRET_ENV]))  # (its bytes, UTF-8 or not)
     return read_secret_file(path) if path else None
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from commd.launch import DaemonProcess
 from commd.status import query_status
-from tests.integration import service_workers
+from tests.integration import service_workers, workers
+from tests.integration.data import make_input
 from tests.integration.harness import RankPool, scrape, short_tmpdir, wait_until, world_name
 
 pytestmark = pytest.mark.timeout(60)
@@ -285,6 +286,26 @@ def test_a_short_secret_is_blamed_on_the_variable_that_gave_it(tmp: Path) -> Non
     assert done.stderr.decode() == ("commd: configuration error: peer secret: must be at least 16 bytes "
                                     "(from $COMMD_PEER_SECRET)\n")
     assert not (tmp / "c.sock").exists()
+
+
+def test_one_secret_given_as_a_file_or_a_variable_is_one_secret(tmp: Path, pool: RankPool) -> None:
+    """A secret file's trailing newline (`openssl rand -hex 32 > file`) is not part of the
+    secret; the same text in $COMMD_PEER_SECRET (a Kubernetes Secret made from that file and
+    passed with secretKeyRef) kept it: the daemons refused each other, 'daemon A does not
+    hold our secret'."""
+    secret = tmp / "peer.secret"
+    secret.write_text("0123456789abcdef0123\r\n")
+    secret.chmod(0o600)
+    with DaemonProcess(tmp / "A" / "commd.sock", args=["--peer-secret-file", str(secret), "--peer-name", "A",
+                                                       "--peer-listen", "127.0.0.1:0"]) as a, \
+            DaemonProcess(tmp / "B" / "commd.sock", args=["--peer-name", "B"],
+                          env={"COMMD_PEER_SECRET": "0123456789abcdef0123\n"}) as b:
+        root = a.peer_address()
+        world = world_name("secret")
+        outcomes = pool.run(workers.all_reduce, [(f"{d.socket_path}@{root}", world, r, 2, 5, "i32", "sum", 3)
+                                                 for r, d in enumerate((a, b))])
+    inputs = [make_input(3, r, 5, "i32", "sum") for r in range(2)]
+    assert [o.unwrap() for o in outcomes] == [(inputs[0] + inputs[1]).tobytes()] * 2
 
 
 def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
