@@ -37,6 +37,10 @@ from .world import WorldState
 
 log = logging.getLogger("commd.server")
 _UCRED = struct.Struct("3i")
+# Connections past max_connections that may still ask for the status, never join: a daemon
+# full of workers must answer `commd status`, the probe that tells a supervisor it lives
+# (a Kubernetes liveness probe failing there restarts it, failing every world it serves)
+STATUS_HEADROOM = 4
 
 
 def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
@@ -182,11 +186,15 @@ class Server:
         if uid not in self.config.allow_uids and gid not in allowed and not (
                 allowed and allowed & supplementary_groups(sock, pid)):
             return ErrorCode.PERMISSION, f"uid {uid} / gid {gid} may not use this daemon"
-        if len(self.sessions) >= self.config.max_connections:
-            return ErrorCode.LIMIT, f"the daemon holds its limit of {self.config.max_connections} connections"
+        if len(self.sessions) >= self.config.max_connections + STATUS_HEADROOM:
+            return ErrorCode.LIMIT, self._full()
         return None
 
+    def _full(self) -> str:
+        return f"the daemon holds its limit of {self.config.max_connections} connections"
+
     def _open_session(self, sock: socket.socket, pid: int) -> None:
+        status_only = len(self.sessions) >= self.config.max_connections
         def make_channel(session: Session) -> PacketChannel:
             def closed(reason: str) -> None:
                 self.sessions.discard(session)
@@ -195,7 +203,7 @@ class Server:
             return PacketChannel(sock, proto.MAX_MESSAGE_BYTES, self.config.max_queued_replies,
                                  session.on_packet, closed, self._lingering, self._closer)
 
-        self.sessions.add(Session(self._ctx, pid, make_channel))
+        self.sessions.add(Session(self._ctx, pid, make_channel, self._full() if status_only else None))
 
     def status(self) -> dict[str, Any]:
         return {

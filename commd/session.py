@@ -100,10 +100,13 @@ def _newest_calls(world: dict[str, Any], calls: int) -> dict[str, Any]:
 
 
 class Session:
-    def __init__(self, ctx: DaemonContext, pid: int,
-                 make_channel: Callable[[Session], PacketChannel]) -> None:
+    def __init__(self, ctx: DaemonContext, pid: int, make_channel: Callable[[Session], PacketChannel],
+                 hello_refused: str | None = None) -> None:
+        """`hello_refused`: why this connection may not join (it came past the connection
+        limit), though it may ask for the status."""
         self._ctx = ctx
         self.peer_pid = pid
+        self._hello_refused = hello_refused
         self._conn = proto.Connection(proto.Role.DAEMON)
         self._buffers: dict[int, MemoryMapping] = {}
         # what this connection really maps: self._buffers and the forgotten ones a call
@@ -172,6 +175,9 @@ class Session:
             log.exception("bug while handling %s from pid %d", type(msg).__name__, self.peer_pid)
             self.send(proto.Error(request_id, ErrorCode.INTERNAL, clip(f"daemon bug: {exc!r}")))
             self.channel.close("internal error")
+        if self._hello_refused is not None and not self.channel.closed:
+            # one answer each past the limit: a client asking on would hold that room for good
+            self.channel.close("answered past the connection limit", linger=True)
 
     def _stop_silence_watch(self) -> None:
         if self._silent is not None:
@@ -215,6 +221,8 @@ class Session:
     # ---- handlers ---------------------------------------------------------------
 
     def _hello(self, msg: proto.Hello, fds: list[int]) -> None:
+        if self._hello_refused is not None:
+            raise CallError(ErrorCode.LIMIT, self._hello_refused)
         if msg.version != proto.PROTOCOL_VERSION:
             raise CallError(ErrorCode.VERSION,
                             f"protocol version {msg.version} is not supported; "

@@ -3,10 +3,13 @@ replies each give a clear LimitExceeded (or drop only the hoarder); others go on
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ import proto
 from client import DaemonBackend, LimitExceeded, hostmem
 from commd.engine.hostmemory import create_memfd
 from commd.launch import DaemonProcess
+from commd.server import STATUS_HEADROOM
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration.harness import held_at_rest, memfd_mappings, short_tmpdir, world_name
@@ -71,6 +75,48 @@ def test_connections(tight: DaemonProcess, steady_t: Steady, fault_report: Fault
     connect_once_there_is_room(sock)  # the daemon reads the closes in its own time
     fault_report.add("a client opens connections past the limit: LimitExceeded", float("nan"),
                      float("nan"), steady_t.errors() - unrelated, "none (room again once closed)")
+
+
+def test_a_daemon_at_its_connection_limit_still_answers_commd_status(tight: DaemonProcess,
+                                                                     steady_t: Steady) -> None:
+    """Past max_connections every connection was refused at once, `commd status` too: a daemon
+    full of workers failed the liveness probe deploy/kubernetes runs (`commd status`), and the
+    kubelet restarted it, failing every world it served. A few connections past the limit
+    may ask for the status (each closed once answered); a hello there is refused as before."""
+    sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
+    held = [RawClient(sock) for _ in range(6)]  # with the steady world's two: all 8
+    try:
+        for client in held:
+            assert isinstance(client.join(world_name()), proto.Welcome)
+        done = subprocess.run([sys.executable, "-m", "commd", "status", "--json", "--socket", sock],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert (report["pid"], report["connections"], report["ranks_connected"]) == (tight.pid, 9, 8)
+        with pytest.raises(LimitExceeded, match="limit of 8 connections"):
+            DaemonBackend(sock, world_name(), 0, 1, timeout=5)
+        # the room past the limit is bounded: 4 more connections, and the next is refused at once
+        past = [RawClient(sock) for _ in range(STATUS_HEADROOM + 1)]
+        try:
+            refused = past[-1].error()
+            assert refused.code is ErrorCode.LIMIT and "limit of 8 connections" in refused.message
+            # one asking for the status is answered, then closed: it holds no room for good
+            past[0].send(proto.StatusQuery(1))
+            answer = past[0].recv()
+            assert isinstance(answer, proto.StatusReport) and answer.info["pid"] == tight.pid
+            assert past[0].closed()
+            past[1].send(proto.StatusQuery(1, "no-such-world"))
+            assert past[1].error().code is ErrorCode.UNKNOWN_WORLD
+            assert past[1].closed()
+        finally:
+            for client in past:
+                client.close()
+    finally:
+        for client in held:
+            client.close()
+    connect_once_there_is_room(sock)
+    assert steady_t.errors() == unrelated
 
 
 def test_a_connection_that_says_nothing_is_closed_with_a_timeout(tight: DaemonProcess,
