@@ -11,7 +11,7 @@ import proto
 def query_status(socket_path: str, timeout: float, world: str | None = None) -> dict[str, Any]:
     """The daemon's status report, or one world's (raises client errors: unreachable,
     unknown world)."""
-    from client.errors import ProtocolError, from_code
+    from client.errors import CommTimeout, ProtocolError, from_code
     from client.transport import Transport
 
     def ignore(event: proto.Event, transport: Transport) -> None:
@@ -21,6 +21,8 @@ def query_status(socket_path: str, timeout: float, world: str | None = None) -> 
     try:
         reply, _ = transport.request(proto.StatusQuery(transport.next_id(), world),
                                      time.monotonic() + timeout)
+    except CommTimeout:  # (the transport's words name no daemon: a probe's log must)
+        raise CommTimeout(f"the daemon at {socket_path} did not answer within {timeout:g}s") from None
     finally:
         transport.close()
     if isinstance(reply, proto.Error):

@@ -234,6 +234,23 @@ def test_status_reports_worlds_and_refuses_unknown_ones(pool: RankPool,
     assert all(o.unwrap()[0] == "DaemonShutdown" for o in pool.collect(started, 20))
 
 
+def test_status_of_a_daemon_that_does_not_answer_says_which_and_how_long(own_daemon: DaemonProcess) -> None:
+    """A stopped (or wedged) daemon's `commd status` said 'CommTimeout: the call did not
+    complete before its deadline': no daemon, no wait named, in a liveness probe's log."""
+    sock = str(own_daemon.socket_path)
+    os.kill(own_daemon.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "commd", "status", "--socket", sock, "--timeout", "1"],
+                              capture_output=True, text=True, timeout=30)
+        waited = time.monotonic() - started
+    finally:
+        os.kill(own_daemon.pid, signal.SIGCONT)
+    assert done.returncode == 1 and waited < 10
+    assert done.stderr == f"commd: CommTimeout: the daemon at {sock} did not answer within 1s\n"
+    assert query_status(sock, 5)["pid"] == own_daemon.pid
+
+
 def test_threads_share_one_backend(pool: RankPool, sock: str) -> None:
     world = world_name()
     _, rank1 = [o.unwrap() for o in pool.run(workers.threads_share_a_backend,
