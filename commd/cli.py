@@ -33,7 +33,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = load_config(vars(args), os.environ, args.config)
     setup_logging(config.log_level, config.log_format)
-    return run(config)
+    try:
+        return run(config)
+    except ConfigError as exc:
+        raise config.located(exc) from None
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,9 @@ class ServerConfig:
     # the longest a call may stay open before it fails its world, whatever its rank's
     # timeout asks (None: as it asks; recv_command_u32 waits without one all the same)
     max_call_timeout_s: float | None = None
+    # where each key given came from ("metrics_listen = '...' from /etc/commd/commd.toml"), for
+    # errors found only as the daemon starts (a port in use), after the settings were read
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("engine", self.engine, ENGINES),
@@ -174,12 +178,19 @@ class ServerConfig:
             raise ConfigError(f"socket: path {self.socket_path} is longer than a Unix socket allows",
                               key="socket_path")
 
+    def located(self, exc: ConfigError) -> ConfigError:
+        """`exc`, found as the daemon started, saying where the value it blames came from."""
+        where = self.sources.get(KEY_OF_FIELD.get(exc.key or "", exc.key or ""))
+        return exc if where is None else ConfigError(f"{exc} ({where})", key=exc.key)
+
     def public(self) -> dict[str, Any]:
         """The settings by key name, as plain data for `commd status`; of the secret only
         whether it is set."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "sources":
+                continue
             if f.name == "peer_secret":
                 out["peer_secret_set"] = value is not None
                 continue

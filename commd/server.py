@@ -66,19 +66,19 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
                               key="socket_path") from None
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise ConfigError(f"socket: {path} exists and is not a socket")
+            raise ConfigError(f"socket: {path} exists and is not a socket", key="socket_path")
         # Non-blocking: a listener whose backlog is full (a stopped daemon) made a blocking
         # connect wait for good, and start-up with it, without a word
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
         try:
             probe.connect(path)
-            raise ConfigError(f"socket: another daemon is listening on {path}")
+            raise ConfigError(f"socket: another daemon is listening on {path}", key="socket_path")
         except BlockingIOError:
             raise ConfigError(f"socket: another daemon is listening on {path} (its backlog is "
-                              "full: it does not accept connections)") from None
+                              "full: it does not accept connections)", key="socket_path") from None
         except OSError as exc:
             if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                raise ConfigError(f"socket: cannot probe {path}: {exc}") from None
+                raise ConfigError(f"socket: cannot probe {path}: {exc}", key="socket_path") from None
         finally:
             probe.close()
         try:

@@ -154,6 +154,9 @@ class Value:
     from_file: bool = False
     text: bool = False  # from the environment: a string to convert
 
+    def where(self, name: str) -> str:
+        return f"{name} = {self.raw!r} from {self.source}"
+
 
 def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
                 config_path: str | None) -> ServerConfig:
@@ -162,7 +165,8 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
     values = _layered(flags, environ, config_path)
     parsed = {name: _parse(KEYS[name], value) for name, value in values.items()}
     try:
-        return ServerConfig(**_fields(parsed, values, environ))
+        return ServerConfig(**_fields(parsed, values, environ),
+                            sources={name: value.where(name) for name, value in values.items()})
     except ConfigError as exc:
         raise _located(exc, values, environ) from None
 
@@ -277,13 +281,13 @@ def _group_ids(names: tuple[str, ...], value: Value | None) -> frozenset[int]:
 
 def _located(exc: ConfigError, values: dict[str, Value], environ: Mapping[str, str]) -> ConfigError:
     """`exc`, saying where the value it names came from."""
-    name = KEY_OF_FIELD.get(exc.key or "", exc.key)
-    value = values.get(name or "")
+    name = KEY_OF_FIELD.get(exc.key or "", exc.key or "")
+    value = values.get(name)
     # (the variable may have beaten a file the config names: that file is not to blame)
     if name == "peer_secret_file" and _secret_from_env(value, environ):
         return ConfigError(f"{exc} (from ${SECRET_ENV})", key=name)
     if value is not None:
-        return ConfigError(f"{exc} ({name} = {value.raw!r} from {value.source})", key=name)
+        return ConfigError(f"{exc} ({value.where(name)})", key=name)
     return exc
 
 

@@ -177,7 +177,8 @@ def test_a_stale_socket_the_daemon_may_not_remove_is_a_configuration_error() -> 
         shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 2, done.stderr
     assert done.stderr == (f"commd: configuration error: socket: cannot remove the stale socket file {path} "
-                           "(no daemon listens there): Permission denied\n")
+                           "(no daemon listens there): Permission denied "
+                           f"(socket = '{path}' from --socket)\n")
     assert left
 
 

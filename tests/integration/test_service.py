@@ -324,6 +324,29 @@ def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
     assert not (tmp / "c.sock").exists()
 
 
+@pytest.mark.parametrize("where", ["file", "env"])
+def test_a_port_in_use_names_where_its_setting_came_from(tmp: Path, where: str) -> None:
+    """A port in use is found only as the daemon starts, after the settings were read: the
+    error named the key but not where its value came from (by hand on a host whose
+    /etc/commd/commd.toml sets metrics_listen, nothing on the command line said so)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config = tmp / "commd.toml"
+        config.write_text(f'metrics_listen = "{address}"\n' if where == "file" else "")
+        env = {"COMMD_METRICS_LISTEN": address} if where == "env" else {}
+        done = subprocess.run([sys.executable, "-m", "commd", "serve", "--config", str(config),
+                               "--socket", str(tmp / "c.sock")], env=child_env(**env), capture_output=True,
+                              timeout=30)
+    err = done.stderr.decode()
+    source = str(config) if where == "file" else "$COMMD_METRICS_LISTEN"
+    assert done.returncode == 2, err
+    assert err.startswith(f"commd: configuration error: metrics_listen: cannot listen on {address}: "), err
+    assert err.endswith(f" (metrics_listen = '{address}' from {source})\n"), err
+    assert not (tmp / "c.sock").exists()
+
+
 # ---- status and metrics ------------------------------------------------------------------
 
 
