@@ -61,6 +61,10 @@ def _status(args: argparse.Namespace) -> int:
         # (the interpreter's last flush would meet the pipe again, and say so)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a command that SIGPIPE ended
+    except OSError as exc:  # a full disk: say so (the report cannot be had otherwise)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"commd: cannot write the status report: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

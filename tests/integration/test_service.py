@@ -410,6 +410,16 @@ def test_status_into_a_pipe_whose_reader_went_away_says_nothing_more(tmp: Path, 
     assert (done.returncode, done.stderr) == (141, b"")
 
 
+def test_status_onto_a_full_disk_says_why_it_could_not_write(tmp: Path) -> None:
+    """`commd status > /dev/full` printed 'Exception ignored ... OSError: [Errno 28]' and
+    exited 120: the report was lost with no line an operator reads as the reason."""
+    with DaemonProcess(tmp / "commd.sock") as daemon, open("/dev/full", "wb") as full:
+        done = subprocess.run([sys.executable, "-m", "commd", "status", "--socket", str(daemon.socket_path)],
+                              env=child_env(), stdout=full, stderr=subprocess.PIPE, timeout=30)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == b"commd: cannot write the status report: No space left on device\n"
+
+
 def test_status_asks_the_socket_the_daemons_settings_name(tmp: Path) -> None:
     """`commd status` asked /run/commd/commd.sock whatever the config file or $COMMD_SOCKET
     (which a unit's Environment= sets) told the daemon."""
