@@ -45,6 +45,7 @@ def test_service_is_notify_with_watchdog_and_restart() -> None:
     assert one(service, "NotifyAccess") == "main"
     assert re.fullmatch(r"\d+s?", one(service, "WatchdogSec"))
     assert one(service, "Restart") == "on-failure"
+    assert one(service, "RestartPreventExitStatus") == "2"  # what `commd serve` exits with on bad config
     assert one(service, "ExecStart") == "/opt/commd/venv/bin/commd serve --config /etc/commd/commd.toml"
 
 
