@@ -21,7 +21,7 @@ def create_engine(name: str, threads: int | None = None) -> Engine:
             engine = NcclEngine(load())
         except GpuError as exc:
             if name == "nccl":
-                raise ConfigError(f"engine 'nccl' is not available here: {exc}") from None
+                raise ConfigError(f"engine 'nccl' is not available here: {exc}", key="engine") from None
             log.info("engine auto: host (NCCL is not usable here: %s)", exc)
         else:
             if name == "auto":
@@ -31,4 +31,4 @@ def create_engine(name: str, threads: int | None = None) -> Engine:
         from .host import HostEngine
 
         return HostEngine(threads=threads)
-    raise ConfigError(f"engine {name!r} is not one of host, nccl, auto")
+    raise ConfigError(f"engine {name!r} is not one of host, nccl, auto", key="engine")

@@ -254,6 +254,10 @@ def test_config_layers_and_json_logs_through_a_real_daemon(tmp: Path, pool: Rank
     ("", {}, ("--socket", ""), ["socket (from --socket)", "an empty path"]),
     ('peer_secret_file = "/etc/commd/peer.secret"\n', {"COMMD_PEER_SECRET_FILE": ""},
      ("--peer-listen", "127.0.0.1:0"), ["peer_secret_file (from $COMMD_PEER_SECRET_FILE)", "an empty path"]),
+    # found only as the daemon starts (no GPU to be seen: none here, and none where the variable
+    # hides them); before, with no word of where 'nccl' came from
+    ('engine = "nccl"\n', {"CUDA_VISIBLE_DEVICES": ""}, (),
+     ["engine 'nccl' is not available here", "(engine = 'nccl' from"]),
 ])
 def test_config_errors_exit_2_naming_key_and_source(tmp: Path, toml: str | bytes | None, env: dict[str, str],
                                                     args: tuple[str, ...], words: list[str]) -> None:
