@@ -1385,6 +1385,25 @@ def _unused_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def joined_before_the_root_starts(member: DaemonProcess, late_root: DaemonProcess, world: str,
+                                  member_bootstrap: str, root_bootstrap: str) -> list[DaemonBackend]:
+    """Rank 1 joins on `member` while nothing listens at the root's address; then `late_root`
+    starts and rank 0 joins on it: the two ranks' backends, the world formed."""
+    with ThreadPoolExecutor(1) as threads:
+        joining = threads.submit(DaemonBackend, str(member.socket_path), world, 1, 2, timeout=20,
+                                 bootstrap=member_bootstrap)
+        wait_until(lambda: world_status(member, world) is not None, "rank 1's world on the member")
+        time.sleep(0.5)  # (several dials refused meanwhile)
+        assert not joining.done(), joining.exception()
+        late_root.start()
+        first = DaemonBackend(str(late_root.socket_path), world, 0, 2, timeout=20, bootstrap=root_bootstrap)
+        try:
+            return [first, joining.result(20)]
+        except BaseException:
+            first.close()
+            raise
+
+
 def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[DaemonProcess]) -> None:
     """Daemons of one job start in no set order: rank 1 joins on B while nothing listens at
     the root's address yet; B dials it again until the join's timeout, so once the root
@@ -1397,16 +1416,7 @@ def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[Daemon
         "--peer-listen", address, "--peer-name", "R", *FAST])
     comms: list[DaemonBackend] = []
     try:
-        with ThreadPoolExecutor(1) as threads:
-            member = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=20,
-                                    bootstrap=address)
-            wait_until(lambda: world_status(b, world) is not None, "rank 1's world on B")
-            time.sleep(0.5)  # (several dials refused meanwhile)
-            assert not member.done(), member.exception()
-            late_root.start()
-            comms.append(DaemonBackend(str(late_root.socket_path), world, 0, 2, timeout=20,
-                                       bootstrap=address))
-            comms.append(member.result(20))
+        comms = joined_before_the_root_starts(b, late_root, world, address, address)
         assert [c.epoch for c in comms] == [1, 1] and summed_i32(comms) == [[3, 30], [3, 30]]
     finally:
         for comm in comms:
@@ -1552,15 +1562,8 @@ def test_a_member_waits_for_a_root_whose_name_has_an_address_that_fails_otherwis
     comms: list[DaemonBackend] = []
     try:
         member.start()
-        with ThreadPoolExecutor(1) as threads:
-            joining = threads.submit(DaemonBackend, str(member.socket_path), world := world_name(), 1, 2,
-                                     timeout=20, bootstrap=f"commd-root:{port}")
-            time.sleep(0.5)
-            assert not joining.done(), joining.exception()
-            late_root.start()
-            comms.append(DaemonBackend(str(late_root.socket_path), world, 0, 2, timeout=20,
-                                       bootstrap=f"127.0.0.1:{port}"))
-            comms.append(joining.result(20))
+        comms = joined_before_the_root_starts(member, late_root, world_name(), f"commd-root:{port}",
+                                              f"127.0.0.1:{port}")
         assert [c.epoch for c in comms] == [1, 1] and summed_i32(comms) == [[3, 30], [3, 30]]
     finally:
         for comm in comms:
