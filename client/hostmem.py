@@ -21,6 +21,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Collection
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .backend import as_ints
-from .errors import LimitExceeded, MisuseError
+from .errors import LimitExceeded, MisuseError, ProtocolError
 from .moves import Moves, despite_interrupts
 
 ReleaseListener = Callable[[int], None]
@@ -62,6 +63,31 @@ def _sealed_memfd(nbytes: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+_F_SEAL_FUTURE_WRITE = 0x10  # (Linux 5.1; Python's fcntl does not name it)
+
+
+def _unfit_memfd(fd: int, size: int) -> str | None:
+    """Why `fd` cannot back `size` bytes mapped shared and writable here for as long as the
+    mapping lives (None: it can). Touching a page past the file's end kills the process
+    with SIGBUS, so the file must hold them all now and be sealed so that it never holds
+    fewer; the checks are the daemon's for the worker's memory (HostMapping)."""
+    try:
+        # first, as it asks the file's filesystem nothing (a FUSE file's fstat may never end)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        info = os.fstat(fd)
+    except OSError:
+        return "is not a memfd"
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a memfd"
+    if info.st_size < size:
+        return f"holds {info.st_size} bytes, {size} were claimed"
+    if not seals & fcntl.F_SEAL_SHRINK:
+        return "is not sealed against shrinking (a shrink would kill this process)"
+    if seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        return "is sealed against writing"
+    return None
 
 
 class _Name:
@@ -290,7 +316,10 @@ class HostMemory:
 
     def adopt(self, fd: int, nbytes: int, buffer_id: int) -> HostBuffer:
         """Map a memfd made elsewhere (the daemon's symmetric_alloc) into this table; the
-        fd stays the caller's if this raises."""
+        fd stays the caller's if this raises. A ProtocolError if the fd is unfit for it."""
+        why = _unfit_memfd(fd, max(nbytes, 1))
+        if why is not None:
+            raise ProtocolError(f"the daemon's memory for buffer {buffer_id} {why}")
         return self._enter(HostBuffer(self, buffer_id, fd, nbytes, adopted=True))
 
     def _enter(self, buffer: HostBuffer) -> HostBuffer:

@@ -7,19 +7,27 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 import proto
+
+# What the stand-in sends for a request, in place of its own answer: packets, each with the
+# fds that ride beside it (a misbehaving daemon's, see RecordingDaemon.answer)
+Packets = list[tuple[bytes, list[int]]]
 
 
 class RecordingDaemon:
     """Welcomes every hello, answers every request Ok (a fresh value), records what came;
-    `drop()` closes the current connection (the daemon went away: the next call rejoins)."""
+    `drop()` closes the current connection (the daemon went away: the next call rejoins).
+    `answer`, if set, may answer a request in its place (the packets it returns are sent,
+    then their fds closed here; None: the usual answer), as a buggy or hostile daemon would."""
 
     def __init__(self, path: str) -> None:
         self.seen: list[tuple[int, object]] = []
         self.conns: list[socket.socket] = []
         self._values = itertools.count(1)
         self.gate: tuple[int, threading.Event, threading.Event] | None = None  # (buf, arrived, go)
+        self.answer: Callable[[proto.Message], Packets | None] | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(path)
         self._listener.listen(4)
@@ -51,6 +59,21 @@ class RecordingDaemon:
             if isinstance(msg, proto.Import) and self.gate is not None and msg.buf == self.gate[0]:
                 self.gate[1].set()  # its reply waits for the test
                 self.gate[2].wait(10)
+            packets = self.answer(msg) if self.answer is not None else None
+            if packets is not None:
+                try:
+                    for packet, sent in packets:
+                        if sent:
+                            socket.send_fds(conn, [packet], sent)
+                        else:
+                            conn.send(packet)
+                except OSError:
+                    pass  # (the client hung up, as it does on a packet it refuses)
+                finally:
+                    for _, sent in packets:
+                        for fd in sent:
+                            os.close(fd)
+                continue
             if isinstance(msg, proto.Hello):
                 reply: object = proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", n + 1,
                                               proto.MAX_MESSAGE_BYTES)

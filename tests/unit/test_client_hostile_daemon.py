@@ -1,0 +1,112 @@
+"""The client against a daemon that misbehaves (buggy, of another version, or hostile):
+every call ends in a typed CommError within its timeout, and the worker keeps its memory,
+its fds and its mappings as they were."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import proto
+from tests.integration.harness import short_tmpdir
+from tests.unit.standin import Packets, RecordingDaemon
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO = Path(__file__).resolve().parents[2]
+NBYTES = 64 * 1024
+
+# A worker: symmetric_alloc, then it writes every byte it was given (a memfd shorter than
+# its mapping kills it there with SIGBUS). Prints what it saw and what it held before/after.
+WORKER = r"""
+import ctypes, json, os, sys
+from client.daemon import DaemonBackend
+from client.errors import CommError
+from client.hostmem import HostMemory
+from tests.integration.harness import memfd_mappings, open_fds
+
+path, nbytes = sys.argv[1], int(sys.argv[2])
+held = lambda: (open_fds(), memfd_mappings(os.getpid()))
+before = held()
+with DaemonBackend(path, "w", 0, 1, timeout=5, memory=HostMemory(), cuda_driver=lambda: None) as comm:
+    try:
+        ptr = comm.symmetric_alloc(nbytes)
+    except CommError as exc:
+        outcome = [type(exc).__name__, str(exc)]
+    else:
+        ctypes.memset(ptr, 7, nbytes)
+        outcome = ["mapped", ctypes.string_at(ptr + nbytes - 1, 1).hex()]
+        comm.symmetric_free(ptr)
+print(json.dumps({"outcome": outcome, "before": before, "after": held()}))
+"""
+
+
+@pytest.fixture
+def standin() -> Iterator[tuple[RecordingDaemon, str]]:
+    tmp = short_tmpdir()
+    path = os.path.join(tmp, "d.sock")
+    fake = RecordingDaemon(path)
+    yield fake, path
+    fake.close()
+    os.unlink(path)
+    os.rmdir(tmp)
+
+
+def memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("standin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def read_end_of_a_pipe() -> int:
+    read, write = os.pipe()
+    os.close(write)
+    return read
+
+
+SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # as the daemon's are
+BAD_SYMMETRIC: dict[str, tuple[Callable[[], int], str]] = {
+    "smaller than it claims": (lambda: memfd(NBYTES // 2, SEALED), f"holds {NBYTES // 2} bytes"),
+    "not sealed against shrinking": (lambda: memfd(NBYTES, 0), "sealed against shrinking"),
+    "sealed against writing": (lambda: memfd(NBYTES, SEALED | fcntl.F_SEAL_WRITE), "sealed against writing"),
+    "not a memfd": (read_end_of_a_pipe, "not a memfd"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SYMMETRIC))
+def test_symmetric_memory_the_worker_cannot_safely_map_is_refused(
+        standin: tuple[RecordingDaemon, str], case: str) -> None:
+    """Before: a memfd shorter than it claimed was mapped whole, and the worker writing the
+    memory it was given died of SIGBUS; one not sealed against shrinking was mapped too (a
+    later shrink by the daemon kills the worker the same way); one sealed against writing,
+    or no memfd at all, failed the mapping with LimitExceeded, which tells the worker to
+    raise its limits. Now each is a ProtocolError, and the daemon is told to free it."""
+    fake, path = standin
+    make, why = BAD_SYMMETRIC[case]
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.SymAlloc):
+            return [(proto.encode(proto.Ok(msg.id, value=msg.nbytes, nfds=1)), [make()])]
+        return None
+
+    fake.answer = answer
+    done = subprocess.run([sys.executable, "-c", WORKER, path, str(NBYTES)], cwd=REPO,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    report = json.loads(done.stdout)
+    kind, message = report["outcome"]
+    assert kind == "ProtocolError" and why in message, report
+    assert report["after"] == report["before"]  # no fd, no mapping left behind
+    allocated = [msg.buf for _, msg in fake.seen if isinstance(msg, proto.SymAlloc)]
+    freed = [buf for _, msg in fake.seen if isinstance(msg, proto.SymFree) for buf in [msg.buf]]
+    assert len(allocated) == 1 and freed == allocated  # the daemon lets go of it at once
