@@ -32,6 +32,7 @@ _PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find tha
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
 
 Packet = tuple[proto.Message, list[int]]
+_FDS_BACK = (proto.SymAlloc,)  # the requests whose reply may carry an fd
 # What undoes a request that timed out, should its reply come late: given the reply and a
 # fresh request id, the message to send (its own reply is read by nobody), or None.
 Undo = Callable[[proto.Message, int], proto.Message | None]
@@ -279,6 +280,12 @@ class Transport:
                     if abandon is None:
                         raise
                     packet = self._abandon(request_id, exc)
+                if packet[1] and not isinstance(msg, _FDS_BACK):
+                    # nothing would take them: each would stay open in the worker for good
+                    close_fds(packet[1])
+                    raise self._break(ProtocolError(
+                        f"the daemon's reply to {type(msg).__name__} carried {len(packet[1])} "
+                        "fd(s), where none belongs"))
                 answered = True
                 return packet
         except BaseException as exc:

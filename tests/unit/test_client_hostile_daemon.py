@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 import proto
-from tests.integration.harness import short_tmpdir
+from client.daemon import DaemonBackend
+from client.errors import ProtocolError
+from client.hostmem import HostMemory
+from tests.integration.harness import open_fds, short_tmpdir, wait_until
 from tests.unit.standin import Packets, RecordingDaemon
 
 pytestmark = pytest.mark.timeout(30)
@@ -57,6 +60,13 @@ def standin() -> Iterator[tuple[RecordingDaemon, str]]:
     fake.close()
     os.unlink(path)
     os.rmdir(tmp)
+
+
+def back_to_fds(before: int, fake: RecordingDaemon) -> None:
+    """This process holds the fds it held `before`, and the stand-in's ends of its
+    connections (its thread closes what it sent once sent: soon after, perhaps)."""
+    wait_until(lambda: open_fds() == before + len(fake.conns),
+               lambda: f"{open_fds()} fds open, {before} + {len(fake.conns)} expected", timeout=2)
 
 
 def memfd(size: int, seals: int) -> int:
@@ -110,3 +120,40 @@ def test_symmetric_memory_the_worker_cannot_safely_map_is_refused(
     allocated = [msg.buf for _, msg in fake.seen if isinstance(msg, proto.SymAlloc)]
     freed = [buf for _, msg in fake.seen if isinstance(msg, proto.SymFree) for buf in [msg.buf]]
     assert len(allocated) == 1 and freed == allocated  # the daemon lets go of it at once
+
+
+def with_an_fd(request: type) -> Callable[[proto.Message], Packets | None]:
+    """A stand-in's answer: the usual Ok to `request`, but with a memfd riding beside it."""
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, request):
+            return [(proto.encode(proto.Ok(msg.id, value=1, nfds=1)), [memfd(4096, SEALED)])]
+        return None
+    return answer
+
+
+@pytest.mark.parametrize("request_kind", [proto.Import, proto.Register, proto.Submit],
+                         ids=lambda kind: kind.__name__)
+def test_an_fd_beside_a_reply_that_carries_none_is_refused_and_closed(
+        standin: tuple[RecordingDaemon, str], request_kind: type) -> None:
+    """Only symmetric_alloc's reply carries an fd. Before: one beside the Ok of an import,
+    a registration or a collective was taken with the reply and never closed (observed: the
+    worker held one more open file per call, for good). Now the call fails with
+    ProtocolError, the fd is closed, and the connection, which the daemon broke, goes."""
+    fake, path = standin
+    fake.answer = with_an_fd(request_kind)
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    comm = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
+    try:
+        with pytest.raises(ProtocolError, match="carried 1 fd"):
+            if request_kind is proto.Register:
+                comm.register_buffer(buf.ptr, 64)
+            else:
+                comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert not comm.is_healthy()
+    finally:
+        comm.close()
+    back_to_fds(before, fake)
+    buf.close()
+
