@@ -32,7 +32,10 @@ _PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find tha
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
 
 Packet = tuple[proto.Message, list[int]]
-_FDS_BACK = (proto.SymAlloc,)  # the requests whose reply may carry an fd
+# How the daemon answers each kind of request (an Error aside): Ok unless named here; and
+# the requests whose answer may carry an fd
+_ANSWERS: dict[type, type] = {proto.Hello: proto.Welcome, proto.StatusQuery: proto.StatusReport}
+_FDS_BACK = frozenset({proto.SymAlloc})
 # What undoes a request that timed out, should its reply come late: given the reply and a
 # fresh request id, the message to send (its own reply is read by nobody), or None.
 Undo = Callable[[proto.Message, int], proto.Message | None]
@@ -65,6 +68,9 @@ class Transport:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._replies: dict[int, Packet] = {}
+        # Every request sent whose answer has not come, by id: its kind. (Added to as it is
+        # sent, taken from by the one reader: no lock.)
+        self._due: dict[int, type] = {}
         self._awaited: set[int] = set()  # request ids some thread still waits for
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
         self._reader: int | None = None  # the thread reading for everyone, if any
@@ -175,11 +181,15 @@ class Transport:
         does not: `msg` cannot be encoded, or the reader, reading a bad packet, put it in
         ERROR since the caller looked (another thread's: the send lock does not hold it)."""
         try:
-            return self._conn.send(msg)
+            packet = self._conn.send(msg)
         except (proto.ProtoError, TypeError, ValueError, OverflowError) as exc:
             # the state machine is in ERROR now: break the connection, so that the next
             # attempt_reconnect connects afresh rather than failing on it for good
             raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
+        request_id = getattr(msg, "id", None)
+        if request_id is not None:
+            self._due[request_id] = type(msg)
+        return packet
 
     def _send(self, packet: bytes, fds: Sequence[int], deadline: float | None) -> bool:
         """(Under the send lock) Send one packet (whole, or nothing of it: SOCK_SEQPACKET)
@@ -280,12 +290,6 @@ class Transport:
                     if abandon is None:
                         raise
                     packet = self._abandon(request_id, exc)
-                if packet[1] and not isinstance(msg, _FDS_BACK):
-                    # nothing would take them: each would stay open in the worker for good
-                    close_fds(packet[1])
-                    raise self._break(ProtocolError(
-                        f"the daemon's reply to {type(msg).__name__} carried {len(packet[1])} "
-                        "fd(s), where none belongs"))
                 answered = True
                 return packet
         except BaseException as exc:
@@ -416,10 +420,34 @@ class Transport:
         if not data and not fds:
             raise self._break(DaemonUnavailable("the daemon closed the connection"))
         try:
-            return self._conn.receive(data, len(fds)), fds
+            msg = self._conn.receive(data, len(fds))
         except proto.ProtoError as exc:
             close_fds(fds)  # nobody will take them
             raise self._break(ProtocolError(f"bad packet from the daemon: {exc}")) from exc
+        unasked = self._unasked(msg, fds)
+        if unasked is not None:
+            close_fds(fds)
+            raise self._break(ProtocolError(unasked))
+        return msg, fds
+
+    def _unasked(self, msg: proto.Message, fds: list[int]) -> str | None:
+        """(As the reader) Why `msg` answers no request of ours (None: it does, and that
+        request is due no more). Taken as another's, or as late, it would be dropped, and
+        the call it was meant for would wait out its timeout; taken as an answer of the
+        wrong kind, it would pass for the call's success; its fds would stay open."""
+        reply_id = getattr(msg, "id", 0)
+        if not reply_id:  # an event, or the daemon's last word on the connection
+            return None
+        request = self._due.pop(reply_id, None)
+        if request is None:
+            return f"the daemon answered request {reply_id}, which was never made or was answered already"
+        if isinstance(msg, proto.Error):
+            return None
+        if not isinstance(msg, _ANSWERS.get(request, proto.Ok)):
+            return f"the daemon answered {request.__name__} {reply_id} with {type(msg).__name__}"
+        if fds and request not in _FDS_BACK:
+            return f"the daemon's reply to {request.__name__} carried {len(fds)} fd(s), where none belongs"
+        return None
 
     def drain_events(self) -> None:
         """Handle events already waiting in the socket, without blocking."""

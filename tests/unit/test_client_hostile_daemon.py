@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -157,3 +158,52 @@ def test_an_fd_beside_a_reply_that_carries_none_is_refused_and_closed(
     back_to_fds(before, fake)
     buf.close()
 
+
+def answering(request: type,
+              *replies: Callable[[int], proto.Message]) -> Callable[[proto.Message], Packets | None]:
+    """A stand-in's answer to `request`: `replies`, each made from the request's id."""
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, request):
+            return [(proto.encode(reply(msg.id)), []) for reply in replies]  # type: ignore[attr-defined]
+        return None
+    return answer
+
+
+MISMATCHED: dict[str, tuple[Callable[[proto.Message], Packets | None], int]] = {
+    # (the answer, how many all_reduce calls succeed before the ProtocolError)
+    "an Ok to an id never asked": (answering(proto.Submit, lambda rid: proto.Ok(rid + 1000)), 0),
+    "a StatusReport to a collective": (
+        answering(proto.Submit, lambda rid: proto.StatusReport(rid, {"worlds": {}})), 0),
+    "a request answered twice": (
+        answering(proto.Submit, proto.Ok,
+                  lambda rid: proto.Error(rid, proto.ErrorCode.INTERNAL, "again")), 1),
+    "a Welcome to an id never asked": (
+        answering(proto.Hello, lambda rid: proto.Welcome(rid + 7, proto.PROTOCOL_VERSION, "fake", "host", 1,
+                                                         proto.MAX_MESSAGE_BYTES)), -1),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHED))
+def test_a_reply_that_answers_no_request_of_ours_is_a_protocol_error(
+        standin: tuple[RecordingDaemon, str], case: str) -> None:
+    """Before: a reply to an id never asked was dropped as if late, and the call waited
+    out its whole timeout for its own (CommTimeout, or for a hello the welcome never
+    matched); a second answer to one request was dropped unnoticed; a StatusReport to a
+    collective was taken for its success (the call returned, nothing written). Now each
+    is a ProtocolError as soon as it is read, and the connection goes."""
+    fake, path = standin
+    fake.answer, calls = MISMATCHED[case]
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    started = time.monotonic()
+    with (pytest.raises(ProtocolError, match=r"never made or was answered already|answered Submit"),
+          DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm):
+        for _ in range(calls):
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        time.sleep(0.1)  # (a second answer is in the socket by then)
+        started = time.monotonic()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+    assert time.monotonic() - started < 1  # not the call's timeout
+    back_to_fds(before, fake)
+    buf.close()
