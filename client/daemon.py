@@ -17,7 +17,7 @@ from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
 from .connection import Connection
 from .cuda import available_driver
-from .errors import DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
+from .errors import DaemonUnavailable, LimitExceeded, MisuseError, ProtocolError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -329,8 +329,12 @@ class DaemonBackend(CommBackend):
                 # like the hello: the daemon enforces the deadline and names missing ranks; give
                 # its answer time to arrive rather than give up just before it does
                 answer = self._conn.request(proto.Reconnect, due=due, grace=_JOIN_GRACE_S)
+                epoch = answer.value()
+                if epoch <= answer.epoch:  # (taken, the failure at answer.epoch is never repaired)
+                    raise ProtocolError(f"the daemon rebuilt world {self._world} at epoch {epoch}, "
+                                        f"not past {answer.epoch}")
                 with self._lock:
-                    self._conn.new_epoch(answer.value())
+                    self._conn.new_epoch(epoch)
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
                 self._conn.check_open()  # (or close() on another thread broke it)
                 rejoin = True

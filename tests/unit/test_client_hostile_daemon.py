@@ -17,7 +17,7 @@ import pytest
 
 import proto
 from client.daemon import DaemonBackend
-from client.errors import ProtocolError
+from client.errors import ProtocolError, WorldFailed
 from client.hostmem import HostMemory
 from tests.integration.harness import open_fds, short_tmpdir, wait_until
 from tests.unit.standin import Packets, RecordingDaemon
@@ -206,4 +206,44 @@ def test_a_reply_that_answers_no_request_of_ours_is_a_protocol_error(
         comm.all_reduce(buf.ptr, 64, dtype="f32")
     assert time.monotonic() - started < 1  # not the call's timeout
     back_to_fds(before, fake)
+    buf.close()
+
+
+@pytest.mark.parametrize("rebuilt_at", [5, 3])
+def test_a_rebuild_whose_epoch_does_not_move_on_is_a_protocol_error(
+        standin: tuple[RecordingDaemon, str], rebuilt_at: int) -> None:
+    """attempt_reconnect's answer is the world's new epoch, past the one it failed at.
+    Before: an answer at the same epoch or an older one was taken: attempt_reconnect
+    returned, yet the failure (at epoch 5) stayed unrepaired, and every call raised 'world
+    is not healthy' again, however often the worker reconnected (observed: 4 rounds, the
+    same). Now it raises ProtocolError naming both epochs, and a rebuild the daemon gets
+    right afterwards repairs the world."""
+    fake, path = standin
+    rebuilds: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Hello):
+            return [(proto.encode(proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", 5,
+                                                proto.MAX_MESSAGE_BYTES)), [])]
+        if isinstance(msg, proto.Submit) and not rebuilds:
+            return [(proto.encode(proto.Error(msg.id, proto.ErrorCode.WORLD_FAILED, "rank 1 lost")), [])]
+        if isinstance(msg, proto.Reconnect):
+            rebuilds.append(rebuilt_at if not rebuilds else 6)
+            return [(proto.encode(proto.Ok(msg.id, value=rebuilds[-1])), [])]
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        with pytest.raises(WorldFailed, match="rank 1 lost"):
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        with pytest.raises(ProtocolError, match=f"epoch {rebuilt_at}, not past 5"):
+            comm.attempt_reconnect()
+        assert not comm.is_healthy()
+        comm.attempt_reconnect()
+        assert (comm.epoch, comm.is_healthy()) == (6, True)
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+    submits = [msg for _, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert [s.epoch for s in submits] == [5, 6]  # the last made for the rebuilt world
     buf.close()
