@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import proto
 
-from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, from_code
+from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, ProtocolError, from_code
 from .groups import Basis
 from .health import Health
 from .rpc import Answer, Superseded, built, checked
@@ -72,6 +72,11 @@ class Connection:
             reply, _ = transport.request(hello, deadline)
             checked(reply)
             assert isinstance(reply, proto.Welcome)
+            if hello.epoch and reply.epoch <= hello.epoch:
+                # the world a rejoin forms starts past the epoch it left (it may have failed
+                # there): taken, that failure would never count as repaired
+                raise ProtocolError(f"the daemon welcomed rank {hello.rank} of world {hello.world} "
+                                    f"at epoch {reply.epoch}, not past {hello.epoch}")
         except BaseException:
             transport.close()
             raise

@@ -17,7 +17,7 @@ import pytest
 
 import proto
 from client.daemon import DaemonBackend
-from client.errors import ProtocolError, WorldFailed
+from client.errors import DaemonUnavailable, ProtocolError, WorldFailed
 from client.hostmem import HostMemory
 from tests.integration.harness import open_fds, short_tmpdir, wait_until
 from tests.unit.standin import Packets, RecordingDaemon
@@ -246,4 +246,45 @@ def test_a_rebuild_whose_epoch_does_not_move_on_is_a_protocol_error(
         comm.all_reduce(buf.ptr, 64, dtype="f32")
     submits = [msg for _, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert [s.epoch for s in submits] == [5, 6]  # the last made for the rebuilt world
+    buf.close()
+
+
+def test_a_rejoin_welcomed_at_an_epoch_not_past_its_hellos_is_a_protocol_error(
+        standin: tuple[RecordingDaemon, str]) -> None:
+    """A rejoin's hello carries the last epoch the rank saw, and the world it forms starts
+    past it. Before: a welcome at an older epoch was taken, and the lost connection's
+    failure stayed unrepaired: attempt_reconnect returned, is_healthy() was False, and every
+    call raised 'world is not healthy' (observed: welcomed at 3 after 5). Now that
+    attempt_reconnect raises ProtocolError, and one the daemon welcomes right repairs it."""
+    fake, path = standin
+    hellos: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Hello):
+            hellos.append(msg.epoch)
+            epoch = {1: 5, 2: 3}.get(len(hellos), 6)
+            return [(proto.encode(proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", epoch,
+                                                proto.MAX_MESSAGE_BYTES)), [])]
+        if isinstance(msg, proto.Submit) and len(hellos) == 1:
+            fake.drop()  # the daemon goes: the next attempt_reconnect rejoins
+            return []
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        with pytest.raises(DaemonUnavailable):
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        with pytest.raises(ProtocolError, match="at epoch 3, not past 5"):
+            comm.attempt_reconnect()
+        assert not comm.is_healthy()
+        comm.attempt_reconnect()
+        assert (comm.epoch, comm.is_healthy()) == (6, True)
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+    assert hellos == [0, 5, 5]
+    submits = [msg for _, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert [s.epoch for s in submits] == [5, 6]
+    back_to_fds(before, fake)
     buf.close()
