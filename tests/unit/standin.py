@@ -28,6 +28,9 @@ class RecordingDaemon:
         self._values = itertools.count(1)
         self.gate: tuple[int, threading.Event, threading.Event] | None = None  # (buf, arrived, go)
         self.answer: Callable[[proto.Message], Packets | None] | None = None
+        # Close a connection once its client hung up (a test that connects thousands of
+        # times); else it stays open, for a test to see the client's side go
+        self.close_when_done = False
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(path)
         self._listener.listen(4)
@@ -43,6 +46,11 @@ class RecordingDaemon:
             threading.Thread(target=self._serve, args=(n, conn), daemon=True).start()
 
     def _serve(self, n: int, conn: socket.socket) -> None:
+        self._answer(n, conn)
+        if self.close_when_done:
+            conn.close()
+
+    def _answer(self, n: int, conn: socket.socket) -> None:
         while True:
             try:
                 data, anc, _, _ = conn.recvmsg(proto.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(16))
@@ -81,7 +89,10 @@ class RecordingDaemon:
                 continue
             else:
                 reply = proto.Ok(msg.id, value=next(self._values))
-            conn.send(proto.encode(reply))
+            try:
+                conn.send(proto.encode(reply))
+            except OSError:
+                return  # (the client hung up)
 
     def drop(self) -> None:
         self.conns[-1].shutdown(socket.SHUT_RDWR)

@@ -4,28 +4,34 @@ its fds and its mappings as they were."""
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
+import numpy as np
 import pytest
 
 import proto
 from client.daemon import DaemonBackend
-from client.errors import DaemonUnavailable, ProtocolError, WorldFailed
+from client.errors import CommError, DaemonUnavailable, ProtocolError, WorldFailed
 from client.hostmem import HostMemory
-from tests.integration.harness import open_fds, short_tmpdir, wait_until
+from tests.fault.test_packet_fuzz import mutate
+from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, wait_until, world_name
 from tests.unit.standin import Packets, RecordingDaemon
 
 pytestmark = pytest.mark.timeout(30)
 
 REPO = Path(__file__).resolve().parents[2]
 NBYTES = 64 * 1024
+MUTATIONS = 1000  # per seed (4 seeds)
 
 # A worker: symmetric_alloc, then it writes every byte it was given (a memfd shorter than
 # its mapping kills it there with SIGBUS). Prints what it saw and what it held before/after.
@@ -57,17 +63,17 @@ def standin() -> Iterator[tuple[RecordingDaemon, str]]:
     tmp = short_tmpdir()
     path = os.path.join(tmp, "d.sock")
     fake = RecordingDaemon(path)
+    fake.close_when_done = True
     yield fake, path
     fake.close()
     os.unlink(path)
     os.rmdir(tmp)
 
 
-def back_to_fds(before: int, fake: RecordingDaemon) -> None:
-    """This process holds the fds it held `before`, and the stand-in's ends of its
-    connections (its thread closes what it sent once sent: soon after, perhaps)."""
-    wait_until(lambda: open_fds() == before + len(fake.conns),
-               lambda: f"{open_fds()} fds open, {before} + {len(fake.conns)} expected", timeout=2)
+def back_to_fds(before: int) -> None:
+    """This process holds the fds it held `before` (the stand-in's threads close their ends
+    of the connections, and what they sent, soon after the client is done)."""
+    wait_until(lambda: open_fds() == before, lambda: f"{open_fds()} fds open, {before} before", timeout=2)
 
 
 def memfd(size: int, seals: int) -> int:
@@ -155,7 +161,7 @@ def test_an_fd_beside_a_reply_that_carries_none_is_refused_and_closed(
         assert not comm.is_healthy()
     finally:
         comm.close()
-    back_to_fds(before, fake)
+    back_to_fds(before)
     buf.close()
 
 
@@ -205,7 +211,7 @@ def test_a_reply_that_answers_no_request_of_ours_is_a_protocol_error(
         started = time.monotonic()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
     assert time.monotonic() - started < 1  # not the call's timeout
-    back_to_fds(before, fake)
+    back_to_fds(before)
     buf.close()
 
 
@@ -286,5 +292,104 @@ def test_a_rejoin_welcomed_at_an_epoch_not_past_its_hellos_is_a_protocol_error(
     assert hellos == [0, 5, 5]
     submits = [msg for _, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert [s.epoch for s in submits] == [5, 6]
-    back_to_fds(before, fake)
+    back_to_fds(before)
     buf.close()
+
+
+# ---- random mutations of the daemon's replies (as asyncpg's _testbase/fuzzer.py does) ----
+
+ODD_VALUES: list[object] = [None, True, -1, 0, 1, 2**32, 2**63, 2**64 - 1, 1.5, "", "x" * 5000,
+                            b"\xff\xfe", [], [1, 2], {}, {"t": "ok"}, "welcome", "ok", "error", "event",
+                            "status_report", "internal", "world_failed", "shutdown"]
+
+
+def mutated(rng: random.Random, packet: bytes) -> bytes:
+    """`packet` with bytes flipped, added, cut (the daemon fuzz's mutate), or with one of
+    its fields given an odd value, dropped, or added."""
+    if rng.random() < 0.5:
+        return mutate(rng, packet)
+    fields = msgpack.unpackb(packet)
+    name = rng.choice([*fields, "extra"])
+    if rng.random() < 0.2:
+        fields.pop(name, None)
+    else:
+        fields[name] = rng.choice(ODD_VALUES)
+    return bytes(msgpack.packb(fields, use_bin_type=True))
+
+
+def true_reply(msg: proto.Message) -> tuple[proto.Message, int]:
+    """What a good daemon answers `msg` with, and how many fds ride beside it."""
+    rid: int = msg.id  # type: ignore[union-attr]
+    if isinstance(msg, proto.Hello):
+        return proto.Welcome(rid, proto.PROTOCOL_VERSION, "fake", "host", 1, proto.MAX_MESSAGE_BYTES), 0
+    if isinstance(msg, proto.SymAlloc):
+        return proto.Ok(rid, value=msg.nbytes, nfds=1), 1
+    if isinstance(msg, proto.Reconnect):
+        return proto.Ok(rid, value=2), 0
+    return proto.Ok(rid, value=7), 0
+
+
+CALLS: dict[str, type] = {  # a call, and the request whose answer comes mutated
+    "hello": proto.Hello, "all_reduce": proto.Submit, "register_buffer": proto.Register,
+    "symmetric_alloc": proto.SymAlloc, "attempt_reconnect": proto.Reconnect,
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mutations_of_the_daemons_replies_end_each_call_in_a_comm_error(
+        standin: tuple[RecordingDaemon, str], sock: str, seed: int) -> None:
+    """Each call whose reply (or an event before it) came mutated ends at once, in success
+    or a CommError, never another exception or a wait for its timeout; the worker's fds
+    and mappings come back to what they were, and a backend to a real daemon works."""
+    fake, path = standin
+    rng = random.Random(seed)
+    mutate_next: list[type] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if not mutate_next or not isinstance(msg, mutate_next[0]):
+            return None
+        mutate_next.clear()
+        reply, nfds = true_reply(msg)
+        if rng.random() < 0.2:  # an event ahead of the reply instead
+            event = proto.Event(proto.EventKind.WORLD_FAILED, proto.ErrorCode.PEER_LOST, "lost", 1)
+            packets: Packets = [(mutated(rng, proto.encode(event)), [])]
+        else:
+            packets = [(mutated(rng, proto.encode(reply)), [memfd(4096, SEALED) for _ in range(nfds)])]
+        if rng.random() < 0.2:  # fds where none belong, or too many
+            packets[0][1].extend(memfd(4096, SEALED) for _ in range(rng.choice([1, 2, 5])))
+        # the true reply after it: a mutation that went unnoticed does not leave the call waiting
+        return [*packets, (proto.encode(reply), [memfd(4096, SEALED) for _ in range(nfds)])]
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(4096)
+    before = open_fds(), memfd_mappings(os.getpid())
+    outcomes: collections.Counter[str] = collections.Counter()
+    for _ in range(MUTATIONS):
+        call = rng.choice(list(CALLS))
+        mutate_next[:] = [CALLS[call]]
+        started = time.monotonic()
+        try:
+            with DaemonBackend(path, "w", 0, 1, timeout=1, memory=memory, cuda_driver=lambda: None) as comm:
+                if call == "all_reduce":
+                    comm.all_reduce(buf.ptr, 64, dtype="f32")
+                elif call == "register_buffer":
+                    comm.register_buffer(buf.ptr, 64)
+                elif call == "symmetric_alloc":
+                    comm.symmetric_free(comm.symmetric_alloc(4096))
+                elif call == "attempt_reconnect":
+                    comm.attempt_reconnect()
+            outcomes["done"] += 1
+        except CommError as exc:
+            outcomes[type(exc).__name__] += 1
+        assert time.monotonic() - started < 0.5, call
+    back_to_fds(before[0])
+    assert memfd_mappings(os.getpid()) == before[1]
+    assert outcomes["ProtocolError"] > MUTATIONS // 4, outcomes
+    buf.close()
+    with DaemonBackend(sock, world_name("fuzzed"), 0, 1, timeout=10, memory=memory) as comm:  # a real daemon
+        data = memory.alloc(64)
+        data.view(np.float32)[:] = np.arange(16)
+        comm.all_reduce(data.ptr, 64, dtype="f32")
+        assert data.view(np.float32).tolist() == list(range(16))
+        data.close()
