@@ -37,9 +37,10 @@ class Health:
 
     def repaired_up_to(self, epoch: int) -> None:
         """A rebuild reached `epoch`: a failure of an older epoch is over (one the new epoch
-        met stays)."""
+        met stays). One of a later epoch never was (the world had not reached it: the daemon
+        made it up), and kept it would outlast every rebuild."""
         with self._lock:
-            if self._about < epoch:
+            if self._about != epoch:
                 self._failure, self._about = None, 0
 
     def met(self, epoch: int) -> None:

@@ -42,13 +42,16 @@ def test_a_newer_failure_replaces_an_older_one_and_not_the_other_way() -> None:
     assert on_record(health) == (WorldFailed, "epoch 3", 3)
 
 
-def test_a_rebuild_clears_only_failures_of_older_epochs() -> None:
+def test_a_rebuild_clears_every_failure_but_one_of_its_own_epoch() -> None:
     health = Health(threading.RLock())
     met_by_the_new_epoch = WorldFailed("epoch 4")
     health.record(met_by_the_new_epoch, 4)
     health.repaired_up_to(4)
     assert on_record(health) == (WorldFailed, "epoch 4", 4)
     health.repaired_up_to(5)
+    assert health.failure() == (None, 0)
+    health.record(WorldFailed("epoch 9, which the world never reached"), 9)
+    health.repaired_up_to(6)
     assert health.failure() == (None, 0)
 
 

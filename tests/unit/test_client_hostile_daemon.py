@@ -393,3 +393,36 @@ def test_random_mutations_of_the_daemons_replies_end_each_call_in_a_comm_error(
         comm.all_reduce(data.ptr, 64, dtype="f32")
         assert data.view(np.float32).tolist() == list(range(16))
         data.close()
+
+
+@pytest.mark.parametrize("named", [1000, 2**64 - 1])
+def test_a_failure_event_of_an_epoch_the_world_never_reached_is_repaired_by_a_rebuild(
+        standin: tuple[RecordingDaemon, str], named: int) -> None:
+    """A world fails only at an epoch it reached. Before: an event naming a later one (the
+    world at 1, the event at 1000 or 2^64-1) was kept as the failure on record past every
+    rebuild: attempt_reconnect returned with is_healthy() False, and every call raised
+    'world is not healthy' for good (observed: 3 rounds, epochs 2, 3, 4). Now a rebuild
+    drops it: the world is healthy at the epoch the daemon rebuilt it at."""
+    fake, path = standin
+    told: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Submit) and not told:
+            told.append(msg.id)
+            event = proto.Event(proto.EventKind.WORLD_FAILED, proto.ErrorCode.PEER_LOST, "lost", named)
+            return [(proto.encode(event), []), (proto.encode(proto.Ok(msg.id)), [])]
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert (comm.epoch, comm.is_healthy()) == (1, False)
+        comm.attempt_reconnect()
+        rebuilt = comm.epoch
+        assert rebuilt > 1 and comm.is_healthy()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+    submits = [msg for _, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert [s.epoch for s in submits] == [1, rebuilt]
+    buf.close()
