@@ -72,6 +72,9 @@ class Connection:
             reply, _ = transport.request(hello, deadline)
             checked(reply)
             assert isinstance(reply, proto.Welcome)
+            if reply.version != hello.version:  # (the daemon should have refused the hello)
+                raise ProtocolError(f"the daemon welcomed us in protocol version {reply.version}; "
+                                    f"this client speaks {hello.version}")
             if hello.epoch and reply.epoch <= hello.epoch:
                 # the world a rejoin forms starts past the epoch it left (it may have failed
                 # there): taken, that failure would never count as repaired

@@ -426,3 +426,28 @@ def test_a_failure_event_of_an_epoch_the_world_never_reached_is_repaired_by_a_re
     submits = [msg for _, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert [s.epoch for s in submits] == [1, rebuilt]
     buf.close()
+
+
+@pytest.mark.parametrize("version", [proto.PROTOCOL_VERSION - 1, proto.PROTOCOL_VERSION + 1, 2**64 - 1])
+def test_a_welcome_in_another_protocol_version_is_refused(
+        standin: tuple[RecordingDaemon, str], version: int) -> None:
+    """A daemon refuses a hello of another version (WIRE.md: a clear error, never a hang).
+    Before: a daemon that welcomed one all the same (a buggy older or newer one) was taken
+    at its word, and the worker went on speaking a protocol the daemon does not: the
+    constructor returned. Now it raises ProtocolError naming both versions, and leaves
+    nothing open."""
+    fake, path = standin
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Hello):
+            welcome = proto.Welcome(msg.id, version, "fake", "host", 1, proto.MAX_MESSAGE_BYTES)
+            return [(proto.encode(welcome), [])]
+        return None
+
+    fake.answer = answer
+    before = open_fds()
+    with pytest.raises(ProtocolError, match=f"protocol version {version}; this client speaks "
+                                            f"{proto.PROTOCOL_VERSION}"):
+        DaemonBackend(path, "w", 0, 1, timeout=3, memory=HostMemory(), cuda_driver=lambda: None)
+    back_to_fds(before)
+    assert [type(msg) for _, msg in fake.seen] == [proto.Hello]
