@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import gc
 import mmap
 import os
@@ -162,8 +163,9 @@ def test_only_the_named_live_buffers_move() -> None:
 def test_the_daemons_own_memory_is_not_moved() -> None:
     """symmetric_alloc's host memory is the daemon's (freed by its id there)."""
     memory = HostMemory()
-    fd = os.memfd_create("symmetric", os.MFD_CLOEXEC)
+    fd = os.memfd_create("symmetric", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 64)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # (as the daemon's: adopt checks)
     adopted = memory.adopt(fd, 64, memory.next_id())
     buffer_id = adopted.id
     assert not adopted.detach()
