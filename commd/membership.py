@@ -103,6 +103,9 @@ class NetMembership:
         # the rank's no more once a newer one came: its process left and a new one took the
         # rank number, or it called attempt_reconnect again; the older vote must not speak for it.
         self._casting: dict[int, int] = {}
+        # rank -> when its newest vote's time is up (loop time): a vote cast again over a new
+        # link keeps the rank's own deadline, not a fresh one
+        self._due: dict[int, float] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
@@ -113,9 +116,14 @@ class NetMembership:
     # ---- local ranks --------------------------------------------------------------
 
     def vote(self, rank: int, timeout_s: float) -> None:
+        self._cast(rank, asyncio.get_running_loop().time() + timeout_s)
+
+    def _cast(self, rank: int, due: float) -> None:
         vote = next(self.net.cluster.vote_ids)
         self._casting[rank] = vote
-        asyncio.get_running_loop().create_task(self._vote(rank, vote, timeout_s))
+        self._due[rank] = due
+        left = due - asyncio.get_running_loop().time()
+        asyncio.get_running_loop().create_task(self._vote(rank, vote, left))
 
     def _still_casting(self, rank: int, vote: int) -> bool:
         """Whether `vote` is still the rank's, and the rank still waits."""
@@ -181,6 +189,7 @@ class NetMembership:
     def withdraw(self, rank: int) -> None:
         """A local rank that voted is gone (or was refused): its vote goes too."""
         self._casting.pop(rank, None)
+        self._due.pop(rank, None)
         if self.net.is_root:
             if self._votes.get(rank) == self.net.me:
                 self._forget_vote(rank, left=True)
@@ -373,8 +382,18 @@ class NetMembership:
                 del self.net.member_links[link.name]
             for rank in lost_votes:
                 self._forget_vote(rank, left=True)
-        else:  # our votes went with the link: the ranks waiting hear it now, not at their timeout
+        else:
+            # Our votes went with the link. The root may be restarting (systemd's restart, or a
+            # SIGTERM and a new process), which a new dial waits for as for a root not up yet:
+            # each vote is cast again within its rank's own time; one whose time is up is refused.
+            now = asyncio.get_running_loop().time()
             for rank in sorted(self._world.local_waiting()):
-                self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: the root {message}")
+                if rank in self._casting:
+                    continue  # (still looking for the root: its dial finds the link closed)
+                if self._sent.pop(rank, None) is not None and self._due.get(rank, now) > now:
+                    self._cast(rank, self._due[rank])
+                else:
+                    self._world.refuse(rank, ErrorCode.PEER_LOST,
+                                       f"world {self._world.name}: the root {message}")
         self._world.fail(ErrorCode.PEER_LOST, message)
         self._world.forget_if_empty()
