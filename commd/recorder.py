@@ -89,6 +89,10 @@ class FlightRecorder:
         """The longest-waiting call that has a deadline (pending or running)."""
         return next(iter(self._open), None)
 
+    def ranks(self) -> set[int]:
+        """The ranks with a call on record."""
+        return set(self._by_rank)
+
     def dump(self, last: int | None = None) -> dict[str, list[dict[str, Any]]]:
         return {str(rank): [r.as_dict() for r in list(ring)[-(last or self._depth):]]
                 for rank, ring in sorted(self._by_rank.items())}

@@ -366,10 +366,24 @@ class World:
                 continue
             oldest = self.recorder.oldest_open()
             if oldest is not None and time.monotonic() - oldest.started > timeout_s:
-                newest = "; ".join(self.recorder.lines(last=1))
+                newest = "; ".join([*self.recorder.lines(last=1), *self._unrecorded()])
                 self.fail(ErrorCode.TIMEOUT,
                           f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
                           f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
+
+    def _unrecorded(self) -> list[str]:
+        """For a timeout's message, the ranks the flight recorder has no call of: the one
+        behind may be among them, and a rank of another daemon is seen only there."""
+        recorded = self.recorder.ranks()
+        lines = [f"rank {r}: no call yet" for r in self.local_ranks if r not in recorded]
+        if self.net is None:
+            return lines
+        for daemon in self.net.members():
+            ranks = list(self.net.ranks_of(daemon))
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+            lines.append(f"{who}: on daemon {daemon}, no call known here (`commd status --world "
+                         f"{self.name}` there shows {'its' if len(ranks) == 1 else 'their'} calls)")
+        return lines
 
     def _op_failed(self, match: Match[Arrival], exc: Exception, epoch: int) -> None:
         """The engine could not complete an op: its world fails (if this epoch still

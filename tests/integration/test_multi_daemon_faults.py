@@ -1647,3 +1647,31 @@ def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_
             comm.close()
         root.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_call_timed_out_across_daemons_names_the_ranks_on_the_others(pair: list[DaemonProcess]) -> None:
+    """Ranks 0 and 1 (on the root A) reach a barrier, rank 2 (on B) hangs before it. The
+    root's CommTimeout must point at B's rank: before, it named only A's ranks, both at the
+    same call ('rank 0's call #0 barrier() did not complete within 1.5s (each rank's newest
+    call: rank 0: #0 barrier() running; rank 1: #0 barrier() running)'), which by the
+    README's rule says nobody is behind, and rank 0 looks like the culprit."""
+    a, b = pair
+    world = world_name()
+    with ThreadPoolExecutor(3) as threads:
+        joins = [threads.submit(DaemonBackend, str(d.socket_path), world, r, 3, timeout=1.5,
+                                bootstrap=a.peer_address()) for r, d in enumerate([a, a, b])]
+        comms = [j.result(20) for j in joins]
+        try:
+            calls = [threads.submit(comm.barrier) for comm in comms[:2]]
+            for call in calls:
+                with pytest.raises(CommTimeout) as timed_out:
+                    call.result(20)
+                message = str(timed_out.value)
+                assert "did not complete within 1.5s" in message
+                assert f"rank 2: on daemon B, no call known here (`commd status --world {world}` there " \
+                       "shows its calls)" in message, message
+            with pytest.raises(CommTimeout, match="rank 2: on daemon B"):  # the hung rank hears it too
+                comms[2].barrier()
+        finally:
+            for comm in comms:
+                comm.close()

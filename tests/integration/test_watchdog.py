@@ -3,9 +3,11 @@ the flight recorder shows each rank's last calls."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from client import CommError
+from client import CommError, CommTimeout, DaemonBackend
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import workers
@@ -24,6 +26,22 @@ def test_a_stalled_rank_times_the_call_out(pool: RankPool, daemon: DaemonProcess
     assert "rank 1: #0 barrier() done" in message  # the rank that is behind, by its newest call
     assert 1.0 <= seconds <= 1.0 + 1.0 + 0.5  # the deadline, one watchdog interval, scheduling
     assert rank1[1] == "False"  # the stalled rank hears of the failure too
+
+
+def test_a_rank_that_made_no_call_is_named_in_the_timeout(daemon: DaemonProcess) -> None:
+    """Ranks 0 and 1 reach a barrier, rank 2 never calls: the CommTimeout must name rank 2
+    (before, it named ranks 0 and 1 at the same call, and rank 2 nowhere)."""
+    sock, world = str(daemon.socket_path), world_name()
+    with ThreadPoolExecutor(3) as threads:
+        comms = [j.result(20) for j in [threads.submit(DaemonBackend, sock, world, r, 3, timeout=1)
+                                        for r in range(3)]]
+        try:
+            for call in [threads.submit(comm.barrier) for comm in comms[:2]]:
+                with pytest.raises(CommTimeout, match=r"; rank 2: no call yet\)"):
+                    call.result(20)
+        finally:
+            for comm in comms:
+                comm.close()
 
 
 def test_recv_command_has_no_deadline_and_status_shows_recent_calls(pool: RankPool,
