@@ -463,8 +463,10 @@ class DaemonBackend(CommBackend):
         failure, about = self._health.failure()
         if failure is not None:
             self._health.met(about)
-            raise type(failure)(f"world {self._world} is not healthy: {failure}; "
-                                "call attempt_reconnect", failure.code)
+            said = str(failure)
+            if "attempt_reconnect" not in said:  # (the daemon's word on a failed call says it)
+                said = f"world {self._world} is not healthy: {said}; call attempt_reconnect"
+            raise type(failure)(said, failure.code)
         with InFlight(self._memory.moves, ops) as call:
             make: Callable[[int], proto.Request] = (
                 (lambda rid: proto.Submit(rid, call.ops, basis.epoch)) if stream is None

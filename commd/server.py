@@ -248,7 +248,9 @@ class Server:
                     os.unlink(self.config.socket_path)
         message = "the daemon is shutting down"
         self.registry.shutdown(message)
-        event = proto.Event(proto.EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, message)
+        # (what a rank's next call raises: the world's own calls said it already)
+        event = proto.Event(proto.EventKind.SHUTDOWN, ErrorCode.SHUTDOWN,
+                            f"{message}; call attempt_reconnect once it is back")
         for session in list(self.sessions):
             session.send(event)
             session.channel.close("shutdown", discard_input=True)

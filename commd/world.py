@@ -396,7 +396,7 @@ class World:
             code, message = ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}"
         if epoch == self.epoch:
             self.fail(code, message)
-            code, message = self.cause_code, self.cause or message
+            code, message = self.cause_code, self._call_failed()
         for arrival in arrivals_of(match):
             arrival.ticket.fail(code, message)
             self._tickets.discard(arrival.ticket)
@@ -452,7 +452,7 @@ class World:
         self._pending_ops.clear()
         for ticket in tickets:
             if ticket.remaining > ticket.executing:  # a call still waiting for its match: lost
-                ticket.fail(code, message)
+                ticket.fail(code, self._call_failed())
             else:
                 self._tickets.add(ticket)  # all in the engine: it answers them
         self.recorder.end_deadlines()
@@ -536,6 +536,12 @@ class World:
         placed the rank on another daemon)."""
         where = f"daemon {self.net.placement[rank]}" if self.net is not None else "another connection"
         return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on {where}")
+
+    def _call_failed(self) -> str:
+        """What a call the world's failure ended says: a worker may be in several worlds,
+        and what to do next is the same for every cause."""
+        return (f"world {self.name} epoch {self.epoch} failed: {self.cause}; "
+                f"call attempt_reconnect on every rank")
 
     def _not_ready(self) -> str:
         if self.cause is None:

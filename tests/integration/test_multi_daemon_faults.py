@@ -1675,3 +1675,43 @@ def test_a_call_timed_out_across_daemons_names_the_ranks_on_the_others(pair: lis
         finally:
             for comm in comms:
                 comm.close()
+
+
+def test_a_call_the_worlds_failure_ends_names_the_world_and_what_to_do(pair: list[DaemonProcess]) -> None:
+    """A worker in several worlds (tensor- and data-parallel) reads an error in its log: the
+    call the failure ended must say which world failed and what to do, as a call made after
+    the failure does (before, a call waiting at the moment got the bare cause: 'PeerLost:
+    daemon B is shutting down', 'WorldFailed: rank 0's connection was lost'; the next call
+    after a daemon's stop: 'DaemonShutdown: the daemon is shutting down')."""
+    a, b = pair
+    world = world_name()
+    comms = joined([a, b], a, world)
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            waiting = threads.submit(comms[0].barrier)
+            wait_until(lambda: (world_status(a, world) or {}).get("pending_calls") == 1)
+            assert b.stop() == 0
+            with pytest.raises(PeerLost) as lost:
+                waiting.result(20)
+            assert str(lost.value) == (f"world {world} epoch 1 failed: daemon B is shutting down; "
+                                       "call attempt_reconnect on every rank")
+            with pytest.raises(DaemonShutdown) as shut:
+                comms[1].barrier()
+            assert str(shut.value) == "the daemon is shutting down; call attempt_reconnect once it is back"
+            b.start()
+            for rejoined in [threads.submit(comm.attempt_reconnect) for comm in comms]:
+                rejoined.result(30)
+            waiting = threads.submit(comms[1].barrier)
+            wait_until(lambda: (world_status(b, world) or {}).get("pending_calls") == 1)
+            comms[0].close()
+            with pytest.raises(WorldFailed) as failed:
+                waiting.result(20)
+            assert str(failed.value) == (f"world {world} epoch 2 failed: rank 0's connection was lost; "
+                                         "call attempt_reconnect on every rank")
+            with pytest.raises(WorldFailed) as again:  # the next call: the world, the advice once
+                comms[1].barrier()
+            said = str(again.value)
+            assert said.startswith(f"world {world} ") and said.count("attempt_reconnect") == 1, said
+    finally:
+        for comm in comms:
+            comm.close()
