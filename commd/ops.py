@@ -6,7 +6,7 @@ never dispatch on op names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import proto
@@ -70,6 +70,34 @@ def check_overlap(op: proto.Op, rank: int, world_size: int) -> None:
         raise CallError(ErrorCode.MISUSE, f"{call_name(op)}: send and receive memory overlap; in "
                                           f"place, rank {rank}'s block starts {rank * op.nbytes} bytes "
                                           f"into the {world_size * op.nbytes}-byte buffer")
+
+
+def check_group_overlap(group: Sequence[proto.Op]) -> None:
+    """Refuse a group whose receive lands in memory another of its point-to-point calls
+    uses: a group's calls run together, so the receive may overwrite what a send of it has
+    yet to read, or another receive (wrong data, no error; NCCL's group alike)."""
+    places: dict[int, list[tuple[int, int, int]]] = {}  # buffer -> (start, end, call index)
+    for index, op in enumerate(group):
+        if isinstance(op, proto.Send | proto.Recv) and op.buf is not None and op.nbytes:
+            places.setdefault(op.buf.buf, []).append((op.buf.offset, op.buf.offset + op.nbytes, index))
+    for spans_in_buffer in places.values():
+        # in order of start: a call overlaps an earlier one where it starts before that one
+        # ends (any earlier call's end, for a receive; an earlier receive's, for a send)
+        reach: tuple[int, int] | None = None  # (end, index): the furthest end so far
+        recv_reach: tuple[int, int] | None = None  # the same, of receives
+        for start, end, index in sorted(spans_in_buffer):
+            receives = isinstance(group[index], proto.Recv)
+            hit = reach if receives else recv_reach
+            if hit is not None and start < hit[0]:
+                recv, other = (index, hit[1]) if receives else (hit[1], index)
+                raise CallError(ErrorCode.MISUSE, f"group_end: call #{recv} of the group, "
+                                                  f"{describe(group[recv])}, receives into memory that "
+                                                  f"call #{other}, {describe(group[other])}, uses: they "
+                                                  f"run together")
+            if reach is None or end > reach[0]:
+                reach = (end, index)
+            if receives and (recv_reach is None or end > recv_reach[0]):
+                recv_reach = (end, index)
 
 
 def waits_forever(op: proto.Op) -> bool:

@@ -341,6 +341,7 @@ class Session:
                 raise CallError(exc.code, f"group_end: call #{index} of the group, "
                                           f"{ops.describe(op)}: {exc.message}") from None
             calls.append((op, regions))
+        ops.check_group_overlap(msg.ops)
         world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)
 
     def _stream_events(self, msg: proto.StreamEvents, fds: list[int]) -> None:

@@ -105,6 +105,19 @@ def test_all_gather_and_reduce_scatter_in_place_and_refused_overlaps(pool: RankP
                           for name, size in (("all_gather", nbytes), ("reduce_scatter", nbytes - 1))]
 
 
+def test_a_group_receiving_into_memory_it_sends_from_is_refused(pool: RankPool, sock: str) -> None:
+    """Pipeline stages swapping activations in place: a group's calls run together, so a
+    receive into memory a send of the group reads may land first (before: no error, and the
+    peer got some of its own bytes back in about half the rounds). Refused as an overlap of
+    one call is (MisuseError: the group did not happen), the ranks go on."""
+    nbytes = 1 << 20
+    for rank, (error, got) in enumerate(run(pool, sock, 2, workers.swap_in_one_buffer, nbytes)):
+        assert error == (f"MisuseError: group_end: call #1 of the group, recv_from(bytes={nbytes}, "
+                         f"peer={1 - rank}), receives into memory that call #0, send_to(bytes={nbytes}, "
+                         f"peer={1 - rank}), uses: they run together")
+        assert got == bytes([2 - rank]) * nbytes
+
+
 @pytest.mark.parametrize("dtype,op", [("bf16", "sum"), ("f32", "max"), ("i64", "prod"), ("f16", "min")])
 def test_reduce_scatter_dtypes(pool: RankPool, sock: str, dtype: str, op: str) -> None:
     n, share = 4, 333

@@ -162,6 +162,27 @@ def in_place_and_overlapping(sock: str, world: str, rank: int, n: int, nbytes: i
         return gathered, reduced, errors
 
 
+def swap_in_one_buffer(sock: str, world: str, rank: int, n: int, nbytes: int) -> tuple[str, bytes]:
+    """Ranks r and r^1 swap `nbytes` in one group: first sending from and receiving into the
+    same memory (its error), then into memory of its own (what came)."""
+    peer = rank ^ 1
+    with connect(sock, world, rank, n) as comm:
+        mine, theirs = _load(np.full(nbytes, rank + 1, np.uint8)), hostmem.alloc(nbytes)
+        try:
+            comm.group_start()
+            comm.send_to(mine.ptr, nbytes, peer)
+            comm.recv_from(mine.ptr, nbytes, peer)
+            comm.group_end()
+            error = "no error"
+        except CommError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        comm.group_start()
+        comm.send_to(mine.ptr, nbytes, peer)
+        comm.recv_from(theirs.ptr, nbytes, peer)
+        comm.group_end()
+        return error, _read(theirs, 0, nbytes)
+
+
 def broadcast(sock: str, world: str, rank: int, n: int, nbytes: int, root: int, seed: int) -> bytes:
     data = make_input(seed, rank, nbytes, "u8", "sum")
     with connect(sock, world, rank, n) as comm:
