@@ -22,6 +22,7 @@ from .config import (
     SECRET_FILE_ENV,
     ServerConfig,
     flag_of,
+    located,
 )
 from .errors import ConfigError
 
@@ -36,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return run(config)
     except ConfigError as exc:
-        raise config.located(exc) from None
+        raise located(exc, config.sources) from None
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -61,6 +61,14 @@ def read_small_file(path: str, limit: int, what: str, key: str | None = None) ->
     return data
 
 
+def located(exc: ConfigError, sources: Mapping[str, str]) -> ConfigError:
+    """`exc`, saying where the value it blames came from (`sources`: by key, as
+    ServerConfig.sources): found as the settings are read, or only as the daemon starts."""
+    name = KEY_OF_FIELD.get(exc.key or "", exc.key or "")
+    where = sources.get(name)
+    return exc if where is None else ConfigError(f"{exc} ({where})", key=name)
+
+
 def secret_of(given: bytes) -> bytes:
     """The secret in what a file or $COMMD_PEER_SECRET holds: a file's trailing newline
     (`openssl rand -hex 32 > file`) is not part of it, and the same text given either way
@@ -177,11 +185,6 @@ class ServerConfig:
         if len(bytes(self.socket_path)) > 107:
             raise ConfigError(f"socket: path {self.socket_path} is longer than a Unix socket allows",
                               key="socket_path")
-
-    def located(self, exc: ConfigError) -> ConfigError:
-        """`exc`, found as the daemon started, saying where the value it blames came from."""
-        where = self.sources.get(KEY_OF_FIELD.get(exc.key or "", exc.key or ""))
-        return exc if where is None else ConfigError(f"{exc} ({where})", key=exc.key)
 
     def public(self) -> dict[str, Any]:
         """The settings by key name, as plain data for `commd status`; of the secret only

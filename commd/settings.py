@@ -28,6 +28,7 @@ from .config import (
     SECRET_ENV,
     ServerConfig,
     flag_of,
+    located,
     read_secret_file,
     read_small_file,
     secret_of,
@@ -164,11 +165,11 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str],
     None where a flag was not given."""
     values = _layered(flags, environ, config_path)
     parsed = {name: _parse(KEYS[name], value) for name, value in values.items()}
+    sources = {name: value.where(name) for name, value in values.items()}
     try:
-        return ServerConfig(**_fields(parsed, values, environ),
-                            sources={name: value.where(name) for name, value in values.items()})
+        return ServerConfig(**_fields(parsed, values, environ), sources=sources)
     except ConfigError as exc:
-        raise _located(exc, values, environ) from None
+        raise _located(exc, values, environ, sources) from None
 
 
 def socket_of(flags: Mapping[str, Any], environ: Mapping[str, str], config_path: str | None) -> Path:
@@ -279,16 +280,14 @@ def _group_ids(names: tuple[str, ...], value: Value | None) -> frozenset[int]:
     return frozenset(gids)
 
 
-def _located(exc: ConfigError, values: dict[str, Value], environ: Mapping[str, str]) -> ConfigError:
+def _located(exc: ConfigError, values: dict[str, Value], environ: Mapping[str, str],
+             sources: Mapping[str, str]) -> ConfigError:
     """`exc`, saying where the value it names came from."""
     name = KEY_OF_FIELD.get(exc.key or "", exc.key or "")
-    value = values.get(name)
     # (the variable may have beaten a file the config names: that file is not to blame)
-    if name == "peer_secret_file" and _secret_from_env(value, environ):
+    if name == "peer_secret_file" and _secret_from_env(values.get(name), environ):
         return ConfigError(f"{exc} (from ${SECRET_ENV})", key=name)
-    if value is not None:
-        return ConfigError(f"{exc} ({value.where(name)})", key=name)
-    return exc
+    return located(exc, sources)
 
 
 def _known() -> str:
