@@ -58,12 +58,12 @@ def _status(args: argparse.Namespace) -> int:
                             f"{type(exc).__name__}: {exc}") from None
     try:
         print(report, flush=True)
-    except BrokenPipeError:  # the reader went away (`commd status | head`): nobody to tell
-        # (the interpreter's last flush would meet the pipe again, and say so)
+    except OSError as exc:
+        # (the interpreter's last flush would meet the same stdout again, and say so)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # as a command that SIGPIPE ended
-    except OSError as exc:  # a full disk: say so (the report cannot be had otherwise)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(exc, BrokenPipeError):  # the reader went away (`commd status | head`)
+            return 141  # as a command that SIGPIPE ended: nobody to tell
+        # (a full disk: say so, the report cannot be had otherwise)
         print(f"commd: cannot write the status report: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
