@@ -61,16 +61,21 @@ class Backoff:
         return wait
 
 
-async def _connect(host: str, port: int) -> FrameStream:
-    """A connection to the first of `host`'s addresses that takes one. When none does and one
-    of them refused (nothing listens there yet), ConnectionRefusedError names every address's
+async def _addresses(host: str, port: int) -> list[str]:
+    """`host`'s addresses, each once, in the resolver's order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+async def _connect(addresses: list[str], port: int) -> FrameStream:
+    """A connection to the first of `addresses` that takes one. When none does and one of
+    them refused (nothing listens there yet), ConnectionRefusedError names every address's
     error: the loop, trying them itself, raises a plain OSError unless all its errors read
     alike, and one refused beside one unreachable (a name with an IPv6 address on a host
     without IPv6) is then not told from a daemon that can never be reached."""
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     errors: dict[str, OSError] = {}
-    for address in dict.fromkeys(str(info[4][0]) for info in infos):
+    for address in addresses:
         try:
             _, stream = await loop.create_connection(lambda: FrameStream(sealed_after=p.PeerReady),
                                                      address, port)
@@ -516,10 +521,15 @@ class PeerNode:
         deadline = loop.time() + window
         backoff = Backoff(*DIAL_RETRY_S)
         busy: str | None = None  # why the listener turned the last try away
+        # Resolved once, in the first try: each try after is a connection, no more (one cut
+        # off by the window in a lookup made nothing the listener could count)
+        addresses: list[str] | None = None
         while True:
             try:
                 async with asyncio.timeout_at(deadline):
-                    return await self._dial_once(host, port)
+                    if addresses is None:
+                        addresses = await _addresses(host, port)
+                    return await self._dial_once(addresses, port)
             except PeerBusyError as exc:
                 busy = str(exc)
             except TimeoutError:
@@ -533,8 +543,8 @@ class PeerNode:
                 raise PeerBusyError(f"{busy} (dialed {tries} times in {window:g}s)")
             await asyncio.sleep(wait)
 
-    async def _dial_once(self, host: str, port: int) -> PeerLink:
-        stream = await _connect(host, port)
+    async def _dial_once(self, addresses: list[str], port: int) -> PeerLink:
+        stream = await _connect(addresses, port)
         try:
             name, incarnation, transcript = await self._ask(stream)
         except BaseException:
