@@ -429,7 +429,9 @@ class World:
         level = logging.WARNING if self._tickets or code not in _ENDINGS else logging.INFO
         self.stats.world_failed(self.name, self.epoch, code, message, job_ended=level == logging.INFO)
         extra = self.log_extra(rank)
-        log.log(level, "world %s epoch %d: failed: %s", self.name, self.epoch, message, extra=extra)
+        # (said as "ended", not "failed": operators search the logs for failures)
+        how = "failed" if level == logging.WARNING else "ended, no call pending"
+        log.log(level, "world %s epoch %d: %s: %s", self.name, self.epoch, how, message, extra=extra)
         if level == logging.WARNING:
             for line in self.recorder.lines():
                 log.warning("world %s epoch %d flight recorder: %s", self.name, self.epoch, line,

@@ -498,6 +498,27 @@ def test_a_default_peer_name_the_handshake_cannot_carry_is_refused_at_start(tmp:
     assert "Traceback" not in done.stderr
 
 
+def test_a_job_that_ends_is_logged_as_ended_not_failed(tmp: Path, pool: RankPool) -> None:
+    """Ranks that end with a barrier and leave end their world, which is no failure: the
+    daemon's log says so (before, every job's end read "failed: rank N's connection was
+    lost", and a search of the logs for failures found every job)."""
+    with open(tmp / "daemon.log", "wb") as log:
+        daemon = DaemonProcess(tmp / "run" / "commd.sock", log=log, log_level="INFO").start()
+        try:
+            sock, world = str(daemon.socket_path), world_name("ends")
+            outcomes = pool.run(service_workers.reduce_then_wait,
+                                [(sock, world, r, 2, 1, 4, False) for r in range(2)], timeout=30)
+            assert [o.unwrap() for o in outcomes] == [([1], "done")] * 2
+            wait_until(lambda: not query_status(sock, 5)["worlds"], "the world to end")
+        finally:
+            assert daemon.stop() == 0
+    err = (tmp / "daemon.log").read_text()
+    ended = [line for line in err.splitlines()
+             if f"world {world} epoch 1: " in line and "connection was lost" in line]
+    assert len(ended) == 1 and "ended, no call pending" in ended[0] and "INFO" in ended[0], err
+    assert "failed" not in ended[0] and "WARNING" not in err, err
+
+
 def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:
     pytest.importorskip("prometheus_client")
     with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
