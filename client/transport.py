@@ -30,6 +30,9 @@ _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 _PARTING_READS = 64  # after a failed send: unread packets looked through for why the daemon went
 _PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find that out (deadline allowing)
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
+# A daemon that hung up with no word of why was killed, crashed or restarted: what a worker
+# does next is the same for each (a restarted daemon, or its systemd restart, takes it back)
+_GONE = " (the daemon stopped, with no word of why); call attempt_reconnect once it is back"
 
 Packet = tuple[proto.Message, list[int]]
 # How the daemon answers each kind of request (an Error aside): Ok unless named here; and
@@ -121,7 +124,7 @@ class Transport:
         if lost is None:
             return
         # (outside the send lock: what is read may be a late reply whose undo sends)
-        raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}"),
+        raise self._read_parting(DaemonUnavailable(f"lost the daemon connection: {lost}{_GONE}"),
                                  deadline) from lost
 
     def sending(self) -> threading.RLock:
@@ -415,10 +418,10 @@ class Transport:
                 # last word among them. Those come next, then the end
                 data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except OSError as exc:
-            raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}")) from exc
+            raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}{_GONE}")) from exc
         fds = take_fds(ancillary)
         if not data and not fds:
-            raise self._break(DaemonUnavailable("the daemon closed the connection"))
+            raise self._break(DaemonUnavailable(f"the daemon closed the connection{_GONE}"))
         try:
             msg = self._conn.receive(data, len(fds))
         except proto.ProtoError as exc:

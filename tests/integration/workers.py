@@ -696,7 +696,7 @@ def through_a_daemon_death(sock: str, world: str, rank: int, n: int, seed: int) 
                 comm.barrier()  # raises what made it unhealthy
             out["error"] = None
         except Exception as exc:
-            out["error"] = type(exc).__name__
+            out["error"], out["message"] = type(exc).__name__, str(exc)
         out["at"] = time.time()
         out["errors"] = reconnect_until(comm, time.monotonic() + 30)  # until it is restarted
         out["epoch"] = comm.epoch
