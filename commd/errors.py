@@ -27,6 +27,12 @@ def rank_list(ranks: list[int], shown: int = 16) -> str:
     return "[" + ", ".join(map(str, ranks[:shown])) + f", ... ({len(ranks) - shown} more)]"
 
 
+def seconds(duration_s: float) -> str:
+    """A duration for a message, to a tenth of a second: the rest of a timeout reads "8s",
+    not "7.978s"."""
+    return f"{round(duration_s, 1):g}s"
+
+
 class CallError(Exception):
     """A request that fails with `code`; the message goes to the client verbatim."""
 

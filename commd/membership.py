@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
 
-from .errors import CallError, NotListening, rank_list
+from .errors import CallError, NotListening, rank_list, seconds
 from .peering import Backoff
 
 if TYPE_CHECKING:
@@ -84,6 +84,14 @@ class LocalMembership:
         pass
 
 
+class Due(NamedTuple):
+    """When a rank's vote's time is up (loop time), and the whole time it was given: a vote
+    cast again over a new link keeps the rank's own deadline, not a fresh one."""
+
+    at: float
+    whole_s: float
+
+
 class Ballot(NamedTuple):
     """A member's vote, as the root holds it."""
 
@@ -103,9 +111,7 @@ class NetMembership:
         # the rank's no more once a newer one came: its process left and a new one took the
         # rank number, or it called attempt_reconnect again; the older vote must not speak for it.
         self._casting: dict[int, int] = {}
-        # rank -> when its newest vote's time is up (loop time): a vote cast again over a new
-        # link keeps the rank's own deadline, not a fresh one
-        self._due: dict[int, float] = {}
+        self._due: dict[int, Due] = {}  # rank -> its newest vote's
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
@@ -116,22 +122,21 @@ class NetMembership:
     # ---- local ranks --------------------------------------------------------------
 
     def vote(self, rank: int, timeout_s: float) -> None:
-        self._cast(rank, asyncio.get_running_loop().time() + timeout_s)
+        self._cast(rank, Due(asyncio.get_running_loop().time() + timeout_s, timeout_s))
 
-    def _cast(self, rank: int, due: float) -> None:
+    def _cast(self, rank: int, due: Due) -> None:
         vote = next(self.net.cluster.vote_ids)
         self._casting[rank] = vote
         self._due[rank] = due
-        left = due - asyncio.get_running_loop().time()
-        asyncio.get_running_loop().create_task(self._vote(rank, vote, left))
+        asyncio.get_running_loop().create_task(self._vote(rank, vote, due))
 
     def _still_casting(self, rank: int, vote: int) -> bool:
         """Whether `vote` is still the rank's, and the rank still waits."""
         return self._casting.get(rank) == vote and rank in self._world.local_waiting()
 
-    async def _vote(self, rank: int, vote: int, timeout_s: float) -> None:
+    async def _vote(self, rank: int, vote: int, due: Due) -> None:
         try:
-            await self._find_root(rank, vote, timeout_s)
+            await self._find_root(rank, vote, due)
         except CallError as exc:
             if self._still_casting(rank, vote):
                 self._world.refuse(rank, exc.code, f"world {self._world.name}: {exc.message}")
@@ -144,29 +149,31 @@ class NetMembership:
         if not self._still_casting(rank, vote):
             return  # gone (or voting anew) while we looked for the root
         del self._casting[rank]
+        # (the root gets the time left, not the whole: dialing it took some; its deadline
+        # for the vote is the rank's, or a member's backstop fires first, naming no rank)
+        left = max(0.0, due.at - asyncio.get_running_loop().time())
         if self.net.is_root:
             holder = self._votes.get(rank)
             if holder is not None and holder != self.net.me:  # first come, as in remote_vote
                 self._world.refuse(rank, ErrorCode.DUPLICATE_RANK, f"rank {rank} of world "
                                    f"{self._world.name} is already on daemon {holder}")
                 return
-            self._deadline(rank, timeout_s, None)
+            self._deadline(rank, left, None)
             self._count(rank, self.net.me)
             return
         try:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
-                                              self._world.epoch, max(1, int(timeout_s * 1000)),
+                                              self._world.epoch, max(1, int(left * 1000)),
                                               self._token, vote))
             self._sent[rank] = vote
         except CallError as exc:  # the link went down between resolving and sending
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
 
-    async def _find_root(self, rank: int, vote: int, timeout_s: float) -> None:
+    async def _find_root(self, rank: int, vote: int, due: Due) -> None:
         """Resolve the root. One whose address nothing listens at yet (its daemon starts after
         ours, or restarts) is dialed again until the rank's timeout: daemons of one job start
         in no set order. Any other failure to reach it refuses the rank at once."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         backoff = Backoff(*ROOT_RETRY_S)
         while True:
             try:
@@ -175,13 +182,13 @@ class NetMembership:
             except NotListening as exc:
                 if not self._still_casting(rank, vote):
                     return  # the rank left, or voted anew: this vote waits for the root no more
-                left = deadline - loop.time()
+                left = due.at - loop.time()
                 if left <= 0:
                     raise CallError(ErrorCode.TIMEOUT, f"{exc.message} (dialed {backoff.tries} times in "
-                                                       f"{timeout_s:g}s; is its daemon running?)") from None
+                                                       f"{due.whole_s:g}s; is its daemon running?)") from None
                 if backoff.tries == 1:
-                    log.info("world %s: %s; dialing again for up to %gs", self._world.name, exc.message,
-                             timeout_s, extra=self._world.log_extra(rank))
+                    log.info("world %s: %s; dialing again for up to %s", self._world.name, exc.message,
+                             seconds(left), extra=self._world.log_extra(rank))
                 # (the last pause ends at the deadline, with one more try: giving up when the next
                 # pause would pass it gave up as much as a whole pause, up to 1 s, early)
                 await asyncio.sleep(min(backoff.pause(), left))
@@ -282,7 +289,7 @@ class NetMembership:
             return
         # (votes are counted as the root, also by a daemon still dialing its bootstrap address)
         message = (f"world {self._world.name}: ranks {rank_list(self._not_arrived())} did not arrive "
-                   f"within {timeout_s:g}s")
+                   f"within {seconds(timeout_s)}")
         self._drop_vote(rank, ErrorCode.TIMEOUT, message)
 
     def _drop_vote(self, rank: int, code: ErrorCode, message: str) -> None:
@@ -390,8 +397,9 @@ class NetMembership:
             for rank in sorted(self._world.local_waiting()):
                 if rank in self._casting:
                     continue  # (still looking for the root: its dial finds the link closed)
-                if self._sent.pop(rank, None) is not None and self._due.get(rank, now) > now:
-                    self._cast(rank, self._due[rank])
+                due = self._due.get(rank)
+                if self._sent.pop(rank, None) is not None and due is not None and due.at > now:
+                    self._cast(rank, due)
                 else:
                     self._world.refuse(rank, ErrorCode.PEER_LOST,
                                        f"world {self._world.name}: the root {message}")

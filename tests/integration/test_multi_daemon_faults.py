@@ -1442,6 +1442,37 @@ def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[Daemon
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_vote_that_dialed_its_root_a_while_keeps_its_ranks_deadline(pair: list[DaemonProcess]) -> None:
+    """Rank 1 (timeout 4 s) joins on B 2.5 s before its root starts; rank 2 never comes. Its
+    vote reached the root with the time left (some 1 s, the root's start included), so the
+    root refuses it at the rank's deadline, naming the missing rank (before: with the whole
+    4 s, so B's own backstop fired first, 2 s late, saying only "the root daemon ... did not
+    form it within 4s")."""
+    b = pair[1]
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    world = world_name()
+    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
+        "--peer-listen", address, "--peer-name", "R", *FAST])
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            started = time.monotonic()
+            rank_1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=4,
+                                    bootstrap=address)
+            time.sleep(2.5)
+            late_root.start()
+            rank_0 = threads.submit(DaemonBackend, str(late_root.socket_path), world, 0, 3, timeout=3,
+                                    bootstrap=address)
+            with pytest.raises(CommTimeout, match=r"ranks \[2\] did not arrive within [0-2](\.[0-9])?s"):
+                rank_1.result(15)
+            took = time.monotonic() - started
+            with pytest.raises(CommTimeout, match=r"ranks \[2\] did not arrive within 3s"):
+                rank_0.result(15)
+        assert 3.5 < took < 5.0, took
+    finally:
+        late_root.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_a_root_daemon_that_never_starts_times_the_join_out_saying_where_it_dialed(
         pair: list[DaemonProcess]) -> None:
     """Nothing ever listens at the root's address: the join fails when its timeout ends, a
