@@ -16,6 +16,13 @@ from .rpc import Answer, Superseded, built, checked
 from .transport import Abandon, Transport, Undo
 
 
+def check_past(epoch: int, left: int, what: str) -> None:
+    """A rebuilt world starts past the epoch it left (it may have failed there): taken,
+    that failure would never count as repaired, so a daemon that says otherwise is wrong."""
+    if epoch <= left:
+        raise ProtocolError(f"{what} at epoch {epoch}, not past {left}")
+
+
 class Connection:
     """The transport to the daemon, which daemon connection it is (`link`: each rejoin
     moves it on) and the world's epoch and the daemon's engine as last heard. Every request
@@ -75,11 +82,9 @@ class Connection:
             if reply.version != hello.version:  # (the daemon should have refused the hello)
                 raise ProtocolError(f"the daemon welcomed us in protocol version {reply.version}; "
                                     f"this client speaks {hello.version}")
-            if hello.epoch and reply.epoch <= hello.epoch:
-                # the world a rejoin forms starts past the epoch it left (it may have failed
-                # there): taken, that failure would never count as repaired
-                raise ProtocolError(f"the daemon welcomed rank {hello.rank} of world {hello.world} "
-                                    f"at epoch {reply.epoch}, not past {hello.epoch}")
+            if hello.epoch:  # a rejoin
+                check_past(reply.epoch, hello.epoch,
+                           f"the daemon welcomed rank {hello.rank} of world {hello.world}")
         except BaseException:
             transport.close()
             raise

@@ -15,9 +15,9 @@ from proto import DType, ReduceOp
 
 from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
-from .connection import Connection
+from .connection import Connection, check_past
 from .cuda import available_driver
-from .errors import DaemonUnavailable, LimitExceeded, MisuseError, ProtocolError, WorldFailed
+from .errors import DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -330,9 +330,7 @@ class DaemonBackend(CommBackend):
                 # its answer time to arrive rather than give up just before it does
                 answer = self._conn.request(proto.Reconnect, due=due, grace=_JOIN_GRACE_S)
                 epoch = answer.value()
-                if epoch <= answer.epoch:  # (taken, the failure at answer.epoch is never repaired)
-                    raise ProtocolError(f"the daemon rebuilt world {self._world} at epoch {epoch}, "
-                                        f"not past {answer.epoch}")
+                check_past(epoch, answer.epoch, f"the daemon rebuilt world {self._world}")
                 with self._lock:
                     self._conn.new_epoch(epoch)
             except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
