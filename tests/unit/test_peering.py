@@ -17,7 +17,7 @@ import pytest
 import uvloop
 
 import proto
-from commd import peering
+from commd import frames, peering
 from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
 from proto import ErrorCode
 from proto import peer as p
@@ -1123,7 +1123,7 @@ class HeldTransport:
 async def test_a_payload_before_the_handshake_is_refused_before_anything_is_allocated() -> None:
     """Anyone who reaches the port could otherwise make the daemon allocate up to
     MAX_PAYLOAD_BYTES per half-open connection: the frame is refused from its lengths."""
-    stream = peering.FrameStream()
+    stream = frames.FrameStream()
     transport = HeldTransport()
     stream.connection_made(transport)  # type: ignore[arg-type]
     header = encode_peer(p.Heartbeat(1))
@@ -1140,7 +1140,7 @@ async def test_a_payload_before_the_handshake_is_refused_before_anything_is_allo
 async def test_a_cancelled_drainer_leaves_the_others_waiting_for_the_socket() -> None:
     """Drainers share one future while the socket is full; before, cancelling one (its op
     cancelled) cancelled that future, and every other drainer got CancelledError."""
-    stream = peering.FrameStream()
+    stream = frames.FrameStream()
     stream.pause_writing()
     first = asyncio.create_task(stream.drain())
     second = asyncio.create_task(stream.drain())
