@@ -64,6 +64,12 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
         except OSError as exc:
             raise ConfigError(f"socket: cannot create the directory {directory}: {exc.strerror}",
                               key="socket_path") from None
+    mode = os.stat(parent).st_mode
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        # (with the sticky bit, as /tmp has, only the socket's owner may replace it)
+        log.warning("socket: its directory %s is writable by every user: any of them may replace "
+                    "the socket with one of their own, which workers would then trust; use a "
+                    "directory only commd's group can write, or set its sticky bit", parent)
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ConfigError(f"socket: {path} exists and is not a socket", key="socket_path")

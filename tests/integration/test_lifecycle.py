@@ -128,6 +128,27 @@ def test_every_directory_the_daemon_makes_for_its_socket_is_0750(umask: int) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
+def test_a_socket_directory_every_user_may_write_is_warned_of(mode: int) -> None:
+    """A directory anyone may write (and no sticky bit, as /tmp has) lets any user put a
+    socket of their own where workers connect: the daemon serves, but says so (before: not a
+    word). With the sticky bit, or shut to others, nothing is said."""
+    tmp = short_tmpdir()
+    run = Path(tmp) / "run"
+    run.mkdir()
+    run.chmod(mode)  # (past the umask)
+    try:
+        logged = Path(tmp) / "daemon.log"
+        with open(logged, "wb") as log, DaemonProcess(run / "commd.sock", log=log) as daemon:
+            assert query_status(str(daemon.socket_path), 5)["pid"] == daemon.pid
+        said = logged.read_text()
+        warned = f"its directory {run} is writable by every user" in said
+        assert warned == (mode == 0o777), said
+        assert "Traceback" not in said
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_a_stopping_daemon_leaves_the_socket_file_of_the_daemon_that_replaced_it() -> None:
     """A daemon whose socket file was removed (by hand, by a cleaner of old files) and bound
     again by a second daemon removed the second's file as it stopped: the second, still
