@@ -123,7 +123,8 @@ class DaemonBackend(CommBackend):
         self._handover = Handover(self._lock, self._conn, self._resolver, self._imports)
         # (they hold the connection's bound request: patch theirs to reach their requests)
         self._registrations = Registrations(self._lock, self._conn.request, self._handover.mem_pinned,
-                                            self._handover.unpin, self._conn.current_link)
+                                            self._handover.unpin, self._conn.current_link,
+                                            self._memory.next_id)
         self._symmetric = SymmetricMemory(self._lock, self._conn.request, self._due, self._memory,
                                           self._resolver, self._imports, self._conn.current_link,
                                           self._conn.gone, lambda: self._conn.closed)

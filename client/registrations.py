@@ -39,14 +39,18 @@ class Registrations:
 
     def __init__(self, lock: threading.RLock, request: Requester,
                  mem: Callable[[int, int, float], tuple[proto.Mem | None, tuple[int, ...]]],
-                 unpin: Callable[[tuple[int, ...]], None], link: Callable[[], int]) -> None:
+                 unpin: Callable[[tuple[int, ...]], None], link: Callable[[], int],
+                 next_handle: Callable[[], int]) -> None:
         self._lock = lock
         self._request = request
         self._mem = mem  # resolves a span, and pins the CUDA allocation it names (if one)
         self._unpin = unpin
         self._link = link
         self._by_handle: dict[int, Registration] = {}
-        self._next_handle = 1
+        # Drawn from a counter the process's other backends share, not numbered per backend:
+        # a handle passed to another world's backend must be refused there, not taken for
+        # that backend's own registration of the same number
+        self._next_handle = next_handle
 
     def handles(self) -> set[int]:
         with self._lock:
@@ -58,10 +62,9 @@ class Registrations:
                 daemon_handle, link, buffer = self._register(ptr, nbytes, due)
             except Superseded:  # resolved with a daemon a rejoin replaced before it was asked
                 continue
+            handle = self._next_handle()  # (not under our lock: the counter's is the memory table's)
             with self._lock:
                 if link == self._link():
-                    handle = self._next_handle
-                    self._next_handle += 1
                     self._by_handle[handle] = Registration(ptr, nbytes, buffer, daemon_handle, link)
                     return handle
             # made with a daemon a rejoin replaced meanwhile (gone, and the registration with

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommError, DaemonBackend, MisuseError, WorldFailed, hostmem
+from client import CommError, DaemonBackend, LimitExceeded, MisuseError, WorldFailed, hostmem
 from commd.launch import DaemonProcess
 from tests.conftest import held_elsewhere
 from tests.fault.ranks import join, met_the_failure, on_both, own_daemon, slowed
@@ -183,6 +183,35 @@ def test_one_world_rebuilt_after_a_killed_peer_leaves_the_other_world_on_the_sam
         for process in (victim, peer_b):
             if process.is_alive():
                 process.kill()
+
+
+@pytest.mark.parametrize("daemon", [("--max-registrations", "1")], indirect=True)
+def test_a_handle_of_one_worlds_backend_is_refused_by_another_and_leaves_its_registration_be(
+        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]]) -> None:
+    """A worker registers a buffer in world A and another in world B, then passes A's
+    handle to B's deregister_buffer (the handles are opaque; a pipeline stage keeps them in
+    one table). Before, each backend numbered its handles from 1: B took A's handle for its
+    own and deregistered B's buffer without a word, and B's own handle was then 'not
+    registered'. Now a handle names one backend's registration: B refuses A's, and B's
+    buffer stays registered with the daemon (at its limit of 1 per connection, a second
+    registration is refused until B's own handle lets go of it)."""
+    a, b = two_worlds
+    bufs = [hostmem.alloc(256) for _ in range(2)]
+    handles = on_both(lambda r: (a[r].register_buffer(bufs[r].ptr, 128),
+                                 b[r].register_buffer(bufs[r].ptr + 128, 128)))
+    for r in range(2):
+        in_a, in_b = handles[r]
+        with pytest.raises(MisuseError, match=f"^handle {in_a} is not registered$"):
+            b[r].deregister_buffer(in_a)
+        with pytest.raises(MisuseError, match=f"^handle {in_b} is not registered$"):
+            a[r].deregister_buffer(in_b)
+        with pytest.raises(LimitExceeded):  # B's registration is still the daemon's
+            b[r].register_buffer(bufs[r].ptr, 64)
+        b[r].deregister_buffer(in_b)
+        a[r].deregister_buffer(in_a)
+        again = b[r].register_buffer(bufs[r].ptr, 64)  # (room again: it was B's that held it)
+        b[r].deregister_buffer(again)
+    on_both(lambda r: checked_rounds(b[r], bufs[r].view(np.int32)[32:], bufs[r].ptr + 128, r, 5, 2))
 
 
 def test_a_daemon_restart_under_two_worlds_keeps_each_ones_registrations_and_symmetric_memory(
