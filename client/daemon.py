@@ -463,7 +463,9 @@ class DaemonBackend(CommBackend):
         if failure is not None:
             self._health.met(about)
             said = str(failure)
-            if "attempt_reconnect" not in said:  # (the daemon's word on a failed call says it)
+            # (the daemon's word on a failed call gives the advice; a cause may only name the
+            # call: 'rank 0 called attempt_reconnect')
+            if "call attempt_reconnect" not in said:
                 said = f"world {self._world} is not healthy: {said}; call attempt_reconnect"
             raise type(failure)(said, failure.code)
         with InFlight(self._memory.moves, ops) as call:

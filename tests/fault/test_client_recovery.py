@@ -20,7 +20,16 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommError, CommTimeout, DaemonBackend, LimitExceeded, MisuseError, ProtocolError, hostmem
+from client import (
+    CommError,
+    CommTimeout,
+    DaemonBackend,
+    LimitExceeded,
+    MisuseError,
+    ProtocolError,
+    WorldFailed,
+    hostmem,
+)
 from client.hostmem import default_memory
 from commd.launch import DaemonProcess
 from proto import ErrorCode
@@ -634,4 +643,28 @@ def test_a_reply_the_daemon_sent_before_it_was_killed_is_read(daemon: DaemonProc
         assert [buf.view(np.int32)[:2].tolist() for buf in bufs] == [[5, 100], [5, 100]]
         restart_daemon(daemon, comms)
         on_both(lambda r: comms[r].attempt_reconnect())
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+def test_a_call_after_a_ranks_lone_vote_names_the_world_and_what_to_do(daemon: DaemonProcess) -> None:
+    """Rank 0 calls attempt_reconnect on a healthy world (a retry loop that went once too
+    often) while rank 1 is idle: the vote fails the world, and rank 1 hears of it by the
+    daemon's event (is_healthy() turns false). Rank 1's next call must name the world and
+    give the advice once, as after any other cause. Before, the cause itself named
+    attempt_reconnect ('rank 0 called attempt_reconnect'), which the client took for the
+    advice already given: the call raised the bare cause, no world named (a worker in
+    several worlds could not tell which one failed). Both ranks then rebuild and sum."""
+    with joined(daemon, timeout=10) as comms:
+        world = comms[0]._world
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        with ThreadPoolExecutor(1) as rank0:
+            voted = rank0.submit(comms[0].attempt_reconnect)
+            wait_until(lambda: not comms[1].is_healthy(), "rank 1 hearing of rank 0's vote")
+            with pytest.raises(WorldFailed) as next_call:
+                comms[1].barrier()
+            assert str(next_call.value) == (f"world {world} is not healthy: rank 0 called attempt_reconnect; "
+                                            "call attempt_reconnect")
+            comms[1].attempt_reconnect()
+            voted.result(10)
+        assert [comm.epoch for comm in comms] == [2, 2]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
