@@ -124,7 +124,7 @@ class DaemonBackend(CommBackend):
         # (they hold the connection's bound request: patch theirs to reach their requests)
         self._registrations = Registrations(self._lock, self._conn.request, self._handover.mem_pinned,
                                             self._handover.unpin, self._conn.current_link,
-                                            self._memory.next_id)
+                                            self._conn.gone, self._memory.next_id)
         self._symmetric = SymmetricMemory(self._lock, self._conn.request, self._due, self._memory,
                                           self._resolver, self._imports, self._conn.current_link,
                                           self._conn.gone, lambda: self._conn.closed)

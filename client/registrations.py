@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import proto
 
-from .errors import LimitExceeded, MisuseError
+from .errors import CommError, LimitExceeded, MisuseError
 from .rpc import Requester, Superseded
 
 
@@ -40,12 +40,13 @@ class Registrations:
     def __init__(self, lock: threading.RLock, request: Requester,
                  mem: Callable[[int, int, float], tuple[proto.Mem | None, tuple[int, ...]]],
                  unpin: Callable[[tuple[int, ...]], None], link: Callable[[], int],
-                 next_handle: Callable[[], int]) -> None:
+                 gone: Callable[[int], bool], next_handle: Callable[[], int]) -> None:
         self._lock = lock
         self._request = request
         self._mem = mem  # resolves a span, and pins the CUDA allocation it names (if one)
         self._unpin = unpin
         self._link = link
+        self._gone = gone  # whether a daemon connection is no more (its registrations went with it)
         self._by_handle: dict[int, Registration] = {}
         # Drawn from a counter the process's other backends share, not numbered per backend:
         # a handle passed to another world's backend must be refused there, not taken for
@@ -155,10 +156,13 @@ class Registrations:
             self._request(lambda rid: proto.Deregister(rid, daemon_handle), due=due, link=link)
         except Superseded:
             pass  # that daemon is gone, and its registrations with it
-        except MisuseError as exc:
-            if exc.code is not proto.ErrorCode.UNKNOWN_HANDLE:
+        except CommError as exc:
+            unknown = isinstance(exc, MisuseError) and exc.code is proto.ErrorCode.UNKNOWN_HANDLE
+            # Unknown: the daemon let go of it with its memory (freed, or dropped from our full
+            # cache). Gone as we asked (the daemon died, the connection was dropped): nothing is
+            # registered there any more, and the handle kept, a rejoin would register it again.
+            if not (unknown or self._gone(link)):
                 raise
-            # the daemon let go of it with its memory (freed, or dropped from our full cache)
 
 
 def _deregister_late(reply: proto.Message, request_id: int) -> proto.Message | None:

@@ -668,3 +668,28 @@ def test_a_call_after_a_ranks_lone_vote_names_the_world_and_what_to_do(daemon: D
             voted.result(10)
         assert [comm.epoch for comm in comms] == [2, 2]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
+
+
+@pytest.mark.parametrize("daemon", [("--max-registrations", "1")], indirect=True)
+def test_deregister_with_the_daemon_gone_returns_and_the_rejoin_does_not_register_it_again(
+        daemon: DaemonProcess) -> None:
+    """The daemon is killed; each rank, cleaning up, deregisters its buffer before the new
+    daemon is up, as symmetric_free may. Nothing is registered anywhere any more, so the
+    call returns and the handle is gone. Before, it raised DaemonUnavailable and kept the
+    handle, which the rejoin then registered again with the new daemon (observed: at its
+    limit of 1 per connection, the next register_buffer was refused, LimitExceeded)."""
+    with joined(daemon, timeout=5) as comms:
+        bufs = [hostmem.alloc(64) for _ in range(2)]
+        handles = on_both(lambda r: comms[r].register_buffer(bufs[r].ptr, 64))
+        daemon.kill()
+        for r, comm in enumerate(comms):
+            met_the_failure(comm)
+            comm.deregister_buffer(handles[r])
+            with pytest.raises(MisuseError, match=f"^handle {handles[r]} is not registered$"):
+                comm.deregister_buffer(handles[r])
+        daemon.start()
+        on_both(lambda r: comms[r].attempt_reconnect())
+        fresh = on_both(lambda r: comms[r].register_buffer(bufs[r].ptr, 64))  # (the one room there is)
+        assert [comm._registrations.handles() for comm in comms] == [{fresh[0]}, {fresh[1]}]
+        assert summed(comms, bufs) == [[3, 30], [3, 30]]
+        on_both(lambda r: comms[r].deregister_buffer(fresh[r]))
