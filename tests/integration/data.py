@@ -25,6 +25,17 @@ def make_input(seed: int, rank: int, nelem: int, dtype: str, op: str) -> np.ndar
     return rng.integers(info.min, info.max, nelem, endpoint=True, dtype=NUMPY[dtype])
 
 
+def signed_zeros(rank: int, nelem: int, dtype: str) -> np.ndarray:
+    """Rank `rank`'s zeros: element i is -0.0 where bit `rank` of i is set, else +0.0, so
+    the first 2**n elements hold every way n ranks can hold the two (and NaN, on rank 0,
+    every 7th element: passed over by min and max)."""
+    index = np.arange(nelem)
+    values = np.where((index >> rank) & 1, -0.0, 0.0)
+    if rank == 0:
+        values[index % 7 == 6] = np.nan
+    return values.astype(NUMPY[dtype])
+
+
 def reduce_reference(inputs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
     """The daemon's documented arithmetic: rank order; bf16/f16 accumulate in float32, round once."""
     ufunc = UFUNC[op]

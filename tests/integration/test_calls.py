@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.integration import workers
-from tests.integration.data import NUMPY, make_input, reduce_reference
+from tests.integration.data import FLOATS, NUMPY, make_input, reduce_reference, signed_zeros
 from tests.integration.harness import RankPool, world_name
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,6 +46,27 @@ def test_all_reduce_dtypes_and_ops(pool: RankPool, sock: str, dtype: str, op: st
     want = reduce_reference([make_input(5, r, nelem, dtype, op) for r in range(n)], dtype, op)
     for raw in results:
         assert as_array(raw, dtype).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", ["min", "max"])
+@pytest.mark.parametrize("n,nelem", [(2, 4), (3, 8), (4, 16), (3, 70001)])  # 70001: chunked, on threads
+def test_min_and_max_order_signed_zeros_whatever_rank_holds_them(pool: RankPool, sock: str, dtype: str,
+                                                                op: str, n: int, nelem: int) -> None:
+    """-0.0 < +0.0 (IEEE 754-2019 minimumNumber/maximumNumber; CUDA's __hmin/__hmax): before,
+    numpy's fmin/fmax gave back whichever zero came second, so max(+0.0 on rank 0, -0.0 on
+    rank 1) was -0.0 and the same zeros the other way round +0.0: the result depended on
+    which rank held which."""
+    inputs = [signed_zeros(r, nelem * n, dtype).astype(np.float64) for r in range(n)]
+    negative = np.signbit(np.stack(inputs)) & ~np.isnan(np.stack(inputs))
+    nan = np.isnan(np.stack(inputs))
+    # min: -0.0 if any rank holds it; max: -0.0 only if every rank that holds a number does
+    sign = negative.any(axis=0) if op == "min" else (negative | nan).all(axis=0)
+    full = np.where(nan.all(axis=0), np.nan, np.where(sign, -0.0, 0.0)).astype(NUMPY[dtype])
+    for rank, (reduced, scattered) in enumerate(run(pool, sock, n, workers.signed_zero_reductions,
+                                                    nelem, dtype, op)):
+        assert reduced == full[:nelem].tobytes(), np.frombuffer(reduced, NUMPY[dtype])[:2 ** n]
+        assert scattered == full[rank * nelem:(rank + 1) * nelem].tobytes()
 
 
 def test_all_reduce_large_runs_on_threads(pool: RankPool, sock: str) -> None:

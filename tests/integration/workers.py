@@ -18,7 +18,7 @@ import numpy as np
 
 import proto
 from client import CommError, DaemonBackend, hostmem
-from tests.integration.data import make_input, reduce_reference
+from tests.integration.data import make_input, reduce_reference, signed_zeros
 
 TIMEOUT = 20.0
 
@@ -95,6 +95,18 @@ def all_reduce_repeated(sock: str, world: str, rank: int, n: int, nelem: int, dt
             if _read(buf, 0, data.nbytes) != want.tobytes():
                 wrong.append(call)
     return wrong
+
+
+def signed_zero_reductions(sock: str, world: str, rank: int, n: int, nelem: int, dtype: str,
+                           op: str) -> tuple[bytes, bytes]:
+    """all_reduce of `signed_zeros`, then reduce_scatter of them with shares of `nelem`."""
+    data = signed_zeros(rank, nelem, dtype)
+    whole = signed_zeros(rank, nelem * n, dtype)
+    with connect(sock, world, rank, n) as comm:
+        buf, send, recv = _load(data), _load(whole), hostmem.alloc(data.nbytes)
+        comm.all_reduce(buf.ptr, data.nbytes, dtype=dtype, op=op)
+        comm.reduce_scatter(send.ptr, recv.ptr, data.nbytes, dtype=dtype, op=op)
+        return _read(buf, 0, data.nbytes), _read(recv, 0, data.nbytes)
 
 
 def checked_rounds(comm: DaemonBackend, view: np.ndarray, ptr: int, rank: int, first: int,
