@@ -112,6 +112,9 @@ class NetMembership:
         # rank number, or it called attempt_reconnect again; the older vote must not speak for it.
         self._casting: dict[int, int] = {}
         self._due: dict[int, Due] = {}  # rank -> its newest vote's
+        # the votes dialing a root not listening yet: the first says so in the log, for all
+        # (8 ranks of a node said it 8 times)
+        self._dialing: set[int] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
@@ -173,6 +176,12 @@ class NetMembership:
         """Resolve the root. One whose address nothing listens at yet (its daemon starts after
         ours, or restarts) is dialed again until the rank's timeout: daemons of one job start
         in no set order. Any other failure to reach it refuses the rank at once."""
+        try:
+            await self._dial_root(rank, vote, due)
+        finally:
+            self._dialing.discard(vote)
+
+    async def _dial_root(self, rank: int, vote: int, due: Due) -> None:
         loop = asyncio.get_running_loop()
         backoff = Backoff(*ROOT_RETRY_S)
         while True:
@@ -186,9 +195,10 @@ class NetMembership:
                 if left <= 0:
                     raise CallError(ErrorCode.TIMEOUT, f"{exc.message} (dialed {backoff.tries} times in "
                                                        f"{due.whole_s:g}s; is its daemon running?)") from None
-                if backoff.tries == 1:
+                if backoff.tries == 1 and not self._dialing:
                     log.info("world %s: %s; dialing again for up to %s", self._world.name, exc.message,
                              seconds(left), extra=self._world.log_extra(rank))
+                self._dialing.add(vote)
                 # (the last pause ends at the deadline, with one more try: giving up when the next
                 # pause would pass it gave up as much as a whole pause, up to 1 s, early)
                 await asyncio.sleep(min(backoff.pause(), left))

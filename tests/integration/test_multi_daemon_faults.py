@@ -1641,6 +1641,27 @@ def test_a_member_dialing_a_root_not_up_says_so_once_a_rank_in_a_line_of_its_wor
                                      "Connection refused; dialing again for up to 0.6s")
 
 
+def test_ranks_of_one_world_dialing_a_root_not_up_say_so_in_one_line(tmp_path: Path) -> None:
+    """Three ranks of a world on one member, its root not up: one line says the member dials
+    it again (before: one a rank, as many as the node's GPUs)."""
+    tmp, address, world = short_tmpdir(), f"127.0.0.1:{_unused_port()}", world_name()
+    with (tmp_path / "member.log").open("wb") as log:
+        member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="INFO", args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", "B", "--log-format", "json", *FAST])
+        try:
+            with member, ThreadPoolExecutor(3) as threads:
+                joins = [threads.submit(DaemonBackend, str(member.socket_path), world, rank, 4, timeout=1.0,
+                                        bootstrap=address) for rank in (1, 2, 3)]
+                for join in joins:
+                    with pytest.raises(CommTimeout, match="is its daemon running"):
+                        join.result(15)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    lines = [json.loads(line) for line in (tmp_path / "member.log").read_text().splitlines()]
+    dialing = [line for line in lines if "dialing again" in line["message"]]
+    assert [(line["world"], line["level"]) for line in dialing] == [(world, "INFO")], lines
+
+
 def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_again(
         pair: list[DaemonProcess]) -> None:
     """A serving job: rank 1 (on B) calls attempt_reconnect; its vote is at the root daemon R
