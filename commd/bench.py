@@ -13,8 +13,10 @@ contiguous blocks (4 ranks over 2 daemons: ranks 0,1 on the first, 2,3 on the
 second); rank 0's daemon is the world's root. The gloo side is unchanged: n processes.
 
 Buffers hold random bf16 values in [2^-7, 2^-2); they are refilled from a pristine
-copy, outside the timed call, before repeated sums could reach inf. The worker
-processes live in `benchrun`.
+copy, outside the timed call, before repeated sums could reach inf. Each size's first
+call (a warm-up call, not timed) is checked on every rank, on both sides, against the
+exact sum of every rank's input: a wrong sum fails the run (see benchrun.check_sum). The
+worker processes live in `benchrun`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _STOP_TIMEOUT_S = 20.0
 _TARGETS = ((2, 1, 8, 4.0, "latency"), (4, 1, 8, 4.0, "latency"),
             (4, 1, 64 << 20, 2.0, "bandwidth"))
 _MULTI_TARGETS = ((4, 2, 64 << 20, 1.5, "bandwidth"),)
+_CHECKED = ("each size's first (untimed) all_reduce, on every rank of both sides, against the "
+            "exact sum of the ranks' inputs")
 
 
 def default_iters(size: int) -> int:
@@ -167,7 +171,8 @@ def render_table(rows: Sequence[dict[str, Any]], pinning: str, daemons: int = 1)
     head = ["commd DaemonBackend vs torch.distributed gloo: all_reduce (bf16, sum) and barrier",
             f"pinning: {pinning}",
             "latency: per iteration the slowest rank's time; median and p99 over the iterations",
-            "lat ratio: gloo median / commd median (>1: commd faster; equals the GB/s ratio)"]
+            "lat ratio: gloo median / commd median (>1: commd faster; equals the GB/s ratio)",
+            f"checked: {_CHECKED}"]
     if daemons > 1:
         head.append(f"commd: {daemons} daemons on this host, ranks in contiguous blocks, rank 0's "
                     "daemon the root; gloo: one process per rank")
@@ -308,7 +313,8 @@ def run_bench(args: argparse.Namespace) -> int:
                            "iters": plan.iters, "barrier_iters": plan.barrier_iters,
                            "gloo": torch_version is not None,
                            "placement": "contiguous blocks; rank 0's daemon is the root",
-                           "aggregation": "per iteration the slowest rank, then median/p99"},
+                           "aggregation": "per iteration the slowest rank, then median/p99",
+                           "checked": _CHECKED},
               "results": rows, "targets": targets}
     try:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -76,12 +76,15 @@ def _refill_every(world_size: int) -> int:
 
 
 def _measure(call: Callable[[], object], refill: Callable[[], object],
-             barrier: Callable[[], object], iters: int, refill_every: int) -> list[float]:
+             barrier: Callable[[], object], iters: int, refill_every: int,
+             check: Callable[[], object]) -> list[float]:
     clock = time.perf_counter
     for i in range(max(3, iters // 10)):  # warm-up: first-touch, imports, the daemon's import
         if i % refill_every == 0:
             refill()
         call()
+        if i == 0:  # (the first result, from the pristine inputs: a fast wrong answer is no result)
+            check()
     barrier()  # every rank starts the timed loop together
     times: list[float] = []
     for i in range(iters):
@@ -91,6 +94,32 @@ def _measure(call: Callable[[], object], refill: Callable[[], object],
         call()
         times.append(clock() - start)
     return times
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns as float32, exactly (a bf16 is the top half of a float32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_sum(side: str, got: np.ndarray, size: int, world_size: int) -> None:
+    """RuntimeError unless `got` (bf16 bits) is the sum of every rank's pristine input, each
+    element within n bf16 roundings of the exact sum (n = ranks: a ring rounds each step,
+    commd once), relative to the sum of the magnitudes. Leaving out any rank's input misses
+    by at least 2^-7 against a bound below 2^-8 at 2 ranks. Summed in float32 one rank at a
+    time (its error is 2^-16 of the bound): a 64 MiB check holds two arrays, not one per rank."""
+    exact = np.zeros(size // 2, np.float32)
+    scale = np.zeros_like(exact)
+    for rank in range(world_size):
+        values = bf16_values(_random_bf16_bits(size, rank))
+        exact += values
+        scale += np.abs(values)
+    values = bf16_values(got)
+    bad = np.flatnonzero(~(np.abs(values - exact) <= world_size * 2.0 ** -8 * scale))
+    if bad.size:
+        i = int(bad[0])
+        raise RuntimeError(f"{side}: the {size}-byte bf16 all_reduce summed {bad.size} of "
+                           f"{len(exact)} elements wrong (element {i}: {float(values[i])!r}, "
+                           f"the exact sum {float(exact[i])!r})")
 
 
 def _nothing() -> None:
@@ -109,7 +138,8 @@ def _commd_size(comm: Any, job: _Job, size: int, iters: int) -> list[float]:
 def _commd_timed(comm: Any, buf: Any, job: _Job, size: int, iters: int) -> list[float]:
     data, pristine, ptr = buf.view(np.uint16), _random_bf16_bits(size, job.rank), buf.ptr
     return _measure(lambda: comm.all_reduce(ptr, size), lambda: np.copyto(data, pristine),
-                    comm.barrier, iters, _refill_every(job.world_size))
+                    comm.barrier, iters, _refill_every(job.world_size),
+                    lambda: check_sum("commd", data, size, job.world_size))
 
 
 def _run_commd(job: _Job) -> Timings:
@@ -121,7 +151,7 @@ def _run_commd(job: _Job) -> Timings:
                        bootstrap=job.bootstrap, timeout=CALL_TIMEOUT_S) as comm:
         for size, iters in zip(plan.sizes, plan.iters, strict=True):
             out[str(size)] = _commd_size(comm, job, size, iters)
-        out[BARRIER] = _measure(comm.barrier, _nothing, comm.barrier, plan.barrier_iters, 1)
+        out[BARRIER] = _measure(comm.barrier, _nothing, comm.barrier, plan.barrier_iters, 1, _nothing)
     return out
 
 
@@ -129,7 +159,9 @@ def _gloo_size(dist: Any, torch: Any, job: _Job, size: int, iters: int) -> list[
     pristine = torch.from_numpy(_random_bf16_bits(size, job.rank)).view(torch.bfloat16)
     tensor = pristine.clone()
     return _measure(lambda: dist.all_reduce(tensor), lambda: tensor.copy_(pristine),
-                    dist.barrier, iters, _refill_every(job.world_size))
+                    dist.barrier, iters, _refill_every(job.world_size),
+                    lambda: check_sum("gloo", tensor.view(torch.int16).numpy().view(np.uint16),
+                                      size, job.world_size))
 
 
 def _run_gloo(job: _Job) -> Timings:
@@ -145,7 +177,7 @@ def _run_gloo(job: _Job) -> Timings:
         plan = job.plan
         for size, iters in zip(plan.sizes, plan.iters, strict=True):
             out[str(size)] = _gloo_size(dist, torch, job, size, iters)
-        out[BARRIER] = _measure(dist.barrier, _nothing, dist.barrier, plan.barrier_iters, 1)
+        out[BARRIER] = _measure(dist.barrier, _nothing, dist.barrier, plan.barrier_iters, 1, _nothing)
         return out
     finally:
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert row["gloo"]["median_us"] > 0
             assert row["latency_ratio"] > 0
     assert report["machine"]["cpu_count"] >= 1
+    assert report["settings"]["checked"].startswith("each size's first (untimed) all_reduce")
+    assert "checked: each size's first" in proc.stdout
 
 
 @pytest.mark.timeout(180)
@@ -62,3 +65,53 @@ def test_bench_smoke_two_daemons(tmp_path: Path) -> None:
     [target] = report["targets"]
     assert (target["ranks"], target["daemons"], target["goal"]) == (4, 2, 1.5)
     assert target["met"] is None and target["verdict"] == "not measured"  # no 64 MiB row here
+
+
+@pytest.mark.timeout(60)
+def test_the_bench_checks_the_sums_it_times(sock: str) -> None:
+    """The bench times a call only after its first result proved to be the sum of every
+    rank's input: a 2-rank bf16 all_reduce of the bench's inputs on a real daemon passes
+    check_sum; the same bytes summed as u8, or not reduced at all, are refused by name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from client import DaemonBackend, hostmem
+    from commd.benchrun import _random_bf16_bits, check_sum
+    from tests.integration.harness import world_name
+
+    size, world = 4096, world_name("bench")
+
+    def refusal(check: Callable[[], None]) -> str:
+        try:
+            check()
+        except RuntimeError as exc:
+            return str(exc)  # (not the error: its traceback holds the buffer's view)
+        return "passed"
+
+    def sums(buf: hostmem.HostBuffer, r: int) -> list[str]:
+        data, pristine = buf.view(np.uint16), _random_bf16_bits(size, r)
+        with DaemonBackend(sock, world, r, 2, timeout=20) as comm:
+            np.copyto(data, pristine)
+            comm.all_reduce(buf.ptr, size)
+            check_sum("commd", data, size, 2)  # the right sum passes
+            refused = []
+            for wrong in ("u8", None):  # summed as bytes; left as this rank's input
+                np.copyto(data, pristine)
+                if wrong is not None:
+                    comm.all_reduce(buf.ptr, size, dtype=wrong)
+                refused.append(refusal(lambda: check_sum("commd", data, size, 2)))
+        return refused
+
+    def rank(r: int) -> list[str]:
+        buf = hostmem.alloc(size)
+        try:
+            return sums(buf, r)
+        finally:
+            buf.close()  # (sums' view of it is gone)
+
+    with ThreadPoolExecutor(2) as threads:
+        results = list(threads.map(rank, range(2)))
+    for refused in results:
+        assert len(refused) == 2
+        assert all(why.startswith("commd: the 4096-byte bf16 all_reduce summed ") for why in refused)
