@@ -211,7 +211,8 @@ class Server:
 
         self.sessions.add(Session(self._ctx, pid, make_channel, self._full() if status_only else None))
 
-    def status(self) -> dict[str, Any]:
+    def status(self, world: str | None = None) -> dict[str, Any]:
+        """The daemon's status, with every world or only `world` (see Registry.status)."""
         return {
             "version": __version__,
             "engine": self.engine.name,
@@ -225,7 +226,7 @@ class Server:
             "metrics": self.metrics_address,
             "config": self.config.public(),
             "counters": self.registry.stats.summary(),
-            "worlds": self.registry.status(),
+            "worlds": self.registry.status(world),
             "peers": self.cluster.status() if self.cluster is not None else None,
         }
 

@@ -60,7 +60,7 @@ class DaemonContext:
     config: ServerConfig
     engine: Engine
     registry: Registry
-    status: Callable[[], dict[str, Any]]
+    status: Callable[[str | None], dict[str, Any]]  # every world's, or one's
     budget: MemoryBudget
     bad_packets: Throttled  # their warnings: a client may send one a connection, without end
     closer: FdCloser  # of the fds clients send (their close may wait: never on the loop)
@@ -250,12 +250,9 @@ class Session:
             self.world = None
 
     def _status(self, msg: proto.StatusQuery, fds: list[int]) -> None:
-        info = self._ctx.status()
-        if msg.world is not None:
-            worlds = [w for w in info["worlds"] if w["name"] == msg.world]
-            if not worlds:
-                raise CallError(ErrorCode.UNKNOWN_WORLD, f"no world named {msg.world[:40]!r} on this daemon")
-            info = {**info, "worlds": worlds}
+        info = self._ctx.status(msg.world)
+        if msg.world is not None and not info["worlds"]:
+            raise CallError(ErrorCode.UNKNOWN_WORLD, f"no world named {msg.world[:40]!r} on this daemon")
         self.send(_fitting_report(msg.id, info))
 
     def _import(self, msg: proto.Import, fds: list[int]) -> None:
