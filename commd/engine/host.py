@@ -45,6 +45,11 @@ if TYPE_CHECKING:
     from ..cluster import WorldNet
 
 Job = Callable[[], None]
+# The most output one job of an op writes. Every world's ops share the pool, which runs jobs
+# in the order they came: another world's op waits for the jobs ahead of it, so a large op
+# cut into few jobs (one per thread) held every other world's ops for about as long as it
+# ran itself (a 64 MiB all_reduce held 256 KiB ones of another world up to 30 ms).
+_JOB_BYTES = 4 << 20
 
 
 def _crosses(op: EngineOp) -> bool:
@@ -61,14 +66,18 @@ def _arr(region: Region) -> np.ndarray:
     return region.array
 
 
-def _plan(op: EngineOp, parts: int) -> list[Job]:
-    """Cut an op into independent jobs that touch disjoint output bytes."""
+def _plan(op: EngineOp, parts: int, most: int | None = None) -> list[Job]:
+    """Cut an op into independent jobs that touch disjoint output bytes: its reductions
+    into `parts` ranges at least, and every job to at most `most` bytes of output."""
+    def pieces(nbytes: int, at_least: int = 1) -> int:
+        return max(at_least, -(-nbytes // most) if most else 1)
+
     if isinstance(op, AllReduceOp):
         arrays = [_arr(op.bufs[rank]) for rank in sorted(op.bufs)]  # rank order fixes the float sum
         align = CHUNK_ELEMS * op.dtype.itemsize
         return [
             _bind_reduce([a[lo:hi] for a in arrays], [a[lo:hi] for a in arrays], op)
-            for lo, hi in split(len(arrays[0]), parts, align)
+            for lo, hi in split(len(arrays[0]), pieces(len(arrays[0]), parts), align)
         ]
     if isinstance(op, ReduceScatterOp):
         sends = [_arr(op.sends[r]) for r in sorted(op.sends)]
@@ -77,7 +86,7 @@ def _plan(op: EngineOp, parts: int) -> list[Job]:
         for rank, recv in op.recvs.items():
             out = _arr(recv)
             base = rank * len(out)
-            for lo, hi in split(len(out), max(1, parts // len(op.recvs)), align):
+            for lo, hi in split(len(out), pieces(len(out), parts // len(op.recvs)), align):
                 jobs.append(_bind_reduce([s[base + lo:base + hi] for s in sends], [out[lo:hi]], op))
         return jobs
     if isinstance(op, AllGatherOp):
@@ -86,13 +95,14 @@ def _plan(op: EngineOp, parts: int) -> list[Job]:
             out = _arr(recv)
             for src_rank, send in op.sends.items():
                 size = send.nbytes
-                jobs.append(_bind_copy(out[src_rank * size:(src_rank + 1) * size], _arr(send)))
+                jobs += _copies(out[src_rank * size:(src_rank + 1) * size], _arr(send), pieces(size))
         return jobs
     if isinstance(op, BroadcastOp):
         source = _arr(op.bufs[op.root])
-        return [_bind_copy(_arr(r), source) for rank, r in op.bufs.items() if rank != op.root]
+        return [job for rank, r in op.bufs.items() if rank != op.root
+                for job in _copies(_arr(r), source, pieces(source.nbytes))]
     if isinstance(op, TransferOp):
-        return [_bind_copy(_arr(op.dst), _arr(op.src))]
+        return _copies(_arr(op.dst), _arr(op.src), pieces(op.src.nbytes))
     if isinstance(op, BarrierOp):
         return []  # matching every rank's call is the barrier
     raise CallError(ErrorCode.INTERNAL, f"host engine cannot run {type(op).__name__}")
@@ -107,6 +117,23 @@ def _bind_copy(dst: np.ndarray, src: np.ndarray) -> Job:
     def copy() -> None:
         dst[...] = src
     return copy
+
+
+def _copies(dst: np.ndarray, src: np.ndarray, parts: int) -> list[Job]:
+    return [_bind_copy(dst[lo:hi], src[lo:hi]) for lo, hi in split(len(src), parts, 1)]
+
+
+async def _in_turns(pool: ThreadPoolExecutor, jobs: list[Job], width: int) -> None:
+    """Run `jobs` on the pool, at most `width` of them there at once: the next is handed
+    over as one ends, so another world's op, handed over meanwhile, runs after the jobs
+    already there, not after all of this op's."""
+    left = iter(jobs)
+
+    async def lane() -> None:
+        for job in left:  # (the lanes share the iterator: each takes the next job)
+            await off_loop(pool, job)
+
+    await asyncio.gather(*(lane() for _ in range(min(width, len(jobs)))))
 
 
 class InlineBudget:
@@ -228,7 +255,7 @@ class HostCommunicator:
 
             await self._inline.run(nbytes, job)
             return
-        await asyncio.gather(*(off_loop(self._pool, job) for job in _plan(op, self._parts)))
+        await _in_turns(self._pool, _plan(op, self._parts, _JOB_BYTES), 2 * self._parts)
 
     @staticmethod
     def _run_inline(op: EngineOp) -> None:
