@@ -97,26 +97,6 @@ def all_reduce_repeated(sock: str, world: str, rank: int, n: int, nelem: int, dt
     return wrong
 
 
-def timed_all_reduces(sock: str, world: str, rank: int, n: int, nbytes: int, calls: int,
-                      after_s: float = 0.0) -> list[float]:
-    """`calls` f32 sums in place over `nbytes`, back to back, `after_s` after joining; the
-    seconds each took (an AssertionError if the result is not the sums of every rank's
-    rank + 1: each is exact, n(n + 1)/2 times a power of n)."""
-    with connect(sock, world, rank, n, timeout=60) as comm:
-        buf = hostmem.alloc(nbytes)
-        view = buf.view(np.float32)
-        view[:] = rank + 1
-        time.sleep(after_s)
-        took = []
-        for _ in range(calls):
-            started = time.perf_counter()
-            comm.all_reduce(buf.ptr, nbytes, dtype="f32")
-            took.append(time.perf_counter() - started)
-        want = np.float32(n * (n + 1) // 2) * np.float32(n) ** (calls - 1)
-        assert np.all(view == want), (np.unique(view), want)
-        return took
-
-
 def signed_zero_reductions(sock: str, world: str, rank: int, n: int, nelem: int, dtype: str,
                            op: str) -> tuple[bytes, bytes]:
     """all_reduce of `signed_zeros`, then reduce_scatter of them with shares of `nelem`."""
