@@ -115,3 +115,21 @@ def test_the_bench_checks_the_sums_it_times(sock: str) -> None:
     for refused in results:
         assert len(refused) == 2
         assert all(why.startswith("commd: the 4096-byte bf16 all_reduce summed ") for why in refused)
+
+
+@pytest.mark.timeout(180)
+def test_bench_neighbours_smoke(tmp_path: Path) -> None:
+    """scripts/bench_neighbours.py with tiny settings: every scenario ran and was counted."""
+    out = tmp_path / "n.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_neighbours.py"), "--calls", "20",
+           "--idle-worlds", "2", "--large-bytes", str(1 << 20), "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["alone", "2 idle worlds", "2 idle + status --world poller",
+                          "2 idle + 1 MiB all_reduces"]
+    for name, row in rows.items():
+        assert 0 < row["p50_us"] <= row["p90_us"] <= row["p99_us"], (name, row)
+        assert (row["p90_vs_alone"] is None) == (name == "alone")
+        assert name in proc.stdout
