@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test
-.venv/bin/ruff check proto commd client tests
+.venv/bin/ruff check proto commd client tests scripts
 .venv/bin/mypy
 # Two worker processes: the tests mostly wait (daemons, sockets, timeouts), so on 2 cores
 # the suite takes ~0.6 of its time in one (each test has its own daemons and temp dirs).
