@@ -34,6 +34,10 @@ from .errors import LimitExceeded, MisuseError, ProtocolError
 from .moves import Moves, despite_interrupts
 
 ReleaseListener = Callable[[int], None]
+# Ids for every table of the process (buffers, and the backends' register_buffer handles):
+# a backend with a table of its own must not hand out another backend's handle numbers
+# (a count of its own gave both their first handle as 2). (next() on it is atomic.)
+_IDS = itertools.count(1)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -282,7 +286,6 @@ class HostMemory:
     def __init__(self) -> None:
         # Reentrant: a buffer's finalizer may run (GC) while this thread holds the lock.
         self._lock = threading.RLock()
-        self._ids = itertools.count(1)
         self._starts: list[int] = []
         self._by_start: dict[int, tuple[int, weakref.ref[HostBuffer]]] = {}
         self._listeners: list[weakref.WeakMethod[ReleaseListener]] = []
@@ -294,8 +297,7 @@ class HostMemory:
         _TABLES.add(self)
 
     def next_id(self) -> int:
-        with self._lock:
-            return next(self._ids)
+        return next(_IDS)
 
     def alloc(self, nbytes: int) -> HostBuffer:
         nbytes, = as_ints(nbytes=nbytes)

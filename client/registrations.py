@@ -48,9 +48,9 @@ class Registrations:
         self._link = link
         self._gone = gone  # whether a daemon connection is no more (its registrations went with it)
         self._by_handle: dict[int, Registration] = {}
-        # Drawn from a counter the process's other backends share, not numbered per backend:
-        # a handle passed to another world's backend must be refused there, not taken for
-        # that backend's own registration of the same number
+        # Drawn from the process's one id counter (hostmem's, whatever a backend's table),
+        # not numbered per backend: a handle passed to another world's backend must be
+        # refused there, not taken for that backend's own registration of the same number
         self._next_handle = next_handle
 
     def handles(self) -> set[int]:
@@ -63,7 +63,7 @@ class Registrations:
                 daemon_handle, link, buffer = self._register(ptr, nbytes, due)
             except Superseded:  # resolved with a daemon a rejoin replaced before it was asked
                 continue
-            handle = self._next_handle()  # (not under our lock: the counter's is the memory table's)
+            handle = self._next_handle()
             with self._lock:
                 if link == self._link():
                     self._by_handle[handle] = Registration(ptr, nbytes, buffer, daemon_handle, link)

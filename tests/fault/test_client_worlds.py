@@ -185,20 +185,14 @@ def test_one_world_rebuilt_after_a_killed_peer_leaves_the_other_world_on_the_sam
                 process.kill()
 
 
-@pytest.mark.parametrize("daemon", [("--max-registrations", "1")], indirect=True)
-def test_a_handle_of_one_worlds_backend_is_refused_by_another_and_leaves_its_registration_be(
-        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]]) -> None:
-    """A worker registers a buffer in world A and another in world B, then passes A's
-    handle to B's deregister_buffer (the handles are opaque; a pipeline stage keeps them in
-    one table). Before, each backend numbered its handles from 1: B took A's handle for its
-    own and deregistered B's buffer without a word, and B's own handle was then 'not
-    registered'. Now a handle names one backend's registration: B refuses A's, and B's
-    buffer stays registered with the daemon (at its limit of 1 per connection, a second
-    registration is refused until B's own handle lets go of it)."""
-    a, b = two_worlds
-    bufs = [hostmem.alloc(256) for _ in range(2)]
-    handles = on_both(lambda r: (a[r].register_buffer(bufs[r].ptr, 128),
-                                 b[r].register_buffer(bufs[r].ptr + 128, 128)))
+def refuse_each_others_handles(a: list[DaemonBackend], b: list[DaemonBackend],
+                               ptrs: list[tuple[int, int]]) -> None:
+    """Rank r registers 128 bytes at ptrs[r][0] with world A and at ptrs[r][1] with world B
+    (on a daemon of --max-registrations 1): each backend refuses the other's handle, and
+    B's buffer stays registered with the daemon (a second registration is refused until B's
+    own handle lets go of it)."""
+    handles = on_both(lambda r: (a[r].register_buffer(ptrs[r][0], 128),
+                                 b[r].register_buffer(ptrs[r][1], 128)))
     for r in range(2):
         in_a, in_b = handles[r]
         with pytest.raises(MisuseError, match=f"^handle {in_a} is not registered$"):
@@ -206,12 +200,43 @@ def test_a_handle_of_one_worlds_backend_is_refused_by_another_and_leaves_its_reg
         with pytest.raises(MisuseError, match=f"^handle {in_b} is not registered$"):
             a[r].deregister_buffer(in_b)
         with pytest.raises(LimitExceeded):  # B's registration is still the daemon's
-            b[r].register_buffer(bufs[r].ptr, 64)
+            b[r].register_buffer(ptrs[r][1], 64)
         b[r].deregister_buffer(in_b)
         a[r].deregister_buffer(in_a)
-        again = b[r].register_buffer(bufs[r].ptr, 64)  # (room again: it was B's that held it)
+        again = b[r].register_buffer(ptrs[r][1], 64)  # (room again: it was B's that held it)
         b[r].deregister_buffer(again)
+
+
+@pytest.mark.parametrize("daemon", [("--max-registrations", "1")], indirect=True)
+def test_a_handle_of_one_worlds_backend_is_refused_by_another_and_leaves_its_registration_be(
+        daemon: DaemonProcess, two_worlds: tuple[list[DaemonBackend], list[DaemonBackend]]) -> None:
+    """A worker registers a buffer in world A and another in world B, then passes A's
+    handle to B's deregister_buffer (the handles are opaque; a pipeline stage keeps them in
+    one table). Before, each backend numbered its handles from 1: B took A's handle for its
+    own and deregistered B's buffer without a word, and B's own handle was then 'not
+    registered'. Now a handle names one backend's registration: B refuses A's."""
+    a, b = two_worlds
+    bufs = [hostmem.alloc(256) for _ in range(2)]
+    refuse_each_others_handles(a, b, [(buf.ptr, buf.ptr + 128) for buf in bufs])
     on_both(lambda r: checked_rounds(b[r], bufs[r].view(np.int32)[32:], bufs[r].ptr + 128, r, 5, 2))
+
+
+@pytest.mark.parametrize("daemon", [("--max-registrations", "1")], indirect=True)
+def test_backends_on_memory_tables_of_their_own_refuse_each_others_handles(daemon: DaemonProcess) -> None:
+    """As above, each backend on a HostMemory of its own (`DaemonBackend(memory=...)`).
+    Before, handles came from each table's own count, which numbered both backends' alike
+    (observed: A's and B's first handle both 2): B took A's handle for its own again."""
+    tables = [[hostmem.HostMemory() for _ in range(2)] for _ in range(2)]  # [world][rank]
+    bufs = [[table.alloc(128) for table in world] for world in tables]
+    worlds = [world_name(), world_name()]
+    a, b = (on_both(lambda r, w=w: DaemonBackend(str(daemon.socket_path), worlds[w], r, 2, timeout=10,
+                                                 memory=tables[w][r])) for w in range(2))
+    try:
+        refuse_each_others_handles(a, b, [(bufs[0][r].ptr, bufs[1][r].ptr) for r in range(2)])
+        on_both(lambda r: checked_rounds(b[r], bufs[1][r].view(np.int32), bufs[1][r].ptr, r, 5, 2))
+    finally:
+        for comm in a + b:
+            comm.close()
 
 
 def test_a_daemon_restart_under_two_worlds_keeps_each_ones_registrations_and_symmetric_memory(
