@@ -43,6 +43,26 @@ _UCRED = struct.Struct("3i")
 STATUS_HEADROOM = 4
 
 
+def _warn_if_open_to_all(directory: str) -> None:
+    """Warn if the socket's `directory`, or one above it, is writable by every user with no
+    sticky bit: any of them may then put a socket of their own where workers connect (in
+    the directory, or in a directory of theirs moved into its place). With the sticky bit,
+    as /tmp has, only an entry's owner may replace it."""
+    own = directory = os.path.abspath(directory)
+    while True:
+        mode = os.stat(directory).st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            what = f"its directory {own}" if directory == own else f"{directory}, above its directory {own},"
+            log.warning("socket: %s is writable by every user: any of them may replace the socket with "
+                        "one of their own, which workers would then trust; use a directory only commd's "
+                        "group can write, or set its sticky bit", what)
+            return
+        above = os.path.dirname(directory)
+        if above == directory:
+            return
+        directory = above
+
+
 def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
     """Bind a SEQPACKET listener at `path`, replacing a stale socket file, never a live one."""
     path = os.fspath(path)
@@ -64,12 +84,7 @@ def bind_socket(path: os.PathLike[str] | str) -> socket.socket:
         except OSError as exc:
             raise ConfigError(f"socket: cannot create the directory {directory}: {exc.strerror}",
                               key="socket_path") from None
-    mode = os.stat(parent).st_mode
-    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        # (with the sticky bit, as /tmp has, only the socket's owner may replace it)
-        log.warning("socket: its directory %s is writable by every user: any of them may replace "
-                    "the socket with one of their own, which workers would then trust; use a "
-                    "directory only commd's group can write, or set its sticky bit", parent)
+    _warn_if_open_to_all(os.path.dirname(path) or ".")
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ConfigError(f"socket: {path} exists and is not a socket", key="socket_path")

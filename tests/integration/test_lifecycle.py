@@ -128,23 +128,34 @@ def test_every_directory_the_daemon_makes_for_its_socket_is_0750(umask: int) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize("above", [False, True])
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
-def test_a_socket_directory_every_user_may_write_is_warned_of(mode: int) -> None:
+def test_a_socket_directory_every_user_may_write_is_warned_of(mode: int, above: bool) -> None:
     """A directory anyone may write (and no sticky bit, as /tmp has) lets any user put a
     socket of their own where workers connect: the daemon serves, but says so (before: not a
-    word). With the sticky bit, or shut to others, nothing is said."""
+    word). With the sticky bit, or shut to others, nothing is said. `above`: the open
+    directory is the one above the socket's (0750, made by hand, or by the daemon): anyone
+    may move the socket's directory away and put theirs in its place. Before, that was
+    warned of only when the daemon made the socket's directory (the check looked at the
+    last directory that was there, naming it 'its directory'), never when it was there."""
     tmp = short_tmpdir()
     run = Path(tmp) / "run"
     run.mkdir()
     run.chmod(mode)  # (past the umask)
+    sockets = [run / "sub" / "commd.sock", run / "made" / "commd.sock"] if above else [run / "commd.sock"]
+    if above:
+        sockets[0].parent.mkdir(mode=0o750)
     try:
-        logged = Path(tmp) / "daemon.log"
-        with open(logged, "wb") as log, DaemonProcess(run / "commd.sock", log=log) as daemon:
-            assert query_status(str(daemon.socket_path), 5)["pid"] == daemon.pid
-        said = logged.read_text()
-        warned = f"its directory {run} is writable by every user" in said
-        assert warned == (mode == 0o777), said
-        assert "Traceback" not in said
+        for path in sockets:
+            logged = Path(tmp) / "daemon.log"
+            with open(logged, "wb") as log, DaemonProcess(path, log=log) as daemon:
+                assert query_status(str(daemon.socket_path), 5)["pid"] == daemon.pid
+            said = logged.read_text()
+            named = f"{run}, above its directory {path.parent}," if above else f"its directory {run}"
+            warned = [line for line in said.splitlines() if "is writable by every user" in line]
+            assert len(warned) == (mode == 0o777), said
+            assert all(f"socket: {named} is writable by every user" in line for line in warned), said
+            assert "Traceback" not in said
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
