@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,48 @@ def test_bench_neighbours_smoke(tmp_path: Path) -> None:
         assert 0 < row["p50_us"] <= row["p90_us"] <= row["p99_us"], (name, row)
         assert (row["p90_vs_alone"] is None) == (name == "alone")
         assert name in proc.stdout
+
+
+class _SummedAsBytes:
+    """The bench's backend, its all_reduce summing the bf16 buffers as u8: a daemon that
+    sums wrong, as fast as one that sums right."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def all_reduce(self, ptr: int, size: int) -> None:
+        self._comm.all_reduce(ptr, size, dtype="u8")
+
+    def barrier(self) -> None:
+        self._comm.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_the_bench_times_a_size_only_once_its_first_sum_was_right(sock: str) -> None:
+    """Through the bench's own timing of a size (warm-up, check, timed loop) on a real
+    2-rank daemon: the right sums are timed; the same calls summing as u8 fail the size
+    by name before any is timed (the test above only asks check_sum, which the timing
+    could leave uncalled)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client import DaemonBackend
+    from commd.benchrun import Plan, _commd_size, _Job
+    from tests.integration.harness import world_name
+
+    size, iters, world = 4096, 5, world_name("bench")
+
+    def rank(r: int) -> tuple[int, str]:
+        job = _Job("commd", r, 2, sock, None, Plan((size,), (iters,), 1), None)
+        with DaemonBackend(sock, world, r, 2, timeout=20) as comm:
+            timed = len(_commd_size(comm, job, size, iters))
+            try:
+                _commd_size(_SummedAsBytes(comm), job, size, iters)
+                return timed, "timed"
+            except RuntimeError as exc:
+                return timed, str(exc)
+
+    with ThreadPoolExecutor(2) as threads:
+        results = list(threads.map(rank, range(2)))
+    for timed, wrong in results:
+        assert timed == iters
+        assert wrong.startswith(f"commd: the {size}-byte bf16 all_reduce summed "), wrong
