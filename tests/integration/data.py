@@ -36,6 +36,16 @@ def signed_zeros(rank: int, nelem: int, dtype: str) -> np.ndarray:
     return values.astype(NUMPY[dtype])
 
 
+def signed_zeros_reference(n: int, nelem: int, dtype: str, op: str) -> np.ndarray:
+    """min/max of n ranks' `signed_zeros`: -0.0 < +0.0 (min: -0.0 if any rank holds it;
+    max: only if every rank that holds a number does), NaN only where every rank has one."""
+    inputs = np.stack([signed_zeros(r, nelem, dtype).astype(np.float64) for r in range(n)])
+    nan = np.isnan(inputs)
+    negative = np.signbit(inputs) & ~nan
+    sign = negative.any(axis=0) if op == "min" else (negative | nan).all(axis=0)
+    return np.where(nan.all(axis=0), np.nan, np.where(sign, -0.0, 0.0)).astype(NUMPY[dtype])
+
+
 def reduce_reference(inputs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
     """The daemon's documented arithmetic: rank order; bf16/f16 accumulate in float32, round once."""
     ufunc = UFUNC[op]

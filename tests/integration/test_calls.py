@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.integration import workers
-from tests.integration.data import FLOATS, NUMPY, make_input, reduce_reference, signed_zeros
+from tests.integration.data import FLOATS, NUMPY, make_input, reduce_reference, signed_zeros_reference
 from tests.integration.harness import RankPool, world_name
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,12 +57,7 @@ def test_min_and_max_order_signed_zeros_whatever_rank_holds_them(pool: RankPool,
     numpy's fmin/fmax gave back whichever zero came second, so max(+0.0 on rank 0, -0.0 on
     rank 1) was -0.0 and the same zeros the other way round +0.0: the result depended on
     which rank held which."""
-    inputs = [signed_zeros(r, nelem * n, dtype).astype(np.float64) for r in range(n)]
-    negative = np.signbit(np.stack(inputs)) & ~np.isnan(np.stack(inputs))
-    nan = np.isnan(np.stack(inputs))
-    # min: -0.0 if any rank holds it; max: -0.0 only if every rank that holds a number does
-    sign = negative.any(axis=0) if op == "min" else (negative | nan).all(axis=0)
-    full = np.where(nan.all(axis=0), np.nan, np.where(sign, -0.0, 0.0)).astype(NUMPY[dtype])
+    full = signed_zeros_reference(n, nelem * n, dtype, op)
     for rank, (reduced, scattered) in enumerate(run(pool, sock, n, workers.signed_zero_reductions,
                                                     nelem, dtype, op)):
         assert reduced == full[:nelem].tobytes(), np.frombuffer(reduced, NUMPY[dtype])[:2 ** n]

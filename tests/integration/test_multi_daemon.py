@@ -21,7 +21,13 @@ from commd.engine.hostnet import CHUNK_BYTES, WINDOW_CHUNKS
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import workers
-from tests.integration.data import NUMPY, grouped_reference, make_input, reduce_reference
+from tests.integration.data import (
+    NUMPY,
+    grouped_reference,
+    make_input,
+    reduce_reference,
+    signed_zeros_reference,
+)
 from tests.integration.harness import RankPool, scrape, short_tmpdir, world_name, world_status
 from tests.integration.rawclient import RawClient
 
@@ -94,6 +100,20 @@ def test_all_reduce_dtypes_and_ops(pool: RankPool, daemons: list[DaemonProcess],
     if dtype in ("i32", "u8", "i64") or op in ("max", "min"):
         assert want.tobytes() == reduce_reference(inputs, dtype, op).tobytes()  # order-free
     assert all(raw == want.tobytes() for raw in results)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_and_max_order_signed_zeros_across_daemons(pool: RankPool, daemons: list[DaemonProcess],
+                                                       dtype: str, op: str) -> None:
+    """-0.0 < +0.0 also where the root folds the members' partials in (hostnet): every way
+    4 ranks on 3 daemons can hold the two zeros, all_reduce and reduce_scatter."""
+    nelem = 16
+    full = signed_zeros_reference(4, nelem * 4, dtype, op)
+    results = run(pool, specs(daemons, PLACEMENTS["1+1+2"]), workers.signed_zero_reductions, nelem, dtype, op)
+    for rank, (reduced, scattered) in enumerate(results):  # type: ignore[misc]
+        assert reduced == full[:nelem].tobytes(), np.frombuffer(reduced, NUMPY[dtype])  # type: ignore[call-overload]
+        assert scattered == full[rank * nelem:(rank + 1) * nelem].tobytes()
 
 
 @pytest.mark.parametrize("dtype", ["i32", "u8"])
