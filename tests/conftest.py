@@ -141,6 +141,14 @@ def fault_report() -> Iterator[FaultReport]:
 
 
 @pytest.fixture
+def collected() -> None:
+    """What earlier tests in this process left for the garbage collector (a backend never
+    closed: its socket and memfd; an open log file) is closed now, not in the middle of a
+    test that counts this process's fds or mappings (seen: 16 fds open against 18 before)."""
+    gc.collect()
+
+
+@pytest.fixture
 def sock(daemon: DaemonProcess) -> str:
     return str(daemon.socket_path)
 

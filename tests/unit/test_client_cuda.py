@@ -29,7 +29,8 @@ from client.rpc import Answer, built
 from proto import MemKind
 from tests.integration.harness import open_fds, world_name
 
-pytestmark = pytest.mark.timeout(30)
+# (this process's fds are counted: the collector's work of earlier tests is done first)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("collected")]
 
 BASE = 1 << 52  # far above any user-space mapping: never inside a host buffer
 MIB = 1 << 20

@@ -27,7 +27,8 @@ from tests.fault.test_packet_fuzz import mutate
 from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, wait_until, world_name
 from tests.unit.standin import Packets, RecordingDaemon
 
-pytestmark = pytest.mark.timeout(30)
+# (this process's fds are counted: the collector's work of earlier tests is done first)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("collected")]
 
 REPO = Path(__file__).resolve().parents[2]
 NBYTES = 64 * 1024

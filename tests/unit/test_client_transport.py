@@ -26,7 +26,8 @@ from client.errors import (
 from client.transport import Transport
 from tests.integration.harness import open_fds
 
-pytestmark = pytest.mark.timeout(30)
+# (this process's fds are counted: the collector's work of earlier tests is done first)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("collected")]
 
 
 def fake_daemon(path: str, serve: Callable[[socket.socket], None],
