@@ -17,7 +17,7 @@ from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
 from .connection import Connection, check_past
 from .cuda import available_driver
-from .errors import DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
+from .errors import CommError, DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -462,12 +462,7 @@ class DaemonBackend(CommBackend):
         failure, about = self._health.failure()
         if failure is not None:
             self._health.met(about)
-            said = str(failure)
-            # (the daemon's word on a failed call gives the advice; a cause may only name the
-            # call: 'rank 0 called attempt_reconnect')
-            if "call attempt_reconnect" not in said:
-                said = f"world {self._world} is not healthy: {said}; call attempt_reconnect"
-            raise type(failure)(said, failure.code)
+            raise self._about_world(failure)
         with InFlight(self._memory.moves, ops) as call:
             make: Callable[[int], proto.Request] = (
                 (lambda rid: proto.Submit(rid, call.ops, basis.epoch)) if stream is None
@@ -481,12 +476,27 @@ class DaemonBackend(CommBackend):
                 self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link,
                                    abandon=call.let_go)
             except Superseded:  # built against a daemon a rejoin replaced meanwhile
-                raise self._conn.went_away(basis.epoch, "during this call") from None
+                raise self._about_world(self._conn.went_away(basis.epoch, "during this call")) from None
+            except DaemonUnavailable as exc:  # (its daemon died under the call)
+                raise self._about_world(exc) from exc
             except WorldFailed as exc:
                 if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
                     self._health.met(basis.epoch)  # (which that reconnect has repaired)
                 raise
         self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
+
+    def _about_world(self, error: CommError) -> CommError:
+        """`error` as a call raises it: naming the world (a worker in several tells them
+        apart by it) and what to do, each once. The daemon's word on a failed call has both
+        ('world W epoch E failed: ...; call attempt_reconnect on every rank'); a cause may
+        have the advice alone ('... once it is back') or only name a call ('rank 0 called
+        attempt_reconnect')."""
+        said = str(error)
+        if not said.startswith(f"world {self._world} "):
+            said = f"world {self._world} is not healthy: {said}"
+        if "call attempt_reconnect" not in said:
+            said += "; call attempt_reconnect"
+        return type(error)(said, error.code)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)

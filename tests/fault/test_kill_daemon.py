@@ -87,8 +87,10 @@ def test_kill_a_daemon_and_restart_it(pool: RankPool, tmp: Path, fault_report: F
             fault_report.add(f"kill -9 the {victim} daemon (window {WINDOW_S:g}s), restart it",
                              res["at"] - killed_at, res["rebuilt_at"] - res["at"], unrelated,
                              "n/a (the daemon was replaced)")
-        else:  # what to do next is said (before: "the daemon closed the connection", no more)
-            assert res["error"] == "DaemonUnavailable" and "call attempt_reconnect" in res["message"], res
+        else:  # the world and what to do next are said (before: "the daemon closed the connection")
+            assert res["error"] == "DaemonUnavailable", res
+            assert res["message"].startswith(f"world {world} is not healthy: ") and \
+                res["message"].endswith("; call attempt_reconnect once it is back"), res
 
 
 def wait_for_pending(sock: Path, world: str) -> None:

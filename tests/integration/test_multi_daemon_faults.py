@@ -1749,7 +1749,8 @@ def test_a_call_the_worlds_failure_ends_names_the_world_and_what_to_do(pair: lis
                                        "call attempt_reconnect on every rank")
             with pytest.raises(DaemonShutdown) as shut:
                 comms[1].barrier()
-            assert str(shut.value) == "the daemon is shutting down; call attempt_reconnect once it is back"
+            assert str(shut.value) == (f"world {world} is not healthy: the daemon is shutting down; "
+                                       "call attempt_reconnect once it is back")
             b.start()
             for rejoined in [threads.submit(comm.attempt_reconnect) for comm in comms]:
                 rejoined.result(30)
