@@ -477,8 +477,10 @@ class DaemonBackend(CommBackend):
                                    abandon=call.let_go)
             except Superseded:  # built against a daemon a rejoin replaced meanwhile
                 raise self._about_world(self._conn.went_away(basis.epoch, "during this call")) from None
-            except DaemonUnavailable as exc:  # (its daemon died under the call)
-                raise self._about_world(exc) from exc
+            except DaemonUnavailable as exc:
+                if self._conn.closed:  # (close() on another thread, or in a signal handler)
+                    raise
+                raise self._about_world(exc) from exc  # its daemon died under the call
             except WorldFailed as exc:
                 if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
                     self._health.met(basis.epoch)  # (which that reconnect has repaired)
