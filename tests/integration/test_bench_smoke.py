@@ -179,3 +179,18 @@ def test_the_bench_times_a_size_only_once_its_first_sum_was_right(sock: str) -> 
     for timed, wrong in results:
         assert timed == iters
         assert wrong.startswith(f"commd: the {size}-byte bf16 all_reduce summed "), wrong
+
+
+@pytest.mark.timeout(120)
+def test_bench_percall_smoke(tmp_path: Path) -> None:
+    """scripts/bench_percall.py with tiny settings: every rank measured, its numbers sane."""
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_percall.py"), "--ranks", "2", "--iters", "50",
+           "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [row["rank"] for row in result["per_rank"]] == [0, 1]
+    assert result["median_us"] > 0 and result["daemon_cpu_us"] >= 0 and result["worker_cpu_us"] > 0
+    assert "CPU per call: daemon" in proc.stdout
