@@ -1402,6 +1402,12 @@ def _unused_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def root_daemon(tmp: str, address: str) -> DaemonProcess:
+    """A root daemon R listening for peers at `address` (not started)."""
+    return DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
+        "--peer-listen", address, "--peer-name", "R", *FAST])
+
+
 def joined_before_the_root_starts(member: DaemonProcess, late_root: DaemonProcess, world: str,
                                   member_bootstrap: str, root_bootstrap: str) -> list[DaemonBackend]:
     """Rank 1 joins on `member` while nothing listens at the root's address; then `late_root`
@@ -1429,8 +1435,7 @@ def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[Daemon
     b = pair[1]
     tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
-        "--peer-listen", address, "--peer-name", "R", *FAST])
+    late_root = root_daemon(tmp, address)
     comms: list[DaemonBackend] = []
     try:
         comms = joined_before_the_root_starts(b, late_root, world, address, address)
@@ -1451,8 +1456,7 @@ def test_a_vote_that_dialed_its_root_a_while_keeps_its_ranks_deadline(pair: list
     b = pair[1]
     tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
-        "--peer-listen", address, "--peer-name", "R", *FAST])
+    late_root = root_daemon(tmp, address)
     try:
         with ThreadPoolExecutor(2) as threads:
             started = time.monotonic()
@@ -1500,8 +1504,7 @@ def test_a_rank_that_leaves_while_its_root_is_not_up_stops_the_dialing(pair: lis
         wait_until(lambda: world_status(b, world) is not None, "rank 1's world on B")
         rank_1.close()
         wait_until(lambda: world_status(b, world) is None, "B forgetting the world")
-        with DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
-                "--peer-listen", address, "--peer-name", "R", *FAST]) as late_root:
+        with root_daemon(tmp, address) as late_root:
             time.sleep(1.5)  # (B's pauses grow to 1 s: a dial still going on would come by now)
             peers = query_status(str(late_root.socket_path), 5)["peers"]
             assert peers["links"] == [] and peers["refused_handshakes"] == 0, peers
@@ -1521,8 +1524,7 @@ def test_a_new_process_for_a_rank_whose_old_one_left_while_dialing_keeps_its_own
     tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
     old = RawClient(str(b.socket_path))
-    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
-        "--peer-listen", address, "--peer-name", "R", *FAST])
+    late_root = root_daemon(tmp, address)
     comms: list[DaemonBackend] = []
     try:
         with ThreadPoolExecutor(2) as threads:
@@ -1605,8 +1607,7 @@ def test_a_member_waits_for_a_root_whose_name_has_an_address_that_fails_otherwis
     under = hosts_where(tmp, "commd-root", ["255.255.255.255", "127.0.0.1"])
     member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, under=under, args=[
         "--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST])
-    late_root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
-        "--peer-listen", f"127.0.0.1:{port}", "--peer-name", "R", *FAST])
+    late_root = root_daemon(tmp, f"127.0.0.1:{port}")
     comms: list[DaemonBackend] = []
     try:
         member.start()
@@ -1673,8 +1674,7 @@ def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_
     b = pair[1]
     tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    root = DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[
-        "--peer-listen", address, "--peer-name", "R", *FAST]).start()
+    root = root_daemon(tmp, address).start()
     comms: list[DaemonBackend] = []
     try:
         with ThreadPoolExecutor(2) as threads:
