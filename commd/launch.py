@@ -34,6 +34,14 @@ def wait_for_socket(path: str | os.PathLike[str], timeout: float,
         time.sleep(0.02)
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux): what the benchmark programs
+    charge a daemon or a worker, read from outside the process."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # (the name may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class DaemonProcess:
     """`commd serve` as a child process; a context manager that stops it with SIGTERM."""
 

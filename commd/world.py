@@ -103,6 +103,10 @@ class World:
         self.recorder = FlightRecorder(stats=self.stats.calls)
         self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
         self._watchdog: asyncio.Task[None] | None = None
+        # Set when the watchdog may have something to watch: a call opened, an engine came
+        # that reports errors of its own. Idle otherwise, it waits for this, not a timer:
+        # hundreds of idle worlds on one daemon would wake it thousands of times a second.
+        self._watch_wanted = asyncio.Event()
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
         self._extras = EngineExtras(world_size, local=net is None)
@@ -218,6 +222,7 @@ class World:
         self._extras.hand_to(comm)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        self._watch_wanted.set()
         waiting, self._waiting = self._waiting, {}
         # A waiter the root placed elsewhere lost the race for its rank: never a member here
         strays = {rank: waiting.pop(rank) for rank in set(waiting) - set(local_ranks)}
@@ -262,6 +267,7 @@ class World:
         self._pending_ops[rank] = pending + len(calls)
         ticket = Ticket(peer, rank, request_id, len(calls), self.epoch)
         self._tickets.add(ticket)
+        self._watch_wanted.set()
         epoch = self.epoch
         for op, regions in calls:
             record = self.recorder.start(rank, op)
@@ -350,6 +356,9 @@ class World:
         timeout_s = self.call_timeout_s
         interval = _WATCH_S if timeout_s is None else max(_MIN_WATCH_S, min(_WATCH_S, timeout_s / 4))
         while True:  # cancelled when the world empties
+            if not self._watched():
+                self._watch_wanted.clear()
+                await self._watch_wanted.wait()
             await asyncio.sleep(interval)
             if self.state is not WorldState.READY or self._comm is None:
                 continue
@@ -370,6 +379,13 @@ class World:
                 self.fail(ErrorCode.TIMEOUT,
                           f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
                           f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
+
+    def _watched(self) -> bool:
+        """Whether the watchdog has anything to look at now."""
+        comm = self._comm
+        if comm is not None and comm.reports_async_errors:
+            return True
+        return self.call_timeout_s is not None and self.recorder.oldest_open() is not None
 
     def _unrecorded(self) -> list[str]:
         """For a timeout's message, the ranks the flight recorder has no call of: the one

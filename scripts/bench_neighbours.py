@@ -7,7 +7,9 @@ once beside each neighbour in turn:
   large     a world of 2 ranks running --large-bytes all_reduces back to back (the engine's
             shared threads)
 Prints a table (latency per call: p50, p90, p99, mean, and p90 against the hot world's
-alone) and, with --json, the same numbers. The machine's noise moves these by tens of
+alone), the daemon's CPU over --idle-seconds with no world and with the idle worlds (their
+call timeout --idle-timeout: it sets how often a watched world would wake), and, with
+--json, the same numbers. The machine's noise moves these by tens of
 percent: compare runs made one after another, never with a fixed threshold.
 
     .venv/bin/python scripts/bench_neighbours.py [--calls 1000] [--idle-worlds 100]
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from client import CommError, DaemonBackend, hostmem
-from commd.launch import DaemonProcess
+from commd.launch import DaemonProcess, cpu_seconds
 from commd.status import query_status
 
 TIMEOUT_S = 60.0
@@ -47,8 +49,8 @@ def hot(sock: str, rank: int, nbytes: int, calls: int, out: Any) -> None:
         out.put(took)
 
 
-def idle(sock: str, rank: int, worlds: int, ready: Any, stop: Event) -> None:
-    comms = [DaemonBackend(sock, f"idle-{i}", rank, 2, timeout=TIMEOUT_S) for i in range(worlds)]
+def idle(sock: str, rank: int, worlds: int, timeout: float, ready: Any, stop: Event) -> None:
+    comms = [DaemonBackend(sock, f"idle-{i}", rank, 2, timeout=timeout) for i in range(worlds)]
     try:
         for comm in comms:
             comm.barrier()
@@ -87,6 +89,13 @@ def timed(ctx: Any, sock: str, args: argparse.Namespace) -> list[float]:
     return [max(pair) for pair in zip(*per_rank, strict=True)]  # a call ends with its slower rank
 
 
+def daemon_cpu(pid: int, seconds: float) -> float:
+    """The daemon's CPU over `seconds` of wall time, as a share of one core."""
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - started)
+
+
 def summary(took: list[float], alone_p90: float | None) -> dict[str, float | None]:
     ordered = sorted(took)
 
@@ -103,6 +112,10 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--bytes", type=int, default=1024, help="the hot world's all_reduce size")
     parser.add_argument("--idle-worlds", type=int, default=100)
+    parser.add_argument("--idle-timeout", type=float, default=TIMEOUT_S,
+                        help="the idle worlds' call timeout, seconds")
+    parser.add_argument("--idle-seconds", type=float, default=5.0,
+                        help="how long the daemon's idle CPU is measured")
     parser.add_argument("--large-bytes", type=int, default=64 << 20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -113,12 +126,15 @@ def main() -> int:
         sock = str(daemon.socket_path)
         rows["alone"] = summary(timed(ctx, sock, args), None)
         alone_p90 = rows["alone"]["p90_us"]
+        idle_cpu = {"no world": daemon_cpu(daemon.pid, args.idle_seconds)}
         stop, ready = ctx.Event(), ctx.Queue()
-        holders = [ctx.Process(target=idle, args=(sock, r, args.idle_worlds, ready, stop)) for r in range(2)]
+        holders = [ctx.Process(target=idle, args=(sock, r, args.idle_worlds, args.idle_timeout, ready, stop))
+                   for r in range(2)]
         for proc in holders:
             proc.start()
         for _ in holders:
             ready.get(timeout=600)
+        idle_cpu[f"{args.idle_worlds} idle worlds"] = daemon_cpu(daemon.pid, args.idle_seconds)
         rows[f"{args.idle_worlds} idle worlds"] = summary(timed(ctx, sock, args), alone_p90)
         def status_poller(quit: Event) -> list[Any]:
             return [ctx.Process(target=poll_status, args=(sock, quit))]
@@ -148,9 +164,13 @@ def main() -> int:
         ratio = row["p90_vs_alone"]
         print(f"{name:>44} {row['p50_us']:9.1f} {row['p90_us']:9.1f} {row['p99_us']:9.1f} "
               f"{row['mean_us']:9.1f} {'-' if ratio is None else f'{ratio:.2f}':>10}")
+    print(f"daemon CPU, % of one core, over {args.idle_seconds:g} s (idle worlds' timeout "
+          f"{args.idle_timeout:g} s):")
+    for name, share in idle_cpu.items():
+        print(f"{name:>44} {share * 100:9.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows},
-                                        indent=1))
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows,
+                                         "idle_cpu": idle_cpu}, indent=1))
     return 0
 
 

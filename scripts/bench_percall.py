@@ -24,16 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from client import CommError, DaemonBackend, hostmem
-from commd.launch import DaemonProcess
+from commd.launch import DaemonProcess, cpu_seconds
 
 WARMUP = 300
-
-
-def cpu_s(pid: int) -> float:
-    """The process's user + system CPU seconds so far."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker(sock: str, rank: int, ranks: int, nbytes: int, iters: int, daemon_pid: int, out: Any) -> None:
@@ -44,13 +37,13 @@ def worker(sock: str, rank: int, ranks: int, nbytes: int, iters: int, daemon_pid
         for _ in range(WARMUP):
             comm.all_reduce(buf.ptr, nbytes, dtype="u8")
         comm.barrier()  # every rank starts together
-        daemon_before, mine_before = cpu_s(daemon_pid), time.process_time()
+        daemon_before, mine_before = cpu_seconds(daemon_pid), time.process_time()
         took = []
         for _ in range(iters):
             started = time.perf_counter()
             comm.all_reduce(buf.ptr, nbytes, dtype="u8")
             took.append(time.perf_counter() - started)
-        daemon_after, mine_after = cpu_s(daemon_pid), time.process_time()
+        daemon_after, mine_after = cpu_seconds(daemon_pid), time.process_time()
         comm.barrier()
     out.put({"rank": rank, "median_us": statistics.median(took) * 1e6,
              "daemon_cpu_us": (daemon_after - daemon_before) / iters * 1e6,

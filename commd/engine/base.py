@@ -179,6 +179,9 @@ class Communicator(Protocol):
     # queue would let sends and receives overtake collectives waiting in it, and a
     # device would then run them in another order than the peers' (a deadlock).
     launches_in_order: bool
+    # False: async_error never reports anything (every op reports its own failure), so an
+    # idle world need not poll it: its watchdog then sleeps until a call opens.
+    reports_async_errors: bool
 
     def try_inline(self, op: EngineOp) -> bool:
         """Run a small op right now on the caller's thread and return True, or return

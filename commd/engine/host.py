@@ -220,6 +220,7 @@ class InlineBudget:
 
 class HostCommunicator:
     launches_in_order = False  # ops run on threads: the world queues them
+    reports_async_errors = False  # see async_error
 
     def __init__(self, pool: ThreadPoolExecutor, parts: int, inline: InlineBudget,
                  net: WorldNet | None = None) -> None:

@@ -70,6 +70,7 @@ class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
     launches_in_order = True  # see run and _launch_soon
+    reports_async_errors = True  # ncclCommGetAsyncError, and ops answered before they ended
 
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
                  gate: NcclGate, world: str, world_size: int, local_ranks: Sequence[int],

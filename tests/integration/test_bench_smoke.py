@@ -123,11 +123,14 @@ def test_bench_neighbours_smoke(tmp_path: Path) -> None:
     """scripts/bench_neighbours.py with tiny settings: every scenario ran and was counted."""
     out = tmp_path / "n.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_neighbours.py"), "--calls", "20",
-           "--idle-worlds", "2", "--large-bytes", str(1 << 20), "--json", str(out)]
+           "--idle-worlds", "2", "--large-bytes", str(1 << 20), "--idle-seconds", "0.2", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    assert list(report["idle_cpu"]) == ["no world", "2 idle worlds"]
+    assert all(0 <= share < 4 for share in report["idle_cpu"].values())  # (CPU seconds per second)
+    rows = report["rows"]
     assert list(rows) == ["alone", "2 idle worlds", "2 idle + status --world poller",
                           "2 idle + 1 MiB all_reduces"]
     for name, row in rows.items():

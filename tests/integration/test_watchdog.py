@@ -3,11 +3,13 @@ the flight recorder shows each rank's last calls."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
-from client import CommError, CommTimeout, DaemonBackend
+from client import CommError, CommTimeout, DaemonBackend, hostmem
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.integration import workers
@@ -39,6 +41,33 @@ def test_a_rank_that_made_no_call_is_named_in_the_timeout(daemon: DaemonProcess)
             for call in [threads.submit(comm.barrier) for comm in comms[:2]]:
                 with pytest.raises(CommTimeout, match=r"; rank 2: no call yet\)"):
                     call.result(20)
+        finally:
+            for comm in comms:
+                comm.close()
+
+
+def test_a_world_idle_for_a_while_still_times_its_next_call_out(daemon: DaemonProcess) -> None:
+    """An idle world's watchdog sleeps until a call opens (it polls nothing meanwhile):
+    the first call after a long idle must still time out, and the one after a failure too."""
+    sock, world = str(daemon.socket_path), world_name()
+    with ThreadPoolExecutor(2) as threads:
+        comms = [j.result(20) for j in [threads.submit(DaemonBackend, sock, world, r, 2, timeout=0.3)
+                                        for r in range(2)]]
+        try:
+            for attempt in range(2):
+                time.sleep(1.0)  # several of the watchdog's 0.075 s intervals, nothing open
+                with pytest.raises(CommTimeout, match=r"rank 0's call #\d+ barrier\(\) did not complete "
+                                                      r"within 0.3s"):
+                    comms[0].barrier()
+                if attempt == 0:  # the world failed for it: both rejoin, and it idles again
+                    list(threads.map(lambda comm: comm.attempt_reconnect(), comms))
+                    bufs = [hostmem.alloc(4) for _ in comms]
+                    for rank, buf in enumerate(bufs):
+                        buf.view(np.int32)[0] = rank + 7
+                    for call in [threads.submit(c.all_reduce, b.ptr, 4, dtype="i32")
+                                 for c, b in zip(comms, bufs, strict=True)]:
+                        call.result(20)
+                    assert [int(b.view(np.int32)[0]) for b in bufs] == [15, 15]
         finally:
             for comm in comms:
                 comm.close()

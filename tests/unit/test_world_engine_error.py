@@ -37,6 +37,8 @@ pytestmark = pytest.mark.timeout(30)
 class Reporting:
     """A host communicator that reports `error` once it is set."""
 
+    reports_async_errors = True  # (so the world polls it, as it does NCCL's)
+
     def __init__(self, inner: Communicator) -> None:
         self.inner = inner
         self.error: str | None = None

@@ -22,6 +22,7 @@ class Held:
     """A communicator whose ops run until `go` is set."""
 
     launches_in_order = False
+    reports_async_errors = False
 
     def __init__(self) -> None:
         self.go = asyncio.Event()
