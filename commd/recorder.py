@@ -21,7 +21,8 @@ from .stats import CallStats
 
 
 class CallRecord:
-    __slots__ = ("_open", "ended", "op", "rank", "seq", "started", "state", "stats", "waits_forever")
+    __slots__ = ("_open", "_shown", "ended", "op", "rank", "seq", "started", "state", "stats",
+                 "waits_forever")
 
     def __init__(self, rank: int, seq: int, op: proto.Op, waits_forever: bool,
                  stats: CallStats | None = None, open_calls: dict[CallRecord, None] | None = None) -> None:
@@ -34,6 +35,7 @@ class CallRecord:
         self.waits_forever = waits_forever  # recv_command_u32: no completion deadline
         self.stats = stats  # the daemon's counters, told once when the call ends
         self._open = open_calls  # the recorder's, which it leaves when it ends
+        self._shown: dict[str, Any] | None = None  # as_dict's, once it ended (it stays so)
         if open_calls is not None:
             open_calls[self] = None
 
@@ -51,10 +53,18 @@ class CallRecord:
                 self.stats.record(self, state)
 
     def as_dict(self) -> dict[str, Any]:
+        """For the status (read-only). An ended call's is kept: every status lists up to 8
+        calls of each rank, and the full one of hundreds of worlds spent most of its time
+        describing the same ended calls again (20 ms for 100 worlds of 8 ranks)."""
+        if self._shown is not None:
+            return self._shown
         now = time.monotonic()
         took = (self.ended if self.ended is not None else now) - self.started
-        return {"rank": self.rank, "seq": self.seq, "call": self.call, "state": self.state,
-                "at": round(time.time() - (now - self.started), 6), "seconds": round(took, 6)}
+        shown = {"rank": self.rank, "seq": self.seq, "call": self.call, "state": self.state,
+                 "at": round(time.time() - (now - self.started), 6), "seconds": round(took, 6)}
+        if self.ended is not None:
+            self._shown = shown
+        return shown
 
 
 class FlightRecorder:

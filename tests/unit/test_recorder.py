@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import proto
@@ -33,3 +35,22 @@ def test_calls_that_wait_for_ever_are_never_the_oldest_open() -> None:
     assert recorder.oldest_open() is None
     barrier = recorder.start(0, proto.Barrier())
     assert recorder.oldest_open() is barrier
+
+
+def test_the_status_shows_an_ended_call_as_it_ended_and_an_open_one_as_it_is_now() -> None:
+    """An ended call's entry is made once (the status of hundreds of worlds described the
+    same ended calls again each time); an open one's state and age are read anew."""
+    recorder = FlightRecorder()
+    ended = recorder.start(0, proto.AllReduce(proto.Mem(1, 0), 8, proto.DType.F32))
+    ended.close("done")
+    running = recorder.start(1, proto.Barrier())
+    first = recorder.dump()
+    time.sleep(0.05)
+    running.state = "running"
+    again = recorder.dump()
+    assert again["0"] == first["0"] == [{"rank": 0, "seq": 0, "state": "done", "at": first["0"][0]["at"],
+                                         "seconds": first["0"][0]["seconds"],
+                                         "call": "all_reduce(bytes=8, dtype=f32, op=sum)"}]
+    assert first["0"][0]["seconds"] < 0.05
+    assert [c["state"] for c in (first["1"][0], again["1"][0])] == ["pending", "running"]
+    assert again["1"][0]["seconds"] >= first["1"][0]["seconds"] + 0.05
