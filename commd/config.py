@@ -133,8 +133,9 @@ class ServerConfig:
     peer_secret: bytes | None = field(default=None, repr=False)  # never printed
     peer_heartbeat_s: float = 0.5
     peer_window_s: float = 3.0
-    # a connection says something (its hello, a status query) within this, or is closed:
-    # an idle one would hold one of max_connections for ever
+    # a connection that is no rank says something (its hello, a status query) within this
+    # of connecting or of its last status report, or is closed: an idle one would hold one
+    # of max_connections for ever
     hello_timeout_s: float = 10.0
     # the longest a call may stay open before it fails its world, whatever its rank's
     # timeout asks (None: as it asks; recv_command_u32 waits without one all the same)

@@ -137,8 +137,8 @@ class Session:
             proto.Reconnect: self._reconnect,
         }
         self.channel = make_channel(self)
-        self._silent: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            ctx.config.hello_timeout_s, self._said_nothing)
+        self._silent: asyncio.TimerHandle | None = None
+        self._watch_silence("connecting")
 
     # ---- I/O ------------------------------------------------------------------
 
@@ -175,19 +175,28 @@ class Session:
             log.exception("bug while handling %s from pid %d", type(msg).__name__, self.peer_pid)
             self.send(proto.Error(request_id, ErrorCode.INTERNAL, clip(f"daemon bug: {exc!r}")))
             self.channel.close("internal error")
-        if self._hello_refused is not None and not self.channel.closed:
-            # one answer each past the limit: a client asking on would hold that room for good
-            self.channel.close("answered past the connection limit", linger=True)
+        if self._conn.state is proto.State.AWAIT_HELLO and not self.channel.closed:
+            if self._hello_refused is not None:
+                # one answer each past the limit: a client asking on would hold that room for good
+                self.channel.close("answered past the connection limit", linger=True)
+            else:
+                # answered a status query and still no rank: one that stays idle would hold
+                # one of max_connections for good, and workers be refused for it
+                self._watch_silence("the answer to its last status query")
+
+    def _watch_silence(self, since: str) -> None:
+        self._silent = asyncio.get_running_loop().call_later(
+            self._ctx.config.hello_timeout_s, self._said_nothing, since)
 
     def _stop_silence_watch(self) -> None:
         if self._silent is not None:
             self._silent.cancel()
             self._silent = None
 
-    def _said_nothing(self) -> None:
+    def _said_nothing(self, since: str) -> None:
         self._silent = None
         if not self.channel.closed:
-            why = f"nothing said within {self._ctx.config.hello_timeout_s:g}s of connecting"
+            why = f"nothing said within {self._ctx.config.hello_timeout_s:g}s of {since}"
             self._drop(ErrorCode.TIMEOUT, why, why)
 
     def _refuse(self, exc: proto.ProtoError) -> None:

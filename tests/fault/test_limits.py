@@ -141,6 +141,52 @@ def test_a_connection_that_says_nothing_is_closed_with_a_timeout(tight: DaemonPr
     assert steady_t.errors() == unrelated
 
 
+def test_a_connection_that_asked_for_the_status_and_idles_is_closed_with_a_timeout(
+        tight: DaemonProcess, steady_t: Steady) -> None:
+    """--hello-timeout watched only the silence before a connection's first packet: one that
+    asked for the status (answered, or refused for an unknown world) and then idled held one
+    of the 8 for good, and workers got LimitExceeded. A connection that is no rank is watched
+    again from each answer; a rank that asked for the status is not."""
+    sock = str(tight.socket_path)
+    unrelated = steady_t.errors()
+    rank = RawClient(sock)
+    idle = [RawClient(sock, timeout=10) for _ in range(5)]  # with the steady world's two and rank: 8
+    try:
+        assert isinstance(rank.join(world_name()), proto.Welcome)
+        started = time.monotonic()
+        for i, client in enumerate([rank, *idle]):
+            client.send(proto.StatusQuery(1, "no-such-world" if i % 2 else None))
+            answer = client.recv()
+            if i % 2:
+                assert isinstance(answer, proto.Error) and answer.code is ErrorCode.UNKNOWN_WORLD, answer
+            else:
+                assert isinstance(answer, proto.StatusReport) and answer.info["pid"] == tight.pid, answer
+        with pytest.raises(LimitExceeded, match="limit of 8 connections"):
+            DaemonBackend(sock, world_name(), 0, 1, timeout=5)  # (the 8 are held meanwhile)
+        time.sleep(max(0.0, started + 1.0 - time.monotonic()))
+        idle[0].send(proto.StatusQuery(2))  # asking again: watched from this answer on
+        assert isinstance(idle[0].recv(), proto.StatusReport)
+        asked_again = time.monotonic()
+        closed_at = []
+        for client in idle:
+            error = client.recv()
+            assert isinstance(error, proto.Error) and error.code is ErrorCode.TIMEOUT, error
+            assert "nothing said within 2s of the answer to its last status query" in error.message
+            assert client.recv() is None  # then closed
+            closed_at.append(time.monotonic())
+        assert all(1.9 <= at - started <= 8 for at in closed_at), [at - started for at in closed_at]
+        assert closed_at[0] - asked_again >= 1.9
+        rank.sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            rank.recv()  # the rank stays, idle as ranks are between calls
+    finally:
+        rank.close()
+        for client in idle:
+            client.close()
+    connect_once_there_is_room(sock)  # the slots are free again
+    assert steady_t.errors() == unrelated
+
+
 def test_registrations_and_pending_calls(tight: DaemonProcess, steady_t: Steady,
                                         fault_report: FaultReport) -> None:
     sock = str(tight.socket_path)
