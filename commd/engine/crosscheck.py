@@ -55,9 +55,11 @@ def collective_mismatch(index: int, mine: int, my_call: str, theirs: int, their_
 
 
 def p2p_mismatch(src: int, dst: int, index: int, sent: str, received: int) -> CallError:
+    """Worded as one daemon's matcher words it: each call with its peer (the pair is each
+    call's, so no daemon needs to be told it)."""
     return CallError(ErrorCode.MISMATCH, f"mismatched point-to-point {src}->{dst} call {index}: rank "
-                                         f"{src} called send_to(bytes={sent}), rank {dst} called "
-                                         f"recv_from(bytes={received})")
+                                         f"{src} called send_to(bytes={sent}, peer={dst}), rank {dst} "
+                                         f"called recv_from(bytes={received}, peer={src})")
 
 
 def device_check(net: WorldNet | None, inbox: Inbox | None, epoch: int, local_ranks: Sequence[int],

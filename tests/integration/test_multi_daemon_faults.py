@@ -178,6 +178,29 @@ def test_mismatch_across_daemons(pool: RankPool, pair: list[DaemonProcess], stea
                      steady_ac.errors() - unrelated, mappings_settle(root, base))
 
 
+def test_a_point_to_point_mismatch_across_daemons_names_each_call_s_peer(
+        pool: RankPool, pair: list[DaemonProcess]) -> None:
+    """Rank 0 sends rank 1 16 bytes, rank 1 receives 8. On one daemon the error named each
+    call's peer; across daemons (the receiver's daemon compares the size the sender's sent)
+    it said only 'rank 0 called send_to(bytes=16), rank 1 called recv_from(bytes=8)'."""
+    root, member = pair
+    said = {}
+    for where, places in (("one daemon", [root, root]), ("two daemons", [root, member])):
+        world = world_name()
+        results = [o.unwrap() for o in pool.run(workers.mismatch, [(spec(d, root), world, r, 2, "p2p")
+                                                                   for r, d in enumerate(places)])]
+        want = reduce_reference([make_input(5, r, 16, "f32", "sum") for r in range(2)], "f32", "sum")
+        for res in results:
+            assert res["error"][0] == "MismatchError", res["error"]
+            assert res["epoch"] == 2 and res["result"] == want.tobytes()  # and the rebuilt world works
+        said[where] = [res["error"][1] for res in results]
+    # (one daemon names first the call that came first)
+    for message in said["one daemon"] + said["two daemons"]:
+        assert "mismatched point-to-point 0->1 call 0: " in message, said
+        assert "rank 0 called send_to(bytes=16, peer=1)" in message, said
+        assert "rank 1 called recv_from(bytes=8, peer=0)" in message, said
+
+
 def test_join_timeout_names_the_missing_ranks(pool: RankPool, pair: list[DaemonProcess]) -> None:
     root, member = pair
     world = world_name()

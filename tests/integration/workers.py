@@ -405,13 +405,19 @@ def steady_loop(sock: str, world: str, rank: int, n: int, stop: Any, results: An
 
 
 def mismatch(sock: str, world: str, rank: int, n: int, kind: str) -> dict[str, Any]:
-    """Rank 0 and rank 1 disagree on call 1; then all ranks reconnect and agree again."""
+    """Rank 0 and rank 1 disagree on call 1 (for "p2p", 2 ranks: rank 0 sends rank 1 16
+    bytes, rank 1 receives 8); then all ranks reconnect and agree again."""
     out: dict[str, Any] = {}
     with connect(sock, world, rank, n) as comm:
         buf = hostmem.alloc(64)
         comm.all_reduce(buf.ptr, 8)  # call 0 agrees
         try:
-            if rank == 1 and kind == "bytes":
+            if kind == "p2p":
+                if rank == 0:
+                    comm.send_to(buf.ptr, 16, 1, 0)
+                else:
+                    comm.recv_from(buf.ptr, 8, 0, 0)
+            elif rank == 1 and kind == "bytes":
                 comm.all_reduce(buf.ptr, 16)
             elif rank == 1 and kind == "op":
                 comm.broadcast(buf.ptr, 8, 0)

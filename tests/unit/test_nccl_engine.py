@@ -1247,7 +1247,7 @@ async def test_a_send_and_a_receive_of_different_sizes_across_daemons_are_a_mism
             await asyncio.wait_for(run, 5)
         assert info.value.code is ErrorCode.MISMATCH
         assert info.value.message == ("mismatched point-to-point 1->0 call 0: rank 1 called "
-                                      "send_to(bytes=32), rank 0 called recv_from(bytes=16)")
+                                      "send_to(bytes=32, peer=0), rank 0 called recv_from(bytes=16, peer=1)")
     finally:
         root.close()
         member.close()
