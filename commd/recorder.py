@@ -43,6 +43,17 @@ class CallRecord:
     def call(self) -> str:
         return ops.describe(self.op)
 
+    def waiting_for_itself(self) -> str:
+        """For a send or receive to its own rank still unmatched, the call of that rank it
+        waits for (another thread's, or its group's): 'pending' alone reads as if a peer
+        were late, when no other rank can end the wait."""
+        op = self.op
+        if self.state != "pending" or not isinstance(op, proto.Send | proto.Recv) or op.peer != self.rank:
+            return ""
+        own = proto.Recv(op.buf, op.nbytes, op.peer) if isinstance(op, proto.Send) else \
+            proto.Send(op.buf, op.nbytes, op.peer)
+        return f", waiting for rank {self.rank}'s own {ops.describe(own)}"
+
     def close(self, state: str) -> None:
         if self.ended is None:
             self.state = state
@@ -111,6 +122,7 @@ class FlightRecorder:
         """A compact dump for the log: each rank's newest calls."""
         out = []
         for rank, ring in sorted(self._by_rank.items()):
-            calls = ", ".join(f"#{r.seq} {r.call} {r.state}" for r in list(ring)[-last:])
+            calls = ", ".join(f"#{r.seq} {r.call} {r.state}{r.waiting_for_itself()}"
+                              for r in list(ring)[-last:])
             out.append(f"rank {rank}: {calls}")
         return out

@@ -46,6 +46,39 @@ def test_a_rank_that_made_no_call_is_named_in_the_timeout(daemon: DaemonProcess)
                 comm.close()
 
 
+def test_a_lone_send_to_itself_times_out_saying_it_waits_for_its_own_recv(daemon: DaemonProcess) -> None:
+    """send_to(dest_rank=its own rank) pairs with that rank's own recv_from (the seed: "pairs
+    with a recv_from of the same size on dest_rank"), which another thread may make, so the
+    daemon cannot refuse it. Made alone, it waited out the world's timeout, and the
+    CommTimeout named it as any late call ('send_to(bytes=16, peer=0) pending'), not what it
+    waits for. So for a recv_from itself, alone."""
+    sock, world = str(daemon.socket_path), world_name()
+    with ThreadPoolExecutor(2) as threads:
+        comms = [j.result(20) for j in [threads.submit(DaemonBackend, sock, world, r, 2, timeout=1)
+                                        for r in range(2)]]
+        try:
+            out, into = hostmem.alloc(16), hostmem.alloc(16)
+            out.view(np.uint8)[:] = np.arange(100, 116, dtype=np.uint8)
+            receiving = threads.submit(comms[0].recv_from, into.ptr, 16, 0, 0)  # another thread's
+            comms[0].send_to(out.ptr, 16, 0, 0)
+            receiving.result(20)
+            assert bytes(into.view(np.uint8)) == bytes(range(100, 116))
+            alone = [(0, comms[0].send_to, out, "send_to(bytes=16, peer=0) pending, waiting for rank 0's "
+                                                "own recv_from(bytes=16, peer=0)"),
+                     (1, comms[1].recv_from, into, "recv_from(bytes=16, peer=1) pending, waiting for rank "
+                                                   "1's own send_to(bytes=16, peer=1)")]
+            for rank, call, buf, waits in alone:
+                started = time.monotonic()
+                with pytest.raises(CommTimeout, match="did not complete within 1s") as info:
+                    call(buf.ptr, 16, rank, 0)
+                assert 1.0 <= time.monotonic() - started <= 2.5
+                assert waits in str(info.value), str(info.value)
+                list(threads.map(lambda comm: comm.attempt_reconnect(), comms))
+        finally:
+            for comm in comms:
+                comm.close()
+
+
 def test_a_world_idle_for_a_while_still_times_its_next_call_out(daemon: DaemonProcess) -> None:
     """An idle world's watchdog sleeps until a call opens (it polls nothing meanwhile):
     the first call after a long idle must still time out, and the one after a failure too."""
