@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,16 +38,11 @@ from .membership import LocalMembership, NetMembership
 from .recorder import FlightRecorder
 from .stats import DaemonStats
 from .tickets import Arrival, Peer, Ticket, arrivals_of, engine_op_of, order_of
+from .watchdog import Watchdog
 
 log = logging.getLogger("commd.world")
 # How an idle world ends without anything failing: a rank leaves, the daemon stops.
 _ENDINGS = frozenset({ErrorCode.WORLD_FAILED, ErrorCode.SHUTDOWN})
-# How often a ready world asks its engine for async errors and checks call deadlines:
-# bounds the detection of an engine failure; one cheap wake-up per world.
-_WATCH_S = 0.25
-# ... and at most this often, however short a world's call timeout (a hello may ask for 1 ms):
-# a timeout is then noticed up to this late, and no world can keep the loop busy.
-_MIN_WATCH_S = 0.05
 # How long the ops of a failed world may go on finishing before its communicator is aborted
 # under them: long enough for ops every rank joined, short enough to free a hung one.
 _ABORT_GRACE_S = 2.0
@@ -102,11 +96,7 @@ class World:
         self.stats = stats if stats is not None else DaemonStats()  # the daemon's: outlive worlds
         self.recorder = FlightRecorder(stats=self.stats.calls)
         self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
-        self._watchdog: asyncio.Task[None] | None = None
-        # Set when the watchdog may have something to watch: a call opened, an engine came
-        # that reports errors of its own. Idle otherwise, it waits for this, not a timer:
-        # hundreds of idle worlds on one daemon would wake it thousands of times a second.
-        self._watch_wanted = asyncio.Event()
+        self._watchdog = Watchdog(self)
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
         self._extras = EngineExtras(world_size, local=net is None)
@@ -220,9 +210,7 @@ class World:
         self._matcher = Matcher(self.world_size, local_ranks)
         self._comm = comm
         self._extras.hand_to(comm)
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-        self._watch_wanted.set()
+        self._watchdog.ready()
         waiting, self._waiting = self._waiting, {}
         # A waiter the root placed elsewhere lost the race for its rank: never a member here
         strays = {rank: waiting.pop(rank) for rank in set(waiting) - set(local_ranks)}
@@ -267,7 +255,7 @@ class World:
         self._pending_ops[rank] = pending + len(calls)
         ticket = Ticket(peer, rank, request_id, len(calls), self.epoch)
         self._tickets.add(ticket)
-        self._watch_wanted.set()
+        self._watchdog.call_opened()
         epoch = self.epoch
         for op, regions in calls:
             record = self.recorder.start(rank, op)
@@ -349,57 +337,9 @@ class World:
                     self.net.inbox.drop_unread()
         self._finish(match)
 
-    async def _watch(self) -> None:
-        """Fail the world when its engine reports an error of its own (NCCL's async
-        errors), or when a call stays open past its deadline: a rank that never made its
-        matching call, or an engine that never finished. recv_command_u32 has none."""
-        timeout_s = self.call_timeout_s
-        interval = _WATCH_S if timeout_s is None else max(_MIN_WATCH_S, min(_WATCH_S, timeout_s / 4))
-        while True:  # cancelled when the world empties
-            if not self._watched():
-                self._watch_wanted.clear()
-                await self._watch_wanted.wait()
-            await asyncio.sleep(interval)
-            if self.state is not WorldState.READY or self._comm is None:
-                continue
-            try:
-                error = self._comm.async_error()
-            except Exception as exc:  # asking failed: as bad as an error, and the watch goes on
-                error = f"could not read the engine's state: {type(exc).__name__}: {exc}"
-            if error is not None:
-                log.error("world %s epoch %d: the engine failed: %s", self.name, self.epoch, error,
-                          extra=self.log_extra())
-                self.fail(ErrorCode.ENGINE, f"engine error: {error}")
-                continue
-            if timeout_s is None:
-                continue
-            oldest = self.recorder.oldest_open()
-            if oldest is not None and time.monotonic() - oldest.started > timeout_s:
-                newest = "; ".join([*self.recorder.lines(last=1), *self._unrecorded()])
-                self.fail(ErrorCode.TIMEOUT,
-                          f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
-                          f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
-
-    def _watched(self) -> bool:
-        """Whether the watchdog has anything to look at now."""
-        comm = self._comm
-        if comm is not None and comm.reports_async_errors:
-            return True
-        return self.call_timeout_s is not None and self.recorder.oldest_open() is not None
-
-    def _unrecorded(self) -> list[str]:
-        """For a timeout's message, the ranks the flight recorder has no call of: the one
-        behind may be among them, and a rank of another daemon is seen only there."""
-        recorded = self.recorder.ranks()
-        lines = [f"rank {r}: no call yet" for r in self.local_ranks if r not in recorded]
-        if self.net is None:
-            return lines
-        for daemon in self.net.members():
-            ranks = list(self.net.ranks_of(daemon))
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
-            lines.append(f"{who}: on daemon {daemon}, no call known here (`commd status --world "
-                         f"{self.name}` there shows {'its' if len(ranks) == 1 else 'their'} calls)")
-        return lines
+    def communicator(self) -> Communicator | None:
+        """The ready epoch's communicator (None while the world forms or failed)."""
+        return self._comm if self.state is WorldState.READY else None
 
     def _op_failed(self, match: Match[Arrival], exc: Exception, epoch: int) -> None:
         """The engine could not complete an op: its world fails (if this epoch still
@@ -534,9 +474,7 @@ class World:
         """No rank here, none waiting, and (root) no other daemon's rank voting: the world
         is over on this daemon."""
         if not self.members and not self._waiting and not self.membership.voting():
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-                self._watchdog = None
+            self._watchdog.stop()
             if self._comm is not None:
                 self._comm.abort()
                 self._comm = None
