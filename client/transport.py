@@ -105,7 +105,7 @@ class Transport:
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
         self._timeout = timeout
         self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
+        self._poll.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
         self._send_poll = select.poll()
         self._send_poll.register(sock.fileno(), select.POLLOUT)
 
@@ -407,8 +407,13 @@ class Transport:
             left = remaining(deadline)
             if left is not None and left <= 0:
                 raise CommTimeout("the call did not complete before its deadline")
-            if self._poll.poll(None if left is None else min(max(1, int(left * 1000)), _MAX_POLL_MS)):
+            ready = self._poll.poll(None if left is None else min(max(1, int(left * 1000)), _MAX_POLL_MS))
+            if ready:
                 break
+        # recvmsg reads no bytes both at the end of the connection and for a zero-length
+        # packet (legal on SOCK_SEQPACKET); only the hang-up poll saw before the read tells
+        # them apart (without it, the packet the read takes was already there)
+        hung_up = bool(ready[0][1] & (select.POLLHUP | select.POLLRDHUP))
         try:
             try:
                 data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
@@ -416,12 +421,17 @@ class Transport:
                 # The daemon closed with packets of ours unread (killed, or a bug's INTERNAL
                 # answer): Linux says so once, ahead of what it sent before, its answers and
                 # last word among them. Those come next, then the end
+                hung_up = True
                 data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except OSError as exc:
             raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}{_GONE}")) from exc
         fds = take_fds(ancillary)
         if not data and not fds:
-            raise self._break(DaemonUnavailable(f"the daemon closed the connection{_GONE}"))
+            if hung_up:
+                raise self._break(DaemonUnavailable(f"the daemon closed the connection{_GONE}"))
+            # (a close() on another thread shut the socket since the poll: _break keeps its error)
+            raise self._break(ProtocolError("bad packet from the daemon: an empty packet, which "
+                                            "holds no message (the daemon is still connected)"))
         try:
             msg = self._conn.receive(data, len(fds))
         except proto.ProtoError as exc:

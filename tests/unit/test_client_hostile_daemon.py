@@ -452,3 +452,56 @@ def test_a_welcome_in_another_protocol_version_is_refused(
         DaemonBackend(path, "w", 0, 1, timeout=3, memory=HostMemory(), cuda_driver=lambda: None)
     back_to_fds(before)
     assert [type(msg) for _, msg in fake.seen] == [proto.Hello]
+
+
+def empty_packet(fake: RecordingDaemon, msg: proto.Message) -> Packets:
+    return [(b"", [])]  # legal on SOCK_SEQPACKET, but no message: a msgpack map is never empty
+
+
+def hang_up(fake: RecordingDaemon, msg: proto.Message) -> Packets:
+    fake.drop()
+    return []
+
+
+@pytest.mark.parametrize(("first_answer", "error", "said"), [
+    (empty_packet, ProtocolError, "empty packet"),
+    (hang_up, DaemonUnavailable, "the daemon closed the connection"),
+], ids=["empty packet", "hang-up"])
+def test_an_empty_packet_is_a_protocol_error_not_a_hang_up(
+        standin: tuple[RecordingDaemon, str],
+        first_answer: Callable[[RecordingDaemon, proto.Message], Packets],
+        error: type[CommError], said: str) -> None:
+    """recvmsg returns no bytes both for a zero-length packet and at the end of the
+    connection. Before: an empty packet, sent by a daemon that stays connected, was taken
+    for its hanging up (DaemonUnavailable: 'the daemon closed the connection ... (the daemon
+    stopped, with no word of why)'), which sends the operator looking for a crash. Now it
+    is a ProtocolError naming the empty packet; a real hang-up is still DaemonUnavailable.
+    Either way the call fails at once, and attempt_reconnect rejoins."""
+    fake, path = standin
+    answered: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Submit) and not answered:
+            answered.append(msg.id)
+            return first_answer(fake, msg)
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        started = time.monotonic()
+        with pytest.raises(CommError, match=said) as failed:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert type(failed.value) is error
+        assert time.monotonic() - started < 1  # not the call's timeout
+        assert not comm.is_healthy()
+        comm.attempt_reconnect()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0, 1], [0, 1])  # the second call went on the rejoined connection
+    back_to_fds(before)
+    buf.close()
