@@ -14,7 +14,8 @@
     │   └── EngineError           the engine (NCCL) failed the world's communicator
     └── DaemonInternalError       a bug in the daemon
 
-Every error from the daemon keeps its wire code in `.code`.
+Every error from the daemon keeps its wire code in `.code`: an ErrorCode, or the code's
+string when this client does not know it (a newer daemon's; then the error is a CommError).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from proto import ErrorCode
 class CommError(Exception):
     """Base of every error a CommBackend raises."""
 
-    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+    def __init__(self, message: str, code: ErrorCode | str | None = None) -> None:
         super().__init__(message)
         self.code = code
 
@@ -102,8 +103,11 @@ _BY_CODE: dict[ErrorCode, type[CommError]] = {
 }
 
 
-def from_code(code: ErrorCode, message: str) -> CommError:
+def from_code(code: ErrorCode | str, message: str) -> CommError:
     """The exception for an error the daemon sent."""
+    if isinstance(code, str):  # none of this client's classes can claim to know what it means
+        return CommError(f"the daemon refused the request with error code {code!r}, which this "
+                         f"client does not know: {message}", code)
     return _BY_CODE[code](message, code)
 
 

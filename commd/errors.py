@@ -10,14 +10,14 @@ INTERNAL error and is closed; other connections and worlds go on.
 
 from __future__ import annotations
 
-from proto import MAX_ERROR_TEXT, ErrorCode
+from proto import MAX_ERROR_TEXT, ErrorCode, clip_text
 
 MAX_TEXT = MAX_ERROR_TEXT - 96  # what the wire allows an error, less room for prefixes
 
 
 def clip(text: str) -> str:
     """A message that fits in an Error or Event, however long what it names."""
-    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 20] + " ... (cut)"
+    return clip_text(text, MAX_TEXT)
 
 
 def rank_list(ranks: list[int], shown: int = 16) -> str:

@@ -11,6 +11,7 @@ from .messages import (
     IPC_EVENT_BYTES,
     IPC_MEM_HANDLE_BYTES,
     JOIN_BACKSTOP_S,
+    MAX_ERROR_CODE,
     MAX_ERROR_TEXT,
     MAX_GROUP_OPS,
     MAX_MESSAGE_BYTES,
@@ -45,20 +46,21 @@ from .messages import (
     SymAlloc,
     SymFree,
     Welcome,
+    clip_text,
     mems_of,
     with_mems,
 )
 from .types import DType, EventKind, MemKind, ReduceOp
 
 __all__ = [
-    "IPC_EVENT_BYTES", "IPC_MEM_HANDLE_BYTES", "JOIN_BACKSTOP_S", "MAX_ERROR_TEXT", "MAX_GROUP_OPS",
-    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION",
+    "IPC_EVENT_BYTES", "IPC_MEM_HANDLE_BYTES", "JOIN_BACKSTOP_S", "MAX_ERROR_CODE", "MAX_ERROR_TEXT",
+    "MAX_GROUP_OPS", "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION",
     "AllGather", "AllReduce",
     "Barrier", "Broadcast", "Connection", "DType", "DecodeError", "Deregister", "Error",
     "ErrorCode", "Event", "EventKind", "Forget", "Hello", "Import", "InvalidMessage", "Mem",
     "MemKind", "Message", "MessageTooLarge", "Ok", "Op", "ProtoError", "Recv", "Reconnect",
     "ReduceOp", "ReduceScatter", "Register", "Reply", "Request", "Role", "Send",
     "SetAddKernel", "State", "StateError", "StatusQuery", "StatusReport", "StreamEvents",
-    "StreamSubmit", "Submit", "SymAlloc", "SymFree", "Welcome", "decode", "encode", "expected_fds",
-    "mems_of", "with_mems",
+    "StreamSubmit", "Submit", "SymAlloc", "SymFree", "Welcome", "clip_text", "decode", "encode",
+    "expected_fds", "mems_of", "with_mems",
 ]

@@ -120,6 +120,27 @@ def _enum(cls: type[enum.Enum]) -> Decoder:
     return decode
 
 
+def _enum_beside_text(hint: Any) -> type[enum.Enum] | None:
+    """The enum of a hint `SomeEnum | str` (see messages.Error), else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType) or len(args) != 2 or str not in args:
+        return None
+    (other,) = [a for a in args if a is not str]
+    return other if isinstance(other, type) and issubclass(other, enum.Enum) else None
+
+
+def _enum_or_text(cls: type[enum.Enum]) -> Decoder:
+    """A member, or the string itself when it names none (see messages.Error)."""
+    members = cls._value2member_map_
+
+    def decode(value: Any) -> enum.Enum | str:
+        text = _str(value)
+        member = members.get(text)
+        return text if member is None else member
+
+    return decode
+
+
 def _optional(inner: Decoder) -> Decoder:
     return lambda value: None if value is None else inner(value)
 
@@ -149,6 +170,9 @@ def _decoder_for(hint: Any) -> Decoder:
         return _SIMPLE[hint]
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return _enum(hint)
+    known = _enum_beside_text(hint)
+    if known is not None:
+        return _enum_or_text(known)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
@@ -239,6 +263,8 @@ def _encoder_for(hint: Any) -> Encoder:
         return (lambda v: [v.buf, v.offset]) if hint is m.Mem else None
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return lambda v: v._value_
+    if _enum_beside_text(hint) is not None:
+        return lambda v: v if type(v) is str else v._value_
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in args if a is not type(None)]

@@ -23,6 +23,7 @@ MAX_GROUP_OPS = 512
 MAX_RANKS = 65536
 MAX_WORLD_NAME = 128
 MAX_ERROR_TEXT = 4096  # characters of an error's message, in either protocol
+MAX_ERROR_CODE = 64  # characters of an error code the receiver does not know (a newer peer's)
 DEVICE_UUID_BYTES = 16  # sizeof(CUuuid)
 U64_MAX = (1 << 64) - 1
 # A world formed from a hello goes on at its epoch + 1, and each rebuild adds one: an epoch
@@ -55,6 +56,11 @@ def _rank(name: str, value: int, what: str = "a rank") -> None:
 def _short_text(name: str, value: str, limit: int = 256) -> None:
     if len(value) > limit:
         raise InvalidMessage(f"{name} is longer than {limit} characters")
+
+
+def clip_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """`text` in at most `limit` characters: whole, or its start and a marker."""
+    return text if len(text) <= limit else text[:limit - 20] + " ... (cut)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,15 +451,26 @@ class Ok:
 
 @dataclass(frozen=True, slots=True)
 class Error:
-    """A refused request; `id` 0 when the packet that caused it could not be read."""
+    """A refused request; `id` 0 when the packet that caused it could not be read.
+
+    A code that names no ErrorCode (a newer peer's) stays its string, and a message over
+    MAX_ERROR_TEXT characters is clipped: refused as a bad packet, either would cost the
+    connection, where the peer refused one request (WIRE.md §7)."""
 
     id: int
-    code: ErrorCode
+    code: ErrorCode | str
     message: str
 
     def __post_init__(self) -> None:
         _u64("id", self.id)
-        _short_text("message", self.message, MAX_ERROR_TEXT)
+        if type(self.code) is str:
+            known = ErrorCode._value2member_map_.get(self.code)
+            if known is not None:  # (as decoded: an Error equals itself after a round trip)
+                object.__setattr__(self, "code", known)
+            elif not 0 < len(self.code) <= MAX_ERROR_CODE:
+                raise InvalidMessage(f"an error code is 1..{MAX_ERROR_CODE} characters")
+        if len(self.message) > MAX_ERROR_TEXT:
+            object.__setattr__(self, "message", clip_text(self.message))
 
 
 @dataclass(frozen=True, slots=True)

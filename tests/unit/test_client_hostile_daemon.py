@@ -21,7 +21,7 @@ import pytest
 
 import proto
 from client.daemon import DaemonBackend
-from client.errors import CommError, DaemonUnavailable, ProtocolError, WorldFailed
+from client.errors import CommError, DaemonUnavailable, MisuseError, ProtocolError, WorldFailed
 from client.hostmem import HostMemory
 from tests.fault.test_packet_fuzz import mutate
 from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, wait_until, world_name
@@ -503,5 +503,71 @@ def test_an_empty_packet_is_a_protocol_error_not_a_hang_up(
     hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
     submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert (hellos, submits) == ([0, 1], [0, 1])  # the second call went on the rejoined connection
+    back_to_fds(before)
+    buf.close()
+
+
+def raw_error(request_id: int, code: str, message: str) -> bytes:
+    """An Error as a daemon may send it that this client's proto could not build before: a
+    code it does not know (a newer daemon's), or a message over the wire's 4096 characters."""
+    return bytes(msgpack.packb({"t": "error", "id": request_id, "code": code, "message": message},
+                               use_bin_type=True))
+
+
+LONG = "lock order inversion in daemon thread " * 1600  # 60 800 characters, in a 61 KiB packet
+REFUSALS: dict[str, tuple[str, str, type[CommError], object, str]] = {
+    # (code, message sent; the error the call raises, its .code, what its message starts with)
+    "a code this client does not know": (
+        "quota_exceeded", "world w used its 2 GiB", CommError, "quota_exceeded",
+        "the daemon refused the request with error code 'quota_exceeded', which this client "
+        "does not know: world w used its 2 GiB"),
+    "a message over 4096 characters": (
+        "misuse", LONG, MisuseError, proto.ErrorCode.MISUSE, LONG[:4000]),
+    "both": (
+        "quota_exceeded", LONG, CommError, "quota_exceeded",
+        "the daemon refused the request with error code 'quota_exceeded', which this client "
+        "does not know: " + LONG[:4000]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refusal_with_an_unknown_code_or_a_long_message_fails_the_call_not_the_connection(
+        standin: tuple[RecordingDaemon, str], case: str) -> None:
+    """A daemon's Error refuses one request. Before: one with a code this client does not
+    know (a newer daemon's), or with a message over 4096 characters, was taken for a bad
+    packet: the call raised ProtocolError ('bad packet from the daemon: ... is not a
+    ErrorCode', '... message is longer than 4096 characters'), the connection was dropped
+    and the world marked unhealthy, so the next call failed too until attempt_reconnect.
+    Now the call raises a CommError carrying the daemon's code (its string when unknown:
+    then the base class, no subclass claims to know what it means) and its text, clipped
+    to 4096 characters with a marker; the next call goes on the same connection."""
+    fake, path = standin
+    code, message, error, carried, starts = REFUSALS[case]
+    refused: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Submit) and not refused:
+            refused.append(msg.id)
+            return [(raw_error(msg.id, code, message), [])]
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        with pytest.raises(CommError) as failed:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        said = str(failed.value)
+        assert (type(failed.value), failed.value.code) == (error, carried), said[:300]
+        assert said.startswith(starts), said[:300]
+        if len(message) > proto.MAX_ERROR_TEXT:
+            assert said.endswith(" ... (cut)") and len(said) < len(starts) + 100, said[-300:]
+        assert comm.is_healthy()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")  # answered Ok, on the same connection
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0], [0, 0])
     back_to_fds(before)
     buf.close()

@@ -510,7 +510,8 @@ WRONG_TYPES: list[tuple[Any, str, Any]] = [
     (Register(1, Mem(1, 0), 1), "buf", [1, 0.0]),
     (Register(1, Mem(1, 0), 1), "buf", None),  # Mem is not optional here
     (Register(1, Mem(1, 0), 1), "buf", 1),
-    (Error(1, ErrorCode.MISUSE, "m"), "code", "MISUSE"),
+    (Error(1, ErrorCode.MISUSE, "m"), "code", 7),  # (a string it lacks is a newer peer's code)
+    (Error(1, ErrorCode.MISUSE, "m"), "code", b"misuse"),
     (Error(1, ErrorCode.MISUSE, "m"), "message", b"m"),
     (Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "m"), "kind", "world-failed"),
     (StatusReport(1, {}), "info", [1]),
@@ -591,6 +592,22 @@ def test_size_limit_is_inclusive_and_adjustable() -> None:
     assert roundtrip(long_error) == long_error
 
 
+def test_an_error_keeps_a_code_it_does_not_know_and_clips_a_long_message() -> None:
+    """WIRE.md §7: an error refuses one request; a newer peer's code, or a message over
+    4096 characters, must not make it a bad packet (which costs the connection)."""
+    raw = {"t": "error", "id": 3, "code": "quota_exceeded", "message": "over quota"}
+    newer = decode(pack(raw))
+    assert newer == Error(3, "quota_exceeded", "over quota") and newer.code == "quota_exceeded"
+    assert unpack(encode(newer)) == raw
+    assert Error(3, "misuse", "m") == Error(3, ErrorCode.MISUSE, "m")  # a code it knows is the member
+    long = decode(pack(raw | {"code": "misuse", "message": "y" * 4000 + "z" * 60_000}))
+    assert long.code is ErrorCode.MISUSE
+    assert long.message == "y" * 4000 + "z" * 76 + " ... (cut)" and len(long.message) == 4086
+    assert roundtrip(long) == long
+    edge = "c" * proto.MAX_ERROR_CODE
+    assert decode(pack(raw | {"code": edge, "message": "x" * 4096})) == Error(3, edge, "x" * 4096)
+
+
 @pytest.mark.parametrize("value", [[], [1, 2], 0, -1, None, True, "submit", b"\x81", 1.5])
 def test_non_map_top_level(value: Any) -> None:
     err = raises_exactly(DecodeError, lambda: decode(pack(value)))
@@ -639,7 +656,8 @@ INVALID_RAW: list[dict[str, Any]] = [
     {"t": "ok", "id": 1, "nfds": 2},
     {"t": "ok", "id": 1, "value": -1},
     {"t": "error", "id": -1, "code": "misuse", "message": ""},
-    {"t": "error", "id": 1, "code": "misuse", "message": "x" * 4097},
+    {"t": "error", "id": 1, "code": "", "message": ""},
+    {"t": "error", "id": 1, "code": "c" * (proto.MAX_ERROR_CODE + 1), "message": ""},
     {"t": "event", "kind": "shutdown", "code": "shutdown", "message": "", "epoch": -1},
     {"t": "forget", "bufs": []},
     {"t": "forget", "bufs": [0]},
