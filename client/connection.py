@@ -15,6 +15,11 @@ from .health import Health
 from .rpc import Answer, Superseded, built, checked
 from .transport import Abandon, Transport, Undo
 
+# The least max_message a daemon may announce: every request but a group's Submit fits in
+# it. The longest is a Forget of MAX_GROUP_OPS buffer ids: Forgets go ahead of the next
+# request (_send_releases), so one refused for its size would fail every request after it
+LEAST_MAX_MESSAGE = len(proto.encode(proto.Forget((2**64 - 1,) * proto.MAX_GROUP_OPS)))
+
 
 def check_past(epoch: int, left: int, what: str) -> None:
     """A rebuilt world starts past the epoch it left (it may have failed there): taken,
@@ -82,6 +87,10 @@ class Connection:
             if reply.version != hello.version:  # (the daemon should have refused the hello)
                 raise ProtocolError(f"the daemon welcomed us in protocol version {reply.version}; "
                                     f"this client speaks {hello.version}")
+            if reply.max_message < LEAST_MAX_MESSAGE:
+                raise ProtocolError(f"the daemon welcomed us with max_message {reply.max_message} "
+                                    f"bytes, below the {LEAST_MAX_MESSAGE} its requests need")
+            transport.limit_sends(reply.max_message)
             if hello.epoch:  # a rejoin
                 check_past(reply.epoch, hello.epoch,
                            f"the daemon welcomed rank {hello.rank} of world {hello.world}")

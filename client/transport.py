@@ -22,7 +22,15 @@ from collections.abc import Callable, Sequence
 
 import proto
 
-from .errors import CommError, CommTimeout, DaemonUnavailable, ProtocolError, detached, from_code
+from .errors import (
+    CommError,
+    CommTimeout,
+    DaemonUnavailable,
+    LimitExceeded,
+    ProtocolError,
+    detached,
+    from_code,
+)
 from .sockets import close_fds, connect_within, take_fds, timeval
 
 _MAX_FDS = 4
@@ -104,6 +112,7 @@ class Transport:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
         self._timeout = timeout
+        self._max_send = proto.MAX_MESSAGE_BYTES  # the daemon's, once its welcome says (limit_sends)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
         self._send_poll = select.poll()
@@ -115,6 +124,10 @@ class Transport:
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    def limit_sends(self, max_message: int) -> None:
+        """Send no packet over `max_message` bytes, the daemon's limit (its welcome's)."""
+        self._max_send = min(max_message, proto.MAX_MESSAGE_BYTES)
 
     def post(self, msg: proto.Message, fds: Sequence[int] = (), deadline: float | None = None) -> None:
         """Send without waiting for a reply; should the send fail, what the daemon said before
@@ -189,6 +202,9 @@ class Transport:
             # the state machine is in ERROR now: break the connection, so that the next
             # attempt_reconnect connects afresh rather than failing on it for good
             raise self._break(ProtocolError(f"cannot send {type(msg).__name__}: {exc}")) from exc
+        if len(packet) > self._max_send:  # the daemon would refuse it, and drop the connection
+            raise LimitExceeded(f"{type(msg).__name__} is {len(packet)} bytes, over the daemon's "
+                                f"{self._max_send} (its max_message): nothing was sent")
         request_id = getattr(msg, "id", None)
         if request_id is not None:
             self._due[request_id] = type(msg)

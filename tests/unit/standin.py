@@ -20,7 +20,9 @@ class RecordingDaemon:
     """Welcomes every hello, answers every request Ok (a fresh value), records what came;
     `drop()` closes the current connection (the daemon went away: the next call rejoins).
     `answer`, if set, may answer a request in its place (the packets it returns are sent,
-    then their fds closed here; None: the usual answer), as a buggy or hostile daemon would."""
+    then their fds closed here; None: the usual answer), as a buggy or hostile daemon would.
+    `max_message`: the packet limit its welcome announces, and keeps: a longer packet is
+    refused as the daemon refuses a bad one (an Error with id 0, then the connection goes)."""
 
     def __init__(self, path: str) -> None:
         self.seen: list[tuple[int, object]] = []
@@ -28,6 +30,7 @@ class RecordingDaemon:
         self._values = itertools.count(1)
         self.gate: tuple[int, threading.Event, threading.Event] | None = None  # (buf, arrived, go)
         self.answer: Callable[[proto.Message], Packets | None] | None = None
+        self.max_message = proto.MAX_MESSAGE_BYTES
         # Close a connection once its client hung up (a test that connects thousands of
         # times); else it stays open, for a test to see the client's side go
         self.close_when_done = False
@@ -58,6 +61,11 @@ class RecordingDaemon:
                 return
             if not data:
                 return
+            if len(data) > self.max_message:
+                refusal = f"packet of {len(data)} bytes is over the {self.max_message}-byte limit"
+                conn.send(proto.encode(proto.Error(0, proto.ErrorCode.BAD_MESSAGE, refusal)))
+                conn.shutdown(socket.SHUT_RDWR)
+                return
             fds = [fd for lvl, kind, raw in anc if kind == socket.SCM_RIGHTS
                    for fd in struct.unpack(f"{len(raw) // 4}i", raw)]
             for fd in fds:
@@ -84,7 +92,7 @@ class RecordingDaemon:
                 continue
             if isinstance(msg, proto.Hello):
                 reply: object = proto.Welcome(msg.id, proto.PROTOCOL_VERSION, "fake", "host", n + 1,
-                                              proto.MAX_MESSAGE_BYTES)
+                                              self.max_message)
             elif isinstance(msg, proto.Forget):
                 continue
             else:

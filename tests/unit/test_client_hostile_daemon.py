@@ -21,7 +21,14 @@ import pytest
 
 import proto
 from client.daemon import DaemonBackend
-from client.errors import CommError, DaemonUnavailable, MisuseError, ProtocolError, WorldFailed
+from client.errors import (
+    CommError,
+    DaemonUnavailable,
+    LimitExceeded,
+    MisuseError,
+    ProtocolError,
+    WorldFailed,
+)
 from client.hostmem import HostMemory
 from tests.fault.test_packet_fuzz import mutate
 from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, wait_until, world_name
@@ -571,3 +578,72 @@ def test_a_refusal_with_an_unknown_code_or_a_long_message_fails_the_call_not_the
     assert (hellos, submits) == ([0], [0, 0])
     back_to_fds(before)
     buf.close()
+
+
+def test_a_request_over_the_daemons_announced_limit_is_refused_before_it_is_sent(
+        standin: tuple[RecordingDaemon, str]) -> None:
+    """A daemon's welcome says the longest packet it reads (max_message). Before: the client
+    sent whatever fit in its own 64 KiB, so a group of 400 calls (an 18 KiB Submit) reached
+    a daemon that reads 8 KiB, which refused it as a bad packet and closed: the call raised
+    ProtocolError ('packet of 18428 bytes is over the 8192-byte limit'), the connection was
+    dropped and the world read unhealthy. Now the call raises LimitExceeded naming both
+    sizes, nothing is sent, and a smaller group goes on the same connection."""
+    fake, path = standin
+    fake.max_message = 8192
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    buf.view(np.float32)[:] = np.arange(16)
+    before = open_fds()
+
+    def group(calls: int) -> None:
+        comm.group_start()
+        for _ in range(calls):
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        comm.group_end()
+
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        started = time.monotonic()
+        with pytest.raises(LimitExceeded, match=r"Submit is 1\d{4} bytes, over the daemon's 8192") as refused:
+            group(400)
+        assert refused.value.code is None  # the client's refusal, not the daemon's
+        assert time.monotonic() - started < 1
+        assert comm.is_healthy()
+        group(100)
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [(n, len(msg.ops)) for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0], [(0, 100)])  # the long one never went
+    assert buf.view(np.float32).tolist() == list(range(16))
+    back_to_fds(before)
+    buf.close()
+
+
+# Every request but a group's Submit fits in a packet of this many bytes: its largest is a
+# Forget of MAX_GROUP_OPS buffer ids, which the client must be able to send
+LONGEST_FORGET = len(proto.encode(proto.Forget((2**64 - 1,) * proto.MAX_GROUP_OPS)))
+
+
+@pytest.mark.parametrize("announced", [0, 1, LONGEST_FORGET - 1])
+def test_a_welcome_announcing_a_limit_too_small_for_the_clients_requests_is_refused(
+        standin: tuple[RecordingDaemon, str], announced: int) -> None:
+    """Before: a welcome announcing max_message 1, or one byte short of the longest Forget,
+    was taken (the constructor returned), though requests the client cannot do without
+    would not fit; 0, which the protocol does not allow, was already a bad packet. Now each
+    is a ProtocolError at connect naming max_message, and nothing is left open."""
+    fake, path = standin
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Hello):  # (raw: 0 is no valid Welcome)
+            welcome = {"t": "welcome", "id": msg.id, "version": proto.PROTOCOL_VERSION,
+                       "daemon_version": "fake", "engine": "host", "epoch": 1, "max_message": announced}
+            return [(bytes(msgpack.packb(welcome)), [])]
+        return None
+
+    fake.answer = answer
+    before = open_fds()
+    said = (r"max_message=0 must be a positive" if not announced else
+            rf"max_message {announced} bytes, below the {LONGEST_FORGET} its requests need")
+    with pytest.raises(ProtocolError, match=said):
+        DaemonBackend(path, "w", 0, 1, timeout=3, memory=HostMemory(), cuda_driver=lambda: None)
+    back_to_fds(before)
+    assert [type(msg) for _, msg in fake.seen] == [proto.Hello]
