@@ -497,12 +497,12 @@ def test_an_empty_packet_is_a_protocol_error_not_a_hang_up(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with DaemonBackend(path, "w", 0, 1, timeout=10, memory=memory, cuda_driver=lambda: None) as comm:
         started = time.monotonic()
         with pytest.raises(CommError, match=said) as failed:
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert type(failed.value) is error
-        assert time.monotonic() - started < 1  # not the call's timeout
+        assert time.monotonic() - started < 5  # not at the call's timeout (a loaded machine aside)
         assert not comm.is_healthy()
         comm.attempt_reconnect()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
