@@ -602,11 +602,9 @@ def test_a_request_over_the_daemons_announced_limit_is_refused_before_it_is_sent
         comm.group_end()
 
     with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
-        started = time.monotonic()
         with pytest.raises(LimitExceeded, match=r"Submit is 1\d{4} bytes, over the daemon's 8192") as refused:
             group(400)
         assert refused.value.code is None  # the client's refusal, not the daemon's
-        assert time.monotonic() - started < 1
         assert comm.is_healthy()
         group(100)
         assert comm.is_healthy()
