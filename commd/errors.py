@@ -12,12 +12,24 @@ from __future__ import annotations
 
 from proto import MAX_ERROR_TEXT, ErrorCode, clip_text
 
+from . import __version__
+
 MAX_TEXT = MAX_ERROR_TEXT - 96  # what the wire allows an error, less room for prefixes
 
 
 def clip(text: str) -> str:
     """A message that fits in an Error or Event, however long what it names."""
     return clip_text(text, MAX_TEXT)
+
+
+def from_peer(daemon: str, code: ErrorCode | str, message: str) -> tuple[ErrorCode, str]:
+    """A failure daemon `daemon` reported, as this one passes it on to its ranks: a code it does
+    not know (a newer daemon's) is told to them as a world failure, and the text keeps that
+    code and who sent it (a rank's Event and the statistics take ErrorCodes only)."""
+    if isinstance(code, ErrorCode):
+        return code, message
+    return ErrorCode.WORLD_FAILED, f"{message} (code {code!r} from daemon {daemon}, unknown to commd " \
+                                   f"{__version__})"
 
 
 def rank_list(ranks: list[int], shown: int = 16) -> str:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
 
-from .errors import CallError, NotListening, rank_list, seconds
+from .errors import CallError, NotListening, from_peer, rank_list, seconds
 from .peering import Backoff
 
 if TYPE_CHECKING:
@@ -214,11 +214,12 @@ class NetMembership:
             with contextlib.suppress(CallError):  # a root that is gone counts no votes
                 self.net.send("root", p.JoinWithdrawn(self._world.name, rank))
 
-    def refused(self, msg: p.JoinRefused) -> None:
-        """The root refused a vote (member only). One it refused as the rank's withdrawal
-        crossed the refusal is no longer the rank's vote: the rank may have voted again."""
+    def refused(self, msg: p.JoinRefused, root: str) -> None:
+        """The root (`root`, its daemon) refused a vote (member only). One it refused as the
+        rank's withdrawal crossed the refusal is no longer the rank's vote: the rank may have
+        voted again."""
         if self._sent.get(msg.rank) == msg.vote:
-            self._world.refuse(msg.rank, msg.code, msg.message)
+            self._world.refuse(msg.rank, *from_peer(root, msg.code, msg.message))
 
     def voting(self) -> bool:
         """Whether the root holds votes: a world with no rank here yet is not empty then."""

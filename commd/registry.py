@@ -19,7 +19,7 @@ from proto import peer as p
 from .cluster import Cluster, WorldNet
 from .engine.base import Engine
 from .engine.crosscheck import p2p_target, sender_rank
-from .errors import CallError
+from .errors import CallError, from_peer
 from .logs import Throttled
 from .membership import NetMembership
 from .peering import PeerLink
@@ -188,7 +188,7 @@ class Registry:
         world = self.worlds.get(msg.world)
         if world is not None and isinstance(world.membership, NetMembership) and world.net is not None \
                 and world.net.root is link:
-            world.membership.refused(msg)
+            world.membership.refused(msg, link.name)
 
     def _join_withdrawn(self, link: PeerLink, msg: p.JoinWithdrawn, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)
@@ -225,7 +225,7 @@ class Registry:
         if not self._in_world(world, link):
             return
         # The root passes a member's failure on to every member; a member only applies it.
-        world.fail(msg.code, msg.message, propagate=world.net.is_root)
+        world.fail(*from_peer(link.name, msg.code, msg.message), propagate=world.net.is_root)
 
     def _data(self, link: PeerLink, msg: p.Data, payload: bytes | bytearray) -> None:
         world = self.worlds.get(msg.world)

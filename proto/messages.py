@@ -63,6 +63,18 @@ def clip_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
     return text if len(text) <= limit else text[:limit - 20] + " ... (cut)"
 
 
+def error_code(code: ErrorCode | str) -> ErrorCode | str:
+    """An error's code as carried: the ErrorCode it names, or the string of one this side does
+    not know (a newer peer's), which must be 1..MAX_ERROR_CODE characters."""
+    if type(code) is str:
+        known = ErrorCode._value2member_map_.get(code)
+        if isinstance(known, ErrorCode):  # (as decoded: a message equals itself after a round trip)
+            return known
+        if not 0 < len(code) <= MAX_ERROR_CODE:
+            raise InvalidMessage(f"an error code is 1..{MAX_ERROR_CODE} characters")
+    return code
+
+
 @dataclass(frozen=True, slots=True)
 class Mem:
     """A place in an imported buffer: the buffer's id and a byte offset into it."""
@@ -463,12 +475,7 @@ class Error:
 
     def __post_init__(self) -> None:
         _u64("id", self.id)
-        if type(self.code) is str:
-            known = ErrorCode._value2member_map_.get(self.code)
-            if known is not None:  # (as decoded: an Error equals itself after a round trip)
-                object.__setattr__(self, "code", known)
-            elif not 0 < len(self.code) <= MAX_ERROR_CODE:
-                raise InvalidMessage(f"an error code is 1..{MAX_ERROR_CODE} characters")
+        object.__setattr__(self, "code", error_code(self.code))
         if len(self.message) > MAX_ERROR_TEXT:
             object.__setattr__(self, "message", clip_text(self.message))
 

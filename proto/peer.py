@@ -50,6 +50,7 @@ from .messages import (  # one definition of each rule for both protocols
     U64_MAX,
     _short_text,
     _u64,
+    error_code,
 )
 
 PEER_VERSION = 7  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
@@ -225,13 +226,14 @@ class JoinRefused:
 
     world: str
     rank: int
-    code: ErrorCode
+    code: ErrorCode | str  # (a string: one a newer daemon has, see WorldFailed)
     message: str
     vote: int = 0
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("rank", self.rank)
+        object.__setattr__(self, "code", error_code(self.code))
         _short_text("message", self.message, MAX_ERROR_TEXT)
         _u64("vote", self.vote)
 
@@ -271,14 +273,19 @@ class WorldReady:
 
 @dataclass(frozen=True, slots=True)
 class WorldFailed:
+    """A code this daemon does not know (a newer daemon's) stays its string, as in the Unix
+    protocol's Error: refused as a bad frame, it would cost the link and every world over it,
+    and the world would fail without the sender's word of why."""
+
     world: str
     epoch: int
-    code: ErrorCode
+    code: ErrorCode | str
     message: str
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("epoch", self.epoch)
+        object.__setattr__(self, "code", error_code(self.code))
         _short_text("message", self.message, MAX_ERROR_TEXT)
 
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -872,6 +873,16 @@ class RawPeer:
     def send(self, link: Any, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
         async def send() -> None:
             link.send(msg, payload)
+            await link.drain()
+
+        self._call(send())
+
+    def send_map(self, link: Any, raw: dict[str, Any]) -> None:
+        """A frame whose header is `raw` as it is, sealed as the link seals its frames: what a
+        daemon of another build may send, which no message of ours encodes to."""
+        async def send() -> None:
+            stream = link._stream  # (FrameStream.write takes messages of ours only)
+            stream._transport.writelines(stream._seal.seal(msgpack.packb(raw, use_bin_type=True), b""))
             await link.drain()
 
         self._call(send())

@@ -301,7 +301,22 @@ DECODED_INVALID: dict[str, bytes] = {
     "data call negative": _raw(DATA, call=-(1 << 63)),
     "refused reason long": _raw(PeerRefused("x"), reason="r" * 1025),
     "busy reason long": _raw(PeerBusy("x"), reason="r" * 1025),
+    "error code long": _raw(WorldFailed("w", 0, ErrorCode.TIMEOUT, ""),
+                            code="c" * (proto.MAX_ERROR_CODE + 1)),
+    "error code empty": _raw(JoinRefused("w", 0, ErrorCode.TIMEOUT, ""), code=""),
 }
+
+
+@pytest.mark.parametrize("msg", [WorldFailed("w", 3, ErrorCode.TIMEOUT, "late"),
+                                 JoinRefused("w", 1, ErrorCode.TIMEOUT, "late", 9)],
+                         ids=["failed", "refused"])
+def test_a_failure_keeps_an_error_code_it_does_not_know(msg: Any) -> None:
+    """As an `error`'s in the Unix protocol (WIRE.md §9): a newer daemon's code decodes, as its
+    string, where a bad frame would cost the link and every world over it."""
+    newer = decode_peer(_raw(msg, code="quota_exceeded"))
+    assert newer.code == "quota_exceeded" and newer.message == "late"  # type: ignore[union-attr]
+    assert decode_peer(encode_peer(newer)) == newer
+    assert decode_peer(_raw(msg, code="timeout")) == msg  # a code it knows is the member
 
 # maps that do not fit the schema at all
 DECODED_MALFORMED: dict[str, bytes] = {
@@ -319,7 +334,7 @@ DECODED_MALFORMED: dict[str, bytes] = {
     "seq is a string": _raw(HB, seq="1"),
     "nonce is a string": _raw(HELLO, nonce="x" * NONCE_BYTES),
     "daemon is bytes": _raw(HELLO, daemon=b"d"),
-    "unknown error code": _raw(WorldFailed("w", 0, ErrorCode.TIMEOUT, ""), code="nope"),
+    "error code not a string": _raw(WorldFailed("w", 0, ErrorCode.TIMEOUT, ""), code=5),
     "placement not a list": _raw(WorldReady("w", 0, ("a",)), placement="a"),
     "about holds a string": _raw(DATA, about=["x"]),
     "token is an int": _raw(JOIN, token=5),

@@ -1,0 +1,124 @@
+"""Daemons of two builds in one cluster (a rolling upgrade): what one says that the other does
+not know, over real links to real daemons (the other build is a raw peer that sends hand-made
+frames after a real handshake, or a daemon process whose peer protocol is set another)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import proto
+from commd.launch import DaemonProcess
+from commd.status import query_status
+from proto import ErrorCode
+from proto import peer as p
+from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
+from tests.integration.rawclient import RawClient
+from tests.integration.test_multi_daemon import SECRET
+from tests.integration.test_multi_daemon_faults import FAST, RawPeer
+
+pytestmark = pytest.mark.timeout(60)
+NEWER_CODE = "quota_exceeded"  # an error code this build does not have
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    """One daemon of this build, B, that declares a silent peer lost after 1 s."""
+    tmp = short_tmpdir()
+    proc = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST])
+    try:
+        yield proc.start()
+    finally:
+        if proc.proc is not None and proc.proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def hello(client: RawClient, world: str, rank: int, bootstrap: str) -> None:
+    client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 8000,
+                            bootstrap=bootstrap))
+
+
+def quiet(client: RawClient) -> bool:
+    """Nothing comes to `client` for a while (no failure, no refusal)."""
+    client.sock.settimeout(0.3)
+    try:
+        client.recv()
+    except TimeoutError:
+        return True
+    return False
+
+
+def test_a_root_s_failure_or_refusal_with_a_code_this_daemon_lacks_fails_that_world_alone(
+        daemon: DaemonProcess) -> None:
+    """The root R, of a newer build, fails one world and refuses a vote for another, each with
+    an error code B does not know. Each must fail as R says, R's text and code told to the
+    rank, and the third world over the same link must run on (before: B took either frame for
+    a bad one and dropped the link: every world over it failed with "daemon R was lost: bad
+    frame: 'quota_exceeded' is not a ErrorCode", R's text lost)."""
+    root = RawPeer("R")
+    failing, refused, steady = worlds = [world_name() for _ in range(3)]
+    clients = [RawClient(str(daemon.socket_path), 10) for _ in worlds]
+    try:
+        address = root.listen()
+        for client, world in zip(clients, worlds, strict=True):
+            hello(client, world, 1, address)
+        wait_until(lambda: all(root.got(p.JoinWorld, world=w) for w in worlds), timeout=10)
+        (link,) = root.accepted
+        for world in (failing, steady):
+            root.send(link, p.WorldReady(world, 1, ("R", "B")))
+        assert isinstance(clients[0].recv(), proto.Welcome) and isinstance(clients[2].recv(), proto.Welcome)
+        (vote,) = [m.vote for _, m in root.received if isinstance(m, p.JoinWorld) and m.world == refused]
+        root.send_map(link, {"t": "world_failed", "world": failing, "epoch": 1, "code": NEWER_CODE,
+                             "message": f"world {failing}: R's quota is spent"})
+        root.send_map(link, {"t": "join_refused", "world": refused, "rank": 1, "code": NEWER_CODE,
+                             "message": f"world {refused}: R takes no more worlds", "vote": vote})
+        event = clients[0].recv()
+        assert isinstance(event, proto.Event) and event.kind is proto.EventKind.WORLD_FAILED, event
+        assert event.code is ErrorCode.WORLD_FAILED and event.epoch == 1
+        assert event.message.startswith(f"world {failing}: R's quota is spent (code '{NEWER_CODE}' "
+                                        "from daemon R, unknown to commd"), event.message
+        error = clients[1].error()
+        assert error.code is ErrorCode.WORLD_FAILED
+        assert error.message.startswith(f"world {refused}: R takes no more worlds (code '{NEWER_CODE}' "
+                                        "from daemon R"), error.message
+        # the link, and the world beside them over it, live on
+        assert quiet(clients[2]) and (world_status(daemon, steady) or {}).get("state") == "ready"
+        assert query_status(str(daemon.socket_path), 5)["peers"]["links"] == ["R"] and not root.lost
+    finally:
+        for client in clients:
+            client.close()
+        root.close()
+
+
+def test_a_member_s_failure_with_a_code_the_root_lacks_fails_the_world_with_its_text(
+        daemon: DaemonProcess) -> None:
+    """A member X of a newer build fails a world rooted on B with an error code B does not
+    know: B's rank must hear X's text, and B's link to X stay (before: the link was dropped,
+    and the world failed with "daemon X was lost: bad frame: ...")."""
+    member = RawPeer("X")
+    world = world_name()
+    rank0 = RawClient(str(daemon.socket_path), 10)
+    try:
+        hello(rank0, world, 0, daemon.peer_address())
+        link = member.dial(daemon)
+        member.send(link, p.JoinWorld(world, 2, 1, 0, 8000, vote=1))
+        assert isinstance(rank0.recv(), proto.Welcome)
+        wait_until(lambda: member.got(p.WorldReady, world=world), timeout=5)
+        member.send_map(link, {"t": "world_failed", "world": world, "epoch": 1, "code": NEWER_CODE,
+                               "message": f"world {world}: X's quota is spent"})
+        event = rank0.recv()
+        assert isinstance(event, proto.Event) and event.code is ErrorCode.WORLD_FAILED, event
+        assert event.message.startswith(f"world {world}: X's quota is spent (code '{NEWER_CODE}' from "
+                                        "daemon X"), event.message
+        assert query_status(str(daemon.socket_path), 5)["peers"]["links"] == ["X"] and not member.lost
+    finally:
+        rank0.close()
+        member.close()
