@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import proto
 from proto import peer as p
 
+from . import __version__
 from .frames import FrameStream
 from .logs import Throttled
 
@@ -414,8 +415,11 @@ class PeerNode:
                                        "needs a peer_name of its own"))
             raise PeerRefusedError(f"a daemon named {hello.daemon!r}, as this one is")
         if hello.version != p.PEER_VERSION:
-            stream.write(p.PeerRefused(f"peer protocol {hello.version} is not {p.PEER_VERSION}"))
-            raise PeerRefusedError(f"version {hello.version}")
+            reason = (f"peer protocol {hello.version} (daemon {hello.daemon}) is not {p.PEER_VERSION} "
+                      f"(daemon {self.settings.name}, commd {__version__}): daemons link at one peer "
+                      "protocol only")
+            stream.write(p.PeerRefused(reason))
+            raise PeerRefusedError(reason)
         if not hello.incarnation:  # (optional only so that an older version's hello decodes)
             stream.write(p.PeerRefused("a hello names its incarnation"))
             raise PeerRefusedError("a hello without an incarnation")

@@ -447,6 +447,11 @@ def decode_peer(data: bytes) -> p.PeerMessage:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
         if type(raw) is not dict:
             raise DecodeError("a message is a msgpack map")
+        if raw.get("t") == "peer_hello" and raw.get("version") != p.PEER_VERSION:
+            # Another version's hello (a newer build's may have fields this one lacks) must still
+            # decode, so that the listener refuses it by its version in words: one it cannot read
+            # it drops without a word, which the dialer takes for a listener too busy to answer.
+            raw = {key: value for key, value in raw.items() if key in _ALLOWED[p.PeerHello]}
         return typing.cast(p.PeerMessage, _from_map(raw, _PEER_TAGS))
     except ProtoError:
         raise

@@ -7,12 +7,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import proto
+from client import DaemonBackend, PeerLost
+from commd import __version__
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
@@ -24,6 +28,26 @@ from tests.integration.test_multi_daemon_faults import FAST, RawPeer
 
 pytestmark = pytest.mark.timeout(60)
 NEWER_CODE = "quota_exceeded"  # an error code this build does not have
+# `commd serve` as a newer build: the next peer protocol, whose hello has a field this one lacks
+# (the command execs the daemon's, given as its last arguments: DaemonProcess's `under`)
+NEWER_BUILD = [sys.executable, "-c", """
+import runpy, sys
+import msgpack
+from proto import codec, peer
+
+peer.PEER_VERSION += 1
+encode_peer = codec.encode_peer
+
+def newer(msg):
+    header = encode_peer(msg)
+    if isinstance(msg, peer.PeerHello):
+        header = msgpack.packb({**msgpack.unpackb(header), "features": ["compression"]})
+    return header
+
+codec.encode_peer = newer
+sys.argv = ["commd", *sys.argv[4:]]
+runpy.run_module("commd", run_name="__main__", alter_sys=True)
+"""]
 
 
 @pytest.fixture
@@ -122,3 +146,38 @@ def test_a_member_s_failure_with_a_code_the_root_lacks_fails_the_world_with_its_
     finally:
         rank0.close()
         member.close()
+
+
+@pytest.mark.parametrize("newer_is", ["member", "root"])
+def test_a_daemon_of_another_peer_protocol_is_refused_at_once_naming_both(
+        daemon: DaemonProcess, newer_is: str) -> None:
+    """A daemon N of a newer build (the next peer protocol, its hello with a field this build
+    lacks) and B, of this one, in one world. The one that dials is refused at once, in words
+    that name both daemons and protocols, and B serves its other worlds (before, with N dialing:
+    B could not read N's hello and closed without a word, which N took for a listener too busy
+    to answer; it dialed 7 times over its handshake window, and the rank got PeerLost "the
+    listener closed the connection before the handshake (closed by the peer): too many
+    handshakes under way? (dialed 7 times in 1s)", B logging each as "peer_hello: unknown
+    field 'features'")."""
+    tmp = short_tmpdir()
+    newer = DaemonProcess(Path(tmp) / "N" / "commd.sock", env=SECRET, under=NEWER_BUILD, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", "N", *FAST])
+    try:
+        newer.start()
+        root, member = (daemon, newer) if newer_is == "member" else (newer, daemon)
+        started = time.monotonic()
+        with pytest.raises(PeerLost) as refused:
+            DaemonBackend(str(member.socket_path), world_name(), 1, 2, timeout=5,
+                          bootstrap=root.peer_address())
+        assert time.monotonic() - started < 0.9  # (not dialing again for the 1 s handshake window)
+        ours, theirs = (p.PEER_VERSION, "B"), (p.PEER_VERSION + 1, "N")
+        dialer, listener = (theirs, ours) if newer_is == "member" else (ours, theirs)
+        assert (f"cannot reach the daemon at {root.peer_address()}: peer protocol {dialer[0]} (daemon "
+                f"{dialer[1]}) is not {listener[0]} (daemon {listener[1]}, commd {__version__}): daemons "
+                "link at one peer protocol only") in str(refused.value)
+        assert query_status(str(root.socket_path), 5)["peers"]["refused_handshakes"] == 1
+        with RawClient(str(daemon.socket_path), 10) as alone:  # B serves on
+            assert isinstance(alone.join(world_name()), proto.Welcome)
+    finally:
+        newer.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

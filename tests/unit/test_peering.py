@@ -404,12 +404,15 @@ async def test_listener_checks_the_dialers_proof() -> None:
         assert a.accepted.empty()
 
 
+OTHER = f"(daemon future) is not {p.PEER_VERSION} (daemon daemon-a"  # (what a refusal by version says)
+
+
 @pytest.mark.parametrize("version,with_incarnation,reason", [
-    (p.PEER_VERSION + 1, True, str(p.PEER_VERSION + 1)),  # another protocol
-    (2, True, f"2 is not {p.PEER_VERSION}"),  # unsigned frames: it would link, then fail every frame
-    (3, True, f"3 is not {p.PEER_VERSION}"),  # no credits: a long stream to it would wait for ever
-    (4, True, f"4 is not {p.PEER_VERSION}"),  # HMAC'd frames: it would link, then fail every frame
-    (5, True, f"5 is not {p.PEER_VERSION}"),  # heartbeats without quiet_ms: it would fail ours
+    (p.PEER_VERSION + 1, True, f"{p.PEER_VERSION + 1} {OTHER}"),  # another protocol
+    (2, True, f"2 {OTHER}"),  # unsigned frames: it would link, then fail every frame
+    (3, True, f"3 {OTHER}"),  # no credits: a long stream to it would wait for ever
+    (4, True, f"4 {OTHER}"),  # HMAC'd frames: it would link, then fail every frame
+    (5, True, f"5 {OTHER}"),  # heartbeats without quiet_ms: it would fail ours
     (p.PEER_VERSION, False, "incarnation"),  # this protocol's hello names its process
 ], ids=["newer", "unsigned", "no-credits", "hmac", "no-quiet", "no-incarnation"])
 async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarnation: bool,

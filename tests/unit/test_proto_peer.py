@@ -307,6 +307,15 @@ DECODED_INVALID: dict[str, bytes] = {
 }
 
 
+def test_a_hello_of_another_version_decodes_with_fields_this_one_lacks() -> None:
+    """So that the listener refuses it by its version in words (WIRE.md §9): one it cannot read
+    it drops without a word, which the dialer takes for a listener too busy to answer."""
+    newer = PeerHello(p.PEER_VERSION + 1, "newer", N1, INC)
+    assert decode_peer(_raw(newer, features=["compression"])) == newer
+    with pytest.raises(DecodeError, match="unknown field 'features'"):  # (at this version, a bad hello)
+        decode_peer(_raw(PeerHello(p.PEER_VERSION, "same", N1, INC), features=["compression"]))
+
+
 @pytest.mark.parametrize("msg", [WorldFailed("w", 3, ErrorCode.TIMEOUT, "late"),
                                  JoinRefused("w", 1, ErrorCode.TIMEOUT, "late", 9)],
                          ids=["failed", "refused"])
