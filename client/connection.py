@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import proto
 
-from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, ProtocolError, from_code
+from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, ProtocolError, from_event
 from .groups import Basis
 from .health import Health
 from .rpc import Answer, Superseded, built, checked
@@ -241,7 +241,7 @@ class Connection:
     def _on_event(self, event: proto.Event, transport: Transport) -> None:
         # (one from a connection a rejoin has replaced, a SHUTDOWN's say, whose epoch 0 would
         # read as the rebuilt world's, is not about this rank's world any more)
-        self.mark_unhealthy(from_code(event.code, event.message), event.epoch, transport)
+        self.mark_unhealthy(from_event(event.kind, event.code, event.message), event.epoch, transport)
 
     def forget_now(self, owe_again: Callable[[list[int]], None]) -> None:
         """Send the Forgets owed now if the connection takes them at once; else (another send

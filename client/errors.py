@@ -20,7 +20,7 @@ string when this client does not know it (a newer daemon's; then the error is a 
 
 from __future__ import annotations
 
-from proto import ErrorCode
+from proto import ErrorCode, EventKind
 
 
 class CommError(Exception):
@@ -103,11 +103,31 @@ _BY_CODE: dict[ErrorCode, type[CommError]] = {
 }
 
 
+# What an event says happened, whatever its code: the class of one whose code this client
+# does not know, and the words that say so
+_BY_KIND: dict[EventKind, tuple[type[CommError], str]] = {
+    EventKind.WORLD_FAILED: (WorldFailed, "the world failed"),
+    EventKind.SHUTDOWN: (DaemonShutdown, "the daemon is shutting down"),
+}
+
+
+def _unknown(error: type[CommError], what: str, code: str, message: str) -> CommError:
+    return error(f"{what} with error code {code!r}, which this client does not know: {message}", code)
+
+
 def from_code(code: ErrorCode | str, message: str) -> CommError:
     """The exception for an error the daemon sent."""
     if isinstance(code, str):  # none of this client's classes can claim to know what it means
-        return CommError(f"the daemon refused the request with error code {code!r}, which this "
-                         f"client does not know: {message}", code)
+        return _unknown(CommError, "the daemon refused the request", code, message)
+    return _BY_CODE[code](message, code)
+
+
+def from_event(kind: EventKind, code: ErrorCode | str, message: str) -> CommError:
+    """What an event the daemon pushed tells: a code this client does not know (a newer
+    daemon's) takes the class its kind implies (the world failed all the same)."""
+    if isinstance(code, str):
+        error, what = _BY_KIND[kind]
+        return _unknown(error, what, code, message)
     return _BY_CODE[code](message, code)
 
 

@@ -30,6 +30,7 @@ from .errors import (
     ProtocolError,
     detached,
     from_code,
+    from_event,
 )
 from .sockets import close_fds, connect_within, take_fds, timeval
 
@@ -393,7 +394,7 @@ class Transport:
         if isinstance(msg, proto.Event):
             self._on_event(msg, self)
             if msg.kind is proto.EventKind.SHUTDOWN:  # (the daemon closes on us next)
-                raise self._break(from_code(msg.code, msg.message))
+                raise self._break(from_event(msg.kind, msg.code, msg.message))
             return False
         if not reply_id:  # an Error with id 0: the daemon is dropping us
             assert isinstance(msg, proto.Error)

@@ -9,7 +9,9 @@ world to do) travel inside a `Submit`; one op is a plain call, several are a
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -65,14 +67,20 @@ def clip_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 
 def error_code(code: ErrorCode | str) -> ErrorCode | str:
     """An error's code as carried: the ErrorCode it names, or the string of one this side does
-    not know (a newer peer's), which must be 1..MAX_ERROR_CODE characters."""
-    if type(code) is str:
-        known = ErrorCode._value2member_map_.get(code)
-        if isinstance(known, ErrorCode):  # (as decoded: a message equals itself after a round trip)
+    not know (a newer peer's)."""
+    return typing.cast("ErrorCode | str", member_or_name(code, ErrorCode, "an error code"))
+
+
+def member_or_name(value: Any, members: type[enum.Enum], what: str) -> Any:
+    """The member a string names (as decoded: a message equals itself after a round trip), or
+    the string itself when it names none (a newer peer's), if 1..MAX_ERROR_CODE characters."""
+    if type(value) is str:
+        known = members._value2member_map_.get(value)
+        if known is not None:
             return known
-        if not 0 < len(code) <= MAX_ERROR_CODE:
-            raise InvalidMessage(f"an error code is 1..{MAX_ERROR_CODE} characters")
-    return code
+        if not 0 < len(value) <= MAX_ERROR_CODE:
+            raise InvalidMessage(f"{what} is 1..{MAX_ERROR_CODE} characters")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,13 +490,19 @@ class Error:
 
 @dataclass(frozen=True, slots=True)
 class Event:
+    """A notice the daemon pushes. Its code, like an Error's, may be a string that names no
+    ErrorCode (a newer daemon's), and a longer message is clipped: refused as a bad packet,
+    either would cost the connection, and with it the world (WIRE.md §7)."""
+
     kind: EventKind
-    code: ErrorCode
+    code: ErrorCode | str
     message: str
     epoch: int = 0
 
     def __post_init__(self) -> None:
-        _short_text("message", self.message, MAX_ERROR_TEXT)
+        object.__setattr__(self, "code", error_code(self.code))
+        if len(self.message) > MAX_ERROR_TEXT:
+            object.__setattr__(self, "message", clip_text(self.message))
         _u64("epoch", self.epoch)
 
 

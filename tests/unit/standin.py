@@ -105,5 +105,13 @@ class RecordingDaemon:
     def drop(self) -> None:
         self.conns[-1].shutdown(socket.SHUT_RDWR)
 
+    def last_word(self, packet: bytes) -> None:
+        """Send `packet` on the current connection, then shut it, as the daemon closes with
+        its last word. (Not send, then drop(): a client that reads the packet may connect
+        anew before drop() runs, which would shut the new connection.)"""
+        conn = self.conns[-1]
+        conn.send(packet)
+        conn.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self._listener.close()

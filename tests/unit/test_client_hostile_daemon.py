@@ -23,9 +23,11 @@ import proto
 from client.daemon import DaemonBackend
 from client.errors import (
     CommError,
+    DaemonShutdown,
     DaemonUnavailable,
     LimitExceeded,
     MisuseError,
+    PeerLost,
     ProtocolError,
     WorldFailed,
 )
@@ -645,3 +647,120 @@ def test_a_welcome_announcing_a_limit_too_small_for_the_clients_requests_is_refu
         DaemonBackend(path, "w", 0, 1, timeout=3, memory=HostMemory(), cuda_driver=lambda: None)
     back_to_fds(before)
     assert [type(msg) for _, msg in fake.seen] == [proto.Hello]
+
+
+def raw_event(kind: str, code: str, message: str, epoch: int) -> bytes:
+    """An Event as a newer daemon may send it: a kind or code this client's proto did not
+    know, or a message over the wire's 4096 characters."""
+    event = {"t": "event", "kind": kind, "code": code, "message": message, "epoch": epoch}
+    return bytes(msgpack.packb(event, use_bin_type=True))
+
+
+def told_ahead_of(told: list[int], ahead_of: type, event: bytes) -> Callable[[proto.Message], Packets | None]:
+    """A stand-in's answer: `event` just before the true answer to the first `ahead_of`
+    (the Hello: the event comes before the welcome, as a world failing at once does)."""
+    def answer(msg: proto.Message) -> Packets | None:
+        if not isinstance(msg, ahead_of) or told:
+            return None
+        told.append(msg.id)
+        return [(event, []), (proto.encode(true_reply(msg)[0]), [])]
+
+    return answer
+
+
+AHEAD_OF = pytest.mark.parametrize("ahead_of", [proto.Hello, proto.Submit],
+                                   ids=["before the welcome", "before a reply"])
+FAILURES: dict[str, tuple[str, str, type[CommError], object, str]] = {
+    # (code, message sent; the error the next call raises, its .code, what its message starts with)
+    "a code this client does not know": (
+        "quota_exceeded", "world w used its 2 GiB", WorldFailed, "quota_exceeded",
+        "world w is not healthy: the world failed with error code 'quota_exceeded', which this "
+        "client does not know: world w used its 2 GiB"),
+    "a message over 4096 characters": (
+        "peer_lost", LONG, PeerLost, proto.ErrorCode.PEER_LOST, "world w is not healthy: " + LONG[:4000]),
+}
+
+
+@AHEAD_OF
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_a_world_failed_event_with_an_unknown_code_or_a_long_message_still_fails_the_world(
+        standin: tuple[RecordingDaemon, str], case: str, ahead_of: type) -> None:
+    """WIRE.md §7. Before: a world_failed event with a code this client does not know (a
+    newer daemon's), or with a message over 4096 characters, was taken for a bad packet:
+    the constructor or the call it came during raised ProtocolError ('bad packet from the
+    daemon: 'quota_exceeded' is not a ErrorCode', '... message is longer than 4096
+    characters') and the connection was dropped, which fails the world for every rank. Now
+    the kind says what happened: the world failed, as the event's epoch; the next call
+    raises WorldFailed carrying the code's string (a known code: its own class), the text
+    clipped; attempt_reconnect rebuilds on the same connection."""
+    fake, path = standin
+    code, message, error, carried, starts = FAILURES[case]
+    told: list[int] = []
+    fake.answer = told_ahead_of(told, ahead_of, raw_event("world_failed", code, message, 1))
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    buf.view(np.float32)[:] = np.arange(16)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        if ahead_of is proto.Submit:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")  # the daemon answered it, after the event
+        assert told and not comm.is_healthy()
+        with pytest.raises(CommError) as failed:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        said = str(failed.value)
+        assert (type(failed.value), failed.value.code) == (error, carried), said[:300]
+        assert said.startswith(starts), said[:300]
+        if len(message) > proto.MAX_ERROR_TEXT:
+            assert said.endswith(" ... (cut); call attempt_reconnect") and len(said) < len(starts) + 150, \
+                said[-300:]
+        comm.attempt_reconnect()
+        assert comm.is_healthy()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [(n, msg.epoch) for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert hellos == [0]  # one connection throughout
+    # (after the failure, none made for the failed epoch)
+    assert submits == ([(0, 1)] if ahead_of is proto.Submit else []) + [(0, 2)]
+    assert buf.view(np.float32).tolist() == list(range(16))
+    back_to_fds(before)
+    buf.close()
+
+
+def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
+        standin: tuple[RecordingDaemon, str]) -> None:
+    """Before: a shutdown event with a code this client does not know was a bad packet
+    (ProtocolError "'draining' is not a ErrorCode"), which says nothing of the daemon
+    stopping. Now the call it came during raises DaemonShutdown carrying the code's string
+    and the daemon's text, and attempt_reconnect rejoins once the daemon is back."""
+    fake, path = standin
+    told: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Submit) and not told:
+            told.append(msg.id)
+            fake.last_word(raw_event("shutdown", "draining", "the node is draining", 0))
+            return []
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        started = time.monotonic()
+        with pytest.raises(CommError) as failed:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        said = str(failed.value)
+        assert (type(failed.value), failed.value.code) == (DaemonShutdown, "draining"), said
+        assert said == ("world w is not healthy: the daemon is shutting down with error code 'draining', "
+                        "which this client does not know: the node is draining; call attempt_reconnect")
+        assert time.monotonic() - started < 1  # not the call's timeout
+        assert not comm.is_healthy()
+        comm.attempt_reconnect()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0, 1], [0, 1])
+    back_to_fds(before)
+    buf.close()

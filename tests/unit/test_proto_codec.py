@@ -608,6 +608,22 @@ def test_an_error_keeps_a_code_it_does_not_know_and_clips_a_long_message() -> No
     assert decode(pack(raw | {"code": edge, "message": "x" * 4096})) == Error(3, edge, "x" * 4096)
 
 
+def test_an_event_keeps_a_code_it_does_not_know_and_clips_a_long_message() -> None:
+    """WIRE.md §7, as for an error: what the event says happened must not be lost to a bad
+    packet (which costs the connection, and with it the world)."""
+    raw = {"t": "event", "kind": "world_failed", "code": "quota_exceeded", "message": "over", "epoch": 3}
+    newer = decode(pack(raw))
+    assert newer == Event(EventKind.WORLD_FAILED, "quota_exceeded", "over", 3)
+    assert newer.code == "quota_exceeded" and unpack(encode(newer)) == raw
+    assert Event(EventKind.SHUTDOWN, "shutdown", "m") == Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "m")
+    long = decode(pack(raw | {"code": "peer_lost", "message": "y" * 4000 + "z" * 60_000}))
+    assert long.code is ErrorCode.PEER_LOST and long.epoch == 3
+    assert long.message == "y" * 4000 + "z" * 76 + " ... (cut)" and roundtrip(long) == long
+    edge = "c" * proto.MAX_ERROR_CODE
+    assert decode(pack(raw | {"code": edge, "message": "x" * 4096})) == Event(
+        EventKind.WORLD_FAILED, edge, "x" * 4096, 3)
+
+
 @pytest.mark.parametrize("value", [[], [1, 2], 0, -1, None, True, "submit", b"\x81", 1.5])
 def test_non_map_top_level(value: Any) -> None:
     err = raises_exactly(DecodeError, lambda: decode(pack(value)))
@@ -659,6 +675,8 @@ INVALID_RAW: list[dict[str, Any]] = [
     {"t": "error", "id": 1, "code": "", "message": ""},
     {"t": "error", "id": 1, "code": "c" * (proto.MAX_ERROR_CODE + 1), "message": ""},
     {"t": "event", "kind": "shutdown", "code": "shutdown", "message": "", "epoch": -1},
+    {"t": "event", "kind": "shutdown", "code": "", "message": ""},
+    {"t": "event", "kind": "shutdown", "code": "c" * (proto.MAX_ERROR_CODE + 1), "message": ""},
     {"t": "forget", "bufs": []},
     {"t": "forget", "bufs": [0]},
     {"t": "forget", "bufs": list(range(1, proto.MAX_GROUP_OPS + 2))},
@@ -738,7 +756,8 @@ def test_hello_boundaries_are_valid() -> None:
     lambda: Ok(0),
     lambda: Ok(1, nfds=-1),
     lambda: Error(U64_MAX + 1, ErrorCode.INTERNAL, ""),
-    lambda: Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "x" * 4097),
+    lambda: Event(EventKind.SHUTDOWN, "", ""),
+    lambda: Event(EventKind.SHUTDOWN, "c" * (proto.MAX_ERROR_CODE + 1), ""),
     lambda: Import(1, 1, MemKind.HOST, 0),
     lambda: Hello(1, 1, 1, "w", 1, 1, 1),
     lambda: StatusReport(0, {}),
