@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,8 @@ from .transport import Abandon, Transport, Undo
 # it. The longest is a Forget of MAX_GROUP_OPS buffer ids: Forgets go ahead of the next
 # request (_send_releases), so one refused for its size would fail every request after it
 LEAST_MAX_MESSAGE = len(proto.encode(proto.Forget((2**64 - 1,) * proto.MAX_GROUP_OPS)))
+
+log = logging.getLogger(__name__)
 
 
 def check_past(epoch: int, left: int, what: str) -> None:
@@ -239,6 +242,14 @@ class Connection:
         self.inherited = self.closed = True
 
     def _on_event(self, event: proto.Event, transport: Transport) -> None:
+        if isinstance(event.kind, str):
+            # A newer daemon's notice, which it may send only if a client can do without it
+            # (WIRE.md §7): what ends a world or a connection also reaches this client as
+            # the next call's error, or as the end of the connection
+            log.debug("ignored an event of kind %r (code %r), which this client does not know: %s",
+                      event.kind, event.code if isinstance(event.code, str) else event.code.value,
+                      event.message)
+            return
         # (one from a connection a rejoin has replaced, a SHUTDOWN's say, whose epoch 0 would
         # read as the rebuilt world's, is not about this rank's world any more)
         self.mark_unhealthy(from_event(event.kind, event.code, event.message), event.epoch, transport)

@@ -490,16 +490,18 @@ class Error:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A notice the daemon pushes. Its code, like an Error's, may be a string that names no
-    ErrorCode (a newer daemon's), and a longer message is clipped: refused as a bad packet,
-    either would cost the connection, and with it the world (WIRE.md §7)."""
+    """A notice the daemon pushes. Its kind and its code, like an Error's code, may be a
+    string that names no member (a newer daemon's), and a longer message is clipped:
+    refused as a bad packet, any of them would cost the connection, and with it the world
+    (WIRE.md §7)."""
 
-    kind: EventKind
+    kind: EventKind | str
     code: ErrorCode | str
     message: str
     epoch: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", member_or_name(self.kind, EventKind, "an event kind"))
         object.__setattr__(self, "code", error_code(self.code))
         if len(self.message) > MAX_ERROR_TEXT:
             object.__setattr__(self, "message", clip_text(self.message))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import json
+import logging
 import os
 import random
 import subprocess
@@ -762,5 +763,46 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
     hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
     submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert (hellos, submits) == ([0, 1], [0, 1])
+    back_to_fds(before)
+    buf.close()
+
+
+NOTICES: dict[str, tuple[str, str]] = {  # an event kind this client does not know: (code, message)
+    "a known code": ("limit", "world w used 90% of its 2 GiB"),
+    "an unknown code": ("quota_exceeded", "world w used 90% of its 2 GiB"),
+    "a message over 4096 characters": ("quota_exceeded", LONG),
+}
+
+
+@AHEAD_OF
+@pytest.mark.parametrize("case", list(NOTICES))
+def test_an_event_of_a_kind_this_client_does_not_know_is_ignored(
+        standin: tuple[RecordingDaemon, str], case: str, ahead_of: type,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """WIRE.md §7: a daemon adds an event kind without a new version only for a notice a
+    client may do without. Before: an event of a kind this client does not know was a bad
+    packet: the constructor or the call raised ProtocolError ("'quota_warning' is not a
+    EventKind"), and the connection was dropped, which fails the world for every rank.
+    Now it is ignored (logged at debug level): the calls go on, on the same connection,
+    and the world stays healthy."""
+    fake, path = standin
+    code, message = NOTICES[case]
+    told: list[int] = []
+    fake.answer = told_ahead_of(told, ahead_of, raw_event("quota_warning", code, message, 1))
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    with (caplog.at_level(logging.DEBUG, logger="client"),
+          DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm):
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert told and comm.is_healthy()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [(n, msg.epoch) for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0], [(0, 1), (0, 1)])
+    (logged,) = [r.getMessage() for r in caplog.records if "quota_warning" in r.getMessage()]
+    assert logged.startswith(f"ignored an event of kind 'quota_warning' (code {code!r}), which this "
+                             f"client does not know: {message[:100]}"), logged[:300]
     back_to_fds(before)
     buf.close()

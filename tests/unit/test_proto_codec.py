@@ -513,7 +513,8 @@ WRONG_TYPES: list[tuple[Any, str, Any]] = [
     (Error(1, ErrorCode.MISUSE, "m"), "code", 7),  # (a string it lacks is a newer peer's code)
     (Error(1, ErrorCode.MISUSE, "m"), "code", b"misuse"),
     (Error(1, ErrorCode.MISUSE, "m"), "message", b"m"),
-    (Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "m"), "kind", "world-failed"),
+    (Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "m"), "kind", 1),  # (a string it lacks is a newer kind)
+    (Event(EventKind.SHUTDOWN, ErrorCode.SHUTDOWN, "m"), "kind", b"shutdown"),
     (StatusReport(1, {}), "info", [1]),
     (StatusReport(1, {}), "info", None),
     (Submit(1, (Barrier(),)), "ops", {"t": "barrier"}),
@@ -624,6 +625,17 @@ def test_an_event_keeps_a_code_it_does_not_know_and_clips_a_long_message() -> No
         EventKind.WORLD_FAILED, edge, "x" * 4096, 3)
 
 
+def test_an_event_of_a_kind_it_does_not_know_keeps_the_kind_as_its_string() -> None:
+    """WIRE.md §7: a newer daemon's kind of notice is the client's to ignore, not a bad packet."""
+    raw = {"t": "event", "kind": "quota_warning", "code": "quota_exceeded", "message": "m", "epoch": 0}
+    newer = decode(pack(raw))
+    assert newer == Event("quota_warning", "quota_exceeded", "m") and newer.kind == "quota_warning"
+    assert unpack(encode(newer)) == raw
+    assert Event("world_failed", ErrorCode.PEER_LOST, "m").kind is EventKind.WORLD_FAILED
+    edge = "k" * proto.MAX_ERROR_CODE
+    assert decode(pack(raw | {"kind": edge})).kind == edge
+
+
 @pytest.mark.parametrize("value", [[], [1, 2], 0, -1, None, True, "submit", b"\x81", 1.5])
 def test_non_map_top_level(value: Any) -> None:
     err = raises_exactly(DecodeError, lambda: decode(pack(value)))
@@ -676,6 +688,8 @@ INVALID_RAW: list[dict[str, Any]] = [
     {"t": "error", "id": 1, "code": "c" * (proto.MAX_ERROR_CODE + 1), "message": ""},
     {"t": "event", "kind": "shutdown", "code": "shutdown", "message": "", "epoch": -1},
     {"t": "event", "kind": "shutdown", "code": "", "message": ""},
+    {"t": "event", "kind": "", "code": "shutdown", "message": ""},
+    {"t": "event", "kind": "k" * (proto.MAX_ERROR_CODE + 1), "code": "shutdown", "message": ""},
     {"t": "event", "kind": "shutdown", "code": "c" * (proto.MAX_ERROR_CODE + 1), "message": ""},
     {"t": "forget", "bufs": []},
     {"t": "forget", "bufs": [0]},
@@ -757,6 +771,7 @@ def test_hello_boundaries_are_valid() -> None:
     lambda: Ok(1, nfds=-1),
     lambda: Error(U64_MAX + 1, ErrorCode.INTERNAL, ""),
     lambda: Event(EventKind.SHUTDOWN, "", ""),
+    lambda: Event("", ErrorCode.SHUTDOWN, ""),
     lambda: Event(EventKind.SHUTDOWN, "c" * (proto.MAX_ERROR_CODE + 1), ""),
     lambda: Import(1, 1, MemKind.HOST, 0),
     lambda: Hello(1, 1, 1, "w", 1, 1, 1),
