@@ -15,7 +15,9 @@
     └── DaemonInternalError       a bug in the daemon
 
 Every error from the daemon keeps its wire code in `.code`: an ErrorCode, or the code's
-string when this client does not know it (a newer daemon's; then the error is a CommError).
+string when this client does not know it (a newer daemon's; then the error is a CommError,
+or what the daemon said happened: WorldFailed or DaemonShutdown for an event of that kind,
+DaemonUnavailable for its last word before it closed the connection).
 """
 
 from __future__ import annotations
@@ -120,6 +122,15 @@ def from_code(code: ErrorCode | str, message: str) -> CommError:
     if isinstance(code, str):  # none of this client's classes can claim to know what it means
         return _unknown(CommError, "the daemon refused the request", code, message)
     return _BY_CODE[code](message, code)
+
+
+def from_closing(code: ErrorCode | str, message: str) -> CommError:
+    """The exception for the daemon's last word before it closes the connection (an Error
+    with id 0, which answers no request): it says the connection went. A code this client
+    does not know is that connection lost (DaemonUnavailable); a known one keeps its class."""
+    if isinstance(code, str):
+        return _unknown(DaemonUnavailable, "the daemon closed the connection", code, message)
+    return _BY_CODE[code](f"{message} (the daemon closed the connection)", code)
 
 
 def from_event(kind: EventKind, code: ErrorCode | str, message: str) -> CommError:

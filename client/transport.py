@@ -29,7 +29,7 @@ from .errors import (
     LimitExceeded,
     ProtocolError,
     detached,
-    from_code,
+    from_closing,
     from_event,
 )
 from .sockets import close_fds, connect_within, take_fds, timeval
@@ -398,7 +398,7 @@ class Transport:
             return False
         if not reply_id:  # an Error with id 0: the daemon is dropping us
             assert isinstance(msg, proto.Error)
-            raise self._break(from_code(msg.code, msg.message))
+            raise self._break(from_closing(msg.code, msg.message))
         with self._lock:
             if reply_id in self._awaited:
                 self._replies[reply_id] = (msg, fds)

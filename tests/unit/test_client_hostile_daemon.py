@@ -806,3 +806,59 @@ def test_an_event_of_a_kind_this_client_does_not_know_is_ignored(
                              f"client does not know: {message[:100]}"), logged[:300]
     back_to_fds(before)
     buf.close()
+
+
+PARTINGS: dict[str, tuple[str, type[CommError], object, str]] = {
+    # code; the error the call raises, its .code, what it says (after "world w is not healthy: ")
+    "a code this client does not know": (
+        "evicted", DaemonUnavailable, "evicted",
+        "the daemon closed the connection with error code 'evicted', which this client does not "
+        "know: rank 0 was evicted"),
+    "a code it knows": (
+        "bad_message", ProtocolError, proto.ErrorCode.BAD_MESSAGE,
+        "rank 0 was evicted (the daemon closed the connection)"),
+}
+
+
+@pytest.mark.parametrize("case", list(PARTINGS))
+def test_an_error_that_answers_no_request_says_the_daemon_closed_the_connection(
+        standin: tuple[RecordingDaemon, str], case: str) -> None:
+    """An Error with id 0 is the daemon's last word before it closes the connection. Before:
+    one with a code this client does not know raised a plain CommError ('the daemon refused
+    the request with error code 'evicted' ...'), as if one request were refused, and the
+    next call raised it again; with a code it knows, the code's class and the text alone.
+    Neither said the connection went. Now both do: a known code keeps its class, an
+    unknown one is DaemonUnavailable (the connection went, as at a hang-up), with the
+    code's string in .code; attempt_reconnect rejoins."""
+    fake, path = standin
+    code, error, carried, said = PARTINGS[case]
+    refused: list[int] = []
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Submit) and not refused:
+            refused.append(msg.id)
+            fake.last_word(raw_error(0, code, "rank 0 was evicted"))
+            return []
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+        with pytest.raises(CommError) as failed:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert (type(failed.value), failed.value.code) == (error, carried), str(failed.value)
+        assert said in str(failed.value)
+        assert not comm.is_healthy()
+        with pytest.raises(CommError) as again:
+            comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert type(again.value) is error and said in str(again.value), str(again.value)
+        comm.attempt_reconnect()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0, 1], [0, 1])
+    back_to_fds(before)
+    buf.close()
