@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge
 from .messages import (  # one definition of each rule for both protocols
-    MAX_ERROR_TEXT,
     MAX_HELLO_EPOCH,
     MAX_MESSAGE_BYTES,
     MAX_RANKS,
@@ -50,6 +49,7 @@ from .messages import (  # one definition of each rule for both protocols
     U64_MAX,
     _short_text,
     _u64,
+    clip_text,
     error_code,
 )
 
@@ -234,7 +234,7 @@ class JoinRefused:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("rank", self.rank)
         object.__setattr__(self, "code", error_code(self.code))
-        _short_text("message", self.message, MAX_ERROR_TEXT)
+        object.__setattr__(self, "message", clip_text(self.message))  # (see WorldFailed)
         _u64("vote", self.vote)
 
 
@@ -273,9 +273,10 @@ class WorldReady:
 
 @dataclass(frozen=True, slots=True)
 class WorldFailed:
-    """A code this daemon does not know (a newer daemon's) stays its string, as in the Unix
-    protocol's Error: refused as a bad frame, it would cost the link and every world over it,
-    and the world would fail without the sender's word of why."""
+    """A code this daemon does not know (a newer daemon's) stays its string, and a message
+    over MAX_ERROR_TEXT is clipped, as in the Unix protocol's Error: refused as a bad frame,
+    either would cost the link and every world over it, and the world would fail without
+    the sender's word of why."""
 
     world: str
     epoch: int
@@ -286,7 +287,7 @@ class WorldFailed:
         _name("world", self.world, MAX_WORLD_NAME)
         _u64("epoch", self.epoch)
         object.__setattr__(self, "code", error_code(self.code))
-        _short_text("message", self.message, MAX_ERROR_TEXT)
+        object.__setattr__(self, "message", clip_text(self.message))  # (see WorldFailed)
 
 
 @dataclass(frozen=True, slots=True)
