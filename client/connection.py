@@ -10,7 +10,15 @@ from collections.abc import Callable, Sequence
 
 import proto
 
-from .errors import UNHEALTHY, CommError, DaemonUnavailable, MisuseError, ProtocolError, from_event
+from .errors import (
+    UNHEALTHY,
+    CommError,
+    DaemonShutdown,
+    DaemonUnavailable,
+    MisuseError,
+    ProtocolError,
+    from_event,
+)
 from .groups import Basis
 from .health import Health
 from .rpc import Answer, Superseded, built, checked
@@ -29,6 +37,14 @@ def check_past(epoch: int, left: int, what: str) -> None:
     that failure would never count as repaired, so a daemon that says otherwise is wrong."""
     if epoch <= left:
         raise ProtocolError(f"{what} at epoch {epoch}, not past {left}")
+
+
+def _not_back_yet(error: DaemonUnavailable) -> bool:
+    """Whether `error` met no daemon that could take the rank (none listening, a hang-up
+    with no word, one stopping): a rejoin tries again. A daemon that is back and refuses
+    the rank in a code this client does not know (an Error with id 0) would say it again,
+    as a known refusal or an unknown one answering the hello would: raised at once."""
+    return error.code is None or isinstance(error, DaemonShutdown)
 
 
 class Connection:
@@ -120,8 +136,8 @@ class Connection:
             self.check_open()  # closed by another thread meanwhile: never join behind its back
             try:
                 transport, epoch, engine = self._join(deadline)
-            except DaemonUnavailable:
-                if time.monotonic() + delay >= deadline:
+            except DaemonUnavailable as exc:
+                if not _not_back_yet(exc) or time.monotonic() + delay >= deadline:
                     raise
                 time.sleep(delay)  # not back yet (systemd restarts it): try again
                 delay = min(1.0, delay * 2)

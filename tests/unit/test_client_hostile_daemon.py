@@ -862,3 +862,57 @@ def test_an_error_that_answers_no_request_says_the_daemon_closed_the_connection(
     assert (hellos, submits) == ([0, 1], [0, 1])
     back_to_fds(before)
     buf.close()
+
+
+# How a daemon refuses a rank's rejoin with a code this client does not know (a newer
+# daemon's): (the id its Error carries; the error attempt_reconnect raises)
+REJOIN_REFUSALS: dict[str, tuple[Callable[[proto.Hello], int], type[CommError], str]] = {
+    "at accept (id 0)": (lambda hello: 0, DaemonUnavailable, "the daemon closed the connection with"),
+    "answering the hello": (lambda hello: hello.id, CommError, "the daemon refused the request with"),
+}
+
+
+@pytest.mark.parametrize("case", list(REJOIN_REFUSALS))
+def test_a_rejoin_the_daemon_refuses_with_a_code_this_client_does_not_know_is_not_tried_again(
+        standin: tuple[RecordingDaemon, str], case: str) -> None:
+    """A rejoin connects again with backoff while no daemon is back to answer (none
+    listening, a hang-up, one shutting down). Before: a daemon that was back, and refused
+    the rejoin at accept (an Error with id 0, then it closed) with a code this client does
+    not know, was taken for one not back yet, since that error is DaemonUnavailable: the
+    rejoin said hello 9 times more and raised after 4.6 s (timeout 2 s, and the join's 3 s
+    grace), where the same refusal answering the hello's id, or a known code at accept
+    (limit), is raised at once. Now it is raised at once too, after one hello; once the
+    daemon takes the rank again, attempt_reconnect rejoins."""
+    fake, path = standin
+    refusal_id, error, said = REJOIN_REFUSALS[case]
+    refusing = [False]
+
+    def answer(msg: proto.Message) -> Packets | None:
+        if isinstance(msg, proto.Hello) and refusing[0]:
+            fake.last_word(raw_error(refusal_id(msg), "evicted", "rank 0 was evicted"))
+            return []
+        return None
+
+    fake.answer = answer
+    memory = HostMemory()
+    buf = memory.alloc(64)
+    buf.view(np.float32)[:] = np.arange(16)
+    before = open_fds()
+    with DaemonBackend(path, "w", 0, 1, timeout=2, memory=memory, cuda_driver=lambda: None) as comm:
+        refusing[0] = True
+        fake.drop()
+        with pytest.raises(CommError) as refused:
+            comm.attempt_reconnect()
+        assert (type(refused.value), refused.value.code) == (error, "evicted"), str(refused.value)
+        assert str(refused.value).startswith(said), str(refused.value)
+        assert [n for n, msg in fake.seen if isinstance(msg, proto.Hello)] == [0, 1]  # one try
+        refusing[0] = False
+        comm.attempt_reconnect()
+        comm.all_reduce(buf.ptr, 64, dtype="f32")
+        assert comm.is_healthy()
+    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    assert (hellos, submits) == ([0, 1, 2], [2])
+    assert buf.view(np.float32).tolist() == list(range(16))  # (the stand-in writes nothing)
+    back_to_fds(before)
+    buf.close()
