@@ -747,7 +747,7 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with DaemonBackend(path, "w", 0, 1, timeout=10, memory=memory, cuda_driver=lambda: None) as comm:
         started = time.monotonic()
         with pytest.raises(CommError) as failed:
             comm.all_reduce(buf.ptr, 64, dtype="f32")
@@ -755,7 +755,7 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
         assert (type(failed.value), failed.value.code) == (DaemonShutdown, "draining"), said
         assert said == ("world w is not healthy: the daemon is shutting down with error code 'draining', "
                         "which this client does not know: the node is draining; call attempt_reconnect")
-        assert time.monotonic() - started < 1  # not the call's timeout
+        assert time.monotonic() - started < 5  # not at the call's timeout (a loaded machine aside)
         assert not comm.is_healthy()
         comm.attempt_reconnect()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
