@@ -197,8 +197,11 @@ class Connection:
         except CommError as exc:
             if link is not None and link != self.link:
                 raise Superseded from exc  # (sent on the connection a rejoin was replacing)
-            # (a call refused as made for an older epoch says nothing of the current one)
-            if isinstance(exc, UNHEALTHY) and exc.code is not proto.ErrorCode.STALE_EPOCH:
+            # (a call refused as made for an older epoch says nothing of the current one; a
+            # connection the daemon ended, whatever its last word's code, leaves the world to a
+            # rejoin: the daemon let go of this rank)
+            if (isinstance(exc, UNHEALTHY) or transport.broken is not None) \
+                    and exc.code is not proto.ErrorCode.STALE_EPOCH:
                 self._health.met(self.mark_unhealthy(exc, epoch, transport))
             raise
         return Answer(reply, got, used, epoch, engine)

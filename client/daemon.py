@@ -406,6 +406,10 @@ class DaemonBackend(CommBackend):
         answered once ordered on the device (the async calls). `timed`: the submission
         waits no longer than the call's deadline (False: recv_command_u32, without one)."""
         self._conn.check_open()
+        if self._groups.current() is None:
+            # (before the op is built: on a connection gone with the world, building it would
+            # ask that connection to import its buffers, and raise its end unworded)
+            self._raise_failure()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
         op, device = self._handover.pinned(lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
@@ -459,10 +463,7 @@ class DaemonBackend(CommBackend):
 
     def _submit(self, ops: tuple[proto.Op, ...], due: float | None, basis: Basis,
                 stream: int | None = None, early: bool = False) -> None:
-        failure, about = self._health.failure()
-        if failure is not None:
-            self._health.met(about)
-            raise self._about_world(failure)
+        self._raise_failure()
         with InFlight(self._memory.moves, ops) as call:
             make: Callable[[int], proto.Request] = (
                 (lambda rid: proto.Submit(rid, call.ops, basis.epoch)) if stream is None
@@ -486,6 +487,13 @@ class DaemonBackend(CommBackend):
                     self._health.met(basis.epoch)  # (which that reconnect has repaired)
                 raise
         self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
+
+    def _raise_failure(self) -> None:
+        """Raise the world's failure on record, if there is one (the calling thread met it)."""
+        failure, about = self._health.failure()
+        if failure is not None:
+            self._health.met(about)
+            raise self._about_world(failure)
 
     def _about_world(self, error: CommError) -> CommError:
         """`error` as a call raises it: naming the world (a worker in several tells them
