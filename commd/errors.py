@@ -28,8 +28,10 @@ def from_peer(daemon: str, code: ErrorCode | str, message: str) -> tuple[ErrorCo
     code and who sent it (a rank's Event and the statistics take ErrorCodes only)."""
     if isinstance(code, ErrorCode):
         return code, message
-    return ErrorCode.WORLD_FAILED, f"{message} (code {code!r} from daemon {daemon}, unknown to commd " \
-                                   f"{__version__})"
+    note = f" (code {code!r} from daemon {daemon}, unknown to commd {__version__})"
+    # the sender's text is clipped, not the note: clipped after it, a long text (a newer build
+    # may word a failure at the wire's length) would cut the one word of which code it was
+    return ErrorCode.WORLD_FAILED, clip_text(message, MAX_TEXT - len(note)) + note
 
 
 def rank_list(ranks: list[int], shown: int = 16) -> str:

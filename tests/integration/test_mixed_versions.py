@@ -122,6 +122,43 @@ def test_a_root_s_failure_or_refusal_with_a_code_this_daemon_lacks_fails_that_wo
         root.close()
 
 
+def test_a_long_failure_with_a_code_this_daemon_lacks_still_names_the_code(daemon: DaemonProcess) -> None:
+    """R's failure and refusal with an unknown code and a text at the wire's limit: the note
+    naming the code and R must reach the rank whole, R's text clipped before it (before: the
+    note was appended after the longest text a message may carry, and the clip of the world's
+    failure, or of the refusal, cut it off: the rank read R's text alone, code unknown)."""
+    root = RawPeer("R")
+    failing, refused = worlds = [world_name() for _ in range(2)]
+    clients = [RawClient(str(daemon.socket_path), 10) for _ in worlds]
+    long = "x" * 5000  # (a newer build may word a failure at more length; the frame clips it to 4096)
+    note = f" (code '{NEWER_CODE}' from daemon R, unknown to commd {__version__})"
+    try:
+        address = root.listen()
+        for client, world in zip(clients, worlds, strict=True):
+            hello(client, world, 1, address)
+        wait_until(lambda: all(root.got(p.JoinWorld, world=w) for w in worlds), timeout=10)
+        (link,) = root.accepted
+        root.send(link, p.WorldReady(failing, 1, ("R", "B")))
+        assert isinstance(clients[0].recv(), proto.Welcome)
+        (vote,) = [m.vote for _, m in root.received if isinstance(m, p.JoinWorld) and m.world == refused]
+        root.send_map(link, {"t": "world_failed", "world": failing, "epoch": 1, "code": NEWER_CODE,
+                             "message": f"world {failing}: {long}"})
+        root.send_map(link, {"t": "join_refused", "world": refused, "rank": 1, "code": NEWER_CODE,
+                             "message": f"world {refused}: {long}", "vote": vote})
+        event = clients[0].recv()
+        assert isinstance(event, proto.Event) and event.code is ErrorCode.WORLD_FAILED, event
+        error = clients[1].error()
+        assert error.code is ErrorCode.WORLD_FAILED
+        for world, message in [(failing, event.message), (refused, error.message)]:
+            assert message.startswith(f"world {world}: xxx") and message.endswith(f" ... (cut){note}"), \
+                message[-200:]
+            assert len(message) <= proto.MAX_ERROR_TEXT - 96  # (room for what a call's error adds)
+    finally:
+        for client in clients:
+            client.close()
+        root.close()
+
+
 def test_a_member_s_failure_with_a_code_the_root_lacks_fails_the_world_with_its_text(
         daemon: DaemonProcess) -> None:
     """A member X of a newer build fails a world rooted on B with an error code B does not
