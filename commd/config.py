@@ -134,7 +134,7 @@ class ServerConfig:
     peer_heartbeat_s: float = 0.5
     peer_window_s: float = 3.0
     # a connection that is no rank says something (its hello, a status query) within this
-    # of connecting or of its last status report, or is closed: an idle one would hold one
+    # of connecting or of the answer to its last status query, or is closed: an idle one would hold one
     # of max_connections for ever
     hello_timeout_s: float = 10.0
     # the longest a call may stay open before it fails its world, whatever its rank's
