@@ -448,10 +448,15 @@ def decode_peer(data: bytes) -> p.PeerMessage:
         if type(raw) is not dict:
             raise DecodeError("a message is a msgpack map")
         if raw.get("t") == "peer_hello" and raw.get("version") != p.PEER_VERSION:
-            # Another version's hello (a newer build's may have fields this one lacks) must still
-            # decode, so that the listener refuses it by its version in words: one it cannot read
-            # it drops without a word, which the dialer takes for a listener too busy to answer.
+            # Another version's hello (a newer build's may have fields this one lacks, or its
+            # incarnation of another form) must still decode, so that the listener refuses it by
+            # its version in words: one it cannot read it drops without a word, which the dialer
+            # takes for a listener too busy to answer. WIRE.md §9 promises the form of version,
+            # daemon and nonce alone, which the refusal reads; an incarnation of another form goes.
             raw = {key: value for key, value in raw.items() if key in _ALLOWED[p.PeerHello]}
+            incarnation = raw.get("incarnation", b"")
+            if type(incarnation) is not bytes or len(incarnation) not in (0, p.INCARNATION_BYTES):
+                del raw["incarnation"]
         return typing.cast(p.PeerMessage, _from_map(raw, _PEER_TAGS))
     except ProtoError:
         raise

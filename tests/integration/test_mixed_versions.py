@@ -28,8 +28,9 @@ from tests.integration.test_multi_daemon_faults import FAST, RawPeer
 
 pytestmark = pytest.mark.timeout(60)
 NEWER_CODE = "quota_exceeded"  # an error code this build does not have
-# `commd serve` as a newer build: the next peer protocol, whose hello has a field this one lacks
-# (the command execs the daemon's, given as its last arguments: DaemonProcess's `under`)
+# `commd serve` as a newer build: the next peer protocol, whose hello has a field this one lacks,
+# or (its first argument) an incarnation of another form (the command execs the daemon's, given
+# as its last arguments: DaemonProcess's `under`)
 NEWER_BUILD = [sys.executable, "-c", """
 import runpy, sys
 import msgpack
@@ -41,11 +42,14 @@ encode_peer = codec.encode_peer
 def newer(msg):
     header = encode_peer(msg)
     if isinstance(msg, peer.PeerHello):
-        header = msgpack.packb({**msgpack.unpackb(header), "features": ["compression"]})
+        hello = msgpack.unpackb(header)
+        header = msgpack.packb({**hello, "features": ["compression"]} if CHANGE == "features" else
+                               {**hello, "incarnation": hello["incarnation"] * 2})
     return header
 
 codec.encode_peer = newer
-sys.argv = ["commd", *sys.argv[4:]]
+CHANGE = sys.argv[1]
+sys.argv = ["commd", *sys.argv[5:]]
 runpy.run_module("commd", run_name="__main__", alter_sys=True)
 """]
 
@@ -185,9 +189,11 @@ def test_a_member_s_failure_with_a_code_the_root_lacks_fails_the_world_with_its_
         member.close()
 
 
-@pytest.mark.parametrize("newer_is", ["member", "root"])
+@pytest.mark.parametrize(("newer_is", "change"), [("member", "features"), ("root", "features"),
+                                                  ("member", "incarnation")],
+                         ids=["member", "root", "member-incarnation"])
 def test_a_daemon_of_another_peer_protocol_is_refused_at_once_naming_both(
-        daemon: DaemonProcess, newer_is: str) -> None:
+        daemon: DaemonProcess, newer_is: str, change: str) -> None:
     """A daemon N of a newer build (the next peer protocol, its hello with a field this build
     lacks) and B, of this one, in one world. The one that dials is refused at once, in words
     that name both daemons and protocols, and B serves its other worlds (before, with N dialing:
@@ -195,9 +201,11 @@ def test_a_daemon_of_another_peer_protocol_is_refused_at_once_naming_both(
     to answer; it dialed 7 times over its handshake window, and the rank got PeerLost "the
     listener closed the connection before the handshake (closed by the peer): too many
     handshakes under way? (dialed 7 times in 1s)", B logging each as "peer_hello: unknown
-    field 'features'")."""
+    field 'features'"). So when its hello's incarnation has another form (32 bytes): WIRE.md
+    promises only version, daemon and nonce keep theirs, yet B checked it and dropped the hello
+    without a word ("an incarnation is 16 bytes"), the dialer again dialing for its window)."""
     tmp = short_tmpdir()
-    newer = DaemonProcess(Path(tmp) / "N" / "commd.sock", env=SECRET, under=NEWER_BUILD, args=[
+    newer = DaemonProcess(Path(tmp) / "N" / "commd.sock", env=SECRET, under=[*NEWER_BUILD, change], args=[
         "--peer-listen", "127.0.0.1:0", "--peer-name", "N", *FAST])
     try:
         newer.start()

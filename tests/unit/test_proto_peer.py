@@ -311,6 +311,9 @@ def test_a_hello_of_another_version_decodes_with_fields_this_one_lacks() -> None
     it drops without a word, which the dialer takes for a listener too busy to answer."""
     newer = PeerHello(p.PEER_VERSION + 1, "newer", N1, INC)
     assert decode_peer(_raw(newer, features=["compression"])) == newer
+    # its incarnation of another form (longer, not bytes) is dropped: it still decodes, to be refused
+    assert decode_peer(_raw(newer, incarnation=INC * 2)) == PeerHello(p.PEER_VERSION + 1, "newer", N1)
+    assert decode_peer(_raw(newer, incarnation=7)) == PeerHello(p.PEER_VERSION + 1, "newer", N1)
     with pytest.raises(DecodeError, match="unknown field 'features'"):  # (at this version, a bad hello)
         decode_peer(_raw(PeerHello(p.PEER_VERSION, "same", N1, INC), features=["compression"]))
 
