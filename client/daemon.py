@@ -406,13 +406,15 @@ class DaemonBackend(CommBackend):
         answered once ordered on the device (the async calls). `timed`: the submission
         waits no longer than the call's deadline (False: recv_command_u32, without one)."""
         self._conn.check_open()
-        if self._groups.current() is None:
-            # (before the op is built: on a connection gone with the world, building it would
-            # ask that connection to import its buffers, and raise its end unworded)
-            self._raise_failure()
         due = self._due()
         basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
-        op, device = self._handover.pinned(lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
+        try:
+            op, device = self._handover.pinned(
+                lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
+        except CommError:
+            if self._conn.transport.broken is not None:  # (its imports asked a connection gone
+                self._raise_failure()  # with the world: its end, as a call words it)
+            raise
         follows = (self._stream if stream is None else stream) if device else None
         try:
             group = self._groups.current()
