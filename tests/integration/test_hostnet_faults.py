@@ -4,13 +4,9 @@ the world fails with a typed error naming that daemon, never with wrong data."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,24 +19,10 @@ from commd.engine.hostnet import CHUNK_BYTES, WINDOW_CHUNKS
 from commd.launch import DaemonProcess
 from proto import peer as p
 from tests.integration.faultproxy import FaultProxy
-from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
-from tests.integration.test_multi_daemon import SECRET
-from tests.integration.test_multi_daemon_faults import FAST, RawPeer, summed_i32
+from tests.integration.harness import wait_until, world_name, world_status
+from tests.integration.test_multi_daemon_faults import RawPeer, peer_daemon, summed_i32
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def peer_daemon(name: str) -> Iterator[DaemonProcess]:
-    tmp = short_tmpdir()
-    proc = DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
-        "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST])
-    try:
-        yield proc.start()
-    finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +24,7 @@ from proto import peer as p
 from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
 from tests.integration.rawclient import RawClient
 from tests.integration.test_multi_daemon import SECRET
-from tests.integration.test_multi_daemon_faults import FAST, RawPeer
+from tests.integration.test_multi_daemon_faults import FAST, RawPeer, peer_daemon
 
 pytestmark = pytest.mark.timeout(60)
 NEWER_CODE = "quota_exceeded"  # an error code this build does not have
@@ -57,16 +57,7 @@ runpy.run_module("commd", run_name="__main__", alter_sys=True)
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
     """One daemon of this build, B, that declares a silent peer lost after 1 s."""
-    tmp = short_tmpdir()
-    proc = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, args=[
-        "--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST])
-    try:
-        yield proc.start()
-    finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    yield from peer_daemon("B")
 
 
 def hello(client: RawClient, world: str, rank: int, bootstrap: str) -> None:
@@ -84,6 +75,17 @@ def quiet(client: RawClient) -> bool:
     return False
 
 
+def voted_at(root: RawPeer, clients: list[RawClient], worlds: list[str]) -> Any:
+    """Rank 1 of each world says hello to B with R's address: B links to R and votes there.
+    The link R accepted."""
+    address = root.listen()
+    for client, world in zip(clients, worlds, strict=True):
+        hello(client, world, 1, address)
+    wait_until(lambda: all(root.got(p.JoinWorld, world=w) for w in worlds), timeout=10)
+    (link,) = root.accepted
+    return link
+
+
 def test_a_root_s_failure_or_refusal_with_a_code_this_daemon_lacks_fails_that_world_alone(
         daemon: DaemonProcess) -> None:
     """The root R, of a newer build, fails one world and refuses a vote for another, each with
@@ -95,11 +97,7 @@ def test_a_root_s_failure_or_refusal_with_a_code_this_daemon_lacks_fails_that_wo
     failing, refused, steady = worlds = [world_name() for _ in range(3)]
     clients = [RawClient(str(daemon.socket_path), 10) for _ in worlds]
     try:
-        address = root.listen()
-        for client, world in zip(clients, worlds, strict=True):
-            hello(client, world, 1, address)
-        wait_until(lambda: all(root.got(p.JoinWorld, world=w) for w in worlds), timeout=10)
-        (link,) = root.accepted
+        link = voted_at(root, clients, worlds)
         for world in (failing, steady):
             root.send(link, p.WorldReady(world, 1, ("R", "B")))
         assert isinstance(clients[0].recv(), proto.Welcome) and isinstance(clients[2].recv(), proto.Welcome)
@@ -137,11 +135,7 @@ def test_a_long_failure_with_a_code_this_daemon_lacks_still_names_the_code(daemo
     long = "x" * 5000  # (a newer build may word a failure at more length; the frame clips it to 4096)
     note = f" (code '{NEWER_CODE}' from daemon R, unknown to commd {__version__})"
     try:
-        address = root.listen()
-        for client, world in zip(clients, worlds, strict=True):
-            hello(client, world, 1, address)
-        wait_until(lambda: all(root.got(p.JoinWorld, world=w) for w in worlds), timeout=10)
-        (link,) = root.accepted
+        link = voted_at(root, clients, worlds)
         root.send(link, p.WorldReady(failing, 1, ("R", "B")))
         assert isinstance(clients[0].recv(), proto.Welcome)
         (vote,) = [m.vote for _, m in root.received if isinstance(m, p.JoinWorld) and m.world == refused]

@@ -1436,6 +1436,21 @@ def _unused_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def peer_daemon(name: str) -> Iterator[DaemonProcess]:
+    """A started daemon named `name` that peers (a silent peer is lost after 1 s), stopped
+    (continued first, if a test stopped it) at the end."""
+    tmp = short_tmpdir()
+    proc = DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST])
+    try:
+        yield proc.start()
+    finally:
+        if proc.proc is not None and proc.proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def root_daemon(tmp: str, address: str) -> DaemonProcess:
     """A root daemon R listening for peers at `address` (not started)."""
     return DaemonProcess(Path(tmp) / "R" / "commd.sock", env=SECRET, args=[

@@ -69,6 +69,12 @@ print(json.dumps({"outcome": outcome, "before": before, "after": held()}))
 """
 
 
+def lone_rank(path: str, memory: HostMemory | None = None, timeout: float = 3) -> DaemonBackend:
+    """Rank 0 of a world of one, world "w", at the stand-in (host memory, no CUDA)."""
+    return DaemonBackend(path, "w", 0, 1, timeout=timeout, memory=memory or HostMemory(),
+                         cuda_driver=lambda: None)
+
+
 @pytest.fixture
 def standin() -> Iterator[tuple[RecordingDaemon, str]]:
     tmp = short_tmpdir()
@@ -162,7 +168,7 @@ def test_an_fd_beside_a_reply_that_carries_none_is_refused_and_closed(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    comm = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
+    comm = lone_rank(path, memory, timeout=5)
     try:
         with pytest.raises(ProtocolError, match="carried 1 fd"):
             if request_kind is proto.Register:
@@ -215,7 +221,7 @@ def test_a_reply_that_answers_no_request_of_ours_is_a_protocol_error(
     before = open_fds()
     started = time.monotonic()
     with (pytest.raises(ProtocolError, match=r"never made or was answered already|answered Submit"),
-          DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm):
+          lone_rank(path, memory) as comm):
         for _ in range(calls):
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         time.sleep(0.1)  # (a second answer is in the socket by then)
@@ -252,7 +258,7 @@ def test_a_rebuild_whose_epoch_does_not_move_on_is_a_protocol_error(
     fake.answer = answer
     memory = HostMemory()
     buf = memory.alloc(64)
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         with pytest.raises(WorldFailed, match="rank 1 lost"):
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         with pytest.raises(ProtocolError, match=f"epoch {rebuilt_at}, not past 5"):
@@ -291,7 +297,7 @@ def test_a_rejoin_welcomed_at_an_epoch_not_past_its_hellos_is_a_protocol_error(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         with pytest.raises(DaemonUnavailable):
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         with pytest.raises(ProtocolError, match="at epoch 3, not past 5"):
@@ -381,7 +387,7 @@ def test_random_mutations_of_the_daemons_replies_end_each_call_in_a_comm_error(
         mutate_next[:] = [CALLS[call]]
         started = time.monotonic()
         try:
-            with DaemonBackend(path, "w", 0, 1, timeout=1, memory=memory, cuda_driver=lambda: None) as comm:
+            with lone_rank(path, memory, timeout=1) as comm:
                 if call == "all_reduce":
                     comm.all_reduce(buf.ptr, 64, dtype="f32")
                 elif call == "register_buffer":
@@ -427,7 +433,7 @@ def test_a_failure_event_of_an_epoch_the_world_never_reached_is_repaired_by_a_re
     fake.answer = answer
     memory = HostMemory()
     buf = memory.alloc(64)
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert (comm.epoch, comm.is_healthy()) == (1, False)
         comm.attempt_reconnect()
@@ -459,7 +465,7 @@ def test_a_welcome_in_another_protocol_version_is_refused(
     before = open_fds()
     with pytest.raises(ProtocolError, match=f"protocol version {version}; this client speaks "
                                             f"{proto.PROTOCOL_VERSION}"):
-        DaemonBackend(path, "w", 0, 1, timeout=3, memory=HostMemory(), cuda_driver=lambda: None)
+        lone_rank(path)
     back_to_fds(before)
     assert [type(msg) for _, msg in fake.seen] == [proto.Hello]
 
@@ -500,7 +506,7 @@ def test_an_empty_packet_is_a_protocol_error_not_a_hang_up(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=10, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory, timeout=10) as comm:
         started = time.monotonic()
         with pytest.raises(CommError, match=said) as failed:
             comm.all_reduce(buf.ptr, 64, dtype="f32")
@@ -565,7 +571,7 @@ def test_a_refusal_with_an_unknown_code_or_a_long_message_fails_the_call_not_the
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         with pytest.raises(CommError) as failed:
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         said = str(failed.value)
@@ -604,7 +610,7 @@ def test_a_request_over_the_daemons_announced_limit_is_refused_before_it_is_sent
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         comm.group_end()
 
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         with pytest.raises(LimitExceeded, match=r"Submit is 1\d{4} bytes, over the daemon's 8192") as refused:
             group(400)
         assert refused.value.code is None  # the client's refusal, not the daemon's
@@ -645,7 +651,7 @@ def test_a_welcome_announcing_a_limit_too_small_for_the_clients_requests_is_refu
     said = (r"max_message=0 must be a positive" if not announced else
             rf"max_message {announced} bytes, below the {LONGEST_FORGET} its requests need")
     with pytest.raises(ProtocolError, match=said):
-        DaemonBackend(path, "w", 0, 1, timeout=3, memory=HostMemory(), cuda_driver=lambda: None)
+        lone_rank(path)
     back_to_fds(before)
     assert [type(msg) for _, msg in fake.seen] == [proto.Hello]
 
@@ -705,7 +711,7 @@ def test_a_world_failed_event_with_an_unknown_code_or_a_long_message_still_fails
     buf = memory.alloc(64)
     buf.view(np.float32)[:] = np.arange(16)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         if ahead_of is proto.Submit:
             comm.all_reduce(buf.ptr, 64, dtype="f32")  # the daemon answered it, after the event
         assert told and not comm.is_healthy()
@@ -750,7 +756,7 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=10, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory, timeout=10) as comm:
         started = time.monotonic()
         with pytest.raises(CommError) as failed:
             comm.all_reduce(buf.ptr, 64, dtype="f32")
@@ -796,7 +802,7 @@ def test_an_event_of_a_kind_this_client_does_not_know_is_ignored(
     buf = memory.alloc(64)
     before = open_fds()
     with (caplog.at_level(logging.DEBUG, logger="client"),
-          DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm):
+          lone_rank(path, memory) as comm):
         comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert told and comm.is_healthy()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
@@ -851,7 +857,7 @@ def test_an_error_that_answers_no_request_says_the_daemon_closed_the_connection(
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=3, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory) as comm:
         with pytest.raises(CommError) as failed:
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert (type(failed.value), failed.value.code) == (error, carried), str(failed.value)
@@ -907,7 +913,7 @@ def test_a_rejoin_the_daemon_refuses_with_a_code_this_client_does_not_know_is_no
     buf = memory.alloc(64)
     buf.view(np.float32)[:] = np.arange(16)
     before = open_fds()
-    with DaemonBackend(path, "w", 0, 1, timeout=2, memory=memory, cuda_driver=lambda: None) as comm:
+    with lone_rank(path, memory, timeout=2) as comm:
         refusing[0] = True
         fake.drop()
         with pytest.raises(CommError) as refused:
