@@ -15,11 +15,21 @@ from proto import MAX_ERROR_TEXT, ErrorCode, clip_text
 from . import __version__
 
 MAX_TEXT = MAX_ERROR_TEXT - 96  # what the wire allows an error, less room for prefixes
+# A world's cause, less room for what a call it ended says around it (World._call_failed and
+# _not_ready: a world name of 128, an epoch of 20 digits and two rank counts of 5 take 219):
+# clipped there instead, the cause would lose its end, and from_peer's note with it
+MAX_CAUSE = MAX_TEXT - 256
 
 
-def clip(text: str) -> str:
+def clip(text: str, limit: int = MAX_TEXT) -> str:
     """A message that fits in an Error or Event, however long what it names."""
-    return clip_text(text, MAX_TEXT)
+    return clip_text(text, limit)
+
+
+def framed(head: str, text: str, tail: str, limit: int = MAX_TEXT) -> str:
+    """`head + text + tail` in `limit` characters: `text` is clipped, never what frames it (what
+    to do next, who said it), which a clip of the whole would cut first."""
+    return head + clip_text(text, limit - len(head) - len(tail)) + tail
 
 
 def from_peer(daemon: str, code: ErrorCode | str, message: str) -> tuple[ErrorCode, str]:
@@ -30,8 +40,9 @@ def from_peer(daemon: str, code: ErrorCode | str, message: str) -> tuple[ErrorCo
         return code, message
     note = f" (code {code!r} from daemon {daemon}, unknown to commd {__version__})"
     # the sender's text is clipped, not the note: clipped after it, a long text (a newer build
-    # may word a failure at the wire's length) would cut the one word of which code it was
-    return ErrorCode.WORLD_FAILED, clip_text(message, MAX_TEXT - len(note)) + note
+    # may word a failure at the wire's length) would cut the one word of which code it was. To
+    # a world's cause's length: that is what the text becomes, and the cause is not clipped again
+    return ErrorCode.WORLD_FAILED, framed("", message, note, MAX_CAUSE)
 
 
 def rank_list(ranks: list[int], shown: int = 16) -> str:

@@ -32,7 +32,7 @@ from .engine.base import (
     SendOp,
 )
 from .engine_extras import EngineExtras
-from .errors import CallError, clip, rank_list
+from .errors import MAX_CAUSE, CallError, clip, framed, rank_list
 from .matching import Call, Match, Matcher, Mismatch
 from .membership import LocalMembership, NetMembership
 from .recorder import FlightRecorder
@@ -378,7 +378,7 @@ class World:
         if one is (for the logs)."""
         if self.state is not WorldState.READY:
             return
-        message = clip(message)
+        message = clip(message, MAX_CAUSE)
         self.state = WorldState.FAILED
         self.cause, self.cause_code = message, code
         # (an ending is how jobs end; only a failure that hits calls warns)
@@ -496,14 +496,14 @@ class World:
     def _call_failed(self) -> str:
         """What a call the world's failure ended says: a worker may be in several worlds,
         and what to do next is the same for every cause."""
-        return (f"world {self.name} epoch {self.epoch} failed: {self.cause}; "
-                f"call attempt_reconnect on every rank")
+        return framed(f"world {self.name} epoch {self.epoch} failed: ", str(self.cause),
+                      "; call attempt_reconnect on every rank")
 
     def _not_ready(self) -> str:
         if self.cause is None:
             return f"world {self.name} is {self.state.value}; wait for every rank to join"
-        return (f"world {self.name} epoch {self.epoch} failed: {self.cause}; "
-                f"call attempt_reconnect ({len(self._waiting)}/{self.world_size} ranks have)")
+        return framed(f"world {self.name} epoch {self.epoch} failed: ", self.cause,
+                      f"; call attempt_reconnect ({len(self._waiting)}/{self.world_size} ranks have)")
 
     def status(self) -> dict[str, object]:
         return {

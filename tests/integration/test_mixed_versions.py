@@ -21,6 +21,7 @@ from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
+from proto.messages import MAX_WORLD_NAME
 from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
 from tests.integration.rawclient import RawClient
 from tests.integration.test_multi_daemon import SECRET
@@ -154,6 +155,45 @@ def test_a_long_failure_with_a_code_this_daemon_lacks_still_names_the_code(daemo
     finally:
         for client in clients:
             client.close()
+        root.close()
+
+
+@pytest.mark.parametrize("code", [NEWER_CODE, "timeout"], ids=["unknown-code", "known-code"])
+def test_a_call_ended_by_a_long_failure_keeps_the_advice_and_the_note(
+        daemon: DaemonProcess, code: str) -> None:
+    """Root R fails a world of the longest name with a text at the wire's limit while rank 1's
+    call waits on B, and the rank calls again after. Each call's error must name the world, say
+    what to do next (attempt_reconnect), and, for a code B lacks, name that code and R: R's text
+    is what gets clipped (before: the error was R's text framed by world, epoch and advice, then
+    clipped again to the limit, which cut the advice and the note off)."""
+    root = RawPeer("R")
+    world = world_name().ljust(MAX_WORLD_NAME, "w")  # (the name frames the text twice)
+    client = RawClient(str(daemon.socket_path), 10)
+    note = f" (code '{NEWER_CODE}' from daemon R, unknown to commd {__version__})"
+    try:
+        address = root.listen()
+        hello(client, world, 1, address)
+        wait_until(lambda: root.got(p.JoinWorld, world=world), timeout=10)
+        (link,) = root.accepted
+        root.send(link, p.WorldReady(world, 1, ("R", "B")))
+        assert isinstance(client.recv(), proto.Welcome)
+        client.send(proto.Submit(2, (proto.Barrier(),), 1))
+        wait_until(lambda: (world_status(daemon, world) or {}).get("pending_calls") == 1, timeout=5)
+        root.send_map(link, {"t": "world_failed", "world": world, "epoch": 1, "code": code,
+                             "message": f"world {world}: " + "x" * 5000})
+        replies = [client.recv(), client.recv()]  # the event and the waiting call's error
+        (error,) = [m for m in replies if isinstance(m, proto.Error)]
+        client.send(proto.Submit(3, (proto.Barrier(),), 1))
+        again = client.error()
+        assert error.id == 2 and again.id == 3, (error, again)
+        for message, advice in [(error.message, "; call attempt_reconnect on every rank"),
+                                (again.message, "; call attempt_reconnect (0/2 ranks have)")]:
+            assert message.startswith(f"world {world} epoch 1 failed: world {world}: xxx"), message[:300]
+            said = f" ... (cut){note}" if code == NEWER_CODE else " ... (cut)"
+            assert message.endswith(said + advice), message[-300:]
+            assert len(message) <= proto.MAX_ERROR_TEXT - 96, len(message)  # (whole on the wire)
+    finally:
+        client.close()
         root.close()
 
 

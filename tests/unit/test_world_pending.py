@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 
 import proto
+from commd import __version__
 from commd.engine.base import EngineOp, Region
-from commd.errors import CallError
+from commd.errors import MAX_TEXT, CallError, from_peer
 from commd.world import World, WorldState
 from proto import ErrorCode
+from proto import peer as p
+from proto.messages import MAX_RANKS, MAX_WORLD_NAME
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -194,5 +197,32 @@ async def test_an_op_waiting_its_turn_does_not_start_once_a_rank_of_it_hung_up()
         assert failed and "rank 0's connection was lost" in failed[0].message, peers[1].sent
     finally:
         engine.made[0].go.set()
+        world.shutdown("the test ends")
+        world.forget_if_empty()
+
+
+async def test_a_call_s_error_keeps_its_advice_and_note_at_the_longest_name_epoch_and_size() -> None:
+    """The room a world's cause leaves (errors.MAX_CAUSE) holds what a call's error says around
+    it at the longest world name, epoch and world size: the note naming a code this daemon
+    lacks and the advice end the error whole, within what the wire takes (the integration test
+    in test_mixed_versions reaches neither that epoch nor that size)."""
+    world = World("w" * MAX_WORLD_NAME, MAX_RANKS, None, HeldEngine(), lambda _: None)  # type: ignore[arg-type]
+    peers = {0: Peer(), 1: Peer()}
+    world.form(2**64 - 1, (0, 1), ())
+    world.members.update(peers)
+    note = f" (code 'quota_exceeded' from daemon {'d' * p.MAX_DAEMON_NAME}, unknown to commd {__version__})"
+    try:
+        barrier(world, 0, 1)  # waits for rank 1's
+        world.fail(*from_peer("d" * p.MAX_DAEMON_NAME, "quota_exceeded", "x" * proto.MAX_ERROR_TEXT))
+        (error,) = [m for m in peers[0].sent if isinstance(m, proto.Error)]
+        with pytest.raises(CallError) as again:
+            barrier(world, 1, 2)
+        for message, advice in [
+                (error.message, "; call attempt_reconnect on every rank"),
+                (again.value.message, f"; call attempt_reconnect (0/{MAX_RANKS} ranks have)")]:
+            assert message.startswith(f"world {world.name} epoch {2**64 - 1} failed: xxx"), message[:300]
+            assert message.endswith(f" ... (cut){note}{advice}"), message[-400:]
+            assert len(message) <= MAX_TEXT, len(message)
+    finally:
         world.shutdown("the test ends")
         world.forget_if_empty()
