@@ -21,7 +21,7 @@ from proto import ErrorCode
 from proto import peer as p
 
 from .config import DEFAULT_MAX_HELD_BYTES
-from .errors import CallError, NotListening, cannot_listen
+from .errors import CallError, NotListening, cannot_listen, quoted
 from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
@@ -223,7 +223,7 @@ class Cluster:
         few of our heartbeats: the other daemon beats at its own --peer-heartbeat.)"""
         for old in self._siblings.get(name, []):
             if old.incarnation != incarnation and old.speaks():
-                return (f"daemon name {name!r} is taken: another process of that name is linked to "
+                return (f"daemon name {quoted(name)} is taken: another process of that name is linked to "
                         f"daemon {self.name} (heard {old.silence():.1f}s ago; lost once silent "
                         f"{self.settings.window_s:g}s); each daemon needs a peer_name of its own")
         return None

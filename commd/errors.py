@@ -52,6 +52,13 @@ def rank_list(ranks: list[int], shown: int = 16) -> str:
     return "[" + ", ".join(map(str, ranks[:shown])) + f", ... ({len(ranks) - shown} more)]"
 
 
+def quoted(name: str, limit: int = 300) -> str:
+    """A name for a message, quoted (its characters escaped), clipped past `limit`: escaped, a
+    name's every character may take up to 10 (a 256-character peer_name, 2562), more than
+    the message around it may hold."""
+    return clip_text(repr(name), limit)
+
+
 def seconds(duration_s: float) -> str:
     """A duration for a message, to a tenth of a second: the rest of a timeout reads "8s",
     not "7.978s"."""

@@ -25,6 +25,7 @@ import proto
 from proto import peer as p
 
 from . import __version__
+from .errors import quoted
 from .frames import FrameStream
 from .logs import Throttled
 
@@ -411,9 +412,9 @@ class PeerNode:
             stream.write(p.PeerRefused("self"))
             raise SelfDialError()
         if hello.daemon == self.settings.name:  # (names place ranks: its would be taken for ours)
-            stream.write(p.PeerRefused(f"daemon name {hello.daemon!r} is this daemon's own: each daemon "
-                                       "needs a peer_name of its own"))
-            raise PeerRefusedError(f"a daemon named {hello.daemon!r}, as this one is")
+            stream.write(p.PeerRefused(f"daemon name {quoted(hello.daemon)} is this daemon's own: each "
+                                       "daemon needs a peer_name of its own"))
+            raise PeerRefusedError(f"a daemon named {quoted(hello.daemon)}, as this one is")
         if hello.version != p.PEER_VERSION:
             reason = (f"peer protocol {hello.version} (daemon {hello.daemon}) is not {p.PEER_VERSION} "
                       f"(daemon {self.settings.name}, commd {__version__}): daemons link at one peer "

@@ -1185,23 +1185,34 @@ def test_a_world_ready_for_a_world_running_here_fails_it_and_its_calls(pair: lis
         root.close()
 
 
-def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
+# The longest peer_name, each of its characters one that a quoted name escapes in 4: quoted
+# whole, a refusal naming it would not fit in the 1024 characters a peer refusal may have
+ESCAPED_NAME = "\x01" * p.MAX_DAEMON_NAME
+# How a refusal names each: whole, or its start, clipped
+SHOWN = {"A": "'A'", "B": "'B'", ESCAPED_NAME: r"'(\\x01)+.* \.\.\. \(cut\)"}
+
+
+@pytest.mark.parametrize("name", ["A", ESCAPED_NAME], ids=["plain", "escaped-256"])
+def test_a_daemon_with_this_daemons_name_is_refused_saying_so(name: str) -> None:
     """Daemon A2 was given A's peer_name (a copied config). Its rank 1 names A as the root:
     A must refuse A2's link at the handshake, naming the clash, and the rank hear it at once
     (before: A took A2's vote as its own daemon's, formed the world with rank 1 "here", rank
     0's first call hung until its timeout, and rank 1 timed out saying the root did not form
-    the world); A keeps serving its other worlds."""
+    the world; and with the escaped name, A's refusal did not fit a refusal's 1024 characters:
+    A closed the connection without a word, and A2 dialed again until the window ended, the
+    rank told 'too many handshakes under way?'); A keeps serving its other worlds."""
     tmp = short_tmpdir()
     try:
         a, a2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
-            "--peer-listen", "127.0.0.1:0", "--peer-name", "A", *FAST]) for sock in ("A", "A2"))
+            "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST]) for sock in ("A", "A2"))
         with a, a2, ThreadPoolExecutor(1) as threads:
             world = world_name()
             rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
                                    bootstrap=a.peer_address())
             started = time.monotonic()
-            with pytest.raises(PeerLost, match=r"cannot reach the daemon at .*: daemon name 'A' is this "
-                                               r"daemon's own: each daemon needs a peer_name of its own"):
+            with pytest.raises(PeerLost, match=rf"cannot reach the daemon at .*: daemon name {SHOWN[name]} "
+                                               r"is this daemon's own: each daemon needs a peer_name of its "
+                                               r"own"):
                 DaemonBackend(str(a2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
             assert time.monotonic() - started < 2  # (not its timeout)
             with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
@@ -1213,8 +1224,9 @@ def test_a_daemon_with_this_daemons_name_is_refused_saying_so() -> None:
 
 
 @contextlib.contextmanager
-def beside_a_namesake(fast: bool, first: Sequence[str] = ()) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
-    """Daemons A, B1 and B2, B1 and B2 both given the peer_name B (a copied config), B1 with
+def beside_a_namesake(fast: bool, first: Sequence[str] = (),
+                      b: str = "B") -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """Daemons A, B1 and B2, B1 and B2 both given the peer_name `b` (a copied config), B1 with
     `first` too: world x runs on A (root) and B1, summed right before the body and after it
     (which B2's ranks must not disturb). Yields A and B2."""
     tmp = short_tmpdir()
@@ -1222,7 +1234,7 @@ def beside_a_namesake(fast: bool, first: Sequence[str] = ()) -> Iterator[tuple[D
         common = FAST if fast else []
         a, b1, b2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", name, *common, *extra])
-            for sock, name, extra in (("A", "A", ()), ("B1", "B", first), ("B2", "B", ())))
+            for sock, name, extra in (("A", "A", ()), ("B1", b, first), ("B2", b, ())))
         with a, b1, b2:
             comms = joined([a, b1], a, world_name())
             try:
@@ -1237,17 +1249,38 @@ def beside_a_namesake(fast: bool, first: Sequence[str] = ()) -> Iterator[tuple[D
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on() -> None:
+@pytest.mark.parametrize("b", ["B", ESCAPED_NAME], ids=["plain", "escaped-256"])
+def test_a_second_running_daemon_of_one_name_is_refused_and_the_first_serves_on(b: str) -> None:
     """B2's rank joins world y rooted on A: A must refuse B2's link while B1 speaks, naming
     the clash, and world x go on (before: A took B2's link for B restarted, closed B1's
-    links, and world x failed, 'replaced: the daemon runs as a new process')."""
-    with beside_a_namesake(fast=True) as (a, b2), ThreadPoolExecutor(1) as threads:
+    links, and world x failed, 'replaced: the daemon runs as a new process'; and with the
+    escaped name, A's refusal did not fit a refusal's 1024 characters: A closed without a word,
+    and the rank heard 'cannot reach the daemon at ...: closed by the peer')."""
+    with beside_a_namesake(fast=True, b=b) as (a, b2), ThreadPoolExecutor(1) as threads:
         world = world_name()
         rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
                                bootstrap=a.peer_address())
-        with pytest.raises(PeerLost, match=r"daemon name 'B' is taken: another process of that "
+        started = time.monotonic()
+        with pytest.raises(PeerLost, match=rf"daemon name {SHOWN[b]} is taken: another process of that "
                                            r"name is linked to daemon A \(heard"):
             DaemonBackend(str(b2.socket_path), world, 1, 2, timeout=3, bootstrap=a.peer_address())
+        assert time.monotonic() - started < 1  # (at once: not dialed again over a window)
+        with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
+            rank0.result(20)
+
+
+def test_a_daemon_dialing_a_second_of_one_name_refuses_it_saying_so() -> None:
+    """Rank 1 on A joins world y rooted on B2 while B1, of the same (escaped, longest) name,
+    speaks to A: A, the dialer, must refuse B2's challenge naming the clash, and world x go on
+    (before: A's refusal did not fit a refusal's 1024 characters, and the rank heard that B2
+    'does not speak the peer protocol: a refusal reason is at most 1024 characters')."""
+    with beside_a_namesake(fast=True, b=ESCAPED_NAME) as (a, b2), ThreadPoolExecutor(1) as threads:
+        world = world_name()
+        rank0 = threads.submit(DaemonBackend, str(b2.socket_path), world, 0, 2, timeout=3,
+                               bootstrap=b2.peer_address())
+        with pytest.raises(PeerLost, match=rf"daemon name {SHOWN[ESCAPED_NAME]} is taken: another "
+                                           r"process of that name is linked to daemon A \(heard"):
+            DaemonBackend(str(a.socket_path), world, 1, 2, timeout=3, bootstrap=b2.peer_address())
         with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
             rank0.result(20)
 

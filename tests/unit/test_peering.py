@@ -431,6 +431,30 @@ async def test_listener_refuses_a_hello_it_cannot_take(version: int, with_incarn
         await eventually(lambda: a.node.refused == 1)
 
 
+@pytest.mark.parametrize("case", ["own name", "version"])
+async def test_a_refusal_of_a_hello_fits_at_the_longest_names(case: str) -> None:
+    """The listener's refusals of a hello that name daemons, at the longest names (each
+    character one that a quoted name escapes in 10) and version: each is sent, within a
+    refusal's 1024 characters (before: the refusal of this daemon's own name quoted it whole,
+    2562 characters; it raised, and the listener closed without a word)."""
+    name = "\U000e0001" * p.MAX_DAEMON_NAME
+    a = Side(name)
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            hello = p.PeerHello(p.PEER_VERSION if case == "own name" else 2**64 - 1,
+                                name if case == "own name" else name[:-1] + "x",
+                                os.urandom(p.NONCE_BYTES), incarnation())
+            await send_frame(writer, hello)
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)
+            assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused), frames
+            assert {"own name": "is this daemon's own: each daemon needs a peer_name of its own",
+                    "version": f"is not {p.PEER_VERSION}"}[case] in frames[0].reason
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+
+
 @pytest.mark.parametrize("opening", [
     b"GET / HTTP/1.1\r\n\r\n",
     p.FRAME.pack(0, 0),
