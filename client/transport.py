@@ -4,20 +4,16 @@ Replies are matched to requests by id. Whichever waiting thread finds no
 reader becomes the reader (leader/follower): with one calling thread, a call
 is one sendmsg and one recvmsg, with no hand-off to a helper thread, which
 would cost a cross-CPU wake-up per call. Pushed events go to `on_event`, with the
-transport they came on.
+transport they came on. The socket's own work (a packet sent or read by a deadline, its
+fd closed safely) is PacketSocket's (sockets.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import select
 import socket
-import struct
 import threading
-import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import proto
@@ -32,13 +28,10 @@ from .errors import (
     from_closing,
     from_event,
 )
-from .sockets import close_fds, connect_within, take_fds, timeval
+from .sockets import PacketSocket, close_fds, remaining
 
-_MAX_FDS = 4
-_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 _PARTING_READS = 64  # after a failed send: unread packets looked through for why the daemon went
 _PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find that out (deadline allowing)
-_MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
 # A daemon that hung up with no word of why was killed, crashed or restarted: what a worker
 # does next is the same for each (a restarted daemon, or its systemd restart, takes it back)
 _GONE = " (the daemon stopped, with no word of why); call attempt_reconnect once it is back"
@@ -56,12 +49,7 @@ Undo = Callable[[proto.Message, int], proto.Message | None]
 Abandon = Callable[[BaseException], None]
 
 
-def remaining(deadline: float | None) -> float | None:
-    """Seconds left until `deadline` (monotonic), None for no deadline."""
-    return None if deadline is None else deadline - time.monotonic()
-
-
-class Transport:
+class Transport(PacketSocket):
     def __init__(self, path: str, timeout: float,
                  on_event: Callable[[proto.Event, Transport], None],
                  deadline: float | None = None) -> None:
@@ -70,11 +58,6 @@ class Transport:
         self._on_event = on_event
         self._conn = proto.Connection(proto.Role.CLIENT)
         self._ids = itertools.count(1)
-        # Reentrant: a signal handler runs on the thread it interrupts, which may be inside
-        # a send, and may close() the backend (a SIGTERM handler); a plain lock waited for
-        # itself for good. The send it cut into then finds the socket closed (its fd -1, not
-        # a number another socket took) and raises
-        self._send_lock = threading.RLock()
         # Taken as `with self._lock` (C code, whole): an interrupt cannot land between taking
         # it and the block's exit being armed, as it can in Condition's own __enter__
         self._lock = threading.RLock()
@@ -90,34 +73,8 @@ class Transport:
         # close() came while a thread read: that reader closes the socket when it stops (the
         # fd must not be closed under it, or it may poll whichever socket takes the number)
         self._close_when_read = False
-        # (under the send lock) a send is under way, which may wait in poll() by the socket's
-        # fd number; a close() meanwhile is on the same thread (a signal handler: the lock is
-        # reentrant), and the send closes the socket once it stops (see _close_socket)
-        self._sending = self._close_when_sent = False
-        with _MAKING:  # (a fork waits: the child must know of every socket it has a copy of)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            self._sock = sock
-            _OPEN.add(self)
-        try:
-            # A kernel timeout instead of Python's: a connect waiting in a full listen
-            # backlog ends by the deadline, or after `timeout` if that comes first.
-            # Receives wait in poll() with the call's deadline, and then read what is there;
-            # the short receive timeout only bounds a read that finds nothing after all.
-            # Sends never block in the kernel: one the daemon does not take (it stopped
-            # reading) waits in poll() by the call's deadline (see _send).
-            connecting = timeout if deadline is None else min(timeout, deadline - time.monotonic())
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(connecting))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(min(0.25, timeout / 4)))
-            connect_within(sock, path, connecting)
-        except OSError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from exc
-        self._timeout = timeout
+        super().__init__(path, timeout, deadline)
         self._max_send = proto.MAX_MESSAGE_BYTES  # the daemon's, once its welcome says (limit_sends)
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
-        self._send_poll = select.poll()
-        self._send_poll.register(sock.fileno(), select.POLLOUT)
 
     @property
     def state(self) -> proto.State:
@@ -210,39 +167,6 @@ class Transport:
         if request_id is not None:
             self._due[request_id] = type(msg)
         return packet
-
-    def _send(self, packet: bytes, fds: Sequence[int], deadline: float | None) -> bool:
-        """(Under the send lock) Send one packet (whole, or nothing of it: SOCK_SEQPACKET)
-        once the daemon has room for it, by `deadline` (None: within the backend's
-        timeout, as every blocking call is). False if the deadline came first; an OSError
-        if the timeout did, or the connection failed."""
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
-        limit = time.monotonic() + self._timeout
-        if deadline is not None and deadline < limit:
-            limit = deadline
-        self._sending = True
-        try:
-            while True:
-                try:
-                    if ancillary:
-                        self._sock.sendmsg([packet], ancillary, socket.MSG_DONTWAIT)
-                    else:
-                        self._sock.send(packet, socket.MSG_DONTWAIT)
-                    return True
-                except BlockingIOError:
-                    pass
-                left = limit - time.monotonic()
-                if left <= 0:
-                    if limit == deadline:
-                        return False
-                    raise TimeoutError(f"the daemon took nothing within {self._timeout:g}s")
-                # (a close() from a signal handler on this thread shuts the socket and leaves
-                # it open: poll wakes, and the send meets the shut socket)
-                self._send_poll.poll(min(max(1, int(left * 1000)), _MAX_POLL_MS))
-        finally:
-            self._sending = False
-            if self._close_when_sent:
-                self._sock.close()
 
     def _read_parting(self, lost: CommError, deadline: float | None) -> CommError:
         """A send found the daemon gone: read what it sent before it went, as the reader, so
@@ -420,29 +344,10 @@ class Transport:
     def _read_one(self, deadline: float | None) -> Packet:
         if self._broken is not None:  # (closed: the socket is only shut down, never to be polled)
             raise detached(self._broken)
-        while True:  # (a deadline further than poll() can wait is waited for in steps)
-            left = remaining(deadline)
-            if left is not None and left <= 0:
-                raise CommTimeout("the call did not complete before its deadline")
-            ready = self._poll.poll(None if left is None else min(max(1, int(left * 1000)), _MAX_POLL_MS))
-            if ready:
-                break
-        # recvmsg reads no bytes both at the end of the connection and for a zero-length
-        # packet (legal on SOCK_SEQPACKET); only the hang-up poll saw before the read tells
-        # them apart (without it, the packet the read takes was already there)
-        hung_up = bool(ready[0][1] & (select.POLLHUP | select.POLLRDHUP))
         try:
-            try:
-                data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
-            except ConnectionResetError:
-                # The daemon closed with packets of ours unread (killed, or a bug's INTERNAL
-                # answer): Linux says so once, ahead of what it sent before, its answers and
-                # last word among them. Those come next, then the end
-                hung_up = True
-                data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            data, fds, hung_up = self._receive(deadline)
         except OSError as exc:
             raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}{_GONE}")) from exc
-        fds = take_fds(ancillary)
         if not data and not fds:
             if hung_up:
                 raise self._break(DaemonUnavailable(f"the daemon closed the connection{_GONE}"))
@@ -494,7 +399,7 @@ class Transport:
         surfaces on the next call)."""
         read = 0
         try:
-            while (at_most is None or read < at_most) and self._poll.poll(0):
+            while (at_most is None or read < at_most) and self._packet_waiting():
                 self._route(*self._read_one(None))
                 read += 1
         except CommError:
@@ -522,8 +427,7 @@ class Transport:
             broken = detached(self._broken)
             self._cond.notify_all()
         if first:  # the daemon must see us go (a rejoin on a new socket would be "already connected")
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+            self._shut_down()
         return broken
 
     def interrupted(self, exc: BaseException) -> CommError:
@@ -541,27 +445,16 @@ class Transport:
 
     def close(self) -> None:
         self._break(DaemonUnavailable("the backend was closed"))
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a send blocked in the kernel, and a reader)
+        self._shut_down()  # (wakes a send blocked in the kernel, and a reader)
         with self._lock:  # (no thread starts reading once broken)
             reading = self._close_when_read = self._reader is not None
         if not reading:
             self._close_socket()
 
     def close_inherited(self) -> None:
-        """In a forked child: close this process's copy of the socket, leaving the connection
-        (the parent's) as it is: no shutdown, which would end the parent's connection too,
-        and no lock, which a thread the child lacks may have held."""
+        # (every call in the child is refused: the connection is the parent's)
         self._broken = DaemonUnavailable("the connection belongs to the parent process")
-        self._sock.close()
-
-    def _close_socket(self) -> None:
-        with self._send_lock:  # a sender past its check of _broken must not meet a closed socket
-            if self._sending:  # (this thread's, cut into by a signal handler) poll() would retry
-                # by the fd number, which another socket or pipe may take once closed
-                self._close_when_sent = True
-                return
-            self._sock.close()
+        super().close_inherited()
 
 
 class _Interruptible:
@@ -589,21 +482,3 @@ class _Interruptible:
             if not self._reading and self._transport._reader == self._thread:
                 self._transport._stop_reading()
 
-
-# Every transport of this process, whose socket may be open (see _in_forked_child), and
-# the lock a fork waits for while a socket is made and not yet among them.
-_OPEN: weakref.WeakSet[Transport] = weakref.WeakSet()
-_MAKING = threading.Lock()
-
-
-def _in_forked_child() -> None:
-    """A fork copies every socket into the child. A copy held open keeps the parent's
-    connection alive after the parent dies (its daemon would not see the rank go), so the
-    child closes its copies at once: one under way (connecting, saying hello) too."""
-    _MAKING.release()
-    for transport in list(_OPEN):
-        transport.close_inherited()
-
-
-os.register_at_fork(before=_MAKING.acquire, after_in_parent=_MAKING.release,
-                    after_in_child=_in_forked_child)

@@ -19,8 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 import proto
-from client import CommError, DaemonBackend
-from client import transport as transport_module
+from client import CommError, DaemonBackend, sockets
 from client.hostmem import HostMemory
 from client.memory import MemoryRef
 from tests.conftest import garbage, held_elsewhere
@@ -84,7 +83,7 @@ def test_a_collection_during_a_rejoins_import_of_a_dropped_registered_buffer(
 
 
 class CollectingSet:
-    """Stands in for transport._OPEN: iterating it (in the child's fork hook) starts a
+    """Stands in for sockets._OPEN: iterating it (in the child's fork hook) starts a
     collection, as any allocation in the hooks that run before the backends are marked may."""
 
     def __init__(self, real: object) -> None:
@@ -108,7 +107,7 @@ def test_a_collection_in_the_childs_fork_hooks_does_not_wait_for_the_parents_loc
     memory = HostMemory()
     backend = DaemonBackend(path, "w", 0, 1, timeout=5, memory=memory, cuda_driver=lambda: None)
     garbage_buffer(memory)
-    monkeypatch.setattr(transport_module, "_OPEN", CollectingSet(transport_module._OPEN))
+    monkeypatch.setattr(sockets, "_OPEN", CollectingSet(sockets._OPEN))
     try:
         with held_elsewhere(backend._lock):  # (a reader in on_event, any call's bookkeeping)
             child = os.fork()
