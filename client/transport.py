@@ -5,7 +5,7 @@ reader becomes the reader (leader/follower): with one calling thread, a call
 is one sendmsg and one recvmsg, with no hand-off to a helper thread, which
 would cost a cross-CPU wake-up per call. Pushed events go to `on_event`, with the
 transport they came on. The socket's own work (a packet sent or read by a deadline, its
-fd closed safely) is PacketSocket's (sockets.py).
+fd closed safely) is PacketSocket's (sockets.py); which replies are due, RepliesDue's.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .errors import (
     from_closing,
     from_event,
 )
+from .replies import RepliesDue
 from .sockets import PacketSocket, close_fds, remaining
 
 _PARTING_READS = 64  # after a failed send: unread packets looked through for why the daemon went
@@ -37,10 +38,6 @@ _PARTING_WAIT_S = 1.0  # ... or how long the thread reading them has to find tha
 _GONE = " (the daemon stopped, with no word of why); call attempt_reconnect once it is back"
 
 Packet = tuple[proto.Message, list[int]]
-# How the daemon answers each kind of request (an Error aside): Ok unless named here; and
-# the requests whose answer may carry an fd
-_ANSWERS: dict[type, type] = {proto.Hello: proto.Welcome, proto.StatusQuery: proto.StatusReport}
-_FDS_BACK = frozenset({proto.SymAlloc})
 # What undoes a request that timed out, should its reply come late: given the reply and a
 # fresh request id, the message to send (its own reply is read by nobody), or None.
 Undo = Callable[[proto.Message, int], proto.Message | None]
@@ -63,9 +60,7 @@ class Transport(PacketSocket):
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._replies: dict[int, Packet] = {}
-        # Every request sent whose answer has not come, by id: its kind. (Added to as it is
-        # sent, taken from by the one reader: no lock.)
-        self._due: dict[int, type] = {}
+        self._due = RepliesDue()
         self._awaited: set[int] = set()  # request ids some thread still waits for
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
         self._reader: int | None = None  # the thread reading for everyone, if any
@@ -163,9 +158,7 @@ class Transport(PacketSocket):
         if len(packet) > self._max_send:  # the daemon would refuse it, and drop the connection
             raise LimitExceeded(f"{type(msg).__name__} is {len(packet)} bytes, over the daemon's "
                                 f"{self._max_send} (its max_message): nothing was sent")
-        request_id = getattr(msg, "id", None)
-        if request_id is not None:
-            self._due[request_id] = type(msg)
+        self._due.sent(msg)
         return packet
 
     def _read_parting(self, lost: CommError, deadline: float | None) -> CommError:
@@ -359,30 +352,11 @@ class Transport(PacketSocket):
         except proto.ProtoError as exc:
             close_fds(fds)  # nobody will take them
             raise self._break(ProtocolError(f"bad packet from the daemon: {exc}")) from exc
-        unasked = self._unasked(msg, fds)
+        unasked = self._due.unasked(msg, fds)
         if unasked is not None:
             close_fds(fds)
             raise self._break(ProtocolError(unasked))
         return msg, fds
-
-    def _unasked(self, msg: proto.Message, fds: list[int]) -> str | None:
-        """(As the reader) Why `msg` answers no request of ours (None: it does, and that
-        request is due no more). Taken as another's, or as late, it would be dropped, and
-        the call it was meant for would wait out its timeout; taken as an answer of the
-        wrong kind, it would pass for the call's success; its fds would stay open."""
-        reply_id = getattr(msg, "id", 0)
-        if not reply_id:  # an event, or the daemon's last word on the connection
-            return None
-        request = self._due.pop(reply_id, None)
-        if request is None:
-            return f"the daemon answered request {reply_id}, which was never made or was answered already"
-        if isinstance(msg, proto.Error):
-            return None
-        if not isinstance(msg, _ANSWERS.get(request, proto.Ok)):
-            return f"the daemon answered {request.__name__} {reply_id} with {type(msg).__name__}"
-        if fds and request not in _FDS_BACK:
-            return f"the daemon's reply to {request.__name__} carried {len(fds)} fd(s), where none belongs"
-        return None
 
     def drain_events(self) -> None:
         """Handle events already waiting in the socket, without blocking."""
