@@ -14,6 +14,12 @@ from proto import codec
 from proto import peer as p
 
 
+class UnreadableFrame(proto.DecodeError):
+    """A sealed frame that opened (a daemon with the secret sent it) and did not decode: of
+    another build at this peer protocol (a message type or field this one lacks), or a bug. Its
+    sender is alive, and a lost link says so (peering.PeerLink)."""
+
+
 class FrameStream(asyncio.BufferedProtocol):
     """One TCP connection's frames, read straight into their own buffers.
 
@@ -110,7 +116,12 @@ class FrameStream(asyncio.BufferedProtocol):
             payload = opener.open_payload(self._lengths, self._target)
         else:
             payload = typing.cast(bytearray, self._target)  # (a clear frame keeps its buffer)
-        msg = codec.decode_peer(self._header)
+        try:
+            msg = codec.decode_peer(self._header)
+        except proto.ProtoError as exc:
+            if not self._sealed_in:  # (in the clear: anyone's, as a handshake's)
+                raise
+            raise UnreadableFrame(str(exc)) from None
         self._frames.append((msg, payload))
         if not self._sealed_in and self.sealed_after is not None and isinstance(msg, self.sealed_after):
             self._sealed_in = True

@@ -80,7 +80,7 @@ class LocalMembership:
     def failed(self, code: ErrorCode, message: str) -> None:
         pass
 
-    def peer_lost(self, link: PeerLink, reason: str) -> None:
+    def peer_lost(self, link: PeerLink) -> None:
         pass
 
 
@@ -388,13 +388,13 @@ class NetMembership:
             with contextlib.suppress(CallError):  # a daemon that is gone fails the world by itself
                 self.net.send(daemon, msg)
 
-    def peer_lost(self, link: PeerLink, reason: str) -> None:
-        """`link` is gone: if the world used it, the world fails, and the votes cast over
-        it go (a member that dialed the root anew votes over its new link)."""
+    def peer_lost(self, link: PeerLink) -> None:
+        """`link` is gone: if the world used it, the world fails (as `link.loss` says), and the
+        votes cast over it go (a member that dialed the root anew votes over its new link)."""
         lost_votes = [r for r, ballot in self._ballots.items() if ballot.link is link]
         if not self.net.uses(link) and not lost_votes:
             return
-        message = f"daemon {link.name} was lost: {reason}"
+        message = link.loss
         if self.net.is_root:
             if self.net.member_links.get(link.name) is link:
                 del self.net.member_links[link.name]

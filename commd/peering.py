@@ -22,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import proto
+from proto import clip_text
 from proto import peer as p
 
 from . import __version__
 from .errors import quoted
-from .frames import FrameStream
+from .frames import FrameStream, UnreadableFrame
 from .logs import Throttled
 
 log = logging.getLogger("commd.peering")
@@ -139,6 +140,7 @@ class PeerLink:
         self._quiet_until = 0.0  # the peer said its loop may stall until then (Heartbeat.quiet_ms)
         self._beats = 0
         self.closed = False
+        self.loss = ""  # once closed: what the worlds over the link fail with (`close`)
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -189,6 +191,13 @@ class PeerLink:
             reason = "closed by the peer (reset)"
         except (ConnectionError, OSError) as exc:
             reason = str(exc) if str(exc) == "closed by the peer" else f"connection error: {exc}"
+        except UnreadableFrame as exc:
+            # (it held the secret: alive, of another build or in a bug. "Lost" would send an
+            # operator looking for a dead daemon, and the builds are what to compare)
+            self.close(f"bad frame: {exc}", loss=(
+                f"daemon {self.name} sent a frame this build cannot read ({clip_text(str(exc), 200)}); "
+                f"the link was dropped (peer protocol {p.PEER_VERSION}, commd {__version__} here)"))
+            return
         except proto.ProtoError as exc:
             reason = f"bad frame: {exc}"
             log.warning("peer %s sent a bad frame: %s", self.name, exc)
@@ -218,16 +227,22 @@ class PeerLink:
             self.send(p.Heartbeat(self._beats))
             await asyncio.sleep(self._settings.heartbeat_s)
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, loss: str | None = None) -> None:
+        """Close the link for `reason`; `loss`: what the worlds over it are told, when not that
+        the daemon was lost for `reason` (one that is alive)."""
         if self.closed:
             return
         self.closed = True
+        self.loss = loss or f"daemon {self.name} was lost: {reason}"
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
                 task.cancel()
         self._stream.abort()
-        log.warning("link to daemon %s lost: %s", self.name, reason)
+        if loss is None:
+            log.warning("link to daemon %s lost: %s", self.name, reason)
+        else:
+            log.warning("%s", loss)
         self._on_lost(self, reason)
 
 

@@ -136,7 +136,7 @@ class Registry:
         for world in list(self.worlds.values()):
             if isinstance(world.membership, NetMembership):
                 try:
-                    world.membership.peer_lost(link, reason)
+                    world.membership.peer_lost(link)
                 except Exception:  # one world's bug must not keep the others from hearing it
                     log.exception("world %s: handling the loss of a link to %s failed", world.name, link.name,
                                   extra=world.log_extra())

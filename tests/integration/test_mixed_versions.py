@@ -260,3 +260,54 @@ def test_a_daemon_of_another_peer_protocol_is_refused_at_once_naming_both(
     finally:
         newer.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# What a build of this peer protocol may send that this one cannot read (a newer build that
+# did not raise PEER_VERSION, or a bug), and what B says it could not read
+UNREADABLE = {
+    "unknown-type": ({"t": "world_paused", "epoch": 1}, "unknown message type 'world_paused'"),
+    "unknown-field": ({"t": "world_failed", "epoch": 1, "code": "timeout", "message": "late", "hint": "x"},
+                      "world_failed: unknown field 'hint'"),
+}
+
+
+@pytest.mark.parametrize("frame", list(UNREADABLE))
+def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_daemon_was_lost(
+        frame: str) -> None:
+    """The root R, alive and of this peer protocol, sends a frame B cannot read. B drops the
+    link (WIRE.md §9), and both worlds over it fail with PeerLost, but the ranks and B's log
+    must say what happened and name this build (before: "daemon R was lost: bad frame: unknown
+    message type 'world_paused'", as if R had died, and no word of either build)."""
+    tmp = short_tmpdir()
+    log_path = Path(tmp) / "daemon.log"
+    root = RawPeer("R")
+    worlds = [world_name() for _ in range(2)]
+    raw, unread = UNREADABLE[frame]
+    said = (f"daemon R sent a frame this build cannot read ({unread}); the link was dropped (peer "
+            f"protocol {p.PEER_VERSION}, commd {__version__} here)")
+    try:
+        with open(log_path, "wb") as log, DaemonProcess(
+                Path(tmp) / "B" / "commd.sock", env=SECRET, log=log,
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST]) as daemon:
+            clients = [RawClient(str(daemon.socket_path), 10) for _ in worlds]
+            try:
+                link = voted_at(root, clients, worlds)
+                for world in worlds:
+                    root.send(link, p.WorldReady(world, 1, ("R", "B")))
+                assert all(isinstance(client.recv(), proto.Welcome) for client in clients)
+                root.send_map(link, {**raw, "world": worlds[0]})
+                for client in clients:
+                    event = client.recv()
+                    assert isinstance(event, proto.Event), event
+                    assert event.kind is proto.EventKind.WORLD_FAILED and event.epoch == 1
+                    assert event.code is ErrorCode.PEER_LOST  # (the client's PeerLost)
+                    assert event.message == said, event.message
+                wait_until(lambda: said in log_path.read_text(errors="replace"), timeout=5)
+                assert "was lost" not in log_path.read_text(errors="replace")
+                assert query_status(str(daemon.socket_path), 5)["peers"]["links"] == []
+            finally:
+                for client in clients:
+                    client.close()
+    finally:
+        root.close()
+        shutil.rmtree(tmp, ignore_errors=True)
