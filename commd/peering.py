@@ -409,7 +409,7 @@ class PeerNode:
         transcript = p.transcript(hello, challenge.daemon, challenge.incarnation, challenge.nonce)
         if not hmac.compare_digest(p.proof(self.settings.secret, "listener", transcript), challenge.proof):
             stream.write(p.PeerRefused("wrong listener proof"))
-            raise PeerRefusedError(f"daemon {challenge.daemon} does not hold our secret")
+            raise PeerRefusedError(f"daemon {quoted(challenge.daemon)} does not hold our secret")
         self._refuse_if_taken(stream, challenge.daemon, challenge.incarnation)
         stream.trust(self._frame_keys(transcript, dialed=True)[1])  # before its ready
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
@@ -431,9 +431,9 @@ class PeerNode:
                                        "daemon needs a peer_name of its own"))
             raise PeerRefusedError(f"a daemon named {quoted(hello.daemon)}, as this one is")
         if hello.version != p.PEER_VERSION:
-            reason = (f"peer protocol {hello.version} (daemon {hello.daemon}) is not {p.PEER_VERSION} "
-                      f"(daemon {self.settings.name}, commd {__version__}): daemons link at one peer "
-                      "protocol only")
+            reason = (f"peer protocol {hello.version} (daemon {quoted(hello.daemon)}) is not "
+                      f"{p.PEER_VERSION} (daemon {quoted(self.settings.name)}, commd {__version__}): "
+                      "daemons link at one peer protocol only")
             stream.write(p.PeerRefused(reason))
             raise PeerRefusedError(reason)
         if not hello.incarnation:  # (optional only so that an older version's hello decodes)
@@ -449,7 +449,7 @@ class PeerNode:
         if not isinstance(answer, p.PeerProof) or not hmac.compare_digest(want, answer.proof):
             with contextlib.suppress(Exception):
                 stream.write(p.PeerRefused("wrong proof: this daemon does not share our secret"))
-            raise PeerRefusedError(f"daemon {hello.daemon!r} failed the challenge")
+            raise PeerRefusedError(f"daemon {quoted(hello.daemon)} failed the challenge")
         self._refuse_if_taken(stream, hello.daemon, hello.incarnation)
         stream.trust(self._frame_keys(transcript, dialed=False)[1])  # before our ready
         stream.write(p.PeerReady())

@@ -249,7 +249,7 @@ def test_a_daemon_of_another_peer_protocol_is_refused_at_once_naming_both(
             DaemonBackend(str(member.socket_path), world_name(), 1, 2, timeout=5,
                           bootstrap=root.peer_address())
         assert time.monotonic() - started < 0.9  # (not dialing again for the 1 s handshake window)
-        ours, theirs = (p.PEER_VERSION, "B"), (p.PEER_VERSION + 1, "N")
+        ours, theirs = (p.PEER_VERSION, "'B'"), (p.PEER_VERSION + 1, "'N'")
         dialer, listener = (theirs, ours) if newer_is == "member" else (ours, theirs)
         assert (f"cannot reach the daemon at {root.peer_address()}: peer protocol {dialer[0]} (daemon "
                 f"{dialer[1]}) is not {listener[0]} (daemon {listener[1]}, commd {__version__}): daemons "
@@ -310,4 +310,38 @@ def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_
                     client.close()
     finally:
         root.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("newer_is", ["member", "root"])
+def test_a_refusal_by_version_quotes_a_name_with_control_characters(newer_is: str) -> None:
+    """The newer daemon's name has control characters (a terminal's escape, a bell, a line
+    break): the refusal by version, which the rank reads and the listener logs, must quote it,
+    as every other refusal of a hello does (before: "peer protocol 8 (daemon N<ESC>[2J<BEL>
+    <LF>forged line) is not 7 ...", the characters as they are in the rank's text and the
+    log, where the line break starts a line of the name's making)."""
+    tmp = short_tmpdir()
+    name = "N\x1b[2J\x07\nforged line"
+    logs = {side: Path(tmp) / f"{side}.log" for side in "BN"}
+    try:
+        with open(logs["B"], "wb") as b_log, open(logs["N"], "wb") as n_log, DaemonProcess(
+                Path(tmp) / "B" / "commd.sock", env=SECRET, log=b_log,
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST]) as daemon, DaemonProcess(
+                Path(tmp) / "N" / "commd.sock", env=SECRET, log=n_log, under=[*NEWER_BUILD, "features"],
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST]) as newer:
+            root, member = (daemon, newer) if newer_is == "member" else (newer, daemon)
+            with pytest.raises(PeerLost) as refused:
+                DaemonBackend(str(member.socket_path), world_name(), 1, 2, timeout=5,
+                              bootstrap=root.peer_address())
+            ours, theirs = (p.PEER_VERSION, "'B'"), (p.PEER_VERSION + 1, repr(name))
+            dialer, listener = (theirs, ours) if newer_is == "member" else (ours, theirs)
+            said = (f"peer protocol {dialer[0]} (daemon {dialer[1]}) is not {listener[0]} (daemon "
+                    f"{listener[1]}, commd {__version__}): daemons link at one peer protocol only")
+            assert said in str(refused.value) and "\x1b" not in str(refused.value)
+            listener_log = logs["B" if newer_is == "member" else "N"]
+            wait_until(lambda: said in listener_log.read_text(errors="replace"), timeout=5)
+            for log in logs.values():
+                text = log.read_text(errors="replace")
+                assert "\x1b" not in text and "\x07" not in text and "\nforged line" not in text, text
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -378,7 +378,7 @@ async def test_listener_with_another_secret_is_detected_by_the_dialer() -> None:
     a, b = Side("impostor", secret=b"not ours"), Side("daemon-b")
     async with sides(a, b):
         port = await a.listen()
-        with pytest.raises(PeerRefusedError, match="impostor does not hold our secret"):
+        with pytest.raises(PeerRefusedError, match="'impostor' does not hold our secret"):
             await b.dial(port)
         await eventually(lambda: a.node.refused == 1)  # it read our refusal, not a proof
         assert a.accepted.empty()
@@ -404,7 +404,7 @@ async def test_listener_checks_the_dialers_proof() -> None:
         assert a.accepted.empty()
 
 
-OTHER = f"(daemon future) is not {p.PEER_VERSION} (daemon daemon-a"  # (what a refusal by version says)
+OTHER = f"(daemon 'future') is not {p.PEER_VERSION} (daemon 'daemon-a'"  # (what a refusal by version says)
 
 
 @pytest.mark.parametrize("version,with_incarnation,reason", [
