@@ -15,9 +15,9 @@ from proto import DType, ReduceOp
 
 from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
-from .connection import Connection, check_past
+from .connection import Connection
 from .cuda import available_driver
-from .errors import CommError, DaemonUnavailable, LimitExceeded, MisuseError, WorldFailed
+from .errors import CommError, DaemonUnavailable, MisuseError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -26,6 +26,7 @@ from .imported import ImportedBuffers
 from .memory import DriverFactory, MemoryResolver
 from .moves import InFlight
 from .opcache import OpCache
+from .reconnect import Reconnector
 from .registrations import Registrations
 from .rpc import Superseded, built
 from .streams import StreamOrder
@@ -101,8 +102,6 @@ class DaemonBackend(CommBackend):
         self._device, self._bootstrap, self._token = device, bootstrap, token
         self._memory = memory if memory is not None else default_memory()
         self._lock = threading.RLock()  # buffer bookkeeping, never over I/O
-        self._reconnect_lock = threading.Lock()  # one attempt_reconnect of this rank at a time
-        self._reconnects = 0  # that succeeded
         self._health = Health(self._lock)
         self._imports = ImportedBuffers()
         self._groups = Groups(on_dropped=self._group_dropped)
@@ -128,6 +127,8 @@ class DaemonBackend(CommBackend):
         self._symmetric = SymmetricMemory(self._lock, self._conn.request, self._due, self._memory,
                                           self._resolver, self._imports, self._conn.current_link,
                                           self._conn.gone, lambda: self._conn.closed)
+        self._reconnector = Reconnector(self._world, self._lock, self._conn, self._health,
+                                        self._registrations, self._add_kernel, self._due, _JOIN_GRACE_S)
         self._conn.open(time.monotonic() + timeout + _JOIN_GRACE_S)
         try:
             self._memory.on_release(self._on_host_buffer_released)
@@ -305,52 +306,7 @@ class DaemonBackend(CommBackend):
         that saw a collective work or is_healthy() true since its failure asks for a new
         rebuild, as does any thread while the world is known to have failed again."""
         self._conn.check_open()
-        entered = self._reconnects
-        failed_at = self._health.met_at()
-        with self._reconnect_lock:
-            self._conn.take_news()  # (another rank's vote since the rebuild has failed it again)
-            with self._lock:
-                # another thread reconnected while this one waited, or since its failure
-                repaired = self._reconnects != entered or (
-                    failed_at is not None and failed_at < self.epoch)
-                if repaired and self._health.failure()[0] is None:
-                    self._health.behind()
-                    return
-            refusal = self._reconnect()
-            self._reconnects += 1
-            self._health.behind()
-        if refusal is not None:  # (a limit: the world is rebuilt and healthy all the same)
-            raise refusal
-
-    def _reconnect(self) -> LimitExceeded | None:
-        due = self._due()
-        rejoin = self._conn.transport.broken is not None
-        if not rejoin:
-            try:
-                # like the hello: the daemon enforces the deadline and names missing ranks; give
-                # its answer time to arrive rather than give up just before it does
-                answer = self._conn.request(proto.Reconnect, due=due, grace=_JOIN_GRACE_S)
-                epoch = answer.value()
-                check_past(epoch, answer.epoch, f"the daemon rebuilt world {self._world}")
-                with self._lock:
-                    self._conn.new_epoch(epoch)
-            except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
-                self._conn.check_open()  # (or close() on another thread broke it)
-                rejoin = True
-        if rejoin:
-            self._conn.rejoin(due + _JOIN_GRACE_S)
-        # What the daemon should know again: after a rejoin, all of it; after a rebuild on
-        # the same daemon, what an earlier restoring left undone. By a deadline of its own:
-        # the rebuild waited for the slowest rank, and may have taken all of the call's.
-        restore = self._due()
-        refusal: LimitExceeded | None = None
-        try:
-            self._registrations.register_again(restore)
-        except LimitExceeded as exc:
-            refusal = exc
-        self._add_kernel.tell(restore)
-        self._health.repaired_up_to(self.epoch)
-        return refusal
+        self._reconnector.attempt()
 
     def _forget_daemon(self, link: int) -> None:
         """A rejoin left the daemon behind: nothing imported into it or registered with it
