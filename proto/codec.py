@@ -129,18 +129,6 @@ def _enum_beside_text(hint: Any) -> type[enum.Enum] | None:
     return other if isinstance(other, type) and issubclass(other, enum.Enum) else None
 
 
-def _enum_or_text(cls: type[enum.Enum]) -> Decoder:
-    """A member, or the string itself when it names none (see messages.Error)."""
-    members = cls._value2member_map_
-
-    def decode(value: Any) -> enum.Enum | str:
-        text = _str(value)
-        member = members.get(text)
-        return text if member is None else member
-
-    return decode
-
-
 def _optional(inner: Decoder) -> Decoder:
     return lambda value: None if value is None else inner(value)
 
@@ -170,9 +158,10 @@ def _decoder_for(hint: Any) -> Decoder:
         return _SIMPLE[hint]
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return _enum(hint)
-    known = _enum_beside_text(hint)
-    if known is not None:
-        return _enum_or_text(known)
+    if _enum_beside_text(hint) is not None:
+        # (a string: the message's constructor makes it the member it names, if one, as it
+        # does for a message built here: messages.member_or_name)
+        return _str
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]

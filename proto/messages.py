@@ -484,8 +484,7 @@ class Error:
     def __post_init__(self) -> None:
         _u64("id", self.id)
         object.__setattr__(self, "code", error_code(self.code))
-        if len(self.message) > MAX_ERROR_TEXT:
-            object.__setattr__(self, "message", clip_text(self.message))
+        object.__setattr__(self, "message", clip_text(self.message))
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,8 +502,7 @@ class Event:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", member_or_name(self.kind, EventKind, "an event kind"))
         object.__setattr__(self, "code", error_code(self.code))
-        if len(self.message) > MAX_ERROR_TEXT:
-            object.__setattr__(self, "message", clip_text(self.message))
+        object.__setattr__(self, "message", clip_text(self.message))
         _u64("epoch", self.epoch)
 
 
