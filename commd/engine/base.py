@@ -195,7 +195,7 @@ class Communicator(Protocol):
 
         `requests` names the client requests the op's calls came in (a worker's group is
         one request): an engine that hands the device several ops at once joins only ops
-        that share one, as the workers grouped them (NCCL's rule, see ncclcomm._launch_soon)."""
+        that share one, as the workers grouped them (NCCL's rule, see ncclbatch.Batcher.launch_soon)."""
         ...
 
     def abort(self) -> None:

@@ -4,6 +4,7 @@
 communicators. Its parts, each in a module of its own:
 
 - ncclcomm: one world's communicators on this daemon, and how its ops reach NCCL
+- ncclbatch: which of a world's ops go to NCCL together, and in what order
 - ncclcalls: the NCCL call each op becomes
 - addpath: set_add_kernel's 2-rank bf16 sum (an exchange, then the daemon's own add)
 - ncclmemory: opened memory and events, held by ops, let go off the event loop

@@ -18,17 +18,18 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proto import ErrorCode
 
 from ..errors import CallError
-from .addpath import Add, AddPath
+from .addpath import AddPath
 from .base import EngineOp, Order, Region
 from .completion import Completions
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
+from .ncclbatch import Batcher, Launch
 from .ncclcalls import Call, nccl_calls, regions_of
 from .ncclgate import NcclGate, loop_running
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
@@ -42,23 +43,6 @@ _SETTLE_MAX_S = 0.005  # longest pause between polls of a communicator still in 
 
 
 @dataclass(frozen=True, slots=True)
-class _Launch:
-    """One op's part of a launch: its NCCL calls, what orders it (the workers' events),
-    its add-kernel plan, the ranks it touches, and the future its run awaits."""
-
-    calls: list[Call]
-    order: Order | None
-    adds: list[Add]
-    touched: list[int]
-    launched: asyncio.Future[None]
-    mappings: list[NcclMapping]  # the memory it uses
-    requests: frozenset[object]  # the client requests its calls came in (see _launch_soon)
-    # the events recorded behind the op at its launch, in its turn: one recorded later
-    # would follow whatever launched meanwhile, and wait for it (see _launch_batch)
-    completion: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
 class _Held:
     """What an op uses until the device is done with it."""
 
@@ -69,7 +53,7 @@ class _Held:
 class NcclCommunicator:
     """One world's communicators (one per local rank) for one epoch."""
 
-    launches_in_order = True  # see run and _launch_soon
+    launches_in_order = True  # see run and Batcher.launch_soon
     reports_async_errors = True  # ncclCommGetAsyncError, and ops answered before they ended
 
     def __init__(self, gpu: Gpu, waiters: ThreadPoolExecutor, compiler: ThreadPoolExecutor, freer: Freer,
@@ -96,8 +80,6 @@ class NcclCommunicator:
         self._init_failure: CallError | None = None  # of an init made after an abort (see __init__)
         self._failure: str | None = None  # of an op answered before it was done
         self._later: set[asyncio.Task[None]] = set()  # such ops, still on the device
-        # ops to launch at the end of this turn of the loop, together (see _launch_soon)
-        self._batch: list[_Launch] = []
         # A non-blocking communicator takes no NCCL call, and its stream no work, from a
         # launch (or its init) until its state reads ncclSuccess again: everything that
         # calls NCCL on a rank's communicator or queues work on its stream does it in the
@@ -105,6 +87,7 @@ class NcclCommunicator:
         # launch still in progress (NCCL connecting to a peer that has yet to post its
         # side) must not hold back another rank's, which that peer may be waiting for first.
         self._turns = Turns(self._ranks)
+        self._batcher = Batcher(self._turns, self._spawn, self._launch_batch)
         self._tasks: set[asyncio.Task[None]] = set()  # launches, drains, deregistrations under way
         self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
         self._deregistering = False
@@ -173,10 +156,10 @@ class NcclCommunicator:
         held = _Held(regions_of(op) + [scratch for _, _, scratch in adds],
                      [p for p in (order.events.values() if order else ()) if isinstance(p, NcclEvents)])
         self._hold(held)
-        entry = _Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future(),
-                        [region.mapping for region in held.regions], requests)
+        entry = Launch(calls, order, adds, touched, asyncio.get_running_loop().create_future(),
+                       [region.mapping for region in held.regions], requests)
         try:
-            await self._launch_soon(entry)  # from here work may be on the streams, even if it failed
+            await self._batcher.launch_soon(entry)  # from here work may be on the streams, even if it failed
             verdict = device_check(self._net, self._inbox, self._epoch, self._ranks, op)
         except BaseException:
             self._completions.give_back(entry.completion)  # not waited on: reusable
@@ -456,41 +439,6 @@ class NcclCommunicator:
     def use_add_kernel(self, enabled: bool) -> None:
         self._adds.enable(enabled)
 
-    async def _launch_soon(self, entry: _Launch) -> None:
-        """Launch at the end of this turn of the event loop, in one NCCL group with the
-        ops of this turn that came in the same client request (a worker's group, whose
-        calls match one by one, all in the turn its last rank's request arrived): its
-        sends and receives then pair up inside NCCL, as they must (two ranks sending each
-        other large messages in separate groups would each wait for the other's receive
-        forever). Ops of other requests go in groups of their own: NCCL picks a
-        collective's algorithm by what else is in its group (enqueue.cc, updateCollCostTable's
-        numPipeOps), so every daemon must group a world's collectives alike, and only the
-        workers' requests are alike everywhere; an op merged with an unrelated one would
-        also complete only with it.
-
-        An add-path op launches alone: its sum lands in its buffer only with its add, after
-        every NCCL call of its launch, so an op launched with it could read (or write) the
-        buffer on the wrong side of that add. Its exchange is between ranks of this daemon,
-        so nothing waits for it elsewhere."""
-        if entry.adds:
-            self._flush()  # what gathered before it goes first
-            self._launch_now([entry])
-        else:
-            if not self._batch:
-                asyncio.get_running_loop().call_soon(self._flush)
-            self._batch.append(entry)
-        await entry.launched
-
-    def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        for launch in _by_request(batch):
-            self._launch_now(launch)
-
-    def _launch_now(self, batch: list[_Launch]) -> None:
-        """Its turn is taken here, at once, so launches keep the order they were asked for."""
-        turn = self._turns.take({rank for entry in batch for rank in entry.touched})
-        self._spawn(self._launch_batch(batch, turn), turn)
-
     def _spawn(self, work: Coroutine[None, None, None], turn: Turn | None = None) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
@@ -499,47 +447,33 @@ class NcclCommunicator:
             task.add_done_callback(lambda _task: self._turns.leave(turn))
         return task
 
-    async def _launch_batch(self, batch: list[_Launch], turn: Turn) -> None:
-        """The launch, in its ranks' turn from before NCCL is called until their state is
-        ncclSuccess again: only then are the kernels on the streams (a non-blocking group
-        end may return ncclInProgress and enqueue them later, from NCCL's own thread), so
-        only then may the add kernels and the done events follow them there."""
-        ranks = turn.ranks
-        try:
-            async with turn:
-                self._check()
-                await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
-                self._register_pending(ranks)
-                for entry in batch:
-                    for mapping in entry.mappings:
-                        mapping.launches += 1
-                self._freer.launches.begin()
-                try:
-                    self._launch([(entry.calls, entry.order) for entry in batch])
-                    await self._settle(ranks)
-                finally:
-                    if self._aborting:  # NCCL's thread may enqueue it until the abort returned
-                        self._launches_to_end += 1
-                    else:
-                        self._freer.launches.end()
-                for entry in batch:
-                    self._adds.launch_adds(entry.adds, self._streams)
-                    self._record_done(entry)
-                    entry.completion.update(self._completions.record(self._streams, entry.touched))
-        except BaseException as exc:  # whatever it was, every op of the batch must hear of it
-            code, message = (exc.code, exc.message) if isinstance(exc, CallError) else (
-                ErrorCode.ENGINE, f"NCCL launch failed: {type(exc).__name__}: {exc}")
-            for entry in batch:  # each its own: a shared one would gather tracebacks
-                if not entry.launched.done():
-                    entry.launched.set_exception(CallError(code, message))
-            if not isinstance(exc, Exception):
-                raise
-            return
+    async def _launch_batch(self, batch: list[Launch], ranks: list[int]) -> None:
+        """The launch, in its ranks' turn (the Batcher's) from before NCCL is called until
+        their state is ncclSuccess again: only then are the kernels on the streams (a
+        non-blocking group end may return ncclInProgress and enqueue them later, from
+        NCCL's own thread), so only then may the add kernels and the done events follow
+        them there."""
+        self._check()
+        await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
+        self._register_pending(ranks)
         for entry in batch:
-            if not entry.launched.done():  # its run was cancelled meanwhile
-                entry.launched.set_result(None)
+            for mapping in entry.mappings:
+                mapping.launches += 1
+        self._freer.launches.begin()
+        try:
+            self._launch([(entry.calls, entry.order) for entry in batch])
+            await self._settle(ranks)
+        finally:
+            if self._aborting:  # NCCL's thread may enqueue it until the abort returned
+                self._launches_to_end += 1
+            else:
+                self._freer.launches.end()
+        for entry in batch:
+            self._adds.launch_adds(entry.adds, self._streams)
+            self._record_done(entry)
+            entry.completion.update(self._completions.record(self._streams, entry.touched))
 
-    def _record_done(self, entry: _Launch) -> None:
+    def _record_done(self, entry: Launch) -> None:
         """The workers' streams wait for these, not for our reply."""
         if entry.order is None:
             return
@@ -631,21 +565,6 @@ class NcclCommunicator:
             mapping.close()
         self._scratch.clear()
         self._adds.close()
-
-
-def _by_request(batch: Sequence[_Launch]) -> list[list[_Launch]]:
-    """The batch cut into launches, in order: an op joins the launch of an earlier op
-    sharing a request with it, and so does every op between them (on a rank they share,
-    NCCL must see the calls in the order they matched)."""
-    last = {request: i for i, entry in enumerate(batch) for request in entry.requests}
-    launches: list[list[_Launch]] = []
-    reach = -1  # the last op the current launch must take in
-    for i, entry in enumerate(batch):
-        if i > reach:
-            launches.append([])
-        launches[-1].append(entry)
-        reach = max(reach, i, *(last[request] for request in entry.requests))
-    return launches
 
 
 def _ranks(comms: Mapping[int, int]) -> str:

@@ -31,7 +31,8 @@ from commd.engine.base import (
 from commd.engine.bindings import BindingsGpu
 from commd.engine.gpu import CommState, GpuError, Imported, Origin
 from commd.engine.nccl import NcclEngine
-from commd.engine.ncclcomm import NcclCommunicator, _by_request, _Launch
+from commd.engine.ncclbatch import Launch, _by_request
+from commd.engine.ncclcomm import NcclCommunicator
 from commd.engine.ncclmemory import NcclEvents, NcclMapping, NcclRegion
 from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
@@ -1200,8 +1201,8 @@ async def test_collectives_are_grouped_alike_on_every_daemon(gpu: FakeGpu, group
 
 
 def test_a_batch_is_cut_into_launches_by_request_keeping_its_order() -> None:
-    def entry(*requests: str) -> _Launch:
-        return _Launch([], None, [], [], asyncio.Future(loop=loop), [], frozenset(requests))
+    def entry(*requests: str) -> Launch:
+        return Launch([], None, [], [], asyncio.Future(loop=loop), [], frozenset(requests))
 
     loop = asyncio.new_event_loop()
     try:

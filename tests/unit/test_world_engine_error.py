@@ -202,7 +202,7 @@ class Recording(Reporting):
 
 async def test_the_engine_is_told_which_ops_came_in_one_request() -> None:
     """A worker's group is one request: the engine may hand its ops to the device
-    together, and must not join them with another request's (see ncclcomm._launch_soon)."""
+    together, and must not join them with another request's (see ncclbatch.Batcher.launch_soon)."""
     host, engine, world, ranks = two_rank_world(Recording)
     for r in range(2):
         world.submit(r, 50 + r, [(proto.Barrier(), ()), (proto.Barrier(), ())])  # a group of two
