@@ -59,6 +59,14 @@ def quoted(name: str, limit: int = 300) -> str:
     return clip_text(repr(name), limit)
 
 
+def escaped(text: str, limit: int) -> str:
+    """Words someone else chose, for a message or a log line: the characters that do not print
+    (a line break, a terminal's escape) escaped as `quoted` escapes them, so they can neither
+    start a line of their own in a log nor drive a terminal; the rest as they are (quoted
+    whole, a text that quotes a name already would show its escapes doubled)."""
+    return clip_text("".join(c if c.isprintable() else repr(c)[1:-1] for c in text), limit)
+
+
 def seconds(duration_s: float) -> str:
     """A duration for a message, to a tenth of a second: the rest of a timeout reads "8s",
     not "7.978s"."""

@@ -26,7 +26,7 @@ from proto import clip_text
 from proto import peer as p
 
 from . import __version__
-from .errors import quoted
+from .errors import escaped, quoted
 from .frames import FrameStream, UnreadableFrame
 from .logs import Throttled
 
@@ -398,12 +398,14 @@ class PeerNode:
         except ConnectionError as exc:
             raise PeerBusyError(f"the listener closed the connection before the handshake ({exc}): "
                                 "too many handshakes under way?") from None
+        # (a listener says why with no secret proved: anyone who answers the dial wrote it,
+        # and it goes into the rank's error)
         if isinstance(challenge, p.PeerBusy):
-            raise PeerBusyError(challenge.reason)
+            raise PeerBusyError(escaped(challenge.reason, p.MAX_REASON))
         if isinstance(challenge, p.PeerRefused):
             if challenge.reason == "self":
                 raise SelfDialError()
-            raise PeerRefusedError(challenge.reason)
+            raise PeerRefusedError(escaped(challenge.reason, p.MAX_REASON))
         if not isinstance(challenge, p.PeerChallenge):
             raise PeerRefusedError(f"expected a challenge, got {type(challenge).__name__}")
         transcript = p.transcript(hello, challenge.daemon, challenge.incarnation, challenge.nonce)
@@ -415,7 +417,8 @@ class PeerNode:
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
         ready, _ = await stream.read()
         if not isinstance(ready, p.PeerReady):
-            reason = ready.reason if isinstance(ready, p.PeerRefused) else type(ready).__name__
+            reason = escaped(ready.reason, p.MAX_REASON) if isinstance(ready, p.PeerRefused) \
+                else type(ready).__name__
             raise PeerRefusedError(reason)
         return challenge.daemon, challenge.incarnation, transcript
 

@@ -131,9 +131,12 @@ class PeerReady:
     pass
 
 
+MAX_REASON = 1024  # characters of a PeerRefused's or a PeerBusy's reason
+
+
 def _reason(reason: str) -> None:
-    if len(reason) > 1024:
-        raise InvalidMessage("a refusal reason is at most 1024 characters")
+    if len(reason) > MAX_REASON:
+        raise InvalidMessage(f"a refusal reason is at most {MAX_REASON} characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from commd.peering import PeerLink, PeerNode, PeerSettings
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
+from proto.codec import encode_peer
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
@@ -1710,7 +1711,7 @@ def test_a_member_dialing_a_root_not_up_says_so_once_a_rank_in_a_line_of_its_wor
     does, for a pipeline to select (before: no world, no rank)."""
     tmp, address, world = short_tmpdir(), f"127.0.0.1:{_unused_port()}", world_name()
     with (tmp_path / "member.log").open("wb") as log:
-        member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="INFO", args=[
+        member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="DEBUG", args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", "B", "--log-format", "json", *FAST])
         try:
             with member, pytest.raises(CommTimeout, match="is its daemon running"):
@@ -1729,7 +1730,7 @@ def test_ranks_of_one_world_dialing_a_root_not_up_say_so_in_one_line(tmp_path: P
     it again (before: one a rank, as many as the node's GPUs)."""
     tmp, address, world = short_tmpdir(), f"127.0.0.1:{_unused_port()}", world_name()
     with (tmp_path / "member.log").open("wb") as log:
-        member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="INFO", args=[
+        member = DaemonProcess(Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="DEBUG", args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", "B", "--log-format", "json", *FAST])
         try:
             with member, ThreadPoolExecutor(3) as threads:
@@ -1850,3 +1851,69 @@ def test_a_call_the_worlds_failure_ends_names_the_world_and_what_to_do(pair: lis
     finally:
         for comm in comms:
             comm.close()
+
+
+class AnsweringListener:
+    """A peer port of anyone's making (no secret needed): it answers every dial's hello with
+    `answer`, in the clear, and closes."""
+
+    def __init__(self, answer: p.PeerMessage) -> None:
+        self._frame = b"".join(p.frame(encode_peer(answer)))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self.dials = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                self.dials += 1
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)  # (the hello)
+                    conn.sendall(self._frame)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._server.close()
+
+
+FORGED = "x\n\x1b[31mfake log line"
+
+
+@pytest.mark.parametrize("answer", [p.PeerRefused(FORGED), p.PeerBusy(FORGED)], ids=["refused", "busy"])
+def test_a_listeners_refusal_reaches_the_rank_escaped(answer: p.PeerMessage) -> None:
+    """A listener that holds no secret answers B's dial with a refusal (or busy, which B
+    dials again for) whose reason has a line break and a terminal's escape: the rank's error
+    must carry them escaped, and B's log neither them nor a line of the reason's making
+    (before: the rank's PeerLost held them as they are, "...: x<LF><ESC>[31mfake log line"); B
+    serves on."""
+    tmp = short_tmpdir()
+    log_path = Path(tmp) / "B.log"
+    listener = AnsweringListener(answer)
+    try:
+        with open(log_path, "wb") as log, DaemonProcess(
+                Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, log_level="DEBUG",
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST]) as b:
+            with pytest.raises(PeerLost) as refused:
+                DaemonBackend(str(b.socket_path), world_name(), 1, 2, timeout=5, bootstrap=listener.address)
+            said = f"cannot reach the daemon at {listener.address}: x\\n\\x1b[31mfake log line"
+            assert said in str(refused.value), str(refused.value)
+            assert "\x1b" not in str(refused.value) and "\n" not in str(refused.value)
+            if isinstance(answer, p.PeerBusy):  # (dialed again until the handshake window)
+                assert re.search(r"fake log line \(dialed [0-9]+ times in 1s\)$", str(refused.value))
+            a_new_world_sums([b, b], b)
+            text = log_path.read_text(errors="replace")
+            assert "\x1b" not in text and "\nfake log line" not in text, text
+            assert listener.dials >= 1
+    finally:
+        listener.close()
+        shutil.rmtree(tmp, ignore_errors=True)
