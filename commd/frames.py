@@ -10,14 +10,18 @@ import time
 import typing
 
 import proto
-from proto import codec
+from proto import clip_text, codec
 from proto import peer as p
+
+# The messages of a handshake: once a side's handshake ended, it may send none of them
+HANDSHAKE = (p.PeerHello, p.PeerChallenge, p.PeerProof, p.PeerReady, p.PeerRefused, p.PeerBusy)
 
 
 class UnreadableFrame(proto.DecodeError):
-    """A sealed frame that opened (a daemon with the secret sent it) and did not decode: of
-    another build at this peer protocol (a message type or field this one lacks), or a bug. Its
-    sender is alive, and a lost link says so (peering.PeerLink)."""
+    """A sealed frame that opened (a daemon with the secret sent it) and the link cannot take:
+    it did not decode (of another build at this peer protocol, a message type or field this one
+    lacks, or a bug), or it is a handshake's, after the handshake. Its sender is alive, and a
+    lost link says so (peering.PeerLink); the text is what it sent."""
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -121,7 +125,9 @@ class FrameStream(asyncio.BufferedProtocol):
         except proto.ProtoError as exc:
             if not self._sealed_in:  # (in the clear: anyone's, as a handshake's)
                 raise
-            raise UnreadableFrame(str(exc)) from None
+            raise UnreadableFrame(f"a frame this build cannot read ({clip_text(str(exc), 200)})") from None
+        if self._sealed_in and isinstance(msg, HANDSHAKE):
+            raise UnreadableFrame(f"a handshake message ({type(msg).__name__}) on an established link")
         self._frames.append((msg, payload))
         if not self._sealed_in and self.sealed_after is not None and isinstance(msg, self.sealed_after):
             self._sealed_in = True

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import proto
-from proto import clip_text
 from proto import peer as p
 
 from . import __version__
@@ -192,11 +191,7 @@ class PeerLink:
         except (ConnectionError, OSError) as exc:
             reason = str(exc) if str(exc) == "closed by the peer" else f"connection error: {exc}"
         except UnreadableFrame as exc:
-            # (it held the secret: alive, of another build or in a bug. "Lost" would send an
-            # operator looking for a dead daemon, and the builds are what to compare)
-            self.close(f"bad frame: {exc}", loss=(
-                f"daemon {self.name} sent a frame this build cannot read ({clip_text(str(exc), 200)}); "
-                f"the link was dropped (peer protocol {p.PEER_VERSION}, commd {__version__} here)"))
+            self._drop(f"bad frame: {exc}", f"daemon {self.name} sent {exc}")
             return
         except proto.ProtoError as exc:
             reason = f"bad frame: {exc}"
@@ -226,6 +221,13 @@ class PeerLink:
             self._beats += 1
             self.send(p.Heartbeat(self._beats))
             await asyncio.sleep(self._settings.heartbeat_s)
+
+    def _drop(self, reason: str, said: str) -> None:
+        """Close the link for `reason`, the other daemon alive (it held the secret): its worlds
+        are told `said`, and the builds, what to compare. "Lost" would send an operator looking
+        for a dead daemon."""
+        self.close(reason, loss=(f"{said}; the link was dropped (peer protocol {p.PEER_VERSION}, "
+                                 f"commd {__version__} here)"))
 
     def close(self, reason: str, loss: str | None = None) -> None:
         """Close the link for `reason`; `loss`: what the worlds over it are told, when not that

@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -271,23 +271,18 @@ UNREADABLE = {
 }
 
 
-@pytest.mark.parametrize("frame", list(UNREADABLE))
-def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_daemon_was_lost(
-        frame: str) -> None:
-    """The root R, alive and of this peer protocol, sends a frame B cannot read. B drops the
-    link (WIRE.md §9), and both worlds over it fail with PeerLost, but the ranks and B's log
-    must say what happened and name this build (before: "daemon R was lost: bad frame: unknown
-    message type 'world_paused'", as if R had died, and no word of either build)."""
+def worlds_over_the_link_fail_saying(said: str, send: Callable[[RawPeer, Any, str], None],
+                                     under: Sequence[str] = ()) -> None:
+    """Daemon B (run `under` a command) votes for two worlds at the raw root R, which forms
+    both, then `send`s (given R, its link and the first world) what ends the link: both worlds
+    must fail with PeerLost saying `said` (not that R was lost), B log it, and drop the link."""
     tmp = short_tmpdir()
     log_path = Path(tmp) / "daemon.log"
     root = RawPeer("R")
     worlds = [world_name() for _ in range(2)]
-    raw, unread = UNREADABLE[frame]
-    said = (f"daemon R sent a frame this build cannot read ({unread}); the link was dropped (peer "
-            f"protocol {p.PEER_VERSION}, commd {__version__} here)")
     try:
         with open(log_path, "wb") as log, DaemonProcess(
-                Path(tmp) / "B" / "commd.sock", env=SECRET, log=log,
+                Path(tmp) / "B" / "commd.sock", env=SECRET, log=log, under=under,
                 args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST]) as daemon:
             clients = [RawClient(str(daemon.socket_path), 10) for _ in worlds]
             try:
@@ -295,7 +290,7 @@ def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_
                 for world in worlds:
                     root.send(link, p.WorldReady(world, 1, ("R", "B")))
                 assert all(isinstance(client.recv(), proto.Welcome) for client in clients)
-                root.send_map(link, {**raw, "world": worlds[0]})
+                send(root, link, worlds[0])
                 for client in clients:
                     event = client.recv()
                     assert isinstance(event, proto.Event), event
@@ -311,6 +306,39 @@ def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_
     finally:
         root.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("frame", list(UNREADABLE))
+def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_daemon_was_lost(
+        frame: str) -> None:
+    """The root R, alive and of this peer protocol, sends a frame B cannot read. B drops the
+    link (WIRE.md §9), and both worlds over it fail with PeerLost, but the ranks and B's log
+    must say what happened and name this build (before: "daemon R was lost: bad frame: unknown
+    message type 'world_paused'", as if R had died, and no word of either build)."""
+    raw, unread = UNREADABLE[frame]
+    worlds_over_the_link_fail_saying(
+        f"daemon R sent a frame this build cannot read ({unread}); the link was dropped (peer "
+        f"protocol {p.PEER_VERSION}, commd {__version__} here)",
+        lambda root, link, world: root.send_map(link, {**raw, "world": world}))
+
+
+# Each message of a handshake, as R (with the secret) may send it on a link that has had its own
+HANDSHAKE = [
+    p.PeerHello(p.PEER_VERSION, "R", b"n" * p.NONCE_BYTES, b"i" * p.INCARNATION_BYTES),
+    p.PeerChallenge("R", b"n" * p.NONCE_BYTES, b"p" * 32, b"i" * p.INCARNATION_BYTES),
+    p.PeerProof(b"p" * 32), p.PeerReady(), p.PeerBusy("busy"), p.PeerRefused("no"),
+]
+
+
+@pytest.mark.parametrize("msg", HANDSHAKE, ids=[type(m).__name__ for m in HANDSHAKE])
+def test_a_handshake_message_on_an_established_link_fails_the_worlds_saying_so(msg: p.PeerMessage) -> None:
+    """The root R, alive, sends a message of the handshake on a link whose handshake ended: B
+    drops the link, and its worlds must be told what R sent (before: "daemon R was lost: sent
+    PeerHello after the handshake", as if R had died)."""
+    worlds_over_the_link_fail_saying(
+        f"daemon R sent a handshake message ({type(msg).__name__}) on an established link; the link "
+        f"was dropped (peer protocol {p.PEER_VERSION}, commd {__version__} here)",
+        lambda root, link, world: root.send(link, msg))
 
 
 @pytest.mark.parametrize("newer_is", ["member", "root"])
