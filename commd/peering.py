@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import proto
+from proto import clip_text
 from proto import peer as p
 
 from . import __version__
@@ -184,7 +185,10 @@ class PeerLink:
                         self._handler(self, msg, payload)
                     except Exception as exc:  # a daemon bug: say so, and drop the link at once
                         log.exception("handling %s from daemon %s failed", type(msg).__name__, self.name)
-                        self.close(f"internal error handling {type(msg).__name__}: {exc!r}")
+                        me = self._settings.name
+                        self._drop(f"internal error handling {type(msg).__name__}: {exc!r}",
+                                   f"daemon {me} failed handling {type(msg).__name__} from daemon "
+                                   f"{self.name} ({clip_text(repr(exc), 200)}), a bug in daemon {me}")
                         return
         except ConnectionResetError:  # a peer that gives a link up drops what it had unread
             reason = "closed by the peer (reset)"

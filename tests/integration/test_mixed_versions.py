@@ -341,6 +341,32 @@ def test_a_handshake_message_on_an_established_link_fails_the_worlds_saying_so(m
         lambda root, link, world: root.send(link, msg))
 
 
+# `commd serve` with a bug planted where B handles a world_failed from another daemon (the
+# command execs the daemon's, given as its last arguments: DaemonProcess's `under`)
+BUGGY_BUILD = [sys.executable, "-c", """
+import runpy, sys
+from commd.registry import Registry
+
+def planted(self, link, msg, payload):
+    raise KeyError("planted")
+
+Registry._world_failed = planted
+sys.argv = ["commd", *sys.argv[4:]]
+runpy.run_module("commd", run_name="__main__", alter_sys=True)
+"""]
+
+
+def test_a_daemons_own_error_handling_a_peer_frame_says_it_is_its_own_not_that_the_peer_was_lost() -> None:
+    """B fails (a bug) handling the world_failed the root R sends for one world: B drops the
+    link, and its worlds must be told that B failed, and how, not that R was lost (before:
+    "daemon R was lost: internal error handling WorldFailed: KeyError('planted')")."""
+    worlds_over_the_link_fail_saying(
+        f"daemon B failed handling WorldFailed from daemon R (KeyError('planted')), a bug in daemon B; "
+        f"the link was dropped (peer protocol {p.PEER_VERSION}, commd {__version__} here)",
+        lambda root, link, world: root.send(link, p.WorldFailed(world, 1, ErrorCode.TIMEOUT, "late")),
+        under=BUGGY_BUILD)
+
+
 @pytest.mark.parametrize("newer_is", ["member", "root"])
 def test_a_refusal_by_version_quotes_a_name_with_control_characters(newer_is: str) -> None:
     """The newer daemon's name has control characters (a terminal's escape, a bell, a line
