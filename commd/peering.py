@@ -129,13 +129,16 @@ NameCheck = Callable[[str, bytes], "str | None"]
 
 class PeerLink:
     def __init__(self, name: str, incarnation: bytes, stream: FrameStream, settings: PeerSettings,
-                 handler: Handler, on_lost: LostHandler) -> None:
+                 handler: Handler, on_lost: LostHandler, drops: Throttled) -> None:
         self.name = name
         self.incarnation = incarnation  # the other daemon's process
         self._stream = stream
         self._settings = settings
         self._handler = handler
         self._on_lost = on_lost
+        # (the node's, one for all its links: a daemon that dials again and again, each time
+        # with a frame that drops the link, would log a line a dial, some 1000 a second)
+        self._drops = drops
         self.last_seen = time.monotonic()
         self._quiet_until = 0.0  # the peer said its loop may stall until then (Heartbeat.quiet_ms)
         self._beats = 0
@@ -248,7 +251,7 @@ class PeerLink:
         if loss is None:
             log.warning("link to daemon %s lost: %s", self.name, reason)
         else:
-            log.warning("%s", loss)
+            self._drops.warning("%s", loss)
         self._on_lost(self, reason)
 
 
@@ -268,6 +271,7 @@ class PeerNode:
         self.refused = 0  # handshakes refused (wrong secret, version, garbage, too many at once)
         self._floods = Throttled(log)
         self._refusals = Throttled(log)
+        self._drops = Throttled(log)  # links dropped over a frame (PeerLink._drop)
 
     async def listen(self, host: str, port: int, on_link: Callable[[PeerLink], None]) -> int:
         loop = asyncio.get_running_loop()
@@ -379,7 +383,7 @@ class PeerNode:
               dialed: bool) -> PeerLink:
         """The handshake ended: what we write is sealed from now on."""
         stream.seal_with(self._frame_keys(transcript, dialed)[0])
-        link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost)
+        link = PeerLink(name, incarnation, stream, self.settings, self._handler, self._on_lost, self._drops)
         link.start()
         return link
 

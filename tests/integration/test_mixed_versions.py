@@ -5,6 +5,7 @@ frames after a real handshake, or a daemon process whose peer protocol is set an
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -320,6 +321,38 @@ def test_a_frame_this_build_cannot_read_fails_the_worlds_saying_so_not_that_the_
         f"daemon R sent a frame this build cannot read ({unread}); the link was dropped (peer "
         f"protocol {p.PEER_VERSION}, commd {__version__} here)",
         lambda root, link, world: root.send_map(link, {**raw, "world": world}))
+
+
+def test_a_daemon_that_redials_with_a_frame_this_build_cannot_read_does_not_flood_the_log() -> None:
+    """R dials B 300 times as fast as it can, each time sending one frame B cannot read after
+    a good handshake: B must log that line at most once a second, counting the ones it left
+    out, and every world be told as before (before: one line a dial, some 1000 lines a
+    second here, each one dial and one handshake's cost)."""
+    tmp = short_tmpdir()
+    log_path = Path(tmp) / "daemon.log"
+    root = RawPeer("R")
+    said = "daemon R sent a frame this build cannot read (unknown message type 'world_paused')"
+    try:
+        with open(log_path, "wb") as log, DaemonProcess(
+                Path(tmp) / "B" / "commd.sock", env=SECRET, log=log,
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST]) as daemon:
+            started = time.monotonic()
+            for _ in range(300):
+                root.send_map(root.dial(daemon), {"t": "world_paused", "epoch": 1})
+            took = time.monotonic() - started
+            time.sleep(1.1)  # (the next line, logged, counts what the last second left out)
+            root.send_map(root.dial(daemon), {"t": "world_paused", "epoch": 1})
+
+            def logged() -> list[str]:
+                return [line for line in log_path.read_text(errors="replace").splitlines() if said in line]
+
+            wait_until(lambda: sum(1 + int(m.group(1)) if (m := re.search(r"\((\d+) more like it", line))
+                                   else 1 for line in logged()) == 301, timeout=10)
+            assert len(logged()) <= took + 3, (len(logged()), took)
+            assert query_status(str(daemon.socket_path), 5)["peers"]["links"] == []
+    finally:
+        root.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # Each message of a handshake, as R (with the secret) may send it on a link that has had its own
