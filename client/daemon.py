@@ -17,7 +17,7 @@ from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
 from .connection import Connection
 from .cuda import available_driver
-from .errors import CommError, DaemonUnavailable, MisuseError, WorldFailed
+from .errors import CommError, CommTimeout, DaemonUnavailable, MisuseError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -440,6 +440,8 @@ class DaemonBackend(CommBackend):
                 if self._conn.closed:  # (close() on another thread, or in a signal handler)
                     raise
                 raise self._about_world(exc) from exc  # its daemon died under the call
+            except CommTimeout as exc:  # (the daemon's own verdict names the world already)
+                raise self._about_world(exc) from exc
             except WorldFailed as exc:
                 if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
                     self._health.met(basis.epoch)  # (which that reconnect has repaired)

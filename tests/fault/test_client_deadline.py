@@ -178,6 +178,30 @@ def test_a_rejoin_connects_within_what_is_left_of_its_deadline(daemon: DaemonPro
         assert buf.view(np.int32)[:2].tolist() == [5, 50]
 
 
+def test_a_call_a_stopped_daemon_never_answers_names_its_world(daemon: DaemonProcess) -> None:
+    """The daemon stops (SIGSTOP) under a one-rank world's barrier: the CommTimeout the rank
+    decides alone (its timeout and the verdict's grace passed) names the world, as the
+    daemon's own verdict does, so that a worker in several worlds can tell which call it was
+    (before: 'the call did not complete before its deadline; ...', no world). Once the daemon
+    goes on, the rank rejoins and its calls work."""
+    world = world_name()
+    with DaemonBackend(str(daemon.socket_path), world, 0, 1, timeout=0.5) as comm:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CommTimeout) as timed_out:
+                comm.barrier()
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        said = str(timed_out.value)
+        assert said.startswith(f"world {world} "), said
+        assert "did not complete before its deadline" in said and said.count("attempt_reconnect") == 1, said
+        comm.attempt_reconnect()
+        buf = hostmem.alloc(8)
+        buf.view(np.int32)[:2] = [5, 50]
+        comm.all_reduce(buf.ptr, 8, dtype="i32")
+        assert buf.view(np.int32)[:2].tolist() == [5, 50]
+
+
 @contextlib.contextmanager
 def fill_backlog(path: str) -> Iterator[None]:
     """Connections that fill the listen backlog of a daemon that accepts none (stopped), so
