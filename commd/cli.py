@@ -163,11 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=_status)
 
     demo = sub.add_parser("demo", help="a tensor-parallel decode loop through the daemon")
-    demo.add_argument("--ranks", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=200)
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--hidden", type=int, default=4096, help="bf16 elements per activation")
-    demo.add_argument("--timeout", type=_seconds, default=60.0)
+    demo.add_argument("--ranks", type=int, default=4, help="worker processes, 1..64 (4 by default)")
+    demo.add_argument("--steps", type=int, default=200,
+                      help="decode steps, each a command broadcast from rank 0 (200 by default)")
+    demo.add_argument("--layers", type=int, default=8,
+                      help="all_reduces of the activation per step (8 by default)")
+    demo.add_argument("--hidden", type=int, default=4096,
+                      help="bf16 elements per activation (4096 by default)")
+    demo.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                      help="each call's timeout, and how long the run may go without a worker's word "
+                           "(60 by default)")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="DaemonBackend against torch.distributed gloo")
