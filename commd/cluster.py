@@ -25,6 +25,7 @@ from .errors import CallError, NotListening, cannot_listen, quoted
 from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
 
 log = logging.getLogger("commd.cluster")
+_STOPPING = "daemon shutting down"  # why a stopping daemon closes its links
 
 
 class Inbox:
@@ -316,7 +317,13 @@ class Cluster:
     def close(self) -> None:
         self._node.close()
         for link in self.open_links():
-            link.close("daemon shutting down")
+            link.close(_STOPPING)
+
+    async def farewell(self, within: float) -> None:
+        """`close` as the daemon stops: each link first sends what is queued on it (`within`
+        seconds at most, all links together; see PeerLink.farewell)."""
+        self._node.close()
+        await asyncio.gather(*(link.farewell(_STOPPING, within) for link in self.open_links()))
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -27,6 +27,9 @@ log = logging.getLogger("commd")
 
 
 ENGINE_CHECK_S = 0.5  # how often the engine is asked whether its GPU is still usable
+# How long a stop waits for the other daemons to take what is queued for them (the world
+# failures that say why come last): a daemon that does not read by then hears only a lost link
+PEER_FAREWELL_S = 1.0
 
 
 # SIGHUP too: commd has no reload, and the default action of a hang-up killed it with no
@@ -103,7 +106,7 @@ async def _serve_until(stop: asyncio.Event, config: ServerConfig, ready: asyncio
             metrics.close()
         server.shutdown()
         if cluster is not None:
-            cluster.close()
+            await cluster.farewell(PEER_FAREWELL_S)
         notifier.close()
     return 1 if broke else 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import typing
 
@@ -60,6 +61,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._error: BaseException | None = None
         self._writable: asyncio.Future[None] | None = None
         self._made: asyncio.Future[None] | None = None  # (see peer_host)
+        self._ended: asyncio.Future[None] | None = None  # (see finish)
         # When payload bytes last came: a big frame on a slow link takes a while, and its
         # bytes say the peer lives as well as a heartbeat would (which waits behind it). Only
         # a payload's: its header opened, so the peer sent it (a relay trickling junk into a
@@ -154,10 +156,12 @@ class FrameStream(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool | None:
         self._fail(ConnectionError("closed by the peer"))
+        self._peer_ended()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(exc or ConnectionError("closed by the peer"))
+        self._peer_ended()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
@@ -214,6 +218,20 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._error is not None:
             raise ConnectionError(str(self._error))
 
+    async def finish(self, within: float) -> None:
+        """Close once the peer took what was written and ended its side, or `within` seconds
+        passed. Our side ends first (the queue, then a FIN) and reading goes on meanwhile:
+        `abort` drops what is queued here, and a socket closed with the peer's bytes unread
+        resets the connection, which costs the peer what it had not read yet."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        self._ended = asyncio.get_running_loop().create_future()
+        transport.write_eof()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ended, within)
+        transport.abort()
+
     def close(self) -> None:
         """Close once what was written is sent (a refusal, say, reaches the peer)."""
         if self._transport is not None:
@@ -224,6 +242,10 @@ class FrameStream(asyncio.BufferedProtocol):
         the peer later (and a frame in the clear may name memory reused once it is given up)."""
         if self._transport is not None:
             self._transport.abort()
+
+    def _peer_ended(self) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:

@@ -236,9 +236,10 @@ class PeerLink:
         self.close(reason, loss=(f"{said}; the link was dropped (peer protocol {p.PEER_VERSION}, "
                                  f"commd {__version__} here)"))
 
-    def close(self, reason: str, loss: str | None = None) -> None:
+    def close(self, reason: str, loss: str | None = None, *, drop_queued: bool = True) -> None:
         """Close the link for `reason`; `loss`: what the worlds over it are told, when not that
-        the daemon was lost for `reason` (one that is alive)."""
+        the daemon was lost for `reason` (one that is alive). `drop_queued=False`: the
+        connection stays for `farewell` to end."""
         if self.closed:
             return
         self.closed = True
@@ -247,12 +248,22 @@ class PeerLink:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
-        self._stream.abort()
+        if drop_queued:
+            self._stream.abort()
         if loss is None:
             log.warning("link to daemon %s lost: %s", self.name, reason)
         else:
             self._drops.warning("%s", loss)
         self._on_lost(self, reason)
+
+    async def farewell(self, reason: str, within: float) -> None:
+        """Close for `reason` (this daemon stops), the frames queued for the other daemon sent
+        first, as far as it takes them within `within` seconds: the world failures queued last,
+        behind a collective's data, tell its ranks why (a dropped queue and a reset link left
+        them only that the daemon "was lost")."""
+        if not self.closed:
+            self.close(reason, drop_queued=False)
+            await self._stream.finish(within)
 
 
 class PeerNode:

@@ -805,3 +805,31 @@ def closed_by_a_signal_handler(sock: str, world: str, rank: int, n: int, daemon_
                 os.close(fd)
         return {"ended": ended, "took": took, "healthy": comm.is_healthy(),
                 "next call": _error_name(comm.barrier)}
+
+
+def across_a_stop(sock: str, world: str, rank: int, n: int, sender: int, nbytes: int, go: str,
+                  seed: int) -> dict[str, Any]:
+    """After a barrier, rank `sender` sends `nbytes` to the other rank (once the file `go`
+    exists), which receives them, while a daemon stops; note how each call ended and what
+    the receiver's buffer held; then attempt_reconnect until the world is back and check a call."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n, timeout=10) as comm:
+        comm.barrier()
+        buf = hostmem.alloc(nbytes)
+        buf.view(np.uint8)[:] = rank + 1
+        try:
+            if rank == sender:
+                while not os.path.exists(go):
+                    time.sleep(0.01)
+                comm.send_to(buf.ptr, nbytes, 1 - sender)
+            else:
+                comm.recv_from(buf.ptr, nbytes, sender)
+            out["error"] = None
+        except Exception as exc:
+            out["error"], out["message"] = type(exc).__name__, str(exc)
+        out["received"] = int(np.count_nonzero(buf.view(np.uint8) == sender + 1)) if rank != sender else 0
+        out["errors"] = reconnect_until(comm, time.monotonic() + 30)  # until it is restarted
+        out["epoch"] = comm.epoch
+        out["result"] = _summed(comm, seed, rank, 64, "i32")
+        comm.barrier()
+    return out

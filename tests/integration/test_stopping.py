@@ -1,0 +1,95 @@
+"""A daemon asked to stop (SIGTERM, SIGINT, SIGHUP) while a call is under way across two
+daemons: each rank's call ends with a typed error saying why, the daemon exits 0 in a
+bounded time, its socket file goes, and once it is back attempt_reconnect rebuilds.
+(One daemon's stop under idle and waiting worlds: test_lifecycle.py; a member daemon's stop
+under an idle world: test_multi_daemon_faults.py.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from commd.daemon import PEER_FAREWELL_S
+from commd.launch import DaemonProcess
+from commd.status import query_status
+from tests.fault.test_kill_daemon import restart, start
+from tests.integration import workers
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import RankPool, short_tmpdir, wait_until, world_name
+from tests.integration.test_multi_daemon_faults import _unused_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(short_tmpdir())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def last_call(daemon: DaemonProcess, world: str, rank: int) -> dict[str, object]:
+    """`rank`'s newest call as `daemon` records it ({} before the world forms there)."""
+    worlds = query_status(str(daemon.socket_path), 5, None)["worlds"]
+    mine = next((w for w in worlds if w["name"] == world), None)
+    calls = (mine or {}).get("recent_calls", {}).get(str(rank)) or [{}]
+    return dict(calls[-1])
+
+
+@pytest.mark.parametrize(("victim", "frozen_s"), [("root", 0.3), ("member", 0.3), ("member", 3.0)])
+def test_a_daemon_stopping_with_data_queued_for_its_peer_says_so_to_the_peers_ranks(
+        pool: RankPool, tmp: Path, victim: str, frozen_s: float) -> None:
+    """The stopping daemon's rank sends 64 MiB to a rank on the other daemon, which is slow
+    to read (frozen `frozen_s`): data waits in the stopping daemon's queue for the link when
+    the stop fails the world. The other daemon's rank must hear that the daemon is shutting
+    down (before: the stop dropped the queue, the failure's notice with it, and reset the
+    link: 'daemon A was lost: closed by the peer (reset)', as if it had died). A daemon
+    that does not read for longer holds the stop up PEER_FAREWELL_S at most."""
+    daemons = {"A": restart(tmp / "A" / "commd.sock", "A", _unused_port()),  # (back at its address)
+               "B": start(tmp / "B" / "commd.sock", "B")}
+    stopping, other = ("A", "B") if victim == "root" else ("B", "A")
+    sender = "AB".index(stopping)
+    world, root, go = world_name("st"), daemons["A"].peer_address(), str(tmp / "go")
+    try:
+        started = pool.start(workers.across_a_stop, [(f"{daemons[d].socket_path}@{root}", world, r, 2,
+                                                      sender, 64 << 20, go, 5) for r, d in enumerate("AB")])
+        wait_until(lambda: all(last_call(daemons[d], world, r).get("state") == "done"
+                               for r, d in enumerate("AB")), "both ranks past the barrier", 30)
+        proc = daemons[stopping].proc
+        assert proc is not None
+        os.kill(daemons[other].pid, signal.SIGSTOP)
+        try:
+            open(go, "w").close()
+            wait_until(lambda: last_call(daemons[stopping], world, sender).get("seq") == 1,
+                       "the send under way", 10)
+            time.sleep(0.5)  # (what the other daemon's socket takes, and more, is queued)
+            asked = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: proc.poll() is not None or time.monotonic() - asked >= frozen_s,
+                       "the stop or the end of the freeze", 10)
+        finally:
+            os.kill(daemons[other].pid, signal.SIGCONT)
+        assert proc.wait(20) == 0
+        took = time.monotonic() - asked
+        assert not daemons[stopping].socket_path.exists()
+        port = int(root.rsplit(":", 1)[1]) if victim == "root" else 0
+        daemons[stopping] = restart(tmp / stopping / "commd.sock", stopping, port)
+        outcomes = [o.unwrap() for o in pool.collect(started, 60)]
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
+    assert took < min(frozen_s, PEER_FAREWELL_S) + 1.0, took
+    want = reduce_reference([make_input(5, r, 64, "i32", "sum") for r in range(2)], "i32", "sum")
+    for res in outcomes:
+        assert res["epoch"] == 2 and res["result"] == want.tobytes(), res
+    told, heard = outcomes[sender], outcomes[1 - sender]
+    assert told["error"] == "DaemonShutdown", told
+    assert heard["error"] == "PeerLost" and heard["received"] < 64 << 20, heard  # (not all came)
+    if frozen_s < PEER_FAREWELL_S:
+        assert f"daemon {stopping} is shutting down" in heard["message"], heard
