@@ -11,7 +11,7 @@ import proto
 
 from .addkernel import AddKernel
 from .connection import Connection, check_past
-from .errors import DaemonUnavailable, LimitExceeded
+from .errors import DaemonShutdown, DaemonUnavailable, LimitExceeded
 from .health import Health
 from .registrations import Registrations
 
@@ -59,8 +59,8 @@ class Reconnector:
 
     def _reconnect(self) -> LimitExceeded | None:
         due = self._due()
-        rejoin = self._conn.transport.broken is not None
-        if not rejoin:
+        gone = self._conn.transport.broken  # why the connection to the daemon ended, if it did
+        if gone is None:
             try:
                 # like the hello: the daemon enforces the deadline and names missing ranks; give
                 # its answer time to arrive rather than give up just before it does
@@ -69,11 +69,19 @@ class Reconnector:
                 check_past(epoch, answer.epoch, f"the daemon rebuilt world {self._world}")
                 with self._lock:
                     self._conn.new_epoch(epoch)
-            except DaemonUnavailable:  # it went away before we noticed: a restarted one, perhaps
+            except DaemonUnavailable as exc:  # it went away before we noticed: a restarted one, perhaps
                 self._conn.check_open()  # (or close() on another thread broke it)
-                rejoin = True
-        if rejoin:
-            self._conn.rejoin(due + self._join_grace)
+                gone = exc
+        if gone is not None:
+            try:
+                self._conn.rejoin(due + self._join_grace)
+            except DaemonUnavailable as exc:
+                if not isinstance(gone, DaemonShutdown) or isinstance(exc, DaemonShutdown):
+                    raise
+                # (the last try alone, 'cannot connect: No such file', hides that it stopped)
+                raise DaemonShutdown(f"the daemon shut down, and none was back in time to rebuild world "
+                                     f"{self._world}: {exc}; call attempt_reconnect once it is back",
+                                     gone.code) from exc
         # What the daemon should know again: after a rejoin, all of it; after a rebuild on
         # the same daemon, what an earlier restoring left undone. By a deadline of its own:
         # the rebuild waited for the slowest rank, and may have taken all of the call's.

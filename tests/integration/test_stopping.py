@@ -93,3 +93,35 @@ def test_a_daemon_stopping_with_data_queued_for_its_peer_says_so_to_the_peers_ra
     assert heard["error"] == "PeerLost" and heard["received"] < 64 << 20, heard  # (not all came)
     if frozen_s < PEER_FAREWELL_S:
         assert f"daemon {stopping} is shutting down" in heard["message"], heard
+
+
+def test_a_reconnect_the_stop_ends_says_the_daemon_shut_down(pool: RankPool, tmp: Path) -> None:
+    """Rank 0 waits in attempt_reconnect (rank 1 left) when its daemon stops and is not back
+    within the call's time: the call must say the daemon shut down (before: DaemonUnavailable
+    'cannot connect to the daemon at PATH: [Errno 2] No such file or directory', the last
+    of its tries to join a restarted daemon, which says nothing of the stop). Once the
+    daemon is back, rank 0's attempt_reconnect and a new process for rank 1 rebuild it."""
+    daemon = DaemonProcess(tmp / "commd.sock").start()
+    world, noted, back = world_name("st"), str(tmp / "noted"), str(tmp / "back")
+    try:
+        started = pool.start(workers.reconnect_through_a_stop,
+                             [(str(daemon.socket_path), world, r, 2, noted, back, 6) for r in range(2)])
+        wait_until(lambda: world_state(daemon, world) == ("forming", 1), "rank 0's reconnect", 20)
+        assert daemon.stop() == 0
+        wait_until(lambda: os.path.exists(noted), "rank 0's reconnect to end", 30)
+        daemon.start()
+        open(back, "w").close()
+        rank0, rank1 = [o.unwrap() for o in pool.collect(started, 30)]
+    finally:
+        daemon.stop()
+    assert rank0["error"] == "DaemonShutdown", rank0
+    assert "shut down" in rank0["message"] and str(daemon.socket_path) in rank0["message"], rank0
+    assert rank0["took"] < 3 + 2 + 1.0 + 1.0, rank0  # its timeout, the join's grace, slack
+    want = reduce_reference([make_input(6, r, 128, "i64", "sum") for r in range(2)], "i64", "sum")
+    assert rank0["result"] == rank1["result"] == want.tobytes()
+
+
+def world_state(daemon: DaemonProcess, world: str) -> tuple[object, object] | None:
+    """The world's state and epoch on `daemon` (None: it has no such world)."""
+    worlds = query_status(str(daemon.socket_path), 5, None)["worlds"]
+    return next(((w["state"], w["epoch"]) for w in worlds if w["name"] == world), None)

@@ -833,3 +833,33 @@ def across_a_stop(sock: str, world: str, rank: int, n: int, sender: int, nbytes:
         out["result"] = _summed(comm, seed, rank, 64, "i32")
         comm.barrier()
     return out
+
+
+def reconnect_through_a_stop(sock: str, world: str, rank: int, n: int, noted: str, back: str,
+                             seed: int) -> dict[str, Any]:
+    """After a barrier rank 1 leaves, and rank 0 waits in attempt_reconnect while the daemon
+    stops; rank 0 notes how and when that ended (then touches `noted`) and calls
+    attempt_reconnect until the world is back; rank 1 joins again once `back` exists. Both
+    check a call."""
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n, timeout=3) as comm:
+        comm.barrier()
+        if rank == 0:
+            while comm.is_healthy():
+                time.sleep(0.02)
+            began = time.monotonic()
+            try:
+                comm.attempt_reconnect()
+                out["error"] = None
+            except Exception as exc:
+                out["error"], out["message"] = type(exc).__name__, str(exc)
+            out["took"] = time.monotonic() - began
+            open(noted, "w").close()
+            out["errors"] = reconnect_until(comm, time.monotonic() + 30)
+            out["result"] = _summed(comm, seed, rank, 128, "i64")  # (what `replacement` calls)
+            comm.barrier()
+            return out
+    while not os.path.exists(back):
+        time.sleep(0.02)
+    out["result"] = replacement(sock, world, rank, n, seed)
+    return out
