@@ -447,7 +447,12 @@ class World:
         """The daemon stops: every pending call and waiter gets SHUTDOWN. A ready world
         fails with it first: the daemon closes its ranks' connections one by one next, and
         the first departure would otherwise fail the world under the others with "rank N's
-        connection was lost". The other daemons' ranks lost a peer, which can come back."""
+        connection was lost". The other daemons' ranks lost a peer, which can come back.
+        A call with an op in the engine's hands goes unanswered: the op may write the worker's
+        memory until the engine closes, after the answer would have gone, and a worker told
+        its call failed takes its buffers back at once; with the connection closed unanswered,
+        it first moves them off the memory the daemon still has (as when a daemon dies)."""
+        self._tickets = {ticket for ticket in self._tickets if not ticket.executing}
         if self.state is WorldState.READY:
             self.fail(ErrorCode.SHUTDOWN, message, propagate=False)
             if self.net is not None:

@@ -125,3 +125,36 @@ def world_state(daemon: DaemonProcess, world: str) -> tuple[object, object] | No
     """The world's state and epoch on `daemon` (None: it has no such world)."""
     worlds = query_status(str(daemon.socket_path), 5, None)["worlds"]
     return next(((w["state"], w["epoch"]) for w in worlds if w["name"] == world), None)
+
+
+def test_a_buffer_is_the_workers_once_its_call_failed_with_the_shutdown(pool: RankPool, tmp: Path) -> None:
+    """The daemon stops in the middle of a 256 MiB all_reduce on its engine's threads; both
+    ranks get DaemonShutdown and write their buffers at once. Nothing the daemon still did
+    may reach them (before: it answered the calls first and let the jobs under way end
+    after, which wrote over what the workers had written: 393,216 and 1,703,936 of rank 0's
+    67,108,864 elements in two runs)."""
+    for _ in range(5):
+        outcomes = stopped_mid_all_reduce(pool, tmp, 256 << 20)
+        if outcomes is not None:
+            assert outcomes == [("DaemonShutdown", 0)] * 2
+            return
+    pytest.fail("the stop never landed in the middle of the all_reduce (5 tries)")
+
+
+def stopped_mid_all_reduce(pool: RankPool, tmp: Path, nbytes: int) -> list[tuple[str, int]] | None:
+    """What `workers.reuse_after_a_stop` says on both ranks of a fresh daemon stopped while
+    their all_reduce runs; None if the stop did not land in the middle of it."""
+    daemon = DaemonProcess(tmp / "commd.sock").start()
+    world = world_name("st")
+    try:
+        started = pool.start(workers.reuse_after_a_stop,
+                             [(str(daemon.socket_path), world, r, 2, nbytes) for r in range(2)])
+        wait_until(lambda: last_call(daemon, world, 0).get("seq") == 1, "the all_reduce", 30)
+        running = last_call(daemon, world, 0).get("state") == "running"
+        assert daemon.stop() == 0
+        outcomes = [o.unwrap() for o in pool.collect(started, 30)]
+    finally:
+        daemon.stop()
+    if not running or any(name == "no error" for name, _ in outcomes):
+        return None
+    return [tuple(o) for o in outcomes]

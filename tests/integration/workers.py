@@ -863,3 +863,21 @@ def reconnect_through_a_stop(sock: str, world: str, rank: int, n: int, noted: st
         time.sleep(0.02)
     out["result"] = replacement(sock, world, rank, n, seed)
     return out
+
+
+def reuse_after_a_stop(sock: str, world: str, rank: int, n: int, nbytes: int) -> tuple[str, int]:
+    """all_reduce `nbytes` of f32 ones while the daemon stops; once the call failed, write
+    the buffer at once, as a worker retrying its step would, then count what changed in it
+    within half a second (the error's name, and that count)."""
+    with connect(sock, world, rank, n) as comm:
+        buf = hostmem.alloc(nbytes)
+        comm.barrier()
+        view = buf.view(np.float32)
+        view[:] = 1.0
+        try:
+            comm.all_reduce(buf.ptr, nbytes, dtype="f32")
+            return ("no error", 0)
+        except Exception as exc:
+            view[:] = -7.0
+            time.sleep(0.5)
+            return (type(exc).__name__, int(np.count_nonzero(view != -7.0)))
