@@ -46,7 +46,8 @@ class Peer(Protocol):
 class Ticket:
     """One request (a call or a group of calls) of one rank; replied to exactly once."""
 
-    __slots__ = ("done", "epoch", "executing", "peer", "rank", "records", "remaining", "request_id")
+    __slots__ = ("_failure", "done", "epoch", "executing", "peer", "rank", "records", "remaining",
+                 "request_id")
 
     def __init__(self, peer: Peer, rank: int, request_id: int, count: int, epoch: int) -> None:
         self.peer = peer
@@ -57,12 +58,28 @@ class Ticket:
         self.executing = 0  # of the remaining ops, those matched and handed to the engine
         self.done = False
         self.records: list[CallRecord] = []
+        self._failure: tuple[ErrorCode, str] | None = None  # told once no op of it runs
 
-    def finish_one(self) -> None:
+    def op_ended(self, failure: tuple[ErrorCode, str] | None = None) -> None:
+        """One of its ops left the engine's hands: done, or failed with `failure`."""
+        self.executing -= 1
         self.remaining -= 1
-        if self.remaining == 0 and not self.done:
+        if failure is not None and self._failure is None:
+            self._failure = failure
+        if self._failure is not None:
+            self.fail_when_idle(*self._failure)
+        elif self.remaining == 0 and not self.done:
             self.done = True
             self.peer.send(proto.Ok(self.request_id))
+
+    def fail_when_idle(self, code: ErrorCode, message: str) -> None:
+        """Fail now, or once the last of its ops that run on the engine ends: until then they
+        may write the worker's memory, and a worker told its call failed takes its buffers
+        back at once (a group's op running when the world failed under its unmatched one)."""
+        if self.executing:
+            self._failure = self._failure or (code, message)
+        else:
+            self.fail(code, message)
 
     def fail(self, code: ErrorCode, message: str) -> None:
         if not self.done:

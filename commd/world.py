@@ -354,8 +354,9 @@ class World:
             self.fail(code, message)
             code, message = self.cause_code, self._call_failed()
         for arrival in arrivals_of(match):
-            arrival.ticket.fail(code, message)
-            self._tickets.discard(arrival.ticket)
+            arrival.ticket.op_ended((code, message))
+            if arrival.ticket.done:
+                self._tickets.discard(arrival.ticket)
 
     def _finish(self, match: Match[Arrival]) -> None:
         for arrival in arrivals_of(match):
@@ -363,9 +364,8 @@ class World:
             # (cleared when the world failed: one of an older epoch is counted no more)
             if ticket.epoch == self.epoch and self._pending_ops.get(ticket.rank):
                 self._pending_ops[ticket.rank] -= 1
-            ticket.executing -= 1
             arrival.record.close("done")
-            ticket.finish_one()
+            ticket.op_ended()
             if ticket.done:
                 self._tickets.discard(ticket)
 
@@ -410,9 +410,9 @@ class World:
         self._pending_ops.clear()
         for ticket in tickets:
             if ticket.remaining > ticket.executing:  # a call still waiting for its match: lost
-                ticket.fail(code, self._call_failed())
-            else:
-                self._tickets.add(ticket)  # all in the engine: it answers them
+                ticket.fail_when_idle(code, self._call_failed())
+            if not ticket.done:
+                self._tickets.add(ticket)  # ops of it in the engine: their end answers it
         self.recorder.end_deadlines()
         self._matcher = Matcher(self.world_size, self.local_ranks)
         event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
