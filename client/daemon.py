@@ -17,7 +17,7 @@ from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
 from .connection import Connection
 from .cuda import available_driver
-from .errors import CommError, CommTimeout, DaemonUnavailable, MisuseError, WorldFailed
+from .errors import CommError, CommTimeout, DaemonShutdown, DaemonUnavailable, MisuseError, WorldFailed
 from .groups import Basis, Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -460,12 +460,14 @@ class DaemonBackend(CommBackend):
         apart by it) and what to do, each once. The daemon's word on a failed call has both
         ('world W epoch E failed: ...; call attempt_reconnect on every rank'); a cause may
         have the advice alone ('... once it is back') or only name a call ('rank 0 called
-        attempt_reconnect')."""
+        attempt_reconnect'). A stopping daemon's world failure, on record, has none: what
+        to do is the stop's, as its other words say (a reconnect before it is back fails)."""
         said = str(error)
         if not said.startswith(f"world {self._world} "):
             said = f"world {self._world} is not healthy: {said}"
         if "call attempt_reconnect" not in said:
-            said += "; call attempt_reconnect"
+            said += "; call attempt_reconnect once it is back" if isinstance(error, DaemonShutdown) \
+                else "; call attempt_reconnect"
         return type(error)(said, error.code)
 
     def _on_buffer_released(self, buffer_id: int) -> None:

@@ -460,11 +460,14 @@ class World:
         # Swap the collections out first: a reply can close its connection, whose
         # departure edits them.
         tickets, self._tickets = self._tickets, set()
+        stopped = f"world {self.name} is not ready: {message}"
         for ticket in tickets:
-            ticket.fail(ErrorCode.SHUTDOWN, message)
+            ticket.fail(ErrorCode.SHUTDOWN, f"{stopped}; call attempt_reconnect once it is back")
         waiting, self._waiting = self._waiting, {}
         for waiter in waiting.values():
-            self._cancel(waiter, ErrorCode.SHUTDOWN, message)
+            # (a hello's rank has no backend yet to reconnect: its join is what it makes again)
+            advice = "join again" if waiter.is_hello else "call attempt_reconnect"
+            self._cancel(waiter, ErrorCode.SHUTDOWN, f"{stopped}; {advice} once it is back")
         for comm in [*self._abort_when_idle, *([self._comm] if self._comm is not None else [])]:
             comm.abort()  # (no grace now: the engine closes next)
         self._abort_when_idle.clear()
@@ -500,9 +503,11 @@ class World:
 
     def _call_failed(self) -> str:
         """What a call the world's failure ended says: a worker may be in several worlds,
-        and what to do next is the same for every cause."""
+        and what to do next is the same for every cause but this daemon's stop, where
+        the daemon has to be back first (as every other word of the stop says)."""
+        advice = "once it is back" if self.cause_code is ErrorCode.SHUTDOWN else "on every rank"
         return framed(f"world {self.name} epoch {self.epoch} failed: ", str(self.cause),
-                      "; call attempt_reconnect on every rank")
+                      f"; call attempt_reconnect {advice}")
 
     def _not_ready(self) -> str:
         if self.cause is None:

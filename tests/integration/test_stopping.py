@@ -10,18 +10,20 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from client import DaemonBackend, DaemonShutdown
 from commd.daemon import PEER_FAREWELL_S
 from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.fault.test_kill_daemon import restart, start
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, short_tmpdir, wait_until, world_name
+from tests.integration.harness import RankPool, short_tmpdir, wait_until, world_name, world_status
 from tests.integration.test_multi_daemon_faults import _unused_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,3 +160,47 @@ def stopped_mid_all_reduce(pool: RankPool, tmp: Path, nbytes: int) -> list[tuple
     if not running or any(name == "no error" for name, _ in outcomes):
         return None
     return [tuple(o) for o in outcomes]
+
+
+def said(call: Callable[[], object]) -> str:
+    """What `call` raised: it must be DaemonShutdown."""
+    with pytest.raises(DaemonShutdown) as raised:
+        call()
+    return str(raised.value)
+
+
+def test_what_a_worker_reads_when_its_daemon_stops(tmp: Path) -> None:
+    """One SIGTERM meets a call waiting for its match, a join under way, and the calls and
+    the attempt_reconnect made after it (the daemon not back): each names the world, says
+    the daemon is shutting down (or shut down), and ends with the one thing to do (before:
+    the call in flight said 'call attempt_reconnect on every rank', a second call after
+    the stop 'call attempt_reconnect', the join 'the daemon is shutting down' alone)."""
+    daemon = DaemonProcess(tmp / "commd.sock").start()
+    sock, world, joining = str(daemon.socket_path), world_name("st"), world_name("sj")
+    back = "; call attempt_reconnect once it is back"
+    comms: list[DaemonBackend] = []
+    try:
+        with ThreadPoolExecutor(3) as threads:
+            comms += [j.result(20) for j in [threads.submit(DaemonBackend, sock, world, r, 2, timeout=2)
+                                             for r in range(2)]]
+            waiting = threads.submit(comms[0].barrier)
+            join = threads.submit(DaemonBackend, sock, joining, 0, 2, timeout=30)
+            wait_until(lambda: (world_status(daemon, world) or {}).get("pending_calls") == 1
+                       and world_status(daemon, joining) is not None, "the barrier and the join", 20)
+            assert daemon.stop() == 0
+            in_flight = f"world {world} epoch 1 failed: the daemon is shutting down{back}"
+            assert said(lambda: waiting.result(20)) == in_flight
+            assert said(comms[0].barrier) == in_flight  # (what it met, again)
+            after = f"world {world} is not healthy: the daemon is shutting down{back}"
+            assert said(comms[1].barrier) == after  # (the stop's word still unread)
+            assert said(comms[1].barrier) == after
+            assert said(lambda: join.result(20)) == (
+                f"world {joining} is not ready: the daemon is shutting down; join again once it is back")
+            gone = said(comms[1].attempt_reconnect)
+            assert gone == (f"the daemon shut down, and none was back in time to rebuild world {world}: "
+                            f"cannot connect to the daemon at {sock}: [Errno 2] No such file or "
+                            f"directory{back}"), gone
+    finally:
+        for comm in comms:
+            comm.close()
+        daemon.stop()

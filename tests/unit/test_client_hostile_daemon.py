@@ -763,7 +763,8 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
         said = str(failed.value)
         assert (type(failed.value), failed.value.code) == (DaemonShutdown, "draining"), said
         assert said == ("world w is not healthy: the daemon is shutting down with error code 'draining', "
-                        "which this client does not know: the node is draining; call attempt_reconnect")
+                        "which this client does not know: the node is draining; call attempt_reconnect once "
+                        "it is back")
         assert time.monotonic() - started < 5  # not at the call's timeout (a loaded machine aside)
         assert not comm.is_healthy()
         comm.attempt_reconnect()
