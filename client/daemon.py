@@ -56,6 +56,22 @@ def _interruptible(method: Method[P, T]) -> Method[P, T]:
     return call
 
 
+def _names_world(method: Method[P, T]) -> Method[P, T]:
+    """A call besides the ops (a registration, symmetric memory, the add kernel) that finds
+    the daemon gone says so as an op does, naming the world: a worker in several worlds
+    tells by it which one to reconnect."""
+    @functools.wraps(method)
+    def call(backend: DaemonBackend, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(backend, *args, **kwargs)
+        except DaemonUnavailable as exc:
+            if backend._conn.closed:  # (close() on another thread: no world to speak of)
+                raise
+            raise backend._about_world(exc) from exc
+
+    return call
+
+
 # The daemon enforces a join's deadline, with a backstop of its own across nodes: the
 # client waits past both, so what it hears is the daemon's word on which ranks are missing,
 # not a timeout of its own that cannot say (when they were equal, either could come first)
@@ -233,30 +249,35 @@ class DaemonBackend(CommBackend):
         return self._world_size
 
     @_interruptible
+    @_names_world
     def register_buffer(self, ptr: int, bytes: int) -> int:
         self._conn.check_open()
         ptr, bytes = as_ints(ptr=ptr, bytes=bytes)
         return self._registrations.register(ptr, bytes, self._due())
 
     @_interruptible
+    @_names_world
     def deregister_buffer(self, handle: int) -> None:
         self._conn.check_open()
         handle, = as_ints(handle=handle)
         self._registrations.deregister(handle, self._due())
 
     @_interruptible
+    @_names_world
     def symmetric_alloc(self, bytes: int) -> int:
         self._conn.check_open()
         bytes, = as_ints(bytes=bytes)
         return self._symmetric.alloc(bytes, self._due())
 
     @_interruptible
+    @_names_world
     def symmetric_free(self, ptr: int) -> None:
         self._conn.check_open()
         ptr, = as_ints(ptr=ptr)
         self._symmetric.free(ptr, self._due())
 
     @_interruptible
+    @_names_world
     def set_add_kernel(self, handle: int) -> None:
         self._conn.check_open()
         handle, = as_ints(handle=handle)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from client import DaemonBackend, DaemonShutdown
+from client import DaemonBackend, DaemonShutdown, hostmem
 from commd.daemon import PEER_FAREWELL_S
 from commd.launch import DaemonProcess
 from commd.status import query_status
@@ -200,6 +200,31 @@ def test_what_a_worker_reads_when_its_daemon_stops(tmp: Path) -> None:
             assert gone == (f"the daemon shut down, and none was back in time to rebuild world {world}: "
                             f"cannot connect to the daemon at {sock}: [Errno 2] No such file or "
                             f"directory{back}"), gone
+    finally:
+        for comm in comms:
+            comm.close()
+        daemon.stop()
+
+
+def test_a_registration_or_allocation_after_the_stop_names_the_world(tmp: Path) -> None:
+    """register_buffer and symmetric_alloc after the daemon's stop, before and after
+    is_healthy() told of it, say what a collective says then, naming the world (before:
+    "the daemon is shutting down; call attempt_reconnect once it is back", no world: a
+    worker in several worlds cannot tell which one to reconnect)."""
+    daemon = DaemonProcess(tmp / "commd.sock").start()
+    worlds = [world_name("sr"), world_name("sa")]
+    comms = [DaemonBackend(str(daemon.socket_path), w, 0, 1, timeout=2) for w in worlds]
+    buf = hostmem.alloc(64)
+    try:
+        assert daemon.stop() == 0
+        for told in (False, True):
+            if told:
+                assert [comm.is_healthy() for comm in comms] == [False, False]
+            for comm, world, call in zip(comms, worlds, (lambda: comms[0].register_buffer(buf.ptr, 64),
+                                                         lambda: comms[1].symmetric_alloc(64)), strict=True):
+                assert said(call) == (f"world {world} is not healthy: the daemon is shutting down; "
+                                      "call attempt_reconnect once it is back"), told
+                assert said(comm.barrier).startswith(f"world {world} is not healthy: ")
     finally:
         for comm in comms:
             comm.close()
