@@ -5,7 +5,8 @@ when the call passed them with `extra=` (every line about a world does), so a
 log pipeline can select one world's story without parsing messages.
 
 `Throttled` bounds the warnings that strangers can cause (refused connections,
-bad packets): one line a second per kind, with a count of the ones left out.
+bad packets): one line a second per kind, with a count of the ones left out;
+`ThrottledBy`, per source as well.
 """
 
 from __future__ import annotations
@@ -76,3 +77,35 @@ class Throttled:
             msg += f" ({self.left_out} more like it since the last such line were not logged)"
         self._logger.warning(msg, *args, extra=extra)
         self._last, self.left_out = now, 0
+
+    def quiet(self) -> bool:
+        """Whether its next line would be logged, with no count of left-out ones to carry."""
+        return not self.left_out and self._clock() - self._last >= self._interval_s
+
+
+class ThrottledBy:
+    """A `Throttled` for each source (a daemon, by name): one source's flood is bounded as
+    `Throttled` bounds it, and hides no other source's line (one shared by all left out the
+    line of a second daemon that went wrong within the first's second). At most `sources`
+    are told apart at once; past them, new ones share one `Throttled` (a flood under ever
+    new names is bounded still). A quiet source is forgotten as room is needed: its next
+    line would be logged anyway."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, sources: int = 8) -> None:
+        self._new: Callable[[], Throttled] = lambda: Throttled(logger, interval_s, clock)
+        self._sources = sources
+        self._by: dict[str, Throttled] = {}
+        self._rest = self._new()
+
+    def warning(self, source: str, msg: str, *args: object,
+                extra: Mapping[str, object] | None = None) -> None:
+        throttled = self._by.get(source)
+        if throttled is None:
+            if len(self._by) >= self._sources:
+                self._by = {name: t for name, t in self._by.items() if not t.quiet()}
+            if len(self._by) < self._sources:
+                throttled = self._by[source] = self._new()
+            else:
+                throttled = self._rest
+        throttled.warning(msg, *args, extra=extra)

@@ -28,7 +28,7 @@ from proto import peer as p
 from . import __version__
 from .errors import escaped, quoted
 from .frames import FrameStream, UnreadableFrame
-from .logs import Throttled
+from .logs import Throttled, ThrottledBy
 
 log = logging.getLogger("commd.peering")
 # Handshakes under way at once: each holds an fd until it ends (at most the handshake
@@ -129,15 +129,15 @@ NameCheck = Callable[[str, bytes], "str | None"]
 
 class PeerLink:
     def __init__(self, name: str, incarnation: bytes, stream: FrameStream, settings: PeerSettings,
-                 handler: Handler, on_lost: LostHandler, drops: Throttled) -> None:
+                 handler: Handler, on_lost: LostHandler, drops: ThrottledBy) -> None:
         self.name = name
         self.incarnation = incarnation  # the other daemon's process
         self._stream = stream
         self._settings = settings
         self._handler = handler
         self._on_lost = on_lost
-        # (the node's, one for all its links: a daemon that dials again and again, each time
-        # with a frame that drops the link, would log a line a dial, some 1000 a second)
+        # (the node's, shared by its links, by daemon: a daemon that dials again and again, each
+        # time with a frame that drops the link, would log a line a dial, some 1000 a second)
         self._drops = drops
         self.last_seen = time.monotonic()
         self._quiet_until = 0.0  # the peer said its loop may stall until then (Heartbeat.quiet_ms)
@@ -253,7 +253,7 @@ class PeerLink:
         if loss is None:
             log.warning("link to daemon %s lost: %s", self.name, reason)
         else:
-            self._drops.warning("%s", loss)
+            self._drops.warning(self.name, "%s", loss)
         self._on_lost(self, reason)
 
     async def farewell(self, reason: str, within: float) -> None:
@@ -282,7 +282,7 @@ class PeerNode:
         self.refused = 0  # handshakes refused (wrong secret, version, garbage, too many at once)
         self._floods = Throttled(log)
         self._refusals = Throttled(log)
-        self._drops = Throttled(log)  # links dropped over a frame (PeerLink._drop)
+        self._drops = ThrottledBy(log)  # links dropped over a frame (PeerLink._drop), by daemon
 
     async def listen(self, host: str, port: int, on_link: Callable[[PeerLink], None]) -> int:
         loop = asyncio.get_running_loop()

@@ -355,6 +355,32 @@ def test_a_daemon_that_redials_with_a_frame_this_build_cannot_read_does_not_floo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_link_dropped_right_after_another_daemons_is_logged_all_the_same() -> None:
+    """R1 and then, 0.2 s later, R2 each send B a frame it cannot read: B drops both links,
+    and its log must name both (before: the throttle that bounds one redialing daemon's
+    lines, shared by every link, left R2's line out, and B logged no word of that link's
+    end: only a later drop's line would have counted it, without its name)."""
+    tmp = short_tmpdir()
+    log_path = Path(tmp) / "daemon.log"
+    peers = [RawPeer("R1"), RawPeer("R2")]
+    try:
+        with open(log_path, "wb") as log, DaemonProcess(
+                Path(tmp) / "B" / "commd.sock", env=SECRET, log=log,
+                args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B", *FAST]) as daemon:
+            for peer in peers:
+                peer.send_map(peer.dial(daemon), {"t": "world_paused", "epoch": 1})
+                time.sleep(0.2)
+            said = [f"daemon {name} sent a frame this build cannot read (unknown message type "
+                    "'world_paused')" for name in ("R1", "R2")]
+            wait_until(lambda: all(line in log_path.read_text(errors="replace") for line in said),
+                       lambda: [line for line in said if line not in log_path.read_text(errors="replace")],
+                       timeout=5)
+    finally:
+        for peer in peers:
+            peer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # Each message of a handshake, as R (with the secret) may send it on a link that has had its own
 HANDSHAKE = [
     p.PeerHello(p.PEER_VERSION, "R", b"n" * p.NONCE_BYTES, b"i" * p.INCARNATION_BYTES),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import proto
-from commd.logs import Throttled, setup_logging
+from commd.logs import Throttled, ThrottledBy, setup_logging
 from commd.recorder import FlightRecorder
 from commd.stats import LATENCY_BOUNDS, DaemonStats
 
@@ -41,6 +41,25 @@ def test_throttled_warnings_log_one_an_interval_and_count_the_rest(
         "bad packet from pid 6: garbage (1 more like it since the last such line were not logged)",
     ]
     assert throttled.left_out == 0
+
+
+def test_throttled_by_source_bounds_each_source_and_new_ones_past_its_room(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    throttled = ThrottledBy(logging.getLogger("commd.test"), interval_s=1.0, clock=lambda: now[0],
+                            sources=2)
+    with caplog.at_level(logging.WARNING, "commd.test"):
+        for when, source in [(100.0, "a"), (100.1, "a"), (100.2, "b"), (100.3, "c"), (100.4, "d"),
+                             (101.5, "e"), (101.6, "a")]:
+            now[0] = when
+            throttled.warning(source, "dropped %s", source)
+    assert [r.getMessage() for r in caplog.records] == [
+        "dropped a",
+        "dropped b",  # (another source: not left out for a's line)
+        "dropped c",  # (no room for a third: c and d share one)
+        "dropped e",  # (b was quiet, so e took its room; a still counts one left out)
+        "dropped a (1 more like it since the last such line were not logged)",
+    ]
 
 
 def test_json_lines_carry_world_epoch_rank(restore_logging: object) -> None:
