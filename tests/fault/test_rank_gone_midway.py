@@ -25,7 +25,7 @@ from commd.server import Server
 from commd.status import query_status
 from commd.world import WorldState
 from proto import ErrorCode
-from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
+from tests.integration.harness import last_call, short_tmpdir, wait_until, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -244,10 +244,11 @@ def changed_after_a_failure_under_the_op(nbytes: int) -> int | None:
 
                 group = threads.submit(rank0)
                 rank1 = threads.submit(comms[1].all_reduce, bufs[1].ptr, nbytes, dtype="f32")
-                wait_until(lambda: last_state(daemon, world, 1) in ("running", "done"), "the all_reduce", 30)
+                wait_until(lambda: last_call(daemon, world, 1).get("state") in ("running", "done"),
+                           "the all_reduce", 30)
                 # (a hang-up, as a killed process's: the daemon fails the world on it)
                 comms[1]._conn.transport._sock.shutdown(socket.SHUT_RDWR)
-                running = last_state(daemon, world, 1) == "running"
+                running = last_call(daemon, world, 1).get("state") == "running"
                 changed = group.result(30)
                 rank1.exception(30)
             finally:
@@ -258,10 +259,3 @@ def changed_after_a_failure_under_the_op(nbytes: int) -> int | None:
         shutil.rmtree(tmp, ignore_errors=True)
     return changed if running else None
 
-
-def last_state(daemon: DaemonProcess, world: str, rank: int) -> object:
-    """The state of `rank`'s newest call on `daemon` (None before it made one)."""
-    calls = (world_status(daemon, world) or {}).get("recent_calls", {})
-    assert isinstance(calls, dict)
-    mine = calls.get(str(rank)) or [{}]
-    return mine[-1].get("state")

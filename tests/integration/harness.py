@@ -148,6 +148,13 @@ def world_status(daemon: DaemonProcess, world: str) -> dict[str, object] | None:
     return next((w for w in worlds if w["name"] == world), None)
 
 
+def last_call(daemon: DaemonProcess, world: str, rank: int) -> dict[str, object]:
+    """`rank`'s newest call as `daemon` records it ({} before the world forms there)."""
+    calls = (world_status(daemon, world) or {}).get("recent_calls", {})
+    assert isinstance(calls, dict)
+    return dict((calls.get(str(rank)) or [{}])[-1])
+
+
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """A daemon's metrics, by (sample name, sorted labels)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -23,7 +23,7 @@ from commd.status import query_status
 from tests.fault.test_kill_daemon import restart, start
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, short_tmpdir, wait_until, world_name, world_status
+from tests.integration.harness import RankPool, last_call, short_tmpdir, wait_until, world_name, world_status
 from tests.integration.test_multi_daemon_faults import _unused_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,14 +34,6 @@ def tmp() -> Iterator[Path]:
     path = Path(short_tmpdir())
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def last_call(daemon: DaemonProcess, world: str, rank: int) -> dict[str, object]:
-    """`rank`'s newest call as `daemon` records it ({} before the world forms there)."""
-    worlds = query_status(str(daemon.socket_path), 5, None)["worlds"]
-    mine = next((w for w in worlds if w["name"] == world), None)
-    calls = (mine or {}).get("recent_calls", {}).get(str(rank)) or [{}]
-    return dict(calls[-1])
 
 
 @pytest.mark.parametrize(("victim", "frozen_s"), [("root", 0.3), ("member", 0.3), ("member", 3.0)])
