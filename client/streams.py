@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .cuda import CudaDriver
-from .errors import CommTimeout, LimitExceeded, MisuseError
+from .errors import CommError, CommTimeout, LimitExceeded, MisuseError
 
 
 class StreamOrder:
@@ -69,14 +69,28 @@ class StreamOrder:
                                   "past this call's deadline (a recv_command_u32 waiting on it?)")
             ready, done = self._events_for(first, driver, due)
             driver.record_event(ready, first)
-            send(first)
+            try:
+                send(first)
+            except CommError:
+                # A group fails whole, yet an op of it may be on the device already, ordered
+                # and its `done` recorded, when another of it failed (the world failed under
+                # it): the worker, told the group failed, takes the buffers back on these
+                # streams. A `done` the daemon did not record for this call is one already
+                # passed, and the wait costs nothing.
+                if early:
+                    self._wait_done(driver, streams, done)
+                raise
             if early:
-                for stream in streams:
-                    driver.stream_wait_event(stream, done)
+                self._wait_done(driver, streams, done)
         finally:
             if taken:
                 self._done_with(first, driver)
                 turn.release()
+
+    @staticmethod
+    def _wait_done(driver: CudaDriver, streams: Sequence[int], done: int) -> None:
+        for stream in streams:
+            driver.stream_wait_event(stream, done)
 
     def close(self, driver: CudaDriver | None) -> None:
         """Destroy the pairs no daemon had; one a call uses now goes when it is done with it."""

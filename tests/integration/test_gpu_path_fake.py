@@ -962,3 +962,46 @@ def test_close_in_a_signal_handler_that_cut_into_a_call_on_device_memory(
     assert driver.mapped == {}
     assert sorted(driver.destroyed) == sorted(driver.created)
     assert len(driver.created) == (2 if inside == "StreamOrder" else 0)
+
+
+def test_a_stream_ordered_group_the_world_failed_under_still_orders_its_stream_after_its_op(
+        daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """Rank 0 groups all_reduce_async with a recv_from nobody sends, both on stream s0,
+    behind its kernel K: the all_reduce matches rank 1's and is answered once ordered,
+    still queued behind K; rank 1 hangs up, and the world's failure fails the group. The
+    worker then writes its buffer on s0 (W) and K ends: the all_reduce runs, and must run
+    before W, since the worker has the buffer back. Before: s0 did not wait for the op's
+    `done` (a failed call skipped it), and the sum (9 + 2) landed over W's 9s."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    streams = [gpu.worker_stream(), gpu.worker_stream()]
+    ptrs = [driver.alloc(b"\x01" * 8), driver.alloc(b"\x02" * 8)]
+    nobody_sends = driver.alloc(b"\x00" * 8)
+    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x01" * 8)
+    ordered = threading.Event()
+    seen: dict[str, object] = {}
+
+    def rank(r: int) -> None:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20,
+                           cuda_driver=lambda: driver) as comm:
+            if r == 1:
+                comm.all_reduce_async(ptrs[1], 8, streams[1], dtype="u8")
+                ordered.wait(10)  # (rank 0's half is in: leaving fails the world under its group)
+                return
+            comm.group_start()
+            comm.all_reduce_async(ptrs[0], 8, streams[0], dtype="u8")
+            comm.recv_from(nobody_sends, 8, 1, stream=streams[0])
+            threading.Timer(0.3, ordered.set).start()
+            with pytest.raises(CommError) as failed:
+                comm.group_end()
+            seen["error"] = failed.value
+            mine = gpu.worker_kernel(streams[0], ptrs[0], b"\x09" * 8)  # the buffer is the worker's
+            gpu.finish_kernel(mine)  # (it runs once s0 gets to it)
+            gpu.finish_kernel(kernel)
+            # (within the grace, 2 s, that aborts the op: it runs)
+            wait_until(lambda: gpu.read(ptrs[1], 8) != b"\x02" * 8, "the op to run", 1.5)
+            seen["mine"], seen["theirs"] = gpu.read(ptrs[0], 8), gpu.read(ptrs[1], 8)
+
+    run_ranks(2, rank)
+    assert "rank 1's connection was lost" in str(seen["error"]), seen
+    assert seen["theirs"] == b"\x03" * 8  # the op read the buffer before W...
+    assert seen["mine"] == b"\x09" * 8  # ...and W came after its write
