@@ -270,13 +270,17 @@ class Server:
                     os.unlink(self.config.socket_path)
         message = "the daemon is shutting down"
         self.registry.shutdown(message)
+        # The calls whose ops the engine still runs went unanswered (World.shutdown), and a
+        # worker takes its buffers back once it hears of the stop: it hears once the engine
+        # let go of them (its jobs ended, NCCL's aborts returned). On device memory the
+        # client has no mapping of ours to move them off first.
+        self.engine.close()
         # (what a rank's next call raises: the world's own calls said it already)
         event = proto.Event(proto.EventKind.SHUTDOWN, ErrorCode.SHUTDOWN,
                             f"{message}; call attempt_reconnect once it is back")
         for session in list(self.sessions):
             session.send(event)
             session.channel.close("shutdown", discard_input=True)
-        self.engine.close()
         self._closer.stop()
 
 
