@@ -32,6 +32,9 @@ Chaos. A thread injects, at random intervals (`--gap`), one of `--faults`:
   stop-worker   SIGSTOP a worker for 0.2-2.5 x the call timeout, then SIGCONT
   kill-daemon   kill -9 a daemon (with several: the root of a world or a member) and
                 restart it on the same socket and peer port
+  term-daemon   SIGTERM a daemon (a root or a member), which must exit 0 within 5 s +
+                `--slack`, then restart it as kill-daemon does: its own ranks get
+                DaemonShutdown, the other daemons' ranks PeerLost
   net           (with --proxy: each member daemon reaches each root through
                 tests/integration/faultproxy.py) cut, black-hole or half-open a member's
                 link to a root for 0.3-2.5 x the peer window, then heal
@@ -41,6 +44,10 @@ report.
 
 What must hold (each breach is an anomaly, listed in the report):
   wrong         a call that returned with a result different from numpy's: zero, ever
+  late-write    a call that failed (any CommError) hands its host buffers back to the worker
+                (README, Deadlines and Stopping): the worker writes a sentinel into each at
+                once and reads it back 0.05-0.3 s later, before it reuses them; a byte that
+                changed meanwhile was written by an op the failure did not stop: zero, ever
   untyped       an exception that is not a CommError subclass: zero
   hang          a call that did not return within its bound (the call timeout + 2 s for the
                 daemon's verdict + `--slack`; a reconnect twice that; recv_command_u32, which
@@ -54,6 +61,8 @@ What must hold (each breach is an anomaly, listed in the report):
                 before the run (fds, peer TCP links aside, and memfd mappings)
   daemon        a daemon that chaos did not kill is not alive or does not answer
                 `commd status`; a daemon's log with a traceback
+  stop          a daemon that term-daemon stopped did not exit 0 within its bound (then
+                it is killed, and restarted all the same)
 Progress (steps done per world, errors by class, reconnects) is reported too.
 
 Everything (daemon logs, each worker's event log) is under a fresh /tmp directory,
@@ -92,6 +101,8 @@ DTYPES = ("bf16", "f16", "f32", "f64", "i32", "i64", "u8")
 OPS = ("sum", "prod", "min", "max")
 CTL_EVERY = 8  # every 8th step the ranks agree whether to stop
 SUSPICIOUS = ("MisuseError", "ProtocolError", "LimitExceeded", "DaemonInternalError", "AccessDenied")
+SENTINEL = bytes.fromhex("a55ac33cdeadbeef")  # what a failed call's buffers hold while the worker waits
+STOP_BOUND_S = 5.0  # a stopping daemon's exit: its links' 1 s to flush, and startup's imports to spare
 KINDS = {"ar": 30, "ar_async": 8, "ag": 8, "rs": 8, "bc": 8, "barrier": 4, "p2p_group": 8,
          "p2p_pair": 6, "cmd": 8, "reg": 5, "sym": 4}
 
@@ -203,6 +214,9 @@ class Worker:
         self.sym_bytes = 1 << 20
         self.handles: list[tuple[int, int, int]] = []  # (handle, kept buffer index, offset)
         self.ctl = hostmem.alloc(32)
+        self.ctl_span = (self.ctl.ptr, self.ctl.view(np.uint8))
+        # (not the schedule's: how long a failed call's buffers are watched is the rank's own)
+        self.late_rng = random.Random(f"late:{spec.seed}:{spec.world}:{spec.rank}:{spec.generation}")
         self.last_progress = 0.0
         self.started = time.monotonic()
 
@@ -340,7 +354,7 @@ class Worker:
         words = self.ctl.view(np.int64)
         words[:3] = [self.next_step, 0, 0x5EED]
         epoch = self.comm.epoch  # (a rebuild after this refuses the call: stale)
-        with self.watch.call("agree", self.call_bound):
+        with self.kept_on_failure("agree", self.ctl_span), self.watch.call("agree", self.call_bound):
             self.comm.all_reduce(self.ctl.ptr, 24, dtype="i64", op="max")
         if int(words[0]) < self.next_step or words[1:3].tolist() != [0, 0x5EED]:
             self.anomaly("wrong", what="agree", got=words[:3].tolist(), mine=self.next_step)
@@ -408,7 +422,7 @@ class Worker:
     def control(self) -> None:
         words = self.ctl.view(np.int64)
         words[:2] = [1 if os.path.exists(self.s.stopfile) else 0, self.s.rank]
-        with self.watch.call("ctl", self.call_bound):
+        with self.kept_on_failure("ctl", self.ctl_span), self.watch.call("ctl", self.call_bound):
             self.comm.all_reduce(self.ctl.ptr, 16, dtype="i64", op="max")
         if words[1] != self.s.n - 1 or words[0] not in (0, 1):
             self.anomaly("wrong", what="ctl", got=words[:2].tolist())
@@ -462,6 +476,29 @@ class Worker:
                 self.sym_ptr = self.comm.symmetric_alloc(self.sym_bytes)
         return self.sym_ptr
 
+    @contextlib.contextmanager
+    def kept_on_failure(self, call: str, *spans: tuple[int, Any], **info: Any) -> Iterator[None]:
+        """If the call fails, its host buffers (`spans`: pointer, byte view) are the
+        worker's at once: a sentinel written into them then must still be there when the
+        worker would reuse them. (Symmetric memory is the daemon's: not watched.)"""
+        from client import CommError
+
+        try:
+            yield
+        except CommError as exc:
+            views = [view for ptr, view in spans if ptr != self.sym_ptr and len(view)]
+            for view in views:
+                view[:] = _sentinel(len(view))
+            waited = self.late_rng.uniform(0.05, 0.3)
+            time.sleep(waited)
+            changed = [int(np.count_nonzero(view != _sentinel(len(view)))) for view in views]
+            self.counts["late_checked"] += bool(views)
+            if any(changed):
+                self.anomaly("late-write", call=call, error=type(exc).__name__, message=str(exc)[:300],
+                             changed_bytes=changed, of_bytes=[len(v) for v in views],
+                             waited=round(waited, 3), **info)
+            raise
+
     def check(self, what: str, got: Any, want: bytes, **info: Any) -> None:
         raw = bytes(got)
         if raw == want:
@@ -492,7 +529,8 @@ class Worker:
         mine = inputs[self.s.rank]
         with self.span(mine.nbytes, local) as (ptr, view):
             view[:] = mine.view(np.uint8)
-            with self.watch.call("all_reduce_async" if use_async else "all_reduce", self.call_bound):
+            what = "all_reduce_async" if use_async else "all_reduce"
+            with self.kept_on_failure(what, (ptr, view), step=step), self.watch.call(what, self.call_bound):
                 if use_async:
                     self.comm.all_reduce_async(ptr, mine.nbytes, 0, dtype=dtype, op=op)
                 else:
@@ -510,7 +548,8 @@ class Worker:
                 self.span(nbytes * self.s.n, local, allow_sym=False, slot=1) as (rptr, rview):
             sview[:] = inputs[self.s.rank]
             rview[:] = 0xEE
-            with self.watch.call("all_gather", self.call_bound):
+            with self.kept_on_failure("all_gather", (sptr, sview), (rptr, rview), step=step), \
+                    self.watch.call("all_gather", self.call_bound):
                 self.comm.all_gather(sptr, rptr, nbytes)
             self.check("all_gather", rview, b"".join(x.tobytes() for x in inputs), step=step, nbytes=nbytes)
 
@@ -523,7 +562,8 @@ class Worker:
         with self.span(nbytes * self.s.n, local, allow_sym=False, slot=0) as (sptr, sview), \
                 self.span(nbytes, local, allow_sym=False, slot=1) as (rptr, rview):
             sview[:] = inputs[self.s.rank].view(np.uint8)
-            with self.watch.call("reduce_scatter", self.call_bound):
+            with self.kept_on_failure("reduce_scatter", (sptr, sview), (rptr, rview), step=step), \
+                    self.watch.call("reduce_scatter", self.call_bound):
                 self.comm.reduce_scatter(sptr, rptr, nbytes, dtype=dtype, op=op)
             full = self.reduced(inputs, dtype, op).view(np.uint8)
             mine = full[self.s.rank * nbytes:(self.s.rank + 1) * nbytes]
@@ -535,7 +575,8 @@ class Worker:
         inputs = self.inputs(step, nbytes, "u8", "sum")
         with self.span(nbytes, local) as (ptr, view):
             view[:] = inputs[self.s.rank]
-            with self.watch.call("broadcast", self.call_bound):
+            with self.kept_on_failure("broadcast", (ptr, view), step=step), \
+                    self.watch.call("broadcast", self.call_bound):
                 self.comm.broadcast(ptr, nbytes, root)
             self.check("broadcast", view, inputs[root].tobytes(), step=step, root=root, nbytes=nbytes)
 
@@ -562,7 +603,8 @@ class Worker:
         into = hostmem.alloc(max(sizes[src], 1))
         out.view(np.uint8)[:sizes[me]] = self.message(step, me, dst, sizes[me])
         into.view(np.uint8)[:] = 0xEE
-        with self.watch.call("p2p group", self.call_bound):
+        with self.kept_on_failure("p2p group", (out.ptr, out.view(np.uint8)), (into.ptr, into.view(np.uint8)),
+                                  step=step), self.watch.call("p2p group", self.call_bound):
             self.comm.group_start()
             self.group_open = True
             # a rank's send and receive: which goes first in the group is the rank's own choice
@@ -594,7 +636,8 @@ class Worker:
             iview[:] = 0xEE
             order = ["send", "recv"] if me == a else ["recv", "send"]
             for what in order:
-                with self.watch.call(what, self.call_bound):
+                with self.kept_on_failure(what, (optr, oview), (iptr, iview), step=step), \
+                        self.watch.call(what, self.call_bound):
                     if what == "send":
                         self.comm.send_to(optr, nbytes, peer, 0)
                     else:
@@ -607,12 +650,15 @@ class Worker:
             words = view.view(np.uint32)
             if self.s.rank == 0:
                 words[0] = command
-                with self.watch.call("broadcast command", self.call_bound):
+                with self.kept_on_failure("broadcast command", (ptr, view), step=step), \
+                        self.watch.call("broadcast command", self.call_bound):
                     self.comm.broadcast(ptr, 4, 0)
             else:
                 words[0] = 0
                 # no deadline: it waits for rank 0, which may be stopped as long as chaos stops one
-                with self.watch.call("recv_command_u32", self.call_bound + self.s.timeout + self.s.max_stop):
+                bound = self.call_bound + self.s.timeout + self.s.max_stop
+                with self.kept_on_failure("recv_command_u32", (ptr, view), step=step), \
+                        self.watch.call("recv_command_u32", bound):
                     self.comm.recv_command_u32(ptr, 0)
             self.check("recv_command_u32", view, np.array([command], np.uint32).tobytes(), step=step)
 
@@ -627,7 +673,8 @@ class Worker:
         self.handles.append((handle, index, offset))
         view = buf.view(np.uint8)[offset:offset + 4 * nelem]
         view[:] = inputs[self.s.rank].view(np.uint8)
-        with self.watch.call("all_reduce registered", self.call_bound):
+        with self.kept_on_failure("all_reduce registered", (buf.ptr + offset, view), step=step), \
+                self.watch.call("all_reduce registered", self.call_bound):
             self.comm.all_reduce(buf.ptr + offset, 4 * nelem, dtype="i32", op="sum")
         self.check("all_reduce registered", view, self.reduced(inputs, "i32", "sum").tobytes(), step=step)
         while len(self.handles) > 3:
@@ -652,6 +699,10 @@ class Worker:
         finally:
             with self.watch.call("symmetric_free", self.call_bound):
                 self.comm.symmetric_free(ptr)
+
+
+def _sentinel(nbytes: int) -> Any:
+    return np.resize(np.frombuffer(SENTINEL, np.uint8), nbytes)
 
 
 def _numpy(dtype: str) -> Any:
@@ -684,6 +735,8 @@ class Daemon:
     port: int = 0
     proc: Any = None
     kills: int = 0
+    stops: int = 0
+    longest_stop: float = 0.0
     base: tuple[int, int] = (0, 0)
 
     @property
@@ -713,6 +766,15 @@ class Daemon:
     def kill(self) -> None:
         self.proc.kill()
         self.kills += 1
+
+    def term(self, bound: float) -> tuple[int, float]:
+        """SIGTERM; its exit code (the kill's, -9, past `bound`) and the seconds it took."""
+        start = time.monotonic()
+        code = self.proc.stop(bound)
+        took = time.monotonic() - start
+        self.stops += 1
+        self.longest_stop = max(self.longest_stop, round(took, 2))
+        return code, took
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.proc.poll() is None
@@ -850,6 +912,21 @@ class Soak:
             time.sleep(down)
             daemon.start()
 
+    def fault_term_daemon(self, rng: random.Random) -> None:
+        with self.target(rng, list(range(len(self.daemons)))) as index:
+            if index is None:
+                return
+            daemon = self.daemons[index]
+            down = rng.uniform(0.2, 1.0)
+            bound = STOP_BOUND_S + self.a.slack
+            print(f"  {time.strftime('%X')} SIGTERM daemon {daemon.name}, down {down:.2f}s", flush=True)
+            code, took = daemon.term(bound)
+            if code != 0:
+                self.anomaly("stop", name=daemon.name, exitcode=code, took=round(took, 2), bound=bound,
+                             log=str(daemon.dir / "daemon.log"))
+            time.sleep(down)
+            daemon.start()
+
     def fault_net(self, rng: random.Random) -> None:
         with self.target(rng, sorted(self.proxies)) as pair:
             if pair is None:
@@ -978,7 +1055,7 @@ class Soak:
                         event = json.loads(line)
                     except ValueError:  # a worker killed mid-line
                         continue
-                    if event["kind"] in ("wrong", "untyped", "hang", "unexpected"):
+                    if event["kind"] in ("wrong", "late-write", "untyped", "hang", "unexpected"):
                         self.anomaly(event["kind"], **{k: v for k, v in event.items() if k != "kind"})
                     if event["kind"] == "stacks":
                         self.anomaly("stacks", worker=(event["world"], event["rank"], event["gen"]),
@@ -1001,7 +1078,8 @@ class Soak:
         from tests.integration.harness import held_at_rest
 
         for daemon in self.daemons:
-            info: dict[str, Any] = {"kills": daemon.kills, "alive": daemon.alive()}
+            info: dict[str, Any] = {"kills": daemon.kills, "stops": daemon.stops,
+                                    "longest_stop_s": daemon.longest_stop, "alive": daemon.alive()}
             self.report.daemons[daemon.name] = info
             if not daemon.alive():
                 self.anomaly("daemon", name=daemon.name, why="not alive",
@@ -1024,7 +1102,7 @@ class Soak:
             info["tcp_links"] = _tcp_links(daemon.proc.pid)
             if now != daemon.base:
                 self.anomaly("leak", name=daemon.name, held=now, base=daemon.base,
-                             restarted=daemon.kills > 0, worlds_left=info.get("worlds_left"))
+                             restarted=daemon.kills + daemon.stops > 0, worlds_left=info.get("worlds_left"))
         for daemon in self.daemons:
             text = (daemon.dir / "daemon.log").read_text(errors="replace")
             tracebacks = text.count("Traceback")
@@ -1043,6 +1121,7 @@ class Soak:
         for name, w in sorted(r.worlds.items()):
             print(f"world {name}: {w['steps']} steps, {sum(w['counts'].values())} counted, "
                   f"checked {w['counts'].get('checked', 0)}, reconnects {w['counts'].get('reconnects', 0)}, "
+                  f"late-write checks {w['counts'].get('late_checked', 0)}, "
                   f"errors {dict(w['errors'])}, longest call past its bound {w['max_over']:+.2f}s, "
                   f"{w['finals']} final reports")
         for name, d in sorted(r.daemons.items()):
@@ -1080,7 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", help="per world, the daemon of each rank: '0,0,1,1;1,0,0' "
                         "(default: a 4-rank and a 3-rank world spread over the daemons)")
     parser.add_argument("--faults", default=None,
-                        help="comma-separated: kill-worker,stop-worker,kill-daemon,net "
+                        help="comma-separated: kill-worker,stop-worker,kill-daemon,term-daemon,net "
                         "(default: all that apply)")
     parser.add_argument("--proxy", action="store_true", help="members reach roots through a fault proxy")
     parser.add_argument("--timeout", type=float, default=2.0, help="the workers' call timeout (default 2)")
@@ -1101,7 +1180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worlds is None:
         args.worlds = {1: "0,0,0,0;0,0,0", 2: "0,0,1,1;1,0,0", 3: "0,1,2,2;2,0,1"}[args.daemons]
     if args.faults is None:
-        args.faults = "kill-worker,stop-worker,kill-daemon" + (",net" if args.proxy else "")
+        args.faults = "kill-worker,stop-worker,kill-daemon,term-daemon" + (",net" if args.proxy else "")
     args.gap = tuple(args.gap)
     placements = [[int(d) for d in w.split(",")] for w in args.worlds.split(";")]
     if any(d >= args.daemons for p in placements for d in p) or sum(map(len, placements)) > 8:
