@@ -18,7 +18,9 @@ same sizes, dtypes, ops, roots and pairs: all_reduce (every dtype and op, sync o
 on a kept hostmem buffer at an offset, a fresh one freed afterwards, a registered span, or
 symmetric_alloc memory kept for the whole run), all_gather, reduce_scatter, broadcast,
 barrier, send/recv in groups (a random permutation), ungrouped send/recv between two ranks,
-recv_command_u32 from rank 0, register/deregister, symmetric_alloc/free. Inputs are
+recv_command_u32 from rank 0, register/deregister, symmetric_alloc/free, and an all_reduce
+(up to 4 MiB, on a kept buffer) in one group with a send/recv permutation (each rank
+orders its group's calls as it likes). Inputs are
 `tests/integration/data.make_input` of (step, rank); each result is checked byte for byte
 against numpy (`grouped_reference`: the documented order across daemons). Which buffer a
 rank uses is its own random choice.
@@ -105,6 +107,11 @@ SENTINEL = bytes.fromhex("a55ac33cdeadbeef")  # what a failed call's buffers hol
 STOP_BOUND_S = 5.0  # a stopping daemon's exit: its links' 1 s to flush, and startup's imports to spare
 KINDS = {"ar": 30, "ar_async": 8, "ag": 8, "rs": 8, "bc": 8, "barrier": 4, "p2p_group": 8,
          "p2p_pair": 6, "cmd": 8, "reg": 5, "sym": 4}
+# Kinds added later, by weight beside KINDS'. Each takes its share of the steps by a draw of
+# its own, not by a longer KINDS: that would rescale the one draw and change the kind of
+# four steps in ten, so a seed's old schedule (and its reports) would not replay.
+ADDED_KINDS = {"coll_group": 6}
+COLL_GROUP_BYTES = 4 << 20  # large enough that the engine is still running it when a fault lands
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,6 +423,13 @@ class Worker:
             return self.control()
         rng = self.schedule(step)
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        added = random.Random(f"{self.s.seed}:{self.s.world}:{step}:added")
+        roll = added.random() * (sum(KINDS.values()) + sum(ADDED_KINDS.values()))
+        for name, weight in ADDED_KINDS.items():
+            if roll < weight:
+                kind = name
+                break
+            roll -= weight
         getattr(self, "do_" + kind)(step, rng, self.local(step))
         self.counts[kind] += 1
 
@@ -589,8 +603,10 @@ class Worker:
 
         return make_input(step * 1000 + src * 31 + dst, 0, nbytes, "u8", "sum")
 
-    def do_p2p_group(self, step: int, rng: random.Random, local: random.Random) -> None:
-        """Rank r sends to perm[r] (if not itself): everyone sends and receives in one group."""
+    def exchange(self, step: int, rng: random.Random) -> tuple[list[Callable[[], None]],
+                                                                list[tuple[int, Any]], Callable[[], None]]:
+        """Rank r sends to perm[r] (if not itself), all in one group: this rank's calls (the
+        group's to make), their host buffers, and the check of what it received."""
         perm = list(range(self.s.n))
         rng.shuffle(perm)
         sizes = [self.size(rng, 1) for _ in range(self.s.n)]  # by sender
@@ -603,24 +619,62 @@ class Worker:
         into = hostmem.alloc(max(sizes[src], 1))
         out.view(np.uint8)[:sizes[me]] = self.message(step, me, dst, sizes[me])
         into.view(np.uint8)[:] = 0xEE
-        with self.kept_on_failure("p2p group", (out.ptr, out.view(np.uint8)), (into.ptr, into.view(np.uint8)),
-                                  step=step), self.watch.call("p2p group", self.call_bound):
-            self.comm.group_start()
-            self.group_open = True
-            # a rank's send and receive: which goes first in the group is the rank's own choice
-            calls: list[Callable[[], None]] = []
-            if dst != me:
-                calls.append(lambda: self.comm.send_to(out.ptr, sizes[me], dst, 0))
-            if src != me:
-                calls.append(lambda: self.comm.recv_from(into.ptr, sizes[src], src, 0))
-            local.shuffle(calls)
-            for call in calls:
-                call()
-            self.group_open = False
-            self.comm.group_end()
+        calls: list[Callable[[], None]] = []
+        if dst != me:
+            calls.append(lambda: self.comm.send_to(out.ptr, sizes[me], dst, 0))
         if src != me:
-            self.check("recv in group", into.view(np.uint8)[:sizes[src]],
-                       self.message(step, src, me, sizes[src]).tobytes(), step=step, src=src)
+            calls.append(lambda: self.comm.recv_from(into.ptr, sizes[src], src, 0))
+
+        def verify() -> None:
+            if src != me:
+                self.check("recv in group", into.view(np.uint8)[:sizes[src]],
+                           self.message(step, src, me, sizes[src]).tobytes(), step=step, src=src)
+
+        return calls, [(out.ptr, out.view(np.uint8)), (into.ptr, into.view(np.uint8))], verify
+
+    def grouped(self, calls: list[Callable[[], None]]) -> None:
+        self.comm.group_start()
+        self.group_open = True
+        for call in calls:
+            call()
+        self.group_open = False
+        self.comm.group_end()
+
+    def do_p2p_group(self, step: int, rng: random.Random, local: random.Random) -> None:
+        calls, spans, verify = self.exchange(step, rng)
+        # a rank's send and receive: which goes first in the group is the rank's own choice
+        local.shuffle(calls)
+        with self.kept_on_failure("p2p group", *spans, step=step), \
+                self.watch.call("p2p group", self.call_bound):
+            self.grouped(calls)
+        verify()
+
+    def do_coll_group(self, step: int, rng: random.Random, local: random.Random) -> None:
+        """An all_reduce on a kept buffer in one group with the p2p exchange: a failure that
+        ends the group's receive while the engine still runs its all_reduce must not hand
+        the buffer back before the all_reduce let go of it."""
+        dtype, op = rng.choice(DTYPES), rng.choice(OPS)
+        itemsize = np.dtype(_numpy(dtype)).itemsize
+        top = min(self.s.max_bytes, COLL_GROUP_BYTES) // itemsize
+        nelem = self.size(rng, itemsize) if rng.random() < 0.5 else rng.randint(1, top)
+        if (dtype, op) == ("i64", "max") and nelem in (2, 3):
+            nelem = 4  # (never the control step's or the agreement's call, paired by mistake)
+        inputs = self.inputs(step, nelem, dtype, op)
+        mine = inputs[self.s.rank]
+        calls, spans, verify = self.exchange(step, rng)
+        buf = local.choice(self.kept)  # (mapped by the daemon for the whole run: a late write shows)
+        offset = 8 * local.randint(0, 1024)
+        ptr, view = buf.ptr + offset, buf.view(np.uint8)[offset:offset + mine.nbytes]
+        view[:] = mine.view(np.uint8)
+        calls.append(lambda: self.comm.all_reduce(ptr, mine.nbytes, dtype=dtype, op=op))
+        # (where the all_reduce stands among its sends and receives is the rank's own choice)
+        local.shuffle(calls)
+        with self.kept_on_failure("all_reduce+p2p group", (ptr, view), *spans, step=step), \
+                self.watch.call("all_reduce+p2p group", self.call_bound):
+            self.grouped(calls)
+        self.check("all_reduce in group", view, self.reduced(inputs, dtype, op).tobytes(), step=step,
+                   dtype=dtype, op=op, nelem=nelem)
+        verify()
 
     def do_p2p_pair(self, step: int, rng: random.Random, local: random.Random) -> None:
         """Two ranks, ungrouped: the lower sends then receives, the higher the reverse."""
