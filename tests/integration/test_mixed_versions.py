@@ -103,11 +103,8 @@ def test_a_root_s_failure_or_refusal_with_a_code_this_daemon_lacks_fails_that_wo
         for world in (failing, steady):
             root.send(link, p.WorldReady(world, 1, ("R", "B")))
         assert isinstance(clients[0].recv(), proto.Welcome) and isinstance(clients[2].recv(), proto.Welcome)
-        (vote,) = [m.vote for _, m in root.received if isinstance(m, p.JoinWorld) and m.world == refused]
-        root.send_map(link, {"t": "world_failed", "world": failing, "epoch": 1, "code": NEWER_CODE,
-                             "message": f"world {failing}: R's quota is spent"})
-        root.send_map(link, {"t": "join_refused", "world": refused, "rank": 1, "code": NEWER_CODE,
-                             "message": f"world {refused}: R takes no more worlds", "vote": vote})
+        fail_and_refuse_by_a_newer_code(root, link, (failing, f"world {failing}: R's quota is spent"),
+                                        (refused, f"world {refused}: R takes no more worlds"))
         event = clients[0].recv()
         assert isinstance(event, proto.Event) and event.kind is proto.EventKind.WORLD_FAILED, event
         assert event.code is ErrorCode.WORLD_FAILED and event.epoch == 1
@@ -126,6 +123,17 @@ def test_a_root_s_failure_or_refusal_with_a_code_this_daemon_lacks_fails_that_wo
         root.close()
 
 
+def fail_and_refuse_by_a_newer_code(root: RawPeer, link: Any, failing: tuple[str, str],
+                                    refused: tuple[str, str]) -> None:
+    """R, with NEWER_CODE and each its text: fails the world `failing` (epoch 1), and refuses
+    rank 1's vote for the world `refused`."""
+    (vote,) = [m.vote for _, m in root.received if isinstance(m, p.JoinWorld) and m.world == refused[0]]
+    root.send_map(link, {"t": "world_failed", "world": failing[0], "epoch": 1, "code": NEWER_CODE,
+                         "message": failing[1]})
+    root.send_map(link, {"t": "join_refused", "world": refused[0], "rank": 1, "code": NEWER_CODE,
+                         "message": refused[1], "vote": vote})
+
+
 def test_a_long_failure_with_a_code_this_daemon_lacks_still_names_the_code(daemon: DaemonProcess) -> None:
     """R's failure and refusal with an unknown code and a text at the wire's limit: the note
     naming the code and R must reach the rank whole, R's text clipped before it (before: the
@@ -140,11 +148,8 @@ def test_a_long_failure_with_a_code_this_daemon_lacks_still_names_the_code(daemo
         link = voted_at(root, clients, worlds)
         root.send(link, p.WorldReady(failing, 1, ("R", "B")))
         assert isinstance(clients[0].recv(), proto.Welcome)
-        (vote,) = [m.vote for _, m in root.received if isinstance(m, p.JoinWorld) and m.world == refused]
-        root.send_map(link, {"t": "world_failed", "world": failing, "epoch": 1, "code": NEWER_CODE,
-                             "message": f"world {failing}: {long}"})
-        root.send_map(link, {"t": "join_refused", "world": refused, "rank": 1, "code": NEWER_CODE,
-                             "message": f"world {refused}: {long}", "vote": vote})
+        fail_and_refuse_by_a_newer_code(root, link, (failing, f"world {failing}: {long}"),
+                                        (refused, f"world {refused}: {long}"))
         event = clients[0].recv()
         assert isinstance(event, proto.Event) and event.code is ErrorCode.WORLD_FAILED, event
         error = clients[1].error()

@@ -39,6 +39,10 @@ class RecordingDaemon:
         self._listener.listen(4)
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def connections(self, kind: type) -> list[int]:
+        """The connection (numbered as accepted) each message of `kind` came on, in order."""
+        return [n for n, msg in self.seen if isinstance(msg, kind)]
+
     def _accept(self) -> None:
         for n in itertools.count():
             try:

@@ -32,7 +32,7 @@ from client.errors import (
     ProtocolError,
     WorldFailed,
 )
-from client.hostmem import HostMemory
+from client.hostmem import HostBuffer, HostMemory
 from tests.fault.test_packet_fuzz import mutate
 from tests.integration.harness import memfd_mappings, open_fds, short_tmpdir, wait_until, world_name
 from tests.unit.standin import Packets, RecordingDaemon
@@ -85,6 +85,14 @@ def standin() -> Iterator[tuple[RecordingDaemon, str]]:
     fake.close()
     os.unlink(path)
     os.rmdir(tmp)
+
+
+def rejoins(comm: DaemonBackend, buf: HostBuffer) -> None:
+    """The rank the failure left unhealthy rebuilds its world, and its next call works."""
+    assert not comm.is_healthy()
+    comm.attempt_reconnect()
+    comm.all_reduce(buf.ptr, 64, dtype="f32")
+    assert comm.is_healthy()
 
 
 def back_to_fds(before: int) -> None:
@@ -512,12 +520,9 @@ def test_an_empty_packet_is_a_protocol_error_not_a_hang_up(
             comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert type(failed.value) is error
         assert time.monotonic() - started < 5  # not at the call's timeout (a loaded machine aside)
-        assert not comm.is_healthy()
-        comm.attempt_reconnect()
-        comm.all_reduce(buf.ptr, 64, dtype="f32")
-        assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
-    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+        rejoins(comm, buf)
+    hellos = fake.connections(proto.Hello)
+    submits = fake.connections(proto.Submit)
     assert (hellos, submits) == ([0, 1], [0, 1])  # the second call went on the rejoined connection
     back_to_fds(before)
     buf.close()
@@ -582,8 +587,8 @@ def test_a_refusal_with_an_unknown_code_or_a_long_message_fails_the_call_not_the
         assert comm.is_healthy()
         comm.all_reduce(buf.ptr, 64, dtype="f32")  # answered Ok, on the same connection
         assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
-    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    hellos = fake.connections(proto.Hello)
+    submits = fake.connections(proto.Submit)
     assert (hellos, submits) == ([0], [0, 0])
     back_to_fds(before)
     buf.close()
@@ -617,7 +622,7 @@ def test_a_request_over_the_daemons_announced_limit_is_refused_before_it_is_sent
         assert comm.is_healthy()
         group(100)
         assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    hellos = fake.connections(proto.Hello)
     submits = [(n, len(msg.ops)) for n, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert (hellos, submits) == ([0], [(0, 100)])  # the long one never went
     assert buf.view(np.float32).tolist() == list(range(16))
@@ -726,7 +731,7 @@ def test_a_world_failed_event_with_an_unknown_code_or_a_long_message_still_fails
         comm.attempt_reconnect()
         assert comm.is_healthy()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    hellos = fake.connections(proto.Hello)
     submits = [(n, msg.epoch) for n, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert hellos == [0]  # one connection throughout
     # (after the failure, none made for the failed epoch)
@@ -766,12 +771,9 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
                         "which this client does not know: the node is draining; call attempt_reconnect once "
                         "it is back")
         assert time.monotonic() - started < 5  # not at the call's timeout (a loaded machine aside)
-        assert not comm.is_healthy()
-        comm.attempt_reconnect()
-        comm.all_reduce(buf.ptr, 64, dtype="f32")
-        assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
-    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+        rejoins(comm, buf)
+    hellos = fake.connections(proto.Hello)
+    submits = fake.connections(proto.Submit)
     assert (hellos, submits) == ([0, 1], [0, 1])
     back_to_fds(before)
     buf.close()
@@ -808,7 +810,7 @@ def test_an_event_of_a_kind_this_client_does_not_know_is_ignored(
         assert told and comm.is_healthy()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
+    hellos = fake.connections(proto.Hello)
     submits = [(n, msg.epoch) for n, msg in fake.seen if isinstance(msg, proto.Submit)]
     assert (hellos, submits) == ([0], [(0, 1), (0, 1)])
     (logged,) = [r.getMessage() for r in caplog.records if "quota_warning" in r.getMessage()]
@@ -869,12 +871,9 @@ def test_an_error_that_answers_no_request_says_the_daemon_closed_the_connection(
         # (the connection is gone, whatever the code: only a rejoin helps, and the call says so)
         assert str(again.value).startswith("world w is not healthy: ") and \
             str(again.value).endswith("; call attempt_reconnect"), str(again.value)
-        assert not comm.is_healthy()
-        comm.attempt_reconnect()
-        comm.all_reduce(buf.ptr, 64, dtype="f32")
-        assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
-    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+        rejoins(comm, buf)
+    hellos = fake.connections(proto.Hello)
+    submits = fake.connections(proto.Submit)
     assert (hellos, submits) == ([0, 1], [0, 1])
     back_to_fds(before)
     buf.close()
@@ -921,13 +920,13 @@ def test_a_rejoin_the_daemon_refuses_with_a_code_this_client_does_not_know_is_no
             comm.attempt_reconnect()
         assert (type(refused.value), refused.value.code) == (error, "evicted"), str(refused.value)
         assert str(refused.value).startswith(said), str(refused.value)
-        assert [n for n, msg in fake.seen if isinstance(msg, proto.Hello)] == [0, 1]  # one try
+        assert fake.connections(proto.Hello) == [0, 1]  # one try
         refusing[0] = False
         comm.attempt_reconnect()
         comm.all_reduce(buf.ptr, 64, dtype="f32")
         assert comm.is_healthy()
-    hellos = [n for n, msg in fake.seen if isinstance(msg, proto.Hello)]
-    submits = [n for n, msg in fake.seen if isinstance(msg, proto.Submit)]
+    hellos = fake.connections(proto.Hello)
+    submits = fake.connections(proto.Submit)
     assert (hellos, submits) == ([0, 1, 2], [2])
     assert buf.view(np.float32).tolist() == list(range(16))  # (the stand-in writes nothing)
     back_to_fds(before)
