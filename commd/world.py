@@ -452,17 +452,15 @@ class World:
         memory until the engine closes, after the answer would have gone, and a worker told
         its call failed takes its buffers back at once; with the connection closed unanswered,
         it first moves them off the memory the daemon still has (as when a daemon dies)."""
+        # (what is left, calls waiting for their match, only a ready world has: its failure
+        # answers them)
         self._tickets = {ticket for ticket in self._tickets if not ticket.executing}
         if self.state is WorldState.READY:
             self.fail(ErrorCode.SHUTDOWN, message, propagate=False)
             if self.net is not None:
                 self.membership.failed(ErrorCode.PEER_LOST, f"daemon {self.net.me} is shutting down")
-        # Swap the collections out first: a reply can close its connection, whose
-        # departure edits them.
-        tickets, self._tickets = self._tickets, set()
         stopped = f"world {self.name} is not ready: {message}"
-        for ticket in tickets:
-            ticket.fail(ErrorCode.SHUTDOWN, f"{stopped}; call attempt_reconnect once it is back")
+        # Swapped out first: a reply can close its connection, whose departure edits them
         waiting, self._waiting = self._waiting, {}
         for waiter in waiting.values():
             # (a hello's rank has no backend yet to reconnect: its join is what it makes again)
