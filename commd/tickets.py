@@ -64,8 +64,7 @@ class Ticket:
         """One of its ops left the engine's hands: done, or failed with `failure`."""
         self.executing -= 1
         self.remaining -= 1
-        if failure is not None and self._failure is None:
-            self._failure = failure
+        self._failure = self._failure or failure  # (the first one told)
         if self._failure is not None:
             self.fail_when_idle(*self._failure)
         elif self.remaining == 0 and not self.done:
