@@ -121,10 +121,14 @@ class Connection:
                 self._joining = None
         return transport, reply.epoch, reply.engine
 
-    def rejoin(self, deadline: float) -> None:
-        """Leave the daemon and join the world again on a new connection, by `deadline`: to
-        a restarted daemon, perhaps, with backoff while it is not back yet."""
-        self.transport.close()  # the daemon must see the old connection go, or the rank is taken
+    def rejoin(self, deadline: float, gone: CommError) -> None:
+        """Leave the daemon, which went for the reason `gone`, and join the world again on a
+        new connection, by `deadline`: to a restarted daemon, perhaps, with backoff while it is
+        not back yet."""
+        # The daemon must see the old connection go, or the rank is taken. The calls of other
+        # threads on it, until the new one is in place, hear why it went: one a stopping daemon
+        # answered is not broken yet, and "the backend was closed" would say the worker closed it
+        self.transport.close(gone)
         with self._lock:
             # after the close, so no request on the old connection can succeed under the new
             # link; a reply that came on it before is recorded nowhere

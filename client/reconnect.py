@@ -74,7 +74,7 @@ class Reconnector:
                 gone = exc
         if gone is not None:
             try:
-                self._conn.rejoin(due + self._join_grace)
+                self._conn.rejoin(due + self._join_grace, gone)
             except DaemonUnavailable as exc:
                 if not isinstance(gone, DaemonShutdown) or isinstance(exc, DaemonShutdown):
                     raise

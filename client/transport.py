@@ -417,8 +417,10 @@ class Transport(PacketSocket):
             f"a call was interrupted ({type(exc).__name__}) midway, so this connection was "
             "dropped; call attempt_reconnect"))
 
-    def close(self) -> None:
-        self._break(DaemonUnavailable("the backend was closed"))
+    def close(self, why: CommError | None = None) -> None:
+        """Close; the calls still on it, or made on it later, raise `why` (None: the backend
+        was closed) unless it broke already."""
+        self._break(why or DaemonUnavailable("the backend was closed"))
         self._shut_down()  # (wakes a send blocked in the kernel, and a reader)
         with self._lock:  # (no thread starts reading once broken)
             reading = self._close_when_read = self._reader is not None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from client import DaemonBackend, DaemonShutdown, hostmem
@@ -221,3 +222,51 @@ def test_a_registration_or_allocation_after_the_stop_names_the_world(tmp: Path) 
         for comm in comms:
             comm.close()
         daemon.stop()
+
+
+def test_a_call_beside_a_reconnect_the_stop_answered_says_the_daemon_is_shutting_down(tmp: Path) -> None:
+    """Rank 0's attempt_reconnect waits for rank 1 when the daemon stops: the stop answers it
+    'shutting down', and it leaves that connection to join a daemon once one is back. A call
+    made meanwhile on another thread of rank 0 must say the daemon is shutting down, and the
+    rebuilt world then serve it (before: DaemonUnavailable "world W is not healthy: the
+    backend was closed; call attempt_reconnect", as if the worker had closed the backend,
+    read by the soak's --side thread after a failure on the main one)."""
+    daemon = DaemonProcess(tmp / "commd.sock").start()
+    sock, world = str(daemon.socket_path), world_name("sc")
+    buf = hostmem.alloc(64)
+    comms: list[DaemonBackend] = []
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            comms += [j.result(20) for j in [threads.submit(DaemonBackend, sock, world, r, 2, timeout=4)
+                                             for r in range(2)]]
+            comms.pop().close()
+            reconnect = threads.submit(comms[0].attempt_reconnect)
+            wait_until(lambda: world_state(daemon, world) == ("forming", 1), "rank 0's reconnect", 20)
+            assert daemon.stop() == 0
+            # (its rejoin moves the connection's number on once it has left the old one)
+            wait_until(lambda: comms[0]._conn.link == 1, "rank 0's rejoin", 10)
+            stopping = (f"world {world} is not ready: the daemon is shutting down; "
+                        "call attempt_reconnect once it is back")
+            assert said(lambda: comms[0].register_buffer(buf.ptr, 64)) == stopping
+            daemon.start()
+            comms.append(threads.submit(DaemonBackend, sock, world, 1, 2, timeout=4).result(20))
+            reconnect.result(20)
+        handle = comms[0].register_buffer(buf.ptr, 64)
+        inputs = [make_input(3, r, 16, "i32", "sum") for r in range(2)]
+        buf.view(np.uint8)[:] = inputs[0].view(np.uint8)
+        other = hostmem.alloc(64)
+        other.view(np.uint8)[:] = inputs[1].view(np.uint8)
+        with ThreadPoolExecutor(2) as threads:
+            calls = [threads.submit(comm.all_reduce, b.ptr, 64, dtype="i32")
+                     for comm, b in zip(comms, (buf, other), strict=True)]
+            for call in calls:
+                call.result(20)
+        want = reduce_reference(inputs, "i32", "sum").tobytes()
+        assert bytes(buf.view(np.uint8)) == bytes(other.view(np.uint8)) == want
+        comms[0].deregister_buffer(handle)
+        other.close()
+    finally:
+        for comm in comms:
+            comm.close()
+        daemon.stop()
+        buf.close()
