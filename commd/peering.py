@@ -283,6 +283,9 @@ class PeerNode:
         self._floods = Throttled(log)
         self._refusals = Throttled(log)
         self._drops = ThrottledBy(log)  # links dropped over a frame (PeerLink._drop), by daemon
+        # Once closed (the daemon stops), why no link is made any more: a dial that ended during
+        # the farewell would add a link that nothing closes before the process exits
+        self._stopping: str | None = None
 
     async def listen(self, host: str, port: int, on_link: Callable[[PeerLink], None]) -> int:
         loop = asyncio.get_running_loop()
@@ -358,6 +361,8 @@ class PeerNode:
         # off by the window in a lookup made nothing the listener could count)
         addresses: list[str] | None = None
         while True:
+            if self._stopping is not None:
+                raise PeerRefusedError(self._stopping)
             try:
                 async with asyncio.timeout_at(deadline):
                     if addresses is None:
@@ -434,6 +439,9 @@ class PeerNode:
             stream.write(p.PeerRefused("wrong listener proof"))
             raise PeerRefusedError(f"daemon {quoted(challenge.daemon)} does not hold our secret")
         self._refuse_if_taken(stream, challenge.daemon, challenge.incarnation)
+        if self._stopping is not None:  # (told: the listener says why it adopts no link)
+            stream.write(p.PeerRefused(self._stopping))
+            raise PeerRefusedError(self._stopping)
         stream.trust(self._frame_keys(transcript, dialed=True)[1])  # before its ready
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
         ready, _ = await stream.read()
@@ -441,6 +449,8 @@ class PeerNode:
             reason = escaped(ready.reason, p.MAX_REASON) if isinstance(ready, p.PeerRefused) \
                 else type(ready).__name__
             raise PeerRefusedError(reason)
+        if self._stopping is not None:  # (since the proof: the listener took the link, which ends now)
+            raise PeerRefusedError(self._stopping)
         return challenge.daemon, challenge.incarnation, transcript
 
     async def _answer(self, stream: FrameStream) -> tuple[str, bytes, bytes]:
@@ -469,6 +479,9 @@ class PeerNode:
         stream.write(p.PeerChallenge(self.settings.name, nonce,
                                      p.proof(self.settings.secret, "listener", transcript), ours))
         answer, _ = await stream.read()
+        if isinstance(answer, p.PeerRefused):  # the dialer gave up (it stops, say): its words
+            raise PeerRefusedError(f"daemon {quoted(hello.daemon)} ended the handshake: "
+                                   f"{escaped(answer.reason, p.MAX_REASON)}")
         want = p.proof(self.settings.secret, "dialer", transcript)
         if not isinstance(answer, p.PeerProof) or not hmac.compare_digest(want, answer.proof):
             with contextlib.suppress(Exception):
@@ -486,6 +499,7 @@ class PeerNode:
             raise PeerRefusedError(reason)
 
     def close(self) -> None:
+        self._stopping = f"daemon {quoted(self.settings.name)} is shutting down"
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -6,26 +6,34 @@ under an idle world: test_multi_daemon_faults.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+import proto
 from client import DaemonBackend, DaemonShutdown, hostmem
 from commd.daemon import PEER_FAREWELL_S
 from commd.launch import DaemonProcess
+from commd.peering import PeerNode, PeerSettings
 from commd.status import query_status
 from tests.fault.test_kill_daemon import restart, start
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, last_call, short_tmpdir, wait_until, world_name, world_status
-from tests.integration.test_multi_daemon_faults import _unused_port
+from tests.integration.rawclient import RawClient
+from tests.integration.test_multi_daemon import SECRET
+from tests.integration.test_multi_daemon_faults import RawPeer, _unused_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +278,60 @@ def test_a_call_beside_a_reconnect_the_stop_answered_says_the_daemon_is_shutting
             comm.close()
         daemon.stop()
         buf.close()
+
+
+class HeldNode(PeerNode):
+    """A listener that answers a dialer's hello only once `go` is set (a root slow to answer)."""
+
+    def __init__(self, settings: PeerSettings, handler: Any, on_lost: Any) -> None:
+        super().__init__(settings, handler, on_lost)
+        self.go = threading.Event()
+
+    async def _answer(self, stream: Any) -> tuple[str, bytes, bytes]:
+        while not self.go.is_set():
+            await asyncio.sleep(0.01)
+        return await super()._answer(stream)
+
+
+def test_a_dial_that_ends_during_the_stops_farewell_makes_no_link(
+        tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Daemon B dials the root R for a joining rank; R answers only once B's stop is under
+    way, while B's farewell waits on a peer (A) that reads nothing. B must not take the link
+    it dialed: R is told B is shutting down, adopts no link, and B exits 0 at the farewell's
+    end (before: the handshake ended, R and B each kept a link, which B never closed: R heard
+    of it only as B's process went, "closed by the peer")."""
+    log_path = tmp / "B.log"
+    quiet_peer, root = RawPeer("A"), RawPeer("R")
+    root._node = held = HeldNode(PeerSettings("R", SECRET["COMMD_PEER_SECRET"].encode(), 0.2, 5.0),
+                                 lambda link, msg, _payload: root.received.append((link.name, msg)),
+                                 lambda link, _reason: root.lost.append(link.name))
+    caplog.set_level(logging.WARNING, logger="commd.peering")
+    try:
+        with open(log_path, "wb") as log:
+            daemon = DaemonProcess(tmp / "B" / "commd.sock", env=SECRET, log=log, log_level="INFO",
+                                   args=["--peer-listen", "127.0.0.1:0", "--peer-name", "B",
+                                         "--peer-heartbeat", "0.2", "--peer-window", "5"]).start()
+            try:
+                quiet_peer.dial(daemon)
+                address = root.listen()
+                client = RawClient(str(daemon.socket_path), 10)
+                client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world_name("sd"), 1, 2,
+                                        8000, bootstrap=address))
+                wait_until(lambda: held._handshakes, "B's dial", 10)
+                quiet_peer._loop.call_soon_threadsafe(time.sleep, 4.0)  # (reads nothing, ends nothing)
+                stopped = time.monotonic()
+                os.kill(daemon.pid, signal.SIGTERM)
+                wait_until(lambda: "stopping" in log_path.read_text(errors="replace"), "B's stop", 10)
+                held.go.set()
+                assert daemon.proc is not None and daemon.proc.wait(10) == 0
+                assert time.monotonic() - stopped < PEER_FAREWELL_S + 2.0
+                client.close()
+            finally:
+                daemon.stop()
+        wait_until(lambda: not held._handshakes, "R's handshake to end", 10)
+        assert [link.loss for link in root.accepted] == []
+        said = "refused a peer from 127.0.0.1: daemon 'B' ended the handshake: daemon 'B' is shutting down"
+        assert said in caplog.text, caplog.text
+    finally:
+        root.close()
+        quiet_peer.close()
