@@ -444,7 +444,14 @@ class PeerNode:
             raise PeerRefusedError(self._stopping)
         stream.trust(self._frame_keys(transcript, dialed=True)[1])  # before its ready
         stream.write(p.PeerProof(p.proof(self.settings.secret, "dialer", transcript)))
-        ready, _ = await stream.read()
+        try:
+            ready, _ = await stream.read()
+        except ConnectionError as exc:
+            # A listener with something to refuse says it; one that closes without a word now
+            # stopped (its node ends the handshakes under way) or died: a try again finds it
+            # back, or nothing listening, which a joining rank rides out as a restart
+            raise PeerBusyError(f"daemon {quoted(challenge.daemon)} closed the connection during "
+                                f"the handshake ({exc}): is it stopping?") from None
         if not isinstance(ready, p.PeerReady):
             reason = escaped(ready.reason, p.MAX_REASON) if isinstance(ready, p.PeerRefused) \
                 else type(ready).__name__

@@ -1075,6 +1075,38 @@ async def test_a_refusal_that_will_not_pass_ends_the_dial_at_once(case: str) -> 
         await asyncio.sleep(0.1)  # (a try again would have come by now)
         assert (connections if case == "version" else a.node.refused) == 1
 
+async def test_a_listener_that_stops_after_the_dialers_proof_is_dialed_again() -> None:
+    """The listener's daemon stops after the dialer sent its proof (its node closes the
+    handshakes under way, without a word): the dial comes again, and ends as a dial to a
+    daemon not listening (ConnectionRefusedError, which a joining rank rides out until the
+    daemon is back). Before: it failed at once, 'closed by the peer', and the member refused
+    its joining rank with PeerLost."""
+    connections = 0
+
+    async def stop_after_the_proof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        hello, _ = await read_frame(reader)
+        nonce, ours = os.urandom(p.NONCE_BYTES), incarnation()
+        transcript = p.transcript(hello, "daemon-a", ours, nonce)
+        await send_frame(writer, p.PeerChallenge("daemon-a", nonce,
+                                                 p.proof(SECRET, "listener", transcript), ours))
+        assert isinstance((await read_frame(reader))[0], p.PeerProof)
+        server.close()  # (the daemon stops: nothing listens there any more)
+        writer.close()
+
+    b = Side("daemon-b", handshake_s=5)
+    async with sides(b):
+        server = await asyncio.start_server(stop_after_the_proof, HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(ConnectionRefusedError):
+                await b.dial(port)
+        finally:
+            server.close()
+        assert connections == 1
+
+
 async def test_someone_relaying_a_handshake_cannot_speak_on_the_link() -> None:
     """A worker can make its daemon (C) dial any address: there, a relay passes C's handshake
     with daemon A through, byte for byte, so A and C link up through it. The relay holds no
