@@ -199,17 +199,28 @@ class NcclCommunicator:
         try:
             self.abort()
             drained = self._spawn(self._complete(touched))
-        except BaseException:  # no drain to hand the memory to
-            self._let_go(held)
+        except BaseException as exc:  # no drain to hand the memory to
+            self._leak(held, f"{type(exc).__name__}: {exc}")
             raise
         drained.add_done_callback(functools.partial(self._drained, held))
         with contextlib.suppress(Exception):
             await asyncio.shield(drained)
 
     def _drained(self, held: _Held, drained: asyncio.Future[None]) -> None:
-        if not drained.cancelled():
-            drained.exception()  # retrieved: the op's own error is the one to report
-        self._let_go(held)
+        if drained.cancelled():  # (the loop ending: asyncio.run cancels what is left)
+            self._leak(held, "its wait was cancelled")
+        elif (exc := drained.exception()) is not None:  # (a stop shut the waiting threads down)
+            self._leak(held, exc.message if isinstance(exc, CallError) else f"{type(exc).__name__}: {exc}")
+        else:
+            self._let_go(held)
+
+    def _leak(self, held: _Held, why: str) -> None:
+        """An aborted op's memory, with no word that its streams got past it: on a GPU its
+        kernel still launches when they do, so a close now would unmap it under that
+        kernel. It stays held (and the streams with it) until the process exits."""
+        log.warning("world %s: the device was not seen past an aborted op (%s): its %d bytes of "
+                    "memory stay mapped until the daemon exits", self._world, why,
+                    sum(region.nbytes for region in held.regions))
 
     def _landed(self, task: asyncio.Task[None]) -> None:
         """An op answered early finished: its failure is the world's (see async_error), also

@@ -11,6 +11,7 @@ socket, the protocol, the daemon's server, sessions, worlds and matching are rea
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -1007,15 +1008,13 @@ def test_a_stream_ordered_group_the_world_failed_under_still_orders_its_stream_a
     assert seen["mine"] == b"\x09" * 8  # ...and W came after its write
 
 
-def test_a_daemon_stopping_under_an_nccl_op_tells_its_ranks_once_the_op_let_go_of_their_memory() -> None:
+def test_a_daemon_stopping_under_an_nccl_op_tells_its_ranks_once_the_op_let_go_of_their_memory(
+        gpu: FakeGpu) -> None:
     """Two ranks' all_reduce is on the daemon's streams, behind rank 0's kernel K, when the
     daemon stops; its ncclCommAbort takes 0.5 s (as NCCL's waiting for the device). Rank 0,
     told of the stop, writes its buffer on its stream (W) and K ends: the op must not land
     after W, nor on rank 1's buffer. Before: the ranks heard of the stop (the SHUTDOWN event)
     before the abort ran, and the sum (9 + 2) landed over W's 9s and on rank 1's buffer."""
-    # (not the fixture's device, which checks for violations at the end: the stop closes the
-    # memory the aborted op names while the op still waits behind K, s22/H REPORT, unfixed)
-    gpu = FakeGpu(devices=2, multi_rank_gpu=True)
     gpu.abort_takes_s = 0.5
     daemon = GpuDaemon(gpu)
     world, driver = world_name("gpu"), WorkerDriver(gpu)
@@ -1044,3 +1043,42 @@ def test_a_daemon_stopping_under_an_nccl_op_tells_its_ranks_once_the_op_let_go_o
     assert all("the daemon is shutting down" in s for s in said), said
     time.sleep(0.2)  # (the device has nothing left to run; a late op would have landed)
     assert [gpu.read(p, 8) for p in ptrs] == [b"\x09" * 8, b"\x02" * 8]
+
+
+def test_a_stop_leaves_mapped_the_memory_of_an_aborted_op_still_queued_behind_a_kernel(
+        gpu: FakeGpu, caplog: pytest.LogCaptureFixture) -> None:
+    """Two ranks' all_reduce waits on the daemon's streams behind rank 0's kernel K when the
+    daemon stops, and K ends only after the daemon's loop did: on a GPU the aborted op
+    still launches when its stream gets to it, so the daemon must not have closed the
+    ranks' memory under it. Before: the stop's drain could not wait (the engine's waiting
+    threads were shut down) and let go at once; the fake saw 'released [..] under an op
+    still queued on a stream' (1 run in 3 when K ended as the ranks heard of the stop)."""
+    caplog.set_level(logging.WARNING, logger="commd.engine.nccl")
+    daemon = GpuDaemon(gpu)
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    streams = [gpu.worker_stream(), gpu.worker_stream()]
+    ptrs = [driver.alloc(b"\x01" * 8), driver.alloc(b"\x02" * 8)]
+    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x05" * 8)
+
+    def rank(r: int) -> str:
+        comm = DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20, stream=streams[r],
+                             cuda_driver=lambda: driver)
+        with comm, pytest.raises(DaemonShutdown) as stopped:
+            comm.all_reduce(ptrs[r], 8, dtype="u8")
+        return str(stopped.value)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(rank, r) for r in range(2)]
+        sock = str(daemon.socket_path)
+        wait_until(lambda: [w["pending_calls"] for w in query_status(sock, 5)["worlds"]] == [2],
+                   "both calls to run")
+        mapped = gpu.allocations
+        daemon.close()  # (its loop has ended: nothing of it waits for the device any more)
+        said = [future.result(10) for future in running]
+    assert all("the daemon is shutting down" in s for s in said), said
+    assert gpu.allocations == mapped  # the ranks' memory, as the daemon opened it, stays
+    gpu.finish_kernel(kernel)  # the aborted op reaches the head of its stream now
+    assert [gpu.read(p, 8) for p in ptrs] == [b"\x05" * 8, b"\x02" * 8]  # it did not run
+    assert gpu.violations == []
+    left = [r.getMessage() for r in caplog.records if "stay mapped" in r.getMessage()]
+    assert len(left) == 1 and "the device was not seen past" in left[0], left
