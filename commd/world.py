@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from .engine.base import (
     RecvOp,
     Region,
     SendOp,
+    StillOnDevice,
 )
 from .engine_extras import EngineExtras
 from .errors import MAX_CAUSE, CallError, clip, framed, rank_list
@@ -353,10 +355,18 @@ class World:
         if epoch == self.epoch:
             self.fail(code, message)
             code, message = self.cause_code, self._call_failed()
+        past = exc.past if isinstance(exc, StillOnDevice) else {}
         for arrival in arrivals_of(match):
-            arrival.ticket.op_ended((code, message))
-            if arrival.ticket.done:
-                self._tickets.discard(arrival.ticket)
+            left = past.get(arrival.ticket.rank)
+            if left is None or left.done():
+                self._op_ended(arrival.ticket, (code, message))
+            else:  # the op may still touch this rank's memory until its stream is past it
+                left.add_done_callback(functools.partial(self._op_ended, arrival.ticket, (code, message)))
+
+    def _op_ended(self, ticket: Ticket, failure: tuple[ErrorCode, str], _past: object = None) -> None:
+        ticket.op_ended(failure)
+        if ticket.done:
+            self._tickets.discard(ticket)
 
     def _finish(self, match: Match[Arrival]) -> None:
         for arrival in arrivals_of(match):

@@ -8,16 +8,28 @@ needs too. Nothing outside `commd/engine/` imports CUDA or NCCL.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from proto import DType, MemKind, ReduceOp
+from proto import DType, ErrorCode, MemKind, ReduceOp
 
 from ..errors import CallError
 
 if TYPE_CHECKING:
     from ..cluster import WorldNet
+
+
+class StillOnDevice(CallError):
+    """An op that failed (its communicator was aborted) while some of its ranks' streams
+    had yet to get past it: `past[rank]` is done once that rank's stream is. Until then
+    the op may still touch the rank's memory, so each rank's call is answered then, and
+    not held by another rank's stream that may never get there."""
+
+    def __init__(self, code: ErrorCode, message: str, past: Mapping[int, asyncio.Future[None]]) -> None:
+        super().__init__(code, message)
+        self.past = past
 
 
 class Region(Protocol):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from proto import ErrorCode
 
 from ..errors import CallError
+from .base import StillOnDevice
 from .gpu import Gpu, GpuError
 
 
@@ -26,6 +27,7 @@ class Completions:
         self._devices = dict(devices)
         self._free: dict[int, list[int]] = {rank: [] for rank in devices}
         self._closed = False
+        self._given_up: set[asyncio.Task[None]] = set()  # waits that outlive their op's answer
 
     def record(self, streams: Mapping[int, int], ranks: Iterable[int]) -> dict[int, int]:
         """An event behind the work queued so far on each rank's stream (none for a rank
@@ -48,16 +50,21 @@ class Completions:
         for rank, event in events.items():
             self._back_now(rank, event)
 
-    async def wait(self, events: Mapping[int, int], on_error: Callable[[], None] | None = None) -> None:
+    async def wait(self, events: Mapping[int, int], on_error: Callable[[], None] | None = None,
+                   past: Mapping[int, asyncio.Future[None]] | None = None) -> None:
         """Wait on helper threads. An event is reused only once its thread is done with it:
         a cancelled wait leaves the thread blocked in cuEventSynchronize. With `on_error`,
         a wait that fails on one GPU calls it, then raises only once the other ranks' waits
         are over: their work may still use the memory the caller lets go after (it calls
-        it to stop that work, which may wait for the failed rank's for ever)."""
+        it to stop that work, which may wait for the failed rank's for ever). `past[rank]`
+        is done once that rank's wait is over, whichever way."""
         loop = asyncio.get_running_loop()  # not in `finally`: a coroutine closed unfinished has none
         waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
                  for rank, event in events.items()}
         wrapped = [asyncio.wrap_future(wait) for wait in waits.values()]
+        for rank, wait in zip(waits, wrapped, strict=True):
+            if past is not None and rank in past:
+                wait.add_done_callback(functools.partial(mark_past, past[rank]))
         try:
             await asyncio.gather(*wrapped)
         except GpuError as exc:
@@ -74,6 +81,43 @@ class Completions:
                     self._back_now(rank, event)
                 else:
                     waits[rank].add_done_callback(functools.partial(self._back, loop, rank, event))
+
+    async def wait_past_abort(self, events: Mapping[int, int], abort: Callable[[], None],
+                              aborted: asyncio.Event, then: Callable[[asyncio.Task[None]], None]) -> None:
+        """`wait`, until `aborted` is set (the abort returned): a rank whose stream is past
+        the op need not wait for the others' then (one may never get there: a worker's
+        kernel ahead of it that never ends). StillOnDevice tells each rank's when, and
+        `then` follows the end of the whole wait (the memory may go then). An abort for a
+        wait that failed on a GPU is no such word: that error ends the op, once every
+        wait is over."""
+        loop = asyncio.get_running_loop()
+        past = {rank: loop.create_future() for rank in events}
+        failed: list[bool] = []
+
+        def on_error() -> None:
+            failed.append(True)
+            abort()
+
+        device = loop.create_task(self.wait(events, on_error, past))
+        self._given_up.add(device)  # (a task nobody awaits is held only weakly by the loop)
+        device.add_done_callback(self._given_up.discard)
+        over = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({device, over}, return_when=asyncio.FIRST_COMPLETED)
+            if failed:
+                await device
+        except asyncio.CancelledError:
+            device.cancel()
+            raise
+        finally:
+            over.cancel()
+        if device.done():
+            device.result()
+            return
+        device.add_done_callback(then)
+        for future in past.values():  # (a wait that could not start, the engine closing, told none)
+            device.add_done_callback(functools.partial(mark_past, future))
+        raise StillOnDevice(ErrorCode.WORLD_FAILED, "communicator was aborted", past)
 
     def close(self) -> None:
         self._closed = True
@@ -96,3 +140,9 @@ class Completions:
     def _destroy(self, event: int) -> None:
         with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
             self._gpu.event_destroy(event)
+
+
+def mark_past(past: asyncio.Future[None], _wait: object = None) -> None:
+    """(A done callback: `_wait`, what ended.)"""
+    if not past.done():
+        past.set_result(None)

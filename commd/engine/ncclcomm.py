@@ -25,7 +25,7 @@ from proto import ErrorCode
 
 from ..errors import CallError
 from .addpath import AddPath
-from .base import EngineOp, Order, Region
+from .base import EngineOp, Order, Region, StillOnDevice
 from .completion import Completions
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
@@ -178,12 +178,15 @@ class NcclCommunicator:
                       verdict: Coroutine[None, None, None] | None, held: _Held) -> None:
         try:
             if verdict is None:
-                await self._completions.wait(events, on_error=self.abort)
+                await self._completions.wait_past_abort(events, self.abort, self._abort_over,
+                                                        functools.partial(self._drained, held))
             else:
                 await self._complete_unless_mismatched(events, verdict)
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         except asyncio.CancelledError:
             await self._stop_and_drain(touched, held)
+            raise
+        except StillOnDevice:  # (its memory goes with the device's wait)
             raise
         except BaseException:
             self._let_go(held)

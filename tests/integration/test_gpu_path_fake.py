@@ -25,7 +25,15 @@ import numpy as np
 import pytest
 
 import proto
-from client import CommError, CommTimeout, DaemonBackend, DaemonShutdown, HostMemory, MisuseError
+from client import (
+    CommError,
+    CommTimeout,
+    DaemonBackend,
+    DaemonShutdown,
+    HostMemory,
+    MisuseError,
+    WorldFailed,
+)
 from client.cuda import CudaMemory, PointerInfo
 from commd.engine.gpu import Imported
 from commd.launch import DaemonProcess
@@ -1082,3 +1090,40 @@ def test_a_stop_leaves_mapped_the_memory_of_an_aborted_op_still_queued_behind_a_
     assert gpu.violations == []
     left = [r.getMessage() for r in caplog.records if "stay mapped" in r.getMessage()]
     assert len(left) == 1 and "the device was not seen past" in left[0], left
+
+
+def test_a_rank_is_answered_once_its_own_stream_is_past_an_aborted_op_not_the_others(
+        daemon: GpuDaemon, gpu: FakeGpu) -> None:
+    """Both ranks' all_reduce (a group each) is on the daemon's streams, rank 1's behind
+    its kernel K, which never ends while the test lasts; rank 1 gives up (CommTimeout) and
+    hangs up, the world fails, and after the grace (2 s) the abort drops rank 0's side: its
+    stream is past the op, and nothing touches its memory any more. Rank 0 must hear of the
+    failure then. Before: the engine waited for every rank's stream, rank 1's too, and rank 0
+    got CommTimeout at its own deadline (8 s) plus the verdict's grace (2 s)."""
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    streams = [gpu.worker_stream(), gpu.worker_stream()]
+    ptrs = [driver.alloc(b"\x01" * 8), driver.alloc(b"\x02" * 8)]
+    kernel = gpu.worker_kernel(streams[1], ptrs[1], b"\x07" * 8)
+    seen: dict[int, tuple[BaseException, float]] = {}
+
+    def rank(r: int) -> None:
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=(8, 1)[r], stream=streams[r],
+                           cuda_driver=lambda: driver) as comm:
+            started = time.monotonic()
+            with pytest.raises(CommError) as failed:
+                comm.group_start()
+                comm.all_reduce(ptrs[r], 8, dtype="u8")
+                comm.group_end()
+            seen[r] = failed.value, time.monotonic() - started
+
+    try:
+        run_ranks(2, rank)
+        assert isinstance(seen[1][0], CommTimeout), seen
+        error, took = seen[0]
+        assert isinstance(error, WorldFailed) and "rank 1's connection was lost" in str(error), seen
+        # (rank 1 gives up at 1 + 2 s, the grace is 2 s: far from 8 + 2)
+        assert took < 7.0, seen
+        assert gpu.read(ptrs[0], 8) == b"\x01" * 8  # the op did not run: the buffer is the worker's
+    finally:
+        gpu.finish_kernel(kernel)  # (the aborted op goes when rank 1's stream gets to it)
+    wait_until(lambda: gpu.read(ptrs[1], 8) == b"\x07" * 8, "K to run")
