@@ -139,6 +139,7 @@ class Server:
         self._lingering = Lingering(config.max_connections)  # closed ones, saying their last word
         self._closer = FdCloser()  # of the fds clients send
         self._refusals = Throttled(log)
+        self._paused_since: float | None = None  # out of fds: since when accepting is paused
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
         self._socket_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we bound
@@ -172,6 +173,7 @@ class Server:
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                self._accepting_again()  # (the waiting ones gave up: the fds are back, or not)
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
@@ -181,6 +183,7 @@ class Server:
                     return
                 log.error("accept failed: %s", exc)
                 return
+            self._accepting_again()
             pid, uid, gid = _UCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
             refusal = self._refusal(sock, pid, uid, gid)
@@ -194,13 +197,22 @@ class Server:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._listener.fileno())
-        log.warning("not accepting connections for %.1fs: %s", seconds, why)
+        # Once, not at each look: an hour out of fds logged 7200 lines that said nothing new
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+            log.warning("not accepting connections: %s (looking again every %.1fs; the "
+                        "connecting ones wait)", why, seconds)
 
         def resume() -> None:
             if self._listener is not None:
                 loop.add_reader(self._listener.fileno(), self._accept)
 
         loop.call_later(seconds, resume)
+
+    def _accepting_again(self) -> None:
+        if self._paused_since is not None:
+            log.info("accepting connections again, after %.1fs paused", time.monotonic() - self._paused_since)
+            self._paused_since = None
 
     def _refusal(self, sock: socket.socket, pid: int, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
         allowed = self.config.allow_gids

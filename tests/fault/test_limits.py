@@ -405,3 +405,46 @@ def test_a_daemon_out_of_fds_refuses_imports_as_a_limit_and_serves_on_once_some_
     finally:
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_daemon_out_of_fds_for_accepts_says_so_once_serves_its_clients_and_takes_the_waiting_one_later(
+        ) -> None:
+    """Out of fds, the listener cannot accept: the waiting connection stays in the backlog
+    (it is not refused) and is served once fds come back; the ranks already connected go
+    on, and the log says it once, not each time the listener looks again (every 0.5 s)."""
+    tmp = short_tmpdir()
+    logged = Path(tmp) / "daemon.log"
+    try:
+        with open(logged, "wb") as log, DaemonProcess(Path(tmp) / "commd.sock", log=log,
+                                                      log_level="INFO") as daemon:
+            sock = str(daemon.socket_path)
+            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+                buf = hostmem.alloc(4096)
+                buf.view(np.uint8)[:8] = 3
+                comm.all_reduce(buf.ptr, 8, dtype="u8")  # (its mapping made while fds were there)
+                soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
+                held_at_rest(daemon.pid)
+                # (the limit bounds an fd's number: at the lowest free one, no new fd fits)
+                numbers = {int(fd) for fd in os.listdir(f"/proc/{daemon.pid}/fd")}
+                lowest_free = min(set(range(len(numbers) + 1)) - numbers)
+                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (lowest_free, hard))
+                try:
+                    waiting = RawClient(sock)  # (connect completes in the backlog)
+                    started = time.monotonic()
+                    while time.monotonic() - started < 3:  # six looks again
+                        comm.all_reduce(buf.ptr, 8, dtype="u8")
+                        time.sleep(0.1)
+                    assert buf.view(np.uint8)[:8].tolist() == [3] * 8 and comm.is_healthy()
+                finally:
+                    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
+                welcome = waiting.join(world_name())
+                assert isinstance(welcome, proto.Welcome), welcome
+                waiting.close()
+                buf.close()
+        lines = [line for line in logged.read_text().splitlines() if "accepting connections" in line]
+        assert len(lines) == 2, lines
+        assert "WARNING commd.server: not accepting connections: out of file descriptors (Too many " \
+               "open files) (looking again every 0.5s; the connecting ones wait)" in lines[0], lines
+        assert "INFO commd.server: accepting connections again, after " in lines[1], lines
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
