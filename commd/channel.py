@@ -309,11 +309,8 @@ class PacketChannel:
                 return
         if (len(self._queue) >= self._max_queue or self._queued_bytes + len(data) > MAX_QUEUED_BYTES
                 or self._queued_fds + len(fds) > MAX_QUEUED_FDS):
-            why = (f"client did not read its replies ({len(self._queue)} queued, "
-                   f"{self._queued_bytes} bytes, {self._queued_fds} fds)")
-            # (the one trace of why its rank's world failed: its client hears nothing)
-            log.warning("connection dropped: %s", why)
-            self.close(why)
+            self._drop(f"client did not read its replies ({len(self._queue)} queued, "
+                       f"{self._queued_bytes} bytes, {self._queued_fds} fds)")
             return
         copies: list[int] = []
         try:
@@ -321,11 +318,16 @@ class PacketChannel:
                 copies.append(os.dup(fd))
         except OSError as exc:  # out of fds: this reply cannot wait
             close_fds(copies)
-            self.close(f"cannot keep a reply's fd: {exc}")
+            self._drop(f"cannot keep a reply's fd until the client reads it: {exc.strerror}")
             return
         self._queue.append((data, copies))
         self._queued_bytes += len(data)
         self._queued_fds += len(copies)
+
+    def _drop(self, why: str) -> None:
+        # (the one trace of why its rank's world failed: its client hears nothing)
+        log.warning("connection dropped: %s", why)
+        self.close(why)
 
     def _writable(self) -> None:
         while self._queue:

@@ -24,7 +24,7 @@ from commd.launch import DaemonProcess
 from commd.server import STATUS_HEADROOM
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady, steady_world
-from tests.integration.harness import held_at_rest, memfd_mappings, short_tmpdir, world_name
+from tests.integration.harness import back_to, held_at_rest, memfd_mappings, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -407,6 +407,14 @@ def test_a_daemon_out_of_fds_refuses_imports_as_a_limit_and_serves_on_once_some_
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def room_for(pid: int, fds: int) -> int:
+    """The open-file limit under which the daemon, at rest, can open `fds` more files: the
+    limit bounds an fd's number, and a closed one leaves a lower number free."""
+    held_at_rest(pid)
+    numbers = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    return sorted(set(range(len(numbers) + fds + 1)) - numbers)[fds]
+
+
 def test_a_daemon_out_of_fds_for_accepts_says_so_once_serves_its_clients_and_takes_the_waiting_one_later(
         ) -> None:
     """Out of fds, the listener cannot accept: the waiting connection stays in the backlog
@@ -423,11 +431,7 @@ def test_a_daemon_out_of_fds_for_accepts_says_so_once_serves_its_clients_and_tak
                 buf.view(np.uint8)[:8] = 3
                 comm.all_reduce(buf.ptr, 8, dtype="u8")  # (its mapping made while fds were there)
                 soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
-                held_at_rest(daemon.pid)
-                # (the limit bounds an fd's number: at the lowest free one, no new fd fits)
-                numbers = {int(fd) for fd in os.listdir(f"/proc/{daemon.pid}/fd")}
-                lowest_free = min(set(range(len(numbers) + 1)) - numbers)
-                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (lowest_free, hard))
+                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, 0), hard))
                 try:
                     waiting = RawClient(sock)  # (connect completes in the backlog)
                     started = time.monotonic()
@@ -446,5 +450,51 @@ def test_a_daemon_out_of_fds_for_accepts_says_so_once_serves_its_clients_and_tak
         assert "WARNING commd.server: not accepting connections: out of file descriptors (Too many " \
                "open files) (looking again every 0.5s; the connecting ones wait)" in lines[0], lines
         assert "INFO commd.server: accepting connections again, after " in lines[1], lines
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_reply_with_an_fd_that_cannot_wait_for_a_client_not_reading_drops_it_with_a_warning() -> None:
+    """A symmetric allocation's reply carries its memory's fd; behind replies the client has
+    not read, it waits on a copy of that fd. Out of fds for the copy, the daemon drops the
+    connection (the reply cannot wait), as it drops a client past its unread-reply caps;
+    before, only a DEBUG line said why, and the log at its usual level showed only the
+    world's 'connection was lost'. Now a warning says it, the allocation is let go, and
+    the other worlds go on."""
+    tmp = short_tmpdir()
+    logged = Path(tmp) / "daemon.log"
+    try:
+        with open(logged, "wb") as log, DaemonProcess(Path(tmp) / "commd.sock", log=log,
+                                                      log_level="INFO") as daemon:
+            sock = str(daemon.socket_path)
+            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm, RawClient(sock) as hoarder:
+                buf = hostmem.alloc(4096)
+                buf.view(np.uint8)[:8] = 5
+                comm.all_reduce(buf.ptr, 8, dtype="u8")
+                at_rest = held_at_rest(daemon.pid)
+                assert isinstance(hoarder.join(world_name()), proto.Welcome)
+                for i in range(1000):  # (a few hundred fill its socket: the rest wait in the daemon)
+                    hoarder.send(proto.Submit(10 + i, (proto.Barrier(),)))
+                soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
+                # (the allocation's memfd and its mapping fit; the queued reply's copy does not)
+                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, 2), hard))
+                try:
+                    hoarder.send(proto.SymAlloc(5000, 1, 4096))
+                    ids = []
+                    while (msg := hoarder.recv()) is not None:
+                        ids.append(msg.id)
+                        assert msg == proto.Ok(msg.id), msg
+                    assert 0 < len(ids) < 1000 and ids == list(range(10, 10 + len(ids)))
+                    comm.all_reduce(buf.ptr, 8, dtype="u8")
+                    assert buf.view(np.uint8)[:8].tolist() == [5] * 8 and comm.is_healthy()
+                finally:
+                    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
+                # (less the hoarder's connection: the allocation's memory and fds went with it)
+                back_to(daemon.pid, (at_rest[0] - 1, at_rest[1]))
+                buf.close()
+        dropped = [line for line in logged.read_text().splitlines() if "connection dropped" in line]
+        assert len(dropped) == 1 and dropped[0].endswith(
+            "WARNING commd.channel: connection dropped: cannot keep a reply's fd until the client "
+            "reads it: Too many open files"), dropped
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
