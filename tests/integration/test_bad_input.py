@@ -757,3 +757,73 @@ def test_a_handed_over_file_whose_filesystem_never_answers_does_not_stop_the_dae
         stallfs.close()
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("then", ["never_reads", "closes"])
+def test_a_bad_packet_behind_unread_replies_holds_the_socket_at_most_the_linger(then: str) -> None:
+    """A client with replies waiting in the daemon (it stopped reading) sends a bad packet:
+    the daemon closes the connection after sending what waits, the error last. A client
+    that never reads holds that socket for LINGER_S at most (the flush is given up); one
+    that closes lets it go at once (the flush's send fails). The replies it did read are
+    whole and in order, and the other worlds go on throughout."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "run" / "commd.sock", log=subprocess.DEVNULL) as daemon:
+            sock = str(daemon.socket_path)
+            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+                buf = hostmem.alloc(4096)
+                buf.view(np.uint8)[:8] = 9
+                comm.all_reduce(buf.ptr, 8, dtype="u8")
+                hoarder = RawClient(sock)
+                assert isinstance(hoarder.join(world_name()), proto.Welcome)
+                for i in range(1000):  # (a few hundred fill its socket: the rest wait in the daemon)
+                    hoarder.send(proto.Submit(10 + i, (proto.Barrier(),)))
+                base = held_at_rest(daemon.pid)[0] - 1  # (less the hoarder's)
+                hoarder.send_bytes(b"\xc1")
+                if then == "closes":
+                    time.sleep(0.2)  # (the daemon has read the bad packet, flushing)
+                    hoarder.close()
+                started = time.monotonic()
+                while open_fds(daemon.pid) > base:
+                    comm.all_reduce(buf.ptr, 8, dtype="u8")
+                    assert time.monotonic() - started < 5, "the closed connection's socket stays"
+                    time.sleep(0.05)
+                took = time.monotonic() - started
+                assert (took < 1.5 if then == "closes" else 1.5 < took < 3), took
+                assert buf.view(np.uint8)[:8].tolist() == [9] * 8 and comm.is_healthy()
+                if then == "never_reads":
+                    ids = []
+                    while (msg := hoarder.recv()) is not None:
+                        assert msg == proto.Ok(msg.id), msg
+                        ids.append(msg.id)
+                    assert 0 < len(ids) < 1000 and ids == list(range(10, 10 + len(ids)))
+                    hoarder.close()
+                buf.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_bootstrap_address_where_the_daemon_has_no_peers_or_the_world_has_none_is_misuse() -> None:
+    """A rank that gives a bootstrap address to a daemon with no peer secret, or to a world
+    its other ranks joined without one, gets a MisuseError that says which; the world's
+    ranks that agree still form it and compute, and the daemon serves on."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "run" / "commd.sock", log=subprocess.DEVNULL) as daemon:
+            sock = str(daemon.socket_path)
+            with pytest.raises(MisuseError, match="this daemon has no peer secret configured, so it "
+                                                  "cannot take part in a world spread over daemons"):
+                DaemonBackend(sock, world_name(), 0, 2, bootstrap="127.0.0.1:1", timeout=5)
+            world = world_name()
+            with RawClient(sock) as first:
+                first.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 0, 2, 10_000))
+                with pytest.raises(MisuseError, match=f"world {world} is not spread over daemons here; "
+                                                      "every rank must give .or omit. the bootstrap address"):
+                    DaemonBackend(sock, world, 1, 2, bootstrap="127.0.0.1:1", timeout=5)
+                with DaemonBackend(sock, world, 1, 2, timeout=5) as second:
+                    assert isinstance(first.recv(), proto.Welcome)
+                    first.send(proto.Submit(2, (proto.Barrier(),)))
+                    second.barrier()
+                    assert first.recv() == proto.Ok(2)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

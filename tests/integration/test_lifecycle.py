@@ -106,6 +106,32 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_another_programs_live_stream_socket_at_the_path_is_left_alone() -> None:
+    """A SOCK_STREAM listener (another program's) at the socket path: the probe's connect
+    fails (EPROTOTYPE), which is neither 'nobody listens' nor a daemon. The daemon must
+    not take it for a stale file and remove a live socket: it refuses to start, saying
+    why, and the other program's listener still takes connections."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "commd.sock"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+            other.bind(str(path))
+            other.listen(1)
+            done = subprocess.run([sys.executable, "-m", "commd", "serve", "--config", "", "--socket",
+                                   str(path)], capture_output=True, text=True, timeout=30)
+            assert done.returncode == 2, done.stderr
+            assert done.stderr == (f"commd: configuration error: socket: cannot probe {path}: [Errno 91] "
+                                   f"Protocol wrong type for socket (socket = '{path}' from --socket)\n")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.connect(str(path))
+                accepted, _ = other.accept()
+                accepted.sendall(b"still here")
+                assert client.recv(64) == b"still here"
+                accepted.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.parametrize("umask", [0o077, 0o007])
 def test_every_directory_the_daemon_makes_for_its_socket_is_0750(umask: int) -> None:
     """Only the socket's own directory was made 0750; those above it took the umask: 0700
