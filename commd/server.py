@@ -175,13 +175,14 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 self._accepting_again()  # (the waiting ones gave up: the fds are back, or not)
                 return
+            except ConnectionAbortedError:
+                continue  # (that one gave up in the backlog: the next may be there)
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    # Level-triggered: the pending connection would wake us again at once.
-                    # Pause accepting until fds come back, and say so once.
-                    self._pause_accepting(f"out of file descriptors ({exc.strerror})")
-                    return
-                log.error("accept failed: %s", exc)
+                # Level-triggered: the pending connection would wake us again at once (the
+                # loop spun on an ENOMEM, logging each turn). Pause accepting until it passes.
+                out_of_fds = exc.errno in (errno.EMFILE, errno.ENFILE)
+                self._pause_accepting(f"{'out of file descriptors' if out_of_fds else 'accept failed'} "
+                                      f"({exc.strerror})")
                 return
             self._accepting_again()
             pid, uid, gid = _UCRED.unpack(
