@@ -26,7 +26,7 @@ class RepliesDue:
         if request_id is not None:
             self._kinds[request_id] = type(msg)
 
-    def unasked(self, msg: proto.Message, fds: list[int]) -> str | None:
+    def unasked(self, msg: proto.Message, nfds: int) -> str | None:
         """(As the reader) Why `msg` answers no request of ours (None: it does, and that
         request is due no more). Taken as another's, or as late, it would be dropped, and
         the call it was meant for would wait out its timeout; taken as an answer of the
@@ -41,6 +41,6 @@ class RepliesDue:
             return None
         if not isinstance(msg, _ANSWERS.get(request, proto.Ok)):
             return f"the daemon answered {request.__name__} {reply_id} with {type(msg).__name__}"
-        if fds and request not in _FDS_BACK:
-            return f"the daemon's reply to {request.__name__} carried {len(fds)} fd(s), where none belongs"
+        if nfds and request not in _FDS_BACK:
+            return f"the daemon's reply to {request.__name__} carried {nfds} fd(s), where none belongs"
         return None

@@ -139,11 +139,13 @@ class PacketSocket:
             if self._close_when_sent:
                 self._sock.close()
 
-    def _receive(self, deadline: float | None) -> tuple[bytes, list[int], bool]:
+    def _receive(self, deadline: float | None) -> tuple[bytes, list[int], bool, bool]:
         """(As the one reader) Wait for a packet until `deadline` (None: for good; a
-        CommTimeout once it passed), and read it: its bytes, its fds, and whether the daemon
+        CommTimeout once it passed), and read it: its bytes, its fds, whether the daemon
         had hung up (no bytes and no fds are then the end of the connection, else an empty
-        packet). An OSError if the connection failed."""
+        packet), and whether fds it carried were lost (the kernel drops those this process
+        has no room for, at its open-file limit, and says only that). An OSError if the
+        connection failed."""
         while True:  # (a deadline further than poll() can wait is waited for in steps)
             left = remaining(deadline)
             if left is not None and left <= 0:
@@ -156,14 +158,14 @@ class PacketSocket:
         # them apart (without it, the packet the read takes was already there)
         hung_up = bool(ready[0][1] & (select.POLLHUP | select.POLLRDHUP))
         try:
-            data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+            data, ancillary, flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except ConnectionResetError:
             # The daemon closed with packets of ours unread (killed, or a bug's INTERNAL
             # answer): Linux says so once, ahead of what it sent before, its answers and
             # last word among them. Those come next, then the end
             hung_up = True
-            data, ancillary, _flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
-        return data, take_fds(ancillary), hung_up
+            data, ancillary, flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
+        return data, take_fds(ancillary), hung_up, bool(flags & socket.MSG_CTRUNC)
 
     def _packet_waiting(self) -> bool:
         """Whether a packet (or the end of the connection) is there to read now."""

@@ -63,6 +63,7 @@ class Transport(PacketSocket):
         self._due = RepliesDue()
         self._awaited: set[int] = set()  # request ids some thread still waits for
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
+        self._fds_lost: set[int] = set()  # awaited request ids whose reply's fd did not fit here
         self._reader: int | None = None  # the thread reading for everyone, if any
         self._broken: CommError | None = None
         # close() came while a thread read: that reader closes the socket when it stops (the
@@ -228,6 +229,14 @@ class Transport(PacketSocket):
                         raise
                     packet = self._abandon(request_id, exc)
                 answered = True
+                with self._lock:
+                    fds_lost = request_id in self._fds_lost
+                if fds_lost:  # done at the daemon, and of no use here without its fd: undone
+                    self._late(packet, undo)
+                    raise LimitExceeded(
+                        f"the daemon's reply to request {request_id} carried a file this process "
+                        "had no room for: its open files are at their limit (each host buffer "
+                        "holds one): raise it (ulimit -n), or free some")
                 return packet
         except BaseException as exc:
             if sent and abandon is not None:
@@ -236,6 +245,7 @@ class Transport(PacketSocket):
         finally:
             with self._lock:
                 self._awaited.discard(request_id)
+                self._fds_lost.discard(request_id)
                 late = self._replies.pop(request_id, None)  # came as we gave up: nobody takes it
                 if sent and not answered and late is None and undo is not None and self._broken is None:
                     self._undo[request_id] = undo
@@ -338,7 +348,7 @@ class Transport(PacketSocket):
         if self._broken is not None:  # (closed: the socket is only shut down, never to be polled)
             raise detached(self._broken)
         try:
-            data, fds, hung_up = self._receive(deadline)
+            data, fds, hung_up, fds_lost = self._receive(deadline)
         except OSError as exc:
             raise self._break(DaemonUnavailable(f"lost the daemon connection: {exc}{_GONE}")) from exc
         if not data and not fds:
@@ -347,15 +357,26 @@ class Transport(PacketSocket):
             # (a close() on another thread shut the socket since the poll: _break keeps its error)
             raise self._break(ProtocolError("bad packet from the daemon: an empty packet, which "
                                             "holds no message (the daemon is still connected)"))
+        # (a lost fd is one at least: the daemon's packets carry at most one, so it was that one)
+        nfds = len(fds) + fds_lost
         try:
-            msg = self._conn.receive(data, len(fds))
+            msg = self._conn.receive(data, nfds)
         except proto.ProtoError as exc:
             close_fds(fds)  # nobody will take them
             raise self._break(ProtocolError(f"bad packet from the daemon: {exc}")) from exc
-        unasked = self._due.unasked(msg, fds)
+        unasked = self._due.unasked(msg, nfds)
         if unasked is not None:
             close_fds(fds)
             raise self._break(ProtocolError(unasked))
+        if fds_lost:
+            # The reply itself is whole: the connection goes on, and its request fails (see
+            # request); one given up on already is undone as its late reply is
+            close_fds(fds)
+            fds = []
+            reply_id = getattr(msg, "id", 0)
+            with self._lock:
+                if reply_id in self._awaited:
+                    self._fds_lost.add(reply_id)
         return msg, fds
 
     def drain_events(self) -> None:

@@ -24,7 +24,16 @@ from commd.launch import DaemonProcess
 from commd.server import STATUS_HEADROOM
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady, steady_world
-from tests.integration.harness import back_to, held_at_rest, memfd_mappings, short_tmpdir, world_name
+from tests.integration import workers
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.harness import (
+    RankPool,
+    back_to,
+    held_at_rest,
+    memfd_mappings,
+    short_tmpdir,
+    world_name,
+)
 from tests.integration.rawclient import RawClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -497,4 +506,36 @@ def test_a_reply_with_an_fd_that_cannot_wait_for_a_client_not_reading_drops_it_w
             "WARNING commd.channel: connection dropped: cannot keep a reply's fd until the client "
             "reads it: Too many open files"), dropped
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_worker_at_its_open_file_limit_has_symmetric_alloc_refused_as_a_limit_and_goes_on(
+        pool: RankPool) -> None:
+    """symmetric_alloc's reply carries the memory's fd; a worker at its open-file limit has
+    no room for it, and the kernel drops it, saying only that it did (MSG_CTRUNC). Before:
+    the reply was taken for a bad packet, ProtocolError "ok needs 1 fd(s), the packet
+    carried 0", and the connection dropped (the world failed for every rank). Now it is the
+    worker's limit (LimitExceeded), the daemon is told to let go of what it made, and the
+    world goes on."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    try:
+        sock = str(daemon.socket_path)
+        with steady_world([sock] * 2) as steady:
+            at_rest = held_at_rest(daemon.pid)
+            world = world_name()
+            outcomes = pool.run(workers.symmetric_at_the_open_file_limit,
+                                [(sock, world, r, 2, 1024, 5, daemon.pid) for r in range(2)])
+            limited = outcomes[1].unwrap()
+            assert limited["error"].startswith("LimitExceeded: the daemon's reply to request "), limited
+            assert "carried a file this process had no room for: its open files are at their limit" \
+                in limited["error"], limited
+            assert limited["healthy"] and limited["fds after"] == limited["fds before"], limited
+            out = [o.unwrap() for o in outcomes]
+            summed = reduce_reference([make_input(5, r, 1024, "f32", "sum") for r in range(2)], "f32", "sum")
+            assert [o["result"] for o in out] == [summed.tobytes()] * 2
+            back_to(daemon.pid, at_rest)
+            assert steady.errors() == 0
+    finally:
+        daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import signal
 import socket
 import threading
@@ -19,6 +20,7 @@ import numpy as np
 import proto
 from client import CommError, DaemonBackend, hostmem
 from tests.integration.data import make_input, reduce_reference, signed_zeros
+from tests.integration.harness import back_to, held_at_rest
 
 TIMEOUT = 20.0
 
@@ -360,6 +362,43 @@ def symmetric(sock: str, world: str, rank: int, n: int, nelem: int, seed: int) -
         errors = [_error_name(comm.symmetric_free, bad) for bad in (ptr, 12345)]
         comm.barrier()
         return {"result": result, "errors": errors}
+
+
+def symmetric_at_the_open_file_limit(sock: str, world: str, rank: int, n: int, nelem: int, seed: int,
+                                     daemon_pid: int) -> dict[str, Any]:
+    """Rank 1 asks for symmetric memory with its open files at their limit, so the reply's
+    fd cannot come in (and waits for the daemon to be back at rest: it let go of what it
+    made); then every rank allocates, reduces in and frees symmetric memory as usual."""
+    data = make_input(seed, rank, nelem, "f32", "sum")
+    out: dict[str, Any] = {}
+    with connect(sock, world, rank, n) as comm:
+        if rank == 1:
+            at_rest = held_at_rest(daemon_pid)
+            out["fds before"] = sorted(os.listdir("/proc/self/fd"))
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            lowest = os.open(os.devnull, os.O_RDONLY)  # (the limit bounds an fd's number)
+            os.close(lowest)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+            try:
+                comm.symmetric_alloc(data.nbytes)
+                out["error"] = "no error"
+            except CommError as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            out["healthy"] = comm.is_healthy()
+            out["fds after"] = sorted(os.listdir("/proc/self/fd"))
+            if not out["healthy"]:
+                return out
+            back_to(daemon_pid, at_rest)
+        comm.barrier()
+        ptr = comm.symmetric_alloc(data.nbytes)
+        ctypes.memmove(ptr, data.ctypes.data, data.nbytes)
+        comm.all_reduce(ptr, data.nbytes, dtype="f32")
+        out["result"] = ctypes.string_at(ptr, data.nbytes)
+        comm.symmetric_free(ptr)
+        comm.barrier()
+    return out
 
 
 def reconnect_all(sock: str, world: str, rank: int, n: int, seed: int) -> tuple[int, int, bytes]:
