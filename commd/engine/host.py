@@ -37,7 +37,7 @@ from .base import (
     TransferOp,
     op_nbytes,
 )
-from .hostmemory import HostMapping, HostRegion, Unmapper, create_memfd
+from .hostmemory import HostMapping, HostRegion, Unmapper, create_memfd, open_files_hint
 from .hostnet import NetRunner, off_loop
 from .hostreduce import CHUNK_ELEMS, quiet_float_errors, reduce_range, split
 
@@ -312,7 +312,8 @@ class HostEngine:
         try:
             fd = create_memfd(nbytes, "commd-symmetric")
         except OSError as exc:
-            raise CallError(ErrorCode.LIMIT, f"cannot allocate {nbytes} bytes: {exc}") from None
+            raise CallError(ErrorCode.LIMIT,
+                            f"cannot allocate {nbytes} bytes: {exc}{open_files_hint(exc)}") from None
         try:
             mapping = HostMapping(fd, nbytes, self.unmapper)
         except BaseException:

@@ -141,6 +141,14 @@ def unmap(mapped: mmap.mmap, on_released: Callable[[], None] | None) -> bool:
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
+def open_files_hint(exc: OSError) -> str:
+    """What to do, said after `exc`, if the daemon's open-file limit caused it: the client
+    hears it too, and a worker near its own limit would take it for that one."""
+    if exc.errno != errno.EMFILE:
+        return ""
+    return "; each buffer the daemon maps holds one of its open files: raise its LimitNOFILE"
+
+
 class HostMapping:
     """A shared mapping of one memfd (`fd` stays the caller's). Closing drops it; a view
     still held keeps it (see Unmapper)."""
@@ -166,9 +174,7 @@ class HostMapping:
         except OSError as exc:
             # out of fds (the mmap keeps a copy of the fd) or of memory: the daemon's limits
             code = ErrorCode.LIMIT if exc.errno in _OUT_OF_RESOURCES else ErrorCode.BAD_MEMORY
-            hint = ("; each buffer the daemon maps holds one of its open files: raise its "
-                    "LimitNOFILE" if exc.errno == errno.EMFILE else "")
-            raise CallError(code, f"cannot map host memory: {exc}{hint}") from None
+            raise CallError(code, f"cannot map host memory: {exc}{open_files_hint(exc)}") from None
         self._array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
         self._size = size
         self._unmapper = unmapper

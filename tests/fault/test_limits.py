@@ -3,6 +3,7 @@ replies each give a clear LimitExceeded (or drop only the hoarder); others go on
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -536,6 +537,47 @@ def test_a_worker_at_its_open_file_limit_has_symmetric_alloc_refused_as_a_limit_
             assert [o["result"] for o in out] == [summed.tobytes()] * 2
             back_to(daemon.pid, at_rest)
             assert steady.errors() == 0
+    finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_daemon_out_of_fds_refuses_symmetric_alloc_as_a_limit_and_holds_nothing_of_it() -> None:
+    """Out of fds for the allocation's memfd, or for its mapping's copy of it (one left), the
+    daemon refuses symmetric_alloc with LimitExceeded (its memfd closed again), and the
+    rank's world goes on. Before, the first said only 'cannot allocate 4096 bytes: [Errno
+    24] Too many open files', which a worker near its own open-file limit takes for its
+    own; both now say whose limit it is, as a refused import does."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
+    try:
+        with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=5) as comm:
+            buf = hostmem.alloc(4096)
+            buf.view(np.uint8)[:8] = 9
+            comm.all_reduce(buf.ptr, 8, dtype="u8")
+            at_rest = held_at_rest(daemon.pid)
+            soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
+            refused = []
+            for room in (0, 1):
+                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, room), hard))
+                try:
+                    with pytest.raises(LimitExceeded) as exc:
+                        comm.symmetric_alloc(4096)
+                    refused.append(str(exc.value))
+                finally:
+                    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
+                back_to(daemon.pid, at_rest)
+            hint = "; each buffer the daemon maps holds one of its open files: raise its LimitNOFILE"
+            assert refused == ["cannot allocate 4096 bytes: [Errno 24] Too many open files" + hint,
+                               "cannot map host memory: [Errno 24] Too many open files" + hint]
+            assert comm.is_healthy()
+            ptr = comm.symmetric_alloc(4096)
+            ctypes.memset(ptr, 4, 8)
+            comm.all_reduce(ptr, 8, dtype="u8")
+            comm.all_reduce(buf.ptr, 8, dtype="u8")
+            assert ctypes.string_at(ptr, 8) == bytes([4] * 8) and buf.view(np.uint8)[:8].tolist() == [9] * 8
+            comm.symmetric_free(ptr)
+            buf.close()
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
