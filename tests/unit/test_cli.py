@@ -21,7 +21,9 @@ def commd(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("argv, words", [
     (("status", "--socket", "/nonexistent/x.sock", "--timeout", "nan"), "--timeout: must be seconds"),
     (("status", "--socket", "/nonexistent/x.sock", "--timeout", "1e30"), "--timeout: must be seconds"),
+    (("status", "--socket", "/nonexistent/x.sock", "--timeout", "soon"), "--timeout: must be seconds"),
     (("status", "--socket", "/nonexistent/x.sock", "--world", "w" * 200), "--world: world is longer"),
+    (("status", "--socket", "/nonexistent/x.sock", "--world", "w\udcff"), "--world: not UTF-8 text"),
     (("demo", "--timeout", "inf"), "--timeout: must be seconds"),
     (("demo", "--steps", "-1"), "--steps: must be at least 1"),
     (("demo", "--hidden", "0"), "--hidden: must be at least 1"),
