@@ -39,6 +39,9 @@ class SymmetricMemory:
         self._gone = gone  # whether a daemon connection is no more (its memory went with it)
         self._host: dict[int, tuple[HostBuffer, int]] = {}  # ptr -> (the mapping, its link)
         self._device: dict[int, tuple[int, int, int]] = {}  # ptr -> (buffer id, size mapped, link)
+        # host ptrs let go of here whose free the daemon did not confirm (its call failed): a
+        # free made again is told so, not that the pointer was never ours
+        self._unconfirmed: set[int] = set()
         self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
 
     def alloc(self, nbytes: int, due: float) -> int:
@@ -80,6 +83,7 @@ class SymmetricMemory:
                     self._device[ptr] = (buffer_id, size, answer.link)
                 else:
                     self._host[ptr] = (buffer, answer.link)
+                    self._unconfirmed.discard(ptr)  # (the address, taken again)
                 return ptr
         unmap()  # close() came meanwhile, and let go of the rest
         raise MisuseError("the backend is closed")
@@ -103,6 +107,12 @@ class SymmetricMemory:
             self._resolver.unmap_symmetric(buffer_id, ptr, size)
             return
         if host is None:
+            with self._lock:
+                unconfirmed = ptr in self._unconfirmed
+            if unconfirmed:
+                raise MisuseError(f"0x{ptr:x} was freed here already; the daemon had not confirmed it "
+                                  "when that symmetric_free failed: it lets go of the memory once it "
+                                  "reads the request (or went, and the memory with it)")
             raise MisuseError(f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc")
         buffer, link = host
         # Ours first: with views of it alive this refuses, and nothing has changed (told the
@@ -114,7 +124,12 @@ class SymmetricMemory:
                 if not self._closed():  # (else close() has let go of the rest)
                     self._host[ptr] = host
             raise
-        self._sym_free(buffer.id, link, due)
+        try:
+            self._sym_free(buffer.id, link, due)
+        except BaseException:
+            with self._lock:
+                self._unconfirmed.add(ptr)
+            raise
 
     def let_go(self) -> Callable[[], None]:
         """(Under the lock, as the backend closes) Take every buffer; the call returned unmaps
@@ -122,6 +137,7 @@ class SymmetricMemory:
         the views go)."""
         host, self._host = [buffer for buffer, _ in self._host.values()], {}
         device, self._device = self._device, {}
+        self._unconfirmed.clear()
 
         def unmap() -> None:
             for ptr, (buffer_id, size, _) in device.items():

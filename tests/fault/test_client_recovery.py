@@ -693,3 +693,34 @@ def test_deregister_with_the_daemon_gone_returns_and_the_rejoin_does_not_registe
         assert [comm._registrations.handles() for comm in comms] == [{fresh[0]}, {fresh[1]}]
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
         on_both(lambda r: comms[r].deregister_buffer(fresh[r]))
+
+
+def test_a_symmetric_free_the_stalled_daemon_did_not_confirm_says_so_when_made_again(
+        daemon: DaemonProcess) -> None:
+    """symmetric_free of host memory lets go of the worker's mapping, then asks the daemon;
+    stalled (SIGSTOP), it does not answer within the timeout: CommTimeout. Made again, the
+    free said MisuseError 'not a pointer from this backend's symmetric_alloc', as if the
+    worker had passed a wrong pointer. It now says the pointer was freed here and what
+    becomes of the daemon's side; the daemon, running again, frees the memory (its fds and
+    mappings back at rest) and the world goes on after a reconnect."""
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=1) as comm:
+        buf = hostmem.alloc(64)
+        comm.all_reduce(buf.ptr, 8, dtype="u8")  # (the mapping the rest counts)
+        rest = held_at_rest(daemon.pid)
+        ptr = comm.symmetric_alloc(64)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CommTimeout):
+                comm.symmetric_free(ptr)
+            with pytest.raises(MisuseError) as again:
+                comm.symmetric_free(ptr)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert "was freed here already" in str(again.value), again.value
+        assert held_at_rest(daemon.pid) == rest
+        buf.view(np.uint8)[:8] = 3
+        assert not comm.is_healthy()  # (a call timed out: the backend asks for a reconnect)
+        comm.attempt_reconnect()
+        comm.all_reduce(buf.ptr, 8, dtype="u8")
+        assert buf.view(np.uint8)[:8].tolist() == [3] * 8
+        buf.close()
