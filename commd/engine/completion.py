@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from proto import ErrorCode
@@ -140,6 +140,45 @@ class Completions:
     def _destroy(self, event: int) -> None:
         with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
             self._gpu.event_destroy(event)
+
+
+async def unless_mismatched(device: Coroutine[None, None, None], verdict: Coroutine[None, None, None],
+                            abort: Callable[[], None]) -> None:
+    """`device` (a wait_past_abort), and the members' fingerprints (`verdict`). On a
+    mismatch NCCL may wait forever (or run calls that differ): `abort`, and the op ends
+    as the device's wait lets it, with the mismatch's words (StillOnDevice's `past` as
+    it was: each rank's answer waits for its own stream only, not for the others')."""
+    async def compare() -> None:
+        try:
+            await verdict
+        except Exception:
+            abort()
+            raise
+
+    compared = asyncio.ensure_future(compare())
+    try:
+        try:
+            await device
+        except StillOnDevice as exc:
+            if (mismatch := _failure(compared)) is None:
+                raise
+            raise StillOnDevice(mismatch.code, mismatch.message, exc.past) from None
+        except CallError:  # a GPU's wait failed, once every wait was over: the memory may go
+            if (mismatch := _failure(compared)) is None:
+                raise
+            raise mismatch from None  # the aborted op's own error says less
+        await compared
+    finally:
+        if compared.done() and not compared.cancelled():
+            compared.exception()  # (retrieved: reported above, or the device's error was)
+        compared.cancel()  # the device's wait ended the op first: nobody waits for the peers' word now
+
+
+def _failure(compared: asyncio.Future[None]) -> CallError | None:
+    if not compared.done() or compared.cancelled():
+        return None
+    exc = compared.exception()
+    return exc if isinstance(exc, CallError) else None
 
 
 def mark_past(past: asyncio.Future[None], _wait: object = None) -> None:

@@ -26,7 +26,7 @@ from proto import ErrorCode
 from ..errors import CallError
 from .addpath import AddPath
 from .base import EngineOp, Order, Region, StillOnDevice
-from .completion import Completions
+from .completion import Completions, unless_mismatched
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclbatch import Batcher, Launch
@@ -177,11 +177,9 @@ class NcclCommunicator:
     async def _finish(self, touched: list[int], events: dict[int, int],
                       verdict: Coroutine[None, None, None] | None, held: _Held) -> None:
         try:
-            if verdict is None:
-                await self._completions.wait_past_abort(events, self.abort, self._abort_over,
-                                                        functools.partial(self._drained, held))
-            else:
-                await self._complete_unless_mismatched(events, verdict)
+            device = self._completions.wait_past_abort(events, self.abort, self._abort_over,
+                                                       functools.partial(self._drained, held))
+            await (device if verdict is None else unless_mismatched(device, verdict, self.abort))
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         except asyncio.CancelledError:
             await self._stop_and_drain(touched, held)
@@ -517,26 +515,6 @@ class NcclCommunicator:
                 gpu.group_end()
         except GpuError as exc:
             raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
-
-    async def _complete_unless_mismatched(self, events: dict[int, int],
-                                          verdict: Coroutine[None, None, None]) -> None:
-        """Wait for the device (the op's completion `events`) and for the members'
-        fingerprints. On a mismatch NCCL may wait forever (or run calls that differ): abort
-        it, and let go of the memory only once the device is done with it."""
-        device = asyncio.ensure_future(self._completions.wait(events, on_error=self.abort))
-        compared = asyncio.ensure_future(verdict)
-        try:
-            await asyncio.wait({device, compared}, return_when=asyncio.FIRST_EXCEPTION)
-            if compared.done() and compared.exception() is not None:
-                self.abort()
-                await asyncio.wait({device})
-                if not device.cancelled():
-                    device.exception()  # the aborted op's own error says less than the mismatch
-                compared.result()
-            await device
-            await compared
-        finally:
-            compared.cancel()  # the device failed first: nobody waits for the peers' word now
 
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""

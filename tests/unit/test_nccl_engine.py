@@ -26,6 +26,7 @@ from commd.engine.base import (
     Order,
     RecvOp,
     SendOp,
+    StillOnDevice,
     TransferOp,
 )
 from commd.engine.bindings import BindingsGpu
@@ -673,9 +674,79 @@ async def test_a_mismatch_that_would_hang_nccl_is_aborted(gpu: FakeGpu) -> None:
         with pytest.raises(CallError) as info:
             await asyncio.wait_for(run, 5)
         assert info.value.code is ErrorCode.MISMATCH and "rank 1 called broadcast" in info.value.message
-        assert gpu.allocations == before - 1
+        # (answered once the abort returned: the memory goes once the wait sees the stream past)
+        await until(lambda: gpu.allocations == before - 1)
         assert ca.async_error() is None  # aborted: nothing more to report
     finally:
+        root.close()
+        member.close()
+
+
+@pytest.mark.parametrize("failure", ["world failed", "mismatch"])
+async def test_a_root_rank_across_daemons_is_answered_once_its_own_stream_is_past_an_aborted_op(
+        gpu: FakeGpu, failure: str) -> None:
+    """Ranks 0 and 1 on the root daemon, rank 2 on a member; rank 1's stream waits for its
+    worker's kernel, which never ends during the call. Aborted (the world failed, or the
+    root found the member called something else), the op answers rank 0 once rank 0's
+    stream is past it, not once rank 1's is: `past` tells each rank's when. The memory
+    goes only once both are."""
+    root, member = NcclEngine(gpu), NcclEngine(gpu)
+    placement = ("A", "A", "B")
+    a, b = PairNet("A", placement), PairNet("B", placement)
+    a.other, b.other = b, a
+    try:
+        uid = root.unique_id()
+        ca = root.communicator("w", 1, 3, [0, 1], a, devices={0: 0, 1: 1},  # type: ignore[arg-type]
+                               unique_id=uid)
+        cb = member.communicator("w", 1, 3, [2], b, devices={2: 1}, unique_id=uid)  # type: ignore[arg-type]
+        stream = gpu.worker_stream(device=1)
+        ptrs = [gpu.worker_alloc(b"\x01" * 4), gpu.worker_alloc(b"\x02" * 4, device=1)]
+        mappings = [root.import_memory(MemKind.CUDA_IPC, 4, gpu.export_ipc(ptr), None) for ptr in ptrs]
+        theirs = ipc_mapping(member, gpu, b"\x03" * 4, device=1)
+        kernel = gpu.worker_kernel(stream, ptrs[1], b"\x09" * 4)  # rank 1's, ahead of the op
+        (ready, ready_handle), (_, done_handle) = gpu.worker_event(device=1), gpu.worker_event(device=1)
+        pair = root.import_events(ready_handle, done_handle, device=1)
+        gpu.event_record(ready, stream)
+        mine = CallTag(0, "all_reduce(bytes=4, dtype=u8, op=sum)")
+        tag = mine if failure == "world failed" else CallTag(0, "all_reduce(bytes=4, dtype=u8, op=max)")
+        regions = {rank: mapping.region(0, 4) for rank, mapping in enumerate(mappings)}
+        run = asyncio.ensure_future(ca.run(AllReduceOp(regions, DType.U8, ReduceOp.SUM, mine),
+                                           Order({1: pair})))
+        await asyncio.sleep(0.2)
+        for mapping in mappings:
+            mapping.close()  # the session forgot the buffers: they go once the op is over
+        before = gpu.allocations
+        other = asyncio.ensure_future(cb.run(AllReduceOp({2: theirs.region(0, 4)}, DType.U8,
+                                                         ReduceOp.SUM if failure == "world failed"
+                                                         else ReduceOp.MAX, tag)))
+        if failure == "world failed":
+            await asyncio.sleep(0.2)
+            assert not run.done()  # rank 1's stream waits for the kernel, and the others for rank 1
+            ca.abort()  # as the world does when it fails
+        await asyncio.wait({run}, timeout=5)
+        assert run.done(), "rank 0's answer is held behind rank 1's stream"
+        with pytest.raises(StillOnDevice) as info:
+            await run
+        if failure == "world failed":
+            assert info.value.code is ErrorCode.WORLD_FAILED
+            assert info.value.message == "communicator was aborted"
+        else:
+            assert info.value.code is ErrorCode.MISMATCH
+            assert "rank 2 called all_reduce(bytes=4, dtype=u8, op=max)" in info.value.message
+        await asyncio.wait_for(info.value.past[0], 5)
+        await asyncio.sleep(0.2)
+        assert not info.value.past[1].done() and ca.busy()
+        assert gpu.allocations == before  # rank 1's stream has yet to get past the op
+        cb.abort()  # the member's world fails too
+        with pytest.raises(CallError):
+            await asyncio.wait_for(other, 5)
+        gpu.finish_kernel(kernel)
+        await asyncio.wait_for(info.value.past[1], 5)
+        await until(lambda: gpu.allocations == before - 2)
+        # the aborted op never ran; the kernel's write landed
+        assert [gpu.read(ptr, 4) for ptr in ptrs] == [b"\x01" * 4, b"\x09" * 4]
+    finally:
+        gpu.finish_kernel(kernel)  # (a failed check left it held: what waits for it ends)
         root.close()
         member.close()
 
