@@ -15,6 +15,15 @@ from .base import StillOnDevice
 from .gpu import Gpu, GpuError
 
 
+class WaitNotStarted(CallError):
+    """The engine's waiting threads were shut down (the daemon stops): nothing will tell
+    when the device is past the op, so its memory must stay (see NcclCommunicator._leak)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(ErrorCode.SHUTDOWN, f"the daemon is stopping: the wait for the device "
+                                             f"could not start ({why})")
+
+
 class Completions:
     """Events recorded on a world's streams (one per local rank), each waited for by a
     helper thread blocked in cuEventSynchronize, then kept for reuse. Closed (the streams
@@ -59,8 +68,12 @@ class Completions:
         it to stop that work, which may wait for the failed rank's for ever). `past[rank]`
         is done once that rank's wait is over, whichever way."""
         loop = asyncio.get_running_loop()  # not in `finally`: a coroutine closed unfinished has none
-        waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
-                 for rank, event in events.items()}
+        try:
+            waits = {rank: self._waiters.submit(self._gpu.event_wait, event, self._devices[rank])
+                     for rank, event in events.items()}
+        except RuntimeError as exc:  # (shut down: the first submit fails, the loop's thread closes it)
+            self.give_back(events)
+            raise WaitNotStarted(str(exc)) from None
         wrapped = [asyncio.wrap_future(wait) for wait in waits.values()]
         for rank, wait in zip(waits, wrapped, strict=True):
             if past is not None and rank in past:
@@ -163,6 +176,8 @@ async def unless_mismatched(device: Coroutine[None, None, None], verdict: Corout
             if (mismatch := _failure(compared)) is None:
                 raise
             raise StillOnDevice(mismatch.code, mismatch.message, exc.past) from None
+        except WaitNotStarted:
+            raise  # (its memory must stay: a mismatch's words would let it go)
         except CallError:  # a GPU's wait failed, once every wait was over: the memory may go
             if (mismatch := _failure(compared)) is None:
                 raise

@@ -26,7 +26,7 @@ from proto import ErrorCode
 from ..errors import CallError
 from .addpath import AddPath
 from .base import EngineOp, Order, Region, StillOnDevice
-from .completion import Completions, unless_mismatched
+from .completion import Completions, WaitNotStarted, unless_mismatched
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclbatch import Batcher, Launch
@@ -186,6 +186,9 @@ class NcclCommunicator:
             raise
         except StillOnDevice:  # (its memory goes with the device's wait)
             raise
+        except WaitNotStarted as exc:  # (the engine closed as the op launched: it may still run)
+            self._leak(held, exc.message)
+            raise
         except BaseException:
             self._let_go(held)
             raise
@@ -216,10 +219,11 @@ class NcclCommunicator:
             self._let_go(held)
 
     def _leak(self, held: _Held, why: str) -> None:
-        """An aborted op's memory, with no word that its streams got past it: on a GPU its
-        kernel still launches when they do, so a close now would unmap it under that
-        kernel. It stays held (and the streams with it) until the process exits."""
-        log.warning("world %s: the device was not seen past an aborted op (%s): its %d bytes of "
+        """An op's memory (aborted, or launched as the engine closed), with no word that its
+        streams got past it: on a GPU its kernel still launches when they do, so a close now
+        would unmap it under that kernel. It stays held (and the streams with it) until the
+        process exits."""
+        log.warning("world %s: the device was not seen past an op (%s): its %d bytes of "
                     "memory stay mapped until the daemon exits", self._world, why,
                     sum(region.nbytes for region in held.regions))
 

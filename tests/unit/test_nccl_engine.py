@@ -30,6 +30,7 @@ from commd.engine.base import (
     TransferOp,
 )
 from commd.engine.bindings import BindingsGpu
+from commd.engine.completion import WaitNotStarted
 from commd.engine.gpu import CommState, GpuError, Imported, Origin
 from commd.engine.nccl import NcclEngine
 from commd.engine.ncclbatch import Launch, _by_request
@@ -749,6 +750,41 @@ async def test_a_root_rank_across_daemons_is_answered_once_its_own_stream_is_pas
         gpu.finish_kernel(kernel)  # (a failed check left it held: what waits for it ends)
         root.close()
         member.close()
+
+
+async def test_an_op_whose_wait_cannot_start_once_the_engine_closed_keeps_its_memory(
+        gpu: FakeGpu, caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon stops (engine.close: the waiting threads shut down) while an op is in its
+    launch, behind its worker's kernel, and its loop runs on (the peers' farewell). The op
+    launches, but its wait on the device cannot start: it fails as the daemon stopping,
+    and its memory stays mapped (the op still runs once the kernel ends), logged."""
+    engine = NcclEngine(gpu)
+    stream = gpu.worker_stream()
+    ptrs = [gpu.worker_alloc(b"\x01" * 4), gpu.worker_alloc(b"\x02" * 4, device=1)]
+    kernel = gpu.worker_kernel(stream, ptrs[0], b"\x07" * 4)  # rank 0's, ahead of the op
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        mappings = [engine.import_memory(MemKind.CUDA_IPC, 4, gpu.export_ipc(ptr), None) for ptr in ptrs]
+        ready, _, pair = worker_events(engine, gpu)
+        gpu.event_record(ready, stream)
+        run = asyncio.ensure_future(comm.run(AllReduceOp({r: m.region(0, 4) for r, m in enumerate(mappings)},
+                                                         DType.U8, ReduceOp.SUM), Order({0: pair})))
+        await asyncio.sleep(0)  # it joined a launch, which waits for the init to settle
+        for mapping in mappings:
+            mapping.close()  # the session forgot the buffers: they go once the op is over
+        before = gpu.allocations
+        engine.close()
+        with pytest.raises(WaitNotStarted) as info:
+            await asyncio.wait_for(run, 5)
+        assert info.value.code is ErrorCode.SHUTDOWN
+        assert gpu.launches >= 1 and gpu.allocations == before  # launched, and its memory kept
+        (left,) = [r.getMessage() for r in caplog.records if "stay mapped" in r.getMessage()]
+        assert "the wait for the device could not start" in left and "its 8 bytes" in left, left
+        gpu.finish_kernel(kernel)
+        assert [gpu.read(ptr, 4) for ptr in ptrs] == [b"\x09" * 4] * 2  # 7 + 2, in the memory it kept
+    finally:
+        gpu.finish_kernel(kernel)
+        engine.close()
 
 
 def worker_events(engine: NcclEngine, gpu: FakeGpu) -> tuple[int, int, NcclEvents]:
