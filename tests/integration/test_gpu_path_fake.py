@@ -1120,7 +1120,11 @@ def test_a_rank_is_answered_once_its_own_stream_is_past_an_aborted_op_not_the_ot
         run_ranks(2, rank)
         assert isinstance(seen[1][0], CommTimeout), seen
         error, took = seen[0]
-        assert isinstance(error, WorldFailed) and "rank 1's connection was lost" in str(error), seen
+        # (in 1 run of 10 on a loaded machine rank 0 got CommTimeout at about 3 s, rank 1's
+        # deadline and the verdict's grace, the world timed out before rank 1's hang-up
+        # failed it: either failure will do, told well before rank 0's own deadline)
+        assert ((isinstance(error, WorldFailed) and "rank 1's connection was lost" in str(error))
+                or (isinstance(error, CommTimeout) and "world" in str(error))), seen
         # (rank 1 gives up at 1 + 2 s, the grace is 2 s: far from 8 + 2)
         assert took < 7.0, seen
         assert gpu.read(ptrs[0], 8) == b"\x01" * 8  # the op did not run: the buffer is the worker's
