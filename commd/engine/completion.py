@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Callable, Coroutine, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from proto import ErrorCode
 
@@ -87,7 +87,14 @@ class Completions:
                 for other in wrapped:
                     if not other.cancelled():
                         other.exception()  # (retrieved: the first failure is the one to report)
+                _raise_if_dropped(waits.values())
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():  # the caller gave up: its own word
+                raise
+            _raise_if_dropped(waits.values())
+            raise
         finally:
             for rank, event in events.items():
                 if waits[rank].done():  # returned, or cancelled before its thread took it
@@ -187,6 +194,14 @@ async def unless_mismatched(device: Coroutine[None, None, None], verdict: Corout
         if compared.done() and not compared.cancelled():
             compared.exception()  # (retrieved: reported above, or the device's error was)
         compared.cancel()  # the device's wait ended the op first: nobody waits for the peers' word now
+
+
+def _raise_if_dropped(waits: Iterable[Future[None]]) -> None:
+    """The engine closed (its pool's shutdown cancels the waits it had yet to start) with
+    one of these still queued: nothing cancelled the op, and nothing will tell when the
+    device is past it, as if the wait could not start at all."""
+    if any(wait.cancelled() for wait in waits):
+        raise WaitNotStarted("the waiting threads were shut down with it still queued")
 
 
 def _failure(compared: asyncio.Future[None]) -> CallError | None:

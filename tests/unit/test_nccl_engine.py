@@ -787,6 +787,106 @@ async def test_an_op_whose_wait_cannot_start_once_the_engine_closed_keeps_its_me
         engine.close()
 
 
+async def test_an_op_whose_wait_the_closing_engine_dropped_from_its_queue_keeps_its_memory(
+        gpu: FakeGpu, caplog: pytest.LogCaptureFixture) -> None:
+    """Every waiting thread is taken (here the only one, by an op behind its worker's
+    kernel) and a second op's wait is queued when the daemon stops: engine.close drops
+    it from the queue (cancel_futures). That op was not cancelled, and nothing will tell
+    when the device is past it: it fails as the daemon stopping, and its memory stays
+    mapped, logged, as for a wait that could not start; the first op is left to end."""
+    engine = NcclEngine(gpu, waiters=1)
+    stream = gpu.worker_stream()
+    ptrs = [gpu.worker_alloc(b"\x01" * 4), gpu.worker_alloc(b"\x02" * 4)]
+    kernel = gpu.worker_kernel(stream, ptrs[0], b"\x07" * 4)  # ahead of both ops
+    try:
+        comm = engine.communicator("w", 1, 1, [0])
+        await asyncio.wait_for(comm.run(BarrierOp((0,))), 5)  # (the init settled)
+        mappings = [engine.import_memory(MemKind.CUDA_IPC, 4, gpu.export_ipc(ptr), None) for ptr in ptrs]
+        ready, _, pair = worker_events(engine, gpu)
+        gpu.event_record(ready, stream)
+        runs = [asyncio.ensure_future(comm.run(AllReduceOp({0: m.region(0, 4)}, DType.U8, ReduceOp.SUM),
+                                               Order({0: pair}))) for m in mappings]
+        await asyncio.sleep(0.3)  # both launched: the first's wait has the thread, the second's queues
+        assert not any(run.done() for run in runs)
+        for mapping in mappings:
+            mapping.close()  # the session forgot the buffers: they go once the ops are over
+        before = gpu.allocations
+        engine.close()
+        done, _ = await asyncio.wait({runs[1]}, timeout=5)
+        assert done, "the op whose wait was dropped is never answered"
+        assert not runs[1].cancelled(), "the op ended as cancelled, which nothing asked"
+        with pytest.raises(WaitNotStarted) as info:
+            runs[1].result()
+        assert info.value.code is ErrorCode.SHUTDOWN
+        assert gpu.allocations == before and comm.busy()  # its memory kept
+        (left,) = [r.getMessage() for r in caplog.records if "stay mapped" in r.getMessage()]
+        assert "the wait for the device could not start" in left and "its 4 bytes" in left, left
+        assert not runs[0].done()  # still behind the kernel, on its thread
+        gpu.finish_kernel(kernel)
+        await asyncio.wait_for(runs[0], 5)  # (a one-rank sum: the kernel's write, as it was)
+        assert [gpu.read(ptr, 4) for ptr in ptrs] == [b"\x07" * 4, b"\x02" * 4]
+        await until(lambda: gpu.allocations == before - 1)  # the first op's memory went
+    finally:
+        gpu.finish_kernel(kernel)
+        engine.close()
+
+
+async def test_a_wait_dropped_by_the_closing_engine_after_another_failed_keeps_the_memory(
+        gpu: FakeGpu, caplog: pytest.LogCaptureFixture) -> None:
+    """Three local ranks, one waiting thread: rank 0's wait fails on its GPU (the
+    communicator is aborted), rank 1's takes the thread behind its worker's kernel, and
+    rank 2's is still queued, behind its own worker's kernel, when the daemon stops
+    (engine.close drops it). Rank 1's stream getting past the op says nothing of rank
+    2's: the memory stays mapped, logged, and the op fails as the daemon stopping."""
+    engine = NcclEngine(gpu, waiters=1)
+    streams = [gpu.worker_stream(1), gpu.worker_stream(1)]
+    ptrs = [gpu.worker_alloc(b"\x01" * 4), gpu.worker_alloc(b"\x02" * 4, device=1),
+            gpu.worker_alloc(b"\x03" * 4, device=1)]
+    kernels = [gpu.worker_kernel(stream, ptr, b"\x09" * 4)
+               for stream, ptr in zip(streams, ptrs[1:], strict=True)]
+    try:
+        comm = engine.communicator("w", 1, 3, [0, 1, 2], devices={0: 0, 1: 1, 2: 1})
+        await asyncio.wait_for(comm.run(BarrierOp((0, 1, 2))), 5)  # (the init settled)
+        mappings = [engine.import_memory(MemKind.CUDA_IPC, 4, gpu.export_ipc(ptr), None, device=min(r, 1))
+                    for r, ptr in enumerate(ptrs)]
+        pairs = {}
+        for rank, stream in zip((1, 2), streams, strict=True):
+            (ready, ready_handle), (_, done_handle) = gpu.worker_event(1), gpu.worker_event(1)
+            pairs[rank] = engine.import_events(ready_handle, done_handle, device=1)
+            gpu.event_record(ready, stream)
+        event_wait = gpu.event_wait
+
+        def failing_on_gpu_0(event: int, device: int) -> None:
+            if device == 0:
+                raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
+            event_wait(event, device)
+
+        gpu.event_wait = failing_on_gpu_0  # type: ignore[method-assign]
+        run = asyncio.ensure_future(comm.run(AllReduceOp({r: m.region(0, 4) for r, m in enumerate(mappings)},
+                                                         DType.U8, ReduceOp.SUM), Order(pairs)))
+        await asyncio.sleep(0.3)  # rank 0's wait failed; rank 1's has the thread, rank 2's queues
+        assert not run.done()
+        for mapping in mappings:
+            mapping.close()  # the session forgot the buffers: they go once the op is over
+        before = gpu.allocations
+        engine.close()
+        gpu.finish_kernel(kernels[0])  # rank 1's stream gets past the (aborted) op
+        with pytest.raises(WaitNotStarted) as info:
+            await asyncio.wait_for(run, 5)
+        assert info.value.code is ErrorCode.SHUTDOWN
+        await asyncio.sleep(0.1)
+        assert gpu.allocations == before  # rank 2's stream has yet to get past it
+        (left,) = [r.getMessage() for r in caplog.records if "stay mapped" in r.getMessage()]
+        assert "the wait for the device could not start" in left and "its 12 bytes" in left, left
+        gpu.finish_kernel(kernels[1])
+        # the aborted op never ran; the kernels' writes landed in the memory it kept
+        assert [gpu.read(ptr, 4) for ptr in ptrs] == [b"\x01" * 4, b"\x09" * 4, b"\x09" * 4]
+    finally:
+        for kernel in kernels:
+            gpu.finish_kernel(kernel)
+        engine.close()
+
+
 def worker_events(engine: NcclEngine, gpu: FakeGpu) -> tuple[int, int, NcclEvents]:
     ready, ready_handle = gpu.worker_event()
     done, done_handle = gpu.worker_event()
