@@ -24,6 +24,14 @@ class WaitNotStarted(CallError):
                                              f"could not start ({why})")
 
 
+class WaitFailed(CallError):
+    """A wait failed on a GPU, raised (with `on_error`) once every other wait of the op was
+    over: nothing of the op runs any more, so its memory may go."""
+
+    def __init__(self, exc: GpuError) -> None:
+        super().__init__(ErrorCode.ENGINE, f"waiting for the device failed: {exc}")
+
+
 class Completions:
     """Events recorded on a world's streams (one per local rank), each waited for by a
     helper thread blocked in cuEventSynchronize, then kept for reuse. Closed (the streams
@@ -88,6 +96,7 @@ class Completions:
                     if not other.cancelled():
                         other.exception()  # (retrieved: the first failure is the one to report)
                 _raise_if_dropped(waits.values())
+                raise WaitFailed(exc) from None
             raise CallError(ErrorCode.ENGINE, f"waiting for the device failed: {exc}") from None
         except asyncio.CancelledError:
             current = asyncio.current_task()

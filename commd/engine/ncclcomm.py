@@ -26,7 +26,7 @@ from proto import ErrorCode
 from ..errors import CallError
 from .addpath import AddPath
 from .base import EngineOp, Order, Region, StillOnDevice
-from .completion import Completions, WaitNotStarted, unless_mismatched
+from .completion import Completions, WaitFailed, WaitNotStarted, unless_mismatched
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclbatch import Batcher, Launch
@@ -213,10 +213,10 @@ class NcclCommunicator:
     def _drained(self, held: _Held, drained: asyncio.Future[None]) -> None:
         if drained.cancelled():  # (the loop ending: asyncio.run cancels what is left)
             self._leak(held, "its wait was cancelled")
-        elif (exc := drained.exception()) is not None:  # (a stop shut the waiting threads down)
+        elif (exc := drained.exception()) is None or isinstance(exc, WaitFailed):
+            self._let_go(held)  # (a GPU's error: told once every stream's wait was over)
+        else:  # (a stop shut the waiting threads down)
             self._leak(held, exc.message if isinstance(exc, CallError) else f"{type(exc).__name__}: {exc}")
-        else:
-            self._let_go(held)
 
     def _leak(self, held: _Held, why: str) -> None:
         """An op's memory (aborted, or launched as the engine closed), with no word that its

@@ -1808,6 +1808,57 @@ async def test_a_wait_that_fails_on_one_gpu_keeps_the_memory_until_the_others_ar
         engine.close()
 
 
+async def test_a_wait_that_fails_once_the_stream_is_past_an_aborted_op_lets_its_memory_go(
+        gpu: FakeGpu, caplog: pytest.LogCaptureFixture) -> None:
+    """The world failed (the communicator aborted) while rank 1's side of an op waits
+    behind its worker's kernel: rank 0 is answered, the memory waits for rank 1's
+    stream. Once it gets there, its wait fails on the GPU (a sticky error). Every wait of
+    the op is over then, as when a wait fails before the abort: the memory goes, and the
+    communicator, busy no more, tears its streams down; it is not kept for ever."""
+    engine = NcclEngine(gpu)
+    stream = gpu.worker_stream(1)
+    ptrs = [gpu.worker_alloc(b"\x01" * 4), gpu.worker_alloc(b"\x02" * 4, device=1)]
+    kernel = gpu.worker_kernel(stream, ptrs[1], b"\x09" * 4)  # rank 1's, ahead of the op
+    try:
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        await asyncio.wait_for(comm.run(BarrierOp((0, 1))), 5)  # (the init settled)
+        mappings = [engine.import_memory(MemKind.CUDA_IPC, 4, gpu.export_ipc(ptr), None, device=r)
+                    for r, ptr in enumerate(ptrs)]
+        (ready, ready_handle), (_, done_handle) = gpu.worker_event(1), gpu.worker_event(1)
+        pair = engine.import_events(ready_handle, done_handle, device=1)
+        gpu.event_record(ready, stream)
+        event_wait = gpu.event_wait
+
+        def failing_on_gpu_1(event: int, device: int) -> None:
+            event_wait(event, device)
+            if device == 1:
+                raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
+
+        gpu.event_wait = failing_on_gpu_1  # type: ignore[method-assign]
+        run = asyncio.ensure_future(comm.run(AllReduceOp({r: m.region(0, 4) for r, m in enumerate(mappings)},
+                                                         DType.U8, ReduceOp.SUM), Order({1: pair})))
+        await asyncio.sleep(0.2)
+        for mapping in mappings:
+            mapping.close()  # the session forgot the buffers: they go once the op is over
+        daemon_streams = set(gpu.streams_of(0)) | set(gpu.streams_of(1))
+        comm.abort()  # as the world does when it fails
+        with pytest.raises(StillOnDevice) as info:
+            await asyncio.wait_for(run, 5)
+        assert info.value.past[0].done() and not info.value.past[1].done()
+        assert Origin.IPC not in dict(gpu.released_on) and comm.busy()
+        gpu.finish_kernel(kernel)
+        await asyncio.wait_for(info.value.past[1], 5)
+        await until(lambda: [o for o, _ in gpu.released_on].count(Origin.IPC) == 2)
+        await until(lambda: not comm.busy())
+        assert not daemon_streams & (set(gpu.streams_of(0)) | set(gpu.streams_of(1))) - {stream}
+        assert not [r for r in caplog.records if "stay mapped" in r.getMessage()]
+        # the aborted op never ran; the kernel's write landed
+        assert [gpu.read(ptr, 4) for ptr in ptrs] == [b"\x01" * 4, b"\x09" * 4]
+    finally:
+        gpu.finish_kernel(kernel)
+        engine.close()
+
+
 async def test_a_deregistration_asked_during_a_launch_still_connecting_holds_back_no_other_rank() -> None:
     """Rank 0's send to rank 2 (another daemon) is still connecting: rank 2 receives from
     rank 1 first. A buffer of rank 1 is deregistered meanwhile; rank 1's send must still
