@@ -328,7 +328,12 @@ class NetMembership:
             ready = p.WorldReady(self._world.name, epoch, placement, self._world.engine_id())
             codec.encode_peer(ready)
         except ProtoError as exc:  # a placement too big for one frame (thousands of ranks)
-            self._refuse_all(f"world {self._world.name} cannot be announced to its daemons: {exc}")
+            # (a limit the job can get under, not a misuse: the names are what take the room)
+            longest = max(len(daemon) for daemon in placement)
+            self._refuse_all(f"world {self._world.name} cannot be announced to its daemons: its placement of "
+                             f"{len(placement)} ranks by daemon names of up to {longest} characters does not "
+                             f"fit one peer message ({exc}); shorter daemon names (--peer-name) fit more "
+                             "ranks", ErrorCode.LIMIT)
             return
         except CallError as exc:  # the engine could not make the communicators' id
             self._refuse_all(f"world {self._world.name}: {exc.message}")
@@ -343,10 +348,10 @@ class NetMembership:
                 log.warning("world %s: %s", self._world.name, exc.message, extra=self._world.log_extra())
         self._world.form(epoch, self.net.ranks_of(self.net.me), placement, ready.engine_id)
 
-    def _refuse_all(self, message: str) -> None:
+    def _refuse_all(self, message: str, code: ErrorCode = ErrorCode.WORLD_CONFLICT) -> None:
         for rank, daemon in list(self._votes.items()):
             if daemon == self.net.me or rank in self._ballots:
-                self._drop_vote(rank, ErrorCode.WORLD_CONFLICT, message)
+                self._drop_vote(rank, code, message)
             else:
                 self._forget_vote(rank)
         self._world.forget_if_empty()

@@ -29,6 +29,7 @@ from client import (
     CommTimeout,
     DaemonBackend,
     DaemonShutdown,
+    LimitExceeded,
     MisuseError,
     PeerLost,
     WorldFailed,
@@ -662,6 +663,50 @@ def test_two_processes_voting_for_one_rank_on_two_daemons_the_first_wins(pair: l
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_limit_saying_why() -> None:
+    """260 ranks over two daemons of 256-character names: the placement (each rank's daemon
+    name) encodes past the 64 KiB of one peer message, so the root cannot tell B that the
+    world formed. Every rank, on either daemon, is refused with LIMIT, told what does not fit
+    and what fits more ranks, and both daemons then form a world (before: WORLD_CONFLICT, a
+    MisuseError, 'world_ready is 67406 bytes, over the 65536-byte limit': no word of what
+    takes the room, or of a way out)."""
+    tmp, size = short_tmpdir(), 260
+    names = {"A": "a" * 256, "B": "b" * 256}
+    ranks: list[RawClient] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            a, b = (stack.enter_context(DaemonProcess(Path(tmp) / d / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", names[d], *FAST])) for d in "AB")
+            world = world_name()
+            for rank in range(size - 1):
+                ranks.append(RawClient(str((a if rank < size // 2 else b).socket_path), timeout=20))
+                ranks[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank,
+                                           size, 20_000, bootstrap=a.peer_address()))
+            with pytest.raises(LimitExceeded) as last:
+                DaemonBackend(str(b.socket_path), world, size - 1, size, timeout=20,
+                              bootstrap=a.peer_address())
+            assert re.fullmatch(
+                rf"world {world} cannot be announced to its daemons: its placement of {size} ranks by "
+                r"daemon names of up to 256 characters does not fit one peer message \(world_ready is "
+                r"\d+ bytes, over the 65536-byte limit\); shorter daemon names \(--peer-name\) fit more "
+                "ranks", str(last.value)), last.value
+            for rank, client in enumerate(ranks):
+                answer = client.recv()
+                assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
+                assert (answer.code, answer.message) == (ErrorCode.LIMIT, str(last.value)), (rank, answer)
+            wait_until(lambda: world_status(a, world) is None and world_status(b, world) is None)
+            comms = joined([a, b], a, world_name())
+            try:
+                assert summed_i32(comms) == [[3, 30], [3, 30]]
+            finally:
+                for comm in comms:
+                    comm.close()
+    finally:
+        for client in ranks:
+            client.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_worlds_held_for_other_daemons_votes_are_bounded() -> None:
