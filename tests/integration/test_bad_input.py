@@ -828,3 +828,24 @@ def test_a_bootstrap_address_where_the_daemon_has_no_peers_or_the_world_has_none
                     assert first.recv() == proto.Ok(2)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_stream_events_sent_to_the_host_engine_are_refused_and_the_rank_goes_on() -> None:
+    """A client that sends CUDA stream events to a host-engine daemon (another build's, or a
+    hand-made one: ours sends none to it) is told the host engine has no streams, a call on
+    that stream is refused as having no events, and the rank's world goes on."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "run" / "commd.sock", log=subprocess.DEVNULL) as daemon, \
+                RawClient(str(daemon.socket_path)) as rank:
+            assert isinstance(rank.join(world_name()), proto.Welcome)
+            rank.send(proto.StreamEvents(2, 5, bytes(64), bytes(64)))
+            assert rank.error() == proto.Error(2, proto.ErrorCode.MISUSE, "the host engine has no streams: "
+                                               "stream events need a GPU engine")
+            rank.send(proto.StreamSubmit(3, (proto.Barrier(),), 5))
+            assert rank.error() == proto.Error(3, proto.ErrorCode.MISUSE,
+                                               "stream 5 has no events: send stream_events first")
+            rank.send(proto.Submit(4, (proto.Barrier(),)))
+            assert rank.recv() == proto.Ok(4)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

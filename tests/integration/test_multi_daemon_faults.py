@@ -665,6 +665,32 @@ def test_two_processes_voting_for_one_rank_on_two_daemons_the_first_wins(pair: l
             comm.close()
 
 
+def test_a_members_vote_for_a_rank_the_root_holds_is_refused_and_the_others_vote_on(
+        pair: list[DaemonProcess]) -> None:
+    """While the world forms, rank 2 votes on the root A and rank 1 on B; then a second
+    process votes for rank 2 on B. The root refuses that vote over the link (the first came
+    first): the process gets the duplicate's MisuseError naming A, B's vote for rank 1 stays
+    counted, and the world forms with the first rank 2."""
+    a, b = pair
+    world = world_name()
+    with ThreadPoolExecutor(3) as threads:
+        first = threads.submit(backend, a, a, world, 2, 3)
+        second = threads.submit(backend, b, a, world, 1, 3)
+        wait_until(lambda: (world_status(a, world) or {}).get("waiting") == [2], "rank 2 at the root")
+        wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1], "rank 1 on B")
+        with pytest.raises(MisuseError, match=rf"rank 2 of world {world} is already on daemon A$"):
+            backend(b, a, world, 2, 3)
+        assert (world_status(b, world) or {}).get("waiting") == [1]
+        rank_0 = backend(a, a, world, 0, 3)
+        comms = [rank_0, second.result(20), first.result(20)]
+    try:
+        assert [c.epoch for c in comms] == [1, 1, 1]
+        assert summed_i32(comms) == [[6, 60]] * 3
+    finally:
+        for comm in comms:
+            comm.close()
+
+
 def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_limit_saying_why() -> None:
     """260 ranks over two daemons of 256-character names: the placement (each rank's daemon
     name) encodes past the 64 KiB of one peer message, so the root cannot tell B that the
@@ -707,6 +733,53 @@ def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_lim
         for client in ranks:
             client.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_vote_sent_to_a_daemon_whose_world_of_the_name_is_its_own_alone_is_refused(
+        pair: list[DaemonProcess]) -> None:
+    """Rank 0 of a 2-rank world waits on A with no bootstrap address (a one-daemon world);
+    rank 1 of a world of that name says hello on B naming A as the root. A refuses the vote
+    as no root of that world: rank 1 hears so at once, and A's world forms with a rank of its
+    own."""
+    a, b = pair
+    world = world_name()
+    with ThreadPoolExecutor(1) as threads:
+        local_0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=8)
+        wait_until(lambda: (world_status(a, world) or {}).get("waiting") == [0], "rank 0 on A")
+        started = time.monotonic()
+        with pytest.raises(MisuseError, match=rf"^daemon A is not the root of world {world}$"):
+            backend(b, a, world, 1, 2)
+        assert time.monotonic() - started < 2
+        assert world_status(b, world) is None
+        comms = [DaemonBackend(str(a.socket_path), world, 1, 2, timeout=8)]
+        comms.insert(0, local_0.result(20))
+    try:
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_members_rank_whose_time_ran_out_while_its_root_stalled_hears_the_root_was_lost(
+        pair: list[DaemonProcess]) -> None:
+    """Rank 1's vote (0.5 s) is at the root A when A stops (SIGSTOP): A's timer cannot
+    refuse it. When B declares A lost (1 s of silence) the vote's time is up, so it is not
+    cast again: rank 1 is refused with PeerLost naming the root, before its own backstop;
+    A, resumed, and B then form a world."""
+    a, b = pair
+    world = world_name()
+    with ThreadPoolExecutor(1) as threads:
+        joining = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=0.5,
+                                 bootstrap=a.peer_address())
+        wait_until(lambda: world_status(a, world) is not None, "rank 1's vote at the root", timeout=5)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(PeerLost, match=rf"^world {world}: the root daemon A was lost: silent for "):
+                joining.result(20)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+    assert world_status(b, world) is None
+    a_new_world_sums(pair, a)
 
 
 def test_worlds_held_for_other_daemons_votes_are_bounded() -> None:
