@@ -40,7 +40,8 @@ class SymmetricMemory:
         self._host: dict[int, tuple[HostBuffer, int]] = {}  # ptr -> (the mapping, its link)
         self._device: dict[int, tuple[int, int, int]] = {}  # ptr -> (buffer id, size mapped, link)
         # host ptrs let go of here whose free the daemon did not confirm (its call failed): a
-        # free made again is told so, not that the pointer was never ours
+        # free made again is told so, not that the pointer was never ours (unless the address
+        # is in use again: symmetric_alloc's, or a plain host buffer's)
         self._unconfirmed: set[int] = set()
         self._closed = closed  # the backend's: set under the lock, as it takes our buffers (let_go)
 
@@ -107,7 +108,12 @@ class SymmetricMemory:
             self._resolver.unmap_symmetric(buffer_id, ptr, size)
             return
         if host is None:
+            # (a plain hostmem.alloc may have taken the address again since: a buffer the
+            # worker holds, not the one freed here)
+            reused = self._memory.locate(ptr) is not None
             with self._lock:
+                if reused:
+                    self._unconfirmed.discard(ptr)
                 unconfirmed = ptr in self._unconfirmed
             if unconfirmed:
                 raise MisuseError(f"0x{ptr:x} was freed here already; the daemon had not confirmed it "

@@ -724,3 +724,37 @@ def test_a_symmetric_free_the_stalled_daemon_did_not_confirm_says_so_when_made_a
         comm.all_reduce(buf.ptr, 8, dtype="u8")
         assert buf.view(np.uint8)[:8].tolist() == [3] * 8
         buf.close()
+
+
+def test_a_plain_host_buffer_at_an_unconfirmed_symmetric_address_is_not_taken_for_a_freed_one(
+        daemon: DaemonProcess) -> None:
+    """A host symmetric_free the stalled daemon did not confirm leaves its pointer among the
+    unconfirmed ones, so that a free made again says it was freed here already. But the
+    address may be handed out again by a plain hostmem.alloc (the kernel reuses the range
+    just unmapped), not only by symmetric_alloc: symmetric_free of that buffer's pointer, a
+    wrong pointer, said '0x.. was freed here already; the daemon had not confirmed it',
+    about memory the worker holds and uses. It must say that pointer is not from
+    symmetric_alloc, and leave the buffer as it was (its data, its use in a call)."""
+    with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=1) as comm:
+        ptr = comm.symmetric_alloc(64)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CommTimeout):
+                comm.symmetric_free(ptr)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        held = [hostmem.alloc(64) for _ in range(4)]  # (the range just unmapped, taken again)
+        at = [b for b in held if b.ptr == ptr]
+        assert at, f"no host buffer took 0x{ptr:x} again: {[hex(b.ptr) for b in held]}"
+        buf = at[0]
+        buf.view(np.uint8)[:8] = 5
+        with pytest.raises(MisuseError) as wrong:
+            comm.symmetric_free(buf.ptr)
+        assert f"0x{ptr:x} is not a pointer from this backend's symmetric_alloc" in str(wrong.value), \
+            wrong.value
+        assert buf.view(np.uint8)[:8].tolist() == [5] * 8
+        comm.attempt_reconnect()  # (the free timed out: the backend asks for one)
+        comm.all_reduce(buf.ptr, 8, dtype="u8")
+        assert buf.view(np.uint8)[:8].tolist() == [5] * 8
+        for b in held:
+            b.close()
