@@ -14,19 +14,24 @@ from typing import IO
 
 def wait_for_socket(path: str | os.PathLike[str], timeout: float,
                     proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Return once a daemon answers a status query at `path`; raise TimeoutError if not."""
+    """Return once a daemon answers a status query at `path` (`proc`'s own, if given);
+    raise TimeoutError if not."""
     from client.errors import CommError
 
     from .status import query_status
 
     deadline = time.monotonic() + timeout
+    other = ""
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with code {proc.returncode} before it was ready")
+            raise RuntimeError(f"the daemon exited with code {proc.returncode} before it was ready{other}")
         if os.path.exists(path):
             try:
-                query_status(os.fspath(path), 1.0)
-                return
+                pid = query_status(os.fspath(path), 1.0).get("pid")
+                # (a daemon already there answers too, while `proc` is refused the path and exits)
+                if proc is None or pid == proc.pid:
+                    return
+                other = f" (another daemon, pid {pid}, answers at {os.fspath(path)})"
             except CommError:
                 pass
         if time.monotonic() > deadline:
@@ -50,7 +55,8 @@ class DaemonProcess:
                  cpus: Sequence[int] | None = None, log_level: str = "WARNING",
                  env: dict[str, str] | None = None, under: Sequence[str] = ()) -> None:
         """`under`: a command that execs the daemon's (given as its last arguments), to run
-        it in a namespace of its own, say."""
+        it in a namespace of its own, say; not a pid namespace (start waits for the daemon
+        whose status names the pid it started)."""
         self.socket_path = Path(socket_path)
         # No --config: read none (not the host's /etc/commd/commd.toml, which is the service's)
         config = () if "--config" in args else ("--config", "")

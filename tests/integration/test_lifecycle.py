@@ -106,6 +106,33 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_daemon_process_started_where_another_daemon_answers_fails_to_start() -> None:
+    """DaemonProcess.start waits until a daemon answers at its socket: the daemon already
+    there answered, so start returned while its own daemon exited 2 ('another daemon is
+    listening'), and the caller's worlds ran on the other daemon. It must wait for its own."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    try:
+        with DaemonProcess(path) as first:
+            second = DaemonProcess(path, log=subprocess.DEVNULL)
+            try:
+                with pytest.raises(RuntimeError, match=f"exited with code 2 before it was ready "
+                                                       rf"\(another daemon, pid {first.pid}, answers at "):
+                    second.start(timeout=20)
+            finally:
+                second.kill()  # (had start returned early, it could take the path once the first left)
+            assert second.proc is not None and second.proc.returncode == 2
+            assert query_status(str(path), 5)["pid"] == first.pid  # the first serves on
+            with DaemonBackend(str(path), world_name("after"), 0, 1, timeout=10) as comm:
+                buf = hostmem.alloc(16)
+                buf.view(np.float32)[:] = [1, 2, 3, 4]
+                comm.all_reduce(buf.ptr, 16)
+                assert buf.view(np.float32).tolist() == [1, 2, 3, 4]
+                buf.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_another_programs_live_stream_socket_at_the_path_is_left_alone() -> None:
     """A SOCK_STREAM listener (another program's) at the socket path: the probe's connect
     fails (EPROTOTYPE), which is neither 'nobody listens' nor a daemon. The daemon must
