@@ -101,11 +101,12 @@ def placement(n: int, daemons: int) -> list[int]:
 
 @contextlib.contextmanager
 def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
-    """`count` daemons with peer listeners on 127.0.0.1 and one fresh secret; stopped
-    (SIGTERM, bounded wait, then SIGKILL) on the way out, whatever happened.
+    """`count` daemons, with peer listeners on 127.0.0.1 and one fresh secret if more than
+    one; stopped (SIGTERM, bounded wait, then SIGKILL) on the way out, whatever happened.
 
     Their logs go to files (a clean stop logs the links closing); a daemon's log is
-    shown only when the run failed or the daemon did not exit 0."""
+    shown only when the run failed or the daemon did not exit 0 (a daemon that died
+    under the run is its cause: the workers can only say their daemon went away)."""
     env = {SECRET_ENV: secrets.token_hex(16)}  # in the environment, never on a command line
     started: list[DaemonProcess] = []
     failed = False
@@ -113,8 +114,8 @@ def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
         try:
             for i in range(count):
                 log = logs.enter_context((tmp / f"d{i}.log").open("wb"))
-                started.append(DaemonProcess(tmp / f"d{i}.sock", env=env, log=log, args=[
-                    "--peer-listen", "127.0.0.1:0", "--peer-name", f"bench-{i}"]).start())
+                peers = ["--peer-listen", "127.0.0.1:0", "--peer-name", f"bench-{i}"] if count > 1 else []
+                started.append(DaemonProcess(tmp / f"d{i}.sock", env=env, log=log, args=peers).start())
             yield started
         except BaseException:
             failed = True
@@ -129,16 +130,11 @@ def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
 
 
 def _bench_commd(n: int, daemons: int, workers: list[CpuSet], plan: Plan) -> dict[str, Stats]:
-    with tempfile.TemporaryDirectory(prefix="commd-bench-") as tmp:
-        if daemons == 1:
-            sock = Path(tmp) / "commd.sock"
-            with DaemonProcess(sock):
-                return run_side("commd", [str(sock)] * n, workers, plan)
-        where = placement(n, daemons)
-        with _daemons(Path(tmp), daemons) as procs:
-            root = procs[where[0]].peer_address()
-            return run_side("commd", [str(procs[d].socket_path) for d in where], workers, plan,
-                            bootstrap=root)
+    where = placement(n, daemons)
+    with tempfile.TemporaryDirectory(prefix="commd-bench-") as tmp, _daemons(Path(tmp), daemons) as procs:
+        root = procs[where[0]].peer_address() if daemons > 1 else None
+        return run_side("commd", [str(procs[d].socket_path) for d in where], workers, plan,
+                        bootstrap=root)
 
 
 def world_label(n: int, daemons: int) -> str:

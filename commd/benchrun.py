@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from client.errors import CommError
+
 BARRIER = "barrier"
 CALL_TIMEOUT_S = 120.0  # one call (and the join); generous because the 2-core VM is shared
 _SIDE_TIMEOUT_S = 600.0  # one side's whole run for one rank count
@@ -189,6 +191,8 @@ def _worker(job: _Job, results: mpq.Queue[Any]) -> None:
             os.sched_setaffinity(0, job.cpus)
         timings = _run_commd(job) if job.side == "commd" else _run_gloo(job)
         results.put(("ok", job.rank, timings))
+    except CommError as exc:  # (typed: its words say what happened, a traceback only buries them)
+        results.put(("error", job.rank, f"{type(exc).__name__}: {exc}"))
     except BaseException:
         results.put(("error", job.rank, traceback.format_exc()))
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from client.errors import CommError
+from commd.status import query_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,3 +203,54 @@ def test_bench_percall_smoke(tmp_path: Path) -> None:
     assert [row["rank"] for row in result["per_rank"]] == [0, 1]
     assert result["median_us"] > 0 and result["daemon_cpu_us"] >= 0 and result["worker_cpu_us"] > 0
     assert "CPU per call: daemon" in proc.stdout
+
+
+def _children(pid: int) -> dict[int, str]:
+    """A process's children: pid -> command line."""
+    out: dict[int, str] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                cmdline = (Path("/proc") / child / "cmdline").read_bytes()
+                out[int(child)] = cmdline.replace(b"\0", b" ").decode()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_killed_mid_bench_is_named_with_its_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    """The bench's daemon SIGKILLed under the timed loop: the bench printed 'failed: rank 1
+    failed:' and some 40 lines of the worker's traceback ending in DaemonUnavailable, and
+    nothing of the daemon, which was the cause. Now: the failed rank's error in one line,
+    the daemon's exit code and log, exit 1, no JSON, no worker left."""
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "commd", "bench", "--no-gloo", "--ranks", "2", "--sizes", "8",
+           "--iters", "100000000", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    bench = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until its world is calling: its daemon's status shows calls done
+            assert bench.poll() is None and time.monotonic() < deadline, "the bench never got going"
+            children = _children(bench.pid)
+            daemons = [(pid, line.split(" --socket ")[1].split()[0])
+                       for pid, line in children.items() if " serve " in line]
+            if daemons:
+                with contextlib.suppress(CommError):
+                    info = query_status(daemons[0][1], 5)
+                    if info.get("counters", {}).get("calls", {}).get("all_reduce", {}).get("done"):
+                        break
+            time.sleep(0.2)
+        workers = [pid for pid, line in children.items() if "spawn_main" in line]
+        os.kill(daemons[0][0], signal.SIGKILL)
+        stdout, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+    assert bench.returncode == 1, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    assert "commd bench: failed: rank " in stderr and "DaemonUnavailable: " in stderr, stderr
+    assert "commd bench: daemon 0 exited with code -9" in stderr, stderr
+    assert not out.exists()
+    assert workers and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
