@@ -595,6 +595,24 @@ def test_metrics_need_the_flag(tmp: Path) -> None:
         assert query_status(str(daemon.socket_path), 5)["metrics"] is None
 
 
+def test_metrics_without_prometheus_client_is_a_configuration_error_naming_the_extra(tmp: Path) -> None:
+    """prometheus-client is optional (imported only with metrics on): asked for metrics
+    where it is not installed, the daemon says which extra to install and exits 2, before
+    it takes the socket."""
+    shadow = tmp / "without" / "prometheus_client"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("No module named \'prometheus_client\'")\n')
+    cmd = [sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(tmp / "c.sock"),
+           "--metrics", "127.0.0.1:0"]
+    env = child_env()
+    env["PYTHONPATH"] = f"{shadow.parent}{os.pathsep}{env['PYTHONPATH']}"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == ("commd: configuration error: metrics_listen: needs prometheus-client (pip install "
+                           "'commd[metrics]') (metrics_listen = '127.0.0.1:0' from --metrics)\n")
+    assert not (tmp / "c.sock").exists()
+
+
 def test_the_first_client_finds_the_daemon_whole(tmp: Path) -> None:
     """A client connecting the moment the socket appears (as systemd's After= units do)
     finds everything set up: the status names where metrics are served."""

@@ -931,3 +931,35 @@ def test_a_rejoin_the_daemon_refuses_with_a_code_this_client_does_not_know_is_no
     assert buf.view(np.float32).tolist() == list(range(16))  # (the stand-in writes nothing)
     back_to_fds(before)
     buf.close()
+
+
+UNREADABLE = "the daemon's status report is not what this commd reads"
+UNREADABLE_STATUS: dict[str, tuple[list[str], Callable[[int], proto.Message], str]] = {
+    # (status's flags, the stand-in's answer, what `commd status` says)
+    "a world without its rows": (
+        [], lambda rid: proto.StatusReport(rid, {"worlds": [{"name": "w"}]}),
+        f"{UNREADABLE}: KeyError: 'ranks'"),
+    "a number JSON cannot carry": (
+        ["--json"], lambda rid: proto.StatusReport(rid, {"uptime_s": float("nan")}),
+        f"{UNREADABLE}: ValueError: "),
+    # (the protocol's state machine refuses it before status.py could: its own check is a guard)
+    "another reply": ([], proto.Ok, "bad packet from the daemon: daemon may not send Ok"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE_STATUS))
+def test_a_status_report_this_commd_cannot_read_is_a_protocol_error_not_a_traceback(
+        standin: tuple[RecordingDaemon, str], case: str) -> None:
+    """A daemon of another version (here a stand-in) answers `commd status` with a report
+    whose shape this commd does not render, or with another reply: one line naming what
+    was wrong, exit 1."""
+    fake, path = standin
+    flags, reply, words = UNREADABLE_STATUS[case]
+    fake.answer = answering(proto.StatusQuery, reply)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "commd", "status", "--socket", path, "--timeout", "5",
+                           *flags], capture_output=True, text=True, timeout=20,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr.startswith(f"commd: ProtocolError: {words}"), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
