@@ -136,6 +136,8 @@ class Completions:
             if failed:
                 await device
         except asyncio.CancelledError:
+            if device.done() and not device.cancelled():
+                device.exception()  # (failed in the turn we were cancelled: no one else reads it)
             device.cancel()
             raise
         finally:
