@@ -3,7 +3,8 @@
     CommError                     every failure of a CommBackend call (the seed's Result error)
     ├── MisuseError               the call was wrong: bad pointer, size, rank, handle, state
     ├── AccessDenied              the daemon refused this process (credentials, join token)
-    ├── LimitExceeded             a daemon limit (connections, buffers, registrations, pending calls)
+    ├── LimitExceeded             a limit: the daemon's (connections, buffers, registrations, pending
+    │                             calls, a world's placement) or this process's (open files, memory)
     ├── ProtocolError             client and daemon disagree on the wire (version, malformed)
     ├── DaemonUnavailable         no daemon at the socket, or the connection to it broke
     │   └── DaemonShutdown        the daemon is stopping
@@ -42,7 +43,8 @@ class AccessDenied(CommError):
 
 
 class LimitExceeded(CommError):
-    """A limit of the daemon was reached."""
+    """A limit was reached: the daemon's, or this process's own (a reply's fd it had no room
+    for, memory it could not map)."""
 
 
 class ProtocolError(CommError):
