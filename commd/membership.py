@@ -336,7 +336,7 @@ class NetMembership:
                              "ranks", ErrorCode.LIMIT)
             return
         except CallError as exc:  # the engine could not make the communicators' id
-            self._refuse_all(f"world {self._world.name}: {exc.message}")
+            self._refuse_all(f"world {self._world.name}: {exc.message}", exc.code)
             return
         self._end_round()
         self.net.placement = placement

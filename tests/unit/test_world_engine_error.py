@@ -254,17 +254,19 @@ class NoCommunicators(ReportingEngine):
         raise CallError(ErrorCode.ENGINE, "NCCL init failed: Duplicate GPU detected")
 
 
-@pytest.mark.parametrize("broken", [0, 1])
-async def test_a_daemon_that_cannot_build_its_communicators_fails_the_world_everywhere(
-        tmp_path: Path, broken: int) -> None:
-    """Rank 0 on the root A, rank 1 on B; one daemon's engine cannot build communicators.
-    It refuses its rank and tells the other daemon, so the other rank's first call fails
-    at once, naming why (before: only the broken daemon's rank heard; the other waited out
-    its call timeout, and in a recv_command_u32, which has none, for ever). Real daemons'
-    servers and peer links over loopback, in this process; the ranks are threads."""
+class NoUniqueId(ReportingEngine):
+    """An engine that cannot make a new world's id (NCCL: ncclGetUniqueId failing, the
+    driver or the network unusable), failing as NcclEngine.unique_id does."""
+
+    def unique_id(self) -> bytes:
+        raise CallError(ErrorCode.ENGINE, "ncclGetUniqueId failed: unhandled system error")
+
+
+async def two_daemons_one_rank_each(tmp_path: Path, engines: Sequence[Any]) -> list[tuple[str, float]]:
+    """Rank 0 on the root A, rank 1 on B, each daemon on its engine: what each rank met
+    (refused at its join, or its first call's error and how long it waited for it). Real
+    daemons' servers and peer links over loopback, in this process; the ranks are threads."""
     secret = b"engine error test secret"
-    engines: list[Any] = [HostEngine(threads=1), HostEngine(threads=1)]
-    engines[broken] = NoCommunicators(engines[broken])
     servers, clusters = [], []
     for name, engine in zip("AB", engines, strict=True):
         cluster = Cluster(PeerSettings(name, secret, heartbeat_s=0.2, window_s=1.0))
@@ -289,17 +291,40 @@ async def test_a_daemon_that_cannot_build_its_communicators_fails_the_world_ever
             return "the barrier of a world without the other rank completed", 0.0
 
     try:
-        outcomes = await asyncio.gather(*(asyncio.to_thread(rank, r) for r in range(2)))
+        return list(await asyncio.gather(*(asyncio.to_thread(rank, r) for r in range(2))))
     finally:
         for server in servers:
             server.shutdown()
         for cluster, engine in zip(clusters, engines, strict=True):
             cluster.close()
             engine.close()
+
+
+@pytest.mark.parametrize("broken", [0, 1])
+async def test_a_daemon_that_cannot_build_its_communicators_fails_the_world_everywhere(
+        tmp_path: Path, broken: int) -> None:
+    """One daemon's engine cannot build communicators. It refuses its rank and tells the
+    other daemon, so the other rank's first call fails at once, naming why (before: only
+    the broken daemon's rank heard; the other waited out its call timeout, and in a
+    recv_command_u32, which has none, for ever)."""
+    engines: list[Any] = [HostEngine(threads=1), HostEngine(threads=1)]
+    engines[broken] = NoCommunicators(engines[broken])
+    outcomes = await two_daemons_one_rank_each(tmp_path, engines)
     refused, (other, waited) = outcomes[broken][0], outcomes[1 - broken]
     assert refused.startswith("refused: EngineError") and "Duplicate GPU detected" in refused, refused
     assert other.startswith("EngineError") and f"daemon {'AB'[broken]} cannot take part" in other, other
     assert waited < 5, f"the other rank heard of it after {waited:.1f} s"
+
+
+async def test_a_root_that_cannot_make_the_worlds_engine_id_refuses_every_rank_as_an_engine_error(
+        tmp_path: Path) -> None:
+    """The root's engine cannot make the new world's id: every rank, on either daemon, is
+    refused with EngineError naming NCCL's failure (before: as WORLD_CONFLICT, a
+    MisuseError, which tells the worker its own arguments were wrong; s23/K, read)."""
+    outcomes = await two_daemons_one_rank_each(tmp_path, [NoUniqueId(HostEngine(threads=1)),
+                                                           HostEngine(threads=1)])
+    for said, _ in outcomes:
+        assert said.startswith("refused: EngineError") and "ncclGetUniqueId failed" in said, outcomes
 
 
 class FailsOnce(ReportingEngine):
