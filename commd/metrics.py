@@ -142,10 +142,12 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         waiting[writer] = None
         try:
             head = await asyncio.wait_for(_read_head(reader), _REQUEST_TIMEOUT_S)
-            if head:  # (one too big stays evictable: else a stream of those shuts scrapers out)
-                waiting.pop(writer, None)
             request_line = head.split(b"\n", 1)[0].rstrip(b"\r")
             method, target, *_ = [*request_line.split(b" "), b"", b""]
+            # the rest of a head too big, or a body (a POST's), may still be coming
+            unread = not head or method != b"GET"
+            if not unread:  # (one with more to come stays evictable: else a stream of those
+                waiting.pop(writer, None)  # shuts scrapers out)
             if not head:
                 status, ctype, body = ("431 Request Header Fields Too Large", "text/plain",
                                        f"a request head is at most {_MAX_REQUEST} bytes\n".encode())
@@ -158,7 +160,8 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}"
                          "\r\nConnection: close\r\n\r\n".encode() + body)
             await asyncio.wait_for(writer.drain(), _REQUEST_TIMEOUT_S)
-            if not head:  # the rest of the head is unread: closing on it would reset the answer away
+            if unread:  # closing on unread bytes would reset the answer away (a client that
+                # sends the whole body before reading, as urllib does, saw only EPIPE)
                 writer.write_eof()
                 await asyncio.wait_for(_discard_until_eof(reader), 1.0)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):

@@ -590,6 +590,39 @@ def test_a_metrics_request_whose_lines_end_in_a_bare_lf_is_answered(tmp: Path) -
         assert b"\ncommd_connections 0.0\n" in answer
 
 
+def metrics_answer(conn: socket.socket) -> bytes:
+    """All a metrics connection sends back until the daemon closes it."""
+    answer = b""
+    while chunk := conn.recv(65536):
+        answer += chunk
+    return answer
+
+
+def reduce_is_right(pool: RankPool, sock: str, tag: str) -> None:
+    """Two ranks' all_reduces through the daemon give the right sums."""
+    world = world_name(tag)
+    outcomes = pool.run(service_workers.reduce_then_wait,
+                        [(sock, world, r, 2, 3, 64, False) for r in range(2)], timeout=30)
+    assert [o.unwrap() for o in outcomes] == [([1, 3, 5], "done")] * 2
+
+
+def test_a_post_with_a_body_to_the_metrics_port_gets_its_405(tmp: Path, pool: RankPool) -> None:
+    """A client that sends a whole body before it reads (urllib, requests) is told 405, not
+    cut off: before, the daemon closed on the unread body and the client saw only EPIPE or
+    a reset. The daemon serves its ranks and the next scraper the while."""
+    pytest.importorskip("prometheus_client")
+    with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
+        sock = str(daemon.socket_path)
+        address = query_status(sock, 5)["metrics"]
+        for size in (10, 4 << 20):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(f"http://{address}/metrics",
+                                                              data=b"x" * size), timeout=5)
+            assert refused.value.code == 405 and refused.value.read() == b"GET only\n"
+        reduce_is_right(pool, sock, "post")
+        assert scrape(address)[("commd_calls_total", (("op", "all_reduce"), ("outcome", "done")))] == 6
+
+
 def test_metrics_need_the_flag(tmp: Path) -> None:
     with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
         assert query_status(str(daemon.socket_path), 5)["metrics"] is None
