@@ -148,17 +148,19 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
             unread = not head or method != b"GET"
             if not unread:  # (one with more to come stays evictable: else a stream of those
                 waiting.pop(writer, None)  # shuts scrapers out)
+            allow = ""
             if not head:
                 status, ctype, body = ("431 Request Header Fields Too Large", "text/plain",
                                        f"a request head is at most {_MAX_REQUEST} bytes\n".encode())
             elif method != b"GET":
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+                allow = "Allow: GET\r\n"  # (RFC 9110: a 405 must name the methods there are)
             elif target.split(b"?", 1)[0] not in (b"/metrics", b"/"):
                 status, ctype, body = "404 Not Found", "text/plain", b"see /metrics\n"
             else:
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, render()
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}"
-                         "\r\nConnection: close\r\n\r\n".encode() + body)
+            writer.write(f"HTTP/1.1 {status}\r\n{allow}Content-Type: {ctype}\r\nContent-Length: "
+                         f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
             await asyncio.wait_for(writer.drain(), _REQUEST_TIMEOUT_S)
             if unread:  # closing on unread bytes would reset the answer away (a client that
                 # sends the whole body before reading, as urllib does, saw only EPIPE)

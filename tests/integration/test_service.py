@@ -619,6 +619,7 @@ def test_a_post_with_a_body_to_the_metrics_port_gets_its_405(tmp: Path, pool: Ra
                 urllib.request.urlopen(urllib.request.Request(f"http://{address}/metrics",
                                                               data=b"x" * size), timeout=5)
             assert refused.value.code == 405 and refused.value.read() == b"GET only\n"
+            assert refused.value.headers["Allow"] == "GET"
         reduce_is_right(pool, sock, "post")
         assert scrape(address)[("commd_calls_total", (("op", "all_reduce"), ("outcome", "done")))] == 6
 
