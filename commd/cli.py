@@ -202,5 +202,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommError as exc:
         print(f"commd: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (Ctrl-C: the user knows why; a traceback would bury that it took)
+        print("commd: interrupted", file=sys.stderr)
         return 130

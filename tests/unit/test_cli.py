@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +44,29 @@ def test_bad_arguments_are_a_clear_error_and_exit_2(tmp_path: Path, argv: tuple[
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not list(tmp_path.iterdir())  # nothing was run, nothing written
+
+
+def test_ctrl_c_on_a_status_that_waits_for_a_mute_daemon_says_so_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the process group) while `commd status` waits for an answer that
+    does not come: exit 130 and 'commd: interrupted' (before: exit 130 and not a word, as if
+    the status had been empty)."""
+    path = tmp_path / "mute.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as mute:
+        mute.bind(str(path))
+        mute.listen()  # accepts (the kernel does) and never answers
+        proc = subprocess.Popen([sys.executable, "-m", "commd", "status", "--socket", str(path),
+                                 "--timeout", "30"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        try:
+            mute.settimeout(20)
+            conn, _ = mute.accept()  # it has connected: it is waiting for the answer now
+            time.sleep(0.3)
+            os.killpg(proc.pid, signal.SIGINT)
+            out, err = proc.communicate(timeout=20)
+            conn.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert (proc.returncode, out, err) == (130, "", "commd: interrupted\n")
