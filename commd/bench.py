@@ -117,6 +117,8 @@ def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
                 peers = ["--peer-listen", "127.0.0.1:0", "--peer-name", f"bench-{i}"] if count > 1 else []
                 started.append(DaemonProcess(tmp / f"d{i}.sock", env=env, log=log, args=peers).start())
             yield started
+        except KeyboardInterrupt:  # Ctrl-C reaches the daemons too: their logs are no cause
+            raise
         except BaseException:
             failed = True
             raise

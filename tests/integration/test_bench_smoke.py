@@ -216,6 +216,32 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
+def _endless_bench(out: Path) -> subprocess.Popen[str]:
+    """A bench of far more all_reduces than a test waits for, in a session of its own."""
+    cmd = [sys.executable, "-m", "commd", "bench", "--no-gloo", "--ranks", "2", "--sizes", "8",
+           "--iters", "100000000", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _calling(bench: subprocess.Popen[str]) -> tuple[dict[int, str], list[tuple[int, str]]]:
+    """Once the bench's world is calling (its daemon's status shows calls done): its
+    children, and its daemons' (pid, socket)."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert bench.poll() is None and time.monotonic() < deadline, "the bench never got going"
+        children = _children(bench.pid)
+        daemons = [(pid, line.split(" --socket ")[1].split()[0])
+                   for pid, line in children.items() if " serve " in line]
+        if daemons:
+            with contextlib.suppress(CommError):
+                info = query_status(daemons[0][1], 5)
+                if info.get("counters", {}).get("calls", {}).get("all_reduce", {}).get("done"):
+                    return children, daemons
+        time.sleep(0.2)
+
+
 @pytest.mark.timeout(120)
 def test_a_daemon_killed_mid_bench_is_named_with_its_exit_code_and_no_traceback(tmp_path: Path) -> None:
     """The bench's daemon SIGKILLed under the timed loop: the bench printed 'failed: rank 1
@@ -223,24 +249,9 @@ def test_a_daemon_killed_mid_bench_is_named_with_its_exit_code_and_no_traceback(
     nothing of the daemon, which was the cause. Now: the failed rank's error in one line,
     the daemon's exit code and log, exit 1, no JSON, no worker left."""
     out = tmp_path / "b.json"
-    cmd = [sys.executable, "-m", "commd", "bench", "--no-gloo", "--ranks", "2", "--sizes", "8",
-           "--iters", "100000000", "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    bench = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    bench = _endless_bench(out)
     try:
-        deadline = time.monotonic() + 60
-        while True:  # until its world is calling: its daemon's status shows calls done
-            assert bench.poll() is None and time.monotonic() < deadline, "the bench never got going"
-            children = _children(bench.pid)
-            daemons = [(pid, line.split(" --socket ")[1].split()[0])
-                       for pid, line in children.items() if " serve " in line]
-            if daemons:
-                with contextlib.suppress(CommError):
-                    info = query_status(daemons[0][1], 5)
-                    if info.get("counters", {}).get("calls", {}).get("all_reduce", {}).get("done"):
-                        break
-            time.sleep(0.2)
+        children, daemons = _calling(bench)
         workers = [pid for pid, line in children.items() if "spawn_main" in line]
         os.kill(daemons[0][0], signal.SIGKILL)
         stdout, stderr = bench.communicate(timeout=60)
@@ -254,3 +265,27 @@ def test_a_daemon_killed_mid_bench_is_named_with_its_exit_code_and_no_traceback(
     assert "commd bench: daemon 0 exited with code -9" in stderr, stderr
     assert not out.exists()
     assert workers and not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_mid_bench_says_interrupted_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) under the timed
+    loop: exit 130 and 'commd: interrupted' after the progress line (before: 'commd bench:
+    daemon 0 exited with code 0; its log:' and its log, as if the daemon were to blame, and
+    no word that the run was interrupted); no JSON, no worker or daemon left."""
+    out = tmp_path / "b.json"
+    bench = _endless_bench(out)
+    try:
+        children, _ = _calling(bench)
+        os.killpg(bench.pid, signal.SIGINT)
+        stdout, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+    assert bench.returncode == 130, stdout + stderr
+    assert stderr.splitlines()[1:] == ["commd: interrupted"], stderr
+    assert not out.exists()
+    # (multiprocessing's resource tracker ends once its pipe closes: after the bench, by design)
+    ours = [pid for pid, line in children.items() if "spawn_main" in line or " serve " in line]
+    assert len(ours) == 3 and not [pid for pid in ours if Path(f"/proc/{pid}").exists()]
