@@ -22,6 +22,7 @@ import itertools
 import mmap
 import os
 import stat
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Collection
@@ -303,6 +304,9 @@ class HostMemory:
         nbytes, = as_ints(nbytes=nbytes)
         if nbytes < 0:
             raise MisuseError(f"cannot allocate {nbytes} bytes")
+        if nbytes > sys.maxsize:  # (ftruncate and mmap take a C long: past it Python's words name no size)
+            raise LimitExceeded(f"cannot allocate {nbytes} bytes of host memory: more than the "
+                                f"{sys.maxsize} bytes a mapping can hold")
         try:
             fd = _sealed_memfd(max(nbytes, 1))
             try:
