@@ -27,7 +27,9 @@ def wait_for_socket(path: str | os.PathLike[str], timeout: float,
             raise RuntimeError(f"the daemon exited with code {proc.returncode} before it was ready{other}")
         if os.path.exists(path):
             try:
-                pid = query_status(os.fspath(path), 1.0).get("pid")
+                # each probe gets at most the time left: a hung daemon must not stretch the timeout
+                probe = min(1.0, max(0.01, deadline - time.monotonic()))
+                pid = query_status(os.fspath(path), probe).get("pid")
                 # (a daemon already there answers too, while `proc` is refused the path and exits)
                 if proc is None or pid == proc.pid:
                     return

@@ -22,7 +22,7 @@ import pytest
 
 import proto
 from client import DaemonBackend, DaemonShutdown, DaemonUnavailable, MisuseError, hostmem
-from commd.launch import DaemonProcess
+from commd.launch import DaemonProcess, wait_for_socket
 from commd.status import query_status
 from proto import ErrorCode
 from tests.integration import workers
@@ -102,6 +102,25 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused() -> None:
             assert second.returncode == 2
             assert "another daemon is listening" in second.stderr
             assert query_status(str(path), 5)["pid"] == first.pid
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_waiting_for_a_hung_daemon_keeps_to_a_timeout_under_a_second() -> None:
+    """A daemon that accepts and never answers: wait_for_socket(path, 0.2) gives up near
+    0.2 s (before: each probe waited 1 s whatever the time left, so DaemonProcess.start(
+    timeout=0.2) took over a second against it)."""
+    tmp = short_tmpdir()
+    try:
+        path = Path(tmp) / "hung.sock"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as hung:
+            hung.bind(str(path))
+            hung.listen()
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match=f"no daemon answered at {path} within 0.2s"):
+                wait_for_socket(path, 0.2)
+            took = time.monotonic() - started
+        assert 0.2 <= took < 0.6, took
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
