@@ -624,6 +624,35 @@ def test_a_post_with_a_body_to_the_metrics_port_gets_its_405(tmp: Path, pool: Ra
         assert scrape(address)[("commd_calls_total", (("op", "all_reduce"), ("outcome", "done")))] == 6
 
 
+def test_hostile_scrapers_hold_no_slot_for_ever_and_the_ranks_go_on(tmp: Path, pool: RankPool) -> None:
+    """A head of many short lines over 8192 bytes is told 431; 16 scrapers that never read
+    their answers do not keep a 17th out; one that says nothing is closed after the 5 s
+    wait for a head. The ranks' all_reduces are right and the next scrape is answered."""
+    pytest.importorskip("prometheus_client")
+    with DaemonProcess(tmp / "run" / "commd.sock", args=["--metrics", "127.0.0.1:0"]) as daemon:
+        sock = str(daemon.socket_path)
+        address = query_status(sock, 5)["metrics"]
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as lines:
+            lines.sendall(b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 2000 + b"\r\n")
+            assert metrics_answer(lines).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+        silent = socket.create_connection((host, int(port)), timeout=10)
+        deaf = [socket.create_connection((host, int(port)), timeout=10) for _ in range(16)]
+        try:
+            for conn in deaf:
+                conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert scrape(address)[("commd_connections", ())] == 0
+            reduce_is_right(pool, sock, "hostile")
+            started = time.monotonic()
+            assert metrics_answer(silent) == b""  # closed, unanswered
+            assert time.monotonic() - started < 6
+        finally:
+            silent.close()
+            for conn in deaf:
+                conn.close()
+        assert scrape(address)[("commd_calls_total", (("op", "all_reduce"), ("outcome", "done")))] == 6
+
+
 def test_metrics_need_the_flag(tmp: Path) -> None:
     with DaemonProcess(tmp / "run" / "commd.sock") as daemon:
         assert query_status(str(daemon.socket_path), 5)["metrics"] is None
