@@ -125,8 +125,9 @@ def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
         finally:
             for i, daemon in enumerate(started):
                 code = daemon.stop(_STOP_TIMEOUT_S)
-                if failed or code != 0:
-                    tail = (tmp / f"d{i}.log").read_text(errors="replace")[-4000:]
+                tail = (tmp / f"d{i}.log").read_text(errors="replace")[-4000:]
+                # (a daemon that stopped cleanly with nothing logged is no part of a failure's story)
+                if code != 0 or (failed and tail):
                     print(f"commd bench: daemon {i} exited with code {code}; its log:\n{tail}",
                           file=sys.stderr)
 

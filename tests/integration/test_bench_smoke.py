@@ -289,3 +289,20 @@ def test_ctrl_c_mid_bench_says_interrupted_in_one_line(tmp_path: Path) -> None:
     # (multiprocessing's resource tracker ends once its pipe closes: after the bench, by design)
     ours = [pid for pid, line in children.items() if "spawn_main" in line or " serve " in line]
     assert len(ours) == 3 and not [pid for pid in ours if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_fails_with_its_daemon_fine_does_not_name_the_daemon(tmp_path: Path) -> None:
+    """A size no worker can allocate: the run fails on the workers, its daemon stops
+    cleanly with nothing logged. The bench printed 'commd bench: daemon 0 exited with code
+    0; its log:' and an empty log before the workers' error, pointing at a daemon that had
+    no part in it (s23/J). Now only the workers' error, exit 1, no JSON."""
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "commd", "bench", "--no-gloo", "--ranks", "2",
+           "--sizes", "100000000000000000000", "--iters", "1", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "more than the 9223372036854775807 bytes a mapping can hold" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "commd bench: daemon" not in done.stderr, done.stderr
+    assert not out.exists()
