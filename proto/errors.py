@@ -45,7 +45,7 @@ class ErrorCode(enum.Enum):
     PERMISSION = "permission"  # peer credentials not allowed, or wrong join token
     BAD_RANK = "bad_rank"  # rank/root/peer out of range
     DUPLICATE_RANK = "duplicate_rank"  # rank already held by another connection
-    WORLD_CONFLICT = "world_conflict"  # world exists with another world_size
+    WORLD_CONFLICT = "world_conflict"  # ranks disagree on the world (size, bootstrap, root)
     UNKNOWN_WORLD = "unknown_world"  # a request names a world that does not exist
     BAD_MEMORY = "bad_memory"  # (buffer, offset, bytes) outside the allocation
     UNKNOWN_BUFFER = "unknown_buffer"  # buffer id never imported or already dropped
