@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,9 +14,9 @@ from typing import IO
 
 
 def wait_for_socket(path: str | os.PathLike[str], timeout: float,
-                    proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Return once a daemon answers a status query at `path` (`proc`'s own, if given);
-    raise TimeoutError if not."""
+                    proc: subprocess.Popen[bytes] | None = None) -> int:
+    """Once a daemon answers a status query at `path` (`proc` or a child of it, if given),
+    its pid; TimeoutError if none does."""
     from client.errors import CommError
 
     from .status import query_status
@@ -30,23 +31,41 @@ def wait_for_socket(path: str | os.PathLike[str], timeout: float,
                 # each probe gets at most the time left: a hung daemon must not stretch the timeout
                 probe = min(1.0, max(0.01, deadline - time.monotonic()))
                 pid = query_status(os.fspath(path), probe).get("pid")
-                # (a daemon already there answers too, while `proc` is refused the path and exits)
-                if proc is None or pid == proc.pid:
-                    return
+                # (a daemon already there answers too, while `proc` is refused the path and
+                # exits; a wrapper that forks, as timeout does, runs the daemon as its child)
+                if isinstance(pid, int) and (proc is None or _runs_under(pid, proc.pid)):
+                    return pid
                 other = f" (another daemon, pid {pid}, answers at {os.fspath(path)})"
             except CommError:
                 pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no daemon answered at {path} within {timeout}s")
+            raise TimeoutError(f"no daemon answered at {path} within {timeout}s{other}")
         time.sleep(0.02)
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the name (state, ppid, ...)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()  # (the name may hold spaces)
 
 
 def cpu_seconds(pid: int) -> float:
     """A process's user + system CPU seconds so far (Linux): what the benchmark programs
     charge a daemon or a worker, read from outside the process."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()  # (the name may hold spaces)
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _runs_under(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants (Linux)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(_stat(pid)[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            return False
+    return pid == ancestor
 
 
 class DaemonProcess:
@@ -58,7 +77,7 @@ class DaemonProcess:
                  env: dict[str, str] | None = None, under: Sequence[str] = ()) -> None:
         """`under`: a command that execs the daemon's (given as its last arguments), to run
         it in a namespace of its own, say; not a pid namespace (start waits for the daemon
-        whose status names the pid it started)."""
+        whose status names the pid it started, or a child of it: a wrapper may fork)."""
         self.socket_path = Path(socket_path)
         # No --config: read none (not the host's /etc/commd/commd.toml, which is the service's)
         config = () if "--config" in args else ("--config", "")
@@ -68,6 +87,9 @@ class DaemonProcess:
         self._cpus = cpus
         self._env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
+        # the daemon's own process, where `under` ran it as a child: signals go to it, since
+        # a wrapper need not pass them on (unshare --fork ignores SIGTERM and keeps waiting)
+        self._child: int | None = None
 
     @property
     def pid(self) -> int:
@@ -87,23 +109,42 @@ class DaemonProcess:
         self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=self._log, env=env,
                                      preexec_fn=pin if cpus else None)
         try:
-            wait_for_socket(self.socket_path, timeout, self.proc)
+            pid = wait_for_socket(self.socket_path, timeout, self.proc)
+            if pid != self.proc.pid:  # (a pidfd: a pid may be reused once its process is gone)
+                self._child = os.pidfd_open(pid)
         except BaseException:
             self.kill()
             raise
         return self
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        if self._child is None:
+            self.proc.send_signal(sig)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._child, sig)
+        if sig == signal.SIGKILL:  # (the wrapper too: it may outlive its child)
+            self.proc.kill()
+
+    def _reap(self, timeout: float) -> int:
+        code = self.proc.wait(timeout) if self.proc is not None else 0
+        if self._child is not None:
+            os.close(self._child)
+            self._child = None
+        return code
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, wait; SIGKILL if it does not exit in time. Returns the exit code."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
-                return self.proc.wait(timeout)
+                return self._reap(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(timeout)
+                self._signal(signal.SIGKILL)
+        return self._reap(timeout)
 
     def peer_address(self) -> str:
         """host:port of the daemon's peer listener (asked of the daemon: it may have bound port 0)."""
@@ -113,9 +154,10 @@ class DaemonProcess:
         return f"127.0.0.1:{peers['port']}"
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self._signal(signal.SIGKILL)
+            self._reap(10)
 
     def __enter__(self) -> DaemonProcess:
         return self.start()

@@ -152,6 +152,38 @@ def test_a_daemon_process_started_where_another_daemon_answers_fails_to_start() 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize("under", [["timeout", "600"], ["unshare", "--fork"]], ids=["timeout", "unshare"])
+def test_a_daemon_process_run_under_a_wrapper_that_forks_starts_and_stops(under: list[str]) -> None:
+    """`under` a command that runs the daemon as its child rather than exec it: the daemon's
+    status names the child's pid, not the wrapper's. start gave up after its timeout ('no
+    daemon answered at PATH', while one did) and left the daemon serving at the path; and
+    unshare passes no SIGTERM on, so stopping the wrapper alone would leave it too."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    daemon = DaemonProcess(path, under=under, log=subprocess.DEVNULL)
+    try:
+        daemon.start(timeout=10)
+        served_by = query_status(str(path), 5)["pid"]
+        assert served_by != daemon.pid
+        with open(f"/proc/{served_by}/stat") as stat:
+            assert int(stat.read().rsplit(")", 1)[1].split()[1]) == daemon.pid  # the wrapper's child
+        with DaemonBackend(str(path), world_name("wrapped"), 0, 1, timeout=10) as comm:
+            buf = hostmem.alloc(16)
+            buf.view(np.float32)[:] = [1, 2, 3, 4]
+            comm.all_reduce(buf.ptr, 16)
+            assert buf.view(np.float32).tolist() == [1, 2, 3, 4]
+            buf.close()
+        started = time.monotonic()
+        assert daemon.stop(10) == 0
+        assert time.monotonic() - started < 5  # (the daemon itself had the SIGTERM, not a wrapper deaf to it)
+        assert not os.path.exists(f"/proc/{served_by}")
+        with pytest.raises(DaemonUnavailable):
+            query_status(str(path), 1)
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_another_programs_live_stream_socket_at_the_path_is_left_alone() -> None:
     """A SOCK_STREAM listener (another program's) at the socket path: the probe's connect
     fails (EPROTOTYPE), which is neither 'nobody listens' nor a daemon. The daemon must
