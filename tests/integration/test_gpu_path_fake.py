@@ -32,6 +32,7 @@ from client import (
     DaemonShutdown,
     HostMemory,
     MisuseError,
+    PeerLost,
     WorldFailed,
 )
 from client.cuda import CudaMemory, PointerInfo
@@ -1131,3 +1132,79 @@ def test_a_rank_is_answered_once_its_own_stream_is_past_an_aborted_op_not_the_ot
     finally:
         gpu.finish_kernel(kernel)  # (the aborted op goes when rank 1's stream gets to it)
     wait_until(lambda: gpu.read(ptrs[1], 8) == b"\x07" * 8, "K to run")
+
+
+def test_a_member_silent_after_its_launch_fails_the_roots_call_within_the_window(gpu: FakeGpu) -> None:
+    """Rank 0 on the root A, rank 1 on B, which reaches A through a proxy. Rank 0's
+    all_reduce waits on the device for rank 1's; the link then goes silent both ways,
+    and rank 1 calls: NCCL runs it on both devices, but B's fingerprint never reaches the
+    root, whose op is past on the device and waits for it. The link is lost after its
+    heartbeat window, the world fails, and that wait with it: rank 0 is answered PeerLost
+    within the window and its grace, both daemons let go of every buffer, and say so."""
+    from commd.cluster import parse_address
+    from commd.peering import PeerSettings
+    from tests.integration.faultproxy import FaultProxy
+
+    window_s, secret = 1.0, b"fake gpu across daemons secret"
+    root, member = (GpuDaemon(gpu, PeerSettings(name, secret, heartbeat_s=0.2, window_s=window_s))
+                    for name in "AB")
+    proxy = FaultProxy(*parse_address(root.peer_address))
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    first_done = threading.Barrier(3, timeout=20)
+    second = [threading.Event(), threading.Event()]  # each rank may make its second call
+
+    def pending(daemon: GpuDaemon) -> list[int]:
+        return [w["pending_calls"] for w in query_status(str(daemon.socket_path), 5)["worlds"]]
+
+    def rank(r: int) -> dict[str, Any]:
+        driver.set_device(r)
+        daemon, bootstrap = (root, root.peer_address) if r == 0 else (member, proxy.address)
+        out: dict[str, Any] = {}
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20,
+                           cuda_driver=lambda: driver, bootstrap=bootstrap) as comm:
+            data = driver.alloc(bytes([r + 1]) * 8, device=r)
+            comm.all_reduce(data, 8, dtype="u8")
+            out["first"] = gpu.read(data, 8)
+            first_done.wait()
+            assert second[r].wait(20)
+            started = time.monotonic()
+            try:
+                comm.all_reduce(data, 8, dtype="u8")
+                out["second"] = "ok"
+            except CommError as exc:
+                out["second"] = exc
+            out["took"] = time.monotonic() - started
+            out["data"] = gpu.read(data, 8)
+            if r == 1:  # its op was over on its side; its next call meets the failed world
+                try:
+                    comm.barrier()
+                    out["after"] = "ok"
+                except CommError as exc:
+                    out["after"] = exc
+        return out
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            ranks = [pool.submit(rank, r) for r in range(2)]
+            first_done.wait()
+            second[0].set()
+            wait_until(lambda: pending(root) == [1], "rank 0's second call pending at the root")
+            time.sleep(0.2)  # (in the engine: waiting on the device for rank 1)
+            proxy.drop()
+            second[1].set()
+            zero, one = (r.result(timeout=30) for r in ranks)
+        assert zero["first"] == one["first"] == b"\x03" * 8
+        assert isinstance(zero["second"], PeerLost), zero["second"]
+        assert "daemon B was lost: silent for" in str(zero["second"]), zero["second"]
+        assert zero["took"] < window_s + 2.5, f"rank 0 answered after {zero['took']:.1f} s"
+        # NCCL ran it on both devices before the silence: each buffer has the sum
+        assert one["second"] == "ok" and zero["data"] == one["data"] == b"\x06" * 8
+        assert isinstance(one["after"], PeerLost) and "daemon A was lost" in str(one["after"]), one["after"]
+        for daemon in (root, member):
+            wait_until(lambda d=daemon: pending(d) in ([], [0]), "no call pending on either daemon")
+        wait_until(lambda: gpu.allocations == 2, lambda: f"{gpu.allocations} allocations: the daemons "
+                   "kept some of the workers' buffers")  # (the workers' own two remain)
+    finally:
+        proxy.close()
+        root.close()
+        member.close()
