@@ -140,6 +140,7 @@ class Server:
         self._closer = FdCloser()  # of the fds clients send
         self._refusals = Throttled(log)
         self._paused_since: float | None = None  # out of fds: since when accepting is paused
+        self._pause_reasons: set[str] = set()  # those said during this pause
         self._listener: socket.socket | None = None
         self._owns_path = False  # an inherited (socket-activated) socket's file is systemd's
         self._socket_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we bound
@@ -173,7 +174,8 @@ class Server:
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                self._accepting_again()  # (the waiting ones gave up: the fds are back, or not)
+                # Not "accepting again": nothing was taken, so the fds may still be out, and
+                # saying it here made a pause/again pair of lines at each wake with nothing to take
                 return
             except ConnectionAbortedError:
                 continue  # (that one gave up in the backlog: the next may be there)
@@ -198,11 +200,15 @@ class Server:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._listener.fileno())
-        # Once, not at each look: an hour out of fds logged 7200 lines that said nothing new
+        # Once, not at each look: an hour out of fds logged 7200 lines that said nothing new.
+        # A reason not yet said is, though: an EMFILE after an ENOMEM needs another remedy.
         if self._paused_since is None:
             self._paused_since = time.monotonic()
             log.warning("not accepting connections: %s (looking again every %.1fs; the "
                         "connecting ones wait)", why, seconds)
+        elif why not in self._pause_reasons:
+            log.warning("still not accepting connections, now: %s", why)
+        self._pause_reasons.add(why)
 
         def resume() -> None:
             if self._listener is not None:
@@ -214,6 +220,7 @@ class Server:
         if self._paused_since is not None:
             log.info("accepting connections again, after %.1fs paused", time.monotonic() - self._paused_since)
             self._paused_since = None
+            self._pause_reasons.clear()
 
     def _refusal(self, sock: socket.socket, pid: int, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
         allowed = self.config.allow_gids
