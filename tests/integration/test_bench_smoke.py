@@ -216,10 +216,10 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def _endless_bench(out: Path) -> subprocess.Popen[str]:
+def _endless_bench(out: Path, daemons: int = 1) -> subprocess.Popen[str]:
     """A bench of far more all_reduces than a test waits for, in a session of its own."""
     cmd = [sys.executable, "-m", "commd", "bench", "--no-gloo", "--ranks", "2", "--sizes", "8",
-           "--iters", "100000000", "--json", str(out)]
+           "--iters", "100000000", "--daemons", str(daemons), "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -289,6 +289,56 @@ def test_ctrl_c_mid_bench_says_interrupted_in_one_line(tmp_path: Path) -> None:
     # (multiprocessing's resource tracker ends once its pipe closes: after the bench, by design)
     ours = [pid for pid, line in children.items() if "spawn_main" in line or " serve " in line]
     assert len(ours) == 3 and not [pid for pid in ours if Path(f"/proc/{pid}").exists()]
+
+
+def _pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether `sig` waits, sent to the process `pid` (which is stopped, say)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    shdpnd = next(line for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(int(shdpnd.split()[1], 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_while_the_bench_stops_its_daemons_stops_them_all(tmp_path: Path) -> None:
+    """Ctrl-C, both daemons slow to stop (SIGSTOPped: they take no signal), and Ctrl-C again
+    while the bench waits on daemon 0's stop: the second broke off the stop loop, the bench
+    exited 130 at once and daemon 1 was never stopped (left behind, with daemon 0 if it
+    hung). Now the bench finishes the stops (daemon 0 exits once it runs again, daemon 1 is
+    SIGKILLed after the bounded wait), says so, and exits 130; no daemon or worker left."""
+    out = tmp_path / "b.json"
+    bench = _endless_bench(out, daemons=2)
+    daemons: list[tuple[int, str]] = []
+    try:
+        children, daemons = _calling(bench)
+        workers = [pid for pid, line in children.items() if "spawn_main" in line]
+        daemons.sort(key=lambda d: d[1])  # (d0.sock, d1.sock: the order the bench stops them)
+        assert len(workers) == 2 and len(daemons) == 2, children
+        for pid, _ in daemons:
+            os.kill(pid, signal.SIGSTOP)
+        os.killpg(bench.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not _pending(daemons[0][0], signal.SIGTERM):  # (the bench waits on its stop)
+            assert bench.poll() is None and time.monotonic() < deadline, "no stop of daemon 0"
+            time.sleep(0.05)
+        os.killpg(bench.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(daemons[0][0], signal.SIGCONT)
+        stdout, stderr = bench.communicate(timeout=60)
+        left = [pid for pid in workers + [pid for pid, _ in daemons] if Path(f"/proc/{pid}").exists()]
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        for pid, _ in daemons:  # (what the bench left: not to outlive the test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, (left, stderr)
+    assert bench.returncode == 130, stdout + stderr
+    lines = stderr.splitlines()
+    assert "commd bench: stopping the daemons first (each within 40s)" in lines, stderr
+    assert "commd bench: daemon 1 exited with code -9; its log:" in lines, stderr
+    assert lines[-1] == "commd: interrupted" and "Traceback" not in stderr, stderr
+    assert not out.exists()
 
 
 @pytest.mark.timeout(120)
