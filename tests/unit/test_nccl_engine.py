@@ -198,6 +198,21 @@ async def test_an_async_error_is_reported_and_fails_the_next_op(engine: NcclEngi
     assert info.value.code is ErrorCode.ENGINE
 
 
+def fail_event_waits(gpu: FakeGpu, device: int, once_past: bool = False) -> None:
+    """cuEventSynchronize fails on `device` from now on (a sticky error, as an illegal
+    access leaves): at once, or `once_past` the event (the stream got there)."""
+    event_wait = gpu.event_wait
+
+    def failing(event: int, on: int) -> None:
+        if on == device and not once_past:
+            raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
+        event_wait(event, on)
+        if on == device:
+            raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
+
+    gpu.event_wait = failing  # type: ignore[method-assign]
+
+
 async def test_abort_ends_an_op_stuck_on_a_missing_peer(gpu: FakeGpu) -> None:
     engine = NcclEngine(gpu)
     try:
@@ -887,14 +902,7 @@ async def test_a_wait_dropped_by_the_closing_engine_after_another_failed_keeps_t
             (ready, ready_handle), (_, done_handle) = gpu.worker_event(1), gpu.worker_event(1)
             pairs[rank] = engine.import_events(ready_handle, done_handle, device=1)
             gpu.event_record(ready, stream)
-        event_wait = gpu.event_wait
-
-        def failing_on_gpu_0(event: int, device: int) -> None:
-            if device == 0:
-                raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
-            event_wait(event, device)
-
-        gpu.event_wait = failing_on_gpu_0  # type: ignore[method-assign]
+        fail_event_waits(gpu, 0)
         run = asyncio.ensure_future(comm.run(AllReduceOp({r: m.region(0, 4) for r, m in enumerate(mappings)},
                                                          DType.U8, ReduceOp.SUM), Order(pairs)))
         await asyncio.sleep(0.3)  # rank 0's wait failed; rank 1's has the thread, rank 2's queues
@@ -1813,14 +1821,7 @@ async def test_a_wait_that_fails_on_one_gpu_keeps_the_memory_until_the_others_ar
         pair = engine.import_events(ready_handle, done_handle, device=1)
         kernel = gpu.worker_kernel(stream, ptrs[1], b"\x03" * 8)
         gpu.event_record(ready, stream)
-        event_wait = gpu.event_wait
-
-        def failing_on_gpu_0(event: int, device: int) -> None:
-            if device == 0:
-                raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
-            event_wait(event, device)
-
-        gpu.event_wait = failing_on_gpu_0  # type: ignore[method-assign]
+        fail_event_waits(gpu, 0)
         op = AllReduceOp({r: m.region(0, 8) for r, m in enumerate(mappings)}, DType.U8, ReduceOp.SUM)
         run = asyncio.ensure_future(comm.run(op, Order({1: pair})))
         await asyncio.sleep(0)  # (the run holds its memory)
@@ -1860,14 +1861,7 @@ async def test_a_wait_that_fails_once_the_stream_is_past_an_aborted_op_lets_its_
         (ready, ready_handle), (_, done_handle) = gpu.worker_event(1), gpu.worker_event(1)
         pair = engine.import_events(ready_handle, done_handle, device=1)
         gpu.event_record(ready, stream)
-        event_wait = gpu.event_wait
-
-        def failing_on_gpu_1(event: int, device: int) -> None:
-            event_wait(event, device)
-            if device == 1:
-                raise GpuError("cuEventSynchronize: an illegal memory access was encountered")
-
-        gpu.event_wait = failing_on_gpu_1  # type: ignore[method-assign]
+        fail_event_waits(gpu, 1, once_past=True)
         run = asyncio.ensure_future(comm.run(AllReduceOp({r: m.region(0, 4) for r, m in enumerate(mappings)},
                                                          DType.U8, ReduceOp.SUM), Order({1: pair})))
         await asyncio.sleep(0.2)
