@@ -174,11 +174,15 @@ class Completions:
 
 
 async def unless_mismatched(device: Coroutine[None, None, None], verdict: Coroutine[None, None, None],
-                            abort: Callable[[], None]) -> None:
+                            abort: Callable[[], None], aborted: asyncio.Event) -> None:
     """`device` (a wait_past_abort), and the members' fingerprints (`verdict`). On a
     mismatch NCCL may wait forever (or run calls that differ): `abort`, and the op ends
     as the device's wait lets it, with the mismatch's words (StillOnDevice's `past` as
-    it was: each rank's answer waits for its own stream only, not for the others')."""
+    it was: each rank's answer waits for its own stream only, not for the others').
+    The device past, a verdict still to come when `aborted` is set (the abort returned)
+    is not waited for: it returns, and the caller answers for the abort (the peers'
+    word may never come while the world's inbox stays open, and the op would hold its
+    memory and the communicator until then)."""
     async def compare() -> None:
         try:
             await verdict
@@ -200,7 +204,13 @@ async def unless_mismatched(device: Coroutine[None, None, None], verdict: Corout
             if (mismatch := _failure(compared)) is None:
                 raise
             raise mismatch from None  # the aborted op's own error says less
-        await compared
+        over = asyncio.ensure_future(aborted.wait())
+        try:
+            await asyncio.wait({compared, over}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            over.cancel()
+        if compared.done():  # (a mismatch found as the abort returned is still the better word)
+            await compared
     finally:
         if compared.done() and not compared.cancelled():
             compared.exception()  # (retrieved: reported above, or the device's error was)

@@ -179,7 +179,8 @@ class NcclCommunicator:
         try:
             device = self._completions.wait_past_abort(events, self.abort, self._abort_over,
                                                        functools.partial(self._drained, held))
-            await (device if verdict is None else unless_mismatched(device, verdict, self.abort))
+            await (device if verdict is None
+                   else unless_mismatched(device, verdict, self.abort, self._abort_over))
             self._check()  # aborted meanwhile: NCCL dropped the op, the memory is not the result
         except asyncio.CancelledError:
             await self._stop_and_drain(touched, held)

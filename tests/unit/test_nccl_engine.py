@@ -731,6 +731,37 @@ async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_wi
         member.close()
 
 
+async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_at_an_abort(
+        gpu: FakeGpu) -> None:
+    """As above, but the communicator is aborted while the world's inbox stays open: the
+    abort ends every other wait, and this one too, with its words (not StillOnDevice:
+    the device is past), its memory let go at once."""
+    root, member, a, b = across_two_daemons(gpu)
+    b.other = PairNet("A", b.placement)  # (what the member sends reaches nobody)
+    try:
+        uid = root.unique_id()
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
+        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
+        x = ipc_mapping(root, gpu, b"\x02" * 4)
+        y = ipc_mapping(member, gpu, b"\x03" * 4)
+        tag = CallTag(0, "all_reduce(bytes=4, dtype=u8, op=sum)")
+        run = asyncio.ensure_future(ca.run(AllReduceOp({0: x.region(0, 4)}, DType.U8, ReduceOp.SUM, tag)))
+        await asyncio.wait_for(cb.run(AllReduceOp({1: y.region(0, 4)}, DType.U8, ReduceOp.SUM, tag)), 5)
+        await asyncio.sleep(0.3)
+        assert not run.done() and gpu.read(x.region(0, 4).ptr, 4) == b"\x05" * 4  # ran; waits for the word
+        x.close()
+        before = gpu.allocations
+        ca.abort()
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(run, 5)
+        assert (info.value.code, info.value.message) == (ErrorCode.WORLD_FAILED, "communicator was aborted")
+        assert not isinstance(info.value, StillOnDevice)
+        assert gpu.allocations == before - 1 and not ca.busy()
+    finally:
+        root.close()
+        member.close()
+
+
 @pytest.mark.parametrize("failure", ["world failed", "mismatch"])
 async def test_a_root_rank_across_daemons_is_answered_once_its_own_stream_is_past_an_aborted_op(
         gpu: FakeGpu, failure: str) -> None:
