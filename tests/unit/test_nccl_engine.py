@@ -1535,6 +1535,48 @@ async def test_a_send_and_a_receive_of_different_sizes_across_daemons_are_a_mism
         member.close()
 
 
+@pytest.mark.parametrize("receiver", ["root", "member"])
+@pytest.mark.parametrize("end", ["inbox fails", "abort"])
+async def test_a_receive_past_on_the_device_whose_senders_size_never_comes_ends_with_the_world(
+        gpu: FakeGpu, receiver: str, end: str) -> None:
+    """The p2p cross-check's case of the test above: the sender's daemon sent its size to
+    nobody (the link went silent), the receive ran on the device and waits for it; the
+    world's failure (or an abort) ends it with its words, the memory let go at once."""
+    root, member, a, b = across_two_daemons(gpu)
+    src, dst = (1, 0) if receiver == "root" else (0, 1)
+    sending, receiving = (b, a) if receiver == "root" else (a, b)
+    sending.other = PairNet("C", sending.placement)  # (what the sender's daemon sends reaches nobody)
+    try:
+        uid = root.unique_id()
+        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
+        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
+        engines, comms = {0: root, 1: member}, {0: ca, 1: cb}
+        sent = ipc_mapping(engines[src], gpu, b"S" * 4, device=src)
+        landing = ipc_mapping(engines[dst], gpu, b"." * 4, device=dst)
+        run = asyncio.ensure_future(comms[dst].run(
+            RecvOp(src, dst, landing.region(0, 4), CallTag(0, f"recv_from(bytes=4, peer={src})"))))
+        await asyncio.wait_for(comms[src].run(
+            SendOp(src, dst, sent.region(0, 4), CallTag(0, f"send_to(bytes=4, peer={dst})"))), 5)
+        await asyncio.sleep(0.3)
+        assert not run.done() and gpu.read(landing.region(0, 4).ptr, 4) == b"SSSS"  # landed, waits
+        landing.close()
+        before = gpu.allocations
+        if end == "abort":
+            comms[dst].abort()
+            expected = (ErrorCode.WORLD_FAILED, "communicator was aborted")
+        else:
+            expected = (ErrorCode.PEER_LOST, f"daemon {sending.me} was lost: silent for 3.0s")
+            receiving.inbox.fail(CallError(*expected))
+        with pytest.raises(CallError) as info:
+            await asyncio.wait_for(run, 5)
+        assert (info.value.code, info.value.message) == expected
+        assert not isinstance(info.value, StillOnDevice)
+        assert gpu.allocations == before - 1 and not comms[dst].busy()
+    finally:
+        root.close()
+        member.close()
+
+
 async def test_an_op_whose_memory_was_released_before_it_ran_is_refused(engine: NcclEngine,
                                                                        gpu: FakeGpu) -> None:
     """A matched op still queued when its worker forgot the buffer (or left) must not run
