@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proto import ErrorCode, ProtoError, codec
@@ -194,7 +195,8 @@ class NetMembership:
                 left = due.at - loop.time()
                 if left <= 0:
                     raise CallError(ErrorCode.TIMEOUT, f"{exc.message} (dialed {backoff.tries} times in "
-                                                       f"{due.whole_s:g}s; is its daemon running?)") from None
+                                                       f"{due.whole_s:g}s; is its daemon running?)"
+                                                       f"{self._root_gone()}") from None
                 if backoff.tries == 1 and not self._dialing:
                     log.info("world %s: %s; dialing again for up to %s", self._world.name, exc.message,
                              seconds(left), extra=self._world.log_extra(rank))
@@ -202,6 +204,15 @@ class NetMembership:
                 # (the last pause ends at the deadline, with one more try: giving up when the next
                 # pause would pass it gave up as much as a whole pause, up to 1 s, early)
                 await asyncio.sleep(min(backoff.pause(), left))
+
+    def _root_gone(self) -> str:
+        """What became of our last link to the root, if we had one: a root that was there and
+        went (stopped for good, or its host is down) reads otherwise the same as one that
+        never started, and its loss was said only in this daemon's log."""
+        root = self.net.root
+        if root is None or not root.closed:
+            return ""
+        return f"; the link to it closed {time.monotonic() - root.closed_at:.1f}s before: {root.loss}"
 
     def withdraw(self, rank: int) -> None:
         """A local rank that voted is gone (or was refused): its vote goes too."""

@@ -144,6 +144,7 @@ class PeerLink:
         self._beats = 0
         self.closed = False
         self.loss = ""  # once closed: what the worlds over the link fail with (`close`)
+        self.closed_at = 0.0  # once closed: when (time.monotonic), for those who tell of it later
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -243,6 +244,7 @@ class PeerLink:
         if self.closed:
             return
         self.closed = True
+        self.closed_at = time.monotonic()
         self.loss = loss or f"daemon {self.name} was lost: {reason}"
         current = asyncio.current_task()
         for task in self._tasks:

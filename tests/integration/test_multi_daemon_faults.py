@@ -1902,6 +1902,42 @@ def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_a_join_whose_root_stopped_and_never_came_back_says_what_became_of_its_link(
+        pair: list[DaemonProcess]) -> None:
+    """Rank 1 joins on B (timeout 3 s); its vote is at the root daemon R when R stops
+    (SIGTERM) for good. B dials R until the rank's timeout, and the CommTimeout must say that
+    B had a link to R and how it ended (before: only 'cannot reach the daemon at ...:
+    Connection refused (dialed N times in 3s; is its daemon running?)', as for a root that
+    never started), and B serves on."""
+    b = pair[1]
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    world = world_name()
+    root = root_daemon(tmp, address).start()
+    try:
+        with ThreadPoolExecutor(1) as threads:
+            started = time.monotonic()
+            joining = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=3,
+                                     bootstrap=address)
+            wait_until(lambda: world_status(root, world) is not None, "rank 1's vote at R")
+            root.stop()
+            stopped = time.monotonic() - started
+            with pytest.raises(CommTimeout) as timed_out:
+                joining.result(15)
+            took = time.monotonic() - started
+        message = str(timed_out.value)
+        assert re.search(rf"world {world}: cannot reach the daemon at {address}: .*Connection refused "
+                         r"\(dialed \d+ times in 3s; is its daemon running\?\); the link to it "
+                         r"closed (\d+\.\d)s before: daemon R was lost: closed by the peer", message), message
+        closed_before = float(re.findall(r"closed (\d+\.\d)s before", message)[0])
+        assert 2.5 < took < 5.0, took
+        # (the link closed as R stopped: its age is the rest of the rank's 3 s, give or take)
+        assert abs(closed_before - (took - stopped)) < 1.0, (closed_before, took, stopped)
+    finally:
+        root.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    a_new_world_sums(pair, pair[0])
+
+
 def test_a_call_timed_out_across_daemons_names_the_ranks_on_the_others(pair: list[DaemonProcess]) -> None:
     """Ranks 0 and 1 (on the root A) reach a barrier, rank 2 (on B) hangs before it. The
     root's CommTimeout must point at B's rank: before, it named only A's ranks, both at the
