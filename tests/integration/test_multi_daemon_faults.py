@@ -1938,6 +1938,33 @@ def test_a_join_whose_root_stopped_and_never_came_back_says_what_became_of_its_l
     a_new_world_sums(pair, pair[0])
 
 
+def test_a_first_join_whose_root_restarts_meanwhile_forms_at_the_new_root(pair: list[DaemonProcess]) -> None:
+    """Rank 1's first hello on B is at the root daemon R when R is restarted (SIGTERM, as
+    systemd's restart); rank 0 then joins on the new R. B casts the vote again within the
+    rank's timeout, the world forms, and sums right (the reconnect's case is above; this is
+    a world's first forming)."""
+    b = pair[1]
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    world = world_name()
+    root = root_daemon(tmp, address).start()
+    comms: list[DaemonBackend] = []
+    try:
+        with ThreadPoolExecutor(1) as threads:
+            joining = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=10,
+                                     bootstrap=address)
+            wait_until(lambda: world_status(root, world) is not None, "rank 1's vote at R")
+            root.stop()
+            root.start()
+            comms.append(DaemonBackend(str(root.socket_path), world, 0, 2, timeout=10, bootstrap=address))
+            comms.append(joining.result(20))
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+        root.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_a_call_timed_out_across_daemons_names_the_ranks_on_the_others(pair: list[DaemonProcess]) -> None:
     """Ranks 0 and 1 (on the root A) reach a barrier, rank 2 (on B) hangs before it. The
     root's CommTimeout must point at B's rank: before, it named only A's ranks, both at the
