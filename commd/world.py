@@ -363,7 +363,8 @@ class World:
             else:  # the op may still touch this rank's memory until its stream is past it
                 left.add_done_callback(functools.partial(self._op_ended, arrival.ticket, (code, message)))
 
-    def _op_ended(self, ticket: Ticket, failure: tuple[ErrorCode, str], _past: object = None) -> None:
+    def _op_ended(self, ticket: Ticket, failure: tuple[ErrorCode, str] | None = None,
+                  _past: object = None) -> None:
         ticket.op_ended(failure)
         if ticket.done:
             self._tickets.discard(ticket)
@@ -375,9 +376,7 @@ class World:
             if ticket.epoch == self.epoch and self._pending_ops.get(ticket.rank):
                 self._pending_ops[ticket.rank] -= 1
             arrival.record.close("done")
-            ticket.op_ended()
-            if ticket.done:
-                self._tickets.discard(ticket)
+            self._op_ended(ticket)
 
     # ---- failure and departure ----------------------------------------------------
 

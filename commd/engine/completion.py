@@ -130,9 +130,8 @@ class Completions:
         device = loop.create_task(self.wait(events, on_error, past))
         self._given_up.add(device)  # (a task nobody awaits is held only weakly by the loop)
         device.add_done_callback(self._given_up.discard)
-        over = asyncio.ensure_future(aborted.wait())
         try:
-            await asyncio.wait({device, over}, return_when=asyncio.FIRST_COMPLETED)
+            await _until(device, aborted)
             if failed:
                 await device
         except asyncio.CancelledError:
@@ -140,8 +139,6 @@ class Completions:
                 device.exception()  # (failed in the turn we were cancelled: no one else reads it)
             device.cancel()
             raise
-        finally:
-            over.cancel()
         if device.done():
             device.result()
             return
@@ -204,17 +201,22 @@ async def unless_mismatched(device: Coroutine[None, None, None], verdict: Corout
             if (mismatch := _failure(compared)) is None:
                 raise
             raise mismatch from None  # the aborted op's own error says less
-        over = asyncio.ensure_future(aborted.wait())
-        try:
-            await asyncio.wait({compared, over}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            over.cancel()
+        await _until(compared, aborted)
         if compared.done():  # (a mismatch found as the abort returned is still the better word)
             await compared
     finally:
         if compared.done() and not compared.cancelled():
             compared.exception()  # (retrieved: reported above, or the device's error was)
         compared.cancel()  # the device's wait ended the op first: nobody waits for the peers' word now
+
+
+async def _until(task: asyncio.Future[None], aborted: asyncio.Event) -> None:
+    """Until `task` ends or `aborted` is set, whichever comes first (`task` goes on)."""
+    over: asyncio.Future[object] = asyncio.ensure_future(aborted.wait())
+    try:
+        await asyncio.wait((task, over), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        over.cancel()
 
 
 def _raise_if_dropped(waits: Iterable[Future[None]]) -> None:
