@@ -698,12 +698,15 @@ async def test_a_mismatch_that_would_hang_nccl_is_aborted(gpu: FakeGpu) -> None:
         member.close()
 
 
+@pytest.mark.parametrize("ending", ["the world fails", "an abort"])
 async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_with_the_world(
-        gpu: FakeGpu) -> None:
+        gpu: FakeGpu, ending: str) -> None:
     """The member ran its side, but its fingerprint never reaches the root (the link went
     silent): the root's op, past on the device, waits for it until the world fails (in
-    the daemon, World.fail fails the inbox), then ends with the world's error, its memory
-    let go at once (nothing of the op runs any more)."""
+    the daemon, World.fail fails the inbox), then ends with the world's error; or, the
+    communicator aborted while the inbox stays open, the abort ends it as it ends every
+    other wait, with its words. Not StillOnDevice either way (the device is past): its
+    memory is let go at once (nothing of the op runs any more)."""
     root, member, a, b = across_two_daemons(gpu)
     b.other = PairNet("A", b.placement)  # (what the member sends reaches nobody)
     try:
@@ -720,41 +723,15 @@ async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_wi
         x.close()
         before = gpu.allocations
         lost = "daemon B was lost: silent for 3.0s"
-        a.inbox.fail(CallError(ErrorCode.PEER_LOST, lost))
+        if ending == "the world fails":
+            a.inbox.fail(CallError(ErrorCode.PEER_LOST, lost))
+            said = (ErrorCode.PEER_LOST, lost)
+        else:
+            ca.abort()
+            said = (ErrorCode.WORLD_FAILED, "communicator was aborted")
         with pytest.raises(CallError) as info:
             await asyncio.wait_for(run, 5)
-        assert (info.value.code, info.value.message) == (ErrorCode.PEER_LOST, lost)
-        assert not isinstance(info.value, StillOnDevice)
-        assert gpu.allocations == before - 1 and not ca.busy()
-    finally:
-        root.close()
-        member.close()
-
-
-async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_at_an_abort(
-        gpu: FakeGpu) -> None:
-    """As above, but the communicator is aborted while the world's inbox stays open: the
-    abort ends every other wait, and this one too, with its words (not StillOnDevice:
-    the device is past), its memory let go at once."""
-    root, member, a, b = across_two_daemons(gpu)
-    b.other = PairNet("A", b.placement)  # (what the member sends reaches nobody)
-    try:
-        uid = root.unique_id()
-        ca = root.communicator("w", 1, 2, [0], a, unique_id=uid)  # type: ignore[arg-type]
-        cb = member.communicator("w", 1, 2, [1], b, unique_id=uid)  # type: ignore[arg-type]
-        x = ipc_mapping(root, gpu, b"\x02" * 4)
-        y = ipc_mapping(member, gpu, b"\x03" * 4)
-        tag = CallTag(0, "all_reduce(bytes=4, dtype=u8, op=sum)")
-        run = asyncio.ensure_future(ca.run(AllReduceOp({0: x.region(0, 4)}, DType.U8, ReduceOp.SUM, tag)))
-        await asyncio.wait_for(cb.run(AllReduceOp({1: y.region(0, 4)}, DType.U8, ReduceOp.SUM, tag)), 5)
-        await asyncio.sleep(0.3)
-        assert not run.done() and gpu.read(x.region(0, 4).ptr, 4) == b"\x05" * 4  # ran; waits for the word
-        x.close()
-        before = gpu.allocations
-        ca.abort()
-        with pytest.raises(CallError) as info:
-            await asyncio.wait_for(run, 5)
-        assert (info.value.code, info.value.message) == (ErrorCode.WORLD_FAILED, "communicator was aborted")
+        assert (info.value.code, info.value.message) == said
         assert not isinstance(info.value, StillOnDevice)
         assert gpu.allocations == before - 1 and not ca.busy()
     finally:
