@@ -184,6 +184,10 @@ class PeerLink:
                 # (any other frame means the peer's loop runs again)
                 quiet_s = msg.quiet_ms / 1000 if isinstance(msg, p.Heartbeat) else 0.0
                 self._quiet_until = self.last_seen + quiet_s if quiet_s else 0.0
+                if isinstance(msg, p.Goodbye):
+                    said = clip_text(msg.reason, 200)
+                    self.close(f"it left: {said}", f"daemon {self.name} left: {said}", expected=True)
+                    return
                 if not isinstance(msg, p.Heartbeat):
                     try:
                         self._handler(self, msg, payload)
@@ -237,10 +241,12 @@ class PeerLink:
         self.close(reason, loss=(f"{said}; the link was dropped (peer protocol {p.PEER_VERSION}, "
                                  f"commd {__version__} here)"))
 
-    def close(self, reason: str, loss: str | None = None, *, drop_queued: bool = True) -> None:
+    def close(self, reason: str, loss: str | None = None, *, drop_queued: bool = True,
+              expected: bool = False) -> None:
         """Close the link for `reason`; `loss`: what the worlds over it are told, when not that
         the daemon was lost for `reason` (one that is alive). `drop_queued=False`: the
-        connection stays for `farewell` to end."""
+        connection stays for `farewell` to end. `expected`: one side said goodbye (it stops),
+        nothing to warn of."""
         if self.closed:
             return
         self.closed = True
@@ -252,7 +258,9 @@ class PeerLink:
                 task.cancel()
         if drop_queued:
             self._stream.abort()
-        if loss is None:
+        if expected:
+            log.info("link to daemon %s closed: %s", self.name, reason)
+        elif loss is None:
             log.warning("link to daemon %s lost: %s", self.name, reason)
         else:
             self._drops.warning(self.name, "%s", loss)
@@ -264,7 +272,8 @@ class PeerLink:
         behind a collective's data, tell its ranks why (a dropped queue and a reset link left
         them only that the daemon "was lost")."""
         if not self.closed:
-            self.close(reason, drop_queued=False)
+            self.send(p.Goodbye(reason))  # (last: the peer reads it after everything queued)
+            self.close(reason, drop_queued=False, expected=True)
             await self._stream.finish(within)
 
 

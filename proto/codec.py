@@ -52,6 +52,7 @@ TAGS: dict[type, str] = {
     p.PeerRefused: "peer_refused",
     p.PeerBusy: "peer_busy",
     p.Heartbeat: "heartbeat",
+    p.Goodbye: "goodbye",
     p.JoinWorld: "join_world",
     p.JoinRefused: "join_refused",
     p.JoinWithdrawn: "join_withdrawn",

@@ -53,8 +53,8 @@ from .messages import (  # one definition of each rule for both protocols
     error_code,
 )
 
-PEER_VERSION = 7  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
-#                  7: vote ids
+PEER_VERSION = 8  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
+#                  7: vote ids; 8: goodbye
 NONCE_BYTES = 32
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
@@ -131,12 +131,12 @@ class PeerReady:
     pass
 
 
-MAX_REASON = 1024  # characters of a PeerRefused's or a PeerBusy's reason
+MAX_REASON = 1024  # characters of a PeerRefused's, a PeerBusy's or a Goodbye's reason
 
 
 def _reason(reason: str) -> None:
     if len(reason) > MAX_REASON:
-        raise InvalidMessage(f"a refusal reason is at most {MAX_REASON} characters")
+        raise InvalidMessage(f"a reason is at most {MAX_REASON} characters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +193,18 @@ class Heartbeat:
         _u64("seq", self.seq)
         if not 0 <= self.quiet_ms <= MAX_QUIET_MS:
             raise InvalidMessage(f"quiet_ms must be 0..{MAX_QUIET_MS}")
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """The sender closes the link on purpose (it stops), after the frames queued before this
+    one: the other daemon is told why, not that the daemon was lost (a closed connection
+    alone reads the same as a crash)."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        _reason(self.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,11 +342,11 @@ class Data:
 
 
 PEER_MESSAGES: tuple[type, ...] = (
-    PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, PeerBusy, Heartbeat, JoinWorld,
-    JoinRefused, JoinWithdrawn, WorldReady, WorldFailed, Data,
+    PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, PeerBusy, Heartbeat, Goodbye,
+    JoinWorld, JoinRefused, JoinWithdrawn, WorldReady, WorldFailed, Data,
 )
 PeerMessage = (
-    PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | PeerBusy | Heartbeat
+    PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | PeerBusy | Heartbeat | Goodbye
     | JoinWorld | JoinRefused | JoinWithdrawn | WorldReady | WorldFailed | Data
 )
 

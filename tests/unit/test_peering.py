@@ -4,6 +4,7 @@ self-dials, heartbeat loss and bad frames."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -313,6 +314,29 @@ async def test_close_reports_once_on_both_sides() -> None:
         assert a.lost.empty() and b.lost.empty()
         b_to_a.send(p.Heartbeat(1))  # a closed link drops what it is given
         await b_to_a.drain()
+
+
+async def test_a_farewell_says_goodbye_after_what_was_queued(caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that stops tells its peer so, behind the frames queued before: the peer reads
+    those, then closes the link as left, not lost, and warns of nothing (before: "daemon
+    daemon-b was lost: closed by the peer" and a warning, as for a crash)."""
+    a, b = Side("daemon-a"), Side("daemon-b")
+    caplog.set_level(logging.INFO, logger="commd.peering")
+    async with sides(a, b):
+        b_to_a = await b.dial(await a.listen())
+        a_to_b, _ = await a.next_link()
+        b_to_a.send(p.WorldFailed("job-1", 0, ErrorCode.PEER_LOST, "rank 3's daemon stops"))
+        await b_to_a.farewell("daemon shutting down", 5.0)
+        _, msg, _ = await a.next_message()
+        assert msg == p.WorldFailed("job-1", 0, ErrorCode.PEER_LOST, "rank 3's daemon stops")
+        link, reason, _ = await a.next_lost()
+        assert link is a_to_b and reason == "it left: daemon shutting down"
+        assert a_to_b.loss == "daemon daemon-b left: daemon shutting down"
+        link, reason, _ = await b.next_lost()
+        assert link is b_to_a and reason == "daemon shutting down"
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == []
+    assert "link to daemon daemon-b closed: it left: daemon shutting down" in caplog.messages
 
 
 def test_a_handler_that_closes_its_link_hears_nothing_more_from_it() -> None:
