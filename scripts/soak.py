@@ -34,6 +34,9 @@ Chaos. A thread injects, at random intervals (`--gap`), one of `--faults`:
   stop-worker   SIGSTOP a worker for 0.2-2.5 x the call timeout, then SIGCONT
   kill-daemon   kill -9 a daemon (with several: the root of a world or a member) and
                 restart it on the same socket and peer port
+  stop-daemon   SIGSTOP a daemon (a root or a member) for 0.2-2.5 x the call timeout, then
+                SIGCONT: a stalled host (its peers' links go silent past the window, its
+                own ranks' calls reach their deadline with no answer)
   term-daemon   SIGTERM a daemon (a root or a member), which must exit 0 within 5 s +
                 `--slack`, then restart it as kill-daemon does: its own ranks get
                 DaemonShutdown, the other daemons' ranks PeerLost
@@ -966,6 +969,19 @@ class Soak:
             time.sleep(down)
             daemon.start()
 
+    def fault_stop_daemon(self, rng: random.Random) -> None:
+        with self.target(rng, list(range(len(self.daemons)))) as index:
+            if index is None:
+                return
+            daemon = self.daemons[index]
+            seconds = rng.uniform(0.2, 2.5) * self.a.timeout
+            print(f"  {time.strftime('%X')} SIGSTOP daemon {daemon.name} for {seconds:.2f}s", flush=True)
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+
     def fault_term_daemon(self, rng: random.Random) -> None:
         with self.target(rng, list(range(len(self.daemons)))) as index:
             if index is None:
@@ -1213,8 +1229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", help="per world, the daemon of each rank: '0,0,1,1;1,0,0' "
                         "(default: a 4-rank and a 3-rank world spread over the daemons)")
     parser.add_argument("--faults", default=None,
-                        help="comma-separated: kill-worker,stop-worker,kill-daemon,term-daemon,net "
-                        "(default: all that apply)")
+                        help="comma-separated: kill-worker,stop-worker,kill-daemon,stop-daemon,term-daemon,"
+                        "net (default: all that apply)")
     parser.add_argument("--proxy", action="store_true", help="members reach roots through a fault proxy")
     parser.add_argument("--timeout", type=float, default=2.0, help="the workers' call timeout (default 2)")
     parser.add_argument("--gap", type=float, nargs=2, default=(0.5, 4.0), metavar=("MIN", "MAX"),
@@ -1234,7 +1250,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worlds is None:
         args.worlds = {1: "0,0,0,0;0,0,0", 2: "0,0,1,1;1,0,0", 3: "0,1,2,2;2,0,1"}[args.daemons]
     if args.faults is None:
-        args.faults = "kill-worker,stop-worker,kill-daemon,term-daemon" + (",net" if args.proxy else "")
+        args.faults = ",".join(["kill-worker", "stop-worker", "kill-daemon", "stop-daemon", "term-daemon",
+                                *(["net"] if args.proxy else [])])
     args.gap = tuple(args.gap)
     placements = [[int(d) for d in w.split(",")] for w in args.worlds.split(";")]
     if any(d >= args.daemons for p in placements for d in p) or sum(map(len, placements)) > 8:
