@@ -22,7 +22,8 @@ from proto import peer as p
 
 from .config import DEFAULT_MAX_HELD_BYTES
 from .errors import CallError, NotListening, cannot_listen, quoted
-from .peering import PeerLink, PeerNode, PeerSettings, SelfDialError
+from .peering import PeerNode, SelfDialError
+from .peerlink import PeerLink, PeerSettings
 
 log = logging.getLogger("commd.cluster")
 _STOPPING = "daemon shutting down"  # why a stopping daemon closes its links

@@ -19,7 +19,7 @@ from .config import ServerConfig, utf8_text
 from .engine import create_engine
 from .engine.base import Engine
 from .errors import ConfigError
-from .peering import PeerSettings
+from .peerlink import PeerSettings
 from .server import Server
 from .systemd import Notifier, inherited_listener, keep_alive, watchdog_interval
 

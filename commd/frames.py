@@ -22,7 +22,7 @@ class UnreadableFrame(proto.DecodeError):
     """A sealed frame that opened (a daemon with the secret sent it) and the link cannot take:
     it did not decode (of another build at this peer protocol, a message type or field this one
     lacks, or a bug), or it is a handshake's, after the handshake. Its sender is alive, and a
-    lost link says so (peering.PeerLink); the text is what it sent."""
+    lost link says so (peerlink.PeerLink); the text is what it sent."""
 
 
 class FrameStream(asyncio.BufferedProtocol):

@@ -26,7 +26,7 @@ from .peering import Backoff
 
 if TYPE_CHECKING:
     from .cluster import WorldNet
-    from .peering import PeerLink
+    from .peerlink import PeerLink
 
 log = logging.getLogger("commd.membership")
 # A root daemon not listening yet is dialed again after a Backoff of these pauses: daemons

@@ -22,7 +22,7 @@ from .engine.crosscheck import p2p_target, sender_rank
 from .errors import CallError, from_peer
 from .logs import Throttled
 from .membership import NetMembership
-from .peering import PeerLink
+from .peerlink import PeerLink
 from .stats import DaemonStats
 from .tickets import Peer
 from .world import World, WorldState

@@ -196,7 +196,8 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
     import asyncio
     import threading
 
-    from commd.peering import PeerNode, PeerSettings
+    from commd.peering import PeerNode
+    from commd.peerlink import PeerSettings
     from proto import ErrorCode
 
     sock = str(peer_daemon.socket_path)

@@ -12,7 +12,7 @@ from commd.cluster import Cluster
 from commd.config import ServerConfig
 from commd.engine.gpu import Gpu
 from commd.engine.nccl import NcclEngine
-from commd.peering import PeerSettings
+from commd.peerlink import PeerSettings
 from commd.server import Server
 from tests.integration.harness import short_tmpdir
 

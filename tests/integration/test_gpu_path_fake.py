@@ -1142,7 +1142,7 @@ def test_a_member_silent_after_its_launch_fails_the_roots_call_within_the_window
     heartbeat window, the world fails, and that wait with it: rank 0 is answered PeerLost
     within the window and its grace, both daemons let go of every buffer, and say so."""
     from commd.cluster import parse_address
-    from commd.peering import PeerSettings
+    from commd.peerlink import PeerSettings
     from tests.integration.faultproxy import FaultProxy
 
     window_s, secret = 1.0, b"fake gpu across daemons secret"

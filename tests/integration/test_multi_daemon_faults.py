@@ -37,7 +37,8 @@ from client import (
 )
 from commd.cluster import Cluster, parse_address
 from commd.launch import DaemonProcess
-from commd.peering import PeerLink, PeerNode, PeerSettings
+from commd.peering import PeerNode
+from commd.peerlink import PeerLink, PeerSettings
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p

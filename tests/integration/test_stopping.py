@@ -25,7 +25,8 @@ import proto
 from client import DaemonBackend, DaemonShutdown, hostmem
 from commd.daemon import PEER_FAREWELL_S
 from commd.launch import DaemonProcess
-from commd.peering import PeerNode, PeerSettings
+from commd.peering import PeerNode
+from commd.peerlink import PeerSettings
 from commd.status import query_status
 from tests.fault.test_kill_daemon import restart, start
 from tests.integration import workers

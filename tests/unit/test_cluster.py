@@ -10,7 +10,8 @@ import pytest
 
 from commd.cluster import Cluster, WorldNet, parse_address
 from commd.errors import CallError
-from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings
+from commd.peering import PeerNode, PeerRefusedError
+from commd.peerlink import PeerLink, PeerSettings
 from proto import peer as p
 from tests.integration.harness import eventually
 

@@ -19,7 +19,8 @@ import uvloop
 
 import proto
 from commd import frames, peering
-from commd.peering import PeerLink, PeerNode, PeerRefusedError, PeerSettings, SelfDialError
+from commd.peering import PeerNode, PeerRefusedError, SelfDialError
+from commd.peerlink import PeerLink, PeerSettings
 from proto import ErrorCode
 from proto import peer as p
 from proto.codec import decode_peer, encode_peer

@@ -24,7 +24,7 @@ from commd.engine.host import HostEngine
 from commd.engine.nccl import NcclEngine
 from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
-from commd.peering import PeerSettings
+from commd.peerlink import PeerSettings
 from commd.server import Server
 from commd.world import World, WorldState
 from proto import ErrorCode
