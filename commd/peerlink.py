@@ -25,7 +25,7 @@ from . import __version__
 from .frames import FrameStream, UnreadableFrame
 from .logs import ThrottledBy
 
-log = logging.getLogger("commd.peering")
+log = logging.getLogger("commd.peering")  # (one logger for everything between daemons)
 
 
 @dataclass(frozen=True, slots=True)
