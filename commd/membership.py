@@ -162,13 +162,13 @@ class NetMembership:
                 self._world.refuse(rank, ErrorCode.DUPLICATE_RANK, f"rank {rank} of world "
                                    f"{self._world.name} is already on daemon {holder}")
                 return
-            self._deadline(rank, left, None)
+            self._deadline(rank, left, None, due.whole_s)
             self._count(rank, self.net.me)
             return
         try:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
                                               self._world.epoch, max(1, int(left * 1000)),
-                                              self._token, vote))
+                                              self._token, vote, round(due.whole_s * 1000)))
             self._sent[rank] = vote
         except CallError as exc:  # the link went down between resolving and sending
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")
@@ -261,7 +261,7 @@ class NetMembership:
             # withdrawals could not come, and we may not have seen that link end yet)
             for rank in [r for r, ballot in self._ballots.items() if ballot.link is moved_off]:
                 self._forget_vote(rank, left=True)
-        self._deadline(msg.rank, msg.timeout_ms / 1000, link)
+        self._deadline(msg.rank, msg.timeout_ms / 1000, link, (msg.whole_ms or msg.timeout_ms) / 1000)
         self.net.member_links[link.name] = link  # where the world answers that daemon
         self._ballots[msg.rank] = Ballot(link, msg.vote)
         self._round_epoch = max(self._round_epoch, msg.epoch)
@@ -296,14 +296,15 @@ class NetMembership:
             timer.cancel()
         self._timers.clear()
 
-    def _deadline(self, rank: int, timeout_s: float, link: PeerLink | None) -> None:
+    def _deadline(self, rank: int, left_s: float, link: PeerLink | None, whole_s: float) -> None:
         """The root times every vote out itself, local or remote, so it can name the
-        ranks that never came (a member's own timer is only a backstop)."""
+        ranks that never came (a member's own timer is only a backstop): at the rank's
+        deadline, `left_s` from now; the refusal names the rank's whole timeout."""
         old = self._timers.pop(rank, None)
         if old is not None:
             old.cancel()
         self._timers[rank] = asyncio.get_running_loop().call_later(
-            timeout_s, self._expire, rank, link, timeout_s)
+            left_s, self._expire, rank, link, whole_s)
 
     def _expire(self, rank: int, link: PeerLink | None, timeout_s: float) -> None:
         daemon = self.net.me if link is None else link.name

@@ -54,7 +54,7 @@ from .messages import (  # one definition of each rule for both protocols
 )
 
 PEER_VERSION = 8  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
-#                  7: vote ids; 8: goodbye
+#                  7: vote ids; 8: goodbye, a vote's whole timeout
 NONCE_BYTES = 32
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
@@ -212,7 +212,9 @@ class JoinWorld:
     """A daemon tells the world's root that `rank` is here: a new hello (`epoch` 0) or an
     attempt_reconnect at `epoch`. `vote` is the sender's id for this vote, which the root's
     JoinRefused echoes: a refusal of an earlier vote for the rank (crossing its withdrawal)
-    must not refuse the one cast since."""
+    must not refuse the one cast since. `timeout_ms` is the time the rank has left (dialing
+    the root took some), `whole_ms` the rank's whole timeout, which the root's refusal names
+    (0: the same as `timeout_ms`)."""
 
     world: str
     world_size: int
@@ -221,6 +223,7 @@ class JoinWorld:
     timeout_ms: int
     token: str | None = None
     vote: int = 0
+    whole_ms: int = 0
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
@@ -233,6 +236,7 @@ class JoinWorld:
         if self.token is not None:
             _short_text("token", self.token)
         _u64("vote", self.vote)
+        _u64("whole_ms", self.whole_ms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,8 +96,9 @@ EXAMPLES: tuple[Any, ...] = (
     Goodbye("g" * 1024),
     JoinWorld("job-17", 4, 3, 0, 60_000),
     JoinWorld("w" * MAX_WORLD_NAME, MAX_RANKS, MAX_RANKS - 1, U64_MAX, U64_MAX, token="t" * 256,
-              vote=U64_MAX),
+              vote=U64_MAX, whole_ms=U64_MAX),
     JoinWorld("w", 1, 0, 7, 1, token=""),
+    JoinWorld("job-17", 4, 3, 0, 1_300, vote=2, whole_ms=4_000),
     JoinRefused("job-17", 2, ErrorCode.PERMISSION, "wrong join token"),
     JoinWithdrawn("job-17", 2),
     JoinWithdrawn("w" * MAX_WORLD_NAME, U64_MAX),
@@ -163,7 +164,8 @@ codes = st.sampled_from(ErrorCode)
 def join_worlds(draw: st.DrawFn) -> JoinWorld:
     world_size = draw(st.integers(1, MAX_RANKS))
     return JoinWorld(draw(worlds), world_size, draw(st.integers(0, world_size - 1)), draw(u64),
-                     draw(st.integers(1, U64_MAX)), draw(st.none() | st.text(max_size=256)))
+                     draw(st.integers(1, U64_MAX)), draw(st.none() | st.text(max_size=256)), draw(u64),
+                     draw(u64))
 
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
@@ -243,6 +245,8 @@ BAD: dict[str, Callable[[], object]] = {
     "join timeout over u64": lambda: JoinWorld(W, 4, 0, 0, U64_MAX + 1),
     "join token long": lambda: JoinWorld(W, 4, 0, 0, 1, token="t" * 257),
     "join vote negative": lambda: JoinWorld(W, 4, 0, 0, 1, vote=-1),
+    "join whole timeout negative": lambda: JoinWorld(W, 4, 0, 0, 1, whole_ms=-1),
+    "join whole timeout over u64": lambda: JoinWorld(W, 4, 0, 0, 1, whole_ms=U64_MAX + 1),
     "join vote over u64": lambda: JoinWorld(W, 4, 0, 0, 1, vote=U64_MAX + 1),
     "join refused world empty": lambda: JoinRefused("", 0, ErrorCode.TIMEOUT, ""),
     "join refused rank negative": lambda: JoinRefused(W, -1, ErrorCode.TIMEOUT, ""),
