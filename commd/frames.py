@@ -102,10 +102,11 @@ class FrameStream(asyncio.BufferedProtocol):
         """A piece of the frame is in: read the next one, or take the whole frame."""
         if self._stage == "prefix":
             self._lengths = bytes(self._prefix)
-            header_len, payload_len = p.frame_lengths(self._lengths)
+            sealed = self._opening() is not None
+            header_len, payload_len = p.frame_lengths(self._lengths, sealed)
             if payload_len and self._opener is None:
                 raise proto.DecodeError("a payload before the handshake ended")  # no big buffers
-            if self._opening() is not None:
+            if sealed:
                 header_len, payload_len = p.sealed_lengths(header_len, payload_len)
             self._pending_payload = payload_len
             self._expect("header", bytearray(header_len))

@@ -54,11 +54,15 @@ from .messages import (  # one definition of each rule for both protocols
 )
 
 PEER_VERSION = 8  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
-#                  7: vote ids; 8: goodbye, a vote's whole timeout
+#                  7: vote ids; 8: goodbye, a vote's whole timeout, 1 MiB sealed headers
 NONCE_BYTES = 32
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
 MAX_PAYLOAD_BYTES = 16 << 20
+# A sealed frame's header (from a daemon that proved the secret): a world_ready names every
+# rank's daemon, ~1 MiB / (name length + 1) ranks. In the clear (a handshake's, from anyone),
+# MAX_MESSAGE_BYTES.
+MAX_SEALED_HEADER_BYTES = 1 << 20
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes
 MAX_DAEMON_NAME = 256  # characters of a daemon's name (peer_name)
 # The newest epoch a root takes a vote at: a hello's, and as many rebuilds again. The root goes
@@ -366,22 +370,25 @@ def frame(header: bytes, payload: Bytes = b"") -> list[Bytes]:
     return [frame_prefix(header, payload), header, payload]
 
 
-def frame_prefix(header: Bytes, payload: Bytes) -> bytes:
-    """A frame's lengths, within the limits its reader holds it to."""
-    if len(header) > MAX_MESSAGE_BYTES:
+def frame_prefix(header: Bytes, payload: Bytes, header_limit: int = MAX_MESSAGE_BYTES) -> bytes:
+    """A frame's lengths, within the limits its reader holds it to (`header_limit`: a
+    sealed frame's is MAX_SEALED_HEADER_BYTES)."""
+    if len(header) > header_limit:
         raise MessageTooLarge(f"peer header of {len(header)} bytes is over the limit")
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise MessageTooLarge(f"peer payload of {len(payload)} bytes is over the limit")
     return FRAME.pack(len(header), len(payload))
 
 
-def frame_lengths(prefix: bytes) -> tuple[int, int]:
-    """Header and payload lengths from a frame's first 8 bytes; refuses out-of-bounds ones
-    before the reader allocates anything."""
+def frame_lengths(prefix: bytes, sealed: bool = False) -> tuple[int, int]:
+    """Header and payload lengths from a frame's first 8 bytes (of a sealed frame: its
+    header's and payload's in the clear); refuses out-of-bounds ones before the reader
+    allocates anything."""
     if len(prefix) != FRAME.size:
         raise DecodeError(f"a frame starts with {FRAME.size} bytes, not {len(prefix)}")
     header_len, payload_len = FRAME.unpack(prefix)
-    if not 0 < header_len <= MAX_MESSAGE_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+    header_limit = MAX_SEALED_HEADER_BYTES if sealed else MAX_MESSAGE_BYTES
+    if not 0 < header_len <= header_limit or payload_len > MAX_PAYLOAD_BYTES:
         raise DecodeError(f"peer frame of {header_len}+{payload_len} bytes is out of bounds")
     return header_len, payload_len
 
@@ -418,7 +425,7 @@ class FrameSeal:
 
     def seal(self, header: bytes, payload: Bytes) -> list[bytes]:
         """The next frame's bytes: lengths, sealed header, sealed payload (if any)."""
-        lengths = frame_prefix(header, payload)
+        lengths = frame_prefix(header, payload, MAX_SEALED_HEADER_BYTES)
         pieces = [lengths, self._aead.encrypt(self._nonce(0), header, lengths)]
         if len(payload):
             pieces.append(self._aead.encrypt(self._nonce(1), payload, lengths))

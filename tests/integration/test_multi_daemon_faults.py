@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -692,48 +693,86 @@ def test_a_members_vote_for_a_rank_the_root_holds_is_refused_and_the_others_vote
             comm.close()
 
 
-def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_limit_saying_why() -> None:
+def _two_named_daemons(stack: contextlib.ExitStack, names: dict[str, str], *args: str) -> list[DaemonProcess]:
+    """Daemons A (a world's root) and B of these peer names, stopped with `stack`."""
+    tmp = short_tmpdir()
+    stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+    return [stack.enter_context(DaemonProcess(Path(tmp) / d / "commd.sock", env=SECRET, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", names[d], *FAST, *args])) for d in "AB"]
+
+
+def _hellos(stack: contextlib.ExitStack, daemons: list[DaemonProcess], world: str, size: int,
+            ranks: range) -> list[RawClient]:
+    """`ranks` of the world say hello, the lower half of the world's on A, the rest on B."""
+    a, b = daemons
+    clients: list[RawClient] = []
+    for rank in ranks:
+        clients.append(stack.enter_context(contextlib.closing(
+            RawClient(str((a if rank < size // 2 else b).socket_path), timeout=60))))
+        clients[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank,
+                                     size, 60_000, bootstrap=a.peer_address()))
+    return clients
+
+
+def test_a_world_whose_placement_is_over_64_kib_forms() -> None:
     """260 ranks over two daemons of 256-character names: the placement (each rank's daemon
-    name) encodes past the 64 KiB of one peer message, so the root cannot tell B that the
-    world formed. Every rank, on either daemon, is refused with LIMIT, told what does not fit
-    and what fits more ranks, and both daemons then form a world (before: WORLD_CONFLICT, a
-    MisuseError, 'world_ready is 67406 bytes, over the 65536-byte limit': no word of what
-    takes the room, or of a way out)."""
-    tmp, size = short_tmpdir(), 260
-    names = {"A": "a" * 256, "B": "b" * 256}
-    ranks: list[RawClient] = []
-    try:
-        with contextlib.ExitStack() as stack:
-            a, b = (stack.enter_context(DaemonProcess(Path(tmp) / d / "commd.sock", env=SECRET, args=[
-                "--peer-listen", "127.0.0.1:0", "--peer-name", names[d], *FAST])) for d in "AB")
-            world = world_name()
-            for rank in range(size - 1):
-                ranks.append(RawClient(str((a if rank < size // 2 else b).socket_path), timeout=20))
-                ranks[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank,
-                                           size, 20_000, bootstrap=a.peer_address()))
-            with pytest.raises(LimitExceeded) as last:
-                DaemonBackend(str(b.socket_path), world, size - 1, size, timeout=20,
-                              bootstrap=a.peer_address())
-            assert re.fullmatch(
-                rf"world {world} cannot be announced to its daemons: its placement of {size} ranks by "
-                r"daemon names of up to 256 characters does not fit one peer message \(world_ready is "
-                r"\d+ bytes, over the 65536-byte limit\); shorter daemon names \(--peer-name\) fit more "
-                "ranks", str(last.value)), last.value
-            for rank, client in enumerate(ranks):
-                answer = client.recv()
-                assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
-                assert (answer.code, answer.message) == (ErrorCode.LIMIT, str(last.value)), (rank, answer)
-            wait_until(lambda: world_status(a, world) is None and world_status(b, world) is None)
-            comms = joined([a, b], a, world_name())
-            try:
-                assert summed_i32(comms) == [[3, 30], [3, 30]]
-            finally:
-                for comm in comms:
-                    comm.close()
-    finally:
+    name) encodes to ~67 KB, past the 64 KiB a peer frame's header had (before: every rank
+    refused, LimitExceeded, 'world_ready is 67406 bytes, over the 65536-byte limit'). A sealed
+    frame's header may take 1 MiB: the world forms across both daemons and sums."""
+    size = 260
+    with contextlib.ExitStack() as stack:
+        daemons = _two_named_daemons(stack, {"A": "a" * 256, "B": "b" * 256})
+        world = world_name()
+        ranks = _hellos(stack, daemons, world, size, range(size - 1))
+        last = stack.enter_context(DaemonBackend(str(daemons[1].socket_path), world, size - 1, size,
+                                                 timeout=20, bootstrap=daemons[0].peer_address()))
+        for rank, client in enumerate(ranks):
+            answer = client.recv()
+            assert isinstance(answer, proto.Welcome) and answer.id == rank + 1, (rank, answer)
+            assert answer.epoch == 1, (rank, answer)
+        assert world_status(daemons[0], world)["state"] == "ready"
+        assert world_status(daemons[1], world)["state"] == "ready"
+        assert last.epoch == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_limit_saying_why() -> None:
+    """4100 ranks over two daemons of 256-character names: the placement encodes past the
+    1 MiB of a sealed frame's header, so the root cannot tell B that the world formed. Every
+    rank, on either daemon, is refused with LIMIT, told what does not fit and what fits more
+    ranks, and both daemons then form a world (before 79adbe5: WORLD_CONFLICT, a MisuseError,
+    no word of what takes the room, or of a way out)."""
+    size = 4100
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < size + 1000:
+        pytest.skip(f"{size} connections need more fds than this machine's hard limit ({hard})")
+    with contextlib.ExitStack() as stack:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, size + 1000), hard))
+        stack.callback(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        daemons = _two_named_daemons(stack, {"A": "a" * 256, "B": "b" * 256}, "--max-connections", "3000")
+        world = world_name()
+        ranks = _hellos(stack, daemons, world, size, range(size - 1))
+        with pytest.raises(LimitExceeded) as last:
+            DaemonBackend(str(daemons[1].socket_path), world, size - 1, size, timeout=60,
+                          bootstrap=daemons[0].peer_address())
+        assert re.fullmatch(
+            rf"world {world} cannot be announced to its daemons: its placement of {size} ranks by "
+            r"daemon names of up to 256 characters does not fit one peer message \(world_ready is "
+            r"\d+ bytes, over the 1048576-byte limit\); shorter daemon names \(--peer-name\) fit more "
+            "ranks", str(last.value)), last.value
+        for rank, client in enumerate(ranks):
+            answer = client.recv()
+            assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
+            assert (answer.code, answer.message) == (ErrorCode.LIMIT, str(last.value)), (rank, answer)
         for client in ranks:
             client.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        wait_until(lambda: all(world_status(d, world) is None for d in daemons), "the world forgotten", 30)
+        comms = joined(daemons, daemons[0], world_name())
+        try:
+            assert summed_i32(comms) == [[3, 30], [3, 30]]
+        finally:
+            for comm in comms:
+                comm.close()
 
 
 def test_a_vote_sent_to_a_daemon_whose_world_of_the_name_is_its_own_alone_is_refused(

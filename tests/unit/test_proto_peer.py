@@ -688,4 +688,27 @@ def test_sealing_holds_to_the_readers_limits() -> None:
     with pytest.raises(MessageTooLarge):
         p.FrameSeal(bytes(32)).seal(b"h", bytes(MAX_PAYLOAD_BYTES + 1))
     with pytest.raises(MessageTooLarge):
-        p.FrameSeal(bytes(32)).seal(bytes(MAX_MESSAGE_BYTES + 1), b"")
+        p.FrameSeal(bytes(32)).seal(bytes(p.MAX_SEALED_HEADER_BYTES + 1), b"")
+
+
+def test_a_sealed_header_may_be_larger_than_one_in_the_clear() -> None:
+    """A sealed frame comes from a daemon that proved the secret: its header may take 1 MiB (a
+    world_ready naming thousands of ranks' daemons); a frame in the clear (a handshake's, from
+    anyone) still 64 KiB, so a stranger's connections make the daemon buffer no more."""
+    big = bytes(MAX_MESSAGE_BYTES + 1)
+    sender, receiver = p.FrameSeal(bytes(32)), p.FrameSeal(bytes(32))
+    pieces = sender.seal(big, b"")
+    assert frame_lengths(pieces[0], sealed=True) == (len(big), 0)
+    assert opened(receiver, pieces) == (big, b"")
+    with pytest.raises(DecodeError, match="out of bounds"):
+        frame_lengths(pieces[0])  # (in the clear)
+    with pytest.raises(MessageTooLarge, match="header"):
+        frame(big)
+    limit = p.MAX_SEALED_HEADER_BYTES
+    assert frame_lengths(FRAME.pack(limit, MAX_PAYLOAD_BYTES), sealed=True) == (limit, MAX_PAYLOAD_BYTES)
+    with pytest.raises(DecodeError, match="out of bounds"):
+        frame_lengths(FRAME.pack(limit + 1, 0), sealed=True)
+    ready = WorldReady("w", 1, ("d" * 256,) * 4000)  # ~1 MB
+    assert MAX_MESSAGE_BYTES < len(encode_peer(ready)) <= limit
+    with pytest.raises(MessageTooLarge):
+        encode_peer(WorldReady("w", 1, ("d" * 256,) * 4100))
