@@ -315,12 +315,28 @@ def _plain_ok(data: bytes) -> m.Ok | None:
     return m.Ok(request_id)
 
 
-def _submit_from_cache(data: bytes, raw: dict[Any, Any], cache: OpsCache) -> m.Submit | None:
-    key = _ops_bytes(data, raw.get("id"))
-    ops = cache.get(key) if key is not None else None
-    # The key holds the epoch's bytes too, equal to those decoded and checked before; absent
-    # (a repeated key fills the map's fourth entry), the generic path took the default
-    return None if ops is None else m.Submit(raw["id"], ops, raw.get("epoch", 0))
+def _cached_submit(data: bytes, cache: OpsCache) -> m.Submit | None:
+    """A Submit packet whose bytes after its id are a cached key, read without unpacking
+    it: only the id, which follows the head in the shortest form msgpack writes, is new.
+    Anything else (a longer form, a miss) is left to the generic path."""
+    if len(data) <= _ID_AT:
+        return None
+    first = data[_ID_AT]
+    if first < 0x80:  # (a positive fixint)
+        request_id, end = first, _ID_AT + 1
+    else:
+        form = _UINT_FORMS.get(first)
+        if form is None:
+            return None
+        width, least = form
+        end = _ID_AT + 1 + width
+        request_id = int.from_bytes(data[_ID_AT + 1:end])
+        if request_id < least:  # (also where the packet ends before the id's bytes)
+            return None
+    if not data.startswith(_OPS_KEY, end):
+        return None
+    hit = cache.get(data[end + len(_OPS_KEY):])
+    return None if hit is None else m.Submit(request_id, *hit)
 
 
 def _remember_ops(data: bytes, msg: m.Submit, cache: OpsCache) -> None:
@@ -329,7 +345,7 @@ def _remember_ops(data: bytes, msg: m.Submit, cache: OpsCache) -> None:
         # (summed only on a miss, which has just decoded a whole packet: a few µs more)
         if len(cache) >= OPS_CACHE_SIZE or sum(map(len, cache)) + len(key) > OPS_CACHE_BYTES:
             cache.clear()
-        cache[key] = msg.ops
+        cache[key] = (msg.ops, msg.epoch)
 
 
 def expected_fds(msg: m.Message) -> int:
@@ -349,12 +365,17 @@ _OK_TAIL = b"\xa5value\x00\xa4nfds\x00"
 _SUBMIT_HEAD = b"\x84\xa1t\xa6submit\xa2id"
 _OPS_KEY = b"\xa3ops"
 _EPOCH_KEY = b"\xa5epoch"
+_ID_AT = len(_SUBMIT_HEAD)
+# msgpack's unsigned forms past a fixint: their marker -> (bytes, the least value that
+# needs them); a value under it written in a longer form is valid, but not canonical
+_UINT_FORMS = {0xCC: (1, 0x80), 0xCD: (2, 0x100), 0xCE: (4, 0x10000), 0xCF: (8, 0x100000000)}
 OPS_CACHE_SIZE = 256
 # ... and their bytes: a key is up to a whole packet, and its ops take several times that
 # decoded; 256 distinct 64 KiB groups held ~37 MiB of the daemon's memory per connection
 OPS_CACHE_BYTES = 1 << 20
 
-OpsCache = dict[bytes, tuple[m.Op, ...]]  # encoded ops array and epoch -> the ops it decoded to
+# the encoded ops array and epoch -> the ops and epoch they decoded to
+OpsCache = dict[bytes, tuple[tuple[m.Op, ...], int]]
 
 
 PackedOps = dict[int, tuple[m.Op, bytes]]  # id(op) -> (the op, kept alive; its encoding)
@@ -405,15 +426,19 @@ def decode(data: bytes, nfds: int = 0, limit: int = m.MAX_MESSAGE_BYTES,
         ok = _plain_ok(data)
         if ok is not None:
             return ok
+    if ops_cache is not None and not nfds and data.startswith(_SUBMIT_HEAD):
+        cached = _cached_submit(data, ops_cache)  # (a Submit carries no fd: none is checked)
+        if cached is not None:
+            return cached
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
         if type(raw) is not dict:
             raise DecodeError("a message is a msgpack map")
-        msg = _submit_from_cache(data, raw, ops_cache) if ops_cache is not None else None
-        if msg is None:
-            msg = _from_map(raw, _MESSAGE_TAGS)
-            if ops_cache is not None and type(msg) is m.Submit:
-                _remember_ops(data, msg, ops_cache)
+        msg = _from_map(raw, _MESSAGE_TAGS)
+        # Only a map of four distinct keys: a repeated one (the last value wins) may put
+        # another id or no epoch behind the cached bytes, which the cache would not see
+        if ops_cache is not None and type(msg) is m.Submit and len(raw) == 4:
+            _remember_ops(data, msg, ops_cache)
     except ProtoError:
         raise
     except Exception as exc:  # msgpack raises many unrelated types on garbage

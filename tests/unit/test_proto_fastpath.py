@@ -82,6 +82,37 @@ def test_a_repeated_key_in_place_of_the_epoch_decodes_like_the_generic_path(four
         assert cached == generic
 
 
+@pytest.mark.parametrize("form", [b"\xcc\x05", b"\xcd\x00\x05", b"\xce\x00\x00\x00\x05",
+                                  b"\xcf" + bytes(7) + b"\x05", b"\xcd\x01\x00", b"\xcf\xff"])
+def test_a_cached_suffix_behind_any_id_form_decodes_like_the_generic_path(form: bytes) -> None:
+    """The cache reads the id itself: one in a longer form than msgpack's shortest (valid),
+    or cut short, must come out as the generic path has it."""
+    canonical = proto.encode(proto.Submit(9, (proto.AllReduce(proto.Mem(1, 0), 8),), 2))
+    packet = canonical.replace(codec._SUBMIT_HEAD + b"\x09", codec._SUBMIT_HEAD + form, 1)
+    cache: codec.OpsCache = {}
+    assert proto.decode(canonical, ops_cache=cache).id == 9  # type: ignore[union-attr]
+    try:
+        generic: object = proto.decode(packet)
+    except proto.ProtoError as exc:
+        generic = type(exc)
+    try:
+        cached: object = proto.decode(packet, ops_cache=cache)
+    except proto.ProtoError as exc:
+        cached = type(exc)
+    assert cached == generic
+
+
+def test_a_repeated_id_behind_the_ops_is_never_answered_from_the_cache() -> None:
+    """{t, id: 7, ops, id: 5} is call 5 (the last value wins), however often it comes, and
+    the same ops with a canonical epoch after it stay call 7."""
+    canonical = proto.encode(proto.Submit(7, (proto.AllReduce(proto.Mem(1, 0), 8),)))
+    repeated = canonical[:canonical.index(codec._EPOCH_KEY)] + b"\xa2id\x05"
+    cache: codec.OpsCache = {}
+    for _ in range(2):
+        assert proto.decode(repeated, ops_cache=cache).id == 5  # type: ignore[union-attr]
+        assert proto.decode(canonical, ops_cache=cache).id == 7  # type: ignore[union-attr]
+
+
 def test_the_cache_is_bounded() -> None:
     cache: codec.OpsCache = {}
     for n in range(codec.OPS_CACHE_SIZE + 10):
