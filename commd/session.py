@@ -18,6 +18,7 @@ from typing import Any
 
 import proto
 from proto import ErrorCode
+from proto.codec import OPS_CACHE_SIZE
 
 from . import ops
 from .channel import FdCloser, PacketChannel, close_fds
@@ -30,6 +31,7 @@ from .world import World
 
 log = logging.getLogger("commd.session")
 _MAX_STREAMS = 64  # per connection: a worker has a handful of streams it calls on
+_MAX_CHECKED_OPS = 4096  # per connection, in the groups whose checks it remembers (~300 B each)
 
 
 class MemoryBudget:
@@ -121,6 +123,9 @@ class Session:
         self._timeout_s = 60.0
         self._device: int | None = None  # the GPU its hello named
         self._events: dict[int, EventPair] = {}  # the worker's stream -> its ready/done events
+        # id(ops) -> (those ops, kept alive; world size; their spans): see _checked_spans
+        self._checked: dict[int, tuple[tuple[proto.Op, ...], int, tuple[tuple[ops.Span, ...], ...]]] = {}
+        self._checked_ops = 0  # in self._checked
         self._handlers: dict[type, Callable[[Any, list[int]], None]] = {
             proto.Hello: self._hello,
             proto.StatusQuery: self._status,
@@ -334,12 +339,16 @@ class Session:
             # world, they would pair with other calls of the other ranks
             raise CallError(ErrorCode.STALE_EPOCH, f"these calls were made for epoch {msg.epoch} of "
                                                    f"world {world.name}, which is at epoch {world.epoch}")
+        known = self._checked_spans(msg.ops, world.world_size)
         calls = []
         for index, op in enumerate(msg.ops):
             try:
-                ops.check_ranks(op, self.rank, world.world_size)
-                regions = tuple(self._region(mem, n) for mem, n in ops.spans(op, world.world_size))
-                ops.check_overlap(op, self.rank, world.world_size)  # (of spans inside their buffers)
+                if known is None:
+                    ops.check_ranks(op, self.rank, world.world_size)
+                    regions = self._regions(ops.spans(op, world.world_size))
+                    ops.check_overlap(op, self.rank, world.world_size)  # (of spans inside their buffers)
+                else:
+                    regions = self._regions(known[index])
             except CallError as exc:
                 if len(msg.ops) == 1:
                     raise
@@ -347,8 +356,32 @@ class Session:
                 raise CallError(exc.code, f"group_end: call #{index} of the group, "
                                           f"{ops.describe(op)}: {exc.message}") from None
             calls.append((op, regions))
-        ops.check_group_overlap(msg.ops)
+        if known is None:
+            ops.check_group_overlap(msg.ops)
+            if type(msg) is proto.Submit:  # (only its ops come again as the same object: the codec's cache)
+                self._remember_checked(msg.ops, world.world_size)
         world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)
+
+    def _checked_spans(self, group: tuple[proto.Op, ...],
+                       world_size: int) -> tuple[tuple[ops.Span, ...], ...] | None:
+        """Each op's spans, for a group of calls that passed the checks of the calls alone
+        (ranks, overlaps) before, in this world (its size, and this connection's rank, are
+        what those depend on; the rank is set once); None for one that did not. A worker
+        repeating a call sends the same bytes, which decode to the same ops object (the
+        codec's cache). Their buffers are looked up at every call all the same: they may
+        have been freed or moved since."""
+        checked = self._checked.get(id(group))
+        if checked is None or checked[0] is not group or checked[1] != world_size:
+            return None
+        return checked[2]
+
+    def _remember_checked(self, group: tuple[proto.Op, ...], world_size: int) -> None:
+        # (bounded in ops too: what it keeps alive the codec's cache may have let go of)
+        if len(self._checked) >= OPS_CACHE_SIZE or self._checked_ops + len(group) > _MAX_CHECKED_OPS:
+            self._checked.clear()
+            self._checked_ops = 0
+        self._checked[id(group)] = (group, world_size, tuple(ops.spans(op, world_size) for op in group))
+        self._checked_ops += len(group)
 
     def _stream_events(self, msg: proto.StreamEvents, fds: list[int]) -> None:
         self._member_world()
@@ -366,6 +399,9 @@ class Session:
         if events is None:
             raise CallError(ErrorCode.MISUSE, f"stream {msg.stream} has no events: send stream_events first")
         self._submit(msg, fds, events)
+
+    def _regions(self, spans: tuple[ops.Span, ...]) -> tuple[Region | None, ...]:
+        return tuple([self._region(mem, n) for mem, n in spans])
 
     def _region(self, mem: proto.Mem | None, nbytes: int) -> Region | None:
         if nbytes == 0 or mem is None:

@@ -272,6 +272,30 @@ def test_unknown_and_freed_handles(sock: str, steady: None) -> None:
         assert isinstance(raw.import_memfd(6, 7, 4096), proto.Ok)  # the id may be imported again
 
 
+def test_a_repeated_call_finds_its_buffer_freed_or_replaced(sock: str, steady: None) -> None:
+    """The daemon keeps what it checked of a repeated call's ops (the same bytes each time);
+    its buffer it looks up at every call: freed, or imported again smaller, the same
+    packet is refused for it, and answered again once the buffer fits."""
+    call = proto.AllReduce(proto.Mem(7, 60), 8)
+    with _joined_raw(sock) as raw:
+        assert isinstance(raw.import_memfd(2, 7, 4096), proto.Ok)
+        for request_id in (3, 4):
+            raw.send(proto.Submit(request_id, (call,)))
+            assert raw.recv() == proto.Ok(request_id)
+        raw.send(proto.Forget((7,)))
+        raw.send(proto.Submit(5, (call,)))
+        err = raw.error()
+        assert (err.id, err.code) == (5, ErrorCode.UNKNOWN_BUFFER) and "buffer 7" in err.message, err
+        assert isinstance(raw.import_memfd(6, 7, 64), proto.Ok)
+        raw.send(proto.Submit(7, (call,)))
+        err = raw.error()
+        assert (err.id, err.code) == (7, ErrorCode.BAD_MEMORY) and "[60, 68)" in err.message, err
+        raw.send(proto.Forget((7,)))
+        assert isinstance(raw.import_memfd(8, 7, 4096), proto.Ok)
+        raw.send(proto.Submit(9, (call,)))
+        assert raw.recv() == proto.Ok(9)
+
+
 def test_bad_memory_handles(sock: str, steady: None) -> None:
     with _joined_raw(sock) as raw:
         unsealed = os.memfd_create("unsealed")
