@@ -250,12 +250,12 @@ class World:
             raise CallError(self.cause_code, self._not_ready())
         if peer is None:
             raise self._placed_elsewhere(rank)
-        pending = self._pending_ops.get(rank, 0)
-        if pending + len(calls) > self._max_pending_ops:
+        pending, count = self._pending_ops.get(rank, 0), len(calls)
+        if pending + count > self._max_pending_ops:
             raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
                                              f"match; the limit is {self._max_pending_ops}")
-        self._pending_ops[rank] = pending + len(calls)
-        ticket = Ticket(peer, rank, request_id, len(calls), self.epoch)
+        self._pending_ops[rank] = pending + count
+        ticket = Ticket(peer, rank, request_id, count, self.epoch)
         self._tickets.add(ticket)
         self._watchdog.call_opened()
         epoch = self.epoch
@@ -270,24 +270,25 @@ class World:
                 self.fail(ErrorCode.MISMATCH, str(exc))
                 return
             if match is not None:
-                if self._given_up(match):
+                arrivals = arrivals_of(match)
+                if self._given_up(arrivals):
                     return  # (its world failed: the ticket has its error, as below)
-                self._dispatch(match)
+                self._dispatch(match, arrivals)
                 if self.state is not WorldState.READY or self.epoch != epoch:
                     return  # it failed meanwhile (a reply found its peer gone): the ticket has
                     # its error, and the group's other calls must not stay open in the next epoch
 
-    def _given_up(self, match: Match[Arrival]) -> bool:
-        """Whether a rank of the match hung up (the world fails for it): its client gave
+    def _given_up(self, arrivals: list[Arrival]) -> bool:
+        """Whether a rank of a match (its `arrivals`) hung up (the world fails for it): its client gave
         up on the call (CommTimeout, an interrupt) and drops its connection before it says
         so, and may write, reuse or free the buffers the op would write. The daemon reads
         a packet a wakeup, so other ranks' calls may match it before the hang-up is read:
         it is looked for before the op starts (what started before goes on). A rank that
         left earlier (killed) has its op not started either: its world failed already."""
         # (every one looked at: each hung-up connection closes, and leaves the world)
-        return any([arrival.ticket.peer.close_if_hung_up() for arrival in arrivals_of(match)])
+        return any([arrival.ticket.peer.close_if_hung_up() for arrival in arrivals])
 
-    def _dispatch(self, match: Match[Arrival]) -> None:
+    def _dispatch(self, match: Match[Arrival], arrivals: list[Arrival]) -> None:
         """Run a matched op: inline when nothing is queued and it is small, else in order.
 
         From here the op belongs to the engine: if the world fails meanwhile, it still
@@ -297,36 +298,35 @@ class World:
         assert self._comm is not None
         spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
         engine_op = engine_op_of(match, spans_daemons)
-        for arrival in arrivals_of(match):
+        for arrival in arrivals:
             arrival.ticket.executing += 1
             arrival.record.state = "running"
         if self._queued == 0:
             try:
                 done = engine_op is None or self._comm.try_inline(engine_op)
             except Exception as exc:
-                self._op_failed(match, exc, self.epoch)
+                self._op_failed(arrivals, exc, self.epoch)
                 return
             if done:
-                self._finish(match)
+                self._finish(arrivals)
                 return
         self._queued += 1
         # Sends and receives to other daemons are paired there, not here: they must not
         # queue behind each other (a group's send and recv would wait for one another).
         ordered = not isinstance(engine_op, SendOp | RecvOp) and not self._comm.launches_in_order
         asyncio.get_running_loop().create_task(
-            self._execute(match, engine_op, self._comm, self.epoch, ordered))
+            self._execute(arrivals, engine_op, self._comm, self.epoch, ordered))
 
-    async def _execute(self, match: Match[Arrival], engine_op: EngineOp | None, comm: Communicator,
+    async def _execute(self, arrivals: list[Arrival], engine_op: EngineOp | None, comm: Communicator,
                        epoch: int, ordered: bool) -> None:
         try:
             async with self._exec_lock if ordered else contextlib.nullcontext():
-                if engine_op is not None and self._given_up(match):  # (while it waited its turn)
+                if engine_op is not None and self._given_up(arrivals):  # (while it waited its turn)
                     raise CallError(ErrorCode.WORLD_FAILED, "a rank of the call left before it started")
                 if engine_op is not None:
-                    arrivals = arrivals_of(match)
                     await comm.run(engine_op, order_of(arrivals), frozenset(a.ticket for a in arrivals))
         except Exception as exc:
-            self._op_failed(match, exc, epoch)
+            self._op_failed(arrivals, exc, epoch)
             return
         finally:
             self._queued -= 1
@@ -337,15 +337,15 @@ class World:
                     old.abort()
                 if self.state is not WorldState.READY and self.net is not None:
                     self.net.inbox.drop_unread()
-        self._finish(match)
+        self._finish(arrivals)
 
     def communicator(self) -> Communicator | None:
         """The ready epoch's communicator (None while the world forms or failed)."""
         return self._comm if self.state is WorldState.READY else None
 
-    def _op_failed(self, match: Match[Arrival], exc: Exception, epoch: int) -> None:
+    def _op_failed(self, arrivals: list[Arrival], exc: Exception, epoch: int) -> None:
         """The engine could not complete an op: its world fails (if this epoch still
-        stands), and the op's own calls get the error."""
+        stands), and the op's own calls (its `arrivals`) get the error."""
         if isinstance(exc, CallError):
             code, message = exc.code, exc.message
         else:
@@ -356,7 +356,7 @@ class World:
             self.fail(code, message)
             code, message = self.cause_code, self._call_failed()
         past = exc.past if isinstance(exc, StillOnDevice) else {}
-        for arrival in arrivals_of(match):
+        for arrival in arrivals:
             left = past.get(arrival.ticket.rank)
             if left is None or left.done():
                 self._op_ended(arrival.ticket, (code, message))
@@ -369,8 +369,8 @@ class World:
         if ticket.done:
             self._tickets.discard(ticket)
 
-    def _finish(self, match: Match[Arrival]) -> None:
-        for arrival in arrivals_of(match):
+    def _finish(self, arrivals: list[Arrival]) -> None:
+        for arrival in arrivals:
             ticket = arrival.ticket
             # (cleared when the world failed: one of an older epoch is counted no more)
             if ticket.epoch == self.epoch and self._pending_ops.get(ticket.rank):
