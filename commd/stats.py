@@ -53,13 +53,17 @@ class OpStats:
 class CallStats:
     def __init__(self) -> None:
         self.by_op: dict[str, OpStats] = {}
+        # (op type, waits forever) -> by_op's entry: the call's name, without working it out
+        # at every call
+        self._by_kind: dict[tuple[type, bool], OpStats] = {}
 
     def record(self, record: CallRecord, state: str) -> None:
         """A call's record closed (the one per-call cost; keep it small)."""
-        name = ops.call_name(record.op)  # (the names messages use)
-        stats = self.by_op.get(name)
+        kind = (type(record.op), record.waits_forever)
+        stats = self._by_kind.get(kind)
         if stats is None:
-            stats = self.by_op[name] = OpStats()
+            name = ops.call_name(record.op)  # (the names messages use)
+            stats = self._by_kind[kind] = self.by_op.setdefault(name, OpStats())
         if state != "done":
             stats.failed += 1
             return
