@@ -363,7 +363,7 @@ class PacketChannel:
             except OSError as exc:
                 self.close(f"receive failed: {exc}")
                 return
-            fds = take_fds(ancillary)
+            fds = take_fds(ancillary) if ancillary else []
             if not data and not fds and self.hung_up():  # (else an empty packet: bad input)
                 self.close("peer closed the connection")
                 return

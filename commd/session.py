@@ -161,7 +161,8 @@ class Session:
             self.channel.close("join refused", linger=True)
 
     def on_packet(self, data: bytes, fds: list[int], truncated: bool) -> None:
-        self._stop_silence_watch()
+        if self._silent is not None:  # (a rank's calls come with none)
+            self._stop_silence_watch()
         try:
             if truncated:
                 raise proto.MessageTooLarge("packet (or its fds) was truncated: over the limit")

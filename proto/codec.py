@@ -335,7 +335,7 @@ def _cached_submit(data: bytes, cache: OpsCache) -> m.Submit | None:
             return None
     if not data.startswith(_OPS_KEY, end):
         return None
-    hit = cache.get(data[end + len(_OPS_KEY):])
+    hit = cache.get(data[end + _OPS_KEY_BYTES:])
     return None if hit is None else m.Submit(request_id, *hit)
 
 
@@ -366,6 +366,7 @@ _SUBMIT_HEAD = b"\x84\xa1t\xa6submit\xa2id"
 _OPS_KEY = b"\xa3ops"
 _EPOCH_KEY = b"\xa5epoch"
 _ID_AT = len(_SUBMIT_HEAD)
+_OPS_KEY_BYTES = len(_OPS_KEY)
 # msgpack's unsigned forms past a fixint: their marker -> (bytes, the least value that
 # needs them); a value under it written in a longer form is valid, but not canonical
 _UINT_FORMS = {0xCC: (1, 0x80), 0xCD: (2, 0x100), 0xCE: (4, 0x10000), 0xCF: (8, 0x100000000)}
