@@ -75,10 +75,11 @@ def _plan(op: EngineOp, parts: int, most: int | None = None) -> list[Job]:
     if isinstance(op, AllReduceOp):
         arrays = [_arr(op.bufs[rank]) for rank in sorted(op.bufs)]  # rank order fixes the float sum
         align = CHUNK_ELEMS * op.dtype.itemsize
-        return [
-            _bind_reduce([a[lo:hi] for a in arrays], [a[lo:hi] for a in arrays], op)
-            for lo, hi in split(len(arrays[0]), pieces(len(arrays[0]), parts), align)
-        ]
+        jobs = []
+        for lo, hi in split(len(arrays[0]), pieces(len(arrays[0]), parts), align):
+            ranges = [a[lo:hi] for a in arrays]
+            jobs.append(_bind_reduce(ranges, ranges, op))  # (in place: reduce_range reads all first)
+        return jobs
     if isinstance(op, ReduceScatterOp):
         sends = [_arr(op.sends[r]) for r in sorted(op.sends)]
         align = CHUNK_ELEMS * op.dtype.itemsize

@@ -90,7 +90,7 @@ def reduce_range(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray],
     """
     elem = NUMPY_DTYPE[dtype]
     typed_srcs = [s.view(elem) for s in srcs]
-    typed_dsts = [d.view(elem) for d in dsts]
+    typed_dsts = typed_srcs if dsts is srcs else [d.view(elem) for d in dsts]
     total = len(typed_srcs[0])
     if total == 0:
         return
