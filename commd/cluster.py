@@ -116,7 +116,8 @@ class WorldNet:
         self.me = cluster.name
         self.root: PeerLink | None = None  # None: this daemon is the root
         self.member_links: dict[str, PeerLink] = {}  # root only: the link each member's votes came on
-        self.placement: tuple[str, ...] = ()
+        self._placement: tuple[str, ...] = ()
+        self._ranks_by_daemon: dict[str, tuple[int, ...]] = {}  # in order of their lowest rank
         self.epoch = 0
         self.inbox = self._new_inbox()
         self.root_known = bootstrap is None  # whether `resolve` found the root
@@ -149,16 +150,26 @@ class WorldNet:
         self.bootstrap = bootstrap
         self.root_known = False
 
+    @property
+    def placement(self) -> tuple[str, ...]:
+        """Each rank's daemon, as the world formed."""
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: tuple[str, ...]) -> None:
+        # (worked out once: the ops ask per call, and a world may have thousands of ranks)
+        ranks: dict[str, list[int]] = {}
+        for rank, daemon in enumerate(placement):
+            ranks.setdefault(daemon, []).append(rank)
+        self._placement = placement
+        self._ranks_by_daemon = {daemon: tuple(of) for daemon, of in ranks.items()}
+
     def ranks_of(self, daemon: str) -> tuple[int, ...]:
-        return tuple(r for r, d in enumerate(self.placement) if d == daemon)
+        return self._ranks_by_daemon.get(daemon, ())
 
     def members(self) -> list[str]:
         """The other daemons of the world, in order of their lowest rank."""
-        seen: list[str] = []
-        for daemon in self.placement:
-            if daemon != self.me and daemon not in seen:
-                seen.append(daemon)
-        return seen
+        return [daemon for daemon in self._ranks_by_daemon if daemon != self.me]
 
     def send(self, daemon: str, msg: p.PeerMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         """To one daemon of the world: the root if we are a member, any member if we are root."""
