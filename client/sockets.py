@@ -21,6 +21,10 @@ from .errors import CommTimeout, DaemonUnavailable
 _MAX_FDS = 4
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds (~24.8 days; a timeout may be a year)
+# As plain ints: `int & socket.MSG_CTRUNC` (an IntFlag) builds a flag member through enum's
+# Python code, three calls on every packet read
+_HUNG_UP = select.POLLHUP | select.POLLRDHUP
+_CTRUNC = int(socket.MSG_CTRUNC)
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -156,7 +160,7 @@ class PacketSocket:
         # recvmsg reads no bytes both at the end of the connection and for a zero-length
         # packet (legal on SOCK_SEQPACKET); only the hang-up poll saw before the read tells
         # them apart (without it, the packet the read takes was already there)
-        hung_up = bool(ready[0][1] & (select.POLLHUP | select.POLLRDHUP))
+        hung_up = bool(ready[0][1] & _HUNG_UP)
         try:
             data, ancillary, flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
         except ConnectionResetError:
@@ -165,7 +169,7 @@ class PacketSocket:
             # last word among them. Those come next, then the end
             hung_up = True
             data, ancillary, flags, _ = self._sock.recvmsg(proto.MAX_MESSAGE_BYTES + 1, _ANCILLARY)
-        return data, take_fds(ancillary), hung_up, bool(flags & socket.MSG_CTRUNC)
+        return data, take_fds(ancillary) if ancillary else [], hung_up, bool(flags & _CTRUNC)
 
     def _packet_waiting(self) -> bool:
         """Whether a packet (or the end of the connection) is there to read now."""

@@ -65,6 +65,9 @@ class Transport(PacketSocket):
         self._undo: dict[int, Undo] = {}  # request id -> what to do with its late reply
         self._fds_lost: set[int] = set()  # awaited request ids whose reply's fd did not fit here
         self._reader: int | None = None  # the thread reading for everyone, if any
+        # (under the lock) threads waiting on _cond: a reader that stops with none waiting
+        # skips notify_all, four Python calls on every call's path
+        self._waiting = 0
         self._broken: CommError | None = None
         # close() came while a thread read: that reader closes the socket when it stops (the
         # fd must not be closed under it, or it may poll whichever socket takes the number)
@@ -175,8 +178,12 @@ class Transport(PacketSocket):
             self._undo.clear()  # the daemon drops what the connection did: nothing to undo
             # Another thread reading meets the parting word, unless it stops reading first
             # (its own reply read): then the rest is read here.
-            self._cond.wait_for(lambda: self._broken is not None or self._reader in (None, me),
-                                wait)
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: self._broken is not None or self._reader in (None, me),
+                                    wait)
+            finally:
+                self._waiting -= 1
             nested = self._reader == me  # (a reader whose undo of a late reply sent this)
             reading = nested or (self._reader is None and self._broken is None)
             if reading:
@@ -229,9 +236,10 @@ class Transport(PacketSocket):
                         raise
                     packet = self._abandon(request_id, exc)
                 answered = True
-                with self._lock:
-                    fds_lost = request_id in self._fds_lost
-                if fds_lost:  # done at the daemon, and of no use here without its fd: undone
+                # Done at the daemon, and of no use here without its fd: undone. (Read without
+                # the lock: the reader marks it before it hands the reply on, and a set's `in`
+                # is atomic under the GIL)
+                if request_id in self._fds_lost:
                     self._late(packet, undo)
                     raise LimitExceeded(
                         f"the daemon's reply to request {request_id} carried a file this process "
@@ -291,7 +299,11 @@ class Transport(PacketSocket):
                     left = remaining(deadline)
                     if left is not None and left <= 0:
                         raise CommTimeout(f"no reply to request {request_id} before the deadline")
-                    self._cond.wait(left)
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(left)
+                    finally:
+                        self._waiting -= 1
             try:
                 packet = self._read_until(request_id, deadline)
             finally:
@@ -403,7 +415,8 @@ class Transport(PacketSocket):
     def _stop_reading(self) -> None:
         with self._lock:
             self._reader = None
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
             close = self._close_when_read
         if close:
             self._close_socket()
