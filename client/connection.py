@@ -57,18 +57,20 @@ class Connection:
     `lock` is the backend's (its bookkeeping, never held over I/O): under it the transport,
     the link and the epoch move together with what is judged against them. `hello(epoch)`
     builds the hello at the last epoch seen; `owed(freed_only)` (under the lock) takes the buffer ids
-    whose Forget the daemon is owed; `on_new_epoch()` (under the lock) and
+    whose Forget the daemon is owed, and `owes()` (without it) says whether it may find any;
+    `on_new_epoch()` (under the lock) and
     `on_new_daemon(link)` tell the backend what a rebuild and a rejoin leave behind."""
 
     transport: Transport  # (from open(): a failure during its hello is judged by _joining)
 
     def __init__(self, path: str, timeout: float, lock: threading.RLock, health: Health,
                  hello: Callable[[int], proto.Hello], owed: Callable[[bool], list[int]],
-                 on_new_epoch: Callable[[], None], on_new_daemon: Callable[[int], None]) -> None:
+                 on_new_epoch: Callable[[], None], on_new_daemon: Callable[[int], None],
+                 owes: Callable[[], bool]) -> None:
         self._path, self._timeout = path, timeout
         self._lock = lock
         self._health = health
-        self._hello, self._owed = hello, owed
+        self._hello, self._owed, self._owes = hello, owed, owes
         self._on_new_epoch, self._on_new_daemon = on_new_epoch, on_new_daemon
         self.link = 0
         self.epoch = 0
@@ -313,6 +315,14 @@ class Connection:
         Taken and sent in one hold of the send lock: a timed-out import's Forget must reach
         the daemon before that buffer's next Import, which another thread may be about to
         send (the daemon refuses it while it holds the buffer)."""
+        # Nothing owed, the common case, is read without either lock: a Forget owed
+        # meanwhile goes with a later request, as if owed just after the take. One that
+        # must precede an Import is owed before that Import's request is made (the timed-out
+        # import records it, under the import lock the next one waits for), so that request
+        # sees it here; or another thread took it, and sends it in the send lock's hold
+        # this request's own send waits for
+        if not self._owes():
+            return
         with transport.sending():
             with self._lock:
                 if transport is not self.transport or transport.broken is not None:

@@ -124,7 +124,8 @@ class DaemonBackend(CommBackend):
         # (its link is the daemon connection our bookkeeping of imports, registrations and
         # events is about)
         self._conn = Connection(path, timeout, self._lock, self._health, self._hello,
-                                self._take_owed, self._groups.drop_all, self._forget_daemon)
+                                self._take_owed, self._groups.drop_all, self._forget_daemon,
+                                self._owes)
         # the worker's stream its calls follow (0: the legacy default stream; the host engine
         # waits for the whole context there)
         self._stream = stream
@@ -410,6 +411,10 @@ class DaemonBackend(CommBackend):
         for group in self._groups.abandoned():  # (a thread that ended between group_start and _end)
             self._imports.unpin(group.pinned)
         return self._imports.take_owed(freed_only)
+
+    def _owes(self) -> bool:
+        """Whether _take_owed may find anything (asked without _lock)."""
+        return self._imports.owes() or self._groups.any_open()
 
     def _due(self) -> float:
         """The deadline of a call starting now: every request the call makes shares it."""

@@ -86,8 +86,14 @@ class Groups:
         del self._open[self._key()]
         return group
 
+    def any_open(self) -> bool:
+        """Whether any thread's group is open (or was left open by a thread that ended)."""
+        return bool(self._open)
+
     def current(self) -> OpenGroup | None:
         """This thread's open group."""
+        if not self._open:  # (only this thread adds its own: none open here, the common case)
+            return None
         key = self._key()
         group = self._open.get(key)
         if group is not None and group.generation != self._generation:

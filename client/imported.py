@@ -57,6 +57,11 @@ class ImportedBuffers:
             else:
                 del self._pinned[buffer_id]
 
+    def owes(self) -> bool:
+        """Whether any Forget is owed, pinned or not (a read of two lists, atomic under the
+        GIL: asked without the backend's lock, see Connection._send_releases)."""
+        return bool(self._owed or self._unsure)
+
     def take_owed(self, freed_only: bool = False) -> list[int]:
         """The Forgets to send now; a pinned buffer's wait. A timed-out import's must reach
         the daemon before that buffer's next Import (which the daemon refuses while it holds
