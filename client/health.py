@@ -32,6 +32,10 @@ class Health:
 
     def failure(self) -> tuple[CommError | None, int]:
         """The failure on record and the epoch it is about (None, 0: healthy)."""
+        # None, every healthy call's answer, is read without the lock: one recorded meanwhile
+        # is as if recorded just after (once one is seen, the lock gives the pair whole)
+        if self._failure is None:
+            return None, 0
         with self._lock:
             return self._failure, self._about
 

@@ -36,10 +36,11 @@ class OpCache:
         makes it when none is cached or alive; it runs outside the lock (it may import a
         buffer: a round trip)."""
         releases = self._resolver.host_releases()
-        with self._lock:
-            host = self._host.get(key)
-            cached = self._device.get(key) if host is None else None
-            generation = self._generation
+        # Read without the lock (dict lookups are atomic under the GIL); the generation
+        # first, so that an op built after a clear() that comes meanwhile is not kept
+        generation = self._generation
+        host = self._host.get(key)
+        cached = self._device.get(key) if host is None else None
         if host is not None and host[1] == releases:
             return host[0], ()
         if cached is not None and self._resolver.still_valid(cached[1]):
