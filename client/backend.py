@@ -34,11 +34,13 @@ def _member(kind: type[E], what: str, value: E | str) -> E:
 
 
 def as_dtype(value: DTypeLike) -> DType:
-    return _member(DType, "dtype", value)
+    # (a member already, the common case, without _member's call: an enum with members has
+    # no subclasses, so `type(...) is` is isinstance here)
+    return value if type(value) is DType else _member(DType, "dtype", value)
 
 
 def as_op(value: OpLike) -> ReduceOp:
-    return _member(ReduceOp, "op", value)
+    return value if type(value) is ReduceOp else _member(ReduceOp, "op", value)
 
 
 def as_ints(**values: object) -> tuple[int, ...]:
@@ -47,6 +49,9 @@ def as_ints(**values: object) -> tuple[int, ...]:
     drops a connection that sends a float where an integer goes."""
     ints = []
     for name, value in values.items():
+        if type(value) is int:  # (the common case: a plain int is its own index)
+            ints.append(value)
+            continue
         try:
             if isinstance(value, bool):
                 raise TypeError

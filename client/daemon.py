@@ -288,7 +288,7 @@ class DaemonBackend(CommBackend):
     def group_start(self) -> None:
         self._conn.check_open()
         with self._lock:  # with the epoch it is for: a reconnect moves both under _lock
-            self._groups.start(self._basis())
+            self._groups.start(self._conn.basis())
 
     @_interruptible
     def group_end(self) -> None:
@@ -385,10 +385,10 @@ class DaemonBackend(CommBackend):
         waits no longer than the call's deadline (False: recv_command_u32, without one)."""
         self._conn.check_open()
         due = self._due()
-        basis = self._basis()  # (before the op: a cached one names the buffers of that connection)
+        basis = self._conn.basis()  # (before the op: a cached one names the buffers of that connection)
         try:
             op, device = self._handover.pinned(
-                lambda: self._ops.get(key, lambda: built(lambda: make_op(due))))
+                functools.partial(self._ops.get, key, lambda: built(lambda: make_op(due))))
         except CommError:
             if self._conn.transport.broken is not None:  # (its imports asked a connection gone
                 self._raise_failure()  # with the world: its end, as a call words it)
@@ -404,7 +404,8 @@ class DaemonBackend(CommBackend):
         except BaseException:
             self._handover.unpin(device)
             raise
-        self._handover.unpin(device)
+        if device:
+            self._handover.unpin(device)
 
     def _take_owed(self, freed_only: bool = False) -> list[int]:
         """The Forgets to send now (under _lock; see ImportedBuffers.take_owed)."""
@@ -420,16 +421,16 @@ class DaemonBackend(CommBackend):
         """The deadline of a call starting now: every request the call makes shares it."""
         return time.monotonic() + self._timeout
 
-    def _basis(self) -> Basis:
-        return self._conn.basis()
-
     def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
                        due: float | None, basis: Basis) -> None:
         """Submit ops; those on device memory follow the worker's `streams`: with an engine
         that has streams, through their events (`StreamOrder`; all but the first are
         waited for here); otherwise all are waited for here."""
+        if not streams:  # (host memory: asked first, the driver is a property's call)
+            self._submit(ops, due, basis)
+            return
         driver = self._resolver.driver
-        if not streams or driver is None:
+        if driver is None:
             self._submit(ops, due, basis)
             return
         by_events = self.engine != "host"  # the host engine has no streams (and refuses device memory)

@@ -11,6 +11,7 @@ ops were built by its new id (`moved`), and waits for a move under way.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -111,7 +112,7 @@ class Moves:
         """`call` ended, answered or not: the buffers that waited for it alone move now."""
         # (cut short, the call would stay in flight for good, and the buffers waiting for it
         # where the lost call's daemon writes)
-        despite_interrupts(lambda: self._end(call))
+        despite_interrupts(functools.partial(self._end, call))  # (no lambda's frame: every call ends here)
 
     def _end(self, call: object) -> None:
         free: set[int] = set()  # waiting buffers no call in flight names any more
@@ -124,7 +125,8 @@ class Moves:
                 self._to_move -= free
                 self._leaving |= free
         finally:
-            self._move(free)  # (one that cannot move stays: the next call naming it is told)
+            if free:  # (one that cannot move stays: the next call naming it is told)
+                self._move(free)
 
     def detach(self, buffer_ids: Collection[int],
                call: object = None) -> tuple[dict[int, Exception], set[int]]:
