@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -197,7 +198,7 @@ class Connection:
         deadline = None if due is None else due + grace
         try:
             self._send_releases(transport, deadline)
-            msg = built(lambda: make(transport.next_id()))
+            msg = built(functools.partial(make, transport.next_id()))  # (no lambda's frame)
             reply, got = transport.request(msg, deadline, fds, undo, abandon)
             checked(reply)
         except CommError as exc:
