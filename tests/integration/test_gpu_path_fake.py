@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -1195,7 +1196,9 @@ def test_a_member_silent_after_its_launch_fails_the_roots_call_within_the_window
             zero, one = (r.result(timeout=30) for r in ranks)
         assert zero["first"] == one["first"] == b"\x03" * 8
         assert isinstance(zero["second"], PeerLost), zero["second"]
-        assert "daemon B was lost: silent for" in str(zero["second"]), zero["second"]
+        # (B may judge the silence first and close its end, which the proxy passes on to A)
+        assert re.search(r"daemon B was lost: (silent for|closed by the peer)", str(zero["second"])), \
+            zero["second"]
         assert zero["took"] < window_s + 2.5, f"rank 0 answered after {zero['took']:.1f} s"
         # NCCL ran it on both devices before the silence: each buffer has the sum
         assert one["second"] == "ok" and zero["data"] == one["data"] == b"\x06" * 8
