@@ -340,6 +340,106 @@ async def test_a_farewell_says_goodbye_after_what_was_queued(caplog: pytest.LogC
     assert "link to daemon daemon-b closed: it left: daemon shutting down" in caplog.messages
 
 
+async def test_a_goodbye_mid_world_ends_the_link_and_nothing_behind_it_is_heard() -> None:
+    """A peer that proved the secret says goodbye while a world runs over the link, and
+    sends more in the same write: what came before is handled, the link closes as left, and
+    the frames behind the goodbye reach no handler (the peer is gone as far as we know)."""
+    a = Side("daemon-a")
+    async with sides(a):
+        session = await raw_dial(await a.listen())
+        try:
+            link, _ = await a.next_link()
+            before = p.WorldFailed("w", 1, ErrorCode.TIMEOUT, "before the goodbye")
+            behind = p.WorldFailed("w", 2, ErrorCode.TIMEOUT, "behind the goodbye")
+            session.writer.writelines([*session.sealed(before), *session.sealed(p.Goodbye("stopping")),
+                                       *session.sealed(behind), *session.sealed(p.Data(
+                                           "w", 2, "p2p", 0, 0, 0, "fp"), b"x" * 100)])
+            await session.writer.drain()
+            _, msg, _ = await a.next_message()
+            assert msg == before
+            lost, reason, _ = await a.next_lost()
+            assert lost is link and link.closed and reason == "it left: stopping"
+            assert link.loss == "daemon raw left: stopping"
+            await asyncio.wait_for(session.read_until_eof(), 5)  # and hung up
+            await asyncio.sleep(0.05)
+            assert a.messages.empty() and a.lost.empty()
+        finally:
+            session.writer.close()
+
+
+async def test_a_goodbye_in_the_handshake_is_refused() -> None:
+    """A goodbye in the clear (from anyone, in place of the dialer's proof) ends the
+    handshake as any message out of turn does: no link, nothing lost."""
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "stranger", os.urandom(p.NONCE_BYTES),
+                                                 incarnation()))
+            challenge, _ = await read_frame(reader)
+            assert isinstance(challenge, p.PeerChallenge)
+            await send_frame(writer, p.Goodbye("bye"))
+            frames = await asyncio.wait_for(read_until_eof(reader), 5)
+            assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+        assert a.accepted.empty() and a.lost.empty()
+
+
+@pytest.mark.parametrize("header_len", [proto.MAX_MESSAGE_BYTES + 1, p.MAX_SEALED_HEADER_BYTES])
+async def test_a_big_header_in_the_clear_mid_handshake_is_refused_from_its_length(header_len: int) -> None:
+    """A sealed frame's header may take 1 MiB; one in the clear (a handshake's: anyone's)
+    still 64 KiB. A stranger past the hello who announces a bigger header is hung up on at
+    once, from the lengths alone (the handshake timeout is 5 s), not read into a buffer."""
+    a = Side("daemon-a")
+    async with sides(a):
+        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        try:
+            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "stranger", os.urandom(p.NONCE_BYTES),
+                                                 incarnation()))
+            challenge, _ = await read_frame(reader)
+            assert isinstance(challenge, p.PeerChallenge)
+            started = time.monotonic()
+            writer.write(p.FRAME.pack(header_len, 0) + b"\x81")  # (its header's first byte only)
+            await writer.drain()
+            assert await hung_up(reader)
+            assert time.monotonic() - started < 2.0
+        finally:
+            writer.close()
+        await eventually(lambda: a.node.refused == 1)
+        assert a.accepted.empty()
+
+
+async def test_a_sealed_header_of_1_mib_that_is_no_world_ready_is_a_bad_frame() -> None:
+    """A peer that proved the secret may send a header of up to 1 MiB; one that decodes to
+    nothing this build takes (a heartbeat with a field of 1 MiB) drops that link as a bad
+    frame and leaves the daemon serving its other links."""
+    a, b = Side("daemon-a"), Side("daemon-b")
+    async with sides(a, b):
+        port = await a.listen()
+        b_to_a = await b.dial(port)
+        a_to_b, _ = await a.next_link()
+        session = await raw_dial(port)
+        try:
+            raw_link, _ = await a.next_link()
+            head = msgpack.packb({"t": "heartbeat", "seq": 1, "pad": ""})
+            pad = p.MAX_SEALED_HEADER_BYTES - len(head) - 4  # (a str32's length takes 4 more)
+            header = msgpack.packb({"t": "heartbeat", "seq": 1, "pad": "x" * pad})
+            assert len(header) == p.MAX_SEALED_HEADER_BYTES
+            await session.send_header(header)
+            lost, reason, _ = await a.next_lost()
+            assert lost is raw_link and reason.startswith("bad frame"), reason
+            assert "unknown field 'pad'" in reason
+            await asyncio.wait_for(session.read_until_eof(), 5)
+            b_to_a.send(p.WorldFailed("w", 3, ErrorCode.TIMEOUT, "still here"))
+            link, msg, _ = await a.next_message()
+            assert link is a_to_b and msg == p.WorldFailed("w", 3, ErrorCode.TIMEOUT, "still here")
+            assert not a_to_b.closed and a.lost.empty()
+        finally:
+            session.writer.close()
+
+
 def test_a_handler_that_closes_its_link_hears_nothing_more_from_it() -> None:
     """A handler may close the link it is handed (a daemon refusing what a peer said): the
     frames the peer sent right behind are not handed on. Before, the read loop went on
@@ -626,7 +726,8 @@ FAILED_HEADER = encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "forged"))
 FAILED_FRAME = b"".join(p.frame(FAILED_HEADER))
 BAD_LENGTHS = {  # refused from the lengths alone, before anything is read or opened
     "empty header": p.FRAME.pack(0, 0),
-    "header over the limit": p.FRAME.pack(proto.MAX_MESSAGE_BYTES + 1, 0),
+    # (an established link's frames are sealed: their headers may take 1 MiB)
+    "header over the limit": p.FRAME.pack(p.MAX_SEALED_HEADER_BYTES + 1, 0),
     "payload over the limit": p.FRAME.pack(10, p.MAX_PAYLOAD_BYTES + 1),
 }
 BAD_HEADERS = {  # sealed as the link seals a frame's header

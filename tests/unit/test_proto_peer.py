@@ -389,9 +389,11 @@ def test_decode_refuses_malformed_headers(data: bytes) -> None:
 
 
 def test_encode_refuses_a_header_over_the_limit() -> None:
-    big = WorldReady("w", 0, ("d" * 256,) * 300)  # valid, but ~77 KB encoded
+    big = WorldReady("w", 0, ("d" * 256,) * 4100)  # valid, but ~1.06 MB encoded: over a sealed header's
     with pytest.raises(MessageTooLarge):
         encode_peer(big)
+    with pytest.raises(MessageTooLarge):  # (~77 KB: a sealed frame's, never one in the clear)
+        frame(encode_peer(WorldReady("w", 0, ("d" * 256,) * 300)))
 
 
 def test_encode_refuses_unencodable_text() -> None:
