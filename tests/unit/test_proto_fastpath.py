@@ -155,3 +155,47 @@ def test_plain_ok_shortcut_refuses_what_the_generic_path_refuses() -> None:
     assert proto.decode(head + b"\xcf" + b"\xff" * 8 + tail) == proto.Ok(2**64 - 1)
     with pytest.raises(proto.ProtoError):
         proto.decode(head + b"\x05" + tail, nfds=1)  # a plain Ok carries no fd
+
+
+def _outcome(data: bytes, cache: codec.OpsCache | None, nfds: int = 0) -> object:
+    try:
+        return proto.decode(data, nfds, ops_cache=cache)
+    except proto.ProtoError as exc:
+        return type(exc), str(exc)
+
+
+_PRIMED = [
+    proto.Submit(9, (proto.AllReduce(proto.Mem(1, 0), 8),), 2),
+    proto.Submit(200, (proto.AllReduce(None, 0),)),
+    proto.Submit(70000, (proto.Send(proto.Mem(2, 4), 4, 1, 99), proto.Recv(proto.Mem(3, 0), 4, 0, 99)), 7),
+    proto.Submit(2**40, (proto.AllGather(proto.Mem(5, 0), proto.Mem(6, 0), 16), proto.Barrier()), 2**63),
+    proto.Submit(1, (proto.Broadcast(proto.Mem(4, 8), 0, 3),)),
+]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.sampled_from(_PRIMED), st.integers(0, 4), st.integers(0, 2**16), st.binary(max_size=9),
+       st.integers(0, 3), st.integers(0, 2))
+def test_a_mutated_packet_decodes_from_a_primed_cache_as_the_generic_path_has_it(
+        msg: proto.Submit, how: int, at: int, bytes_: bytes, cut: int, nfds: int) -> None:
+    """A hostile worker's packet, after its connection's cache is primed with the packets it
+    repeats: whatever it changes (a byte, an inserted or deleted run, the id's form, the
+    end), the cache answers exactly what decoding the packet afresh gives."""
+    cache: codec.OpsCache = {}
+    for primer in _PRIMED:
+        assert proto.decode(proto.encode(primer), ops_cache=cache) == primer
+    packet = proto.encode(msg)
+    at %= len(packet) + 1
+    if how == 0:  # bytes overwritten
+        packet = packet[:at] + bytes_ + packet[at + len(bytes_):]
+    elif how == 1:  # bytes inserted
+        packet = packet[:at] + bytes_ + packet[at:]
+    elif how == 2:  # a run deleted
+        packet = packet[:at] + packet[at + len(bytes_) + 1:]
+    elif how == 3:  # the id written in another form, or replaced by other bytes
+        ends = codec._ID_AT + len(msgpack.packb(msg.id))
+        packet = codec._SUBMIT_HEAD + bytes_ + packet[ends:]
+    packet = packet[:len(packet) - cut] if how == 4 else packet
+    generic = _outcome(packet, None, nfds)
+    assert _outcome(packet, cache, nfds) == generic
+    assert _outcome(packet, cache, nfds) == generic  # (the first may have filled the cache)
