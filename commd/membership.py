@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
+from proto.messages import U64_MAX
 
 from .errors import CallError, NotListening, from_peer, rank_list, seconds
 from .peering import Backoff
@@ -83,6 +84,12 @@ class LocalMembership:
 
     def peer_lost(self, link: PeerLink) -> None:
         pass
+
+
+def _ms(seconds: float) -> int:
+    """Milliseconds for a peer message's u64: a timeout at the top of the hello's u64 comes
+    back from seconds (a float) rounded past it."""
+    return min(U64_MAX, int(seconds * 1000))
 
 
 class Due(NamedTuple):
@@ -167,8 +174,8 @@ class NetMembership:
             return
         try:
             self.net.send("root", p.JoinWorld(self._world.name, self._world.world_size, rank,
-                                              self._world.epoch, max(1, int(left * 1000)),
-                                              self._token, vote, round(due.whole_s * 1000)))
+                                              self._world.epoch, max(1, _ms(left)), self._token,
+                                              vote, _ms(due.whole_s)))
             self._sent[rank] = vote
         except CallError as exc:  # the link went down between resolving and sending
             self._world.refuse(rank, ErrorCode.PEER_LOST, f"world {self._world.name}: {exc.message}")

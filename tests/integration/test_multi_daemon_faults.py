@@ -44,6 +44,7 @@ from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
 from proto.codec import encode_peer
+from proto.messages import U64_MAX
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
@@ -2141,3 +2142,19 @@ def test_a_listeners_refusal_reaches_the_rank_escaped(answer: p.PeerMessage) -> 
     finally:
         listener.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("timeout_ms", [U64_MAX, U64_MAX - 1000])
+def test_a_member_rank_with_the_longest_timeout_joins(pair: list[DaemonProcess], timeout_ms: int) -> None:
+    """Rank 1 joins on B with a timeout at the top of the u64 a hello takes: B's vote to the
+    root carries the time left and the whole timeout in milliseconds, which must stay in the
+    u64 too (before: both rounded up to 2**64 through a float, the JoinWorld was invalid, B's
+    vote was lost, and the rank waited for good). The world forms on both daemons."""
+    a, b = pair
+    world = world_name()
+    with contextlib.closing(RawClient(str(b.socket_path), 20)) as rank_1:
+        rank_1.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, timeout_ms,
+                                bootstrap=a.peer_address()))
+        with DaemonBackend(str(a.socket_path), world, 0, 2, timeout=20, bootstrap=a.peer_address()) as rank_0:
+            welcome = rank_1.recv()
+            assert isinstance(welcome, proto.Welcome) and welcome.epoch == rank_0.epoch == 1, welcome
