@@ -58,9 +58,11 @@ class ImportedBuffers:
                 del self._pinned[buffer_id]
 
     def owes(self) -> bool:
-        """Whether any Forget is owed, pinned or not (a read of two lists, atomic under the
-        GIL: asked without the backend's lock, see Connection._send_releases)."""
-        return bool(self._owed or self._unsure)
+        """Whether any Forget may be owed (reads atomic under the GIL: asked without the
+        backend's lock, see Connection._send_releases). While a buffer is pinned, always:
+        take_owed empties the owed list before it puts the pinned ones back, and a timed-out
+        import's Forget read as not owed in that gap would let its next Import go first."""
+        return bool(self._owed or self._unsure or self._pinned)
 
     def take_owed(self, freed_only: bool = False) -> list[int]:
         """The Forgets to send now; a pinned buffer's wait. A timed-out import's must reach
