@@ -367,17 +367,24 @@ async def test_a_goodbye_mid_world_ends_the_link_and_nothing_behind_it_is_heard(
             session.writer.close()
 
 
+async def _challenged_stranger(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the listener at `port` whose hello it answered with its challenge
+    (the stranger holds no secret: it can go no further in the handshake)."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    hello = p.PeerHello(p.PEER_VERSION, "stranger", os.urandom(p.NONCE_BYTES), incarnation())
+    await send_frame(writer, hello)
+    challenge, _ = await read_frame(reader)
+    assert isinstance(challenge, p.PeerChallenge)
+    return reader, writer
+
+
 async def test_a_goodbye_in_the_handshake_is_refused() -> None:
     """A goodbye in the clear (from anyone, in place of the dialer's proof) ends the
     handshake as any message out of turn does: no link, nothing lost."""
     a = Side("daemon-a")
     async with sides(a):
-        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        reader, writer = await _challenged_stranger(await a.listen())
         try:
-            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "stranger", os.urandom(p.NONCE_BYTES),
-                                                 incarnation()))
-            challenge, _ = await read_frame(reader)
-            assert isinstance(challenge, p.PeerChallenge)
             await send_frame(writer, p.Goodbye("bye"))
             frames = await asyncio.wait_for(read_until_eof(reader), 5)
             assert len(frames) == 1 and isinstance(frames[0], p.PeerRefused)
@@ -394,12 +401,8 @@ async def test_a_big_header_in_the_clear_mid_handshake_is_refused_from_its_lengt
     once, from the lengths alone (the handshake timeout is 5 s), not read into a buffer."""
     a = Side("daemon-a")
     async with sides(a):
-        reader, writer = await asyncio.open_connection(HOST, await a.listen())
+        reader, writer = await _challenged_stranger(await a.listen())
         try:
-            await send_frame(writer, p.PeerHello(p.PEER_VERSION, "stranger", os.urandom(p.NONCE_BYTES),
-                                                 incarnation()))
-            challenge, _ = await read_frame(reader)
-            assert isinstance(challenge, p.PeerChallenge)
             started = time.monotonic()
             writer.write(p.FRAME.pack(header_len, 0) + b"\x81")  # (its header's first byte only)
             await writer.drain()
