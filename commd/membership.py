@@ -125,6 +125,10 @@ class NetMembership:
         self._dialing: set[int] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
         self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
+        # root only: the ranks not in _arrived, listed once for as long as it holds: when a
+        # round times out, every vote in it expires at once and each refusal names them (a
+        # listing each was O(world_size), and 8000 held the loop for seconds)
+        self._absent: list[int] | None = None
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
         # rank 0 starts the world here at epoch 0 while the members' ranks reconnect at theirs:
         # the new epoch must be newer than every daemon's, or they drop it as stale.
@@ -249,7 +253,9 @@ class NetMembership:
         return self._not_arrived() if self.net.is_root and self.net.root_known else []
 
     def _not_arrived(self) -> list[int]:
-        return [r for r in range(self._world.world_size) if r not in self._arrived]
+        if self._absent is None:
+            self._absent = [r for r in range(self._world.world_size) if r not in self._arrived]
+        return self._absent
 
     # ---- the root's side ----------------------------------------------------------
 
@@ -286,6 +292,7 @@ class NetMembership:
         del self._votes[rank]
         if left:
             self._arrived.discard(rank)
+            self._absent = None
         self._ballots.pop(rank, None)
         timer = self._timers.pop(rank, None)
         if timer is not None:
@@ -298,6 +305,7 @@ class NetMembership:
         self._votes.clear()
         self._ballots.clear()
         self._arrived.clear()
+        self._absent = None
         self._round_epoch = 0
         for timer in self._timers.values():
             timer.cancel()
@@ -335,6 +343,7 @@ class NetMembership:
     def _count(self, rank: int, daemon: str) -> None:
         self._votes[rank] = daemon
         self._arrived.add(rank)
+        self._absent = None
         if len(self._votes) < self._world.world_size:
             return
         placement = tuple(self._votes[r] for r in range(self._world.world_size))
