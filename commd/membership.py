@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import KeysView
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proto import ErrorCode, ProtoError, codec
@@ -54,7 +55,7 @@ class Formable(Protocol):
 
     def log_extra(self, rank: int | None = None) -> dict[str, object]: ...
 
-    def local_waiting(self) -> set[int]: ...
+    def local_waiting(self) -> KeysView[int]: ...
 
     def forget_if_empty(self) -> None: ...
 
@@ -62,22 +63,37 @@ class Formable(Protocol):
 class LocalMembership:
     def __init__(self, world: Formable) -> None:
         self._world = world
+        # the ranks that voted in the round being formed: one whose vote timed out arrived
+        # (the ranks still waiting are refused one by one, and each must name the same missing
+        # ranks, not those refused before it)
+        self._arrived: set[int] = set()
+        self._absent: list[int] | None = None  # as NetMembership's: listed once per timeout
 
     def vote(self, rank: int, timeout_s: float) -> None:
+        self._arrived.add(rank)
+        self._absent = None
         waiting = self._world.local_waiting()
         if len(waiting) == self._world.world_size:
+            self._arrived.clear()
             ranks = tuple(sorted(waiting))
             self._world.form(self._world.epoch + 1, ranks, ("local",) * len(ranks))
 
-    def withdraw(self, rank: int) -> None:
-        pass
+    def withdraw(self, rank: int, left: bool = True) -> None:
+        """`left`: the rank went away (not refused), so it is missing again."""
+        if left:
+            self._arrived.discard(rank)
+            self._absent = None
+        if not self._world.local_waiting():  # the round is over
+            self._arrived.clear()
+            self._absent = None
 
     def voting(self) -> bool:
         return False
 
     def missing(self) -> list[int]:
-        waiting = self._world.local_waiting()
-        return [r for r in range(self._world.world_size) if r not in waiting]
+        if self._absent is None:
+            self._absent = [r for r in range(self._world.world_size) if r not in self._arrived]
+        return self._absent
 
     def failed(self, code: ErrorCode, message: str) -> None:
         pass
@@ -225,13 +241,13 @@ class NetMembership:
             return ""
         return f"; the link to it closed {time.monotonic() - root.closed_at:.1f}s before: {root.loss}"
 
-    def withdraw(self, rank: int) -> None:
-        """A local rank that voted is gone (or was refused): its vote goes too."""
+    def withdraw(self, rank: int, left: bool = True) -> None:
+        """A local rank that voted is gone (`left`) or was refused: its vote goes too."""
         self._casting.pop(rank, None)
         self._due.pop(rank, None)
         if self.net.is_root:
             if self._votes.get(rank) == self.net.me:
-                self._forget_vote(rank, left=True)
+                self._forget_vote(rank, left=left)
         elif self._sent.pop(rank, None) is not None and self.net.root is not None:
             with contextlib.suppress(CallError):  # a root that is gone counts no votes
                 self.net.send("root", p.JoinWithdrawn(self._world.name, rank))
@@ -407,7 +423,7 @@ class NetMembership:
             return
         self.net.placement = msg.placement
         local = self.net.ranks_of(self.net.me)
-        gone = sorted(set(local) - self._world.local_waiting())
+        gone = sorted(set(local).difference(self._world.local_waiting()))
         self._world.form(msg.epoch, local, msg.placement, msg.engine_id)
         if gone:  # they left while it formed (their withdrawal crossed this): it cannot run
             self._world.fail(ErrorCode.WORLD_FAILED, f"world {self._world.name}: ranks "

@@ -16,7 +16,7 @@ import contextlib
 import enum
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass
 
 import proto
@@ -149,8 +149,10 @@ class World:
         self.stats.transition(self.state.value)
         log.info("world %s epoch %d: forming", self.name, self.epoch, extra=self.log_extra())
 
-    def local_waiting(self) -> set[int]:
-        return set(self._waiting)
+    def local_waiting(self) -> KeysView[int]:
+        """A view, not a copy: each vote asks whether its rank still waits (a copy each was
+        O(ranks) a vote, O(ranks²) a world)."""
+        return self._waiting.keys()
 
     def _wait(self, rank: int, waiter: Waiter, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -173,7 +175,7 @@ class World:
         waiter = self._waiting.pop(rank, None)
         if waiter is None:
             return
-        self.membership.withdraw(rank)
+        self.membership.withdraw(rank, left=False)
         self._cancel(waiter, code, message)
         self.forget_if_empty()
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import resource
 import tempfile
 import time
 import urllib.request
@@ -20,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import pytest
 
 from commd.launch import DaemonProcess
 from commd.status import query_status
@@ -131,6 +134,16 @@ class RankPool:
 def _joined(proc: Any, timeout: float) -> bool:
     proc.join(timeout)
     return not proc.is_alive()
+
+
+def raise_nofile(stack: contextlib.ExitStack, fds: int) -> None:
+    """Let this process open `fds` files until `stack` closes (skip the test where the hard
+    limit does not: thousands of ranks take a connection each)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < fds:
+        pytest.skip(f"{fds} files need more fds than this machine's hard limit ({hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, fds), hard))
+    stack.callback(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def short_tmpdir() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import time
 from typing import Any
 
 import msgpack
@@ -72,3 +73,15 @@ class RawClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def dialed(path: str, timeout: float = 10) -> RawClient:
+    """A RawClient at `path`, dialed again while the daemon's listen backlog is full (thousands
+    of connects in a row outrun its accepts: a connect with a timeout then fails with EAGAIN)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return RawClient(path, timeout=60)
+        except BlockingIOError:
+            assert time.monotonic() < deadline, f"the daemon at {path} accepted no connection in {timeout}s"
+            time.sleep(0.001)

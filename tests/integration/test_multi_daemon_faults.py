@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import socket
@@ -52,12 +51,13 @@ from tests.integration.harness import (
     RankPool,
     eventually,
     memfd_mappings,
+    raise_nofile,
     short_tmpdir,
     wait_until,
     world_name,
     world_status,
 )
-from tests.integration.rawclient import RawClient
+from tests.integration.rawclient import RawClient, dialed
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -710,31 +710,10 @@ def _hellos(stack: contextlib.ExitStack, daemons: list[DaemonProcess], world: st
     clients: list[RawClient] = []
     for rank in ranks:
         clients.append(stack.enter_context(contextlib.closing(
-            _connected(str((a if rank < size // 2 else b).socket_path)))))
+            dialed(str((a if rank < size // 2 else b).socket_path)))))
         clients[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank,
                                      size, timeout_ms, bootstrap=bootstrap))
     return clients
-
-
-def _connected(path: str, timeout: float = 10) -> RawClient:
-    """A RawClient at `path`, dialed again while the daemon's listen backlog is full (thousands
-    of connects in a row outrun its accepts: a connect with a timeout then fails with EAGAIN)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return RawClient(path, timeout=60)
-        except BlockingIOError:
-            assert time.monotonic() < deadline, f"the daemon at {path} accepted no connection in {timeout}s"
-            time.sleep(0.001)
-
-
-def _raise_nofile(stack: contextlib.ExitStack, fds: int) -> None:
-    """Let this process open `fds` files (skip the test where the hard limit does not)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < fds:
-        pytest.skip(f"{fds} files need more fds than this machine's hard limit ({hard})")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, fds), hard))
-    stack.callback(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_world_whose_placement_is_over_64_kib_forms() -> None:
@@ -767,7 +746,7 @@ def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_lim
     no word of what takes the room, or of a way out)."""
     size = 4100
     with contextlib.ExitStack() as stack:
-        _raise_nofile(stack, size + 1000)
+        raise_nofile(stack, size + 1000)
         daemons = _two_named_daemons(stack, {"A": "a" * 256, "B": "b" * 256}, "--max-connections", "3000")
         world = world_name()
         ranks = _hellos(stack, daemons, world, size, range(size - 1))
@@ -803,7 +782,7 @@ def test_a_join_timeout_of_thousands_of_ranks_reaches_every_rank_without_stallin
     were refused with PeerLost, "cannot reach the daemon at ...")."""
     size = 8000
     with contextlib.ExitStack() as stack:
-        _raise_nofile(stack, size + 1000)
+        raise_nofile(stack, size + 1000)
         daemons = _two_named_daemons(stack, {"A": "A", "B": "B"}, "--max-connections", str(size // 2 + 100))
         world = world_name()
         ranks = _hellos(stack, daemons, world, size, range(size - 1), timeout_ms=2000)

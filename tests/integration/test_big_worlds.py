@@ -1,0 +1,56 @@
+"""Worlds of thousands of ranks on one daemon: what each rank hears, and what the daemon
+shows, stay bounded and readable (RawClient hellos make the ranks cheaply)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import proto
+from commd.launch import DaemonProcess
+from proto import ErrorCode
+from tests.integration.harness import raise_nofile, short_tmpdir, world_name
+from tests.integration.rawclient import RawClient, dialed
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _daemon(stack: contextlib.ExitStack, ranks: int) -> DaemonProcess:
+    """A daemon that takes `ranks` connections (and this process the fds for them)."""
+    raise_nofile(stack, ranks + 1000)
+    tmp = short_tmpdir()
+    stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+    return stack.enter_context(DaemonProcess(Path(tmp) / "commd.sock",
+                                             args=["--max-connections", str(ranks + 100)]))
+
+
+def _hellos(stack: contextlib.ExitStack, daemon: DaemonProcess, world: str, size: int, ranks: range,
+            timeout_ms: int) -> list[RawClient]:
+    clients = []
+    for rank in ranks:
+        clients.append(stack.enter_context(contextlib.closing(dialed(str(daemon.socket_path)))))
+        clients[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, size,
+                                     timeout_ms))
+    return clients
+
+
+def test_a_join_timeout_of_thousands_of_ranks_names_the_same_missing_rank_to_each() -> None:
+    """4000 ranks of a 4001-rank world say hello with a 2 s timeout; rank 4000 never does.
+    Each is refused naming rank 4000 alone (before: each refusal listed the ranks not waiting
+    any more, so the ranks refused before it were named as never having arrived: the last
+    heard 'ranks [0, 1, ... (3985 more)] did not arrive'; and each listing was O(ranks))."""
+    size = 4001
+    with contextlib.ExitStack() as stack:
+        daemon = _daemon(stack, size)
+        world = world_name()
+        ranks = _hellos(stack, daemon, world, size, range(size - 1), timeout_ms=2000)
+        said = f"world {world}: ranks [{size - 1}] did not arrive within 2s"
+        for rank, client in enumerate(ranks):
+            answer = client.recv()
+            assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
+            assert (answer.code, answer.message) == (ErrorCode.TIMEOUT, said), (rank, answer)
+
