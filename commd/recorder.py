@@ -118,6 +118,15 @@ class FlightRecorder:
         return {str(rank): [r.as_dict() for r in list(ring)[-(last or self._depth):]]
                 for rank, ring in sorted(self._by_rank.items())}
 
+    def newest(self) -> dict[str, list[int]]:
+        """Each rank's newest call as `lines` says it, with the ranks whose newest it is (in
+        order): thousands of ranks at the same call read as one entry, not thousands."""
+        ranks: dict[str, list[int]] = {}
+        for rank, ring in sorted(self._by_rank.items()):
+            r = ring[-1]
+            ranks.setdefault(f"#{r.seq} {r.call} {r.state}{r.waiting_for_itself()}", []).append(rank)
+        return ranks
+
     def lines(self, last: int = 4) -> list[str]:
         """A compact dump for the log: each rank's newest calls."""
         out = []

@@ -75,7 +75,10 @@ class Watchdog:
                 continue
             oldest = world.recorder.oldest_open()
             if oldest is not None and time.monotonic() - oldest.started > timeout_s:
-                newest = "; ".join([*world.recorder.lines(last=1), *self._unrecorded()])
+                # (by call: said a rank at a time, the rank behind came after every rank at the
+                # others' call, and past a few dozen ranks the message was clipped before it)
+                calls = [f"{_who(ranks)}: {call}" for call, ranks in world.recorder.newest().items()]
+                newest = "; ".join([*calls, *self._unrecorded()])
                 world.fail(ErrorCode.TIMEOUT,
                            f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
                            f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
@@ -93,12 +96,16 @@ class Watchdog:
         behind may be among them, and a rank of another daemon is seen only there."""
         world = self._world
         recorded = world.recorder.ranks()
-        lines = [f"rank {r}: no call yet" for r in world.local_ranks if r not in recorded]
+        idle = [r for r in world.local_ranks if r not in recorded]
+        lines = [f"{_who(idle)}: no call yet"] if idle else []
         if world.net is None:
             return lines
         for daemon in world.net.members():
             ranks = list(world.net.ranks_of(daemon))
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
-            lines.append(f"{who}: on daemon {daemon}, no call known here (`commd status --world "
+            lines.append(f"{_who(ranks)}: on daemon {daemon}, no call known here (`commd status --world "
                          f"{world.name}` there shows {'its' if len(ranks) == 1 else 'their'} calls)")
         return lines
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"

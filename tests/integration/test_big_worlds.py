@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -54,3 +55,29 @@ def test_a_join_timeout_of_thousands_of_ranks_names_the_same_missing_rank_to_eac
             assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
             assert (answer.code, answer.message) == (ErrorCode.TIMEOUT, said), (rank, answer)
 
+
+def test_a_call_timeout_of_hundreds_of_ranks_names_the_rank_behind() -> None:
+    """300 ranks; all but rank 299 reach a barrier, and the world's 1 s call timeout fails it.
+    Every rank hears which rank is behind, the others' shared call said once (before: a rank
+    a line, 'rank 0: #0 barrier() pending; rank 1: ...', clipped after rank 117, so the
+    message never named rank 299, the one that made no call)."""
+    size = 300
+    with contextlib.ExitStack() as stack:
+        daemon = _daemon(stack, size)
+        world = world_name()
+        ranks = _hellos(stack, daemon, world, size, range(size), timeout_ms=1000)
+        for client in ranks:
+            assert isinstance(client.recv(), proto.Welcome)
+        for client in ranks[:-1]:
+            client.send(proto.Submit(2, (proto.Barrier(),)))
+        cause = (r"rank 0's call #0 barrier\(\) did not complete within 1s \(each rank's newest call: "
+                 r"ranks \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, \.\.\. \(283 more\)\]: "
+                 rf"#0 barrier\(\) pending; rank {size - 1}: no call yet\)")
+        for rank, client in enumerate(ranks[:-1]):
+            answer = client.recv()
+            assert isinstance(answer, proto.Error) and answer.code is ErrorCode.TIMEOUT, (rank, answer)
+            said = rf"world {world} epoch 1 failed: {cause}; call attempt_reconnect on every rank"
+            assert re.fullmatch(said, answer.message), (rank, answer)
+        event = ranks[-1].recv()
+        assert isinstance(event, proto.Event) and event.code is ErrorCode.TIMEOUT, event
+        assert re.fullmatch(cause, event.message), event
