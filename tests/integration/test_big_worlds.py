@@ -13,6 +13,7 @@ import pytest
 
 import proto
 from commd.launch import DaemonProcess
+from commd.status import query_status
 from proto import ErrorCode
 from tests.integration.harness import raise_nofile, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient, dialed
@@ -81,3 +82,27 @@ def test_a_call_timeout_of_hundreds_of_ranks_names_the_rank_behind() -> None:
         event = ranks[-1].recv()
         assert isinstance(event, proto.Event) and event.code is ErrorCode.TIMEOUT, event
         assert re.fullmatch(cause, event.message), event
+
+
+def test_the_status_of_a_world_of_thousands_of_ranks_that_made_calls_shows_it() -> None:
+    """6000 ranks pass a barrier; `commd status --world W` must show the world, its recent
+    calls cut to fit the 64 KiB report (before: cut to none, each rank still listed with an
+    empty list, the report still did not fit, and the world asked for was left out: '0 of 1
+    worlds shown')."""
+    size = 6000
+    with contextlib.ExitStack() as stack:
+        daemon = _daemon(stack, size)
+        world = world_name()
+        ranks = _hellos(stack, daemon, world, size, range(size), timeout_ms=30_000)
+        for client in ranks:
+            assert isinstance(client.recv(), proto.Welcome)
+        for client in ranks:
+            client.send(proto.Submit(2, (proto.Barrier(),)))
+        for rank, client in enumerate(ranks):
+            assert client.recv() == proto.Ok(2), rank
+        info = query_status(str(daemon.socket_path), 10, world)
+        assert (len(info["worlds"]), info["worlds_total"]) == (1, 1), info["worlds_total"]
+        shown = info["worlds"][0]
+        assert (shown["name"], shown["state"], shown["world_size"]) == (world, "ready", size)
+        assert shown["ranks"] == shown["local_ranks"] == list(range(size))
+        assert info["counters"]["calls"]["barrier"]["done"] == size
