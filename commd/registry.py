@@ -6,6 +6,7 @@ member daemon that reports a rank of it) and dropped when its last rank leaves.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import math
@@ -52,6 +53,8 @@ class Registry:
             p.JoinWithdrawn: self._join_withdrawn,
             p.WorldReady: self._world_ready,
             p.WorldFailed: self._world_failed,
+            p.CallsQuery: self._calls_query,
+            p.CallsReport: self._calls_report,
             p.Data: self._data,
         }
 
@@ -247,6 +250,46 @@ class Registry:
             world.net.inbox.deliver(msg, payload)
         except CallError as exc:
             world.fail(exc.code, f"world {world.name}: data from daemon {link.name}: {exc.message}")
+
+    def _calls_query(self, link: PeerLink, msg: p.CallsQuery, payload: bytes | bytearray) -> None:
+        """Another daemon's watchdog asks for our ranks' newest calls (see Watchdog.report)."""
+        world = self._at_epoch(link, msg.world, msg.epoch)
+        if world is None or world.net is None:
+            return
+        if world.net.is_root:
+            if msg.asker != link.name:  # (a member asks for itself only: it is whom we relay to)
+                return
+            for daemon in world.net.members():
+                if daemon != link.name:
+                    with contextlib.suppress(CallError):  # (gone: the asker hears it did not answer)
+                        world.net.send(daemon, msg)
+        link.send(world.watchdog.report(msg))
+
+    def _calls_report(self, link: PeerLink, msg: p.CallsReport, payload: bytes | bytearray) -> None:
+        world = self._at_epoch(link, msg.world, msg.epoch)
+        if world is None or world.net is None:
+            return
+        net = world.net
+        if net.is_root:
+            if msg.daemon != link.name:  # a member speaks for its own ranks only
+                return
+            if msg.asker != net.me:  # a member's answer to another member's query, which we passed on
+                if msg.asker != link.name and net.ranks_of(msg.asker):
+                    with contextlib.suppress(CallError):
+                        net.send(msg.asker, msg)
+                return
+        if msg.asker == net.me:
+            world.watchdog.reported(msg)
+
+    def _at_epoch(self, link: PeerLink, name: str, epoch: int) -> World | None:
+        """The world a message is about, if `link` is one of its and the epoch its own."""
+        world = self.worlds.get(name)
+        if world is None or world.net is None:
+            return None
+        if epoch != world.epoch:
+            self._stale(link, name, epoch, world.epoch)
+            return None
+        return world if self._in_world(world, link) else None
 
     @staticmethod
     def _sent_by_its_rank(world: World, link: PeerLink, msg: p.Data) -> bool:

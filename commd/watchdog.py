@@ -5,15 +5,20 @@ that never made its matching call, or an engine that never finished)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from proto import ErrorCode
+from proto import ErrorCode, clip_text
+from proto import peer as p
 
-from .errors import rank_list
+from .errors import CallError, rank_list
 
 if TYPE_CHECKING:
+    from .recorder import CallRecord
     from .world import World
 
 log = logging.getLogger("commd.world")
@@ -23,6 +28,22 @@ _WATCH_S = 0.25
 # ... and at most this often, however short a world's call timeout (a hello may ask for 1 ms):
 # a timeout is then noticed up to this late, and no world can keep the loop busy.
 _MIN_WATCH_S = 0.05
+# How long a timeout in a world across daemons waits for the other daemons' word on their ranks'
+# calls (less if the peer window is shorter): one that answers does within milliseconds, and
+# one that is stuck must not hold the failure back longer than this (nor past the client's
+# _VERDICT_GRACE_S, 2 s, after which a rank stops waiting for the daemon's word and says less).
+_ASK_S = 1.0
+_NO_CALL = "no call yet"
+
+
+@dataclass(slots=True)
+class _Ask:
+    """One question to the other daemons of the world: who has yet to answer, what was said."""
+
+    id: int
+    pending: set[str]
+    answered: asyncio.Future[None]
+    heard: dict[str, p.CallsReport] = field(default_factory=dict)
 
 
 class Watchdog:
@@ -35,6 +56,8 @@ class Watchdog:
         self._world = world
         self._task: asyncio.Task[None] | None = None
         self._wanted = asyncio.Event()  # set: there may be something to watch
+        self._asks = itertools.count(1)
+        self._asking: _Ask | None = None
 
     def ready(self) -> None:
         """The world is ready (again), maybe with an engine that must be polled."""
@@ -75,13 +98,18 @@ class Watchdog:
                 continue
             oldest = world.recorder.oldest_open()
             if oldest is not None and time.monotonic() - oldest.started > timeout_s:
-                # (by call: said a rank at a time, the rank behind came after every rank at the
-                # others' call, and past a few dozen ranks the message was clipped before it)
-                calls = [f"{_who(ranks)}: {call}" for call, ranks in world.recorder.newest().items()]
-                newest = "; ".join([*calls, *self._unrecorded()])
-                world.fail(ErrorCode.TIMEOUT,
-                           f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
-                           f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
+                await self._timed_out(oldest, timeout_s)
+
+    async def _timed_out(self, oldest: CallRecord, timeout_s: float) -> None:
+        world = self._world
+        epoch = world.epoch
+        heard, waited_s = await self._ask_others()
+        if world.recorder.oldest_open() is not oldest or world.epoch != epoch:
+            return  # it ended while we asked, or the world failed (another daemon's watchdog said it)
+        newest = "; ".join(self._newest(heard, waited_s))
+        world.fail(ErrorCode.TIMEOUT,
+                   f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
+                   f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
 
     def _watched(self) -> bool:
         """Whether there is anything to look at now."""
@@ -91,20 +119,103 @@ class Watchdog:
             return True
         return world.call_timeout_s is not None and world.recorder.oldest_open() is not None
 
-    def _unrecorded(self) -> list[str]:
-        """For a timeout's message, the ranks the flight recorder has no call of: the one
-        behind may be among them, and a rank of another daemon is seen only there."""
+    async def _ask_others(self) -> tuple[dict[str, p.CallsReport], float]:
+        """The other daemons' answers (by daemon) to a CallsQuery, and how long we waited for
+        them: the root asks each member; a member asks the root, which passes the query on."""
+        world, net = self._world, self._world.net
+        if net is None or not net.members():
+            return {}, 0.0
+        wait_s = min(_ASK_S, net.cluster.settings.window_s)
+        ask = _Ask(next(self._asks), set(net.members()), asyncio.get_running_loop().create_future())
+        query = p.CallsQuery(world.name, world.epoch, ask.id, net.me)
+        self._asking = ask
+        try:
+            for daemon in net.members() if net.is_root else ["root"]:
+                try:
+                    net.send(daemon, query)
+                except CallError:  # (unreachable: nothing to wait for from there)
+                    if net.is_root:
+                        ask.pending.discard(daemon)
+                    else:
+                        ask.pending.clear()
+            if ask.pending:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        await ask.answered
+        finally:
+            self._asking = None
+        return ask.heard, wait_s
+
+    def reported(self, report: p.CallsReport) -> None:
+        """A daemon's answer to our question (the registry checked who sent it)."""
+        ask = self._asking
+        if ask is None or report.ask != ask.id or report.daemon not in ask.pending:
+            return
+        ask.pending.discard(report.daemon)
+        ask.heard[report.daemon] = report
+        if not ask.pending and not ask.answered.done():
+            ask.answered.set_result(None)
+
+    def report(self, query: p.CallsQuery) -> p.CallsReport:
+        """This daemon's answer to another's CallsQuery: its ranks' newest calls."""
         world = self._world
-        recorded = world.recorder.ranks()
-        idle = [r for r in world.local_ranks if r not in recorded]
-        lines = [f"{_who(idle)}: no call yet"] if idle else []
-        if world.net is None:
-            return lines
-        for daemon in world.net.members():
-            ranks = list(world.net.ranks_of(daemon))
-            lines.append(f"{_who(ranks)}: on daemon {daemon}, no call known here (`commd status --world "
-                         f"{world.name}` there shows {'its' if len(ranks) == 1 else 'their'} calls)")
-        return lines
+        assert world.net is not None
+        calls, ranks, call_of = by_call(self._here())
+        return p.CallsReport(world.name, world.epoch, query.ask, query.asker, world.net.me, calls, ranks,
+                             call_of)
+
+    def _here(self) -> dict[str, list[int]]:
+        """Each of this daemon's ranks' newest call, by call; a rank the flight recorder has
+        no call of (the one behind may be among them) as having made none."""
+        world = self._world
+        calls = world.recorder.newest()
+        idle = [r for r in world.local_ranks if r not in world.recorder.ranks()]
+        if idle:
+            calls.setdefault(_NO_CALL, []).extend(idle)
+        return calls
+
+    def _newest(self, heard: dict[str, p.CallsReport], waited_s: float) -> list[str]:
+        """For a timeout's message, every rank's newest call, grouped by call across daemons
+        (by call: said a rank at a time, the rank behind came after every rank at the others'
+        call, and past a few dozen ranks the message was clipped before it)."""
+        world, net = self._world, self._world.net
+        calls = self._here()
+        unknown = []
+        for daemon in net.members() if net is not None else []:
+            assert net is not None
+            theirs = net.ranks_of(daemon)
+            report = heard.get(daemon)
+            told: dict[int, str] = {}
+            if report is not None:  # (a daemon speaks for its own ranks only)
+                mine = set(theirs)
+                told = {rank: report.calls[i] for rank, i in zip(report.ranks, report.call_of, strict=True)
+                        if rank in mine}
+            for rank, call in told.items():
+                calls.setdefault(call, []).append(rank)
+            untold = [r for r in theirs if r not in told]
+            if untold:
+                why = (f"on daemon {daemon}, not in its answer" if report is not None else
+                       f"daemon {daemon} did not answer within {waited_s:g}s")
+                unknown.append(f"{_who(untold)}: {why} (`commd status --world {world.name}` there shows "
+                               f"{'its' if len(untold) == 1 else 'their'} calls)")
+        ordered = sorted(((sorted(ranks), call) for call, ranks in calls.items()), key=lambda g: g[0][0])
+        return [*(f"{_who(ranks)}: {call}" for ranks, call in ordered), *unknown]
+
+
+def by_call(groups: dict[str, list[int]]) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """A CallsReport's `calls`, `ranks` and `call_of` for ranks grouped by call, within its
+    bounds: the ranks of the calls past MAX_CALL_GROUPS are told as at one of those."""
+    items = list(groups.items())
+    if len(items) > p.MAX_CALL_GROUPS:
+        rest = items[p.MAX_CALL_GROUPS - 1:]
+        items[p.MAX_CALL_GROUPS - 1:] = [(f"one of {len(rest)} other calls",
+                                          sorted(rank for _, ranks in rest for rank in ranks))]
+    ranks: list[int] = []
+    call_of: list[int] = []
+    for index, (_, of) in enumerate(items):
+        ranks += of
+        call_of += [index] * len(of)
+    return tuple(clip_text(call, p.MAX_CALL_TEXT) for call, _ in items), tuple(ranks), tuple(call_of)
 
 
 def _who(ranks: list[int]) -> str:

@@ -98,7 +98,7 @@ class World:
         self.stats = stats if stats is not None else DaemonStats()  # the daemon's: outlive worlds
         self.recorder = FlightRecorder(stats=self.stats.calls)
         self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
-        self._watchdog = Watchdog(self)
+        self.watchdog = Watchdog(self)
         self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
         self._extras = EngineExtras(world_size, local=net is None)
@@ -214,7 +214,7 @@ class World:
         self._matcher = Matcher(self.world_size, local_ranks)
         self._comm = comm
         self._extras.hand_to(comm)
-        self._watchdog.ready()
+        self.watchdog.ready()
         waiting, self._waiting = self._waiting, {}
         # A waiter the root placed elsewhere lost the race for its rank: never a member here
         strays = {rank: waiting.pop(rank) for rank in set(waiting) - set(local_ranks)}
@@ -259,7 +259,7 @@ class World:
         self._pending_ops[rank] = pending + count
         ticket = Ticket(peer, rank, request_id, count, self.epoch)
         self._tickets.add(ticket)
-        self._watchdog.call_opened()
+        self.watchdog.call_opened()
         epoch = self.epoch
         for op, regions in calls:
             record = self.recorder.start(rank, op)
@@ -491,7 +491,7 @@ class World:
         """No rank here, none waiting, and (root) no other daemon's rank voting: the world
         is over on this daemon."""
         if not self.members and not self._waiting and not self.membership.voting():
-            self._watchdog.stop()
+            self.watchdog.stop()
             if self._comm is not None:
                 self._comm.abort()
                 self._comm = None

@@ -58,6 +58,8 @@ TAGS: dict[type, str] = {
     p.JoinWithdrawn: "join_withdrawn",
     p.WorldReady: "world_ready",
     p.WorldFailed: "world_failed",
+    p.CallsQuery: "calls_query",
+    p.CallsReport: "calls_report",
     p.Data: "data",
 }
 _BY_TAG = {tag: cls for cls, tag in TAGS.items()}

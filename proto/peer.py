@@ -54,7 +54,7 @@ from .messages import (  # one definition of each rule for both protocols
 )
 
 PEER_VERSION = 8  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
-#                  7: vote ids; 8: goodbye, a vote's whole timeout, 1 MiB sealed headers
+#                  7: vote ids; 8: goodbye, a vote's whole timeout, 1 MiB sealed headers, calls queries
 NONCE_BYTES = 32
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 INCARNATION_BYTES = 16
@@ -313,6 +313,65 @@ class WorldFailed:
         object.__setattr__(self, "message", clip_text(self.message))  # (see WorldFailed)
 
 
+# A CallsReport's distinct calls, and each one's text: a daemon's ranks at thousands of calls
+# are told as that many at once (the failure that names them holds a few KiB anyway)
+MAX_CALL_GROUPS = 256
+MAX_CALL_TEXT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CallsQuery:
+    """A daemon whose watchdog is about to fail `world` for a call timeout asks each other
+    daemon of it for its ranks' newest calls: its failure then names the rank behind, not
+    only its own ranks. `asker` is the daemon that asks, `ask` its id for the question,
+    which the answers echo. A member asks the root, which answers and passes the query on
+    to every other member."""
+
+    world: str
+    epoch: int
+    ask: int
+    asker: str
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("epoch", self.epoch)
+        _u64("ask", self.ask)
+        _name("asker", self.asker)
+
+
+@dataclass(frozen=True, slots=True)
+class CallsReport:
+    """`daemon`'s answer to `asker`'s CallsQuery `ask` (a member's goes over the root, which
+    passes it on): `ranks[i]`'s newest call is `calls[call_of[i]]`. Each call is said once
+    however many ranks are at it, so that the asker can group every daemon's ranks by call."""
+
+    world: str
+    epoch: int
+    ask: int
+    asker: str
+    daemon: str
+    calls: tuple[str, ...]
+    ranks: tuple[int, ...]
+    call_of: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _name("world", self.world, MAX_WORLD_NAME)
+        _u64("epoch", self.epoch)
+        _u64("ask", self.ask)
+        _name("asker", self.asker)
+        _name("daemon", self.daemon)
+        if len(self.calls) > MAX_CALL_GROUPS:
+            raise InvalidMessage(f"a report names at most {MAX_CALL_GROUPS} calls")
+        for call in self.calls:
+            _short_text("a call", call, MAX_CALL_TEXT)
+        if len(self.ranks) > MAX_RANKS or len(self.call_of) != len(self.ranks):
+            raise InvalidMessage(f"a report names at most {MAX_RANKS} ranks, each with its call")
+        _ranks(self.ranks, MAX_RANKS)
+        for index in self.call_of:
+            if not 0 <= index < len(self.calls):
+                raise InvalidMessage(f"call {index} is not one of the report's {len(self.calls)}")
+
+
 @dataclass(frozen=True, slots=True)
 class Data:
     """Bytes of one op of a world, in the frame's payload.
@@ -351,11 +410,11 @@ class Data:
 
 PEER_MESSAGES: tuple[type, ...] = (
     PeerHello, PeerChallenge, PeerProof, PeerReady, PeerRefused, PeerBusy, Heartbeat, Goodbye,
-    JoinWorld, JoinRefused, JoinWithdrawn, WorldReady, WorldFailed, Data,
+    JoinWorld, JoinRefused, JoinWithdrawn, WorldReady, WorldFailed, CallsQuery, CallsReport, Data,
 )
 PeerMessage = (
     PeerHello | PeerChallenge | PeerProof | PeerReady | PeerRefused | PeerBusy | Heartbeat | Goodbye
-    | JoinWorld | JoinRefused | JoinWithdrawn | WorldReady | WorldFailed | Data
+    | JoinWorld | JoinRefused | JoinWithdrawn | WorldReady | WorldFailed | CallsQuery | CallsReport | Data
 )
 
 

@@ -2028,32 +2028,137 @@ def test_a_first_join_whose_root_restarts_meanwhile_forms_at_the_new_root(pair: 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_call_timed_out_across_daemons_names_the_ranks_on_the_others(pair: list[DaemonProcess]) -> None:
-    """Ranks 0 and 1 (on the root A) reach a barrier, rank 2 (on B) hangs before it. The
-    root's CommTimeout must point at B's rank: before, it named only A's ranks, both at the
-    same call ('rank 0's call #0 barrier() did not complete within 1.5s (each rank's newest
-    call: rank 0: #0 barrier() running; rank 1: #0 barrier() running)'), which by the
-    README's rule says nobody is behind, and rank 0 looks like the culprit."""
+def timed_world(daemons: list[DaemonProcess], root: DaemonProcess, world: str,
+                timeout: float) -> list[DaemonBackend]:
+    """One rank on each of `daemons` (in rank order), joined with call timeout `timeout`."""
+    with ThreadPoolExecutor(len(daemons)) as threads:
+        joins = [threads.submit(DaemonBackend, str(d.socket_path), world, r, len(daemons), timeout=timeout,
+                                bootstrap=root.peer_address()) for r, d in enumerate(daemons)]
+        return [j.result(20) for j in joins]
+
+
+def barrier_timeouts(comms: list[DaemonBackend], first: list[int], then: list[int],
+                     gap_s: float = 0.7) -> dict[int, str]:
+    """Ranks `first` enter a barrier, `then` `gap_s` later (their daemon's watchdog fires that
+    much after theirs), the others never (until the world failed, when they call it too):
+    each rank's CommTimeout message."""
+    said: dict[int, str] = {}
+    with ThreadPoolExecutor(len(comms)) as threads:
+        calls = {r: threads.submit(comms[r].barrier) for r in first}
+        time.sleep(gap_s)
+        calls |= {r: threads.submit(comms[r].barrier) for r in then}
+        for rank, call in calls.items():
+            with pytest.raises(CommTimeout) as timed_out:
+                call.result(20)
+            said[rank] = str(timed_out.value)
+    for rank in set(range(len(comms))) - set(calls):
+        with pytest.raises(CommTimeout) as timed_out:
+            comms[rank].barrier()
+        said[rank] = str(timed_out.value)
+    return said
+
+
+def test_a_call_timed_out_across_daemons_names_the_rank_behind_on_a_member(pair: list[DaemonProcess]) -> None:
+    """Ranks 0 and 1 (on the root A) and 2 (on B) reach a barrier, rank 3 (on B) never does.
+    The root's watchdog fires first; before, every rank heard '... ranks [2, 3]: on daemon B,
+    no call known here (`commd status --world W` there shows their calls)', and which one was
+    behind took asking B. The root asks B first: every rank hears which."""
     a, b = pair
-    world = world_name()
-    with ThreadPoolExecutor(3) as threads:
-        joins = [threads.submit(DaemonBackend, str(d.socket_path), world, r, 3, timeout=1.5,
-                                bootstrap=a.peer_address()) for r, d in enumerate([a, a, b])]
-        comms = [j.result(20) for j in joins]
-        try:
-            calls = [threads.submit(comm.barrier) for comm in comms[:2]]
-            for call in calls:
-                with pytest.raises(CommTimeout) as timed_out:
-                    call.result(20)
-                message = str(timed_out.value)
-                assert "did not complete within 1.5s" in message
-                assert f"rank 2: on daemon B, no call known here (`commd status --world {world}` there " \
-                       "shows its calls)" in message, message
-            with pytest.raises(CommTimeout, match="rank 2: on daemon B"):  # the hung rank hears it too
-                comms[2].barrier()
-        finally:
-            for comm in comms:
-                comm.close()
+    comms = timed_world([a, a, b, b], a, world_name(), 1.5)
+    try:
+        said = barrier_timeouts(comms, [0, 1], [2])
+    finally:
+        for comm in comms:
+            comm.close()
+    for message in said.values():
+        assert "rank 0's call #0 barrier() did not complete within 1.5s (each rank's newest call: " \
+               "ranks [0, 1]: #0 barrier() running; rank 2: #0 barrier() pending; rank 3: no call yet)" \
+               in message, message
+
+
+def test_a_call_timed_out_across_daemons_names_the_rank_behind_on_the_root(pair: list[DaemonProcess]) -> None:
+    """The same with the rank behind (1) on the root, and the member B's watchdog first (its
+    ranks 2 and 3 called first): before, 'ranks [0, 1]: on daemon A, no call known here'. B
+    asks the root."""
+    a, b = pair
+    comms = timed_world([a, a, b, b], a, world_name(), 1.5)
+    try:
+        said = barrier_timeouts(comms, [2, 3], [0])
+    finally:
+        for comm in comms:
+            comm.close()
+    for message in said.values():
+        assert "rank 2's call #0 barrier() did not complete within 1.5s (each rank's newest call: rank 0: " \
+               "#0 barrier() pending; rank 1: no call yet; ranks [2, 3]: #0 barrier() running)" in message, \
+               message
+
+
+def test_a_member_s_call_timeout_hears_the_other_members_through_the_root(pair: list[DaemonProcess]) -> None:
+    """Three daemons, a rank on each: rank 1 (on B) calls first, rank 0 (on the root A) next,
+    rank 2 (on C) never. B's watchdog asks the root, which answers and passes the question
+    on to C, and C's answer back to B: B's ranks' timeout names C's rank as behind, and
+    groups ranks 0 and 1 (on two daemons) at the same call."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "C" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", "C", *FAST]) as c:
+            a, b = pair
+            comms = timed_world([a, b, c], a, world_name(), 1.5)
+            try:
+                said = barrier_timeouts(comms, [1], [0])
+            finally:
+                for comm in comms:
+                    comm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for message in said.values():
+        assert "rank 1's call #0 barrier() did not complete within 1.5s (each rank's newest call: ranks " \
+               "[0, 1]: #0 barrier() running; rank 2: no call yet)" in message, message
+
+
+def test_a_call_timeout_does_not_wait_long_for_a_frozen_daemon(pair: list[DaemonProcess]) -> None:
+    """The member B is frozen (SIGSTOP) as the root's watchdog asks it for its ranks' calls:
+    the root fails the world 1 s later at most, saying B did not answer (not the window
+    later, and not when B comes back), and names its own ranks' calls."""
+    tmp = short_tmpdir()
+    try:
+        # (a window longer than the question's 1 s: B is not lost meanwhile)
+        a, b = (DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+            "--peer-listen", "127.0.0.1:0", "--peer-name", name, "--peer-heartbeat", "0.2",
+            "--peer-window", "4"]) for name in "AB")
+        with a, b:
+            world = world_name()
+            comms = timed_world([a, a, b, b], a, world, 1.5)
+            started = time.monotonic()
+            try:
+                said: dict[int, str] = {}
+                with ThreadPoolExecutor(3) as threads:
+                    calls = [threads.submit(comms[r].barrier) for r in (0, 1, 2)]
+                    wait_until(lambda: (world_status(b, world) or {}).get("pending_calls") == 1,
+                               "rank 2's call on B")
+                    os.kill(b.pid, signal.SIGSTOP)
+                    frozen = time.monotonic()
+                    for rank, call in enumerate(calls[:2]):
+                        with pytest.raises(CommTimeout) as timed_out:
+                            call.result(20)
+                        said[rank] = str(timed_out.value)
+                    failed = time.monotonic()
+                    os.kill(b.pid, signal.SIGCONT)
+                    with pytest.raises(CommTimeout):  # B's rank hears of it once B is back
+                        calls[2].result(20)
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+                for comm in comms:
+                    comm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # the call timeout, a watch interval, the 1 s question, scheduling
+    assert failed - started <= 1.5 + 0.25 + 1.0 + 0.75, failed - started
+    assert failed - frozen < 4  # (before the window: B was not declared lost)
+    for message in said.values():
+        assert "rank 0's call #0 barrier() did not complete within 1.5s (each rank's newest call: ranks " \
+               "[0, 1]: #0 barrier() running; ranks [2, 3]: daemon B did not answer within 1s (`commd " \
+               f"status --world {world}` there shows their calls))" in message, message
 
 
 def test_a_call_the_worlds_failure_ends_names_the_world_and_what_to_do(pair: list[DaemonProcess]) -> None:

@@ -26,6 +26,8 @@ from proto.peer import (
     NONCE_BYTES,
     PEER_MESSAGES,
     PEER_VERSION,
+    CallsQuery,
+    CallsReport,
     Data,
     Goodbye,
     Heartbeat,
@@ -109,6 +111,10 @@ EXAMPLES: tuple[Any, ...] = (
     WorldFailed("job-17", 3, ErrorCode.PEER_LOST, "daemon b:2 went silent"),
     WorldFailed("w", 0, ErrorCode.MISMATCH, ""),
     WorldFailed("w", U64_MAX, ErrorCode.WORLD_FAILED, "é" * 4096),
+    CallsQuery("job-17", 1, 1, "b:2"),
+    CallsQuery("w" * MAX_WORLD_NAME, U64_MAX, U64_MAX, "d" * 256),
+    CallsReport("job-17", 1, 1, "a:1", "b:2", ("#0 barrier() pending", "no call yet"), (2, 3), (0, 1)),
+    CallsReport("w", 0, 0, "a", "b", (), (), ()),
     Data("job-17", 1, "partial", 12, 0, 3, "all_reduce(4096, bf16, sum)", (0, 1)),
     Data("w", 0, "p2p", 0, 0, 0, ""),
     Data("w" * MAX_WORLD_NAME, U64_MAX, "s" * 32, U64_MAX, U64_MAX, U64_MAX, "f" * 256,
@@ -144,6 +150,17 @@ def test_wire_shape_is_a_tagged_map() -> None:
     assert isinstance(data, Data) and data.about == ()
 
 
+def test_a_calls_report_of_every_rank_at_the_most_calls_fits_a_sealed_header() -> None:
+    """The biggest answer a daemon can give (its every rank, each call as long as allowed):
+    the frame of one that did not fit would drop the link, and every world over it."""
+    calls = tuple(f"{i:03d}" + "c" * (p.MAX_CALL_TEXT - 3) for i in range(p.MAX_CALL_GROUPS))
+    ranks = tuple(range(MAX_RANKS))
+    report = CallsReport("w" * MAX_WORLD_NAME, U64_MAX, U64_MAX, "a" * 256, "b" * 256, calls, ranks,
+                         tuple(r % p.MAX_CALL_GROUPS for r in ranks))
+    assert len(encode_peer(report)) <= p.MAX_SEALED_HEADER_BYTES
+    check_roundtrip(report)
+
+
 def test_data_key() -> None:
     assert Data("w", 1, "result", 4, 2, 9, "fp").key == ("result", 4, 2, 9)
 
@@ -158,6 +175,15 @@ nonces = st.binary(min_size=NONCE_BYTES, max_size=NONCE_BYTES)
 incarnations = st.binary(min_size=INCARNATION_BYTES, max_size=INCARNATION_BYTES)
 proofs = st.binary(min_size=32, max_size=32)
 codes = st.sampled_from(ErrorCode)
+
+
+@st.composite
+def calls_reports(draw: st.DrawFn) -> CallsReport:
+    calls = draw(st.lists(st.text(max_size=p.MAX_CALL_TEXT), max_size=8).map(tuple))
+    ranks = draw(st.lists(st.integers(0, MAX_RANKS - 1), max_size=16 if calls else 0).map(tuple))
+    call_of = tuple(draw(st.integers(0, len(calls) - 1)) for _ in ranks)
+    return CallsReport(draw(worlds), draw(u64), draw(u64), draw(daemons), draw(daemons), calls, ranks,
+                       call_of)
 
 
 @st.composite
@@ -183,6 +209,8 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     WorldReady: st.builds(WorldReady, worlds, u64,
                           st.lists(daemons, min_size=1, max_size=8).map(tuple)),
     WorldFailed: st.builds(WorldFailed, worlds, u64, codes, st.text(max_size=4096)),
+    CallsQuery: st.builds(CallsQuery, worlds, u64, u64, daemons),
+    CallsReport: calls_reports(),
     Data: st.builds(Data, worlds, u64, st.text(min_size=1, max_size=32), u64, u64, u64,
                     st.text(max_size=256),
                     st.lists(st.integers(0, MAX_RANKS - 1), max_size=16).map(tuple)),
@@ -260,6 +288,20 @@ BAD: dict[str, Callable[[], object]] = {
     "ready placement over max": lambda: WorldReady(W, 0, ("a",) * (MAX_RANKS + 1)),
     "failed world empty": lambda: WorldFailed("", 0, ErrorCode.PEER_LOST, ""),
     "failed epoch over u64": lambda: WorldFailed(W, U64_MAX + 1, ErrorCode.PEER_LOST, ""),
+    "calls query world empty": lambda: CallsQuery("", 0, 0, "a"),
+    "calls query ask negative": lambda: CallsQuery(W, 0, -1, "a"),
+    "calls query asker empty": lambda: CallsQuery(W, 0, 0, ""),
+    "calls query asker long": lambda: CallsQuery(W, 0, 0, "a" * 257),
+    "calls report epoch over u64": lambda: CallsReport(W, U64_MAX + 1, 0, "a", "b", (), (), ()),
+    "calls report daemon empty": lambda: CallsReport(W, 0, 0, "a", "", (), (), ()),
+    "calls report too many calls": lambda: CallsReport(W, 0, 0, "a", "b", ("c",) * (p.MAX_CALL_GROUPS + 1),
+                                                       (), ()),
+    "calls report call long": lambda: CallsReport(W, 0, 0, "a", "b", ("c" * (p.MAX_CALL_TEXT + 1),), (), ()),
+    "calls report ranks over max": lambda: CallsReport(W, 0, 0, "a", "b", ("c",), (0,) * (MAX_RANKS + 1),
+                                                       (0,) * (MAX_RANKS + 1)),
+    "calls report rank not a rank": lambda: CallsReport(W, 0, 0, "a", "b", ("c",), (MAX_RANKS,), (0,)),
+    "calls report rank without its call": lambda: CallsReport(W, 0, 0, "a", "b", ("c",), (0, 1), (0,)),
+    "calls report call not in it": lambda: CallsReport(W, 0, 0, "a", "b", ("c",), (0,), (1,)),
     "data world empty": lambda: Data("", 0, "p2p", 0, 0, 0, ""),
     "data world long": lambda: Data("w" * (MAX_WORLD_NAME + 1), 0, "p2p", 0, 0, 0, ""),
     "data epoch negative": lambda: Data(W, -1, "p2p", 0, 0, 0, ""),
@@ -293,6 +335,7 @@ HB = Heartbeat(1)
 HELLO = PeerHello(PEER_VERSION, "d", GOOD_NONCE, INC)
 JOIN = JoinWorld("w", 4, 0, 0, 1000)
 DATA = Data("w", 0, "p2p", 0, 0, 0, "fp")
+REPORT = CallsReport("w", 1, 1, "a", "b", ("#0 barrier() pending",), (2,), (0,))
 
 # well-formed maps whose values break a rule: the constructor's check runs on decode too
 DECODED_INVALID: dict[str, bytes] = {
@@ -306,6 +349,10 @@ DECODED_INVALID: dict[str, bytes] = {
     "join world long": _raw(JOIN, world="w" * (MAX_WORLD_NAME + 1)),
     "ready placement empty": _raw(WorldReady("w", 0, ("a",)), placement=[]),
     "data step long": _raw(DATA, step="s" * 33),
+    "calls report call not in it": _raw(REPORT, call_of=[1]),
+    "calls report rank without its call": _raw(REPORT, ranks=[2, 3]),
+    "calls report rank not a rank": _raw(REPORT, ranks=[MAX_RANKS]),
+    "calls query asker empty": _raw(CallsQuery("w", 1, 1, "a"), asker=""),
     "data call negative": _raw(DATA, call=-(1 << 63)),
     "refused reason long": _raw(PeerRefused("x"), reason="r" * 1025),
     "busy reason long": _raw(PeerBusy("x"), reason="r" * 1025),

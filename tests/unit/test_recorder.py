@@ -8,6 +8,8 @@ import pytest
 
 import proto
 from commd.recorder import FlightRecorder
+from commd.watchdog import by_call
+from proto import peer as p
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,3 +56,23 @@ def test_the_status_shows_an_ended_call_as_it_ended_and_an_open_one_as_it_is_now
     assert first["0"][0]["seconds"] < 0.05
     assert [c["state"] for c in (first["1"][0], again["1"][0])] == ["pending", "running"]
     assert again["1"][0]["seconds"] >= first["1"][0]["seconds"] + 0.05
+
+
+def test_a_calls_report_names_every_rank_within_its_bounds() -> None:
+    """A daemon whose 600 ranks are at 300 different calls answers a CallsQuery with at most
+    MAX_CALL_GROUPS calls: the ranks of the calls past them are told as at 'one of N other
+    calls', none left out (the asker would say 'not in its answer' of them), none twice."""
+    recorder = FlightRecorder()
+    for rank in range(600):
+        for _ in range(rank // 2):
+            recorder.start(rank, proto.Barrier()).close("done")
+        recorder.start(rank, proto.Barrier())
+    calls, ranks, call_of = by_call(recorder.newest())
+    report = p.CallsReport("w", 1, 1, "a", "b", calls, ranks, call_of)  # (within the message's bounds)
+    assert len(report.calls) == p.MAX_CALL_GROUPS
+    assert sorted(report.ranks) == list(range(600))
+    told = dict(zip(report.ranks, (report.calls[i] for i in report.call_of), strict=True))
+    assert told[0] == "#0 barrier() pending" and told[2 * 254 + 1] == "#254 barrier() pending"
+    assert told[2 * 255] == told[599] == "one of 45 other calls"
+    long = by_call({"#0 " + "x" * 1000: [0]})[0][0]
+    assert len(long) <= p.MAX_CALL_TEXT and long.endswith(" ... (cut)")
