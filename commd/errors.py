@@ -52,6 +52,11 @@ def rank_list(ranks: list[int], shown: int = 16) -> str:
     return "[" + ", ".join(map(str, ranks[:shown])) + f", ... ({len(ranks) - shown} more)]"
 
 
+def named_ranks(ranks: list[int]) -> str:
+    """"rank 3", or "ranks [0, 1, ...]", for a message."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+
+
 def quoted(name: str, limit: int = 300) -> str:
     """A name for a message, quoted (its characters escaped), clipped past `limit`: escaped, a
     name's every character may take up to 10 (a 256-character peer_name, 2562), more than

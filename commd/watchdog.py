@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from proto import ErrorCode, clip_text
 from proto import peer as p
 
-from .errors import CallError, rank_list
+from .errors import CallError, named_ranks
 
 if TYPE_CHECKING:
     from .recorder import CallRecord
@@ -196,10 +196,10 @@ class Watchdog:
             if untold:
                 why = (f"on daemon {daemon}, not in its answer" if report is not None else
                        f"daemon {daemon} did not answer within {waited_s:g}s")
-                unknown.append(f"{_who(untold)}: {why} (`commd status --world {world.name}` there shows "
-                               f"{'its' if len(untold) == 1 else 'their'} calls)")
+                unknown.append(f"{named_ranks(untold)}: {why} (`commd status --world {world.name}` there "
+                               f"shows {'its' if len(untold) == 1 else 'their'} calls)")
         ordered = sorted(((sorted(ranks), call) for call, ranks in calls.items()), key=lambda g: g[0][0])
-        return [*(f"{_who(ranks)}: {call}" for ranks, call in ordered), *unknown]
+        return [*(f"{named_ranks(ranks)}: {call}" for ranks, call in ordered), *unknown]
 
 
 def by_call(groups: dict[str, list[int]]) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
@@ -217,6 +217,3 @@ def by_call(groups: dict[str, list[int]]) -> tuple[tuple[str, ...], tuple[int, .
         call_of += [index] * len(of)
     return tuple(clip_text(call, p.MAX_CALL_TEXT) for call, _ in items), tuple(ranks), tuple(call_of)
 
-
-def _who(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"

@@ -76,3 +76,19 @@ def test_a_calls_report_names_every_rank_within_its_bounds() -> None:
     assert told[2 * 255] == told[599] == "one of 45 other calls"
     long = by_call({"#0 " + "x" * 1000: [0]})[0][0]
     assert len(long) <= p.MAX_CALL_TEXT and long.endswith(" ... (cut)")
+
+
+def test_the_log_dump_says_ranks_with_the_same_calls_once() -> None:
+    """A failed world's flight recorder goes to the log a line per rank: with 4000 ranks at
+    the same barrier that was 4000 lines a failure. Ranks with the same newest calls share
+    a line; the one that differs has its own."""
+    recorder = FlightRecorder()
+    for rank in range(40):
+        recorder.start(rank, proto.Barrier()).close("done")
+        if rank != 7:
+            recorder.start(rank, proto.Barrier())
+    assert recorder.lines() == [
+        "ranks [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, ... (23 more)]: "
+        "#0 barrier() done, #1 barrier() pending",
+        "rank 7: #0 barrier() done",
+    ]
