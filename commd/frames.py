@@ -13,6 +13,7 @@ import typing
 import proto
 from proto import clip_text, codec
 from proto import peer as p
+from proto import peerframe as pf
 
 # The messages of a handshake: once a side's handshake ended, it may send none of them
 HANDSHAKE = (p.PeerHello, p.PeerChallenge, p.PeerProof, p.PeerReady, p.PeerRefused, p.PeerBusy)
@@ -36,7 +37,7 @@ class FrameStream(asyncio.BufferedProtocol):
     def __init__(self, drop: bool = False, sealed_after: type[p.PeerMessage] | None = None) -> None:
         self._drop = drop  # close as soon as connected (see peering.MAX_HANDSHAKES)
         self._transport: asyncio.Transport | None = None
-        self._prefix = bytearray(p.FRAME.size)
+        self._prefix = bytearray(pf.FRAME.size)
         self._target: bytearray | memoryview = self._prefix
         # what sealed payloads are read into: each is opened into bytes of its own, so one
         # buffer serves them all (a fresh one would cost its zeroing, per 4 MiB chunk)
@@ -54,8 +55,8 @@ class FrameStream(asyncio.BufferedProtocol):
         # nothing big is allocated for someone who does not hold the keys.
         self.sealed_after = sealed_after
         self._sealed_in = False
-        self._seal: p.FrameSeal | None = None
-        self._opener: p.FrameSeal | None = None
+        self._seal: pf.FrameSeal | None = None
+        self._opener: pf.FrameSeal | None = None
         self._frames: collections.deque[tuple[p.PeerMessage, bytes | bytearray]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
@@ -103,11 +104,11 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._stage == "prefix":
             self._lengths = bytes(self._prefix)
             sealed = self._opening() is not None
-            header_len, payload_len = p.frame_lengths(self._lengths, sealed)
+            header_len, payload_len = pf.frame_lengths(self._lengths, sealed)
             if payload_len and self._opener is None:
                 raise proto.DecodeError("a payload before the handshake ended")  # no big buffers
             if sealed:
-                header_len, payload_len = p.sealed_lengths(header_len, payload_len)
+                header_len, payload_len = pf.sealed_lengths(header_len, payload_len)
             self._pending_payload = payload_len
             self._expect("header", bytearray(header_len))
             return
@@ -137,7 +138,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._expect("prefix", self._prefix)
         self._wake()
 
-    def _opening(self) -> p.FrameSeal | None:
+    def _opening(self) -> pf.FrameSeal | None:
         """What opens the frame being read; None while frames come in the clear."""
         if not self._sealed_in:
             return None
@@ -188,11 +189,11 @@ class FrameStream(asyncio.BufferedProtocol):
     def trust(self, open_key: bytes) -> None:
         """The other side proved the secret: open what it sends after its last clear frame
         (`sealed_after`) with `open_key`. Called before that frame can come."""
-        self._opener = p.FrameSeal(open_key)
+        self._opener = pf.FrameSeal(open_key)
 
     def seal_with(self, key: bytes) -> None:
         """Seal what we write from now on (the handshake ended)."""
-        self._seal = p.FrameSeal(key)
+        self._seal = pf.FrameSeal(key)
 
     async def read(self) -> tuple[p.PeerMessage, bytes | bytearray]:
         while not self._frames:
@@ -207,7 +208,7 @@ class FrameStream(asyncio.BufferedProtocol):
         change until `drain` returns."""
         if self._transport is not None and not self._transport.is_closing():
             header = codec.encode_peer(msg)
-            pieces = self._seal.seal(header, payload) if self._seal is not None else p.frame(header, payload)
+            pieces = self._seal.seal(header, payload) if self._seal is not None else pf.frame(header, payload)
             self._transport.writelines(pieces)
 
     async def drain(self) -> None:

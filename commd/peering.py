@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import proto
 from proto import peer as p
+from proto import peerframe as pf
 
 from . import __version__
 from .errors import escaped, quoted
@@ -229,7 +230,7 @@ class PeerNode:
 
     def _frame_keys(self, transcript: bytes, dialed: bool) -> tuple[bytes, bytes]:
         """This side's keys on the link: to seal what it writes, to open what it reads."""
-        dialers, listeners = p.frame_keys(self.settings.secret, transcript)
+        dialers, listeners = pf.frame_keys(self.settings.secret, transcript)
         return (dialers, listeners) if dialed else (listeners, dialers)
 
     def _link(self, name: str, incarnation: bytes, stream: FrameStream, transcript: bytes,

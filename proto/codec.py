@@ -17,6 +17,7 @@ import msgpack
 
 from . import messages as m
 from . import peer as p
+from . import peerframe as pf
 from .errors import DecodeError, InvalidMessage, MessageTooLarge, ProtoError
 
 TAGS: dict[type, str] = {
@@ -457,7 +458,7 @@ def encode_peer(msg: p.PeerMessage) -> bytes:
     MAX_SEALED_HEADER_BYTES (a handshake's, in the clear, are far below MAX_MESSAGE_BYTES)."""
     if not isinstance(msg, p.PEER_MESSAGES):
         raise InvalidMessage(f"{type(msg).__name__} is not a peer message")
-    return _pack(msg, p.MAX_SEALED_HEADER_BYTES)
+    return _pack(msg, pf.MAX_SEALED_HEADER_BYTES)
 
 
 def decode_peer(data: bytes) -> p.PeerMessage:

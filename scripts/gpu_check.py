@@ -393,9 +393,9 @@ def repo():
     return {m.__name__: m.__file__ for m in (commd, client, proto)}
 attempt("repo", repo)
 def sealing():  # two daemons seal their peer frames (cryptography, which needs cffi's backend)
-    from proto import peer
-    lengths, header, payload = peer.FrameSeal(bytes(32)).seal(b"header", b"payload")
-    opener = peer.FrameSeal(bytes(32))
+    from proto import peerframe
+    lengths, header, payload = peerframe.FrameSeal(bytes(32)).seal(b"header", b"payload")
+    opener = peerframe.FrameSeal(bytes(32))
     opened = opener.open_header(lengths, header), opener.open_payload(lengths, payload)
     assert opened == (b"header", b"payload"), opened
     return "ok"

@@ -19,6 +19,7 @@ from client import DaemonBackend
 from commd.cluster import parse_address
 from commd.launch import DaemonProcess
 from proto import peer as p
+from proto import peerframe as pf
 from proto.codec import encode_peer
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration.harness import back_to, held_at_rest, short_tmpdir, world_name
@@ -159,14 +160,14 @@ def test_garbage_at_the_peer_port(peer_daemon: DaemonProcess, steady_f: Steady,
     unrelated, base = steady_f.errors(), held_at_rest(peer_daemon.pid)
     host, port = parse_address(peer_daemon.peer_address())
     rng = random.Random(7)
-    hello = p.FRAME.pack(1, 0)
+    hello = pf.FRAME.pack(1, 0)
     good_header = encode_peer(p.PeerHello(p.PEER_VERSION, "x", os.urandom(p.NONCE_BYTES),
                                           os.urandom(p.INCARNATION_BYTES)))
-    frames = [hello + b"\xc1", p.FRAME.pack(len(good_header), 1 << 30) + good_header,
-              p.FRAME.pack(0, 0), b"GET / HTTP/1.1\r\n\r\n"]
+    frames = [hello + b"\xc1", pf.FRAME.pack(len(good_header), 1 << 30) + good_header,
+              pf.FRAME.pack(0, 0), b"GET / HTTP/1.1\r\n\r\n"]
     for i in range(300):
         data = frames[i % len(frames)] if i < len(frames) else \
-            mutate(rng, p.FRAME.pack(len(good_header), 0) + good_header)
+            mutate(rng, pf.FRAME.pack(len(good_header), 0) + good_header)
         with socket.create_connection((host, port), timeout=5) as conn:
             try:
                 conn.sendall(data)

@@ -42,6 +42,7 @@ from commd.peerlink import PeerLink, PeerSettings
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
+from proto import peerframe as pf
 from proto.codec import encode_peer
 from proto.messages import U64_MAX
 from tests.conftest import FaultReport, Steady, steady_world
@@ -2207,7 +2208,7 @@ class AnsweringListener:
     `answer`, in the clear, and closes."""
 
     def __init__(self, answer: p.PeerMessage) -> None:
-        self._frame = b"".join(p.frame(encode_peer(answer)))
+        self._frame = b"".join(pf.frame(encode_peer(answer)))
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.2)
         self.address = f"127.0.0.1:{self._server.getsockname()[1]}"

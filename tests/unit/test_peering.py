@@ -23,6 +23,7 @@ from commd.peering import PeerNode, PeerRefusedError, SelfDialError
 from commd.peerlink import PeerLink, PeerSettings
 from proto import ErrorCode
 from proto import peer as p
+from proto import peerframe as pf
 from proto.codec import decode_peer, encode_peer
 from tests.integration.harness import eventually
 
@@ -95,12 +96,12 @@ async def sides(*made: Side) -> AsyncIterator[None]:
 
 
 async def send_frame(writer: asyncio.StreamWriter, msg: Any, payload: bytes = b"") -> None:
-    writer.writelines(p.frame(encode_peer(msg), payload))
+    writer.writelines(pf.frame(encode_peer(msg), payload))
     await writer.drain()
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, bytes]:
-    header_len, payload_len = p.frame_lengths(await reader.readexactly(p.FRAME.size))
+    header_len, payload_len = pf.frame_lengths(await reader.readexactly(pf.FRAME.size))
     header = await reader.readexactly(header_len)
     payload = await reader.readexactly(payload_len) if payload_len else b""
     return decode_peer(header), payload
@@ -135,7 +136,7 @@ class RawSession:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  seal_key: bytes, open_key: bytes) -> None:
         self.reader, self.writer = reader, writer
-        self._seal, self._opener = p.FrameSeal(seal_key), p.FrameSeal(open_key)
+        self._seal, self._opener = pf.FrameSeal(seal_key), pf.FrameSeal(open_key)
 
     def sealed(self, msg: Any, payload: bytes | memoryview = b"") -> list[bytes]:
         return self._seal.seal(encode_peer(msg), payload)
@@ -149,8 +150,8 @@ class RawSession:
         await self.writer.drain()
 
     async def read(self) -> tuple[Any, bytes]:
-        prefix = await self.reader.readexactly(p.FRAME.size)
-        header_len, payload_len = p.sealed_lengths(*p.frame_lengths(prefix))
+        prefix = await self.reader.readexactly(pf.FRAME.size)
+        header_len, payload_len = pf.sealed_lengths(*pf.frame_lengths(prefix))
         header = self._opener.open_header(prefix, await self.reader.readexactly(header_len))
         if not payload_len:
             return decode_peer(header), b""
@@ -178,7 +179,7 @@ async def raw_dial(port: int, secret: bytes = SECRET, name: str = "raw") -> RawS
     await send_frame(writer, p.PeerProof(p.proof(secret, "dialer", transcript)))
     ready, _ = await read_frame(reader)
     assert isinstance(ready, p.PeerReady)
-    return RawSession(reader, writer, *p.frame_keys(secret, transcript))
+    return RawSession(reader, writer, *pf.frame_keys(secret, transcript))
 
 
 class RawListener:
@@ -210,9 +211,9 @@ class RawListener:
             self.name, nonce, p.proof(self.secret, "listener", transcript), ours))
         answer, _ = await read_frame(reader)
         assert answer == p.PeerProof(p.proof(self.secret, "dialer", transcript))
-        dialers, ours = p.frame_keys(self.secret, transcript)
+        dialers, ours = pf.frame_keys(self.secret, transcript)
         session = RawSession(reader, writer, ours, dialers)
-        pieces = p.frame(encode_peer(p.PeerReady()))
+        pieces = pf.frame(encode_peer(p.PeerReady()))
         for msg, payload in self.with_ready:
             pieces += session.sealed(msg, payload)
         writer.write(b"".join(bytes(piece) for piece in pieces))
@@ -394,7 +395,7 @@ async def test_a_goodbye_in_the_handshake_is_refused() -> None:
         assert a.accepted.empty() and a.lost.empty()
 
 
-@pytest.mark.parametrize("header_len", [proto.MAX_MESSAGE_BYTES + 1, p.MAX_SEALED_HEADER_BYTES])
+@pytest.mark.parametrize("header_len", [proto.MAX_MESSAGE_BYTES + 1, pf.MAX_SEALED_HEADER_BYTES])
 async def test_a_big_header_in_the_clear_mid_handshake_is_refused_from_its_length(header_len: int) -> None:
     """A sealed frame's header may take 1 MiB; one in the clear (a handshake's: anyone's)
     still 64 KiB. A stranger past the hello who announces a bigger header is hung up on at
@@ -404,7 +405,7 @@ async def test_a_big_header_in_the_clear_mid_handshake_is_refused_from_its_lengt
         reader, writer = await _challenged_stranger(await a.listen())
         try:
             started = time.monotonic()
-            writer.write(p.FRAME.pack(header_len, 0) + b"\x81")  # (its header's first byte only)
+            writer.write(pf.FRAME.pack(header_len, 0) + b"\x81")  # (its header's first byte only)
             await writer.drain()
             assert await hung_up(reader)
             assert time.monotonic() - started < 2.0
@@ -427,9 +428,9 @@ async def test_a_sealed_header_of_1_mib_that_is_no_world_ready_is_a_bad_frame() 
         try:
             raw_link, _ = await a.next_link()
             head = msgpack.packb({"t": "heartbeat", "seq": 1, "pad": ""})
-            pad = p.MAX_SEALED_HEADER_BYTES - len(head) - 4  # (a str32's length takes 4 more)
+            pad = pf.MAX_SEALED_HEADER_BYTES - len(head) - 4  # (a str32's length takes 4 more)
             header = msgpack.packb({"t": "heartbeat", "seq": 1, "pad": "x" * pad})
-            assert len(header) == p.MAX_SEALED_HEADER_BYTES
+            assert len(header) == pf.MAX_SEALED_HEADER_BYTES
             await session.send_header(header)
             lost, reason, _ = await a.next_lost()
             assert lost is raw_link and reason.startswith("bad frame"), reason
@@ -585,10 +586,10 @@ async def test_a_refusal_of_a_hello_fits_at_the_longest_names(case: str) -> None
 
 @pytest.mark.parametrize("opening", [
     b"GET / HTTP/1.1\r\n\r\n",
-    p.FRAME.pack(0, 0),
-    b"".join(p.frame(proto.encode(proto.Ok(1)))),  # a Unix-socket message on the TCP port
-    b"".join(p.frame(encode_peer(p.Heartbeat(1)))),  # a peer message, but not a hello
-    b"".join(p.frame(encode_peer(p.PeerReady()))),
+    pf.FRAME.pack(0, 0),
+    b"".join(pf.frame(proto.encode(proto.Ok(1)))),  # a Unix-socket message on the TCP port
+    b"".join(pf.frame(encode_peer(p.Heartbeat(1)))),  # a peer message, but not a hello
+    b"".join(pf.frame(encode_peer(p.PeerReady()))),
 ], ids=["http", "empty-header", "unix-message", "heartbeat", "ready"])
 async def test_listener_refuses_a_bad_opening(opening: bytes) -> None:
     a = Side("daemon-a")
@@ -640,7 +641,7 @@ async def test_dialer_reports_a_refusal_in_words() -> None:
 async def test_dialer_refuses_a_listener_that_speaks_garbage() -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(100)
-        writer.write(p.FRAME.pack(3, 0) + b"\xc1\xc1\xc1")
+        writer.write(pf.FRAME.pack(3, 0) + b"\xc1\xc1\xc1")
         await writer.drain()
         writer.close()
 
@@ -726,12 +727,12 @@ async def test_a_peer_that_stops_is_lost() -> None:
 
 
 FAILED_HEADER = encode_peer(p.WorldFailed("w", 0, ErrorCode.TIMEOUT, "forged"))
-FAILED_FRAME = b"".join(p.frame(FAILED_HEADER))
+FAILED_FRAME = b"".join(pf.frame(FAILED_HEADER))
 BAD_LENGTHS = {  # refused from the lengths alone, before anything is read or opened
-    "empty header": p.FRAME.pack(0, 0),
+    "empty header": pf.FRAME.pack(0, 0),
     # (an established link's frames are sealed: their headers may take 1 MiB)
-    "header over the limit": p.FRAME.pack(p.MAX_SEALED_HEADER_BYTES + 1, 0),
-    "payload over the limit": p.FRAME.pack(10, p.MAX_PAYLOAD_BYTES + 1),
+    "header over the limit": pf.FRAME.pack(pf.MAX_SEALED_HEADER_BYTES + 1, 0),
+    "payload over the limit": pf.FRAME.pack(10, pf.MAX_PAYLOAD_BYTES + 1),
 }
 BAD_HEADERS = {  # sealed as the link seals a frame's header
     "not msgpack": b"\xc1\xc1\xc1",
@@ -739,12 +740,12 @@ BAD_HEADERS = {  # sealed as the link seals a frame's header
     "invalid value": msgpack.packb({"t": "heartbeat", "seq": -1}),
 }
 FORGED_FRAMES = {  # whole frames that someone without the link's keys could send
-    "in the clear": FAILED_FRAME + bytes(p.TAG_BYTES),
-    "sealed under another key": b"".join(p.FrameSeal(bytes(32)).seal(FAILED_HEADER, b"")),
+    "in the clear": FAILED_FRAME + bytes(pf.TAG_BYTES),
+    "sealed under another key": b"".join(pf.FrameSeal(bytes(32)).seal(FAILED_HEADER, b"")),
     # a big payload announced, and not sent: refused on its header, nothing allocated for it
     # (and at once: not once the link falls silent)
-    "a forged header before a big payload": p.FRAME.pack(len(FAILED_HEADER), p.MAX_PAYLOAD_BYTES)
-    + FAILED_HEADER + bytes(p.TAG_BYTES),
+    "a forged header before a big payload": pf.FRAME.pack(len(FAILED_HEADER), pf.MAX_PAYLOAD_BYTES)
+    + FAILED_HEADER + bytes(pf.TAG_BYTES),
 }
 
 
@@ -1002,7 +1003,7 @@ def test_a_lost_link_sends_nothing_more() -> None:
     """A link declared lost drops what is still queued: the peer must not get, after the
     loss, frames of the worlds the loss failed (a frame in the clear would even name memory
     the engine and the workers reuse once their world failed)."""
-    size = p.MAX_PAYLOAD_BYTES - 1024
+    size = pf.MAX_PAYLOAD_BYTES - 1024
     received = bytearray()
 
     async def read_later(session: RawSession) -> None:
@@ -1028,9 +1029,9 @@ def test_a_lost_link_sends_nothing_more() -> None:
 
     reading, done = asyncio.Event(), asyncio.Event()
     on_uvloop(test)
-    header_len, payload_len = p.sealed_lengths(*p.frame_lengths(bytes(received[:p.FRAME.size])))
-    payload = received[p.FRAME.size + header_len:]
-    assert payload_len == size + p.TAG_BYTES and 0 < len(payload) < size  # what the socket held, no more
+    header_len, payload_len = pf.sealed_lengths(*pf.frame_lengths(bytes(received[:pf.FRAME.size])))
+    payload = received[pf.FRAME.size + header_len:]
+    assert payload_len == size + pf.TAG_BYTES and 0 < len(payload) < size  # what the socket held, no more
 
 
 async def test_closing_the_node_ends_handshakes_under_way() -> None:
@@ -1264,8 +1265,8 @@ async def test_someone_relaying_a_handshake_cannot_speak_on_the_link() -> None:
             c_link.send(p.WorldFailed("w", 1, ErrorCode.TIMEOUT, "from c itself"))
             _, msg, _ = await a.next_message()
             assert msg.message == "from c itself"  # what C says passes
-            forged = p.frame(encode_peer(p.WorldFailed("w", 1, ErrorCode.PEER_LOST, "forged")))
-            to_a[0].writelines([*forged, bytes(p.TAG_BYTES)])
+            forged = pf.frame(encode_peer(p.WorldFailed("w", 1, ErrorCode.PEER_LOST, "forged")))
+            to_a[0].writelines([*forged, bytes(pf.TAG_BYTES)])
             lost, reason, _ = await a.next_lost()
             assert lost is a_link and "forged" in reason and a.messages.empty()
         finally:
@@ -1315,7 +1316,7 @@ async def test_a_payload_before_the_handshake_is_refused_before_anything_is_allo
     transport = HeldTransport()
     stream.connection_made(transport)  # type: ignore[arg-type]
     header = encode_peer(p.Heartbeat(1))
-    prefix = p.FRAME.pack(len(header), p.MAX_PAYLOAD_BYTES)
+    prefix = pf.FRAME.pack(len(header), pf.MAX_PAYLOAD_BYTES)
     target = stream.get_buffer(-1)
     target[:len(prefix)] = prefix
     stream.buffer_updated(len(prefix))

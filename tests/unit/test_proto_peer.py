@@ -17,12 +17,11 @@ from hypothesis import strategies as st
 import proto
 from proto import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge, ProtoError
 from proto import peer as p
+from proto import peerframe as pf
 from proto.codec import TAGS, decode_peer, encode_peer
 from proto.messages import MAX_ERROR_TEXT, MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORLD_NAME, U64_MAX
 from proto.peer import (
-    FRAME,
     INCARNATION_BYTES,
-    MAX_PAYLOAD_BYTES,
     NONCE_BYTES,
     PEER_MESSAGES,
     PEER_VERSION,
@@ -42,9 +41,8 @@ from proto.peer import (
     PeerRefused,
     WorldFailed,
     WorldReady,
-    frame,
-    frame_lengths,
 )
+from proto.peerframe import FRAME, MAX_PAYLOAD_BYTES, frame, frame_lengths
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,7 +155,7 @@ def test_a_calls_report_of_every_rank_at_the_most_calls_fits_a_sealed_header() -
     ranks = tuple(range(MAX_RANKS))
     report = CallsReport("w" * MAX_WORLD_NAME, U64_MAX, U64_MAX, "a" * 256, "b" * 256, calls, ranks,
                          tuple(r % p.MAX_CALL_GROUPS for r in ranks))
-    assert len(encode_peer(report)) <= p.MAX_SEALED_HEADER_BYTES
+    assert len(encode_peer(report)) <= pf.MAX_SEALED_HEADER_BYTES
     check_roundtrip(report)
 
 
@@ -685,14 +683,14 @@ def test_proof_properties(secret: bytes, a: bytes, b: bytes) -> None:
 
 def test_frame_keys_differ_by_direction_secret_and_handshake() -> None:
     transcript = hello_and_transcript()
-    dialers, listeners = p.frame_keys(b"k", transcript)
+    dialers, listeners = pf.frame_keys(b"k", transcript)
     assert dialers != listeners and len(dialers) == len(listeners) == 32
-    assert p.frame_keys(b"K", transcript) != (dialers, listeners)
+    assert pf.frame_keys(b"K", transcript) != (dialers, listeners)
     another_handshake = hello_and_transcript(dialer_nonce=N2, listener_nonce=N1)
-    assert p.frame_keys(b"k", another_handshake) != (dialers, listeners)
+    assert pf.frame_keys(b"k", another_handshake) != (dialers, listeners)
 
 
-def opened(opener: p.FrameSeal, pieces: list[bytes]) -> tuple[bytes, bytes]:
+def opened(opener: pf.FrameSeal, pieces: list[bytes]) -> tuple[bytes, bytes]:
     """A frame opened as a reader does: the header as soon as it is in, then the payload."""
     lengths, sealed_header, *sealed_payload = pieces
     header = opener.open_header(lengths, sealed_header)
@@ -701,11 +699,11 @@ def opened(opener: p.FrameSeal, pieces: list[bytes]) -> tuple[bytes, bytes]:
 
 def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() -> None:
     header, payload = encode_peer(Heartbeat(1)), b"payload"
-    sender, receiver = p.FrameSeal(bytes(32)), p.FrameSeal(bytes(32))
+    sender, receiver = pf.FrameSeal(bytes(32)), pf.FrameSeal(bytes(32))
     first = sender.seal(header, payload)
     lengths, sealed_header, sealed_payload = first
-    assert lengths == p.FRAME.pack(len(header), len(payload))  # the lengths of what it carries
-    assert (len(sealed_header), len(sealed_payload)) == p.sealed_lengths(len(header), len(payload))
+    assert lengths == pf.FRAME.pack(len(header), len(payload))  # the lengths of what it carries
+    assert (len(sealed_header), len(sealed_payload)) == pf.sealed_lengths(len(header), len(payload))
     assert payload not in b"".join(first) and header not in b"".join(first)  # encrypted
     assert opened(receiver, first) == (header, payload)  # both ends agree, frame by frame
     second = sender.seal(header, payload)
@@ -715,7 +713,7 @@ def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() ->
 
     def opens(pieces: list[bytes], key: bytes = bytes(32)) -> bool:
         try:
-            opened(p.FrameSeal(key), pieces)
+            opened(pf.FrameSeal(key), pieces)
         except DecodeError:
             return False
         return True
@@ -728,16 +726,16 @@ def test_a_sealed_frame_opens_only_in_its_place_with_its_key_and_every_byte() ->
     assert not opens([lengths, sealed_payload, sealed_header])  # parts swapped
     # the payload cut off, and the lengths made to say there was none: the header's tag covers
     # the lengths, so the reader knows before it allocates anything for a payload
-    assert not opens([p.FRAME.pack(len(header), 0), sealed_header])
-    assert not opens([p.FRAME.pack(len(header), 1 << 20), sealed_header, sealed_payload])
-    assert p.FrameSeal(bytes(32)).seal(header, b"")[2:] == []  # no payload: no payload part
+    assert not opens([pf.FRAME.pack(len(header), 0), sealed_header])
+    assert not opens([pf.FRAME.pack(len(header), 1 << 20), sealed_header, sealed_payload])
+    assert pf.FrameSeal(bytes(32)).seal(header, b"")[2:] == []  # no payload: no payload part
 
 
 def test_sealing_holds_to_the_readers_limits() -> None:
     with pytest.raises(MessageTooLarge):
-        p.FrameSeal(bytes(32)).seal(b"h", bytes(MAX_PAYLOAD_BYTES + 1))
+        pf.FrameSeal(bytes(32)).seal(b"h", bytes(MAX_PAYLOAD_BYTES + 1))
     with pytest.raises(MessageTooLarge):
-        p.FrameSeal(bytes(32)).seal(bytes(p.MAX_SEALED_HEADER_BYTES + 1), b"")
+        pf.FrameSeal(bytes(32)).seal(bytes(pf.MAX_SEALED_HEADER_BYTES + 1), b"")
 
 
 def test_a_sealed_header_may_be_larger_than_one_in_the_clear() -> None:
@@ -745,7 +743,7 @@ def test_a_sealed_header_may_be_larger_than_one_in_the_clear() -> None:
     world_ready naming thousands of ranks' daemons); a frame in the clear (a handshake's, from
     anyone) still 64 KiB, so a stranger's connections make the daemon buffer no more."""
     big = bytes(MAX_MESSAGE_BYTES + 1)
-    sender, receiver = p.FrameSeal(bytes(32)), p.FrameSeal(bytes(32))
+    sender, receiver = pf.FrameSeal(bytes(32)), pf.FrameSeal(bytes(32))
     pieces = sender.seal(big, b"")
     assert frame_lengths(pieces[0], sealed=True) == (len(big), 0)
     assert opened(receiver, pieces) == (big, b"")
@@ -753,7 +751,7 @@ def test_a_sealed_header_may_be_larger_than_one_in_the_clear() -> None:
         frame_lengths(pieces[0])  # (in the clear)
     with pytest.raises(MessageTooLarge, match="header"):
         frame(big)
-    limit = p.MAX_SEALED_HEADER_BYTES
+    limit = pf.MAX_SEALED_HEADER_BYTES
     assert frame_lengths(FRAME.pack(limit, MAX_PAYLOAD_BYTES), sealed=True) == (limit, MAX_PAYLOAD_BYTES)
     with pytest.raises(DecodeError, match="out of bounds"):
         frame_lengths(FRAME.pack(limit + 1, 0), sealed=True)
