@@ -85,3 +85,11 @@ def dialed(path: str, timeout: float = 10) -> RawClient:
         except BlockingIOError:
             assert time.monotonic() < deadline, f"the daemon at {path} accepted no connection in {timeout}s"
             time.sleep(0.001)
+
+
+def each_refused(clients: list[RawClient], code: proto.ErrorCode, message: str) -> None:
+    """Every client, whose hello's id was its index + 1, was refused alike."""
+    for rank, client in enumerate(clients):
+        answer = client.recv()
+        assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
+        assert (answer.code, answer.message) == (code, message), (rank, answer)

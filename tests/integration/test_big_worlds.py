@@ -16,7 +16,7 @@ from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
 from tests.integration.harness import raise_nofile, short_tmpdir, world_name
-from tests.integration.rawclient import RawClient, dialed
+from tests.integration.rawclient import RawClient, dialed, each_refused
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,6 +40,17 @@ def _hellos(stack: contextlib.ExitStack, daemon: DaemonProcess, world: str, size
     return clients
 
 
+def _welcomed(stack: contextlib.ExitStack, size: int,
+              timeout_ms: int) -> tuple[str, list[RawClient], DaemonProcess]:
+    """A world of `size` ranks on one daemon, every rank welcomed: its name, its ranks, the daemon."""
+    daemon = _daemon(stack, size)
+    world = world_name()
+    ranks = _hellos(stack, daemon, world, size, range(size), timeout_ms)
+    for client in ranks:
+        assert isinstance(client.recv(), proto.Welcome)
+    return world, ranks, daemon
+
+
 def test_a_join_timeout_of_thousands_of_ranks_names_the_same_missing_rank_to_each() -> None:
     """4000 ranks of a 4001-rank world say hello with a 2 s timeout; rank 4000 never does.
     Each is refused naming rank 4000 alone (before: each refusal listed the ranks not waiting
@@ -50,11 +61,7 @@ def test_a_join_timeout_of_thousands_of_ranks_names_the_same_missing_rank_to_eac
         daemon = _daemon(stack, size)
         world = world_name()
         ranks = _hellos(stack, daemon, world, size, range(size - 1), timeout_ms=2000)
-        said = f"world {world}: ranks [{size - 1}] did not arrive within 2s"
-        for rank, client in enumerate(ranks):
-            answer = client.recv()
-            assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
-            assert (answer.code, answer.message) == (ErrorCode.TIMEOUT, said), (rank, answer)
+        each_refused(ranks, ErrorCode.TIMEOUT, f"world {world}: ranks [{size - 1}] did not arrive within 2s")
 
 
 def test_a_call_timeout_of_hundreds_of_ranks_names_the_rank_behind() -> None:
@@ -64,11 +71,7 @@ def test_a_call_timeout_of_hundreds_of_ranks_names_the_rank_behind() -> None:
     message never named rank 299, the one that made no call)."""
     size = 300
     with contextlib.ExitStack() as stack:
-        daemon = _daemon(stack, size)
-        world = world_name()
-        ranks = _hellos(stack, daemon, world, size, range(size), timeout_ms=1000)
-        for client in ranks:
-            assert isinstance(client.recv(), proto.Welcome)
+        world, ranks, _ = _welcomed(stack, size, timeout_ms=1000)
         for client in ranks[:-1]:
             client.send(proto.Submit(2, (proto.Barrier(),)))
         cause = (r"rank 0's call #0 barrier\(\) did not complete within 1s \(each rank's newest call: "
@@ -91,11 +94,7 @@ def test_the_status_of_a_world_of_thousands_of_ranks_that_made_calls_shows_it() 
     worlds shown')."""
     size = 6000
     with contextlib.ExitStack() as stack:
-        daemon = _daemon(stack, size)
-        world = world_name()
-        ranks = _hellos(stack, daemon, world, size, range(size), timeout_ms=30_000)
-        for client in ranks:
-            assert isinstance(client.recv(), proto.Welcome)
+        world, ranks, daemon = _welcomed(stack, size, timeout_ms=30_000)
         for client in ranks:
             client.send(proto.Submit(2, (proto.Barrier(),)))
         for rank, client in enumerate(ranks):

@@ -58,7 +58,7 @@ from tests.integration.harness import (
     world_name,
     world_status,
 )
-from tests.integration.rawclient import RawClient, dialed
+from tests.integration.rawclient import RawClient, dialed, each_refused
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -759,10 +759,7 @@ def test_a_world_whose_placement_does_not_fit_a_peer_message_is_refused_as_a_lim
             r"daemon names of up to 256 characters does not fit one peer message \(world_ready is "
             r"\d+ bytes, over the 1048576-byte limit\); shorter daemon names \(--peer-name\) fit more "
             "ranks", str(last.value)), last.value
-        for rank, client in enumerate(ranks):
-            answer = client.recv()
-            assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
-            assert (answer.code, answer.message) == (ErrorCode.LIMIT, str(last.value)), (rank, answer)
+        each_refused(ranks, ErrorCode.LIMIT, str(last.value))
         for client in ranks:
             client.close()
         wait_until(lambda: all(world_status(d, world) is None for d in daemons), "the world forgotten", 30)
@@ -787,11 +784,7 @@ def test_a_join_timeout_of_thousands_of_ranks_reaches_every_rank_without_stallin
         daemons = _two_named_daemons(stack, {"A": "A", "B": "B"}, "--max-connections", str(size // 2 + 100))
         world = world_name()
         ranks = _hellos(stack, daemons, world, size, range(size - 1), timeout_ms=2000)
-        said = f"world {world}: ranks [{size - 1}] did not arrive within 2s"
-        for rank, client in enumerate(ranks):
-            answer = client.recv()
-            assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
-            assert (answer.code, answer.message) == (ErrorCode.TIMEOUT, said), (rank, answer)
+        each_refused(ranks, ErrorCode.TIMEOUT, f"world {world}: ranks [{size - 1}] did not arrive within 2s")
         for client in ranks:
             client.close()
         wait_until(lambda: all(world_status(d, world) is None for d in daemons), "the world forgotten", 30)
