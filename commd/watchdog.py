@@ -169,7 +169,8 @@ class Watchdog:
         no call of (the one behind may be among them) as having made none."""
         world = self._world
         calls = world.recorder.newest()
-        idle = [r for r in world.local_ranks if r not in world.recorder.ranks()]
+        recorded = world.recorder.ranks()  # (a copy: asked once, not once a rank)
+        idle = [r for r in world.local_ranks if r not in recorded]
         if idle:
             calls.setdefault(_NO_CALL, []).extend(idle)
         return calls

@@ -2155,6 +2155,43 @@ def test_a_call_timeout_does_not_wait_long_for_a_frozen_daemon(pair: list[Daemon
                f"status --world {world}` there shows their calls))" in message, message
 
 
+@pytest.mark.timeout(120)
+def test_a_call_timeout_hears_a_member_of_thousands_of_ranks_in_time() -> None:
+    """Rank 0 on the root A, ranks 1-12000 on B; all but rank 12000 reach a barrier, and the
+    1 s call timeout (the operator's cap) fails the world. B's answer to the root's question
+    must come within the 1 s the root waits: before, B listed its ranks with no call yet
+    by copying its recorded ranks once for every rank (12000 × 12000 steps, about a second
+    of B's loop), so the root said 'ranks [1, 2, ...]: daemon B did not answer within 1s'
+    instead of naming rank 12000, and B's own verdict was as late."""
+    size = 12001
+    with contextlib.ExitStack() as stack:
+        raise_nofile(stack, size + 1000)
+        a, b = _two_named_daemons(stack, {"A": "A", "B": "B"}, "--max-connections", str(size + 100),
+                                  "--max-call-timeout", "1")
+        world = world_name()
+        ranks: list[RawClient] = []
+        for rank in range(size):
+            daemon = a if rank == 0 else b
+            ranks.append(stack.enter_context(contextlib.closing(dialed(str(daemon.socket_path)))))
+            ranks[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, size,
+                                       60_000, bootstrap=a.peer_address()))
+        for rank, client in enumerate(ranks):
+            assert isinstance(client.recv(), proto.Welcome), rank
+        for client in ranks[:-1]:
+            client.send(proto.Submit(size + 2, (proto.Barrier(),)))
+        behind = f"rank {size - 1}: no call yet)"
+        for rank, client in enumerate(ranks[:-1]):
+            # (the call's answer and the world's failure event, in either order)
+            heard = sorted([client.recv(), client.recv()], key=lambda m: type(m).__name__)
+            assert [type(m) for m in heard] == [proto.Error, proto.Event], (rank, heard)
+            answer, event = heard
+            assert isinstance(answer, proto.Error) and answer.code is ErrorCode.TIMEOUT, (rank, answer)
+            assert answer.message.endswith(f"{behind}; call attempt_reconnect on every rank"), (rank, answer)
+            assert isinstance(event, proto.Event) and event.message.endswith(behind), (rank, event)
+        event = ranks[-1].recv()
+        assert isinstance(event, proto.Event) and event.message.endswith(behind), event
+
+
 def test_a_call_the_worlds_failure_ends_names_the_world_and_what_to_do(pair: list[DaemonProcess]) -> None:
     """A worker in several worlds (tensor- and data-parallel) reads an error in its log: the
     call the failure ended must say which world failed and what to do, as a call made after
