@@ -67,9 +67,14 @@ class LocalMembership:
         # (the ranks still waiting are refused one by one, and each must name the same missing
         # ranks, not those refused before it)
         self._arrived: set[int] = set()
+        # ... until a rank arrives after them: the round went on without them, and a timeout
+        # then must name them (else, every rank having come once, it named none at all)
+        self._refused: set[int] = set()
         self._absent: list[int] | None = None  # as NetMembership's: listed once per timeout
 
     def vote(self, rank: int, timeout_s: float) -> None:
+        self._arrived -= self._refused
+        self._refused.clear()
         self._arrived.add(rank)
         self._absent = None
         waiting = self._world.local_waiting()
@@ -83,8 +88,11 @@ class LocalMembership:
         if left:
             self._arrived.discard(rank)
             self._absent = None
+        else:
+            self._refused.add(rank)
         if not self._world.local_waiting():  # the round is over
             self._arrived.clear()
+            self._refused.clear()
             self._absent = None
 
     def voting(self) -> bool:

@@ -64,6 +64,27 @@ def test_a_join_timeout_of_thousands_of_ranks_names_the_same_missing_rank_to_eac
         each_refused(ranks, ErrorCode.TIMEOUT, f"world {world}: ranks [{size - 1}] did not arrive within 2s")
 
 
+def test_a_join_timeout_names_a_rank_refused_before_a_later_one_arrived() -> None:
+    """Of 3 ranks, rank 0 says hello with a 0.5 s timeout and rank 1 with 3 s; rank 0 is refused
+    (rank 2 not there yet), then rank 2 comes with a 1 s timeout. Both later timeouts must name
+    rank 0, which is what the world waits for (rank 2, refused after it, is as a round timing
+    out refuses its ranks one by one): before, a refused rank counted as arrived for the rest
+    of the round, so none was missing, and ranks 2 and 1 heard 'world W: the root daemon (?)
+    did not form it within 1s' (3s), of a world on one daemon."""
+    with contextlib.ExitStack() as stack:
+        daemon = _daemon(stack, 3)
+        world = world_name()
+        first, second = (_hellos(stack, daemon, world, 3, range(rank, rank + 1), timeout_ms)[0]
+                         for rank, timeout_ms in ((0, 500), (1, 3000)))
+        assert first.recv() == proto.Error(1, ErrorCode.TIMEOUT, f"world {world}: ranks [2] did not arrive "
+                                                                 "within 0.5s")
+        last = _hellos(stack, daemon, world, 3, range(2, 3), timeout_ms=1000)[0]
+        assert last.recv() == proto.Error(3, ErrorCode.TIMEOUT, f"world {world}: ranks [0] did not "
+                                                                "arrive within 1s")
+        assert second.recv() == proto.Error(2, ErrorCode.TIMEOUT, f"world {world}: ranks [0] did not "
+                                                                  "arrive within 3s")
+
+
 def test_a_call_timeout_of_hundreds_of_ranks_names_the_rank_behind() -> None:
     """300 ranks; all but rank 299 reach a barrier, and the world's 1 s call timeout fails it.
     Every rank hears which rank is behind, the others' shared call said once (before: a rank
