@@ -166,8 +166,9 @@ class World:
         if self._waiting.get(rank) is not waiter:
             return
         missing = self.membership.missing()
-        which = f"ranks {rank_list(missing)} did not arrive" if missing else \
-            f"the root daemon ({self.net.bootstrap if self.net else '?'}) did not form it"
+        which = (f"ranks {rank_list(missing)} did not arrive" if missing else
+                 f"the root daemon ({self.net.bootstrap}) did not form it" if self.net is not None else
+                 "it did not form")  # (every rank came once: one that left is missing again)
         self.refuse(rank, ErrorCode.TIMEOUT, f"world {self.name}: {which} within {timeout_s:g}s")
 
     def refuse(self, rank: int, code: ErrorCode, message: str) -> None:
