@@ -60,48 +60,71 @@ class Formable(Protocol):
     def forget_if_empty(self) -> None: ...
 
 
+class Arrivals:
+    """The ranks that came in the round being formed, for a join timeout's message. A rank
+    refused at its timeout counts as come until another rank arrives after it (the ranks a
+    round's timeout refuses one by one must each name the same missing ranks; a round that
+    went on without it names it), one that left does not. The missing are listed once for
+    as long as that holds: a round of thousands timing out asks thousands of times."""
+
+    def __init__(self, world_size: int) -> None:
+        self._world_size = world_size
+        self._came: set[int] = set()
+        self._refused: set[int] = set()
+        self._missing: list[int] | None = None
+
+    def arrived(self, rank: int) -> None:
+        self._came -= self._refused
+        self._refused.clear()
+        self._came.add(rank)
+        self._missing = None
+
+    def refused(self, rank: int) -> None:
+        self._refused.add(rank)
+
+    def left(self, rank: int) -> None:
+        self._came.discard(rank)
+        self._refused.discard(rank)
+        self._missing = None
+
+    def clear(self) -> None:
+        self._came.clear()
+        self._refused.clear()
+        self._missing = None
+
+    def missing(self) -> list[int]:
+        if self._missing is None:
+            self._missing = [r for r in range(self._world_size) if r not in self._came]
+        return self._missing
+
+
 class LocalMembership:
     def __init__(self, world: Formable) -> None:
         self._world = world
-        # the ranks that voted in the round being formed: one whose vote timed out arrived
-        # (the ranks still waiting are refused one by one, and each must name the same missing
-        # ranks, not those refused before it)
-        self._arrived: set[int] = set()
-        # ... until a rank arrives after them: the round went on without them, and a timeout
-        # then must name them (else, every rank having come once, it named none at all)
-        self._refused: set[int] = set()
-        self._absent: list[int] | None = None  # as NetMembership's: listed once per timeout
+        self._arrivals = Arrivals(world.world_size)
 
     def vote(self, rank: int, timeout_s: float) -> None:
-        self._arrived -= self._refused
-        self._refused.clear()
-        self._arrived.add(rank)
-        self._absent = None
+        self._arrivals.arrived(rank)
         waiting = self._world.local_waiting()
         if len(waiting) == self._world.world_size:
-            self._arrived.clear()
+            self._arrivals.clear()
             ranks = tuple(sorted(waiting))
             self._world.form(self._world.epoch + 1, ranks, ("local",) * len(ranks))
 
     def withdraw(self, rank: int, left: bool = True) -> None:
         """`left`: the rank went away (not refused), so it is missing again."""
         if left:
-            self._arrived.discard(rank)
-            self._absent = None
+            self._arrivals.left(rank)
         else:
-            self._refused.add(rank)
+            self._arrivals.refused(rank)
         if not self._world.local_waiting():  # the round is over
-            self._arrived.clear()
-            self._refused.clear()
-            self._absent = None
+            self._arrivals.clear()
 
     def voting(self) -> bool:
         return False
 
     def missing(self) -> list[int]:
-        if self._absent is None:
-            self._absent = [r for r in range(self._world.world_size) if r not in self._arrived]
-        return self._absent
+        return self._arrivals.missing()
 
     def failed(self, code: ErrorCode, message: str) -> None:
         pass
@@ -148,11 +171,7 @@ class NetMembership:
         # (8 ranks of a node said it 8 times)
         self._dialing: set[int] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}  # root only: votes' deadlines
-        self._arrived: set[int] = set()  # root only: ranks seen in the round being formed
-        # root only: the ranks not in _arrived, listed once for as long as it holds: when a
-        # round times out, every vote in it expires at once and each refusal names them (a
-        # listing each was O(world_size), and 8000 held the loop for seconds)
-        self._absent: list[int] | None = None
+        self._arrivals = Arrivals(world.world_size)  # root only: ranks seen in the round being formed
         # root only: the newest epoch a vote of this round was cast at. A fresh process for
         # rank 0 starts the world here at epoch 0 while the members' ranks reconnect at theirs:
         # the new epoch must be newer than every daemon's, or they drop it as stale.
@@ -277,9 +296,7 @@ class NetMembership:
         return self._not_arrived() if self.net.is_root and self.net.root_known else []
 
     def _not_arrived(self) -> list[int]:
-        if self._absent is None:
-            self._absent = [r for r in range(self._world.world_size) if r not in self._arrived]
-        return self._absent
+        return self._arrivals.missing()
 
     # ---- the root's side ----------------------------------------------------------
 
@@ -315,8 +332,9 @@ class NetMembership:
         one whose vote timed out did arrive)."""
         del self._votes[rank]
         if left:
-            self._arrived.discard(rank)
-            self._absent = None
+            self._arrivals.left(rank)
+        else:
+            self._arrivals.refused(rank)
         self._ballots.pop(rank, None)
         timer = self._timers.pop(rank, None)
         if timer is not None:
@@ -328,8 +346,7 @@ class NetMembership:
         """The round is over (formed, or every vote withdrawn): the next one counts afresh."""
         self._votes.clear()
         self._ballots.clear()
-        self._arrived.clear()
-        self._absent = None
+        self._arrivals.clear()
         self._round_epoch = 0
         for timer in self._timers.values():
             timer.cancel()
@@ -366,8 +383,7 @@ class NetMembership:
 
     def _count(self, rank: int, daemon: str) -> None:
         self._votes[rank] = daemon
-        self._arrived.add(rank)
-        self._absent = None
+        self._arrivals.arrived(rank)
         if len(self._votes) < self._world.world_size:
             return
         placement = tuple(self._votes[r] for r in range(self._world.world_size))

@@ -2315,3 +2315,32 @@ def test_a_member_rank_with_the_longest_timeout_joins(pair: list[DaemonProcess],
         with DaemonBackend(str(a.socket_path), world, 0, 2, timeout=20, bootstrap=a.peer_address()) as rank_0:
             welcome = rank_1.recv()
             assert isinstance(welcome, proto.Welcome) and welcome.epoch == rank_0.epoch == 1, welcome
+
+
+def test_a_join_timeout_across_daemons_names_a_rank_refused_before_a_later_one_arrived(
+        pair: list[DaemonProcess]) -> None:
+    """Of 3 ranks, rank 1 says hello on B with a 0.5 s timeout and rank 0 on the root A with
+    3 s; rank 1 is refused (rank 2 not there yet), then rank 2 comes on B with 1 s. Both later
+    timeouts must name rank 1, which is what the world waits for (before: the root counted a
+    refused rank as arrived for the rest of the round, so ranks 2 and 0 heard 'ranks [] did
+    not arrive'), as on one daemon (test_big_worlds)."""
+    a, b = pair
+    world, root = world_name(), a.peer_address()
+
+    def hello(daemon: DaemonProcess, rank: int, timeout_ms: int) -> RawClient:
+        client = RawClient(str(daemon.socket_path), timeout=10)
+        client.send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, timeout_ms,
+                                bootstrap=root))
+        return client
+
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(contextlib.closing(hello(b, 1, 500)))
+        wait_until(lambda: world_status(a, world) is not None, "rank 1's vote at the root")
+        zero = stack.enter_context(contextlib.closing(hello(a, 0, 3000)))
+        assert first.recv() == proto.Error(2, ErrorCode.TIMEOUT, f"world {world}: ranks [2] did not "
+                                                                 "arrive within 0.5s")
+        last = stack.enter_context(contextlib.closing(hello(b, 2, 1000)))
+        assert last.recv() == proto.Error(3, ErrorCode.TIMEOUT, f"world {world}: ranks [1] did not "
+                                                                "arrive within 1s")
+        assert zero.recv() == proto.Error(1, ErrorCode.TIMEOUT, f"world {world}: ranks [1] did not "
+                                                                "arrive within 3s")
