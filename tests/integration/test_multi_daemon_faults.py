@@ -2344,3 +2344,35 @@ def test_a_join_timeout_across_daemons_names_a_rank_refused_before_a_later_one_a
                                                                 "arrive within 1s")
         assert zero.recv() == proto.Error(1, ErrorCode.TIMEOUT, f"world {world}: ranks [1] did not "
                                                                 "arrive within 3s")
+
+
+def test_a_call_timeout_names_a_rank_that_moved_daemons_once(pair: list[DaemonProcess]) -> None:
+    """Ranks 0 and 1 on the root A, rank 2 on B, pass a barrier; rank 1's process goes, and
+    its new one joins on B. In the rebuilt world ranks 0 and 2 reach a barrier and rank 1
+    never does: A's flight recorder still holds rank 1's calls from before the move, and
+    the timeout must name rank 1 once, as B says it (before: 'rank 1: #0 barrier() done'
+    from A's old records, and 'rank 1: no call yet' from B, both)."""
+    a, b = pair
+    world = world_name()
+    comms = timed_world([a, a, b], a, world, 1.5)
+    try:
+        with ThreadPoolExecutor(3) as threads:
+            for done in [threads.submit(comm.barrier) for comm in comms]:
+                done.result(20)
+            comms[1].close()
+            moved = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=1.5,
+                                   bootstrap=a.peer_address())
+            for r in (0, 2):
+                with contextlib.suppress(CommError):  # (told of rank 1's leaving, or not yet)
+                    comms[r].barrier()
+            rebuilt = [threads.submit(comms[r].attempt_reconnect) for r in (0, 2)]
+            comms[1] = moved.result(20)
+            for done in rebuilt:
+                done.result(20)
+        said = barrier_timeouts(comms, [0], [2])
+    finally:
+        for comm in comms:
+            comm.close()
+    message = said[0]
+    newest = message[message.index("each rank's newest call: "):]
+    assert newest.count("rank 1:") == 1 and "rank 1: no call yet" in newest, message
