@@ -18,7 +18,6 @@ from proto import peer as p
 from .errors import CallError, named_ranks
 
 if TYPE_CHECKING:
-    from .recorder import CallRecord
     from .world import World
 
 log = logging.getLogger("commd.world")
@@ -98,14 +97,18 @@ class Watchdog:
                 continue
             oldest = world.recorder.oldest_open()
             if oldest is not None and time.monotonic() - oldest.started > timeout_s:
-                await self._timed_out(oldest, timeout_s)
+                await self._timed_out(timeout_s)
 
-    async def _timed_out(self, oldest: CallRecord, timeout_s: float) -> None:
+    async def _timed_out(self, timeout_s: float) -> None:
         world = self._world
         epoch = world.epoch
         heard, waited_s = await self._ask_others()
-        if world.recorder.oldest_open() is not oldest or world.epoch != epoch:
-            return  # it ended while we asked, or the world failed (another daemon's watchdog said it)
+        # The call that timed out may have ended while we asked; another past its deadline by
+        # now fails the world at once, on what was just heard (asking again would answer it
+        # up to a second later still, maybe past its client's grace for the verdict)
+        oldest = world.recorder.oldest_open()
+        if oldest is None or time.monotonic() - oldest.started <= timeout_s or world.epoch != epoch:
+            return  # (or the world failed meanwhile: another daemon's watchdog said it)
         newest = "; ".join(self._newest(heard, waited_s))
         world.fail(ErrorCode.TIMEOUT,
                    f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
