@@ -52,9 +52,20 @@ def rank_list(ranks: list[int], shown: int = 16) -> str:
     return "[" + ", ".join(map(str, ranks[:shown])) + f", ... ({len(ranks) - shown} more)]"
 
 
-def named_ranks(ranks: list[int]) -> str:
-    """"rank 3", or "ranks [0, 1, ...]", for a message."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+def named_ranks(ranks: list[int], whole: bool = False) -> str:
+    """"rank 3", or "ranks [0, 1, ...]", for a message; `whole` (for the log, where nothing
+    bounds a line and what was cut is lost for good), every rank, ascending runs as "0-6"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if not whole:
+        return f"ranks {rank_list(ranks)}"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1][1:] = [rank]
+        else:
+            runs.append([rank])
+    return "ranks [" + ", ".join("-".join(map(str, run)) for run in runs) + "]"
 
 
 def quoted(name: str, limit: int = 300) -> str:

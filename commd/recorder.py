@@ -136,4 +136,4 @@ class FlightRecorder:
             calls = ", ".join(f"#{r.seq} {r.call} {r.state}{r.waiting_for_itself()}"
                               for r in list(ring)[-last:])
             ranks.setdefault(calls, []).append(rank)
-        return [f"{named_ranks(of)}: {calls}" for calls, of in ranks.items()]
+        return [f"{named_ranks(of, whole=True)}: {calls}" for calls, of in ranks.items()]

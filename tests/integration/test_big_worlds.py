@@ -7,7 +7,9 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -21,12 +23,12 @@ from tests.integration.rawclient import RawClient, dialed, each_refused
 pytestmark = pytest.mark.timeout(60)
 
 
-def _daemon(stack: contextlib.ExitStack, ranks: int) -> DaemonProcess:
+def _daemon(stack: contextlib.ExitStack, ranks: int, log: IO[bytes] | None = None) -> DaemonProcess:
     """A daemon that takes `ranks` connections (and this process the fds for them)."""
     raise_nofile(stack, ranks + 1000)
     tmp = short_tmpdir()
     stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-    return stack.enter_context(DaemonProcess(Path(tmp) / "commd.sock",
+    return stack.enter_context(DaemonProcess(Path(tmp) / "commd.sock", log=log,
                                              args=["--max-connections", str(ranks + 100)]))
 
 
@@ -106,6 +108,32 @@ def test_a_call_timeout_of_hundreds_of_ranks_names_the_rank_behind() -> None:
         event = ranks[-1].recv()
         assert isinstance(event, proto.Event) and event.code is ErrorCode.TIMEOUT, event
         assert re.fullmatch(cause, event.message), event
+
+
+def test_a_failed_world_logs_every_rank_s_calls() -> None:
+    """40 ranks; the even ones reach a barrier, the odd ones never call, and the 1 s call
+    timeout fails the world. Its flight recorder goes to the log, the log that is left once
+    the world is forgotten: every rank that made a call must be named there with it (before:
+    'ranks [0, 2, ..., 30, ... (4 more)]: #0 barrier() pending', so which 4 of ranks 31-39
+    had called, the one behind among them, was in no line)."""
+    size = 40
+    with contextlib.ExitStack() as stack, tempfile.TemporaryFile() as log:
+        daemon = _daemon(stack, size, log)
+        world = world_name()
+        ranks = _hellos(stack, daemon, world, size, range(size), timeout_ms=1000)
+        for client in ranks:
+            assert isinstance(client.recv(), proto.Welcome)
+        for client in ranks[::2]:
+            client.send(proto.Submit(2, (proto.Barrier(),)))
+        for rank, client in enumerate(ranks[::2]):
+            answer = client.recv()
+            assert isinstance(answer, proto.Error) and answer.code is ErrorCode.TIMEOUT, (rank, answer)
+        daemon.stop()
+        log.seek(0)
+        lines = [line.split("flight recorder: ", 1)[1] for line in log.read().decode().splitlines()
+                 if f"world {world} epoch 1 flight recorder: " in line]
+    evens = ", ".join(map(str, range(0, size, 2)))
+    assert lines == [f"ranks [{evens}]: #0 barrier() pending"], lines
 
 
 def test_the_status_of_a_world_of_thousands_of_ranks_that_made_calls_shows_it() -> None:

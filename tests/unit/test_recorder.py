@@ -88,7 +88,6 @@ def test_the_log_dump_says_ranks_with_the_same_calls_once() -> None:
         if rank != 7:
             recorder.start(rank, proto.Barrier())
     assert recorder.lines() == [
-        "ranks [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, ... (23 more)]: "
-        "#0 barrier() done, #1 barrier() pending",
+        "ranks [0-6, 8-39]: #0 barrier() done, #1 barrier() pending",  # (every rank: see test_big_worlds)
         "rank 7: #0 barrier() done",
     ]
