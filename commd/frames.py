@@ -1,4 +1,4 @@
-"""The frames of one TCP connection between daemons (proto/peer.py's framing), read
+"""The frames of one TCP connection between daemons (proto/peerframe.py), read
 straight into their own buffers, sealed or opened once the handshake has given keys.
 `peering` builds links and the handshake on it."""
 

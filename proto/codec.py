@@ -454,7 +454,7 @@ def decode(data: bytes, nfds: int = 0, limit: int = m.MAX_MESSAGE_BYTES,
 
 
 def encode_peer(msg: p.PeerMessage) -> bytes:
-    """The header of a peer frame (proto/peer.py): of a sealed one, at most
+    """The header of a peer frame (proto/peerframe.py): of a sealed one, at most
     MAX_SEALED_HEADER_BYTES (a handshake's, in the clear, are far below MAX_MESSAGE_BYTES)."""
     if not isinstance(msg, p.PEER_MESSAGES):
         raise InvalidMessage(f"{type(msg).__name__} is not a peer message")
