@@ -43,6 +43,7 @@ class _Ask:
     pending: set[str]
     answered: asyncio.Future[None]
     heard: dict[str, p.CallsReport] = field(default_factory=dict)
+    unasked: set[str] = field(default_factory=set)  # no link to send the question over
 
 
 class Watchdog:
@@ -102,14 +103,14 @@ class Watchdog:
     async def _timed_out(self, timeout_s: float) -> None:
         world = self._world
         epoch = world.epoch
-        heard, waited_s = await self._ask_others()
+        ask, waited_s = await self._ask_others()
         # The call that timed out may have ended while we asked; another past its deadline by
         # now fails the world at once, on what was just heard (asking again would answer it
         # up to a second later still, maybe past its client's grace for the verdict)
         oldest = world.recorder.oldest_open()
         if oldest is None or time.monotonic() - oldest.started <= timeout_s or world.epoch != epoch:
             return  # (or the world failed meanwhile: another daemon's watchdog said it)
-        newest = "; ".join(self._newest(heard, waited_s))
+        newest = "; ".join(self._newest(ask, waited_s))
         world.fail(ErrorCode.TIMEOUT,
                    f"rank {oldest.rank}'s call #{oldest.seq} {oldest.call} did not complete "
                    f"within {timeout_s:g}s (each rank's newest call: {newest})", rank=oldest.rank)
@@ -122,32 +123,33 @@ class Watchdog:
             return True
         return world.call_timeout_s is not None and world.recorder.oldest_open() is not None
 
-    async def _ask_others(self) -> tuple[dict[str, p.CallsReport], float]:
+    async def _ask_others(self) -> tuple[_Ask, float]:
         """The other daemons' answers (by daemon) to a CallsQuery, and how long we waited for
         them: the root asks each member; a member asks the root, which passes the query on."""
         world, net = self._world, self._world.net
-        if net is None or not net.members():
-            return {}, 0.0
+        ask = _Ask(next(self._asks), set(net.members()) if net is not None else set(),
+                   asyncio.get_running_loop().create_future())
+        if net is None or not ask.pending:
+            return ask, 0.0
         wait_s = min(_ASK_S, net.cluster.settings.window_s)
-        ask = _Ask(next(self._asks), set(net.members()), asyncio.get_running_loop().create_future())
         query = p.CallsQuery(world.name, world.epoch, ask.id, net.me)
         self._asking = ask
         try:
             for daemon in net.members() if net.is_root else ["root"]:
                 try:
                     net.send(daemon, query)
-                except CallError:  # (unreachable: nothing to wait for from there)
-                    if net.is_root:
-                        ask.pending.discard(daemon)
-                    else:
-                        ask.pending.clear()
+                except CallError:  # (unreachable: nothing to wait for from there; a member
+                    # asks every other daemon through the root)
+                    unasked = {daemon} if net.is_root else set(ask.pending)
+                    ask.pending -= unasked
+                    ask.unasked |= unasked
             if ask.pending:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait_s):
                         await ask.answered
         finally:
             self._asking = None
-        return ask.heard, wait_s
+        return ask, wait_s
 
     def reported(self, report: p.CallsReport) -> None:
         """A daemon's answer to our question (the registry checked who sent it)."""
@@ -182,7 +184,7 @@ class Watchdog:
             calls.setdefault(_NO_CALL, []).extend(idle)
         return calls
 
-    def _newest(self, heard: dict[str, p.CallsReport], waited_s: float) -> list[str]:
+    def _newest(self, ask: _Ask, waited_s: float) -> list[str]:
         """For a timeout's message, every rank's newest call, grouped by call across daemons
         (by call: said a rank at a time, the rank behind came after every rank at the others'
         call, and past a few dozen ranks the message was clipped before it)."""
@@ -192,7 +194,7 @@ class Watchdog:
         for daemon in net.members() if net is not None else []:
             assert net is not None
             theirs = net.ranks_of(daemon)
-            report = heard.get(daemon)
+            report = ask.heard.get(daemon)
             told: dict[int, str] = {}
             if report is not None:  # (a daemon speaks for its own ranks only)
                 mine = set(theirs)
@@ -203,6 +205,7 @@ class Watchdog:
             untold = [r for r in theirs if r not in told]
             if untold:
                 why = (f"on daemon {daemon}, not in its answer" if report is not None else
+                       f"daemon {daemon} could not be asked (no link)" if daemon in ask.unasked else
                        f"daemon {daemon} did not answer within {waited_s:g}s")
                 unknown.append(f"{named_ranks(untold)}: {why} (`commd status --world {world.name}` there "
                                f"shows {'its' if len(untold) == 1 else 'their'} calls)")
