@@ -2052,39 +2052,30 @@ def barrier_timeouts(comms: list[DaemonBackend], first: list[int], then: list[in
     return said
 
 
-def test_a_call_timed_out_across_daemons_names_the_rank_behind_on_a_member(pair: list[DaemonProcess]) -> None:
-    """Ranks 0 and 1 (on the root A) and 2 (on B) reach a barrier, rank 3 (on B) never does.
-    The root's watchdog fires first; before, every rank heard '... ranks [2, 3]: on daemon B,
-    no call known here (`commd status --world W` there shows their calls)', and which one was
-    behind took asking B. The root asks B first: every rank hears which."""
+@pytest.mark.parametrize(("first", "then", "cause"), [
+    # the rank behind (3) on the member B; the root's watchdog first, asking B
+    ([0, 1], [2], "rank 0's call #0 barrier() did not complete within 1.5s (each rank's newest call: "
+                  "ranks [0, 1]: #0 barrier() running; rank 2: #0 barrier() pending; rank 3: no call yet)"),
+    # the rank behind (1) on the root; B's watchdog first (its ranks called first), asking the root
+    ([2, 3], [0], "rank 2's call #0 barrier() did not complete within 1.5s (each rank's newest call: "
+                  "rank 0: #0 barrier() pending; rank 1: no call yet; ranks [2, 3]: #0 barrier() running)"),
+], ids=["behind on a member", "behind on the root"])
+def test_a_call_timed_out_across_daemons_names_the_rank_behind(
+        pair: list[DaemonProcess], first: list[int], then: list[int], cause: str) -> None:
+    """Ranks 0 and 1 on the root A, 2 and 3 on B; ranks `first` reach a barrier, then `then`,
+    and the other never does. The daemon whose watchdog fires first asks the other before it
+    fails the world: every rank hears which rank is behind (before: '... ranks [2, 3]: on
+    daemon B, no call known here (`commd status --world W` there shows their calls)', or the
+    same of daemon A, and which rank was behind took asking the other daemon)."""
     a, b = pair
     comms = timed_world([a, a, b, b], a, world_name(), 1.5)
     try:
-        said = barrier_timeouts(comms, [0, 1], [2])
+        said = barrier_timeouts(comms, first, then)
     finally:
         for comm in comms:
             comm.close()
     for message in said.values():
-        assert "rank 0's call #0 barrier() did not complete within 1.5s (each rank's newest call: " \
-               "ranks [0, 1]: #0 barrier() running; rank 2: #0 barrier() pending; rank 3: no call yet)" \
-               in message, message
-
-
-def test_a_call_timed_out_across_daemons_names_the_rank_behind_on_the_root(pair: list[DaemonProcess]) -> None:
-    """The same with the rank behind (1) on the root, and the member B's watchdog first (its
-    ranks 2 and 3 called first): before, 'ranks [0, 1]: on daemon A, no call known here'. B
-    asks the root."""
-    a, b = pair
-    comms = timed_world([a, a, b, b], a, world_name(), 1.5)
-    try:
-        said = barrier_timeouts(comms, [2, 3], [0])
-    finally:
-        for comm in comms:
-            comm.close()
-    for message in said.values():
-        assert "rank 2's call #0 barrier() did not complete within 1.5s (each rank's newest call: rank 0: " \
-               "#0 barrier() pending; rank 1: no call yet; ranks [2, 3]: #0 barrier() running)" in message, \
-               message
+        assert cause in message, message
 
 
 def test_a_member_s_call_timeout_hears_the_other_members_through_the_root(pair: list[DaemonProcess]) -> None:
