@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import proto
@@ -100,6 +101,14 @@ class FlightRecorder:
             ring = self._by_rank[rank] = collections.deque(maxlen=self._depth)
         ring.append(record)
         return record
+
+    def keep_only(self, ranks: Iterable[int]) -> None:
+        """Forget the calls of the ranks not in `ranks`: a rebuild placed them on another
+        daemon, whose recorder holds their calls from now (here, their old calls would read
+        as their newest in status, the logs and a timeout's message). Their numbering goes on."""
+        wanted = set(ranks)
+        for rank in [r for r in self._by_rank if r not in wanted]:
+            del self._by_rank[rank]
 
     def end_deadlines(self) -> None:
         """The world failed: the calls still open are its engine's to end, or the abort's

@@ -173,11 +173,7 @@ class Watchdog:
         """Each of this daemon's ranks' newest call, by call; a rank the flight recorder has
         no call of (the one behind may be among them) as having made none."""
         world = self._world
-        # (only ranks placed here now: a rank a rebuild moved to another daemon left its calls
-        # in this recorder, and that daemon speaks for it)
-        local = set(world.local_ranks)
-        calls = {call: here for call, ranks in world.recorder.newest().items()
-                 if (here := [r for r in ranks if r in local])}
+        calls = world.recorder.newest()  # (of the ranks placed here: see FlightRecorder.keep_only)
         recorded = world.recorder.ranks()  # (a copy: asked once, not once a rank)
         idle = [r for r in world.local_ranks if r not in recorded]
         if idle:

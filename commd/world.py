@@ -212,6 +212,7 @@ class World:
         self.stats.transition(self.state.value)
         self.cause, self.cause_code = None, ErrorCode.WORLD_FAILED
         self.local_ranks = local_ranks
+        self.recorder.keep_only(local_ranks)
         self._matcher = Matcher(self.world_size, local_ranks)
         self._comm = comm
         self._extras.hand_to(comm)

@@ -2342,7 +2342,8 @@ def test_a_call_timeout_names_a_rank_that_moved_daemons_once(pair: list[DaemonPr
     its new one joins on B. In the rebuilt world ranks 0 and 2 reach a barrier and rank 1
     never does: A's flight recorder still holds rank 1's calls from before the move, and
     the timeout must name rank 1 once, as B says it (before: 'rank 1: #0 barrier() done'
-    from A's old records, and 'rank 1: no call yet' from B, both)."""
+    from A's old records, and 'rank 1: no call yet' from B, both), and A's status must not
+    show rank 1's old calls as its newest."""
     a, b = pair
     world = world_name()
     comms = timed_world([a, a, b], a, world, 1.5)
@@ -2360,6 +2361,8 @@ def test_a_call_timeout_names_a_rank_that_moved_daemons_once(pair: list[DaemonPr
             comms[1] = moved.result(20)
             for done in rebuilt:
                 done.result(20)
+        # (A's status no longer shows rank 1's calls from before the move as its newest)
+        assert sorted(world_status(a, world)["recent_calls"]) == ["0"]  # type: ignore[index]
         said = barrier_timeouts(comms, [0], [2])
     finally:
         for comm in comms:
