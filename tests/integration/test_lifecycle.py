@@ -125,6 +125,16 @@ def test_waiting_for_a_hung_daemon_keeps_to_a_timeout_under_a_second() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _sums_alone(path: Path, prefix: str) -> None:
+    """A one-rank world at `path` runs an all_reduce (the daemon there serves calls)."""
+    with DaemonBackend(str(path), world_name(prefix), 0, 1, timeout=10) as comm:
+        buf = hostmem.alloc(16)
+        buf.view(np.float32)[:] = [1, 2, 3, 4]
+        comm.all_reduce(buf.ptr, 16)
+        assert buf.view(np.float32).tolist() == [1, 2, 3, 4]
+        buf.close()
+
+
 def test_a_daemon_process_started_where_another_daemon_answers_fails_to_start() -> None:
     """DaemonProcess.start waits until a daemon answers at its socket: the daemon already
     there answered, so start returned while its own daemon exited 2 ('another daemon is
@@ -142,12 +152,7 @@ def test_a_daemon_process_started_where_another_daemon_answers_fails_to_start() 
                 second.kill()  # (had start returned early, it could take the path once the first left)
             assert second.proc is not None and second.proc.returncode == 2
             assert query_status(str(path), 5)["pid"] == first.pid  # the first serves on
-            with DaemonBackend(str(path), world_name("after"), 0, 1, timeout=10) as comm:
-                buf = hostmem.alloc(16)
-                buf.view(np.float32)[:] = [1, 2, 3, 4]
-                comm.all_reduce(buf.ptr, 16)
-                assert buf.view(np.float32).tolist() == [1, 2, 3, 4]
-                buf.close()
+            _sums_alone(path, "after")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -167,12 +172,7 @@ def test_a_daemon_process_run_under_a_wrapper_that_forks_starts_and_stops(under:
         assert served_by != daemon.pid
         with open(f"/proc/{served_by}/stat") as stat:
             assert int(stat.read().rsplit(")", 1)[1].split()[1]) == daemon.pid  # the wrapper's child
-        with DaemonBackend(str(path), world_name("wrapped"), 0, 1, timeout=10) as comm:
-            buf = hostmem.alloc(16)
-            buf.view(np.float32)[:] = [1, 2, 3, 4]
-            comm.all_reduce(buf.ptr, 16)
-            assert buf.view(np.float32).tolist() == [1, 2, 3, 4]
-            buf.close()
+        _sums_alone(path, "wrapped")
         started = time.monotonic()
         assert daemon.stop(10) == 0
         assert time.monotonic() - started < 5  # (the daemon itself had the SIGTERM, not a wrapper deaf to it)
