@@ -3,6 +3,7 @@ replies each give a clear LimitExceeded (or drop only the hoarder); others go on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -417,6 +418,20 @@ def test_a_daemon_out_of_fds_refuses_imports_as_a_limit_and_serves_on_once_some_
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _logged_daemon() -> Iterator[tuple[DaemonProcess, Path]]:
+    """A daemon logging at INFO to a file in its own directory, which goes afterwards: read
+    the file once the daemon stopped (`daemon.stop()`), for its log whole."""
+    tmp = short_tmpdir()
+    logged = Path(tmp) / "daemon.log"
+    try:
+        with open(logged, "wb") as log, DaemonProcess(Path(tmp) / "commd.sock", log=log,
+                                                      log_level="INFO") as daemon:
+            yield daemon, logged
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def room_for(pid: int, fds: int) -> int:
     """The open-file limit under which the daemon, at rest, can open `fds` more files: the
     limit bounds an fd's number, and a closed one leaves a lower number free."""
@@ -430,38 +445,33 @@ def test_a_daemon_out_of_fds_for_accepts_says_so_once_serves_its_clients_and_tak
     """Out of fds, the listener cannot accept: the waiting connection stays in the backlog
     (it is not refused) and is served once fds come back; the ranks already connected go
     on, and the log says it once, not each time the listener looks again (every 0.5 s)."""
-    tmp = short_tmpdir()
-    logged = Path(tmp) / "daemon.log"
-    try:
-        with open(logged, "wb") as log, DaemonProcess(Path(tmp) / "commd.sock", log=log,
-                                                      log_level="INFO") as daemon:
-            sock = str(daemon.socket_path)
-            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
-                buf = hostmem.alloc(4096)
-                buf.view(np.uint8)[:8] = 3
-                comm.all_reduce(buf.ptr, 8, dtype="u8")  # (its mapping made while fds were there)
-                soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
-                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, 0), hard))
-                try:
-                    waiting = RawClient(sock)  # (connect completes in the backlog)
-                    started = time.monotonic()
-                    while time.monotonic() - started < 3:  # six looks again
-                        comm.all_reduce(buf.ptr, 8, dtype="u8")
-                        time.sleep(0.1)
-                    assert buf.view(np.uint8)[:8].tolist() == [3] * 8 and comm.is_healthy()
-                finally:
-                    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
-                welcome = waiting.join(world_name())
-                assert isinstance(welcome, proto.Welcome), welcome
-                waiting.close()
-                buf.close()
+    with _logged_daemon() as (daemon, logged):
+        sock = str(daemon.socket_path)
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+            buf = hostmem.alloc(4096)
+            buf.view(np.uint8)[:8] = 3
+            comm.all_reduce(buf.ptr, 8, dtype="u8")  # (its mapping made while fds were there)
+            soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
+            resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, 0), hard))
+            try:
+                waiting = RawClient(sock)  # (connect completes in the backlog)
+                started = time.monotonic()
+                while time.monotonic() - started < 3:  # six looks again
+                    comm.all_reduce(buf.ptr, 8, dtype="u8")
+                    time.sleep(0.1)
+                assert buf.view(np.uint8)[:8].tolist() == [3] * 8 and comm.is_healthy()
+            finally:
+                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
+            welcome = waiting.join(world_name())
+            assert isinstance(welcome, proto.Welcome), welcome
+            waiting.close()
+            buf.close()
+        daemon.stop()  # (its log whole)
         lines = [line for line in logged.read_text().splitlines() if "accepting connections" in line]
         assert len(lines) == 2, lines
         assert "WARNING commd.server: not accepting connections: out of file descriptors (Too many " \
                "open files) (looking again every 0.5s; the connecting ones wait)" in lines[0], lines
         assert "INFO commd.server: accepting connections again, after " in lines[1], lines
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_reply_with_an_fd_that_cannot_wait_for_a_client_not_reading_drops_it_with_a_warning() -> None:
@@ -471,43 +481,38 @@ def test_a_reply_with_an_fd_that_cannot_wait_for_a_client_not_reading_drops_it_w
     before, only a DEBUG line said why, and the log at its usual level showed only the
     world's 'connection was lost'. Now a warning says it, the allocation is let go, and
     the other worlds go on."""
-    tmp = short_tmpdir()
-    logged = Path(tmp) / "daemon.log"
-    try:
-        with open(logged, "wb") as log, DaemonProcess(Path(tmp) / "commd.sock", log=log,
-                                                      log_level="INFO") as daemon:
-            sock = str(daemon.socket_path)
-            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm, RawClient(sock) as hoarder:
-                buf = hostmem.alloc(4096)
-                buf.view(np.uint8)[:8] = 5
+    with _logged_daemon() as (daemon, logged):
+        sock = str(daemon.socket_path)
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm, RawClient(sock) as hoarder:
+            buf = hostmem.alloc(4096)
+            buf.view(np.uint8)[:8] = 5
+            comm.all_reduce(buf.ptr, 8, dtype="u8")
+            at_rest = held_at_rest(daemon.pid)
+            assert isinstance(hoarder.join(world_name()), proto.Welcome)
+            for i in range(1000):  # (a few hundred fill its socket: the rest wait in the daemon)
+                hoarder.send(proto.Submit(10 + i, (proto.Barrier(),)))
+            soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
+            # (the allocation's memfd and its mapping fit; the queued reply's copy does not)
+            resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, 2), hard))
+            try:
+                hoarder.send(proto.SymAlloc(5000, 1, 4096))
+                ids = []
+                while (msg := hoarder.recv()) is not None:
+                    ids.append(msg.id)
+                    assert msg == proto.Ok(msg.id), msg
+                assert 0 < len(ids) < 1000 and ids == list(range(10, 10 + len(ids)))
                 comm.all_reduce(buf.ptr, 8, dtype="u8")
-                at_rest = held_at_rest(daemon.pid)
-                assert isinstance(hoarder.join(world_name()), proto.Welcome)
-                for i in range(1000):  # (a few hundred fill its socket: the rest wait in the daemon)
-                    hoarder.send(proto.Submit(10 + i, (proto.Barrier(),)))
-                soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
-                # (the allocation's memfd and its mapping fit; the queued reply's copy does not)
-                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (room_for(daemon.pid, 2), hard))
-                try:
-                    hoarder.send(proto.SymAlloc(5000, 1, 4096))
-                    ids = []
-                    while (msg := hoarder.recv()) is not None:
-                        ids.append(msg.id)
-                        assert msg == proto.Ok(msg.id), msg
-                    assert 0 < len(ids) < 1000 and ids == list(range(10, 10 + len(ids)))
-                    comm.all_reduce(buf.ptr, 8, dtype="u8")
-                    assert buf.view(np.uint8)[:8].tolist() == [5] * 8 and comm.is_healthy()
-                finally:
-                    resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
-                # (less the hoarder's connection: the allocation's memory and fds went with it)
-                back_to(daemon.pid, (at_rest[0] - 1, at_rest[1]))
-                buf.close()
+                assert buf.view(np.uint8)[:8].tolist() == [5] * 8 and comm.is_healthy()
+            finally:
+                resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
+            # (less the hoarder's connection: the allocation's memory and fds went with it)
+            back_to(daemon.pid, (at_rest[0] - 1, at_rest[1]))
+            buf.close()
+        daemon.stop()  # (its log whole)
         dropped = [line for line in logged.read_text().splitlines() if "connection dropped" in line]
         assert len(dropped) == 1 and dropped[0].endswith(
             "WARNING commd.channel: connection dropped: cannot keep a reply's fd until the client "
             "reads it: Too many open files"), dropped
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_worker_at_its_open_file_limit_has_symmetric_alloc_refused_as_a_limit_and_goes_on(
