@@ -1665,6 +1665,19 @@ def root_daemon(tmp: str, address: str) -> DaemonProcess:
         "--peer-listen", address, "--peer-name", "R", *FAST])
 
 
+@pytest.fixture
+def root_r() -> Iterator[tuple[DaemonProcess, str]]:
+    """A root daemon R and the fixed peer address it listens at, not started: the test starts,
+    stops and restarts it there. Stopped, and its directory gone, after the test."""
+    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
+    root = root_daemon(tmp, address)
+    try:
+        yield root, address
+    finally:
+        root.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def joined_before_the_root_starts(member: DaemonProcess, late_root: DaemonProcess, world: str,
                                   member_bootstrap: str, root_bootstrap: str) -> list[DaemonBackend]:
     """Rank 1 joins on `member` while nothing listens at the root's address; then `late_root`
@@ -1684,15 +1697,15 @@ def joined_before_the_root_starts(member: DaemonProcess, late_root: DaemonProces
             raise
 
 
-def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[DaemonProcess]) -> None:
+def test_a_member_waits_for_a_root_daemon_that_starts_after_it(
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """Daemons of one job start in no set order: rank 1 joins on B while nothing listens at
     the root's address yet; B dials it again until the join's timeout, so once the root
     daemon R starts there and rank 0 joins on it, the world forms and sums (before: rank 1
     was refused at once, PeerLost 'cannot reach the daemon at ...: Connection refused')."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    late_root = root_daemon(tmp, address)
+    late_root, address = root_r
     comms: list[DaemonBackend] = []
     try:
         comms = joined_before_the_root_starts(b, late_root, world, address, address)
@@ -1700,11 +1713,10 @@ def test_a_member_waits_for_a_root_daemon_that_starts_after_it(pair: list[Daemon
     finally:
         for comm in comms:
             comm.close()
-        late_root.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_a_vote_that_dialed_its_root_a_while_keeps_its_ranks_deadline(pair: list[DaemonProcess]) -> None:
+def test_a_vote_that_dialed_its_root_a_while_keeps_its_ranks_deadline(
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """Rank 1 (timeout 4 s) joins on B 2.5 s before its root starts; rank 2 never comes. Its
     vote reached the root with the time left (some 1 s, the root's start included), so the
     root refuses it at the rank's deadline, naming the missing rank (before: with the whole
@@ -1712,27 +1724,22 @@ def test_a_vote_that_dialed_its_root_a_while_keeps_its_ranks_deadline(pair: list
     form it within 4s"), and the rank's whole timeout (before: the time left, "within 1.3s",
     less than the rank was given)."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    late_root = root_daemon(tmp, address)
-    try:
-        with ThreadPoolExecutor(2) as threads:
-            started = time.monotonic()
-            rank_1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=4,
-                                    bootstrap=address)
-            time.sleep(2.5)
-            late_root.start()
-            rank_0 = threads.submit(DaemonBackend, str(late_root.socket_path), world, 0, 3, timeout=3,
-                                    bootstrap=address)
-            with pytest.raises(CommTimeout, match=r"ranks \[2\] did not arrive within 4s"):
-                rank_1.result(15)
-            took = time.monotonic() - started
-            with pytest.raises(CommTimeout, match=r"ranks \[2\] did not arrive within 3s"):
-                rank_0.result(15)
-        assert 3.5 < took < 5.0, took
-    finally:
-        late_root.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    late_root, address = root_r
+    with ThreadPoolExecutor(2) as threads:
+        started = time.monotonic()
+        rank_1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=4,
+                                bootstrap=address)
+        time.sleep(2.5)
+        late_root.start()
+        rank_0 = threads.submit(DaemonBackend, str(late_root.socket_path), world, 0, 3, timeout=3,
+                                bootstrap=address)
+        with pytest.raises(CommTimeout, match=r"ranks \[2\] did not arrive within 4s"):
+            rank_1.result(15)
+        took = time.monotonic() - started
+        with pytest.raises(CommTimeout, match=r"ranks \[2\] did not arrive within 3s"):
+            rank_0.result(15)
+    assert 3.5 < took < 5.0, took
 
 
 def test_a_root_daemon_that_never_starts_times_the_join_out_saying_where_it_dialed(
@@ -1749,12 +1756,13 @@ def test_a_root_daemon_that_never_starts_times_the_join_out_saying_where_it_dial
     a_new_world_sums(pair, pair[0])
 
 
-def test_a_rank_that_leaves_while_its_root_is_not_up_stops_the_dialing(pair: list[DaemonProcess]) -> None:
+def test_a_rank_that_leaves_while_its_root_is_not_up_stops_the_dialing(
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """Rank 1 joins on B with nothing at the root's address, then its process goes: B must
     stop dialing for it, so the root daemon that starts there later hears no dial from B."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
+    late_root, address = root_r
     rank_1 = RawClient(str(b.socket_path))
     try:
         rank_1.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 20_000,
@@ -1762,27 +1770,25 @@ def test_a_rank_that_leaves_while_its_root_is_not_up_stops_the_dialing(pair: lis
         wait_until(lambda: world_status(b, world) is not None, "rank 1's world on B")
         rank_1.close()
         wait_until(lambda: world_status(b, world) is None, "B forgetting the world")
-        with root_daemon(tmp, address) as late_root:
+        with late_root:
             time.sleep(1.5)  # (B's pauses grow to 1 s: a dial still going on would come by now)
             peers = query_status(str(late_root.socket_path), 5)["peers"]
             assert peers["links"] == [] and peers["refused_handshakes"] == 0, peers
         assert query_status(str(b.socket_path), 5)["peers"]["links"] == []
     finally:
         rank_1.close()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_new_process_for_a_rank_whose_old_one_left_while_dialing_keeps_its_own_timeout(
-        pair: list[DaemonProcess]) -> None:
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """Ranks 1 and 2 of a world of 3 join on B with nothing at the root's address (rank 1's
     hello allows 0.6 s); rank 1's process goes and a new one takes rank 1 (20 s). The old
     vote's dialing must stop with its process: before, it went on (rank 1 waited again) and,
     at the old process's deadline, refused the new one (CommTimeout 'dialed 5 times in 0.6s')."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
+    late_root, address = root_r
     old = RawClient(str(b.socket_path))
-    late_root = root_daemon(tmp, address)
     comms: list[DaemonBackend] = []
     try:
         with ThreadPoolExecutor(2) as threads:
@@ -1809,8 +1815,6 @@ def test_a_new_process_for_a_rank_whose_old_one_left_while_dialing_keeps_its_own
         old.close()
         for comm in comms:
             comm.close()
-        late_root.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_member_dials_a_root_not_up_for_all_of_each_ranks_timeout(pair: list[DaemonProcess]) -> None:
@@ -1922,7 +1926,7 @@ def test_ranks_of_one_world_dialing_a_root_not_up_say_so_in_one_line(tmp_path: P
 
 
 def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_again(
-        pair: list[DaemonProcess]) -> None:
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """A serving job: rank 1 (on B) calls attempt_reconnect; its vote is at the root daemon R
     when R is restarted (SIGTERM, as systemd's restart), and rank 0 on R reconnects to the new
     R. B must cast the vote again over a new link, dialing R until the rank's timeout as it
@@ -1930,9 +1934,9 @@ def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_
     attempt_reconnect failed at once, PeerLost 'the root daemon R was lost: closed by the
     peer', though R was back within a second)."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    root = root_daemon(tmp, address).start()
+    root, address = root_r
+    root.start()
     comms: list[DaemonBackend] = []
     try:
         with ThreadPoolExecutor(2) as threads:
@@ -1955,55 +1959,50 @@ def test_a_root_daemon_restarted_while_a_members_rank_reconnects_takes_its_vote_
     finally:
         for comm in comms:
             comm.close()
-        root.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_join_whose_root_stopped_and_never_came_back_says_what_became_of_its_link(
-        pair: list[DaemonProcess]) -> None:
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """Rank 1 joins on B (timeout 3 s); its vote is at the root daemon R when R stops
     (SIGTERM) for good. B dials R until the rank's timeout, and the CommTimeout must say that
     B had a link to R and how it ended (before: only 'cannot reach the daemon at ...:
     Connection refused (dialed N times in 3s; is its daemon running?)', as for a root that
     never started), and B serves on."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    root = root_daemon(tmp, address).start()
-    try:
-        with ThreadPoolExecutor(1) as threads:
-            started = time.monotonic()
-            joining = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=3,
-                                     bootstrap=address)
-            wait_until(lambda: world_status(root, world) is not None, "rank 1's vote at R")
-            root.stop()
-            stopped = time.monotonic() - started
-            with pytest.raises(CommTimeout) as timed_out:
-                joining.result(15)
-            took = time.monotonic() - started
-        message = str(timed_out.value)
-        assert re.search(rf"world {world}: cannot reach the daemon at {address}: .*Connection refused "
-                         r"\(dialed \d+ times in 3s; is its daemon running\?\); the link to it "
-                         r"closed (\d+\.\d)s before: daemon R left: daemon shutting down", message), message
-        closed_before = float(re.findall(r"closed (\d+\.\d)s before", message)[0])
-        assert 2.5 < took < 5.0, took
-        # (the link closed as R stopped: its age is the rest of the rank's 3 s, give or take)
-        assert abs(closed_before - (took - stopped)) < 1.0, (closed_before, took, stopped)
-    finally:
+    root, address = root_r
+    root.start()
+    with ThreadPoolExecutor(1) as threads:
+        started = time.monotonic()
+        joining = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=3,
+                                 bootstrap=address)
+        wait_until(lambda: world_status(root, world) is not None, "rank 1's vote at R")
         root.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stopped = time.monotonic() - started
+        with pytest.raises(CommTimeout) as timed_out:
+            joining.result(15)
+        took = time.monotonic() - started
+    message = str(timed_out.value)
+    assert re.search(rf"world {world}: cannot reach the daemon at {address}: .*Connection refused "
+                     r"\(dialed \d+ times in 3s; is its daemon running\?\); the link to it "
+                     r"closed (\d+\.\d)s before: daemon R left: daemon shutting down", message), message
+    closed_before = float(re.findall(r"closed (\d+\.\d)s before", message)[0])
+    assert 2.5 < took < 5.0, took
+    # (the link closed as R stopped: its age is the rest of the rank's 3 s, give or take)
+    assert abs(closed_before - (took - stopped)) < 1.0, (closed_before, took, stopped)
     a_new_world_sums(pair, pair[0])
 
 
-def test_a_first_join_whose_root_restarts_meanwhile_forms_at_the_new_root(pair: list[DaemonProcess]) -> None:
+def test_a_first_join_whose_root_restarts_meanwhile_forms_at_the_new_root(
+        pair: list[DaemonProcess], root_r: tuple[DaemonProcess, str]) -> None:
     """Rank 1's first hello on B is at the root daemon R when R is restarted (SIGTERM, as
     systemd's restart); rank 0 then joins on the new R. B casts the vote again within the
     rank's timeout, the world forms, and sums right (the reconnect's case is above; this is
     a world's first forming)."""
     b = pair[1]
-    tmp, address = short_tmpdir(), f"127.0.0.1:{_unused_port()}"
     world = world_name()
-    root = root_daemon(tmp, address).start()
+    root, address = root_r
+    root.start()
     comms: list[DaemonBackend] = []
     try:
         with ThreadPoolExecutor(1) as threads:
@@ -2018,8 +2017,6 @@ def test_a_first_join_whose_root_restarts_meanwhile_forms_at_the_new_root(pair: 
     finally:
         for comm in comms:
             comm.close()
-        root.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def timed_world(daemons: list[DaemonProcess], root: DaemonProcess, world: str,
