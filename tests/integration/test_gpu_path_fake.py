@@ -1018,6 +1018,40 @@ def test_a_stream_ordered_group_the_world_failed_under_still_orders_its_stream_a
     assert seen["mine"] == b"\x09" * 8  # ...and W came after its write
 
 
+class _BehindAKernel:
+    """Two ranks' all_reduce (u8, 8 bytes each) on a fake-GPU daemon's streams, behind rank
+    0's kernel K, which will fill rank 0's buffer with `fill` when it ends."""
+
+    def __init__(self, gpu: FakeGpu, fill: bytes) -> None:
+        self.daemon = GpuDaemon(gpu)
+        self.world, self.driver = world_name("gpu"), WorkerDriver(gpu)
+        self.streams = [gpu.worker_stream(), gpu.worker_stream()]
+        self.ptrs = [self.driver.alloc(b"\x01" * 8), self.driver.alloc(b"\x02" * 8)]
+        self.kernel = gpu.worker_kernel(self.streams[0], self.ptrs[0], fill)
+
+    def stop(self, told: Callable[[int], None] = lambda rank: None,
+             before: Callable[[], None] = lambda: None) -> None:
+        """Both calls pending, `before()`, then the daemon stops: each rank must be told it is
+        shutting down (DaemonShutdown), and then runs `told(rank)` on its own thread."""
+        def rank(r: int) -> str:
+            comm = DaemonBackend(str(self.daemon.socket_path), self.world, r, 2, timeout=20,
+                                 stream=self.streams[r], cuda_driver=lambda: self.driver)
+            with comm, pytest.raises(DaemonShutdown) as stopped:
+                comm.all_reduce(self.ptrs[r], 8, dtype="u8")
+            told(r)
+            return str(stopped.value)
+
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(rank, r) for r in range(2)]
+            sock = str(self.daemon.socket_path)
+            wait_until(lambda: [w["pending_calls"] for w in query_status(sock, 5)["worlds"]] == [2],
+                       "both calls to run")
+            before()
+            self.daemon.close()
+            said = [future.result(10) for future in running]
+        assert all("the daemon is shutting down" in s for s in said), said
+
+
 def test_a_daemon_stopping_under_an_nccl_op_tells_its_ranks_once_the_op_let_go_of_their_memory(
         gpu: FakeGpu) -> None:
     """Two ranks' all_reduce is on the daemon's streams, behind rank 0's kernel K, when the
@@ -1026,33 +1060,17 @@ def test_a_daemon_stopping_under_an_nccl_op_tells_its_ranks_once_the_op_let_go_o
     after W, nor on rank 1's buffer. Before: the ranks heard of the stop (the SHUTDOWN event)
     before the abort ran, and the sum (9 + 2) landed over W's 9s and on rank 1's buffer."""
     gpu.abort_takes_s = 0.5
-    daemon = GpuDaemon(gpu)
-    world, driver = world_name("gpu"), WorkerDriver(gpu)
-    streams = [gpu.worker_stream(), gpu.worker_stream()]
-    ptrs = [driver.alloc(b"\x01" * 8), driver.alloc(b"\x02" * 8)]
-    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x01" * 8)
+    two = _BehindAKernel(gpu, b"\x01" * 8)
 
-    def rank(r: int) -> str:
-        comm = DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20, stream=streams[r],
-                             cuda_driver=lambda: driver)
-        with comm, pytest.raises(DaemonShutdown) as stopped:
-            comm.all_reduce(ptrs[r], 8, dtype="u8")
+    def rank_0_writes(r: int) -> None:
         if r == 0:
-            mine = gpu.worker_kernel(streams[0], ptrs[0], b"\x09" * 8)  # the buffer is the worker's
+            mine = gpu.worker_kernel(two.streams[0], two.ptrs[0], b"\x09" * 8)  # the buffer is the worker's
             gpu.finish_kernel(mine)  # (it runs once the stream gets to it)
-            gpu.finish_kernel(kernel)
-        return str(stopped.value)
+            gpu.finish_kernel(two.kernel)
 
-    with ThreadPoolExecutor(2) as pool:
-        running = [pool.submit(rank, r) for r in range(2)]
-        sock = str(daemon.socket_path)
-        wait_until(lambda: [w["pending_calls"] for w in query_status(sock, 5)["worlds"]] == [2],
-                   "both calls to run")
-        daemon.close()
-        said = [future.result(10) for future in running]
-    assert all("the daemon is shutting down" in s for s in said), said
+    two.stop(told=rank_0_writes)
     time.sleep(0.2)  # (the device has nothing left to run; a late op would have landed)
-    assert [gpu.read(p, 8) for p in ptrs] == [b"\x09" * 8, b"\x02" * 8]
+    assert [gpu.read(p, 8) for p in two.ptrs] == [b"\x09" * 8, b"\x02" * 8]
 
 
 def test_a_stop_leaves_mapped_the_memory_of_an_aborted_op_still_queued_behind_a_kernel(
@@ -1064,31 +1082,13 @@ def test_a_stop_leaves_mapped_the_memory_of_an_aborted_op_still_queued_behind_a_
     threads were shut down) and let go at once; the fake saw 'released [..] under an op
     still queued on a stream' (1 run in 3 when K ended as the ranks heard of the stop)."""
     caplog.set_level(logging.WARNING, logger="commd.engine.nccl")
-    daemon = GpuDaemon(gpu)
-    world, driver = world_name("gpu"), WorkerDriver(gpu)
-    streams = [gpu.worker_stream(), gpu.worker_stream()]
-    ptrs = [driver.alloc(b"\x01" * 8), driver.alloc(b"\x02" * 8)]
-    kernel = gpu.worker_kernel(streams[0], ptrs[0], b"\x05" * 8)
-
-    def rank(r: int) -> str:
-        comm = DaemonBackend(str(daemon.socket_path), world, r, 2, timeout=20, stream=streams[r],
-                             cuda_driver=lambda: driver)
-        with comm, pytest.raises(DaemonShutdown) as stopped:
-            comm.all_reduce(ptrs[r], 8, dtype="u8")
-        return str(stopped.value)
-
-    with ThreadPoolExecutor(2) as pool:
-        running = [pool.submit(rank, r) for r in range(2)]
-        sock = str(daemon.socket_path)
-        wait_until(lambda: [w["pending_calls"] for w in query_status(sock, 5)["worlds"]] == [2],
-                   "both calls to run")
-        mapped = gpu.allocations
-        daemon.close()  # (its loop has ended: nothing of it waits for the device any more)
-        said = [future.result(10) for future in running]
-    assert all("the daemon is shutting down" in s for s in said), said
-    assert gpu.allocations == mapped  # the ranks' memory, as the daemon opened it, stays
-    gpu.finish_kernel(kernel)  # the aborted op reaches the head of its stream now
-    assert [gpu.read(p, 8) for p in ptrs] == [b"\x05" * 8, b"\x02" * 8]  # it did not run
+    two = _BehindAKernel(gpu, b"\x05" * 8)
+    mapped: list[int] = []
+    # (the daemon's loop ends with the stop: nothing of it waits for the device any more)
+    two.stop(before=lambda: mapped.append(gpu.allocations))
+    assert gpu.allocations == mapped[0]  # the ranks' memory, as the daemon opened it, stays
+    gpu.finish_kernel(two.kernel)  # the aborted op reaches the head of its stream now
+    assert [gpu.read(p, 8) for p in two.ptrs] == [b"\x05" * 8, b"\x02" * 8]  # it did not run
     assert gpu.violations == []
     left = [r.getMessage() for r in caplog.records if "stay mapped" in r.getMessage()]
     assert len(left) == 1 and "the device was not seen past" in left[0], left
