@@ -45,6 +45,7 @@ class Registry:
         # (a confused or hostile daemon may send such messages without end; the cluster counts each)
         self._foreign_log = Throttled(log)
         self._stale_log = Throttled(log)
+        self._ask_log = Throttled(log)
         if cluster is not None:
             cluster.router = self
         self._on_peer: dict[type, Callable[[PeerLink, Any, bytes | bytearray], None]] = {
@@ -256,14 +257,19 @@ class Registry:
         world = self._at_epoch(link, msg.world, msg.epoch)
         if world is None or world.net is None:
             return
+        if msg.asker != link.name and (world.net.is_root or not world.net.ranks_of(msg.asker)):
+            return  # (a member asks for itself only; the root passes on members' questions)
+        report = world.watchdog.report(msg)
+        if report is None:
+            self._ask_log.warning("ignored a calls query of world %s from daemon %s: it asked moments "
+                                  "ago", world.name, msg.asker, extra=world.log_extra())
+            return
         if world.net.is_root:
-            if msg.asker != link.name:  # (a member asks for itself only: it is whom we relay to)
-                return
             for daemon in world.net.members():
                 if daemon != link.name:
                     with contextlib.suppress(CallError):  # (gone: the asker hears it did not answer)
                         world.net.send(daemon, msg)
-        link.send(world.watchdog.report(msg))
+        link.send(report)
 
     def _calls_report(self, link: PeerLink, msg: p.CallsReport, payload: bytes | bytearray) -> None:
         world = self._at_epoch(link, msg.world, msg.epoch)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +33,11 @@ _MIN_WATCH_S = 0.05
 # one that is stuck must not hold the failure back longer than this (nor past the client's
 # _VERDICT_GRACE_S, 2 s, after which a rank stops waiting for the daemon's word and says less).
 _ASK_S = 1.0
+# A daemon's watch asks at most once a watch interval (_MIN_WATCH_S at the least), so a daemon
+# that asks more often is broken or hostile; each answer costs O(ranks), and a member's query
+# the root passes on to every other member (M daemons asking together: M·(M−1) answers). Half
+# the interval leaves room for two honest questions the network delivered together.
+_MIN_ASK_GAP_S = _MIN_WATCH_S / 2
 _NO_CALL = "no call yet"
 
 
@@ -58,6 +64,7 @@ class Watchdog:
         self._wanted = asyncio.Event()  # set: there may be something to watch
         self._asks = itertools.count(1)
         self._asking: _Ask | None = None
+        self._last_answered: dict[str, float] = {}  # by asker (the world's daemons only)
 
     def ready(self) -> None:
         """The world is ready (again), maybe with an engine that must be polled."""
@@ -161,8 +168,13 @@ class Watchdog:
         if not ask.pending and not ask.answered.done():
             ask.answered.set_result(None)
 
-    def report(self, query: p.CallsQuery) -> p.CallsReport:
-        """This daemon's answer to another's CallsQuery: its ranks' newest calls."""
+    def report(self, query: p.CallsQuery) -> p.CallsReport | None:
+        """This daemon's answer to another's CallsQuery: its ranks' newest calls; None if
+        the same daemon asked under _MIN_ASK_GAP_S ago (then it is not passed on either)."""
+        now = time.monotonic()
+        if now - self._last_answered.get(query.asker, -math.inf) < _MIN_ASK_GAP_S:
+            return None
+        self._last_answered[query.asker] = now
         world = self._world
         assert world.net is not None
         calls, ranks, call_of = by_call(self._here())

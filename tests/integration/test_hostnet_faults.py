@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -267,3 +268,38 @@ def test_a_member_sending_data_in_another_daemons_name_fails_the_world(daemon: D
         with pytest.raises(WorldFailed, match="daemon X sent 'up' data of call 0 for rank 0, which is "
                                               "not one of its"):
             comm.barrier()
+
+
+def test_a_daemon_asking_for_calls_without_pause_is_answered_once_a_moment(daemon: DaemonProcess) -> None:
+    """Member X sends its root 200 CallsQuery at once. The root answered every one (and
+    would pass each on to every other member: M daemons, M·(M−1) answers of O(ranks) each,
+    for as long as one kept asking). A watch asks at most once a watch interval (50 ms at
+    the least): the root answers the first of the burst, and the next question once a
+    moment passed."""
+    with raw_member(daemon) as (x, link, _comm, world):
+        x.send_burst(link, [(p.CallsQuery(world, 1, ask, "X"), b"") for ask in range(1, 201)])
+        wait_until(lambda: x.got(p.CallsReport, world=world, ask=1), timeout=10)
+        time.sleep(0.1)
+        x.send(link, p.CallsQuery(world, 1, 1001, "X"))
+        wait_until(lambda: x.got(p.CallsReport, world=world, ask=1001), timeout=10)  # (so the burst's too)
+        reports = [m for _, m in x.received if isinstance(m, p.CallsReport)]
+        asks = [r.ask for r in reports]
+        # (a stall of the root's loop mid-burst may let a second one through; never the 200)
+        assert asks[0] == 1 and asks[-1] == 1001 and len(asks) <= 4, asks
+        assert (reports[-1].daemon, reports[-1].asker, reports[-1].ranks, reports[-1].calls) == \
+            ("A", "X", (0,), ("no call yet",))
+        # X broke no rule a world fails for
+        assert world_status(daemon, world)["state"] == "ready"
+
+
+def test_a_member_answers_the_root_only_for_daemons_of_the_world(daemon: DaemonProcess) -> None:
+    """The root R passes on to member A a CallsQuery whose asker, Q, is no daemon of the
+    world: A ignores it (it would remember each such name, a hostile root's without end);
+    R's own question A answers."""
+    with raw_root(daemon) as (r, link, _comm, world):
+        r.send(link, p.CallsQuery(world, 1, 1, "Q"))
+        r.send(link, p.CallsQuery(world, 1, 2, "R"))
+        wait_until(lambda: r.got(p.CallsReport, world=world, ask=2), timeout=10)
+        reports = [m for _, m in r.received if isinstance(m, p.CallsReport)]
+        assert [(m.ask, m.asker, m.daemon, m.ranks, m.calls) for m in reports] == \
+            [(2, "R", "A", (1,), ("no call yet",))]

@@ -1046,8 +1046,13 @@ class RawPeer:
         return link
 
     def send(self, link: Any, msg: p.PeerMessage, payload: bytes | memoryview = b"") -> None:
+        self.send_burst(link, [(msg, payload)])
+
+    def send_burst(self, link: Any, frames: list[tuple[p.PeerMessage, bytes | memoryview]]) -> None:
+        """`frames` written at once, as a flood from one daemon comes."""
         async def send() -> None:
-            link.send(msg, payload)
+            for msg, payload in frames:
+                link.send(msg, payload)
             await link.drain()
 
         self._call(send())
