@@ -15,7 +15,7 @@ from proto import MAX_ERROR_TEXT, ErrorCode, clip_text
 from . import __version__
 
 MAX_TEXT = MAX_ERROR_TEXT - 96  # what the wire allows an error, less room for prefixes
-# A world's cause, less room for what a call it ended says around it (World._call_failed and
+# A world's cause, less room for what a call it ended says around it (World.call_failed and
 # _not_ready: a world name of 128, an epoch of 20 digits and two rank counts of 5 take 219):
 # clipped there instead, the cause would lose its end, and from_peer's note with it
 MAX_CAUSE = MAX_TEXT - 256

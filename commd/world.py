@@ -1,4 +1,4 @@
-"""One world: its ranks, its state machine, call matching and execution.
+"""One world: its ranks, its state machine, call matching (oprunner.py runs the matched ops).
 
     FORMING --all ranks said hello / attempt_reconnect--> READY (epoch + 1)
     READY --rank lost, mismatch, engine error, reconnect--> FAILED
@@ -12,9 +12,7 @@ communicator is aborted; other worlds never notice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import functools
 import logging
 from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass
@@ -23,31 +21,20 @@ import proto
 from proto import ErrorCode
 
 from .cluster import WorldNet
-from .engine.base import (
-    Communicator,
-    Engine,
-    EngineOp,
-    EventPair,
-    RecvOp,
-    Region,
-    SendOp,
-    StillOnDevice,
-)
+from .engine.base import Communicator, Engine, EventPair, Region
 from .engine_extras import EngineExtras
 from .errors import MAX_CAUSE, CallError, clip, framed, rank_list
-from .matching import Call, Match, Matcher, Mismatch
+from .matching import Call, Matcher, Mismatch
 from .membership import LocalMembership, NetMembership
+from .oprunner import OpRunner, given_up
 from .recorder import FlightRecorder
 from .stats import DaemonStats
-from .tickets import Arrival, Peer, Ticket, arrivals_of, engine_op_of, order_of
+from .tickets import Arrival, Peer, Ticket, arrivals_of, engine_op_of
 from .watchdog import Watchdog
 
 log = logging.getLogger("commd.world")
 # How an idle world ends without anything failing: a rank leaves, the daemon stops.
 _ENDINGS = frozenset({ErrorCode.WORLD_FAILED, ErrorCode.SHUTDOWN})
-# How long the ops of a failed world may go on finishing before its communicator is aborted
-# under them: long enough for ops every rank joined, short enough to free a hung one.
-_ABORT_GRACE_S = 2.0
 
 
 class WorldState(enum.Enum):
@@ -88,18 +75,14 @@ class World:
         self.local_ranks: tuple[int, ...] = ()
         self._matcher: Matcher[Arrival] = Matcher(world_size, ())
         self._comm: Communicator | None = None
-        self._tickets: set[Ticket] = set()
-        self._exec_lock = asyncio.Lock()
-        self._queued = 0  # matched ops waiting for or holding _exec_lock
-        # Communicators of failed epochs whose ops are still in the engine: aborted when those
-        # finish, or after _ABORT_GRACE_S at the latest (an op waiting on a lost peer never does).
-        self._abort_when_idle: set[Communicator] = set()
+        self.tickets: set[Ticket] = set()
+        self._runner = OpRunner(self)
         self._max_pending_ops = max_pending_ops
         self.stats = stats if stats is not None else DaemonStats()  # the daemon's: outlive worlds
         self.recorder = FlightRecorder(stats=self.stats.calls)
         self.call_timeout_s = call_timeout_s  # a call open longer fails the world (None: never)
         self.watchdog = Watchdog(self)
-        self._pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
+        self.pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
         self._extras = EngineExtras(world_size, local=net is None)
 
@@ -254,13 +237,13 @@ class World:
             raise CallError(self.cause_code, self._not_ready())
         if peer is None:
             raise self._placed_elsewhere(rank)
-        pending, count = self._pending_ops.get(rank, 0), len(calls)
+        pending, count = self.pending_ops.get(rank, 0), len(calls)
         if pending + count > self._max_pending_ops:
             raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
                                              f"match; the limit is {self._max_pending_ops}")
-        self._pending_ops[rank] = pending + count
+        self.pending_ops[rank] = pending + count
         ticket = Ticket(peer, rank, request_id, count, self.epoch)
-        self._tickets.add(ticket)
+        self.tickets.add(ticket)
         self.watchdog.call_opened()
         epoch = self.epoch
         for op, regions in calls:
@@ -275,112 +258,23 @@ class World:
                 return
             if match is not None:
                 arrivals = arrivals_of(match)
-                if self._given_up(arrivals):
+                if given_up(arrivals):
                     return  # (its world failed: the ticket has its error, as below)
-                self._dispatch(match, arrivals)
+                assert self._comm is not None
+                spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
+                self._runner.run(engine_op_of(match, spans_daemons), arrivals, self._comm, self.epoch)
                 if self.state is not WorldState.READY or self.epoch != epoch:
                     return  # it failed meanwhile (a reply found its peer gone): the ticket has
                     # its error, and the group's other calls must not stay open in the next epoch
-
-    def _given_up(self, arrivals: list[Arrival]) -> bool:
-        """Whether a rank of a match (its `arrivals`) hung up (the world fails for it): its client gave
-        up on the call (CommTimeout, an interrupt) and drops its connection before it says
-        so, and may write, reuse or free the buffers the op would write. The daemon reads
-        a packet a wakeup, so other ranks' calls may match it before the hang-up is read:
-        it is looked for before the op starts (what started before goes on). A rank that
-        left earlier (killed) has its op not started either: its world failed already."""
-        # (every one looked at: each hung-up connection closes, and leaves the world)
-        return any([arrival.ticket.peer.close_if_hung_up() for arrival in arrivals])
-
-    def _dispatch(self, match: Match[Arrival], arrivals: list[Arrival]) -> None:
-        """Run a matched op: inline when nothing is queued and it is small, else in order.
-
-        From here the op belongs to the engine: if the world fails meanwhile, it still
-        completes (or fails) on its own, so calls every rank already made are not
-        failed by a rank that left after making them; unless it waits its turn, and one
-        of its own ranks leaves meanwhile (see _given_up)."""
-        assert self._comm is not None
-        spans_daemons = self.net is not None and len(self.local_ranks) < self.world_size
-        engine_op = engine_op_of(match, spans_daemons)
-        for arrival in arrivals:
-            arrival.ticket.executing += 1
-            arrival.record.state = "running"
-        if self._queued == 0:
-            try:
-                done = engine_op is None or self._comm.try_inline(engine_op)
-            except Exception as exc:
-                self._op_failed(arrivals, exc, self.epoch)
-                return
-            if done:
-                self._finish(arrivals)
-                return
-        self._queued += 1
-        # Sends and receives to other daemons are paired there, not here: they must not
-        # queue behind each other (a group's send and recv would wait for one another).
-        ordered = not isinstance(engine_op, SendOp | RecvOp) and not self._comm.launches_in_order
-        asyncio.get_running_loop().create_task(
-            self._execute(arrivals, engine_op, self._comm, self.epoch, ordered))
-
-    async def _execute(self, arrivals: list[Arrival], engine_op: EngineOp | None, comm: Communicator,
-                       epoch: int, ordered: bool) -> None:
-        try:
-            async with self._exec_lock if ordered else contextlib.nullcontext():
-                if engine_op is not None and self._given_up(arrivals):  # (while it waited its turn)
-                    raise CallError(ErrorCode.WORLD_FAILED, "a rank of the call left before it started")
-                if engine_op is not None:
-                    await comm.run(engine_op, order_of(arrivals), frozenset(a.ticket for a in arrivals))
-        except Exception as exc:
-            self._op_failed(arrivals, exc, epoch)
-            return
-        finally:
-            self._queued -= 1
-            if self._queued == 0:  # those still busy with early-answered ops: the grace decides
-                idle = {old for old in self._abort_when_idle if not old.busy()}
-                self._abort_when_idle -= idle
-                for old in idle:
-                    old.abort()
-                if self.state is not WorldState.READY and self.net is not None:
-                    self.net.inbox.drop_unread()
-        self._finish(arrivals)
 
     def communicator(self) -> Communicator | None:
         """The ready epoch's communicator (None while the world forms or failed)."""
         return self._comm if self.state is WorldState.READY else None
 
-    def _op_failed(self, arrivals: list[Arrival], exc: Exception, epoch: int) -> None:
-        """The engine could not complete an op: its world fails (if this epoch still
-        stands), and the op's own calls (its `arrivals`) get the error."""
-        if isinstance(exc, CallError):
-            code, message = exc.code, exc.message
-        else:
-            log.error("world %s epoch %d: engine failed", self.name, self.epoch, exc_info=exc,
-                      extra=self.log_extra())
-            code, message = ErrorCode.INTERNAL, f"engine error: {type(exc).__name__}: {exc}"
-        if epoch == self.epoch:
-            self.fail(code, message)
-            code, message = self.cause_code, self._call_failed()
-        past = exc.past if isinstance(exc, StillOnDevice) else {}
-        for arrival in arrivals:
-            left = past.get(arrival.ticket.rank)
-            if left is None or left.done():
-                self._op_ended(arrival.ticket, (code, message))
-            else:  # the op may still touch this rank's memory until its stream is past it
-                left.add_done_callback(functools.partial(self._op_ended, arrival.ticket, (code, message)))
-
-    def _op_ended(self, ticket: Ticket, failure: tuple[ErrorCode, str] | None = None,
-                  _past: object = None) -> None:
-        ticket.op_ended(failure)
-        if ticket.done:
-            self._tickets.discard(ticket)
-
-    def _finish(self, arrivals: list[Arrival]) -> None:
-        for arrival in arrivals:
-            ticket = arrival.ticket
-            # (cleared when the world failed: one of an older epoch is counted no more)
-            if ticket.epoch == self.epoch and self._pending_ops.get(ticket.rank):
-                self._pending_ops[ticket.rank] -= 1
-            arrival.record.close("done")
-            self._op_ended(ticket)
+    def ops_idle(self) -> None:
+        """The engine has none of its ops left: a failed world's peer data has no op to take it."""
+        if self.state is not WorldState.READY and self.net is not None:
+            self.net.inbox.drop_unread()
 
     # ---- failure and departure ----------------------------------------------------
 
@@ -395,7 +289,7 @@ class World:
         self.state = WorldState.FAILED
         self.cause, self.cause_code = message, code
         # (an ending is how jobs end; only a failure that hits calls warns)
-        level = logging.WARNING if self._tickets or code not in _ENDINGS else logging.INFO
+        level = logging.WARNING if self.tickets or code not in _ENDINGS else logging.INFO
         self.stats.world_failed(self.name, self.epoch, code, message, job_ended=level == logging.INFO)
         extra = self.log_extra(rank)
         # (said as "ended", not "failed": operators search the logs for failures)
@@ -406,26 +300,21 @@ class World:
                 log.warning("world %s epoch %d flight recorder: %s", self.name, self.epoch, line,
                             extra=extra)
         if self._comm is not None:
-            if self._queued or self._comm.busy():  # ops in the engine's hands finish first (_dispatch)
-                comm = self._comm
-                self._abort_when_idle.add(comm)
-                asyncio.get_running_loop().call_later(_ABORT_GRACE_S, self._abort_late, comm)
-            else:
-                self._comm.abort()
+            self._runner.retire(self._comm)
             self._comm = None
         if self.net is not None:
             self.net.inbox.fail(CallError(code, message))
-            if not self._queued:  # no op left to take what came
+            if not self._runner.queued:  # no op left to take what came
                 self.net.inbox.drop_unread()
             if propagate:
                 self.membership.failed(code, message)
-        tickets, self._tickets = self._tickets, set()
-        self._pending_ops.clear()
+        tickets, self.tickets = self.tickets, set()
+        self.pending_ops.clear()
         for ticket in tickets:
             if ticket.remaining > ticket.executing:  # a call still waiting for its match: lost
-                ticket.fail_when_idle(code, self._call_failed())
+                ticket.fail_when_idle(code, self.call_failed())
             if not ticket.done:
-                self._tickets.add(ticket)  # ops of it in the engine: their end answers it
+                self.tickets.add(ticket)  # ops of it in the engine: their end answers it
         self.recorder.end_deadlines()
         self._matcher = Matcher(self.world_size, self.local_ranks)
         event = proto.Event(proto.EventKind.WORLD_FAILED, code, message, self.epoch)
@@ -467,7 +356,7 @@ class World:
         it first moves them off the memory the daemon still has (as when a daemon dies)."""
         # (what is left, calls waiting for their match, only a ready world has: its failure
         # answers them)
-        self._tickets = {ticket for ticket in self._tickets if not ticket.executing}
+        self.tickets = {ticket for ticket in self.tickets if not ticket.executing}
         if self.state is WorldState.READY:
             self.fail(ErrorCode.SHUTDOWN, message, propagate=False)
             if self.net is not None:
@@ -479,15 +368,8 @@ class World:
             # (a hello's rank has no backend yet to reconnect: its join is what it makes again)
             advice = "join again" if waiter.is_hello else "call attempt_reconnect"
             self._cancel(waiter, ErrorCode.SHUTDOWN, f"{stopped}; {advice} once it is back")
-        for comm in [*self._abort_when_idle, *([self._comm] if self._comm is not None else [])]:
-            comm.abort()  # (no grace now: the engine closes next)
-        self._abort_when_idle.clear()
+        self._runner.abort_all(self._comm)
         self._comm = None
-
-    def _abort_late(self, comm: Communicator) -> None:
-        if comm in self._abort_when_idle:
-            self._abort_when_idle.discard(comm)
-            comm.abort()
 
     def forget_if_empty(self) -> None:
         """No rank here, none waiting, and (root) no other daemon's rank voting: the world
@@ -512,7 +394,7 @@ class World:
         where = f"daemon {self.net.placement[rank]}" if self.net is not None else "another connection"
         return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on {where}")
 
-    def _call_failed(self) -> str:
+    def call_failed(self) -> str:
         """What a call the world's failure ended says: a worker may be in several worlds,
         and what to do next is the same for every cause but this daemon's stop, where
         the daemon has to be back first (as every other word of the stop says)."""
@@ -534,7 +416,7 @@ class World:
             "world_size": self.world_size,
             "ranks": sorted(self.members),
             "waiting": sorted(self._waiting),
-            "pending_calls": len(self._tickets),
+            "pending_calls": len(self.tickets),
             # received from other daemons, not yet taken by an op (bounded by the senders' windows)
             "peer_bytes_held": self.net.inbox.held_bytes if self.net is not None else 0,
             "cause": self.cause,

@@ -114,7 +114,7 @@ def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 async def _starved(worlds: int, barrier_worlds: int, seconds: float) -> float | None:
     """`worlds` one-rank worlds of 64 KiB all_reduces and `barrier_worlds` of barriers,
     whose clients call again as soon as answered (a socket that stays readable: a request
-    always waiting, each tried inline as World._dispatch does, else queued), while one more
+    always waiting, each tried inline as OpRunner.run does, else queued), while one more
     64 KiB op waits for room (`run`). How long it waited, or None if past `seconds`."""
     loop = asyncio.get_running_loop()
     engine = HostEngine(threads=1)
