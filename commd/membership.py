@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from proto import ErrorCode, ProtoError, codec
 from proto import peer as p
-from proto.messages import U64_MAX
+from proto.fields import U64_MAX
 
 from .errors import CallError, NotListening, from_peer, rank_list, seconds
 from .peering import Backoff

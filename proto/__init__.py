@@ -7,14 +7,12 @@ the client (blocking) both drive `Connection`. The wire format is in WIRE.md.
 from .codec import decode, encode, expected_fds
 from .connection import Connection, Role, State
 from .errors import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge, ProtoError, StateError
+from .fields import MAX_ERROR_CODE, MAX_ERROR_TEXT, MAX_MESSAGE_BYTES, clip_text
 from .messages import (
     IPC_EVENT_BYTES,
     IPC_MEM_HANDLE_BYTES,
     JOIN_BACKSTOP_S,
-    MAX_ERROR_CODE,
-    MAX_ERROR_TEXT,
     MAX_GROUP_OPS,
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AllGather,
     AllReduce,
@@ -46,7 +44,6 @@ from .messages import (
     SymAlloc,
     SymFree,
     Welcome,
-    clip_text,
     mems_of,
     with_mems,
 )

@@ -19,6 +19,7 @@ from . import messages as m
 from . import peer as p
 from . import peerframe as pf
 from .errors import DecodeError, InvalidMessage, MessageTooLarge, ProtoError
+from .fields import MAX_MESSAGE_BYTES, U64_MAX
 
 TAGS: dict[type, str] = {
     m.AllReduce: "all_reduce",
@@ -313,7 +314,7 @@ def _plain_ok(data: bytes) -> m.Ok | None:
         request_id = msgpack.unpackb(middle)
     except Exception:  # not a single msgpack value: let the generic path explain
         return None
-    if type(request_id) is not int or request_id <= 0 or request_id > m.U64_MAX:
+    if type(request_id) is not int or request_id <= 0 or request_id > U64_MAX:
         return None
     return m.Ok(request_id)
 
@@ -385,7 +386,7 @@ OpsCache = dict[bytes, tuple[tuple[m.Op, ...], int]]
 PackedOps = dict[int, tuple[m.Op, bytes]]  # id(op) -> (the op, kept alive; its encoding)
 
 
-def encode(msg: m.Message, limit: int = m.MAX_MESSAGE_BYTES,
+def encode(msg: m.Message, limit: int = MAX_MESSAGE_BYTES,
            packed_ops: PackedOps | None = None) -> bytes:
     """Serialize one message; refuse one that would exceed `limit` bytes.
 
@@ -417,7 +418,7 @@ def _pack(msg: m.Message | p.PeerMessage, limit: int) -> bytes:
     return data
 
 
-def decode(data: bytes, nfds: int = 0, limit: int = m.MAX_MESSAGE_BYTES,
+def decode(data: bytes, nfds: int = 0, limit: int = MAX_MESSAGE_BYTES,
            ops_cache: OpsCache | None = None) -> m.Message:
     """Parse one packet that arrived with `nfds` file descriptors.
 

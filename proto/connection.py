@@ -16,6 +16,7 @@ import enum
 from . import messages as m
 from .codec import OpsCache, PackedOps, decode, encode
 from .errors import ProtoError, StateError
+from .fields import MAX_MESSAGE_BYTES
 
 
 class Role(enum.Enum):
@@ -60,7 +61,7 @@ _NOTHING: frozenset[type] = frozenset()
 class Connection:
     """One side's view of one connection. `our_role` says which side we are."""
 
-    def __init__(self, our_role: Role, limit: int = m.MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, our_role: Role, limit: int = MAX_MESSAGE_BYTES) -> None:
         self.our_role = our_role
         self.their_role = Role.DAEMON if our_role is Role.CLIENT else Role.CLIENT
         self.limit = limit

@@ -33,7 +33,7 @@ import struct
 from dataclasses import dataclass
 
 from .errors import ErrorCode, InvalidMessage
-from .messages import (  # one definition of each rule for both protocols
+from .fields import (  # one definition of each rule for both protocols
     MAX_HELLO_EPOCH,
     MAX_RANKS,
     MAX_WORLD_NAME,

@@ -17,7 +17,7 @@ import hmac
 import struct
 
 from .errors import DecodeError, MessageTooLarge
-from .messages import MAX_MESSAGE_BYTES
+from .fields import MAX_MESSAGE_BYTES
 
 TAG_BYTES = 16  # AES-GCM's, after a sealed header and after a sealed payload
 MAX_PAYLOAD_BYTES = 16 << 20

@@ -22,7 +22,7 @@ from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
 from proto import peer as p
-from proto.messages import MAX_WORLD_NAME
+from proto.fields import MAX_WORLD_NAME
 from tests.integration.harness import short_tmpdir, wait_until, world_name, world_status
 from tests.integration.rawclient import RawClient
 from tests.integration.test_multi_daemon import SECRET

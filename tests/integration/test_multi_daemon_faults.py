@@ -44,7 +44,7 @@ from proto import ErrorCode
 from proto import peer as p
 from proto import peerframe as pf
 from proto.codec import encode_peer
-from proto.messages import U64_MAX
+from proto.fields import U64_MAX
 from tests.conftest import FaultReport, Steady, steady_world
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference

@@ -57,7 +57,8 @@ from proto import (
     expected_fds,
 )
 from proto.codec import TAGS
-from proto.messages import MAX_RANKS, MAX_WORLD_NAME, OP_TYPES, U64_MAX
+from proto.fields import MAX_RANKS, MAX_WORLD_NAME, U64_MAX
+from proto.messages import OP_TYPES
 from proto.peer import PEER_MESSAGES
 
 pytestmark = pytest.mark.timeout(60)

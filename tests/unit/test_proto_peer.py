@@ -19,7 +19,7 @@ from proto import DecodeError, ErrorCode, InvalidMessage, MessageTooLarge, Proto
 from proto import peer as p
 from proto import peerframe as pf
 from proto.codec import TAGS, decode_peer, encode_peer
-from proto.messages import MAX_ERROR_TEXT, MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORLD_NAME, U64_MAX
+from proto.fields import MAX_ERROR_TEXT, MAX_MESSAGE_BYTES, MAX_RANKS, MAX_WORLD_NAME, U64_MAX
 from proto.peer import (
     INCARNATION_BYTES,
     NONCE_BYTES,

@@ -16,7 +16,7 @@ from commd.errors import MAX_TEXT, CallError, from_peer
 from commd.world import World, WorldState
 from proto import ErrorCode
 from proto import peer as p
-from proto.messages import MAX_RANKS, MAX_WORLD_NAME
+from proto.fields import MAX_RANKS, MAX_WORLD_NAME
 
 pytestmark = pytest.mark.timeout(30)
 
