@@ -16,19 +16,20 @@ from typing import Any
 import msgpack
 
 from . import messages as m
+from . import ops as o
 from . import peer as p
 from . import peerframe as pf
 from .errors import DecodeError, InvalidMessage, MessageTooLarge, ProtoError
 from .fields import MAX_MESSAGE_BYTES, U64_MAX
 
 TAGS: dict[type, str] = {
-    m.AllReduce: "all_reduce",
-    m.AllGather: "all_gather",
-    m.ReduceScatter: "reduce_scatter",
-    m.Broadcast: "broadcast",
-    m.Barrier: "barrier",
-    m.Send: "send",
-    m.Recv: "recv",
+    o.AllReduce: "all_reduce",
+    o.AllGather: "all_gather",
+    o.ReduceScatter: "reduce_scatter",
+    o.Broadcast: "broadcast",
+    o.Barrier: "barrier",
+    o.Send: "send",
+    o.Recv: "recv",
     m.Hello: "hello",
     m.Import: "import",
     m.Forget: "forget",
@@ -65,7 +66,7 @@ TAGS: dict[type, str] = {
     p.Data: "data",
 }
 _BY_TAG = {tag: cls for cls, tag in TAGS.items()}
-_OP_TAGS = frozenset(TAGS[cls] for cls in m.OP_TYPES)
+_OP_TAGS = frozenset(TAGS[cls] for cls in o.OP_TYPES)
 _PEER_TAGS = {TAGS[cls]: cls for cls in p.PEER_MESSAGES}  # the daemon-to-daemon namespace
 # what a Unix-socket packet may be: ops ride inside a submit, peer messages only on TCP links
 _MESSAGE_TAGS = {tag: cls for tag, cls in _BY_TAG.items() if tag not in _OP_TAGS and tag not in _PEER_TAGS}
@@ -101,10 +102,10 @@ def _bytes(value: Any) -> bytes:
     return value
 
 
-def _mem(value: Any) -> m.Mem:
+def _mem(value: Any) -> o.Mem:
     if type(value) is not list or len(value) != 2:
         raise _fail("a [buf, offset] pair", value)
-    return m.Mem(_int(value[0]), _int(value[1]))
+    return o.Mem(_int(value[0]), _int(value[1]))
 
 
 def _info(value: Any) -> dict[str, Any]:
@@ -147,14 +148,14 @@ def _tuple_of(inner: Decoder) -> Decoder:
     return decode
 
 
-def _op(value: Any) -> m.Op:
+def _op(value: Any) -> o.Op:
     if type(value) is not dict or value.get("t") not in _OP_TAGS:
         raise DecodeError("expected an op")
-    return typing.cast(m.Op, _from_map(value))
+    return typing.cast(o.Op, _from_map(value))
 
 
 _SIMPLE: dict[Any, Decoder] = {
-    int: _int, str: _str, bool: _bool, bytes: _bytes, m.Mem: _mem, dict[str, Any]: _info,
+    int: _int, str: _str, bool: _bool, bytes: _bytes, o.Mem: _mem, dict[str, Any]: _info,
 }
 
 
@@ -172,7 +173,7 @@ def _decoder_for(hint: Any) -> Decoder:
         (inner,) = [a for a in args if a is not type(None)]
         return _optional(_decoder_for(inner))
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return _tuple_of(_op if args[0] == m.Op else _decoder_for(args[0]))
+        return _tuple_of(_op if args[0] == o.Op else _decoder_for(args[0]))
     raise TypeError(f"no decoder for {hint!r}")  # a schema bug, caught at import
 
 
@@ -254,7 +255,7 @@ Encoder = Callable[[Any], Any] | None  # None: the value goes on the wire as it 
 
 def _encoder_for(hint: Any) -> Encoder:
     if hint in _SIMPLE:
-        return (lambda v: [v.buf, v.offset]) if hint is m.Mem else None
+        return (lambda v: [v.buf, v.offset]) if hint is o.Mem else None
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return lambda v: v._value_
     if _enum_beside_text(hint) is not None:
@@ -264,7 +265,7 @@ def _encoder_for(hint: Any) -> Encoder:
         (inner,) = [a for a in args if a is not type(None)]
         enc = _encoder_for(inner)
         return None if enc is None else (lambda v: None if v is None else enc(v))
-    if args[0] == m.Op:
+    if args[0] == o.Op:
         return lambda v: [_to_wire(op) for op in v]
     return list
 
@@ -285,7 +286,7 @@ def _to_wire(msg: Any) -> dict[str, Any]:
     return out
 
 
-def _pack_ops(ops: tuple[m.Op, ...], packed: PackedOps) -> bytes:
+def _pack_ops(ops: tuple[o.Op, ...], packed: PackedOps) -> bytes:
     parts = []
     for op in ops:
         entry = packed.get(id(op))
@@ -380,10 +381,10 @@ OPS_CACHE_SIZE = 256
 OPS_CACHE_BYTES = 1 << 20
 
 # the encoded ops array and epoch -> the ops and epoch they decoded to
-OpsCache = dict[bytes, tuple[tuple[m.Op, ...], int]]
+OpsCache = dict[bytes, tuple[tuple[o.Op, ...], int]]
 
 
-PackedOps = dict[int, tuple[m.Op, bytes]]  # id(op) -> (the op, kept alive; its encoding)
+PackedOps = dict[int, tuple[o.Op, bytes]]  # id(op) -> (the op, kept alive; its encoding)
 
 
 def encode(msg: m.Message, limit: int = MAX_MESSAGE_BYTES,
@@ -403,7 +404,7 @@ def encode(msg: m.Message, limit: int = MAX_MESSAGE_BYTES,
         if len(packet) > limit:
             raise MessageTooLarge(f"submit is {len(packet)} bytes, over the {limit}-byte limit")
         return packet
-    if type(msg) not in TAGS or isinstance(msg, (m.OP_TYPES, p.PEER_MESSAGES)):
+    if type(msg) not in TAGS or isinstance(msg, (o.OP_TYPES, p.PEER_MESSAGES)):
         raise InvalidMessage(f"{type(msg).__name__} is not a message")
     return _pack(msg, limit)
 

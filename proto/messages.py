@@ -1,16 +1,13 @@
 """Every message of the protocol: frozen, slotted dataclasses that validate themselves.
 
 A message that exists is a valid message: constructors raise `InvalidMessage`,
-so the decoder and the sender share one set of rules. Ops (what a rank asks the
-world to do) travel inside a `Submit`; one op is a plain call, several are a
-`group_start`/`group_end` batch.
+so the decoder and the sender share one set of rules (fields.py). Ops (ops.py: what
+a rank asks the world to do) travel inside a `Submit`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +24,8 @@ from .fields import (
     error_code,
     member_or_name,
 )
-from .types import DType, EventKind, MemKind, ReduceOp
+from .ops import OP_TYPES, Mem, Op
+from .types import EventKind, MemKind
 
 PROTOCOL_VERSION = 2
 MAX_GROUP_OPS = 512
@@ -37,136 +35,6 @@ DEVICE_UUID_BYTES = 16  # sizeof(CUuuid)
 # ranks never came (a client waiting for the answer must wait longer still).
 JOIN_BACKSTOP_S = 2.0
 _WORLD_NAME = re.compile(r"[A-Za-z0-9._:@/-]+")
-
-
-@dataclass(frozen=True, slots=True)
-class Mem:
-    """A place in an imported buffer: the buffer's id and a byte offset into it."""
-
-    buf: int
-    offset: int
-
-    def __post_init__(self) -> None:
-        _positive("buf", self.buf)
-        _u64("offset", self.offset)
-
-
-def _sized(name: str, mem: Mem | None, nbytes: int, itemsize: int = 1) -> None:
-    _u64("nbytes", nbytes)
-    if nbytes % itemsize:
-        raise InvalidMessage(f"nbytes={nbytes} is not a multiple of the element size {itemsize}")
-    if nbytes and mem is None:
-        raise InvalidMessage(f"{name} is required when nbytes > 0")
-
-
-# ---- ops ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AllReduce:
-    buf: Mem | None
-    nbytes: int
-    dtype: DType = DType.BF16
-    op: ReduceOp = ReduceOp.SUM
-
-    def __post_init__(self) -> None:
-        _sized("buf", self.buf, self.nbytes, self.dtype.itemsize)
-
-
-@dataclass(frozen=True, slots=True)
-class AllGather:
-    """`nbytes` is each rank's contribution; `recv` holds world_size × nbytes."""
-
-    send: Mem | None
-    recv: Mem | None
-    nbytes: int
-
-    def __post_init__(self) -> None:
-        _sized("send", self.send, self.nbytes)
-        _sized("recv", self.recv, self.nbytes)
-
-
-@dataclass(frozen=True, slots=True)
-class ReduceScatter:
-    """`nbytes` is each rank's share; `send` holds world_size × nbytes."""
-
-    send: Mem | None
-    recv: Mem | None
-    nbytes: int
-    dtype: DType = DType.U8
-    op: ReduceOp = ReduceOp.SUM
-
-    def __post_init__(self) -> None:
-        _sized("send", self.send, self.nbytes, self.dtype.itemsize)
-        _sized("recv", self.recv, self.nbytes, self.dtype.itemsize)
-
-
-@dataclass(frozen=True, slots=True)
-class Broadcast:
-    """`command` marks a non-root's `recv_command_u32`: the same collective, no deadline."""
-
-    buf: Mem | None
-    nbytes: int
-    root: int
-    command: bool = False
-
-    def __post_init__(self) -> None:
-        _sized("buf", self.buf, self.nbytes)
-        _rank("root", self.root)
-        if self.command and self.nbytes != 4:
-            raise InvalidMessage("a command broadcast carries exactly 4 bytes")
-
-
-@dataclass(frozen=True, slots=True)
-class Barrier:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    buf: Mem | None
-    nbytes: int
-    peer: int
-    stream: int = 0
-
-    def __post_init__(self) -> None:
-        _sized("buf", self.buf, self.nbytes)
-        _rank("peer", self.peer)
-        _u64("stream", self.stream)
-
-
-@dataclass(frozen=True, slots=True)
-class Recv:
-    buf: Mem | None
-    nbytes: int
-    peer: int
-    stream: int = 0
-
-    def __post_init__(self) -> None:
-        _sized("buf", self.buf, self.nbytes)
-        _rank("peer", self.peer)
-        _u64("stream", self.stream)
-
-
-Op = AllReduce | AllGather | ReduceScatter | Broadcast | Barrier | Send | Recv
-OP_TYPES: tuple[type, ...] = (AllReduce, AllGather, ReduceScatter, Broadcast, Barrier, Send, Recv)
-
-
-def mems_of(op: Op) -> Iterator[Mem]:
-    """The memory an op names."""
-    for field in dataclasses.fields(op):
-        value = getattr(op, field.name)
-        if isinstance(value, Mem):
-            yield value
-
-
-def with_mems(op: Op, change: Callable[[Mem], Mem]) -> Op:
-    """`op` naming `change(mem)` for each memory it names."""
-    original: Any = op  # (mypy cannot type a replace over the union of ops)
-    changed: Op = dataclasses.replace(original, **{
-        field.name: change(value) for field in dataclasses.fields(op)
-        if isinstance(value := getattr(op, field.name), Mem)})
-    return changed
 
 
 # ---- client → daemon --------------------------------------------------------------

@@ -58,7 +58,7 @@ from proto import (
 )
 from proto.codec import TAGS
 from proto.fields import MAX_RANKS, MAX_WORLD_NAME, U64_MAX
-from proto.messages import OP_TYPES
+from proto.ops import OP_TYPES
 from proto.peer import PEER_MESSAGES
 
 pytestmark = pytest.mark.timeout(60)

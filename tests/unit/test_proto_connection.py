@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 import proto
+import proto.ops
 import proto.peer
 from proto import (
     AllReduce,
@@ -139,7 +140,7 @@ def assert_stuck(conn: Connection, state: State) -> None:
 
 def test_table_covers_every_message() -> None:
     unix_messages = {cls for cls in proto.codec.TAGS
-                     if cls not in proto.messages.OP_TYPES and cls not in proto.peer.PEER_MESSAGES}
+                     if cls not in proto.ops.OP_TYPES and cls not in proto.peer.PEER_MESSAGES}
     assert set(EXAMPLE) == unix_messages
     assert READY_REQUESTS | {Hello} == {cls for cls in EXAMPLE if cls not in
                                         {Welcome, Ok, Error, Event, StatusReport}}
