@@ -15,20 +15,20 @@ from proto import DType, ReduceOp
 
 from .addkernel import AddKernel
 from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
+from .calls import Calls, about_world
 from .connection import Connection
 from .cuda import available_driver
-from .errors import CommError, CommTimeout, DaemonShutdown, DaemonUnavailable, MisuseError, WorldFailed
-from .groups import Basis, Groups, OpenGroup
+from .errors import DaemonUnavailable, MisuseError
+from .groups import Groups, OpenGroup
 from .handover import Handover
 from .health import Health
 from .hostmem import HostMemory, default_memory
 from .imported import ImportedBuffers
 from .memory import DriverFactory, MemoryResolver
-from .moves import InFlight
 from .opcache import OpCache
 from .reconnect import Reconnector
 from .registrations import Registrations
-from .rpc import Superseded, built
+from .rpc import built
 from .streams import StreamOrder
 from .symmetric import SymmetricMemory
 
@@ -67,7 +67,7 @@ def _names_world(method: Method[P, T]) -> Method[P, T]:
         except DaemonUnavailable as exc:
             if backend._conn.closed:  # (close() on another thread: no world to speak of)
                 raise
-            raise backend._about_world(exc) from exc
+            raise about_world(backend._world, exc) from exc
 
     return call
 
@@ -76,7 +76,6 @@ def _names_world(method: Method[P, T]) -> Method[P, T]:
 # client waits past both, so what it hears is the daemon's word on which ranks are missing,
 # not a timeout of its own that cannot say (when they were equal, either could come first)
 _JOIN_GRACE_S = proto.JOIN_BACKSTOP_S + 1.0
-_VERDICT_GRACE_S = 2.0  # a call's: the daemon's verdict on a call open past its timeout, in flight
 
 
 class DaemonBackend(CommBackend):
@@ -126,9 +125,6 @@ class DaemonBackend(CommBackend):
         self._conn = Connection(path, timeout, self._lock, self._health, self._hello,
                                 self._take_owed, self._groups.drop_all, self._forget_daemon,
                                 self._owes)
-        # the worker's stream its calls follow (0: the legacy default stream; the host engine
-        # waits for the whole context there)
-        self._stream = stream
         # (with an engine with streams)
         self._order = StreamOrder(device, self._send_events, self._conn.current_link)
         self._unmap_symmetric: Callable[[], None] | None = None  # close()'s, until it has run
@@ -137,6 +133,8 @@ class DaemonBackend(CommBackend):
                                         on_forget=_weak_listener(self._on_buffer_released))
         self._ops = OpCache(self._resolver)
         self._handover = Handover(self._lock, self._conn, self._resolver, self._imports)
+        self._calls = Calls(world, self._conn, self._health, self._handover, self._ops, self._groups,
+                            self._resolver, self._memory, self._order, stream, self._due)
         # (they hold the connection's bound request: patch theirs to reach their requests)
         self._registrations = Registrations(self._lock, self._conn.request, self._handover.mem_pinned,
                                             self._handover.unpin, self._conn.current_link,
@@ -178,14 +176,14 @@ class DaemonBackend(CommBackend):
                    op: OpLike = ReduceOp.SUM) -> None:
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes = as_ints(ptr=ptr, bytes=bytes)
-        self._call(("ar", ptr, bytes, d, o),
-                   lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o))
+        self._calls.call(("ar", ptr, bytes, d, o),
+                         lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o))
 
     @_interruptible
     def all_gather(self, send_ptr: int, recv_ptr: int, bytes: int) -> None:
         send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         mem = self._handover.mem
-        self._call(("ag", send_ptr, recv_ptr, bytes), lambda due: proto.AllGather(
+        self._calls.call(("ag", send_ptr, recv_ptr, bytes), lambda due: proto.AllGather(
             mem(send_ptr, bytes, due), mem(recv_ptr, bytes * self._world_size, due), bytes))
 
     @_interruptible
@@ -194,43 +192,39 @@ class DaemonBackend(CommBackend):
         d, o = as_dtype(dtype), as_op(op)
         send_ptr, recv_ptr, bytes = as_ints(send_ptr=send_ptr, recv_ptr=recv_ptr, bytes=bytes)
         mem = self._handover.mem
-        self._call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda due: proto.ReduceScatter(
+        self._calls.call(("rs", send_ptr, recv_ptr, bytes, d, o), lambda due: proto.ReduceScatter(
             mem(send_ptr, bytes * self._world_size, due), mem(recv_ptr, bytes, due), bytes, d, o))
 
     @_interruptible
     def broadcast(self, ptr: int, bytes: int, root: int) -> None:
         ptr, bytes, root = as_ints(ptr=ptr, bytes=bytes, root=root)
-        self._call(("bc", ptr, bytes, root),
-                   lambda due: proto.Broadcast(self._handover.mem(ptr, bytes, due), bytes, root))
+        self._calls.call(("bc", ptr, bytes, root),
+                         lambda due: proto.Broadcast(self._handover.mem(ptr, bytes, due), bytes, root))
 
     @_interruptible
     def barrier(self) -> None:
-        self._call(("barrier",), lambda due: proto.Barrier())
+        self._calls.call(("barrier",), lambda due: proto.Barrier())
 
     @_interruptible
     def send_to(self, ptr: int, bytes: int, dest_rank: int, stream: int = 0) -> None:
         ptr, bytes, dest_rank, stream = as_ints(ptr=ptr, bytes=bytes, dest_rank=dest_rank, stream=stream)
-        self._call(("send", ptr, bytes, dest_rank, stream),
-                   lambda due: proto.Send(self._handover.mem(ptr, bytes, due), bytes, dest_rank, stream),
-                   stream=stream or None,
-                   early=True)
+        self._calls.call(("send", ptr, bytes, dest_rank, stream), lambda due: proto.Send(
+            self._handover.mem(ptr, bytes, due), bytes, dest_rank, stream), stream=stream or None, early=True)
 
     @_interruptible
     def recv_from(self, ptr: int, bytes: int, src_rank: int, stream: int = 0) -> None:
         ptr, bytes, src_rank, stream = as_ints(ptr=ptr, bytes=bytes, src_rank=src_rank, stream=stream)
-        self._call(("recv", ptr, bytes, src_rank, stream),
-                   lambda due: proto.Recv(self._handover.mem(ptr, bytes, due), bytes, src_rank, stream),
-                   stream=stream or None,
-                   early=True)
+        self._calls.call(("recv", ptr, bytes, src_rank, stream), lambda due: proto.Recv(
+            self._handover.mem(ptr, bytes, due), bytes, src_rank, stream), stream=stream or None, early=True)
 
     @_interruptible
     def recv_command_u32(self, ptr: int, root: int) -> None:
         ptr, root = as_ints(ptr=ptr, root=root)
         if root == self._rank:
             raise MisuseError(f"rank {root} is the root: recv_command_u32 refuses root")
-        self._call(("cmd", ptr, root),
-                   lambda due: proto.Broadcast(self._handover.mem(ptr, 4, due), 4, root, command=True),
-                   timed=False)
+        self._calls.call(("cmd", ptr, root),
+                         lambda due: proto.Broadcast(self._handover.mem(ptr, 4, due), 4, root, command=True),
+                         timed=False)
 
     @_interruptible
     def all_reduce_async(self, ptr: int, bytes: int, compute_stream: int, *,
@@ -239,9 +233,9 @@ class DaemonBackend(CommBackend):
         # the op is ordered after `compute_stream`, which then waits for it on the device.
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes, compute_stream = as_ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
-        self._call(("ar", ptr, bytes, d, o),
-                   lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o),
-                   stream=compute_stream or None, early=True)
+        self._calls.call(("ar", ptr, bytes, d, o),
+                         lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o),
+                         stream=compute_stream or None, early=True)
 
     def rank(self) -> int:
         return self._rank
@@ -296,8 +290,8 @@ class DaemonBackend(CommBackend):
         group = self._groups.end()
         if group is not None and group.ops:
             try:
-                self._device_submit(tuple(group.ops), list(group.streams), group.early,
-                                    self._due() if group.timed else None, group.basis)
+                self._calls.device_submit(tuple(group.ops), list(group.streams), group.early,
+                                          self._due() if group.timed else None, group.basis)
             finally:
                 self._handover.unpin(group.pinned)
 
@@ -376,37 +370,6 @@ class DaemonBackend(CommBackend):
 
     # ---- plumbing ---------------------------------------------------------------------
 
-    def _call(self, key: tuple[object, ...], make_op: Callable[[float], proto.Op],
-              timed: bool = True, stream: int | None = None, early: bool = False) -> None:
-        """Submit one op, or add it to this thread's open group. The built op is cached by
-        `key`, its arguments; `make_op(due)` builds it, importing its buffers by `due`. An op
-        on device memory follows `stream` (default: the backend's); `early`: it may be
-        answered once ordered on the device (the async calls). `timed`: the submission
-        waits no longer than the call's deadline (False: recv_command_u32, without one)."""
-        self._conn.check_open()
-        due = self._due()
-        basis = self._conn.basis()  # (before the op: a cached one names the buffers of that connection)
-        try:
-            op, device = self._handover.pinned(
-                functools.partial(self._ops.get, key, lambda: built(lambda: make_op(due))))
-        except CommError:
-            if self._conn.transport.broken is not None:  # (its imports asked a connection gone
-                self._raise_failure()  # with the world: its end, as a call words it)
-            raise
-        follows = (self._stream if stream is None else stream) if device else None
-        try:
-            group = self._groups.current()
-            if group is not None:
-                group.add(op, follows, early, timed, device)
-                return
-            self._device_submit((op,), [] if follows is None else [follows], early,
-                                due if timed else None, basis)
-        except BaseException:
-            self._handover.unpin(device)
-            raise
-        if device:
-            self._handover.unpin(device)
-
     def _take_owed(self, freed_only: bool = False) -> list[int]:
         """The Forgets to send now (under _lock; see ImportedBuffers.take_owed)."""
         for group in self._groups.abandoned():  # (a thread that ended between group_start and _end)
@@ -421,81 +384,9 @@ class DaemonBackend(CommBackend):
         """The deadline of a call starting now: every request the call makes shares it."""
         return time.monotonic() + self._timeout
 
-    def _device_submit(self, ops: tuple[proto.Op, ...], streams: list[int], early: bool,
-                       due: float | None, basis: Basis) -> None:
-        """Submit ops; those on device memory follow the worker's `streams`: with an engine
-        that has streams, through their events (`StreamOrder`; all but the first are
-        waited for here); otherwise all are waited for here."""
-        if not streams:  # (host memory: asked first, the driver is a property's call)
-            self._submit(ops, due, basis)
-            return
-        driver = self._resolver.driver
-        if driver is None:
-            self._submit(ops, due, basis)
-            return
-        by_events = self.engine != "host"  # the host engine has no streams (and refuses device memory)
-        for stream in streams[1:] if by_events else streams:
-            driver.synchronize(stream)
-        if not by_events:
-            self._submit(ops, due, basis)
-            return
-        self._order.submit(driver, streams, early, due,
-                           lambda first: self._submit(ops, due, basis, stream=first, early=early))
-
     def _send_events(self, stream: int, ready: bytes, done: bytes, due: float | None) -> int:
         return self._conn.request(lambda rid: proto.StreamEvents(rid, stream, ready, done),
                                   due=self._due() if due is None else due).link
-
-    def _submit(self, ops: tuple[proto.Op, ...], due: float | None, basis: Basis,
-                stream: int | None = None, early: bool = False) -> None:
-        self._raise_failure()
-        with InFlight(self._memory.moves, ops) as call:
-            make: Callable[[int], proto.Request] = (
-                (lambda rid: proto.Submit(rid, call.ops, basis.epoch)) if stream is None
-                else (lambda rid: proto.StreamSubmit(rid, call.ops, stream, early, basis.epoch)))
-            try:
-                imports_due = self._due() if due is None else due
-                call.follow_moves(lambda mem, buffer: self._handover.moved(mem, buffer, imports_due),
-                                  imports_due)
-                # The daemon fails a call open past the timeout and says which rank is behind;
-                # wait a little longer than that for its answer before deciding alone.
-                self._conn.request(make, due=due, grace=_VERDICT_GRACE_S, link=basis.link,
-                                   abandon=call.let_go)
-            except Superseded:  # built against a daemon a rejoin replaced meanwhile
-                raise self._about_world(self._conn.went_away(basis.epoch, "during this call")) from None
-            except DaemonUnavailable as exc:
-                if self._conn.closed:  # (close() on another thread, or in a signal handler)
-                    raise
-                raise self._about_world(exc) from exc  # its daemon died under the call
-            except CommTimeout as exc:  # (the daemon's own verdict names the world already)
-                raise self._about_world(exc) from exc
-            except WorldFailed as exc:
-                if exc.code is proto.ErrorCode.STALE_EPOCH:  # a reconnect on another thread came first
-                    self._health.met(basis.epoch)  # (which that reconnect has repaired)
-                raise
-        self._health.behind()  # it saw the world work: a later attempt_reconnect is meant
-
-    def _raise_failure(self) -> None:
-        """Raise the world's failure on record, if there is one (the calling thread met it)."""
-        failure, about = self._health.failure()
-        if failure is not None:
-            self._health.met(about)
-            raise self._about_world(failure)
-
-    def _about_world(self, error: CommError) -> CommError:
-        """`error` as a call raises it: naming the world (a worker in several tells them
-        apart by it) and what to do, each once. The daemon's word on a failed call has both
-        ('world W epoch E failed: ...; call attempt_reconnect on every rank'); a cause may
-        have the advice alone ('... once it is back') or only name a call ('rank 0 called
-        attempt_reconnect'). A stopping daemon's world failure, on record, has none: what
-        to do is the stop's, as its other words say (a reconnect before it is back fails)."""
-        said = str(error)
-        if not said.startswith(f"world {self._world} "):
-            said = f"world {self._world} is not healthy: {said}"
-        if "call attempt_reconnect" not in said:
-            said += "; call attempt_reconnect once it is back" if isinstance(error, DaemonShutdown) \
-                else "; call attempt_reconnect"
-        return type(error)(said, error.code)
 
     def _on_buffer_released(self, buffer_id: int) -> None:
         # (cached ops that name it are stale already: see OpCache)

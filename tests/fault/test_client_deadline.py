@@ -20,6 +20,7 @@ import pytest
 
 import proto
 from client import CommError, CommTimeout, DaemonBackend, DaemonUnavailable, hostmem
+from client import calls as client_calls
 from client import daemon as client_daemon
 from client import transport as client_transport
 from commd.launch import DaemonProcess
@@ -50,7 +51,7 @@ def test_a_call_whose_import_was_slow_has_only_the_rest_of_its_deadline_to_submi
             os.kill(daemon.pid, signal.SIGCONT)
     # one deadline: TIMEOUT_S + the grace from the call's start; a deadline per step
     # would have given the submission that much again after the import's IMPORT_S
-    one_deadline = TIMEOUT_S + client_daemon._VERDICT_GRACE_S
+    one_deadline = TIMEOUT_S + client_calls._VERDICT_GRACE_S
     assert took < one_deadline + 0.5 < IMPORT_S + one_deadline
 
 

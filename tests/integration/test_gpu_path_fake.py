@@ -833,7 +833,7 @@ def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_nam
     (MisuseError: "buffer N was never imported or was freed") though its memory was live."""
     comm, _, cuda, a, b = full_cache
     built, go = threading.Event(), threading.Event()
-    real_submit = comm._device_submit
+    real_submit = comm._calls.device_submit
 
     def held_submit(*args: object, **kwargs: object) -> None:
         if threading.current_thread().name == "first":
@@ -841,7 +841,7 @@ def test_an_allocation_evicted_by_another_threads_call_still_serves_the_call_nam
             assert go.wait(10)
         real_submit(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(comm, "_device_submit", held_submit)
+    monkeypatch.setattr(comm._calls, "device_submit", held_submit)
 
     def first() -> None:
         if held == "in an open group":
