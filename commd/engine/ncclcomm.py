@@ -33,6 +33,7 @@ from .ncclbatch import Batcher, Launch
 from .ncclcalls import Call, nccl_calls, regions_of
 from .ncclgate import NcclGate, loop_running
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
+from .ncclregister import NcclRegistrations
 from .turns import Turn, Turns
 
 if TYPE_CHECKING:
@@ -89,17 +90,15 @@ class NcclCommunicator:
         self._turns = Turns(self._ranks)
         self._batcher = Batcher(self._turns, self._spawn, self._launch_batch)
         self._tasks: set[asyncio.Task[None]] = set()  # launches, drains, deregistrations under way
-        self._to_deregister: list[tuple[int, int, NcclRegion]] = []  # (rank, NCCL's handle, memory)
-        self._deregistering = False
         self._running = 0
         self._streams: dict[int, int] = {}
         self._completions = Completions(gpu, waiters, self._devices)  # events behind work on the streams
         self._scratch: dict[int, NcclMapping] = {}
         self._comms: dict[int, int] = {}
-        # register_buffer's memory: registered with NCCL once the communicator is ready
-        # (a non-blocking one takes no other call before); (rank, key) -> NCCL's handle
-        self._to_register: dict[tuple[int, int], NcclRegion] = {}
-        self._registered: dict[tuple[int, int], tuple[int, NcclRegion]] = {}  # -> (NCCL's handle, memory)
+        self._registrations = NcclRegistrations(
+            gpu, world, self._ranks, self._devices, self._turns, self._completions, self._streams,
+            freer.launches, lambda rank: self._comms[rank], self._settle, self._spawn,
+            lambda: self._aborted, self._maybe_teardown)
         if not gate.closed or not loop_running():
             gate.wait()
             self._init(world_size, unique_id)
@@ -298,113 +297,17 @@ class NcclCommunicator:
         self._maybe_teardown()
 
     def busy(self) -> bool:
-        return self._running > 0
+        return self._running > 0 or self._registrations.draining
 
     def _maybe_teardown(self) -> None:
-        if self._aborted and self._running == 0 and not self._aborting:
+        if self._aborted and not self.busy() and not self._aborting:
             self._teardown()
 
     def register(self, rank: int, key: int, region: Region) -> None:
-        if (isinstance(region, NcclRegion) and region.mapping.registrable and rank in self._ranks
-                and not self._aborted):
-            self._to_register[(rank, key)] = region
+        self._registrations.register(rank, key, region)
 
     def deregister(self, rank: int, key: int) -> None:
-        self._to_register.pop((rank, key), None)
-        if self._aborted:  # NCCL forgets it with the communicator; the memory goes at teardown
-            return
-        registered = self._registered.pop((rank, key), None)
-        if registered is None:
-            return
-        self._to_deregister.append((rank, *registered))
-        if not self._deregistering:  # one drain takes every deregistration asked by then
-            self._deregistering = True
-            self._running += 1
-            self._spawn(self._deregister_pending())
-
-    async def _deregister_pending(self) -> None:
-        """ncclCommDeregister unmaps the peers' view of the buffer at once: only once the
-        ops queued so far finished, on every local rank (a peer's kernel may still read the
-        buffer after its owner's ended). That wait holds no turn, and each rank's mark takes
-        its own (an op may wait for a peer that waits for another launch of ours); if an op
-        launched on one of these buffers meanwhile, it drains again (a buffer in constant
-        use stays registered until it rests). The deregistrations then go together in one
-        turn (NCCL must see all of a world's registrations or none in an op)."""
-        try:
-            while self._to_deregister and not self._aborted:
-                pending = list(self._to_deregister)
-                # (counted before the marks' turns are taken: a launch counted after it may
-                # come after a mark, and is waited for in the next round)
-                seen = [region.mapping.launches for _, _, region in pending]
-                drained = await self._mark_each_rank()
-                await self._completions.wait(drained)
-                ranks = sorted({rank for rank, _, _ in pending})
-                async with self._turns.take(ranks):
-                    if [region.mapping.launches for _, _, region in pending] != seen:
-                        continue  # one of them was launched on meanwhile: wait for that too
-                    await self._settle(ranks)
-                    while not self._freer.launches.quiet():  # another world's (see launches.py)
-                        await self._freer.launches.idle()
-                        await self._settle(ranks)  # (the gate may have closed meanwhile)
-                    self._to_deregister = [p for p in self._to_deregister if p not in pending]
-                    for rank, handle, _ in pending:
-                        try:
-                            self._gpu.use_device(self._devices[rank])
-                            self._gpu.comm_deregister(self._comms[rank], handle)
-                        except GpuError as exc:  # NCCL forgets it with the communicator anyway
-                            log.debug("rank %d: NCCL deregistration: %s", rank, exc)
-                    for _, _, region in pending:  # (past the turn's NCCL calls: a free may follow)
-                        region.mapping.let_go()
-        except CallError as exc:  # aborted or failed meanwhile: NCCL forgets them with it
-            log.debug("world %s: deregistrations: %s", self._world, exc)
-        finally:  # those left (aborted meanwhile) go at teardown, once the abort returned
-            self._deregistering = False
-            self._running -= 1
-            self._maybe_teardown()
-
-    async def _mark_each_rank(self) -> dict[int, int]:
-        """An event behind the work queued so far on each local rank's stream, each in its
-        own rank's turn: one turn of all the ranks would wait for a launch still connecting
-        on one of them, and hold back the others' launches meanwhile, which that launch's
-        peer may be waiting for first."""
-        turns = [self._turns.take([rank]) for rank in self._ranks]  # (their places, now)
-        marked: dict[int, int] = {}
-
-        async def mark(turn: Turn) -> None:
-            async with turn:
-                marked.update(self._completions.record(self._streams, turn.ranks))
-
-        try:
-            outcomes = await asyncio.gather(*(mark(turn) for turn in turns), return_exceptions=True)
-        except BaseException:
-            self._completions.give_back(marked)  # not waited on: reusable
-            raise
-        finally:
-            for turn in turns:  # (a mark cancelled before it began would keep its place)
-                self._turns.leave(turn)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                self._completions.give_back(marked)
-                raise outcome
-        return marked
-
-    def _register_pending(self, ranks: Iterable[int]) -> None:
-        """The registrations waiting for these ranks' communicators (in their turn)."""
-        wanted = set(ranks)
-        pending = {which: region for which, region in self._to_register.items() if which[0] in wanted}
-        for which in pending:
-            del self._to_register[which]
-        for (rank, key), region in pending.items():
-            try:
-                region.mapping.hold()  # registered memory stays until NCCL let go of it
-            except CallError:
-                continue  # forgotten meanwhile: nothing to register
-            try:
-                handle = self._gpu.comm_register(self._comms[rank], region.ptr, region.nbytes)
-                self._registered[(rank, key)] = (handle, region)
-            except GpuError as exc:  # NCCL refuses some memory (legacy cudaMalloc by default): fine
-                region.mapping.let_go()
-                log.debug("rank %d: NCCL did not register %d bytes: %s", rank, region.nbytes, exc)
+        self._registrations.deregister(rank, key)
 
     def async_error(self) -> str | None:
         if self._failure is not None:
@@ -472,7 +375,7 @@ class NcclCommunicator:
         them there."""
         self._check()
         await self._settle(ranks)  # their previous launch (or the init) returned ncclSuccess
-        self._register_pending(ranks)
+        self._registrations.register_pending(ranks)
         for entry in batch:
             for mapping in entry.mappings:
                 mapping.launches += 1
@@ -547,12 +450,8 @@ class NcclCommunicator:
 
     def _teardown(self) -> None:
         """Free streams, events and scratch once nothing runs on them and the abort
-        returned; NCCL dropped the registrations with the communicators, so their memory
-        may go (those deregistered since included)."""
-        registered, self._registered = self._registered, {}
-        unregistered, self._to_deregister = self._to_deregister, []
-        for region in [region for _, region in registered.values()] + [r for _, _, r in unregistered]:
-            region.mapping.let_go()
+        returned, and the registrations' memory (NCCL dropped them with the communicators)."""
+        self._registrations.release()
         self._completions.close()
         for stream in self._streams.values():
             with contextlib.suppress(GpuError):  # a broken device: the driver frees it at exit
