@@ -1,25 +1,27 @@
-"""What NCCL is called with for each engine op."""
+"""What NCCL is called with for each engine op, and how a launch makes those calls."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from proto import DType, ReduceOp
+from proto import DType, ErrorCode, ReduceOp
 
+from ..errors import CallError
 from .base import (
     AllGatherOp,
     AllReduceOp,
     BarrierOp,
     BroadcastOp,
     EngineOp,
+    Order,
     RecvOp,
     ReduceScatterOp,
     Region,
     SendOp,
     TransferOp,
 )
-from .gpu import Gpu
-from .ncclmemory import NcclRegion
+from .gpu import Gpu, GpuError
+from .ncclmemory import NcclEvents, NcclRegion
 
 Call = tuple[int, Callable[[int, int], None]]  # (local rank, the call given its communicator, stream)
 
@@ -89,3 +91,26 @@ def nccl_calls(gpu: Gpu, op: EngineOp, ranks: Sequence[int], scratch: Callable[[
         return [(op.src_rank, bind(gpu.send, _ptr(op.src), op.src.nbytes, DType.U8, op.dst_rank))]
     assert isinstance(op, RecvOp)
     return [(op.dst_rank, bind(gpu.recv, _ptr(op.dst), op.dst.nbytes, DType.U8, op.src_rank))]
+
+
+def launch(gpu: Gpu, entries: list[tuple[list[Call], Order | None]], comms: Mapping[int, int],
+           streams: Mapping[int, int], devices: Mapping[int, int]) -> None:
+    """Enqueue NCCL calls, all in one group, each behind its worker's ready event if it
+    has one."""
+    try:
+        for calls, order in entries:
+            if order is not None:
+                for rank in {rank for rank, _ in calls}:
+                    pair = order.events.get(rank)
+                    if isinstance(pair, NcclEvents):
+                        gpu.stream_wait_event(streams[rank], pair.ready)
+        gpu.group_start()
+        try:
+            for calls, _ in entries:
+                for rank, call in calls:
+                    gpu.use_device(devices[rank])
+                    call(comms[rank], streams[rank])
+        finally:
+            gpu.group_end()
+    except GpuError as exc:
+        raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None

@@ -30,7 +30,7 @@ from .completion import Completions, WaitFailed, WaitNotStarted, unless_mismatch
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclbatch import Batcher, Launch
-from .ncclcalls import Call, nccl_calls, regions_of
+from .ncclcalls import launch, nccl_calls, regions_of
 from .ncclgate import NcclGate, loop_running
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
 from .ncclregister import NcclRegistrations
@@ -381,7 +381,8 @@ class NcclCommunicator:
                 mapping.launches += 1
         self._freer.launches.begin()
         try:
-            self._launch([(entry.calls, entry.order) for entry in batch])
+            launch(self._gpu, [(entry.calls, entry.order) for entry in batch], self._comms, self._streams,
+                   self._devices)
             await self._settle(ranks)
         finally:
             if self._aborting:  # NCCL's thread may enqueue it until the abort returned
@@ -401,28 +402,6 @@ class NcclCommunicator:
             pair = entry.order.events.get(rank)
             if isinstance(pair, NcclEvents):
                 self._device_call(self._gpu.event_record, pair.done, self._streams[rank])
-
-    def _launch(self, entries: list[tuple[list[Call], Order | None]]) -> None:
-        """Enqueue NCCL calls, all in one group, each behind its worker's ready event if it
-        has one."""
-        gpu = self._gpu
-        try:
-            for calls, order in entries:
-                if order is not None:
-                    for rank in {rank for rank, _ in calls}:
-                        pair = order.events.get(rank)
-                        if isinstance(pair, NcclEvents):
-                            gpu.stream_wait_event(self._streams[rank], pair.ready)
-            gpu.group_start()
-            try:
-                for calls, _ in entries:
-                    for rank, call in calls:
-                        gpu.use_device(self._devices[rank])
-                        call(self._comms[rank], self._streams[rank])
-            finally:
-                gpu.group_end()
-        except GpuError as exc:
-            raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None
 
     async def _complete(self, ranks: Iterable[int]) -> None:
         """Record an event behind the op on each stream and wait for all of them."""
