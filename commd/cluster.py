@@ -343,6 +343,8 @@ def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise ValueError(f"{address!r} is not HOST:PORT")
+    if int(port) > 65535:  # (a dial would take it modulo 65536, another daemon's port perhaps)
+        raise ValueError(f"port {int(port)} is not a TCP port")
     if host.startswith("[") or host.endswith("]"):
         if not (len(host) > 2 and host[0] == "[" and host[-1] == "]" and "[" not in host[1:]
                 and "]" not in host[:-1]):

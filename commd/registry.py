@@ -17,7 +17,7 @@ import proto
 from proto import ErrorCode
 from proto import peer as p
 
-from .cluster import Cluster, WorldNet
+from .cluster import Cluster, WorldNet, parse_address
 from .engine.base import Engine
 from .engine.crosscheck import p2p_target, sender_rank
 from .errors import CallError, from_peer
@@ -63,6 +63,8 @@ class Registry:
 
     def join(self, peer: Peer, hello: proto.Hello) -> World:
         """Admit `hello` into its world (creating it), or raise CallError saying why not."""
+        if hello.bootstrap is not None:
+            _readable_bootstrap(hello.bootstrap)
         world = self.worlds.get(hello.world)
         if world is not None:
             self._admissible(world, hello.world_size, hello.token, hello.rank)
@@ -352,3 +354,14 @@ class Registry:
 
     def connected_ranks(self) -> int:
         return sum(len(w.members) for w in self.worlds.values())
+
+
+def _readable_bootstrap(address: str) -> None:
+    """Refuse a bootstrap address that does not read as HOST:PORT (a typo) as the rank's
+    misuse: the world it would make could only fail to dial, and the rank would hear
+    PeerLost, a failure that asks for a rebuild, which would fail the same way."""
+    try:
+        parse_address(address)
+    except ValueError as exc:
+        raise CallError(ErrorCode.MISUSE, "the bootstrap address is not the root daemon's peer "
+                                          f"HOST:PORT: {exc}") from None

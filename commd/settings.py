@@ -112,10 +112,7 @@ def _upper(value: Any, text: bool) -> str:
 def _address(value: Any, text: bool) -> tuple[str, int]:
     from .cluster import parse_address
 
-    host, port = parse_address(_text(value))
-    if port > 65535:
-        raise ValueError(f"port {port} is not a TCP port")
-    return host, port
+    return parse_address(_text(value))
 
 
 @dataclass(frozen=True, slots=True)

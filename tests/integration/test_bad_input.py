@@ -854,6 +854,47 @@ def test_a_bootstrap_address_where_the_daemon_has_no_peers_or_the_world_has_none
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize(("bootstrap", "why"), [
+    ("nonsense", "'nonsense' is not HOST:PORT"),
+    ("127.0.0.1:99999", "port 99999 is not a TCP port"),
+    ("::1:7420", "'::1:7420': an IPv6 host goes in brackets, [ADDRESS]:PORT"),
+])
+def test_a_bootstrap_address_that_is_not_host_and_port_is_misuse(bootstrap: str, why: str) -> None:
+    """A rank whose bootstrap address does not read as HOST:PORT (a typo) gets a MisuseError
+    naming it, and no world is made of it: the ranks that give the right address form theirs
+    and compute (before: the daemon made the world, its dial failed, and the rank got
+    PeerLost, "cannot reach the daemon at nonsense: ...", a WorldFailed that asks for
+    attempt_reconnect, which fails the same way)."""
+    tmp = short_tmpdir()
+    try:
+        with DaemonProcess(Path(tmp) / "run" / "commd.sock", log=subprocess.DEVNULL,
+                           env={"COMMD_PEER_SECRET": "test-secret-0123456789"},
+                           args=["--peer-listen", "127.0.0.1:0"]) as daemon:
+            sock, world = str(daemon.socket_path), world_name()
+            with pytest.raises(MisuseError) as refused:
+                DaemonBackend(sock, world, 1, 2, bootstrap=bootstrap, timeout=5)
+            assert str(refused.value) == ("the bootstrap address is not the root daemon's peer "
+                                          f"HOST:PORT: {why}")
+            assert query_status(sock, 5)["worlds"] == []
+            ranks = on_both(lambda rank: DaemonBackend(sock, world, rank, 2, timeout=5,
+                                                       bootstrap=daemon.peer_address()))
+            try:
+                assert on_both(lambda rank: _sum_of_ranks(ranks[rank])) == [3.0, 3.0]
+            finally:
+                for comm in ranks:
+                    comm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sum_of_ranks(comm: DaemonBackend) -> float:
+    """The f32 all_reduce of rank + 1 over the world."""
+    with hostmem.alloc(4) as buf:
+        buf.view(np.float32)[0] = comm.rank() + 1
+        comm.all_reduce(buf.ptr, 4, dtype="f32")
+        return float(buf.view(np.float32)[0])
+
+
 def test_stream_events_sent_to_the_host_engine_are_refused_and_the_rank_goes_on() -> None:
     """A client that sends CUDA stream events to a host-engine daemon (another build's, or a
     hand-made one: ours sends none to it) is told the host engine has no streams, a call on

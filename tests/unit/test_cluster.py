@@ -218,6 +218,7 @@ def test_an_address_is_host_and_port(address: str, expected: tuple[str, int]) ->
     (":7420", "is not HOST:PORT"),
     ("host:", "is not HOST:PORT"),
     ("host:7\u0664", "is not HOST:PORT"),  # (an Arabic-Indic digit: isdigit() says yes)
+    ("127.0.0.1:65536", "port 65536 is not a TCP port"),  # (a dial took it modulo 65536)
 ])
 def test_an_address_that_is_not_host_and_port_is_refused(address: str, words: str) -> None:
     with pytest.raises(ValueError, match=re.escape(words)):
