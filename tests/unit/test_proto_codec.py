@@ -55,9 +55,11 @@ from proto import (
     decode,
     encode,
     expected_fds,
+    fields,
 )
 from proto.codec import TAGS
 from proto.fields import MAX_RANKS, MAX_WORLD_NAME, U64_MAX
+from proto.messages import DEVICE_UUID_BYTES
 from proto.ops import OP_TYPES
 from proto.peer import PEER_MESSAGES
 
@@ -278,8 +280,11 @@ def test_wire_md_names_every_tag_error_code_and_limit() -> None:
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in text, (cls, f.name)
     assert f"`PROTOCOL_VERSION = {proto.PROTOCOL_VERSION}`" in text
-    assert f"| `MAX_MESSAGE_BYTES` | {proto.MAX_MESSAGE_BYTES} " in text
     assert f"| `MAX_GROUP_OPS` | {proto.MAX_GROUP_OPS} " in text
+    assert f"| `DEVICE_UUID_BYTES` | {DEVICE_UUID_BYTES} " in text
+    for name in ("MAX_MESSAGE_BYTES", "MAX_RANKS", "MAX_WORLD_NAME", "MAX_ERROR_TEXT", "MAX_ERROR_CODE"):
+        assert f"| `{name}` | {getattr(fields, name)} " in text, name
+    assert fields.MAX_HELLO_EPOCH == 1 << 62 and "| `MAX_HELLO_EPOCH` | 2⁶² " in text
 
 
 # ---- hypothesis round trips --------------------------------------------------------
