@@ -11,10 +11,14 @@ the reference).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import queue
+import signal
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,22 +150,26 @@ def run_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="commd-demo-") as tmp:
         sock = str(Path(tmp) / "run" / "commd.sock")
         print(f"starting commd (host engine) at {sock}")
-        with DaemonProcess(sock) as daemon:
+        with _terminated_as_exit(), DaemonProcess(sock) as daemon:
             print(f"daemon pid {daemon.pid}; starting {n} workers: {steps} steps x "
                   f"{args.layers} layers, bf16 activations of {args.hidden} elements")
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             workers = [ctx.Process(target=_worker, args=(sock, r, n, steps, args.layers, args.hidden,
                                                          args.timeout, out)) for r in range(n)]
-            start = time.perf_counter()
-            for w in workers:
-                w.start()
-            results, errors = _collect(out, workers, steps, args.timeout)
-            wall = time.perf_counter() - start
-            for w in workers:
-                w.join(args.timeout)
-                if w.is_alive():
-                    w.kill()
+            try:
+                start = time.perf_counter()
+                for w in workers:
+                    w.start()
+                results, errors = _collect(out, workers, steps, args.timeout)
+                wall = time.perf_counter() - start
+                for w in workers:
+                    w.join(args.timeout)
+            finally:  # (also interrupted, or stopped: the workers would run on without us)
+                for w in workers:
+                    if w.is_alive():
+                        w.kill()
+                        w.join(5)
             code = daemon.stop()
         if errors:
             print("FAILED:\n  " + "\n  ".join(errors))
@@ -169,6 +177,18 @@ def run_demo(args: argparse.Namespace) -> int:
         print(summarize(results, steps, wall))
         print(f"every result matched numpy; daemon exited with code {code}")
         return 0 if code == 0 else 1
+
+
+@contextlib.contextmanager
+def _terminated_as_exit() -> Iterator[None]:
+    """SIGTERM (`kill`, `timeout`) ends the demo as an exception does, so that its workers
+    and its daemon are stopped on the way out: by default it ended the demo alone, and they
+    ran on, orphaned."""
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _collect(out: Any, workers: list[Any], steps: int, timeout: float

@@ -3,9 +3,12 @@ result checked against numpy by the demo itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,3 +27,55 @@ def test_the_demo_runs_and_every_result_matches_numpy(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every result matched numpy; daemon exited with code 0" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes under `pid`, as /proc lists its threads' children."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found |= {int(child)} | _descendants(int(child))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has, awaiting its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_demo_stopped_with_sigterm_stops_its_daemon_and_workers(tmp_path: Path) -> None:
+    """`kill` or `timeout` ends a demo with SIGTERM: it must take its daemon and its
+    workers with it (before: the demo alone ended, and the daemon and the 2 workers of a
+    long demo ran on, orphaned)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+    env["PYTHONPATH"] = str(REPO)
+    demo = subprocess.Popen([sys.executable, "-m", "commd", "demo", "--ranks", "2", "--steps", "1000000",
+                             "--layers", "1", "--hidden", "64"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    under: set[int] = set()
+    try:
+        assert demo.stdout is not None
+        while "starting 2 workers" not in (line := demo.stdout.readline()):
+            assert line, demo.stderr.read() if demo.stderr else ""
+        deadline = time.monotonic() + 30
+        while len(under := _descendants(demo.pid)) < 3:  # the daemon and the two workers, at least
+            assert time.monotonic() < deadline, under
+            time.sleep(0.05)
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while left := {pid for pid in under if _running(pid)}:
+            assert time.monotonic() < deadline, f"still running after the demo ended: {left}"
+            time.sleep(0.05)
+    finally:
+        demo.kill()
+        demo.wait()
+        for pid in under:  # (what a failed check left: this test's own, by their command line)
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if _running(pid) and (b"commd" in command or b"spawn_main" in command):
+                    os.kill(pid, signal.SIGKILL)
