@@ -66,6 +66,9 @@ class Timings:
 
 def _worker(sock: str, rank: int, world_size: int, steps: int, layers: int, hidden: int,
             timeout: float, out: Any) -> None:
+    # Ctrl-C reaches every process of the terminal's job: the demo ends its workers itself,
+    # where each one's KeyboardInterrupt printed a traceback that buried its "interrupted"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from client import CommError, DaemonBackend, hostmem
 
     timings = Timings()
