@@ -418,6 +418,47 @@ def test_a_daemon_out_of_fds_refuses_imports_as_a_limit_and_serves_on_once_some_
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.parametrize("limit", [("--max-daemon-mappings", "3"), ("--max-daemon-bytes", str(3 * 4096))])
+def test_a_daemon_at_its_memory_limit_refuses_any_connections_import_until_another_frees_one(
+        limit: tuple[str, str]) -> None:
+    """The daemon's own limits (max_daemon_mappings, max_daemon_bytes) count every
+    connection's buffers together: full with two worlds' three 4 KiB buffers, the next import,
+    on either connection, is LimitExceeded naming both limits, and the connection that was
+    refused goes on; once another world frees a buffer, the refused one is taken."""
+    tmp = short_tmpdir()
+    daemon = DaemonProcess(Path(tmp) / "commd.sock", args=list(limit)).start()
+    try:
+        sock = str(daemon.socket_path)
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=10) as a, \
+                DaemonBackend(sock, world_name(), 0, 1, timeout=10) as b:
+            held = [hostmem.alloc(4096) for _ in range(3)]
+            for comm, buf, value in ((a, held[0], 1), (a, held[1], 2), (b, held[2], 3)):
+                buf.view(np.int32)[:2] = [value, -value]
+                comm.all_reduce(buf.ptr, 8, dtype="i32")
+            late = hostmem.alloc(4096)
+            late.view(np.int32)[:2] = [7, -7]
+            for comm in (b, a):
+                with pytest.raises(LimitExceeded, match=r"the daemon maps 3 buffers / 12288 bytes; "
+                                                        r"its limits are \d+ / \d+"):
+                    comm.all_reduce(late.ptr, 8, dtype="i32")
+            b.all_reduce(held[2].ptr, 8, dtype="i32")  # (b goes on, on what it holds)
+            assert held[2].view(np.int32)[:2].tolist() == [3, -3] and b.is_healthy()
+            held.pop(0).close()  # world a's: the daemon hears of it and unmaps it
+            deadline = time.monotonic() + 10
+            while True:  # (the unmap comes back to the daemon's loop in its own time)
+                try:
+                    b.all_reduce(late.ptr, 8, dtype="i32")
+                    break
+                except LimitExceeded:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert late.view(np.int32)[:2].tolist() == [7, -7] and a.is_healthy() and b.is_healthy()
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _logged_daemon() -> Iterator[tuple[DaemonProcess, Path]]:
     """A daemon logging at INFO to a file in its own directory, which goes afterwards: read
