@@ -468,6 +468,34 @@ def test_a_members_rank_killed_while_the_world_forms_is_not_counted(pair: list[D
             comm.close()
 
 
+@pytest.mark.parametrize("first_on", ["member", "root"])
+def test_a_rank_gone_after_its_vote_reached_the_root_may_come_again_on_the_other_daemon(
+        pair: list[DaemonProcess], first_on: str) -> None:
+    """Rank 1 says hello on one daemon, its vote reaches the root A, and its connection goes
+    before rank 0 comes. The root forgets the vote (and the world, which has no other), so
+    a new process for rank 1 on the other daemon is no duplicate of the one that left: the
+    world forms with it and sums right (a vote kept would refuse it as 'already on daemon
+    B' or 'A', or form the world with a rank that is gone)."""
+    a, b = pair
+    world = world_name()
+    first, then = (b, a) if first_on == "member" else (a, b)
+    with contextlib.closing(dialed(str(first.socket_path))) as gone:
+        gone.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 60_000,
+                              bootstrap=a.peer_address()))
+        wait_until(lambda: (world_status(first, world) or {}).get("waiting") == [1], timeout=10)
+        wait_until(lambda: world_status(a, world) is not None, "the vote at the root", timeout=10)
+        time.sleep(0.3)  # (a vote on the root is counted by a task of its own: it is, by now)
+    wait_until(lambda: world_status(a, world) is None and world_status(b, world) is None,
+               "both daemons forgot the world", timeout=10)
+    comms = joined([a, then], a, world)
+    try:
+        assert [c.epoch for c in comms] == [1, 1]
+        assert summed_i32(comms) == [[3, 30], [3, 30]]
+    finally:
+        for comm in comms:
+            comm.close()
+
+
 def rank_process(daemon: DaemonProcess, root: DaemonProcess, world: str, rank: int, size: int,
                  then: str = "") -> subprocess.Popen[bytes]:
     """A worker process that joins (and then runs `then`, Python with `comm` in scope)."""
