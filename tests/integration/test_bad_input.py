@@ -346,6 +346,41 @@ def test_bytes_not_a_multiple_of_the_dtype(sock: str, steady: None) -> None:
         assert comm.is_healthy()
 
 
+def test_a_registration_of_memory_the_daemon_cannot_open_is_misuse_and_the_ranks_go_on(
+        sock: str, steady: None) -> None:
+    """register_buffer of no bytes, of fewer than none, past its buffer's end, or of a pointer
+    into no host buffer is a MisuseError saying which (found in the client, before a request
+    is made); then both ranks register their buffers, sum on them, and let go of them as
+    usual, and a handle let go of is no longer known."""
+    name = world_name()
+    comms = on_both(lambda r: DaemonBackend(sock, name, r, 2, timeout=10))
+    try:
+        bufs = [hostmem.alloc(64) for _ in range(2)]
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:2] = [r + 1, 10 * (r + 1)]
+        for (ptr, nbytes), words in (((bufs[0].ptr, 0), "cannot register an empty buffer"),
+                                     ((bufs[0].ptr, -1), "bytes must not be negative, got -1"),
+                                     ((bufs[0].ptr, 65), "runs past the end of host buffer"),
+                                     ((bufs[0].ptr + 64, 8), "is not in host memory the daemon can open"),
+                                     ((0, 8), "pointer 0x0 is not in host memory")):
+            with pytest.raises(MisuseError, match=re.escape(words)):
+                comms[0].register_buffer(ptr, nbytes)
+
+        def rank(r: int) -> list[int]:
+            handle = comms[r].register_buffer(bufs[r].ptr, 64)
+            comms[r].all_reduce(bufs[r].ptr, 8, dtype="i32")
+            comms[r].deregister_buffer(handle)
+            with pytest.raises(MisuseError, match=f"^handle {handle} is not registered$"):
+                comms[r].deregister_buffer(handle)
+            return [int(v) for v in bufs[r].view(np.int32)[:2]]
+
+        assert on_both(rank) == [[3, 30], [3, 30]]
+        assert all(comm.is_healthy() for comm in comms)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
 def test_calls_after_close(sock: str, steady: None) -> None:
     comm = DaemonBackend(sock, world_name(), 0, 1, timeout=5)
     buf = hostmem.alloc(8)
