@@ -99,6 +99,34 @@ def test_a_call_for_another_epoch_is_refused_and_the_world_goes_on(raw: RawClien
         assert raw.recv() == proto.Ok(request_id)
 
 
+def test_a_second_attempt_reconnect_supersedes_the_first_and_the_world_forms_once(sock: str,
+                                                                                   steady: None) -> None:
+    """A rank asks to reconnect twice before the other rank does (another thread of it, or
+    a retry after its own timeout): the first request is refused, MISUSE 'superseded', the
+    second holds the rank's place, and the world is rebuilt once, at the next epoch, when
+    the other rank asks; a barrier of both runs there."""
+    world = world_name()
+    with RawClient(sock) as a, RawClient(sock) as b:
+        for client, rank in ((a, 0), (b, 1)):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 10_000))
+        first, second = a.recv(), b.recv()
+        assert isinstance(first, proto.Welcome) and isinstance(second, proto.Welcome), (first, second)
+        epoch = first.epoch
+        a.send(proto.Reconnect(2))
+        for client in (a, b):  # (the vote fails the world first)
+            failed = client.recv()
+            assert isinstance(failed, proto.Event) and failed.epoch == epoch, failed
+        a.send(proto.Reconnect(3))
+        err = a.error()
+        assert (err.id, err.code) == (2, ErrorCode.MISUSE), err
+        assert err.message == "superseded by a newer attempt_reconnect", err
+        b.send(proto.Reconnect(4))
+        assert (a.recv(), b.recv()) == (proto.Ok(3, epoch + 1), proto.Ok(4, epoch + 1))
+        for client in (a, b):
+            client.send(proto.Submit(5, (proto.Barrier(),), epoch + 1))
+        assert (a.recv(), b.recv()) == (proto.Ok(5), proto.Ok(5))
+
+
 def test_oversized_packet(raw: RawClient) -> None:
     raw.send_bytes(b"\x00" * (proto.MAX_MESSAGE_BYTES + 100))
     err = raw.error()
