@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import proto
-from client import CommError, DaemonBackend
+from client import CommError, DaemonBackend, hostmem
 from commd.cluster import Cluster
 from commd.config import ServerConfig
 from commd.engine.base import Communicator, Engine, EngineOp, Order
@@ -363,3 +364,62 @@ async def test_a_bug_while_a_world_forms_leaves_no_dead_rank_behind(tmp_path: Pa
         server.shutdown()
     assert first.startswith("DaemonInternalError") and "an engine bug" in first, first
     assert second == "ok", second
+
+
+class BuggyOnce(Reporting):
+    """A communicator whose first op fails with an exception no engine should raise (a bug
+    of its own, or of a library under it), on the loop (try_inline) or off it (run)."""
+
+    failed = False
+
+    def try_inline(self, op: EngineOp) -> bool:
+        self._fail_once()
+        return self.inner.try_inline(op)
+
+    async def run(self, op: EngineOp, order: Order | None = None,
+                  requests: frozenset[object] = frozenset()) -> None:
+        self._fail_once()
+        await self.inner.run(op, order, requests)
+
+    def _fail_once(self) -> None:
+        if not BuggyOnce.failed:
+            BuggyOnce.failed = True
+            raise RuntimeError("an op's bug")
+
+
+async def test_an_engine_bug_in_an_op_fails_its_world_as_internal_and_a_reconnect_rebuilds(
+        tmp_path: Path) -> None:
+    """The world's first all_reduce meets a bug in the engine (a RuntimeError, no CallError):
+    both ranks hear DaemonInternalError naming it, the world failed, the daemon serves on,
+    and after attempt_reconnect on both the same call sums right."""
+    BuggyOnce.failed = False
+    engine = ReportingEngine(HostEngine(threads=1))
+    engine.wrap = BuggyOnce
+    server = Server(ServerConfig(tmp_path / "d.sock"), engine, None)  # type: ignore[arg-type]
+    server.start()
+    bufs = [hostmem.alloc(8) for _ in range(2)]
+
+    def rank(r: int) -> tuple[str, bool, int, list[int]]:
+        with DaemonBackend(str(tmp_path / "d.sock"), "w", r, 2, timeout=5) as comm:
+            values = bufs[r].view(np.int32)
+            values[:] = [r + 1, 10 * (r + 1)]
+            try:
+                comm.all_reduce(bufs[r].ptr, 8, dtype="i32")
+                first = "ok"
+            except CommError as exc:
+                first = f"{type(exc).__name__}: {exc}"
+            healthy = comm.is_healthy()
+            comm.attempt_reconnect()
+            values[:] = [r + 1, 10 * (r + 1)]
+            comm.all_reduce(bufs[r].ptr, 8, dtype="i32")
+            return first, healthy, comm.epoch, values.tolist()
+
+    try:
+        outcomes = await asyncio.gather(*(asyncio.to_thread(rank, r) for r in range(2)))
+    finally:
+        server.shutdown()
+    assert BuggyOnce.failed
+    for first, healthy, epoch, summed in outcomes:
+        assert first.startswith("DaemonInternalError"), first
+        assert "engine error: RuntimeError: an op's bug" in first, first
+        assert (healthy, epoch, summed) == (False, 2, [3, 30])
