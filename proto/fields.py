@@ -22,24 +22,24 @@ U64_MAX = (1 << 64) - 1
 MAX_HELLO_EPOCH = 1 << 62
 
 
-def _u64(name: str, value: int) -> None:
+def check_u64(name: str, value: int) -> None:
     # (a float or numpy integer would pass the range check, then fail to pack, or reach
     # the other side as a float: type first)
     if type(value) is not int or not 0 <= value <= U64_MAX:
         raise InvalidMessage(f"{name}={value} is not an unsigned 64-bit integer")
 
 
-def _positive(name: str, value: int) -> None:
+def check_positive(name: str, value: int) -> None:
     if type(value) is not int or not 0 < value <= U64_MAX:
         raise InvalidMessage(f"{name}={value} must be a positive 64-bit integer")
 
 
-def _rank(name: str, value: int, what: str = "a rank") -> None:
+def check_rank(name: str, value: int, what: str = "a rank") -> None:
     if type(value) is not int or not 0 <= value < MAX_RANKS:
         raise InvalidMessage(f"{name}={value} is not {what} (0..{MAX_RANKS - 1})")
 
 
-def _short_text(name: str, value: str, limit: int = 256) -> None:
+def check_short_text(name: str, value: str, limit: int = 256) -> None:
     if len(value) > limit:
         raise InvalidMessage(f"{name} is longer than {limit} characters")
 

@@ -16,10 +16,10 @@ from .fields import (
     MAX_HELLO_EPOCH,
     MAX_RANKS,
     MAX_WORLD_NAME,
-    _positive,
-    _rank,
-    _short_text,
-    _u64,
+    check_positive,
+    check_rank,
+    check_short_text,
+    check_u64,
     clip_text,
     error_code,
     member_or_name,
@@ -59,12 +59,12 @@ class Hello:
     device_uuid: bytes = b""
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("version", self.version)
-        _u64("epoch", self.epoch)
+        check_positive("id", self.id)
+        check_u64("version", self.version)
+        check_u64("epoch", self.epoch)
         if self.epoch >= MAX_HELLO_EPOCH:
             raise InvalidMessage(f"epoch={self.epoch} is past any world's (at most {MAX_HELLO_EPOCH - 1})")
-        _u64("pid", self.pid)
+        check_u64("pid", self.pid)
         if not 0 < len(self.world) <= MAX_WORLD_NAME or not _WORLD_NAME.fullmatch(self.world):
             raise InvalidMessage(
                 f"world name {self.world[:40]!r} must be 1..{MAX_WORLD_NAME} of [A-Za-z0-9._:@/-]"
@@ -73,13 +73,13 @@ class Hello:
             raise InvalidMessage(f"world_size={self.world_size} must be 1..{MAX_RANKS}")
         if not 0 <= self.rank < self.world_size:
             raise InvalidMessage(f"rank={self.rank} is not in 0..{self.world_size - 1}")
-        _positive("timeout_ms", self.timeout_ms)
+        check_positive("timeout_ms", self.timeout_ms)
         if self.device is not None:
-            _rank("device", self.device, "a GPU ordinal")
+            check_rank("device", self.device, "a GPU ordinal")
         for name in ("bootstrap", "token"):
             value = getattr(self, name)
             if value is not None:
-                _short_text(name, value)
+                check_short_text(name, value)
         if len(self.device_uuid) not in (0, DEVICE_UUID_BYTES):
             raise InvalidMessage(
                 f"device_uuid is {DEVICE_UUID_BYTES} bytes or none, not {len(self.device_uuid)}")
@@ -98,9 +98,9 @@ class Import:
     handle: bytes = b""
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _positive("buf", self.buf)
-        _positive("size", self.size)
+        check_positive("id", self.id)
+        check_positive("buf", self.buf)
+        check_positive("size", self.size)
         if len(self.handle) > 256:
             raise InvalidMessage("a memory handle is at most 256 bytes")
 
@@ -115,7 +115,7 @@ class Forget:
         if not 0 < len(self.bufs) <= MAX_GROUP_OPS:
             raise InvalidMessage(f"forget lists 1..{MAX_GROUP_OPS} buffers")
         for buf in self.bufs:
-            _positive("buf", buf)
+            check_positive("buf", buf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +133,8 @@ class Submit:
 
 
 def _check_submit(request_id: int, ops: tuple[Op, ...], epoch: int) -> None:
-    _positive("id", request_id)
-    _u64("epoch", epoch)
+    check_positive("id", request_id)
+    check_u64("epoch", epoch)
     if not 0 < len(ops) <= MAX_GROUP_OPS:
         raise InvalidMessage(f"a submit carries 1..{MAX_GROUP_OPS} ops")
     for op in ops:
@@ -158,8 +158,8 @@ class StreamEvents:
     done: bytes
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("stream", self.stream)
+        check_positive("id", self.id)
+        check_u64("stream", self.stream)
         for name in ("ready", "done"):
             if len(getattr(self, name)) != IPC_EVENT_BYTES:
                 raise InvalidMessage(f"{name} must be a {IPC_EVENT_BYTES}-byte CUDA IPC event handle")
@@ -179,7 +179,7 @@ class StreamSubmit:
 
     def __post_init__(self) -> None:
         _check_submit(self.id, self.ops, self.epoch)
-        _u64("stream", self.stream)
+        check_u64("stream", self.stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +189,8 @@ class Register:
     nbytes: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("nbytes", self.nbytes)
+        check_positive("id", self.id)
+        check_u64("nbytes", self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +199,8 @@ class Deregister:
     handle: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("handle", self.handle)
+        check_positive("id", self.id)
+        check_u64("handle", self.handle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +212,9 @@ class SymAlloc:
     nbytes: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _positive("buf", self.buf)
-        _positive("nbytes", self.nbytes)
+        check_positive("id", self.id)
+        check_positive("buf", self.buf)
+        check_positive("nbytes", self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +223,8 @@ class SymFree:
     buf: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _positive("buf", self.buf)
+        check_positive("id", self.id)
+        check_positive("buf", self.buf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +233,8 @@ class SetAddKernel:
     handle: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("handle", self.handle)
+        check_positive("id", self.id)
+        check_u64("handle", self.handle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +242,7 @@ class Reconnect:
     id: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
+        check_positive("id", self.id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +254,9 @@ class StatusQuery:
     world: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
+        check_positive("id", self.id)
         if self.world is not None:
-            _short_text("world", self.world, MAX_WORLD_NAME)
+            check_short_text("world", self.world, MAX_WORLD_NAME)
 
 
 # ---- daemon → client --------------------------------------------------------------
@@ -272,10 +272,10 @@ class Welcome:
     max_message: int
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("version", self.version)
-        _u64("epoch", self.epoch)
-        _positive("max_message", self.max_message)
+        check_positive("id", self.id)
+        check_u64("version", self.version)
+        check_u64("epoch", self.epoch)
+        check_positive("max_message", self.max_message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,8 +287,8 @@ class Ok:
     nfds: int = 0
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
-        _u64("value", self.value)
+        check_positive("id", self.id)
+        check_u64("value", self.value)
         if not 0 <= self.nfds <= 1:
             raise InvalidMessage("a reply carries at most one fd")
 
@@ -306,7 +306,7 @@ class Error:
     message: str
 
     def __post_init__(self) -> None:
-        _u64("id", self.id)
+        check_u64("id", self.id)
         object.__setattr__(self, "code", error_code(self.code))
         object.__setattr__(self, "message", clip_text(self.message))
 
@@ -327,7 +327,7 @@ class Event:
         object.__setattr__(self, "kind", member_or_name(self.kind, EventKind, "an event kind"))
         object.__setattr__(self, "code", error_code(self.code))
         object.__setattr__(self, "message", clip_text(self.message))
-        _u64("epoch", self.epoch)
+        check_u64("epoch", self.epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +336,7 @@ class StatusReport:
     info: dict[str, Any]
 
     def __post_init__(self) -> None:
-        _positive("id", self.id)
+        check_positive("id", self.id)
 
 
 Request = (

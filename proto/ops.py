@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidMessage
-from .fields import _positive, _rank, _u64
+from .fields import check_positive, check_rank, check_u64
 from .types import DType, ReduceOp
 
 
@@ -24,12 +24,12 @@ class Mem:
     offset: int
 
     def __post_init__(self) -> None:
-        _positive("buf", self.buf)
-        _u64("offset", self.offset)
+        check_positive("buf", self.buf)
+        check_u64("offset", self.offset)
 
 
 def _sized(name: str, mem: Mem | None, nbytes: int, itemsize: int = 1) -> None:
-    _u64("nbytes", nbytes)
+    check_u64("nbytes", nbytes)
     if nbytes % itemsize:
         raise InvalidMessage(f"nbytes={nbytes} is not a multiple of the element size {itemsize}")
     if nbytes and mem is None:
@@ -86,7 +86,7 @@ class Broadcast:
 
     def __post_init__(self) -> None:
         _sized("buf", self.buf, self.nbytes)
-        _rank("root", self.root)
+        check_rank("root", self.root)
         if self.command and self.nbytes != 4:
             raise InvalidMessage("a command broadcast carries exactly 4 bytes")
 
@@ -105,8 +105,8 @@ class Send:
 
     def __post_init__(self) -> None:
         _sized("buf", self.buf, self.nbytes)
-        _rank("peer", self.peer)
-        _u64("stream", self.stream)
+        check_rank("peer", self.peer)
+        check_u64("stream", self.stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +118,8 @@ class Recv:
 
     def __post_init__(self) -> None:
         _sized("buf", self.buf, self.nbytes)
-        _rank("peer", self.peer)
-        _u64("stream", self.stream)
+        check_rank("peer", self.peer)
+        check_u64("stream", self.stream)
 
 
 Op = AllReduce | AllGather | ReduceScatter | Broadcast | Barrier | Send | Recv

@@ -38,8 +38,8 @@ from .fields import (  # one definition of each rule for both protocols
     MAX_RANKS,
     MAX_WORLD_NAME,
     U64_MAX,
-    _short_text,
-    _u64,
+    check_short_text,
+    check_u64,
     clip_text,
     error_code,
 )
@@ -83,7 +83,7 @@ class PeerHello:
     incarnation: bytes = b""
 
     def __post_init__(self) -> None:
-        _u64("version", self.version)
+        check_u64("version", self.version)
         _name("daemon", self.daemon)
         if len(self.nonce) != NONCE_BYTES:
             raise InvalidMessage(f"a nonce is {NONCE_BYTES} bytes")
@@ -178,7 +178,7 @@ class Heartbeat:
     quiet_ms: int = 0
 
     def __post_init__(self) -> None:
-        _u64("seq", self.seq)
+        check_u64("seq", self.seq)
         if not 0 <= self.quiet_ms <= MAX_QUIET_MS:
             raise InvalidMessage(f"quiet_ms must be 0..{MAX_QUIET_MS}")
 
@@ -218,13 +218,13 @@ class JoinWorld:
         if not 0 < self.world_size <= MAX_RANKS:
             raise InvalidMessage(f"world_size={self.world_size} must be 1..{MAX_RANKS}")
         _ranks((self.rank,), self.world_size)
-        _u64("epoch", self.epoch)
+        check_u64("epoch", self.epoch)
         if not 0 < self.timeout_ms <= U64_MAX:
             raise InvalidMessage("timeout_ms must be positive")
         if self.token is not None:
-            _short_text("token", self.token)
-        _u64("vote", self.vote)
-        _u64("whole_ms", self.whole_ms)
+            check_short_text("token", self.token)
+        check_u64("vote", self.vote)
+        check_u64("whole_ms", self.whole_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +239,10 @@ class JoinRefused:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("rank", self.rank)
+        check_u64("rank", self.rank)
         object.__setattr__(self, "code", error_code(self.code))
         object.__setattr__(self, "message", clip_text(self.message))  # (see WorldFailed)
-        _u64("vote", self.vote)
+        check_u64("vote", self.vote)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +255,7 @@ class JoinWithdrawn:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("rank", self.rank)
+        check_u64("rank", self.rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +269,7 @@ class WorldReady:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("epoch", self.epoch)
+        check_u64("epoch", self.epoch)
         if not 0 < len(self.placement) <= MAX_RANKS:
             raise InvalidMessage("placement names 1..MAX_RANKS daemons")
         for daemon in self.placement:
@@ -292,7 +292,7 @@ class WorldFailed:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("epoch", self.epoch)
+        check_u64("epoch", self.epoch)
         object.__setattr__(self, "code", error_code(self.code))
         object.__setattr__(self, "message", clip_text(self.message))  # (see WorldFailed)
 
@@ -318,8 +318,8 @@ class CallsQuery:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("epoch", self.epoch)
-        _u64("ask", self.ask)
+        check_u64("epoch", self.epoch)
+        check_u64("ask", self.ask)
         _name("asker", self.asker)
 
 
@@ -340,14 +340,14 @@ class CallsReport:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("epoch", self.epoch)
-        _u64("ask", self.ask)
+        check_u64("epoch", self.epoch)
+        check_u64("ask", self.ask)
         _name("asker", self.asker)
         _name("daemon", self.daemon)
         if len(self.calls) > MAX_CALL_GROUPS:
             raise InvalidMessage(f"a report names at most {MAX_CALL_GROUPS} calls")
         for call in self.calls:
-            _short_text("a call", call, MAX_CALL_TEXT)
+            check_short_text("a call", call, MAX_CALL_TEXT)
         if len(self.ranks) > MAX_RANKS or len(self.call_of) != len(self.ranks):
             raise InvalidMessage(f"a report names at most {MAX_RANKS} ranks, each with its call")
         _ranks(self.ranks, MAX_RANKS)
@@ -377,10 +377,10 @@ class Data:
 
     def __post_init__(self) -> None:
         _name("world", self.world, MAX_WORLD_NAME)
-        _u64("epoch", self.epoch)
+        check_u64("epoch", self.epoch)
         _name("step", self.step, 32)
         for name in ("call", "chunk", "source"):
-            _u64(name, getattr(self, name))
+            check_u64(name, getattr(self, name))
         if len(self.fingerprint) > 256 or len(self.about) > MAX_RANKS:
             raise InvalidMessage("data fingerprint or rank list too long")
         for rank in self.about:
