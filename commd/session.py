@@ -70,11 +70,22 @@ class DaemonContext:
 
 def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport:
     """The report, cut until the packet fits: first each rank's recent calls (to the newest
-    one, then none), then the world list (`worlds_total` keeps the count). So a world asked
-    for by name is there, whatever its size: its state matters more than its history."""
+    one, then none), then the names of the linked daemons (`links_total` keeps the count),
+    then the world list (`worlds_total` keeps the count). So a world asked for by name is
+    there, whatever its size: its state matters more than its history, or than which
+    daemons are linked (a root linked to a few hundred daemons of long names, or a few
+    thousand of short ones, fills a packet with their names alone)."""
     worlds = list(info.get("worlds", []))
     for calls in (None, 1, 0):  # of the flight recorder's, per rank (None: all it sent)
         shown = worlds if calls is None else [_newest_calls(w, calls) for w in worlds]
+        report = _report(request_id, info, shown, len(worlds))
+        if report is not None:
+            return report
+    peers: dict[str, Any] = info.get("peers") or {}
+    links = every = list(peers.get("links", []))
+    while links:
+        links = links[:len(links) // 2]
+        info = {**info, "peers": {**peers, "links": links, "links_total": len(every)}}
         report = _report(request_id, info, shown, len(worlds))
         if report is not None:
             return report

@@ -1642,6 +1642,44 @@ def test_a_big_job_whose_daemons_all_dial_the_root_at_once_joins_every_rank() ->
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+def test_the_status_of_a_daemon_linked_to_hundreds_of_daemons_fits_one_report() -> None:
+    """300 daemons with names of the longest kind (256 characters) link to A: their names
+    alone are past a packet. `commd status` must still answer, the names cut to what fits
+    and their count kept, with A's world asked for by name (before: DaemonInternalError
+    'daemon bug: InvalidMessage("the daemon's status does not fit a report even without
+    its worlds")', and A closed the connection)."""
+    tmp = short_tmpdir()
+    names = [f"n{i:03d}".ljust(p.MAX_DAEMON_NAME, "x") for i in range(300)]
+    world = world_name()
+
+    async def link_all(a: DaemonProcess) -> dict[str, Any]:
+        members = [Cluster(PeerSettings(name, SECRET["COMMD_PEER_SECRET"].encode())) for name in names]
+        for member in members:
+            member.router = Heard()
+        try:
+            for first in range(0, len(members), 50):  # (under the daemon's handshakes at once)
+                await asyncio.gather(*(m.link_to(a.peer_address()) for m in members[first:first + 50]))
+            return await asyncio.to_thread(query_status, str(a.socket_path), 5, world)
+        finally:
+            for member in members:
+                member.close()
+
+    try:
+        with DaemonProcess(Path(tmp) / "A" / "commd.sock", env=SECRET, args=[
+                "--peer-listen", "127.0.0.1:0", "--peer-name", "A"]) as a, \
+                RawClient(str(a.socket_path)) as rank0:
+            rank0.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 0, 2, 20_000,
+                                   bootstrap=a.peer_address()))
+            wait_until(lambda: world_status(a, world) is not None, timeout=10)
+            status = asyncio.run(link_all(a))
+            links = status["peers"]["links"]
+            assert status["peers"]["links_total"] == len(names)
+            assert 0 < len(links) < len(names) and set(links) <= set(names)
+            assert [w["name"] for w in status["worlds"]] == [world]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_a_vote_from_an_epoch_past_any_worlds_is_refused(pair: list[DaemonProcess]) -> None:
     """Daemon X (a raw peer) votes for rank 1 at epoch 2^64 - 2 (a confused daemon). The root
     must refuse the vote, naming the epoch, and the world form with the real rank 1 and
