@@ -293,14 +293,15 @@ def test_a_late_reader_holds_back_the_sender(pool: RankPool, daemons: list[Daemo
         assert results[late] == inputs[0 if late == 1 else 1].tobytes()
 
 
-def test_a_failed_world_lets_go_of_what_it_can_no_longer_read(pool: RankPool,
-                                                               daemons: list[DaemonProcess]) -> None:
+def test_a_failed_world_lets_go_of_what_it_can_no_longer_read(pool: RankPool, daemons: list[DaemonProcess],
+                                                               tmp_path: Path) -> None:
     """A send that times out because its receive never came leaves a window of data at the
     receiver's daemon: once the world failed and no op of it runs, that goes, though the
     ranks stay connected (before, it stayed until every rank reconnected or left)."""
     world, addresses = world_name("unread"), specs(daemons, [0, 1])
-    started = pool.start(workers.send_unreceived, [(addresses[r], world, r, 2, 6 * CHUNK_BYTES, 8.0)
-                                                   for r in range(2)])
+    released = tmp_path / "released"  # (the ranks stay connected until the status was read)
+    started = pool.start(workers.send_unreceived, [(addresses[r], world, r, 2, 6 * CHUNK_BYTES,
+                                                    str(released), 8.0) for r in range(2)])
     seen: list[tuple[str, int]] = []
     deadline = time.monotonic() + 7.0
     while time.monotonic() < deadline:
@@ -310,6 +311,7 @@ def test_a_failed_world_lets_go_of_what_it_can_no_longer_read(pool: RankPool,
             if seen[-1][0] == "failed" and len([s for s in seen if s[0] == "failed"]) >= 3:
                 break
         time.sleep(0.1)
+    released.touch()
     results = [o.unwrap() for o in pool.collect(started, timeout=30)]
     assert results == ["-", "CommTimeout"]
     assert max(held for state, held in seen if state == "ready") > 0  # the window did come

@@ -272,17 +272,19 @@ def late_taker(sock: str, world: str, rank: int, n: int, what: str, nbytes: int,
         return received
 
 
-def send_unreceived(sock: str, world: str, rank: int, n: int, nbytes: int, stay: float) -> str:
+def send_unreceived(sock: str, world: str, rank: int, n: int, nbytes: int, released: str,
+                    stay: float) -> str:
     """Rank 1 sends rank 0 `nbytes`, which rank 0 never receives: the send times out (the
-    world fails); both ranks stay connected `stay` seconds from the start. Returns what
-    this rank's call raised ("-" for rank 0, which makes none)."""
-    started = time.monotonic()
+    world fails); both ranks stay connected until `released` exists, `stay` seconds from
+    the start at most. Returns what this rank's call raised ("-" for rank 0, which makes none)."""
+    leave_by = time.monotonic() + stay
     with connect(sock, world, rank, n, timeout=2.0) as comm:
         outcome = "-"
         if rank == 1:
             out = _load(make_input(1, rank, nbytes, "u8", "sum"))
             outcome = _error_name(comm.send_to, out.ptr, nbytes, 0, 0)
-        time.sleep(max(0.0, stay - (time.monotonic() - started)))
+        while not os.path.exists(released) and time.monotonic() < leave_by:
+            time.sleep(0.02)
         return outcome
 
 
