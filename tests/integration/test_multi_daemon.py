@@ -261,7 +261,9 @@ def test_a_late_reader_holds_back_the_sender(pool: RankPool, daemons: list[Daemo
     """Data sent before its reader calls waits in the reader's daemon, a window of it at
     most (nor does any other daemon of the world pile it up): the sender goes on as the
     reader takes it, and every byte arrives."""
-    nbytes, delay, seed = 12 * CHUNK_BYTES + 5, 2.0, 31
+    # (the sender is at its call within milliseconds of the barrier: 1 s of delay is many of the
+    # test's looks at a full window)
+    nbytes, delay, seed = 12 * CHUNK_BYTES + 5, 1.0, 31
     world, addresses = world_name("late"), specs(daemons, placement)
     involved = sorted(set(placement))
     reader = placement[late]
