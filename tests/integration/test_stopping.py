@@ -307,6 +307,7 @@ def test_a_dial_that_ends_during_the_stops_farewell_makes_no_link(
                                  lambda link, msg, _payload: root.received.append((link.name, msg)),
                                  lambda link, _reason: root.lost.append(link.name))
     caplog.set_level(logging.WARNING, logger="commd.peering")
+    b_exited = threading.Event()
     try:
         with open(log_path, "wb") as log:
             daemon = DaemonProcess(tmp / "B" / "commd.sock", env=SECRET, log=log, log_level="INFO",
@@ -319,13 +320,15 @@ def test_a_dial_that_ends_during_the_stops_farewell_makes_no_link(
                 client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world_name("sd"), 1, 2,
                                         8000, bootstrap=address))
                 wait_until(lambda: held._handshakes, "B's dial", 10)
-                quiet_peer._loop.call_soon_threadsafe(time.sleep, 4.0)  # (reads nothing, ends nothing)
+                # (A's loop reads nothing, ends nothing, until B has exited)
+                quiet_peer._loop.call_soon_threadsafe(b_exited.wait, 10)
                 stopped = time.monotonic()
                 os.kill(daemon.pid, signal.SIGTERM)
                 wait_until(lambda: "stopping" in log_path.read_text(errors="replace"), "B's stop", 10)
                 held.go.set()
                 assert daemon.proc is not None and daemon.proc.wait(10) == 0
                 assert time.monotonic() - stopped < PEER_FAREWELL_S + 2.0
+                b_exited.set()
                 client.close()
             finally:
                 daemon.stop()
@@ -334,5 +337,6 @@ def test_a_dial_that_ends_during_the_stops_farewell_makes_no_link(
         said = "refused a peer from 127.0.0.1: daemon 'B' ended the handshake: daemon 'B' is shutting down"
         assert said in caplog.text, caplog.text
     finally:
+        b_exited.set()
         root.close()
         quiet_peer.close()
