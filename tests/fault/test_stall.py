@@ -13,7 +13,7 @@ from commd.launch import DaemonProcess
 from commd.status import query_status
 from tests.conftest import FaultReport, Steady
 from tests.integration import workers
-from tests.integration.harness import RankPool, world_name
+from tests.integration.harness import RankPool, wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(90)
 TIMEOUT_S = 1.0
@@ -34,8 +34,11 @@ def test_a_frozen_worker_times_the_call_out(pool: RankPool, daemon: DaemonProces
     frozen = pool.pids()[1]
     stopped_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
-    time.sleep(TIMEOUT_S + 2.0)
-    os.kill(frozen, signal.SIGCONT)
+    try:  # (frozen past the deadline: until the daemon's verdict has failed the world)
+        wait_until(lambda: (world_status(daemon, world) or {}).get("state") != "ready",
+                   "the call's timeout to fail the world", TIMEOUT_S + 10)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
     rank0, rank1 = [o.unwrap() for o in pool.collect(started, 60)]
     assert rank0["error"] == "CommTimeout"
     assert rank0["seconds"] <= TIMEOUT_S + 1.0 + 0.3
