@@ -26,7 +26,10 @@ E = TypeVar("E", DType, ReduceOp)
 def _member(kind: type[E], what: str, value: E | str) -> E:
     if isinstance(value, kind):
         return value
-    member = kind._value2member_map_.get(value)
+    try:
+        member = kind._value2member_map_.get(value)
+    except TypeError:  # unhashable (a list, a dict): no member's value, and no CommError
+        member = None
     if member is None:
         names = ", ".join(m.value for m in kind)
         raise MisuseError(f"{what} {value!r} is not one of {names}")

@@ -362,6 +362,11 @@ def test_bytes_not_a_multiple_of_the_dtype(sock: str, steady: None) -> None:
             comm.reduce_scatter(buf.ptr, buf.ptr, 6, dtype="f32")
         with pytest.raises(MisuseError, match="dtype"):
             comm.all_reduce(buf.ptr, 8, dtype="f128")
+        # (unhashable: no member's value, but the lookup by value raised TypeError)
+        with pytest.raises(MisuseError, match=re.escape("dtype ['f32'] is not one of")):
+            comm.all_reduce(buf.ptr, 8, dtype=["f32"])  # type: ignore[arg-type]
+        with pytest.raises(MisuseError, match=re.escape("op {'sum': 1} is not one of")):
+            comm.reduce_scatter(buf.ptr, buf.ptr, 4, op={"sum": 1})  # type: ignore[arg-type]
         with pytest.raises(MisuseError, match="not in host memory"):
             comm.all_reduce(12345, 8)
         with pytest.raises(MisuseError, match="past the end"):
