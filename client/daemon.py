@@ -18,7 +18,7 @@ from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, a
 from .calls import Calls, about_world
 from .connection import Connection
 from .cuda import available_driver
-from .errors import DaemonUnavailable, MisuseError
+from .errors import CommTimeout, DaemonUnavailable, MisuseError
 from .groups import Groups, OpenGroup
 from .handover import Handover
 from .health import Health
@@ -58,14 +58,19 @@ def _interruptible(method: Method[P, T]) -> Method[P, T]:
 
 def _names_world(method: Method[P, T]) -> Method[P, T]:
     """A call besides the ops (a registration, symmetric memory, the add kernel) that finds
-    the daemon gone says so as an op does, naming the world: a worker in several worlds
-    tells by it which one to reconnect."""
+    the daemon gone, or gives up on it (a CommTimeout that left the world unhealthy), says
+    so as an op does, naming the world: a worker in several worlds tells by it which one to
+    reconnect."""
     @functools.wraps(method)
     def call(backend: DaemonBackend, /, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return method(backend, *args, **kwargs)
-        except DaemonUnavailable as exc:
+        except (DaemonUnavailable, CommTimeout) as exc:
             if backend._conn.closed:  # (close() on another thread: no world to speak of)
+                raise
+            # (one that left the world be, nothing sent: another thread's import held the
+            # turn past the deadline; a reconnect is no advice for it)
+            if isinstance(exc, CommTimeout) and backend._health.failure()[0] is None:
                 raise
             raise about_world(backend._world, exc) from exc
 

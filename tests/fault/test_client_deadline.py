@@ -203,6 +203,40 @@ def test_a_call_a_stopped_daemon_never_answers_names_its_world(daemon: DaemonPro
         assert buf.view(np.int32)[:2].tolist() == [5, 50]
 
 
+def test_the_calls_besides_the_ops_a_stopped_daemon_never_answers_name_their_world(
+        daemon: DaemonProcess) -> None:
+    """As for an op (above): register_buffer, deregister_buffer, symmetric_alloc and
+    symmetric_free on a stopped daemon (SIGSTOP) each fail at their deadline with a
+    CommTimeout that names the world and says to reconnect, which is what it leaves to do:
+    is_healthy() is False (before: 'the call did not complete before its deadline', no
+    world, no advice). Once the daemon goes on, the rank rejoins and sums."""
+    world = world_name()
+    with DaemonBackend(str(daemon.socket_path), world, 0, 1, timeout=0.5) as comm:
+        buf = hostmem.alloc(64)
+        handle = comm.register_buffer(buf.ptr, 64)
+        ptr = comm.symmetric_alloc(64)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        said: dict[str, str] = {}
+        try:
+            for call, fn in (("register_buffer", lambda: comm.register_buffer(buf.ptr, 32)),
+                             ("deregister_buffer", lambda: comm.deregister_buffer(handle)),
+                             ("symmetric_alloc", lambda: comm.symmetric_alloc(64)),
+                             ("symmetric_free", lambda: comm.symmetric_free(ptr))):
+                with pytest.raises(CommTimeout) as timed_out:
+                    fn()
+                said[call] = str(timed_out.value)
+            assert not comm.is_healthy()
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        for call, words in said.items():
+            assert words.startswith(f"world {world} "), (call, words)
+            assert words.count("attempt_reconnect") == 1, (call, words)
+        comm.attempt_reconnect()
+        buf.view(np.int32)[:2] = [5, 50]
+        comm.all_reduce(buf.ptr, 8, dtype="i32")
+        assert buf.view(np.int32)[:2].tolist() == [5, 50]
+
+
 @contextlib.contextmanager
 def fill_backlog(path: str) -> Iterator[None]:
     """Connections that fill the listen backlog of a daemon that accepts none (stopped), so
