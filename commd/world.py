@@ -111,8 +111,11 @@ class World:
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
-        if self.state is WorldState.READY and self.members.get(rank) is not peer:
-            raise self._placed_elsewhere(rank)  # (its vote would fail the world its rank runs in)
+        if self.members.get(rank) is not peer:
+            # Not the rank's connection (any more): a rebuild placed the rank elsewhere. Its vote
+            # would fail the world its rank runs in, or, the world ended and forgotten here,
+            # be cast for a world the registry no longer holds, whose WorldReady finds none
+            raise self._placed_elsewhere(rank)
         self.stats.reconnects += 1
         self.reconnect_requested(f"rank {rank} called attempt_reconnect")
         old = self._waiting.pop(rank, None)
@@ -389,10 +392,14 @@ class World:
         return extra
 
     def _placed_elsewhere(self, rank: int) -> CallError:
-        """For a connection of this rank that the world, ready, does not hold (the rebuild
-        placed the rank on another daemon)."""
-        where = f"daemon {self.net.placement[rank]}" if self.net is not None else "another connection"
-        return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on {where}")
+        """For a connection of this rank that the world does not hold (a rebuild placed the
+        rank on another daemon, or another connection; or it never formed with this one)."""
+        net = self.net
+        if net is not None and rank < len(net.placement) and net.placement[rank] != net.me:
+            return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on daemon "
+                                                       f"{net.placement[rank]}")
+        return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is not this "
+                                                   "connection's: another holds it, or its hello was refused")
 
     def call_failed(self) -> str:
         """What a call the world's failure ended says: a worker may be in several worlds,

@@ -1246,6 +1246,54 @@ def test_a_rank_whose_rebuild_placed_it_on_another_daemon_no_longer_fails_the_wo
         root.close()
 
 
+def test_a_rank_placed_on_another_daemon_cannot_vote_once_its_old_world_ended_there(
+        pair: list[DaemonProcess]) -> None:
+    """As above, R forms epoch 2 with rank 1 on daemon X, and B's rank 1 is refused. Then
+    rank 2 leaves B, whose world ends and is forgotten there; the process that lost rank 1
+    calls attempt_reconnect again on its old connection. It must be refused as before
+    (rank 1 is on X). Before: the connection still held the forgotten world, and its vote
+    went to R from a world B no longer knew; R's WorldReady was answered 'ranks ... left
+    before it formed', failing the world, and the rank waited out its timeout."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    ranks: list[RawClient] = []
+    try:
+        address = root.listen()
+        sock = str(b.socket_path)
+        ranks += [RawClient(sock, 10), RawClient(sock, 10)]
+        r1, r2 = ranks
+        for client, rank in ((r1, 1), (r2, 2)):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, 8000,
+                                    bootstrap=address))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
+        (link,) = root.accepted
+        root.send(link, p.WorldReady(world, 1, ("R", "B", "B")))
+        assert isinstance(r1.recv(), proto.Welcome) and isinstance(r2.recv(), proto.Welcome)
+        r1.send(proto.Reconnect(2))
+        for client in (r1, r2):
+            assert isinstance(client.recv(), proto.Event)  # (rank 1's vote fails epoch 1)
+        r2.send(proto.Reconnect(2))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
+                   timeout=10)
+        root.send(link, p.WorldReady(world, 2, ("R", "X", "B")))
+        lost = r1.error()
+        assert lost.code is ErrorCode.DUPLICATE_RANK and "is on daemon X" in lost.message, lost
+        assert r2.recv() == proto.Ok(2, value=2)
+        r2.close()  # B's last rank of the world leaves: B forgets it
+        wait_until(lambda: world_status(b, world) is None, timeout=10)
+        r1.sock.settimeout(3)
+        r1.send(proto.Reconnect(3))
+        refused = r1.error()
+        assert refused.id == 3 and refused.code is ErrorCode.DUPLICATE_RANK, refused
+        assert "is on daemon X" in refused.message, refused
+        assert world_status(b, world) is None  # no world made anew for it on B
+        assert not root.got(p.JoinWorld, rank=1, epoch=2)  # and no vote reached the root
+    finally:
+        for client in ranks:
+            client.close()
+        root.close()
+
+
 def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[DaemonProcess]) -> None:
     """Daemon X (a raw peer) voted for rank 1 over link L1, then for rank 2 over a new link L2:
     a member reaches the root over one link per world, so it has moved off L1 (lost on its
