@@ -374,7 +374,8 @@ class Session:
             ops.check_group_overlap(msg.ops)
             if type(msg) is proto.Submit:  # (only its ops come again as the same object: the codec's cache)
                 self._remember_checked(msg.ops, world.world_size)
-        world.submit(self.rank, msg.id, calls, events, isinstance(msg, proto.StreamSubmit) and msg.early)
+        early = isinstance(msg, proto.StreamSubmit) and msg.early
+        world.submit(self.rank, self, msg.id, calls, events, early)
 
     def _checked_spans(self, group: tuple[proto.Op, ...],
                        world_size: int) -> tuple[tuple[ops.Span, ...], ...] | None:

@@ -111,11 +111,9 @@ class World:
         self._wait(hello.rank, Waiter(peer, hello.id, True), hello.timeout_ms / 1000)
 
     def reconnect(self, rank: int, peer: Peer, request_id: int, timeout_s: float) -> None:
-        if self.members.get(rank) is not peer:
-            # Not the rank's connection (any more): a rebuild placed the rank elsewhere. Its vote
-            # would fail the world its rank runs in, or, the world ended and forgotten here,
-            # be cast for a world the registry no longer holds, whose WorldReady finds none
-            raise self._placed_elsewhere(rank)
+        # (its vote would fail the world its rank runs in, or, the world ended and forgotten
+        # here, be cast for a world the registry no longer holds, whose WorldReady finds none)
+        self._check_member(rank, peer)
         self.stats.reconnects += 1
         self.reconnect_requested(f"rank {rank} called attempt_reconnect")
         old = self._waiting.pop(rank, None)
@@ -231,15 +229,15 @@ class World:
 
     # ---- calls ------------------------------------------------------------------
 
-    def submit(self, rank: int, request_id: int,
+    def submit(self, rank: int, peer: Peer, request_id: int,
                calls: Sequence[tuple[proto.Op, tuple[Region | None, ...]]],
                events: EventPair | None = None, early: bool = False) -> None:
-        """Enter one request's calls into matching; the ticket replies when all ran."""
-        peer = self.members.get(rank)
+        """Enter one request's calls (of `rank`, on `peer`) into matching; the ticket replies
+        when all ran."""
         if self.state is not WorldState.READY:
             raise CallError(self.cause_code, self._not_ready())
-        if peer is None:
-            raise self._placed_elsewhere(rank)
+        # (the rank may be another connection's here now: its calls and their answers are its own)
+        self._check_member(rank, peer)
         pending, count = self.pending_ops.get(rank, 0), len(calls)
         if pending + count > self._max_pending_ops:
             raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
@@ -391,15 +389,17 @@ class World:
             extra["rank"] = rank
         return extra
 
-    def _placed_elsewhere(self, rank: int) -> CallError:
-        """For a connection of this rank that the world does not hold (a rebuild placed the
-        rank on another daemon, or another connection; or it never formed with this one)."""
+    def _check_member(self, rank: int, peer: Peer) -> None:
+        """Refuse a request of a connection that is not (or no longer) the rank's member here:
+        a rebuild placed the rank on another daemon, or another connection took it since."""
+        if self.members.get(rank) is peer:
+            return
         net = self.net
         if net is not None and rank < len(net.placement) and net.placement[rank] != net.me:
-            return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on daemon "
-                                                       f"{net.placement[rank]}")
-        return CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is not this "
-                                                   "connection's: another holds it, or its hello was refused")
+            raise CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is on daemon "
+                                                      f"{net.placement[rank]}")
+        raise CallError(ErrorCode.DUPLICATE_RANK, f"rank {rank} of world {self.name} is not this "
+                                                  "connection's: another holds it, or its hello was refused")
 
     def call_failed(self) -> str:
         """What a call the world's failure ended says: a worker may be in several worlds,

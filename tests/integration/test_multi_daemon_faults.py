@@ -1294,6 +1294,71 @@ def test_a_rank_placed_on_another_daemon_cannot_vote_once_its_old_world_ended_th
         root.close()
 
 
+def test_a_rank_placed_on_another_daemon_cannot_call_as_the_connection_that_took_it_back(
+        pair: list[DaemonProcess]) -> None:
+    """R forms epoch 2 with rank 1 on daemon X, and B's rank 1 is refused; then epoch 2 fails
+    and a new process takes rank 1 on B again (epoch 3). The refused connection's calls must
+    be refused: rank 1 is the new connection's. Before: B took them as rank 1's calls and
+    answered them on the new connection, which never made them (its world's failure there
+    gave it an error for a request id it never used), and the refused one heard nothing."""
+    b = pair[1]
+    world, root = world_name(), RawPeer("R")
+    ranks: list[RawClient] = []
+    try:
+        address = root.listen()
+        sock = str(b.socket_path)
+
+        def hello(client: RawClient, rank: int) -> None:
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, 8000,
+                                    bootstrap=address))
+
+        ranks += [RawClient(sock, 10), RawClient(sock, 10)]
+        r1, r2 = ranks
+        hello(r1, 1)
+        hello(r2, 2)
+        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
+        (link,) = root.accepted
+        root.send(link, p.WorldReady(world, 1, ("R", "B", "B")))
+        assert isinstance(r1.recv(), proto.Welcome) and isinstance(r2.recv(), proto.Welcome)
+        r1.send(proto.Reconnect(2))
+        for client in (r1, r2):
+            assert isinstance(client.recv(), proto.Event)  # (rank 1's vote fails epoch 1)
+        r2.send(proto.Reconnect(2))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
+                   timeout=10)
+        root.send(link, p.WorldReady(world, 2, ("R", "X", "B")))
+        lost = r1.error()
+        assert lost.code is ErrorCode.DUPLICATE_RANK and "is on daemon X" in lost.message, lost
+        assert r2.recv() == proto.Ok(2, value=2)
+        root.send(link, p.WorldFailed(world, 2, ErrorCode.WORLD_FAILED, "X was lost"))
+        assert isinstance(r2.recv(), proto.Event)
+        ranks.append(RawClient(sock, 10))
+        new1 = ranks[-1]
+        hello(new1, 1)  # rank 1 comes back to B
+        r2.send(proto.Reconnect(3))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=2) and root.got(p.JoinWorld, rank=2, epoch=2),
+                   timeout=10)
+        root.send(link, p.WorldReady(world, 3, ("R", "B", "B")))
+        assert isinstance(new1.recv(), proto.Welcome) and r2.recv() == proto.Ok(3, value=3)
+        r1.sock.settimeout(3)
+        r1.send(proto.Submit(7, (proto.Barrier(),)))
+        refused = r1.error()
+        assert refused.id == 7 and refused.code is ErrorCode.DUPLICATE_RANK, refused
+        assert "not this connection's" in refused.message, refused
+        assert (world_status(b, world) or {}).get("pending_calls") == 0
+        root.send(link, p.WorldFailed(world, 3, ErrorCode.WORLD_FAILED, "R's rank 0 was lost"))
+        for client in (new1, r2):  # each hears of the failure, and of no call it did not make
+            event = client.recv()
+            assert isinstance(event, proto.Event) and event.epoch == 3, event
+            client.sock.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                client.recv()
+    finally:
+        for client in ranks:
+            client.close()
+        root.close()
+
+
 def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[DaemonProcess]) -> None:
     """Daemon X (a raw peer) voted for rank 1 over link L1, then for rank 2 over a new link L2:
     a member reaches the root over one link per world, so it has moved off L1 (lost on its

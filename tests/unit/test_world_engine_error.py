@@ -113,7 +113,7 @@ def two_rank_world(wrap: type[Reporting] = Reporting
 async def test_an_async_engine_error_fails_every_rank_and_a_reconnect_rebuilds() -> None:
     host, engine, world, ranks = two_rank_world()
     assert world.state is WorldState.READY and world.epoch == 1
-    world.submit(0, 7, [(proto.Barrier(), ())])  # rank 0 waits in a barrier rank 1 never makes
+    world.submit(0, ranks[0], 7, [(proto.Barrier(), ())])  # rank 0 waits in a barrier rank 1 never makes
     engine.comms[-1].error = "ncclRemoteError: a remote rank's NCCL failed"
     for _ in range(40):
         if world.state is WorldState.FAILED:
@@ -133,7 +133,7 @@ async def test_an_async_engine_error_fails_every_rank_and_a_reconnect_rebuilds()
     assert world.state is WorldState.READY and world.epoch == 2
     assert [m.value for p in ranks for m in p.received if isinstance(m, proto.Ok)] == [2, 2]
     for r in range(2):  # the new epoch's communicator is healthy: the barrier completes
-        world.submit(r, 30 + r, [(proto.Barrier(), ())])
+        world.submit(r, ranks[r], 30 + r, [(proto.Barrier(), ())])
     for _ in range(40):
         if all(any(isinstance(m, proto.Ok) and m.id == 30 + r for m in p.received)
                for r, p in enumerate(ranks)):
@@ -169,7 +169,7 @@ class Hanging(Reporting):
 async def test_a_failed_worlds_hung_op_is_aborted_after_a_grace() -> None:
     host, engine, world, ranks = two_rank_world(Hanging)
     for r in range(2):
-        world.submit(r, 40 + r, [(proto.Barrier(), ())])  # matched, in the engine, never done
+        world.submit(r, ranks[r], 40 + r, [(proto.Barrier(), ())])  # matched, in the engine, never done
     await asyncio.sleep(0.1)
     comm = engine.comms[-1]
     assert isinstance(comm, Hanging) and not comm.aborted.is_set()
@@ -206,8 +206,8 @@ async def test_the_engine_is_told_which_ops_came_in_one_request() -> None:
     together, and must not join them with another request's (see ncclbatch.Batcher.launch_soon)."""
     host, engine, world, ranks = two_rank_world(Recording)
     for r in range(2):
-        world.submit(r, 50 + r, [(proto.Barrier(), ()), (proto.Barrier(), ())])  # a group of two
-        world.submit(r, 60 + r, [(proto.Barrier(), ())])
+        world.submit(r, ranks[r], 50 + r, [(proto.Barrier(), ()), (proto.Barrier(), ())])  # a group of two
+        world.submit(r, ranks[r], 60 + r, [(proto.Barrier(), ())])
     for _ in range(40):
         if sum(isinstance(m, proto.Ok) for p in ranks for m in p.received) == 4:
             break
@@ -236,7 +236,7 @@ async def test_a_world_whose_nccl_init_comes_after_an_abort_and_fails_says_why()
             world.join(peer, hello(r))
         assert world.state is WorldState.READY
         for r in range(2):
-            world.submit(r, 30 + r, [(proto.Barrier(), ())])
+            world.submit(r, ranks[r], 30 + r, [(proto.Barrier(), ())])
         # (the world fails by its watchdog or by its ops, whichever comes first: both say why)
         await until(lambda: all(any(isinstance(m, proto.Error) for m in peer.received) for peer in ranks))
         assert world.state is WorldState.FAILED

@@ -78,7 +78,7 @@ class Peer:
 
 
 def barrier(world: World, rank: int, request_id: int) -> None:
-    world.submit(rank, request_id, [(proto.Barrier(), ())])
+    world.submit(rank, world.members[rank], request_id, [(proto.Barrier(), ())])  # (its connection's)
 
 
 def rebuilt_while_a_barrier_runs(world: World, peers: dict[int, Peer], why: str) -> None:
