@@ -254,11 +254,12 @@ class Cluster:
         """An authenticated link to the daemon at `address` (dialed once), or None if it is us."""
         if address in self._self_addresses:
             return None
-        pending = self._dials.get(address)
-        if pending is not None:
+        while (pending := self._dials.get(address)) is not None:
             known = await asyncio.shield(pending)
             if known is None or not known.closed:
                 return known
+            if self._dials.get(address) is pending:
+                break  # its link was lost: dial anew (others who waited on it wait on ours)
         future: asyncio.Future[PeerLink | None] = asyncio.get_running_loop().create_future()
         self._dials[address] = future
         link: PeerLink | None

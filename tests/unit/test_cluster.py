@@ -9,7 +9,7 @@ import re
 import pytest
 
 from commd.cluster import Cluster, WorldNet, parse_address
-from commd.errors import CallError
+from commd.errors import CallError, NotListening
 from commd.peering import PeerNode, PeerRefusedError
 from commd.peerlink import PeerLink, PeerSettings
 from proto import peer as p
@@ -162,6 +162,39 @@ async def test_a_cancelled_dial_does_not_hold_up_the_next_one() -> None:
     finally:
         silent.close()
         cluster.close()
+
+
+async def test_dials_waiting_on_one_whose_link_was_lost_dial_again_once() -> None:
+    """Two votes wait on a dial to B whose link is lost as it returns (B stopped), and dial
+    B again. Each started a dial of its own, and the first to fail removed the other's from
+    the dials under way: the second's failure then raised KeyError, no CallError, and its
+    vote task died (the rank was neither answered nor refused until its backstop)."""
+    b, _router, port = await listening()
+    cluster = Cluster(PeerSettings("C", SECRET, handshake_timeout_s=2))
+    real_dial, dials = cluster._node.dial, []
+
+    async def lost_as_it_returns(host: str, port: int) -> PeerLink:
+        dials.append(port)
+        link = await real_dial(host, port)
+        if len(dials) == 1:  # (the race the test cannot time: B stops as the first dial ends)
+            b.close()
+            link.close("lost")
+        return link
+
+    cluster._node.dial = lost_as_it_returns  # type: ignore[method-assign]
+    address = f"127.0.0.1:{port}"
+    try:
+        first = asyncio.ensure_future(cluster.link_to(address))
+        await asyncio.sleep(0)
+        waiting = [asyncio.ensure_future(cluster.link_to(address)) for _ in range(2)]
+        assert (await asyncio.wait_for(first, 5)).closed
+        outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 10)
+        assert [type(o) for o in outcomes] == [NotListening, NotListening], outcomes
+        assert all(re.match(f"cannot reach the daemon at {address}: ", str(o)) for o in outcomes), outcomes
+        assert len(dials) == 2, dials  # the two waiters dialed again once, together
+    finally:
+        cluster.close()
+        b.close()
 
 
 async def test_a_cancelled_resolve_tells_who_waited_on_it_why() -> None:
