@@ -72,32 +72,44 @@ def check_overlap(op: proto.Op, rank: int, world_size: int) -> None:
                                           f"into the {world_size * op.nbytes}-byte buffer")
 
 
-def check_group_overlap(group: Sequence[proto.Op]) -> None:
-    """Refuse a group whose receive lands in memory another of its point-to-point calls
-    uses: a group's calls run together, so the receive may overwrite what a send of it has
-    yet to read, or another receive (wrong data, no error; NCCL's group alike)."""
-    places: dict[int, list[tuple[int, int, int]]] = {}  # buffer -> (start, end, call index)
+def writes(op: proto.Op, rank: int) -> tuple[bool, ...]:
+    """For each of the op's `spans`, whether `rank`'s call writes it (else only reads it)."""
+    if isinstance(op, proto.AllGather | proto.ReduceScatter):
+        return (False, True)
+    if isinstance(op, proto.Broadcast):
+        return (op.root != rank,)
+    if isinstance(op, proto.Barrier):
+        return ()
+    return (isinstance(op, proto.AllReduce | proto.Recv),)
+
+
+def check_group_overlap(group: Sequence[proto.Op], rank: int, world_size: int) -> None:
+    """Refuse a group where a call writes memory another of its calls uses, unless both are
+    collectives: a group's point-to-point calls run as their peers' calls come, in no fixed
+    order with each other or with its collectives (those run in the group's order), so the
+    data would hang on which rank called last (wrong data, no error; NCCL's group alike)."""
+    places: dict[int, list[tuple[int, int, int, bool]]] = {}  # buffer -> (start, end, call, writes)
     for index, op in enumerate(group):
-        if isinstance(op, proto.Send | proto.Recv) and op.buf is not None and op.nbytes:
-            places.setdefault(op.buf.buf, []).append((op.buf.offset, op.buf.offset + op.nbytes, index))
+        for (mem, nbytes), written in zip(spans(op, world_size), writes(op, rank), strict=True):
+            if mem is not None and nbytes:
+                places.setdefault(mem.buf, []).append((mem.offset, mem.offset + nbytes, index, written))
     for spans_in_buffer in places.values():
-        # in order of start: a call overlaps an earlier one where it starts before that one
-        # ends (any earlier call's end, for a receive; an earlier receive's, for a send)
-        reach: tuple[int, int] | None = None  # (end, index): the furthest end so far
-        recv_reach: tuple[int, int] | None = None  # the same, of receives
-        for start, end, index in sorted(spans_in_buffer):
-            receives = isinstance(group[index], proto.Recv)
-            hit = reach if receives else recv_reach
-            if hit is not None and start < hit[0]:
-                recv, other = (index, hit[1]) if receives else (hit[1], index)
-                raise CallError(ErrorCode.MISUSE, f"group_end: call #{recv} of the group, "
-                                                  f"{describe(group[recv])}, receives into memory that "
-                                                  f"call #{other}, {describe(group[other])}, uses: they "
-                                                  f"run together")
-            if reach is None or end > reach[0]:
-                reach = (end, index)
-            if receives and (recv_reach is None or end > recv_reach[0]):
-                recv_reach = (end, index)
+        # in order of start: a span overlaps an earlier one where it starts before that one
+        # ends; of each kind of earlier span, (point-to-point, writes), the furthest end so far
+        reach: dict[tuple[bool, bool], tuple[int, int]] = {}  # kind -> (end, call)
+        for start, end, index, written in sorted(spans_in_buffer):
+            p2p = is_p2p(group[index])
+            for (other_p2p, other_writes), (other_end, other) in reach.items():
+                if start < other_end and (written or other_writes) and (p2p or other_p2p):
+                    writer, user = (index, other) if written else (other, index)
+                    verb = "receives into" if isinstance(group[writer], proto.Recv) else "writes"
+                    raise CallError(ErrorCode.MISUSE, f"group_end: call #{writer} of the group, "
+                                                      f"{describe(group[writer])}, {verb} memory that "
+                                                      f"call #{user}, {describe(group[user])}, uses: "
+                                                      f"they run together")
+            kind = (p2p, written)
+            if kind not in reach or end > reach[kind][0]:
+                reach[kind] = (end, index)
 
 
 def waits_forever(op: proto.Op) -> bool:

@@ -371,7 +371,7 @@ class Session:
                                           f"{ops.describe(op)}: {exc.message}") from None
             calls.append((op, regions))
         if known is None:
-            ops.check_group_overlap(msg.ops)
+            ops.check_group_overlap(msg.ops, self.rank, world.world_size)
             if type(msg) is proto.Submit:  # (only its ops come again as the same object: the codec's cache)
                 self._remember_checked(msg.ops, world.world_size)
         early = isinstance(msg, proto.StreamSubmit) and msg.early

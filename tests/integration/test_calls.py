@@ -134,6 +134,26 @@ def test_a_group_receiving_into_memory_it_sends_from_is_refused(pool: RankPool, 
         assert got == bytes([2 - rank]) * nbytes
 
 
+def test_a_group_passing_on_memory_its_collective_writes_is_refused(pool: RankPool, sock: str) -> None:
+    """A group's transfer runs when its peer's call comes, its collective when the last
+    rank's does, in no fixed order: rank 1 sending rank 0 the buffer both all_reduce, rank 0
+    receiving into it (before: no error, and what every rank held after the same calls hung on
+    which rank called last: rank 1 last, [7, ...] on rank 0 and the sum, 111, on the others;
+    rank 2 last, 117, the sum of what rank 0 had received, everywhere). Refused as a transfer's overlap with
+    another is (MisuseError: the group did not happen), the ranks go on."""
+    results = run(pool, sock, 3, workers.reduce_and_pass_in_one_group)
+    reduce, send, recv = ("all_reduce(bytes=16, dtype=i32, op=sum)", "send_to(bytes=16, peer=0)",
+                          "recv_from(bytes=16, peer=1)")
+    assert [error for error, _, _ in results] == [
+        f"MisuseError: group_end: call #1 of the group, {recv}, receives into memory that call #0, "
+        f"{reduce}, uses: they run together",
+        f"MisuseError: group_end: call #0 of the group, {reduce}, writes memory that call #1, "
+        f"{send}, uses: they run together",
+        "no error"]
+    assert [summed for _, summed, _ in results] == [[111] * 4] * 3
+    assert results[0][2] == [7] * 4
+
+
 @pytest.mark.parametrize("dtype,op", [("bf16", "sum"), ("f32", "max"), ("i64", "prod"), ("f16", "min")])
 def test_reduce_scatter_dtypes(pool: RankPool, sock: str, dtype: str, op: str) -> None:
     n, share = 4, 333

@@ -197,6 +197,39 @@ def swap_in_one_buffer(sock: str, world: str, rank: int, n: int, nbytes: int) ->
         return error, _read(theirs, 0, nbytes)
 
 
+def reduce_and_pass_in_one_group(sock: str, world: str, rank: int,
+                                 n: int) -> tuple[str, list[int], list[int]]:
+    """Three ranks, one group each: all_reduce (i32) of their buffer, rank 1 sending rank 0
+    that buffer and rank 0 receiving into its own (the error each gets; rank 2's group has
+    no transfer); then ranks 0 and 1 the same with the transfer's memory apart. What the
+    buffer and the transfer's other memory hold."""
+    with connect(sock, world, rank, n) as comm:
+        summed = _load(np.full(4, 10 ** rank, np.int32))
+        received = _load(np.full(4, 7 if rank == 1 else 0, np.int32))  # (rank 1's: what it sends)
+        error = "no error"
+        if rank < 2:
+            try:
+                comm.group_start()
+                comm.all_reduce(summed.ptr, 16, dtype="i32")
+                if rank == 0:
+                    comm.recv_from(summed.ptr, 16, 1)
+                else:
+                    comm.send_to(summed.ptr, 16, 0)
+                comm.group_end()
+            except CommError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        if rank == 2 or error != "no error":
+            comm.group_start()
+            comm.all_reduce(summed.ptr, 16, dtype="i32")
+            if rank == 0:
+                comm.recv_from(received.ptr, 16, 1)
+            elif rank == 1:
+                comm.send_to(received.ptr, 16, 0)
+            comm.group_end()
+        comm.barrier()
+        return error, summed.view(np.int32).tolist(), received.view(np.int32).tolist()
+
+
 def broadcast(sock: str, world: str, rank: int, n: int, nbytes: int, root: int, seed: int) -> bytes:
     data = make_input(seed, rank, nbytes, "u8", "sum")
     with connect(sock, world, rank, n) as comm:
