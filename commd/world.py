@@ -240,8 +240,10 @@ class World:
         self._check_member(rank, peer)
         pending, count = self.pending_ops.get(rank, 0), len(calls)
         if pending + count > self._max_pending_ops:
+            # (the request's own count said too: a group past the limit alone met "0 waiting")
             raise CallError(ErrorCode.LIMIT, f"rank {rank} has {pending} calls waiting for their "
-                                             f"match; the limit is {self._max_pending_ops}")
+                                             f"match and this request would add {count}; the "
+                                             f"limit is {self._max_pending_ops}")
         self.pending_ops[rank] = pending + count
         ticket = Ticket(peer, rank, request_id, count, self.epoch)
         self.tickets.add(ticket)

@@ -211,12 +211,19 @@ def test_registrations_and_pending_calls(tight: DaemonProcess, steady_t: Steady,
             comm.register_buffer(buf.ptr, 8)
         comm.deregister_buffer(handles[0])
         comm.register_buffer(buf.ptr, 8)  # room again
-    with _two(sock) as (a, _b):
+    with _two(sock) as (a, b):
         a.group_start()
         for _ in range(21):
             a.barrier()
-        with pytest.raises(LimitExceeded, match="limit is 20"):
+        with pytest.raises(LimitExceeded, match=r"^rank 0 has 0 calls waiting for their match and this "
+                                                r"request would add 21; the limit is 20$"):
             a.group_end()
+        b.send(proto.Submit(2, (proto.Barrier(),) * 20))
+        a.group_start()
+        for _ in range(20):
+            a.barrier()
+        a.group_end()  # (none of the refused group's is left waiting: the limit's room is whole)
+        assert isinstance(b.recv(), proto.Welcome) and b.recv() == proto.Ok(2)
     fault_report.add("a client registers buffers and queues calls past the limits: LimitExceeded",
                      float("nan"), float("nan"), steady_t.errors() - unrelated,
                      "none (room again once deregistered)")
