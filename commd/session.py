@@ -435,10 +435,10 @@ class Session:
             raise _unknown_buffer(msg.buf.buf)
         region = self._region(msg.buf, msg.nbytes)  # bounds-checked now
         handle = self._next_handle
+        if region is not None:
+            world.register(self.rank, self, handle, region)
         self._next_handle += 1
         self._registrations[handle] = msg.buf.buf
-        if region is not None:
-            world.register(self.rank, handle, region)
         self.send(proto.Ok(msg.id, value=handle))
 
     def _deregister(self, msg: proto.Deregister, fds: list[int]) -> None:
@@ -450,7 +450,7 @@ class Session:
     def _drop_registration(self, handle: int) -> None:
         del self._registrations[handle]
         if self.world is not None:
-            self.world.deregister(self.rank, handle)
+            self.world.deregister(self.rank, self, handle)
 
     def _sym_alloc(self, msg: proto.SymAlloc, fds: list[int]) -> None:
         self._member_world()
@@ -476,7 +476,7 @@ class Session:
         self.send(proto.Ok(msg.id))
 
     def _set_add_kernel(self, msg: proto.SetAddKernel, fds: list[int]) -> None:
-        self._member_world().set_add_kernel(self.rank, msg.handle)
+        self._member_world().set_add_kernel(self.rank, self, msg.handle)
         self.send(proto.Ok(msg.id))
 
     def _reconnect(self, msg: proto.Reconnect, fds: list[int]) -> None:

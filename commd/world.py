@@ -324,15 +324,21 @@ class World:
         for peer in list(self.members.values()):  # a send may close a peer and shrink members
             peer.send(event)
 
-    def set_add_kernel(self, rank: int, handle: int) -> None:
+    # (what a rank asks of the engine, by the rank's connection only: the keys of another's
+    # registrations, numbered by its own connection, would name this one's)
+
+    def set_add_kernel(self, rank: int, peer: Peer, handle: int) -> None:
+        self._check_member(rank, peer)
         self._extras.set_add_kernel(rank, handle, self._comm)
 
-    def register(self, rank: int, key: int, region: Region) -> None:
+    def register(self, rank: int, peer: Peer, key: int, region: Region) -> None:
         """register_buffer: the engine may prepare the memory (NCCL registers it)."""
+        self._check_member(rank, peer)
         self._extras.register(rank, key, region, self._comm)
 
-    def deregister(self, rank: int, key: int) -> None:
-        self._extras.deregister(rank, key, self._comm)
+    def deregister(self, rank: int, peer: Peer, key: int) -> None:
+        if self.members.get(rank) is peer:  # (another's registration was never the world's)
+            self._extras.deregister(rank, key, self._comm)
 
     def leave(self, rank: int, peer: Peer) -> None:
         """A rank's connection is gone (closed, killed, or refused)."""

@@ -1300,7 +1300,8 @@ def test_a_rank_placed_on_another_daemon_cannot_call_as_the_connection_that_took
     and a new process takes rank 1 on B again (epoch 3). The refused connection's calls must
     be refused: rank 1 is the new connection's. Before: B took them as rank 1's calls and
     answered them on the new connection, which never made them (its world's failure there
-    gave it an error for a request id it never used), and the refused one heard nothing."""
+    gave it an error for a request id it never used), and the refused one heard nothing;
+    its set_add_kernel was taken as rank 1's too."""
     b = pair[1]
     world, root = world_name(), RawPeer("R")
     ranks: list[RawClient] = []
@@ -1345,7 +1346,11 @@ def test_a_rank_placed_on_another_daemon_cannot_call_as_the_connection_that_took
         refused = r1.error()
         assert refused.id == 7 and refused.code is ErrorCode.DUPLICATE_RANK, refused
         assert "not this connection's" in refused.message, refused
-        assert (world_status(b, world) or {}).get("pending_calls") == 0
+        r1.send(proto.SetAddKernel(8, 77))  # (nor may it choose how the rank's sums run)
+        refused = r1.error()
+        assert refused.id == 8 and refused.code is ErrorCode.DUPLICATE_RANK, refused
+        status = world_status(b, world) or {}
+        assert (status.get("pending_calls"), status.get("add_kernel")) == (0, {}), status
         root.send(link, p.WorldFailed(world, 3, ErrorCode.WORLD_FAILED, "R's rank 0 was lost"))
         for client in (new1, r2):  # each hears of the failure, and of no call it did not make
             event = client.recv()
