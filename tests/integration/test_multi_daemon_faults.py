@@ -1191,6 +1191,53 @@ def test_a_world_ready_a_member_cannot_take_is_answered_with_its_failure(pair: l
 
 
 
+class _MovedAway:
+    """A 3-rank world: rank 0 on a raw root R; ranks 1 and 2 on B, each a RawClient (`r1`,
+    `r2`). Both vote to rebuild, and R forms epoch 2 with rank 1 on daemon X: B's rank 1
+    is refused, rank 2 goes on. `hello` says hello on B for a rank as they did."""
+
+    def __init__(self, b: DaemonProcess, world: str, root: RawPeer, clients: list[RawClient]) -> None:
+        self.b, self.world, self.root, self.clients = b, world, root, clients
+        self.address = root.listen()
+        self.r1, self.r2 = self.client(), self.client()
+        self.hello(self.r1, 1)
+        self.hello(self.r2, 2)
+        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
+        (self.link,) = root.accepted
+        root.send(self.link, p.WorldReady(world, 1, ("R", "B", "B")))
+        assert isinstance(self.r1.recv(), proto.Welcome) and isinstance(self.r2.recv(), proto.Welcome)
+        self.r1.send(proto.Reconnect(2))
+        for client in (self.r1, self.r2):
+            failed = client.recv()  # (rank 1's vote fails epoch 1)
+            assert isinstance(failed, proto.Event) and failed.epoch == 1, failed
+        self.r2.send(proto.Reconnect(2))
+        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
+                   timeout=10)
+        root.send(self.link, p.WorldReady(world, 2, ("R", "X", "B")))
+        lost = self.r1.error()
+        assert lost.code is ErrorCode.DUPLICATE_RANK and "is on daemon X" in lost.message, lost
+        assert self.r2.recv() == proto.Ok(2, value=2)
+
+    def client(self) -> RawClient:
+        self.clients.append(RawClient(str(self.b.socket_path), 10))
+        return self.clients[-1]
+
+    def hello(self, client: RawClient, rank: int) -> None:
+        client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), self.world, rank, 3, 8000,
+                                bootstrap=self.address))
+
+
+@contextlib.contextmanager
+def moved_away(b: DaemonProcess) -> Iterator[_MovedAway]:
+    root, clients = RawPeer("R"), []
+    try:
+        yield _MovedAway(b, world_name(), root, clients)
+    finally:
+        for client in clients:
+            client.close()
+        root.close()
+
+
 def test_a_rank_whose_rebuild_placed_it_on_another_daemon_no_longer_fails_the_world(
         pair: list[DaemonProcess]) -> None:
     """Ranks 1 and 2 of a 3-rank world are on B, rank 0 on a raw root R. Both vote to rebuild;
@@ -1200,32 +1247,9 @@ def test_a_rank_whose_rebuild_placed_it_on_another_daemon_no_longer_fails_the_wo
     healthy epoch 2 ("rank 1's connection was lost"), on B and, through R, everywhere; its
     calls and votes were taken too."""
     b = pair[1]
-    world, root = world_name(), RawPeer("R")
-    ranks: list[RawClient] = []
-    try:
-        address = root.listen()
+    with moved_away(b) as moved:
+        world, r1, r2, root = moved.world, moved.r1, moved.r2, moved.root
         sock = str(b.socket_path)
-        ranks += [RawClient(sock, 10), RawClient(sock, 10)]
-        r1, r2 = ranks
-        for client, rank in ((r1, 1), (r2, 2)):
-            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, 8000,
-                                    bootstrap=address))
-        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
-        (link,) = root.accepted
-        root.send(link, p.WorldReady(world, 1, ("R", "B", "B")))
-        assert isinstance(r1.recv(), proto.Welcome) and isinstance(r2.recv(), proto.Welcome)
-        r1.send(proto.Reconnect(2))
-        for client in (r1, r2):
-            failed = client.recv()  # (rank 1's vote fails epoch 1)
-            assert isinstance(failed, proto.Event) and failed.epoch == 1, failed
-        r2.send(proto.Reconnect(2))
-        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
-                   timeout=10)
-        root.send(link, p.WorldReady(world, 2, ("R", "X", "B")))
-        lost = r1.recv()
-        assert isinstance(lost, proto.Error) and lost.code is ErrorCode.DUPLICATE_RANK, lost
-        assert "is on daemon X" in lost.message
-        assert r2.recv() == proto.Ok(2, value=2)
         assert (world_status(b, world) or {}).get("ranks") == [2]
         # what the process that lost rank 1 may still send is refused, and fails nothing
         for request in (proto.Submit(3, (proto.Barrier(),)), proto.Reconnect(4)):
@@ -1240,10 +1264,6 @@ def test_a_rank_whose_rebuild_placed_it_on_another_daemon_no_longer_fails_the_wo
         r2.sock.settimeout(0.3)
         with pytest.raises(TimeoutError):  # rank 2 heard of no failure
             r2.recv()
-    finally:
-        for client in ranks:
-            client.close()
-        root.close()
 
 
 def test_a_rank_placed_on_another_daemon_cannot_vote_once_its_old_world_ended_there(
@@ -1255,31 +1275,9 @@ def test_a_rank_placed_on_another_daemon_cannot_vote_once_its_old_world_ended_th
     went to R from a world B no longer knew; R's WorldReady was answered 'ranks ... left
     before it formed', failing the world, and the rank waited out its timeout."""
     b = pair[1]
-    world, root = world_name(), RawPeer("R")
-    ranks: list[RawClient] = []
-    try:
-        address = root.listen()
-        sock = str(b.socket_path)
-        ranks += [RawClient(sock, 10), RawClient(sock, 10)]
-        r1, r2 = ranks
-        for client, rank in ((r1, 1), (r2, 2)):
-            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, 8000,
-                                    bootstrap=address))
-        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
-        (link,) = root.accepted
-        root.send(link, p.WorldReady(world, 1, ("R", "B", "B")))
-        assert isinstance(r1.recv(), proto.Welcome) and isinstance(r2.recv(), proto.Welcome)
-        r1.send(proto.Reconnect(2))
-        for client in (r1, r2):
-            assert isinstance(client.recv(), proto.Event)  # (rank 1's vote fails epoch 1)
-        r2.send(proto.Reconnect(2))
-        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
-                   timeout=10)
-        root.send(link, p.WorldReady(world, 2, ("R", "X", "B")))
-        lost = r1.error()
-        assert lost.code is ErrorCode.DUPLICATE_RANK and "is on daemon X" in lost.message, lost
-        assert r2.recv() == proto.Ok(2, value=2)
-        r2.close()  # B's last rank of the world leaves: B forgets it
+    with moved_away(b) as moved:
+        world, r1, root = moved.world, moved.r1, moved.root
+        moved.r2.close()  # B's last rank of the world leaves: B forgets it
         wait_until(lambda: world_status(b, world) is None, timeout=10)
         r1.sock.settimeout(3)
         r1.send(proto.Reconnect(3))
@@ -1288,10 +1286,6 @@ def test_a_rank_placed_on_another_daemon_cannot_vote_once_its_old_world_ended_th
         assert "is on daemon X" in refused.message, refused
         assert world_status(b, world) is None  # no world made anew for it on B
         assert not root.got(p.JoinWorld, rank=1, epoch=2)  # and no vote reached the root
-    finally:
-        for client in ranks:
-            client.close()
-        root.close()
 
 
 def test_a_rank_placed_on_another_daemon_cannot_call_as_the_connection_that_took_it_back(
@@ -1303,39 +1297,12 @@ def test_a_rank_placed_on_another_daemon_cannot_call_as_the_connection_that_took
     gave it an error for a request id it never used), and the refused one heard nothing;
     its set_add_kernel was taken as rank 1's too."""
     b = pair[1]
-    world, root = world_name(), RawPeer("R")
-    ranks: list[RawClient] = []
-    try:
-        address = root.listen()
-        sock = str(b.socket_path)
-
-        def hello(client: RawClient, rank: int) -> None:
-            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 3, 8000,
-                                    bootstrap=address))
-
-        ranks += [RawClient(sock, 10), RawClient(sock, 10)]
-        r1, r2 = ranks
-        hello(r1, 1)
-        hello(r2, 2)
-        wait_until(lambda: root.got(p.JoinWorld, rank=1) and root.got(p.JoinWorld, rank=2), timeout=10)
-        (link,) = root.accepted
-        root.send(link, p.WorldReady(world, 1, ("R", "B", "B")))
-        assert isinstance(r1.recv(), proto.Welcome) and isinstance(r2.recv(), proto.Welcome)
-        r1.send(proto.Reconnect(2))
-        for client in (r1, r2):
-            assert isinstance(client.recv(), proto.Event)  # (rank 1's vote fails epoch 1)
-        r2.send(proto.Reconnect(2))
-        wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=1) and root.got(p.JoinWorld, rank=2, epoch=1),
-                   timeout=10)
-        root.send(link, p.WorldReady(world, 2, ("R", "X", "B")))
-        lost = r1.error()
-        assert lost.code is ErrorCode.DUPLICATE_RANK and "is on daemon X" in lost.message, lost
-        assert r2.recv() == proto.Ok(2, value=2)
+    with moved_away(b) as moved:
+        world, r1, r2, root, link = moved.world, moved.r1, moved.r2, moved.root, moved.link
         root.send(link, p.WorldFailed(world, 2, ErrorCode.WORLD_FAILED, "X was lost"))
         assert isinstance(r2.recv(), proto.Event)
-        ranks.append(RawClient(sock, 10))
-        new1 = ranks[-1]
-        hello(new1, 1)  # rank 1 comes back to B
+        new1 = moved.client()
+        moved.hello(new1, 1)  # rank 1 comes back to B
         r2.send(proto.Reconnect(3))
         wait_until(lambda: root.got(p.JoinWorld, rank=1, epoch=2) and root.got(p.JoinWorld, rank=2, epoch=2),
                    timeout=10)
@@ -1358,10 +1325,6 @@ def test_a_rank_placed_on_another_daemon_cannot_call_as_the_connection_that_took
             client.sock.settimeout(0.3)
             with pytest.raises(TimeoutError):
                 client.recv()
-    finally:
-        for client in ranks:
-            client.close()
-        root.close()
 
 
 def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[DaemonProcess]) -> None:
