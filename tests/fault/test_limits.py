@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -60,17 +60,25 @@ def steady_t(tight: DaemonProcess) -> Iterator[Steady]:
         yield running
 
 
-def connect_once_there_is_room(sock: str) -> None:
-    """A 1-rank world's barrier, retried while the connection limit is still reached."""
-    deadline = time.monotonic() + 10
+def once_room(call: Callable[[], object], timeout: float = 10) -> None:
+    """`call`, again while the daemon refuses it as LimitExceeded, until `timeout`."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
-            with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
-                comm.barrier()
+            call()
             return
         except LimitExceeded:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, "still refused as LimitExceeded"
             time.sleep(0.05)
+
+
+def connect_once_there_is_room(sock: str) -> None:
+    """A 1-rank world's barrier, retried while the connection limit is still reached."""
+    def barrier() -> None:
+        with DaemonBackend(sock, world_name(), 0, 1, timeout=5) as comm:
+            comm.barrier()
+
+    once_room(barrier)
 
 
 def test_connections(tight: DaemonProcess, steady_t: Steady, fault_report: FaultReport) -> None:
@@ -411,14 +419,8 @@ def test_a_daemon_out_of_fds_refuses_imports_as_a_limit_and_serves_on_once_some_
                 buf.close()
             fresh = hostmem.alloc(4096)
             fresh.view(np.uint8)[:8] = 7
-            deadline = time.monotonic() + 10
-            while True:  # (the daemon unmaps the closed ones in its own time)
-                try:
-                    comm.all_reduce(fresh.ptr, 8, dtype="u8")
-                    break
-                except LimitExceeded:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
+            # (the daemon unmaps the closed ones in its own time)
+            once_room(lambda: comm.all_reduce(fresh.ptr, 8, dtype="u8"))
             assert fresh.view(np.uint8)[:8].tolist() == [7] * 8 and comm.is_healthy()
     finally:
         daemon.kill()
@@ -451,14 +453,8 @@ def test_a_daemon_at_its_memory_limit_refuses_any_connections_import_until_anoth
             b.all_reduce(held[2].ptr, 8, dtype="i32")  # (b goes on, on what it holds)
             assert held[2].view(np.int32)[:2].tolist() == [3, -3] and b.is_healthy()
             held.pop(0).close()  # world a's: the daemon hears of it and unmaps it
-            deadline = time.monotonic() + 10
-            while True:  # (the unmap comes back to the daemon's loop in its own time)
-                try:
-                    b.all_reduce(late.ptr, 8, dtype="i32")
-                    break
-                except LimitExceeded:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
+            # (the unmap comes back to the daemon's loop in its own time)
+            once_room(lambda: b.all_reduce(late.ptr, 8, dtype="i32"))
             assert late.view(np.int32)[:2].tolist() == [7, -7] and a.is_healthy() and b.is_healthy()
         assert daemon.stop() == 0
     finally:
