@@ -605,11 +605,15 @@ def threads_share_a_backend(sock: str, world: str, rank: int, n: int, rounds: in
 
 
 def timed_barrier(sock: str, world: str, rank: int, n: int, idle_s: float) -> tuple[str, float, bool]:
-    """Rank 0 waits in a barrier (how it ends, and when: wall-clock time); the others idle,
-    then report health."""
+    """Rank 0 waits in a barrier (how it ends, and when: wall-clock time); the others idle
+    until their world failed, `idle_s` at most, then report health."""
     with connect(sock, world, rank, n) as comm:
         if rank != 0:
-            time.sleep(idle_s)
+            # (a failed world stays failed until attempt_reconnect: once unhealthy, what
+            # is_healthy would say at `idle_s` is known)
+            leave_by = time.monotonic() + idle_s
+            while comm.is_healthy() and time.monotonic() < leave_by:
+                time.sleep(0.02)
             return "idle", time.time(), comm.is_healthy()
         try:
             comm.barrier()
