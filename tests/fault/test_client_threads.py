@@ -23,6 +23,10 @@ from tests.fault.ranks import joined, met_the_failure, on_both, own_daemon, rest
 from tests.integration.harness import wait_until, world_name, world_status
 
 pytestmark = pytest.mark.timeout(60)
+# A held thread goes on once the other threads' step it is held across has run (the test
+# sets an event), not after a fixed time; should that step ever wait on the held thread,
+# the hold still ends after this long, the longest of the fixed holds these tests had.
+HELD_S = 2.0
 
 
 @pytest.fixture
@@ -125,15 +129,17 @@ def test_a_failure_read_from_the_replaced_connection_does_not_mark_the_rebuilt_w
         restart_daemon(daemon, comms)
         mark = comms[0]._conn.mark_unhealthy
         monitor = threading.Thread(target=comms[0].is_healthy)
+        rejoined = threading.Event()
 
         def late_mark(*args: Any, **kwargs: Any) -> int:
             if threading.current_thread() is monitor:
-                time.sleep(1.0)  # the reconnect below runs meanwhile
+                rejoined.wait(HELD_S)  # the reconnect below runs meanwhile
             return mark(*args, **kwargs)
 
         monkeypatch.setattr(comms[0]._conn, "mark_unhealthy", late_mark)
         monitor.start()
         on_both(lambda r: comms[r].attempt_reconnect())
+        rejoined.set()
         monitor.join(10)
         assert all(comm.is_healthy() for comm in comms)
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
@@ -360,12 +366,12 @@ def test_is_healthy_reading_the_old_connection_during_a_rejoin_returns(
         daemon.start()
         met_the_failure(comms[1])
         read_one = old._read_one
-        reading = threading.Event()
+        reading, rejoined = threading.Event(), threading.Event()
 
         def held_read_one(deadline: float | None) -> Any:
             if threading.current_thread().name == "monitor":
                 reading.set()
-                time.sleep(1.0)  # the rejoin runs here
+                rejoined.wait(HELD_S)  # the rejoin runs here
             return read_one(deadline)
 
         monkeypatch.setattr(old, "_read_one", held_read_one)
@@ -375,6 +381,7 @@ def test_is_healthy_reading_the_old_connection_during_a_rejoin_returns(
         monitor.start()
         assert reading.wait(5)
         on_both(lambda r: comms[r].attempt_reconnect())
+        rejoined.set()
         monitor.join(5)
         assert not monitor.is_alive() and len(result) == 1
         assert summed(comms, bufs) == [[3, 30], [3, 30]]
@@ -391,12 +398,12 @@ def test_close_ends_a_recv_command_whose_reader_was_between_two_reads(
         buf = hostmem.alloc(8)
         transport = comms[0]._conn.transport
         read_one = transport._read_one
-        armed, held = threading.Event(), threading.Event()
+        armed, held, reopened = threading.Event(), threading.Event(), threading.Event()
 
         def held_read_one(deadline: float | None) -> Any:
             if threading.current_thread().name == "waiting" and armed.is_set() and not held.is_set():
                 held.set()
-                time.sleep(1.0)  # close() and the new backend run here
+                reopened.wait(HELD_S)  # close() and the new backend run here
             return read_one(deadline)
 
         monkeypatch.setattr(transport, "_read_one", held_read_one)
@@ -417,6 +424,7 @@ def test_close_ends_a_recv_command_whose_reader_was_between_two_reads(
         assert held.wait(5)
         comms[0].close()
         with DaemonBackend(str(daemon.socket_path), world_name(), 0, 1, timeout=3):
+            reopened.set()
             waiting.join(5)
             assert not waiting.is_alive()
             assert len(outcome) == 1 and isinstance(outcome[0], CommError), outcome
@@ -435,12 +443,12 @@ def test_a_shutdown_event_read_before_a_rejoin_does_not_mark_the_rebuilt_world(
         daemon.stop()
         daemon.start()
         mark = comms[0]._conn.mark_unhealthy
-        holding = threading.Event()
+        holding, rejoined = threading.Event(), threading.Event()
 
         def late_mark(why: CommError, *args: Any, **kwargs: Any) -> int:
             if threading.current_thread().name == "monitor" and isinstance(why, DaemonShutdown):
                 holding.set()
-                time.sleep(1.5)  # both ranks rejoin meanwhile
+                rejoined.wait(HELD_S)  # both ranks rejoin meanwhile
             return mark(why, *args, **kwargs)
 
         monkeypatch.setattr(comms[0]._conn, "mark_unhealthy", late_mark)
@@ -449,6 +457,7 @@ def test_a_shutdown_event_read_before_a_rejoin_does_not_mark_the_rebuilt_world(
         assert holding.wait(5)
         met_the_failure(comms[1])
         on_both(lambda r: comms[r].attempt_reconnect())
+        rejoined.set()
         monitor.join(10)
         healthy = [comm.is_healthy() for comm in comms]
         assert healthy == [True, True]
@@ -464,13 +473,13 @@ def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
     with joined(daemon, timeout=3) as comms:
         bufs = [hostmem.alloc(8) for _ in range(2)]
         request = comms[0]._conn.request
-        answered = threading.Event()
+        answered, rejoined = threading.Event(), threading.Event()
 
         def held_request(*args: Any, **kwargs: Any) -> Any:
             answer = request(*args, **kwargs)
             if threading.current_thread().name.startswith("setting"):
                 answered.set()
-                time.sleep(2.0)
+                rejoined.wait(HELD_S)  # the restart and the rejoin run here
             return answer
 
         monkeypatch.setattr(comms[0]._conn, "request", held_request)
@@ -479,6 +488,7 @@ def test_an_add_kernel_set_while_another_thread_rejoins_reaches_the_new_daemon(
             assert answered.wait(5)
             restart_daemon(daemon, comms)
             on_both(lambda r: comms[r].attempt_reconnect())
+            rejoined.set()
             done.result(10)  # returned without error
         status = world_status(daemon, comms[0]._world) or {}
         assert status.get("add_kernel") == {"0": 7}
@@ -496,7 +506,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
         bufs = [hostmem.alloc(8) for _ in range(2)]
         restart_daemon(daemon, comms)
         tell = comms[0]._add_kernel.tell_at
-        failed = threading.Event()
+        failed, rejoined = threading.Event(), threading.Event()
 
         def held(handle: int, link: int, due: float) -> None:
             try:
@@ -504,7 +514,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
             except CommError:
                 if threading.current_thread().name == "setting":
                     failed.set()
-                    time.sleep(2.0)  # the rejoin runs here
+                    rejoined.wait(HELD_S)  # the rejoin runs here
                 raise
 
         monkeypatch.setattr(comms[0]._add_kernel, "tell_at", held)
@@ -521,6 +531,7 @@ def test_a_failed_set_add_kernel_agrees_with_the_daemon(daemon: DaemonProcess,
         t.start()
         assert failed.wait(5)
         on_both(lambda r: comms[r].attempt_reconnect())
+        rejoined.set()
         t.join(10)
         daemon_has = (world_status(daemon, comms[0]._world) or {}).get("add_kernel")
         assert outcome == ["ok"]
