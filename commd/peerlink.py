@@ -31,7 +31,7 @@ log = logging.getLogger("commd.peering")  # (one logger for everything between d
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
     name: str  # this daemon's name in the cluster
-    secret: bytes
+    secret: bytes = field(repr=False)  # never printed (as ServerConfig.peer_secret)
     heartbeat_s: float = 0.5
     window_s: float = 3.0
     # A daemon silent this long in a handshake is as lost as one silent on a link (None:

@@ -199,6 +199,17 @@ def test_public_view_hides_the_secret() -> None:
     assert view["socket"] == "/run/commd/commd.sock" and view["peer_heartbeat"] == 0.5
 
 
+def test_neither_config_shows_the_secret_when_printed() -> None:
+    """ServerConfig hid it; the PeerSettings made from it printed it (in a traceback's
+    locals, a debug line, an exception's repr)."""
+    from commd.peerlink import PeerSettings
+
+    secret = b"0123456789abcdef"
+    config = ServerConfig(Path("/run/a.sock"), peer_listen=("0.0.0.0", 7420), peer_secret=secret)
+    for printed in (repr(config), repr(PeerSettings("node1:7420", secret))):
+        assert "0123456789abcdef" not in printed and "secret=" not in printed, printed
+
+
 def test_default_peer_name_is_stable_and_unique_per_daemon() -> None:
     """A daemon without a fixed peer port is named by its socket: the same after a
     restart (the root then ends the old process's links at once), another for another
