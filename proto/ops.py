@@ -97,7 +97,10 @@ class Barrier:
 
 
 @dataclass(frozen=True, slots=True)
-class Send:
+class _PointToPoint:
+    """A send's or a receive's fields and checks (the two differ only in direction; a Send
+    never equals a Recv: a dataclass compares its class too)."""
+
     buf: Mem | None
     nbytes: int
     peer: int
@@ -110,16 +113,13 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True)
-class Recv:
-    buf: Mem | None
-    nbytes: int
-    peer: int
-    stream: int = 0
+class Send(_PointToPoint):
+    pass
 
-    def __post_init__(self) -> None:
-        _sized("buf", self.buf, self.nbytes)
-        check_rank("peer", self.peer)
-        check_u64("stream", self.stream)
+
+@dataclass(frozen=True, slots=True)
+class Recv(_PointToPoint):
+    pass
 
 
 Op = AllReduce | AllGather | ReduceScatter | Broadcast | Barrier | Send | Recv
