@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,32 +69,35 @@ class DaemonContext:
 
 
 def _fitting_report(request_id: int, info: dict[str, Any]) -> proto.StatusReport:
-    """The report, cut until the packet fits: first each rank's recent calls (to the newest
-    one, then none), then the names of the linked daemons (`links_total` keeps the count),
-    then the world list (`worlds_total` keeps the count). So a world asked for by name is
-    there, whatever its size: its state matters more than its history, or than which
-    daemons are linked (a root linked to a few hundred daemons of long names, or a few
-    thousand of short ones, fills a packet with their names alone)."""
+    """The report, cut until the packet fits (see _cuts)."""
+    total = len(info.get("worlds", []))
+    for cut, worlds in _cuts(info):
+        report = _report(request_id, cut, worlds, total)
+        if report is not None:
+            return report
+    raise proto.InvalidMessage("the daemon's status does not fit a report even without its worlds")
+
+
+def _cuts(info: dict[str, Any]) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    """The report's info and worlds, cut more at each step: first each rank's recent calls
+    (to the newest one, then none), then the names of the linked daemons (`links_total`
+    keeps the count), then the world list (`worlds_total` keeps the count). So a world
+    asked for by name is there, whatever its size: its state matters more than its history,
+    or than which daemons are linked (a root linked to a few hundred daemons of long names,
+    or a few thousand of short ones, fills a packet with their names alone)."""
     worlds = list(info.get("worlds", []))
     for calls in (None, 1, 0):  # of the flight recorder's, per rank (None: all it sent)
         shown = worlds if calls is None else [_newest_calls(w, calls) for w in worlds]
-        report = _report(request_id, info, shown, len(worlds))
-        if report is not None:
-            return report
+        yield info, shown
     peers: dict[str, Any] = info.get("peers") or {}
     links = every = list(peers.get("links", []))
     while links:
         links = links[:len(links) // 2]
         info = {**info, "peers": {**peers, "links": links, "links_total": len(every)}}
-        report = _report(request_id, info, shown, len(worlds))
-        if report is not None:
-            return report
+        yield info, shown
     while shown:
         shown = shown[:len(shown) // 2]
-        report = _report(request_id, info, shown, len(worlds))
-        if report is not None:
-            return report
-    raise proto.InvalidMessage("the daemon's status does not fit a report even without its worlds")
+        yield info, shown
 
 
 def _report(request_id: int, info: dict[str, Any], worlds: list[Any],
