@@ -26,6 +26,9 @@ log = logging.getLogger("commd.systemd")
 LISTEN_FDS_START = 3
 _LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 STATUS_INTERVAL_S = 2.0  # STATUS= is for humans reading `systemctl status`: seconds are fine
+# A busy loop (a large status report, a world of thousands of ranks forming) can go a few
+# hundred milliseconds between pings; a shorter watchdog would restart a healthy daemon.
+MIN_WATCHDOG_USEC = 1_000_000
 
 
 class Notifier:
@@ -78,6 +81,10 @@ def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
         raise ConfigError(f"WATCHDOG_USEC={usec!r} / WATCHDOG_PID={owner!r}: not integers") from None
     if value <= 0:
         return None
+    if value < MIN_WATCHDOG_USEC:
+        raise ConfigError(f"WATCHDOG_USEC={value}: the unit's WatchdogSec= is shorter than the "
+                          f"{MIN_WATCHDOG_USEC // 1_000_000} s commd needs between pings of a busy "
+                          "daemon; set WatchdogSec= to at least 1s (deploy/commd.service has 30s)")
     return value / 2e6
 
 
