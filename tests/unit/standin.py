@@ -106,6 +106,18 @@ class RecordingDaemon:
             except OSError:
                 return  # (the client hung up)
 
+    def answer_the_first_submit(self, reply: Callable[[proto.Submit], Packets]) -> None:
+        """Answer the first call with `reply`'s packets in the daemon's place; the rest as usual."""
+        answered: list[int] = []
+
+        def answer(msg: proto.Message) -> Packets | None:
+            if isinstance(msg, proto.Submit) and not answered:
+                answered.append(msg.id)
+                return reply(msg)
+            return None
+
+        self.answer = answer
+
     def drop(self) -> None:
         self.conns[-1].shutdown(socket.SHUT_RDWR)
 

@@ -429,16 +429,12 @@ def test_a_failure_event_of_an_epoch_the_world_never_reached_is_repaired_by_a_re
     'world is not healthy' for good (observed: 3 rounds, epochs 2, 3, 4). Now a rebuild
     drops it: the world is healthy at the epoch the daemon rebuilt it at."""
     fake, path = standin
-    told: list[int] = []
 
-    def answer(msg: proto.Message) -> Packets | None:
-        if isinstance(msg, proto.Submit) and not told:
-            told.append(msg.id)
-            event = proto.Event(proto.EventKind.WORLD_FAILED, proto.ErrorCode.PEER_LOST, "lost", named)
-            return [(proto.encode(event), []), (proto.encode(proto.Ok(msg.id)), [])]
-        return None
+    def first_answer(msg: proto.Submit) -> Packets:
+        event = proto.Event(proto.EventKind.WORLD_FAILED, proto.ErrorCode.PEER_LOST, "lost", named)
+        return [(proto.encode(event), []), (proto.encode(proto.Ok(msg.id)), [])]
 
-    fake.answer = answer
+    fake.answer_the_first_submit(first_answer)
     memory = HostMemory()
     buf = memory.alloc(64)
     with lone_rank(path, memory) as comm:
@@ -502,15 +498,7 @@ def test_an_empty_packet_is_a_protocol_error_not_a_hang_up(
     is a ProtocolError naming the empty packet; a real hang-up is still DaemonUnavailable.
     Either way the call fails at once, and attempt_reconnect rejoins."""
     fake, path = standin
-    answered: list[int] = []
-
-    def answer(msg: proto.Message) -> Packets | None:
-        if isinstance(msg, proto.Submit) and not answered:
-            answered.append(msg.id)
-            return first_answer(fake, msg)
-        return None
-
-    fake.answer = answer
+    fake.answer_the_first_submit(lambda msg: first_answer(fake, msg))
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
@@ -564,15 +552,11 @@ def test_a_refusal_with_an_unknown_code_or_a_long_message_fails_the_call_not_the
     to 4096 characters with a marker; the next call goes on the same connection."""
     fake, path = standin
     code, message, error, carried, starts = REFUSALS[case]
-    refused: list[int] = []
 
-    def answer(msg: proto.Message) -> Packets | None:
-        if isinstance(msg, proto.Submit) and not refused:
-            refused.append(msg.id)
-            return [(raw_error(msg.id, code, message), [])]
-        return None
+    def first_answer(msg: proto.Submit) -> Packets:
+        return [(raw_error(msg.id, code, message), [])]
 
-    fake.answer = answer
+    fake.answer_the_first_submit(first_answer)
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
@@ -748,16 +732,12 @@ def test_a_shutdown_event_with_an_unknown_code_is_the_daemon_stopping(
     stopping. Now the call it came during raises DaemonShutdown carrying the code's string
     and the daemon's text, and attempt_reconnect rejoins once the daemon is back."""
     fake, path = standin
-    told: list[int] = []
 
-    def answer(msg: proto.Message) -> Packets | None:
-        if isinstance(msg, proto.Submit) and not told:
-            told.append(msg.id)
-            fake.last_word(raw_event("shutdown", "draining", "the node is draining", 0))
-            return []
-        return None
+    def first_answer(msg: proto.Submit) -> Packets:
+        fake.last_word(raw_event("shutdown", "draining", "the node is draining", 0))
+        return []
 
-    fake.answer = answer
+    fake.answer_the_first_submit(first_answer)
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
@@ -847,16 +827,12 @@ def test_an_error_that_answers_no_request_says_the_daemon_closed_the_connection(
     code's string in .code; attempt_reconnect rejoins."""
     fake, path = standin
     code, error, carried, said = PARTINGS[case]
-    refused: list[int] = []
 
-    def answer(msg: proto.Message) -> Packets | None:
-        if isinstance(msg, proto.Submit) and not refused:
-            refused.append(msg.id)
-            fake.last_word(raw_error(0, code, "rank 0 was evicted"))
-            return []
-        return None
+    def first_answer(msg: proto.Submit) -> Packets:
+        fake.last_word(raw_error(0, code, "rank 0 was evicted"))
+        return []
 
-    fake.answer = answer
+    fake.answer_the_first_submit(first_answer)
     memory = HostMemory()
     buf = memory.alloc(64)
     before = open_fds()
