@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import proto
 from client.errors import CommError, ProtocolError
 
+from . import build_line
 from .config import (
     DEFAULT_SOCKET,
     ENGINES,
@@ -104,6 +105,8 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="commd", description=__doc__)
+    # (an operator checks before an upgrade which protocols a build speaks: README "Upgrading")
+    parser.add_argument("--version", action="version", version=build_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
     # Every flag defaults to None ("not given"), so the config file and COMMD_* variables

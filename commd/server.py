@@ -23,7 +23,7 @@ from typing import Any
 import proto
 from proto import ErrorCode
 
-from . import __version__
+from . import __version__, build_line
 from .channel import FdCloser, Lingering, PacketChannel, linger_close
 from .cluster import Cluster
 from .config import ServerConfig, utf8_text
@@ -165,8 +165,8 @@ class Server:
                             self.config.socket_path)
         self._listener.setblocking(False)
         asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
-        log.info("listening on %s (engine %s%s)", self.config.socket_path, self.engine.describe(),
-                 "" if inherited is None else ", socket inherited: socket activation")
+        log.info("%s listening on %s (engine %s%s)", build_line(), self.config.socket_path,
+                 self.engine.describe(), "" if inherited is None else ", socket inherited: socket activation")
 
     def _accept(self) -> None:
         assert self._listener is not None

@@ -1,4 +1,5 @@
-"""The command line's answers to bad arguments: a clear error and exit 2, before any work."""
+"""The command line's answers to bad arguments (a clear error and exit 2, before any work),
+to --version and to Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+import proto
+from commd import __version__ as commd_version
+from proto.peer import PEER_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,6 +49,14 @@ def test_bad_arguments_are_a_clear_error_and_exit_2(tmp_path: Path, argv: tuple[
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not list(tmp_path.iterdir())  # nothing was run, nothing written
+
+
+def test_version_names_the_build_and_both_protocols(tmp_path: Path) -> None:
+    # (there was no --version: which protocols a build speaks was in the source only)
+    done = commd("--version", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (f"commd {commd_version} (worker protocol {proto.PROTOCOL_VERSION}, "
+                           f"peer protocol {PEER_VERSION})\n")
 
 
 def test_ctrl_c_on_a_status_that_waits_for_a_mute_daemon_says_so_in_one_line(tmp_path: Path) -> None:
