@@ -17,10 +17,12 @@ def query_status(socket_path: str, timeout: float, world: str | None = None) -> 
     def ignore(event: proto.Event, transport: Transport) -> None:
         pass
 
-    transport = Transport(socket_path, timeout, ignore)
+    # One deadline for the connect and the answer: a daemon whose backlog is full (its loop
+    # stalled) took up to `timeout` to connect, and the answer had a whole `timeout` after
+    deadline = time.monotonic() + timeout
+    transport = Transport(socket_path, timeout, ignore, deadline)
     try:
-        reply, _ = transport.request(proto.StatusQuery(transport.next_id(), world),
-                                     time.monotonic() + timeout)
+        reply, _ = transport.request(proto.StatusQuery(transport.next_id(), world), deadline)
     except CommTimeout:  # (the transport's words name no daemon: a probe's log must)
         raise CommTimeout(f"the daemon at {socket_path} did not answer within {timeout:g}s") from None
     finally:

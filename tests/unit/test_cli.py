@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,3 +84,34 @@ def test_ctrl_c_on_a_status_that_waits_for_a_mute_daemon_says_so_in_one_line(tmp
                 proc.kill()
                 proc.wait(10)
     assert (proc.returncode, out, err) == (130, "", "commd: interrupted\n")
+
+
+def test_a_status_probe_has_one_deadline_for_connecting_and_the_answer(tmp_path: Path) -> None:
+    """A daemon whose listen backlog is full (its loop stalled) takes the probe's connect
+    late, then never answers: `commd status --timeout 1` gave up after 1.8 s (the connect
+    took 0.8 s of it, the answer had a whole second after), past what a probe's supervisor
+    allows for it (the DaemonSet's liveness probe: --timeout 5 in timeoutSeconds 10)."""
+    from client.errors import CommTimeout
+    from commd.status import query_status
+
+    path = tmp_path / "stalled.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stalled, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as ahead:
+        stalled.bind(str(path))
+        stalled.settimeout(5)  # (its accept, below)
+        stalled.listen(0)  # one connection waits to be accepted: the next connect waits for room
+        ahead.connect(str(path))
+        accepted: list[socket.socket] = []
+        # (the room comes after the probe has waited for it a while; it never answers)
+        room = threading.Timer(0.8, lambda: accepted.append(stalled.accept()[0]))
+        room.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(CommTimeout, match="did not answer within 1s"):
+                query_status(str(path), 1.0)
+            took = time.monotonic() - started
+        finally:
+            room.join(5)
+            for conn in accepted:
+                conn.close()
+    assert 0.9 < took < 1.5, f"gave up after {took:.2f}s"
