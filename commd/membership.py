@@ -25,6 +25,7 @@ from proto.fields import U64_MAX
 
 from .errors import CallError, NotListening, from_peer, rank_list, seconds
 from .peering import Backoff
+from .tasks import HeldTasks
 
 if TYPE_CHECKING:
     from .cluster import WorldNet
@@ -167,6 +168,7 @@ class NetMembership:
         # rank number, or it called attempt_reconnect again; the older vote must not speak for it.
         self._casting: dict[int, int] = {}
         self._due: dict[int, Due] = {}  # rank -> its newest vote's
+        self._voting = HeldTasks()
         # the votes dialing a root not listening yet: the first says so in the log, for all
         # (8 ranks of a node said it 8 times)
         self._dialing: set[int] = set()
@@ -186,7 +188,7 @@ class NetMembership:
         vote = next(self.net.cluster.vote_ids)
         self._casting[rank] = vote
         self._due[rank] = due
-        asyncio.get_running_loop().create_task(self._vote(rank, vote, due))
+        self._voting.spawn(self._vote(rank, vote, due))
 
     def _still_casting(self, rank: int, vote: int) -> bool:
         """Whether `vote` is still the rank's, and the rank still waits."""

@@ -14,6 +14,7 @@ from proto import ErrorCode
 
 from .engine.base import Communicator, EngineOp, RecvOp, SendOp, StillOnDevice
 from .errors import CallError
+from .tasks import HeldTasks
 from .tickets import Arrival, Ticket, order_of
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class OpRunner:
     def __init__(self, world: World) -> None:
         self._world = world
         self._lock = asyncio.Lock()
+        self._executing = HeldTasks()
         self.queued = 0  # matched ops waiting for or holding _lock
         # Communicators of failed epochs whose ops are still in the engine: aborted when those
         # finish, or after _ABORT_GRACE_S at the latest (an op waiting on a lost peer never does).
@@ -71,7 +73,7 @@ class OpRunner:
         # Sends and receives to other daemons are paired there, not here: they must not
         # queue behind each other (a group's send and recv would wait for one another).
         ordered = not isinstance(engine_op, SendOp | RecvOp) and not comm.launches_in_order
-        asyncio.get_running_loop().create_task(self._execute(arrivals, engine_op, comm, epoch, ordered))
+        self._executing.spawn(self._execute(arrivals, engine_op, comm, epoch, ordered))
 
     async def _execute(self, arrivals: list[Arrival], engine_op: EngineOp | None, comm: Communicator,
                        epoch: int, ordered: bool) -> None:

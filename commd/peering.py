@@ -25,6 +25,7 @@ from .errors import escaped, quoted
 from .frames import FrameStream
 from .logs import Throttled, ThrottledBy
 from .peerlink import Handler, LostHandler, PeerLink, PeerSettings
+from .tasks import HeldTasks
 
 log = logging.getLogger("commd.peering")
 # Handshakes under way at once: each holds an fd until it ends (at most the handshake
@@ -115,7 +116,7 @@ class PeerNode:
         self._name_taken = name_taken  # asked of the other side, once it proved the secret
         self._dialing: set[bytes] = set()  # our own hello nonces: how a self-dial is recognized
         self._server: asyncio.Server | None = None
-        self._handshakes: set[asyncio.Task[None]] = set()
+        self._handshakes = HeldTasks()
         self._handshakes_from: collections.Counter[str] = collections.Counter()  # by the dialer's host
         self.refused = 0  # handshakes refused (wrong secret, version, garbage, too many at once)
         self._floods = Throttled(log)
@@ -133,9 +134,7 @@ class PeerNode:
                 self._refuse_flood()
                 return FrameStream(drop=True)
             stream = FrameStream(sealed_after=p.PeerProof)
-            task = loop.create_task(self._accept(stream, on_link))
-            self._handshakes.add(task)  # held until done: the loop keeps only weak references
-            task.add_done_callback(self._handshakes.discard)
+            self._handshakes.spawn(self._accept(stream, on_link))
             return stream
 
         self._server = await loop.create_server(connected, host, port)
@@ -348,5 +347,5 @@ class PeerNode:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for handshake in list(self._handshakes):  # one ending now must not adopt a link
+        for handshake in self._handshakes:  # one ending now must not adopt a link
             handshake.cancel()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from proto import ErrorCode
 
 from ..errors import CallError
+from ..tasks import HeldTasks
 from .addpath import AddPath
 from .base import EngineOp, Order, Region, StillOnDevice
 from .completion import Completions, WaitFailed, WaitNotStarted, unless_mismatched
@@ -89,7 +90,7 @@ class NcclCommunicator:
         # side) must not hold back another rank's, which that peer may be waiting for first.
         self._turns = Turns(self._ranks)
         self._batcher = Batcher(self._turns, self._spawn, self._launch_batch)
-        self._tasks: set[asyncio.Task[None]] = set()  # launches, drains, deregistrations under way
+        self._tasks = HeldTasks()  # launches, drains, deregistrations under way
         self._running = 0
         self._streams: dict[int, int] = {}
         self._completions = Completions(gpu, waiters, self._devices)  # events behind work on the streams
@@ -360,9 +361,7 @@ class NcclCommunicator:
         self._adds.enable(enabled)
 
     def _spawn(self, work: Coroutine[None, None, None], turn: Turn | None = None) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._tasks.spawn(work)
         if turn is not None:  # cancelled before it began, it would keep its place for ever
             task.add_done_callback(lambda _task: self._turns.leave(turn))
         return task
