@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from proto import DType, ErrorCode, ReduceOp
 
@@ -93,6 +94,21 @@ def nccl_calls(gpu: Gpu, op: EngineOp, ranks: Sequence[int], scratch: Callable[[
     return [(op.dst_rank, bind(gpu.recv, _ptr(op.dst), op.dst.nbytes, DType.U8, op.src_rank))]
 
 
+@contextlib.contextmanager
+def nccl_group(gpu: Gpu) -> Iterator[None]:
+    """ncclGroupStart, the body, ncclGroupEnd. When a call in the body failed, that error is
+    the one told: the group end then fails too (NCCL ends a group with its members' error,
+    or with its own at the half-made group) and would hide which call it was."""
+    gpu.group_start()
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(GpuError):
+            gpu.group_end()
+        raise
+    gpu.group_end()
+
+
 def launch(gpu: Gpu, entries: list[tuple[list[Call], Order | None]], comms: Mapping[int, int],
            streams: Mapping[int, int], devices: Mapping[int, int]) -> None:
     """Enqueue NCCL calls, all in one group, each behind its worker's ready event if it
@@ -104,13 +120,10 @@ def launch(gpu: Gpu, entries: list[tuple[list[Call], Order | None]], comms: Mapp
                     pair = order.events.get(rank)
                     if isinstance(pair, NcclEvents):
                         gpu.stream_wait_event(streams[rank], pair.ready)
-        gpu.group_start()
-        try:
+        with nccl_group(gpu):
             for calls, _ in entries:
                 for rank, call in calls:
                     gpu.use_device(devices[rank])
                     call(comms[rank], streams[rank])
-        finally:
-            gpu.group_end()
     except GpuError as exc:
         raise CallError(ErrorCode.ENGINE, f"NCCL launch failed: {exc}") from None

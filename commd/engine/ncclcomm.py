@@ -31,7 +31,7 @@ from .completion import Completions, WaitFailed, WaitNotStarted, unless_mismatch
 from .crosscheck import device_check
 from .gpu import CommState, Gpu, GpuError
 from .ncclbatch import Batcher, Launch
-from .ncclcalls import launch, nccl_calls, regions_of
+from .ncclcalls import launch, nccl_calls, nccl_group, regions_of
 from .ncclgate import NcclGate, loop_running
 from .ncclmemory import Freer, NcclEvents, NcclMapping, NcclRegion, UsedByOps
 from .ncclregister import NcclRegistrations
@@ -118,12 +118,9 @@ class NcclCommunicator:
             unique_id = unique_id or gpu.unique_id()
             for rank in self._ranks:
                 self._streams[rank] = gpu.stream_create(self._devices[rank])
-            gpu.group_start()
-            try:
+            with nccl_group(gpu):
                 for rank in self._ranks:
                     self._comms[rank] = gpu.comm_init(world_size, unique_id, rank, self._devices[rank])
-            finally:
-                gpu.group_end()
         except GpuError as exc:
             self._abort_comms(": the init failed")  # never left half-made
             raise CallError(ErrorCode.ENGINE, f"world {world}: NCCL init failed: {exc}") from None

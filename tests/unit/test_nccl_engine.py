@@ -349,6 +349,40 @@ async def test_a_world_whose_init_after_an_abort_fails_fails_with_why() -> None:
     assert gpu.violations == []
 
 
+@pytest.mark.parametrize("where", ["init", "launch"])
+async def test_a_call_that_failed_in_a_group_is_told_not_the_group_end_after_it(where: str) -> None:
+    """The group end after a failed call fails too; its error was the one told (the init's
+    'ncclGroupEnd: invalid usage' in place of the duplicate GPU), naming no call."""
+    gpu = FakeGpu(devices=1 if where == "init" else 2, multi_rank_gpu=False)
+    real_end = gpu.group_end
+    failed: list[str] = []
+
+    def group_end() -> None:
+        real_end()
+        if failed or where == "init":
+            raise GpuError("ncclGroupEnd: invalid usage")
+
+    def all_reduce(*args: object) -> None:
+        failed.append("all_reduce")
+        raise GpuError("ncclAllReduce: invalid argument")
+
+    gpu.group_end = group_end  # type: ignore[method-assign]
+    gpu.all_reduce = all_reduce  # type: ignore[method-assign,assignment]
+    engine = NcclEngine(gpu)
+    try:
+        bufs = {r: ipc_mapping(engine, gpu, bytes([r + 1]) * 8, device=r if where == "launch" else 0)
+                .region(0, 8) for r in range(2)}
+        with pytest.raises(CallError) as info:  # (an init fails at once: no abort holds NCCL up)
+            comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0 if where == "init" else 1})
+            await asyncio.wait_for(comm.run(AllReduceOp(bufs, DType.U8, ReduceOp.SUM)), 5)
+        assert info.value.code is ErrorCode.ENGINE
+        said = ("NCCL init failed: Duplicate GPU detected" if where == "init"
+                else "NCCL launch failed: ncclAllReduce: invalid argument")
+        assert said in info.value.message, info.value.message
+    finally:
+        engine.close()
+
+
 async def test_a_call_that_must_wait_for_an_abort_on_the_loop_is_announced(gpu: FakeGpu) -> None:
     """ncclGetUniqueId (the root's id for a world across daemons) and ncclMemAlloc are made
     on the loop and cannot wait asynchronously: behind a running abort the loop waits, and
