@@ -169,6 +169,9 @@ class HostMapping:
                                 f"memfd holds {info.st_size} bytes, {size} were claimed")
             if not seals & _SEALS_NEEDED:
                 raise CallError(ErrorCode.BAD_MEMORY, "memfd must be sealed against shrinking")
+            if seals & fcntl.F_SEAL_WRITE:  # (mmap's EPERM would say only "Operation not permitted")
+                raise CallError(ErrorCode.BAD_MEMORY, "memfd is sealed against writing: results "
+                                "are written into host memory")
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED,
                                                      mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:

@@ -334,14 +334,19 @@ def test_bad_memory_handles(sock: str, steady: None) -> None:
         import fcntl
 
         fcntl.fcntl(sealed_small, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        # (its refusal said "cannot map host memory: [Errno 1] Operation not permitted")
+        read_only = os.memfd_create("read-only", os.MFD_ALLOW_SEALING)
+        os.ftruncate(read_only, 4096)
+        fcntl.fcntl(read_only, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
         for i, (fd, text) in enumerate([(unsealed, "sealed"), (reader, "memfd"),
-                                        (sealed_small, "claimed")], start=2):
+                                        (sealed_small, "claimed"),
+                                        (read_only, "memfd is sealed against writing")], start=2):
             raw.send(proto.Import(i, 10 + i, proto.MemKind.HOST, 4096), [fd])
             err = raw.error()
             assert err.code is ErrorCode.BAD_MEMORY and text in err.message, err
         raw.send(proto.Import(9, 30, proto.MemKind.CUDA_IPC, 4096, b"\x00" * 64))
         assert raw.error().code is ErrorCode.MISUSE
-        for fd in (unsealed, reader, writer, sealed_small):
+        for fd in (unsealed, reader, writer, sealed_small, read_only):
             os.close(fd)
         raw.send(proto.Import(10, 31, proto.MemKind.HOST, 4096))  # the fd is missing
         assert raw.error().code is ErrorCode.BAD_MESSAGE
