@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -85,6 +87,17 @@ def dialed(path: str, timeout: float = 10) -> RawClient:
         except BlockingIOError:
             assert time.monotonic() < deadline, f"the daemon at {path} accepted no connection in {timeout}s"
             time.sleep(0.001)
+
+
+def said_hello(stack: contextlib.ExitStack, hellos: Sequence[tuple[str, proto.Hello]]) -> list[RawClient]:
+    """A connection for each (daemon socket, hello), closed with `stack`, every one dialed
+    before the first hello is sent: the hellos reach the daemons together. (Dialed and said
+    in turn, thousands of hellos came over as long as the daemons took to accept the
+    connections, seconds on a loaded machine: past a join timeout counted from the first.)"""
+    clients = [stack.enter_context(contextlib.closing(dialed(path))) for path, _ in hellos]
+    for client, (_, hello) in zip(clients, hellos, strict=True):
+        client.send(hello)
+    return clients
 
 
 def each_refused(clients: list[RawClient], code: proto.ErrorCode, message: str) -> None:

@@ -18,7 +18,7 @@ from commd.launch import DaemonProcess
 from commd.status import query_status
 from proto import ErrorCode
 from tests.integration.harness import raise_nofile, short_tmpdir, world_name
-from tests.integration.rawclient import RawClient, dialed, each_refused
+from tests.integration.rawclient import RawClient, each_refused, said_hello
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,12 +34,9 @@ def _daemon(stack: contextlib.ExitStack, ranks: int, log: IO[bytes] | None = Non
 
 def _hellos(stack: contextlib.ExitStack, daemon: DaemonProcess, world: str, size: int, ranks: range,
             timeout_ms: int) -> list[RawClient]:
-    clients = []
-    for rank in ranks:
-        clients.append(stack.enter_context(contextlib.closing(dialed(str(daemon.socket_path)))))
-        clients[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, size,
-                                     timeout_ms))
-    return clients
+    path = str(daemon.socket_path)
+    return said_hello(stack, [(path, proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank,
+                                                 size, timeout_ms)) for rank in ranks])
 
 
 def _welcomed(stack: contextlib.ExitStack, size: int,

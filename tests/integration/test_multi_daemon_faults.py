@@ -58,7 +58,7 @@ from tests.integration.harness import (
     world_name,
     world_status,
 )
-from tests.integration.rawclient import RawClient, dialed, each_refused
+from tests.integration.rawclient import RawClient, dialed, each_refused, said_hello
 from tests.integration.test_multi_daemon import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -718,13 +718,9 @@ def _hellos(stack: contextlib.ExitStack, daemons: list[DaemonProcess], world: st
     """`ranks` of the world say hello, the lower half of the world's on A, the rest on B."""
     a, b = daemons
     bootstrap = a.peer_address()
-    clients: list[RawClient] = []
-    for rank in ranks:
-        clients.append(stack.enter_context(contextlib.closing(
-            dialed(str((a if rank < size // 2 else b).socket_path)))))
-        clients[-1].send(proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank,
-                                     size, timeout_ms, bootstrap=bootstrap))
-    return clients
+    return said_hello(stack, [(str((a if rank < size // 2 else b).socket_path),
+                               proto.Hello(rank + 1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, size,
+                                           timeout_ms, bootstrap=bootstrap)) for rank in ranks])
 
 
 def test_a_world_whose_placement_is_over_64_kib_forms() -> None:
