@@ -42,13 +42,15 @@ def fresh_pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
 
 
 @contextlib.contextmanager
-def raw_member(daemon: DaemonProcess) -> Iterator[tuple[RawPeer, Any, DaemonBackend, str]]:
-    """A world of 2 ranks: rank 0 on `daemon`, its root; rank 1 on a raw peer X."""
+def raw_member(daemon: DaemonProcess,
+               timeout: float = 8) -> Iterator[tuple[RawPeer, Any, DaemonBackend, str]]:
+    """A world of 2 ranks: rank 0 on `daemon`, its root, with `timeout`; rank 1 on a raw peer X."""
     world, x = world_name(), RawPeer("X")
     try:
         link = x.dial(daemon)
         x.send(link, p.JoinWorld(world, 2, 1, 0, 30_000, vote=1))
-        comm = DaemonBackend(str(daemon.socket_path), world, 0, 2, timeout=8, bootstrap=daemon.peer_address())
+        comm = DaemonBackend(str(daemon.socket_path), world, 0, 2, timeout=timeout,
+                             bootstrap=daemon.peer_address())
         try:
             yield x, link, comm, world
         finally:
@@ -136,9 +138,12 @@ def test_a_chunk_of_the_wrong_size_fails_the_world(daemon: DaemonProcess, case: 
 def test_data_no_op_takes_is_held_up_to_a_limit_then_fails_the_world(daemon: DaemonProcess) -> None:
     """A member daemon sends 16 MiB frames for calls no rank makes. The root held them until
     the world ended, however many came, while the world stayed ready (before: 1056 MiB held,
-    past the 1 GiB default of max_peer_held_bytes, and counting)."""
+    past the 1 GiB default of max_peer_held_bytes, and counting). (Rank 0's barrier waits
+    30 s: under load the 1 GiB took X longer to send than a timeout of 8 s, which failed the
+    world first, and was forgotten as rank 0 gave up; and a world failed by its timeout would
+    pass for one failed by the limit.)"""
     junk = bytes(16 << 20)
-    with raw_member(daemon) as (x, link, comm, world):
+    with raw_member(daemon, timeout=30) as (x, link, comm, world):
         def summary() -> tuple[object, object]:
             status = world_status(daemon, world) or {}
             return status.get("state"), status.get("peer_bytes_held")
