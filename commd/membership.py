@@ -487,7 +487,7 @@ class NetMembership:
                 if self._sent.pop(rank, None) is not None and due is not None and due.at > now:
                     self._cast(rank, due)
                 else:
-                    self._world.refuse(rank, ErrorCode.PEER_LOST,
+                    self._world.refuse(rank, link.loss_code,
                                        f"world {self._world.name}: the root {message}")
-        self._world.fail(ErrorCode.PEER_LOST, message)
+        self._world.fail(link.loss_code, message)
         self._world.forget_if_empty()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import proto
-from proto import clip_text
+from proto import ErrorCode, clip_text
 from proto import peer as p
 
 from . import __version__
@@ -66,6 +66,7 @@ class PeerLink:
         self._beats = 0
         self.closed = False
         self.loss = ""  # once closed: what the worlds over the link fail with (`close`)
+        self.loss_code = ErrorCode.PEER_LOST  # and their code (see _drop)
         self.closed_at = 0.0  # once closed: when (time.monotonic), for those who tell of it later
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -118,7 +119,8 @@ class PeerLink:
                         me = self._settings.name
                         self._drop(f"internal error handling {type(msg).__name__}: {exc!r}",
                                    f"daemon {me} failed handling {type(msg).__name__} from daemon "
-                                   f"{self.name} ({clip_text(repr(exc), 200)}), a bug in daemon {me}")
+                                   f"{self.name} ({clip_text(repr(exc), 200)}), a bug in daemon {me}",
+                                   ErrorCode.WORLD_FAILED)
                         return
         except ConnectionResetError:  # a peer that gives a link up drops what it had unread
             reason = "closed by the peer (reset)"
@@ -156,10 +158,13 @@ class PeerLink:
             self.send(p.Heartbeat(self._beats))
             await asyncio.sleep(self._settings.heartbeat_s)
 
-    def _drop(self, reason: str, said: str) -> None:
+    def _drop(self, reason: str, said: str, code: ErrorCode = ErrorCode.PEER_LOST) -> None:
         """Close the link for `reason`, the other daemon alive (it held the secret): its worlds
         are told `said`, and the builds, what to compare. "Lost" would send an operator looking
-        for a dead daemon."""
+        for a dead daemon; so would `code` PEER_LOST (a rank's PeerLost) where this daemon's
+        own bug dropped the link (then WORLD_FAILED: a WorldFailed all the same, which a rank
+        reconnects after)."""
+        self.loss_code = code
         self.close(reason, loss=(f"{said}; the link was dropped (peer protocol {p.PEER_VERSION}, "
                                  f"commd {__version__} here)"))
 

@@ -278,10 +278,12 @@ UNREADABLE = {
 
 
 def worlds_over_the_link_fail_saying(said: str, send: Callable[[RawPeer, Any, str], None],
-                                     under: Sequence[str] = ()) -> None:
+                                     under: Sequence[str] = (),
+                                     code: ErrorCode = ErrorCode.PEER_LOST) -> None:
     """Daemon B (run `under` a command) votes for two worlds at the raw root R, which forms
     both, then `send`s (given R, its link and the first world) what ends the link: both worlds
-    must fail with PeerLost saying `said` (not that R was lost), B log it, and drop the link."""
+    must fail with `code` (PeerLost's) saying `said` (not that R was lost), B log it, and drop
+    the link."""
     tmp = short_tmpdir()
     log_path = Path(tmp) / "daemon.log"
     root = RawPeer("R")
@@ -301,7 +303,7 @@ def worlds_over_the_link_fail_saying(said: str, send: Callable[[RawPeer, Any, st
                     event = client.recv()
                     assert isinstance(event, proto.Event), event
                     assert event.kind is proto.EventKind.WORLD_FAILED and event.epoch == 1
-                    assert event.code is ErrorCode.PEER_LOST  # (the client's PeerLost)
+                    assert event.code is code, event
                     assert event.message == said, event.message
                 wait_until(lambda: said in log_path.read_text(errors="replace"), timeout=5)
                 assert "was lost" not in log_path.read_text(errors="replace")
@@ -423,12 +425,13 @@ runpy.run_module("commd", run_name="__main__", alter_sys=True)
 def test_a_daemons_own_error_handling_a_peer_frame_says_it_is_its_own_not_that_the_peer_was_lost() -> None:
     """B fails (a bug) handling the world_failed the root R sends for one world: B drops the
     link, and its worlds must be told that B failed, and how, not that R was lost (before:
-    "daemon R was lost: internal error handling WorldFailed: KeyError('planted')")."""
+    "daemon R was lost: internal error handling WorldFailed: KeyError('planted')"), nor by
+    their code (before: peer_lost, a rank's PeerLost; now world_failed, a WorldFailed)."""
     worlds_over_the_link_fail_saying(
         f"daemon B failed handling WorldFailed from daemon R (KeyError('planted')), a bug in daemon B; "
         f"the link was dropped (peer protocol {p.PEER_VERSION}, commd {__version__} here)",
         lambda root, link, world: root.send(link, p.WorldFailed(world, 1, ErrorCode.TIMEOUT, "late")),
-        under=BUGGY_BUILD)
+        under=BUGGY_BUILD, code=ErrorCode.WORLD_FAILED)
 
 
 @pytest.mark.parametrize("newer_is", ["member", "root"])
