@@ -26,9 +26,10 @@ log = logging.getLogger("commd.systemd")
 LISTEN_FDS_START = 3
 _LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 STATUS_INTERVAL_S = 2.0  # STATUS= is for humans reading `systemctl status`: seconds are fine
-# A busy loop (a large status report, a world of thousands of ranks forming) can go a few
-# hundred milliseconds between pings; a shorter watchdog would restart a healthy daemon.
-MIN_WATCHDOG_USEC = 1_000_000
+# The pings run on the event loop, at half the watchdog: under 0.1 s they would crowd it
+# (WATCHDOG_USEC=1 had it ping every half microsecond), and a loop busy with a large status
+# report or a world of thousands of ranks forming goes longer than that between them.
+MIN_WATCHDOG_USEC = 100_000
 
 
 class Notifier:
@@ -83,8 +84,8 @@ def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
         return None
     if value < MIN_WATCHDOG_USEC:
         raise ConfigError(f"WATCHDOG_USEC={value}: the unit's WatchdogSec= is shorter than the "
-                          f"{MIN_WATCHDOG_USEC // 1_000_000} s commd needs between pings of a busy "
-                          "daemon; set WatchdogSec= to at least 1s (deploy/commd.service has 30s)")
+                          f"{MIN_WATCHDOG_USEC // 1000} ms commd needs between pings; set it to a "
+                          "few seconds at least (deploy/commd.service has 30s)")
     return value / 2e6
 
 

@@ -69,12 +69,12 @@ def test_watchdog_garbage_is_a_config_error() -> None:
         watchdog_interval({"WATCHDOG_USEC": "soon"}, os.getpid())
 
 
-@pytest.mark.parametrize("usec", ["1", "999999"])
+@pytest.mark.parametrize("usec", ["1", "99999"])
 def test_a_watchdog_too_short_to_ping_is_a_config_error_not_a_busy_loop(usec: str) -> None:
     # It was honoured: WATCHDOG_USEC=1 made the pinger sleep half a microsecond per ping.
-    with pytest.raises(ConfigError, match=f"WATCHDOG_USEC={usec}: .*at least 1s"):
+    with pytest.raises(ConfigError, match=f"WATCHDOG_USEC={usec}: .* shorter than the 100 ms"):
         watchdog_interval({"WATCHDOG_USEC": usec}, os.getpid())
-    assert watchdog_interval({"WATCHDOG_USEC": "1000000"}, os.getpid()) == 0.5
+    assert watchdog_interval({"WATCHDOG_USEC": "100000"}, os.getpid()) == 0.05
 
 
 async def test_keep_alive_pings_and_sends_status_only_when_it_changes(tmp_path: Path) -> None:
