@@ -17,7 +17,8 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -144,6 +145,23 @@ def raise_nofile(stack: contextlib.ExitStack, fds: int) -> None:
         pytest.skip(f"{fds} files need more fds than this machine's hard limit ({hard})")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, fds), hard))
     stack.callback(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextlib.contextmanager
+def started_together(*daemons: DaemonProcess) -> Iterator[None]:
+    """The daemons, started side by side, stopped (the last first) when the block ends, as
+    `with a, b:` would: a start mostly waits on its Python's imports (~0.3 s of a core), so
+    two daemons one after the other took ~0.8 s, together ~0.6 s. If one fails to start,
+    those that did are stopped and its error raised."""
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(len(daemons)) as threads:
+            starts = [threads.submit(daemon.start) for daemon in daemons]
+        for daemon, start in zip(daemons, starts, strict=True):
+            if start.exception() is None:
+                stack.callback(daemon.stop)
+        for start in starts:
+            start.result()
+        yield
 
 
 def short_tmpdir() -> str:

@@ -54,6 +54,7 @@ from tests.integration.harness import (
     memfd_mappings,
     raise_nofile,
     short_tmpdir,
+    started_together,
     wait_until,
     world_name,
     world_status,
@@ -69,17 +70,17 @@ FAST = ["--peer-heartbeat", "0.2", "--peer-window", "1.0"]
 def pair() -> Iterator[list[DaemonProcess]]:
     """Two daemons that declare a silent peer lost after 1 s."""
     tmp = short_tmpdir()
-    procs = []
+    procs = [DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST]) for name in "AB"]
     try:
-        for name in "AB":
-            procs.append(DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
-                "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST]).start())
-        yield procs
+        with started_together(*procs):
+            try:
+                yield procs
+            finally:  # (a test may leave one SIGSTOPped: the stop would wait it out)
+                for proc in procs:
+                    if proc.proc is not None and proc.proc.poll() is None:
+                        os.kill(proc.pid, signal.SIGCONT)
     finally:
-        for proc in procs:
-            if proc.proc is not None and proc.proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-            proc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -709,8 +710,10 @@ def _two_named_daemons(stack: contextlib.ExitStack, names: dict[str, str], *args
     """Daemons A (a world's root) and B of these peer names, stopped with `stack`."""
     tmp = short_tmpdir()
     stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-    return [stack.enter_context(DaemonProcess(Path(tmp) / d / "commd.sock", env=SECRET, args=[
-        "--peer-listen", "127.0.0.1:0", "--peer-name", names[d], *FAST, *args])) for d in "AB"]
+    daemons = [DaemonProcess(Path(tmp) / d / "commd.sock", env=SECRET, args=[
+        "--peer-listen", "127.0.0.1:0", "--peer-name", names[d], *FAST, *args]) for d in "AB"]
+    stack.enter_context(started_together(*daemons))
+    return daemons
 
 
 def _hellos(stack: contextlib.ExitStack, daemons: list[DaemonProcess], world: str, size: int,
@@ -940,7 +943,7 @@ def test_votes_taken_while_looking_for_the_root_name_the_missing_ranks() -> None
                           args=["--peer-listen", "127.0.0.1:0", "--peer-name", "C", *slow])
         world = world_name()
         try:
-            with b, c, ThreadPoolExecutor(1) as threads:
+            with started_together(b, c), ThreadPoolExecutor(1) as threads:
                 rank0 = threads.submit(DaemonBackend, str(b.socket_path), world, 0, 2, timeout=2,
                                        bootstrap=bootstrap)
                 wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [0], timeout=10)
@@ -997,7 +1000,7 @@ def test_votes_sent_to_a_daemon_that_is_no_root_are_refused_once_it_knows() -> N
     a, b, c = (DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
         "--peer-listen", "127.0.0.1:0", "--peer-name", name, *slow]) for name in "ABC")
     try:
-        with a, b, c, ThreadPoolExecutor(1) as threads, \
+        with started_together(a, b, c), ThreadPoolExecutor(1) as threads, \
                 contextlib.closing(SlowProxy(a.peer_address(), 1.5)) as proxy:
             rank1 = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 3, timeout=2.5,
                                    bootstrap=proxy.address)
@@ -1472,7 +1475,7 @@ def test_a_daemon_with_this_daemons_name_is_refused_saying_so(name: str) -> None
     try:
         a, a2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", name, *FAST]) for sock in ("A", "A2"))
-        with a, a2, ThreadPoolExecutor(1) as threads:
+        with started_together(a, a2), ThreadPoolExecutor(1) as threads:
             world = world_name()
             rank0 = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 2, timeout=3,
                                    bootstrap=a.peer_address())
@@ -1502,7 +1505,7 @@ def beside_a_namesake(fast: bool, first: Sequence[str] = (),
         a, b1, b2 = (DaemonProcess(Path(tmp) / sock / "commd.sock", env=SECRET, args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", name, *common, *extra])
             for sock, name, extra in (("A", "A", ()), ("B1", b, first), ("B2", b, ())))
-        with a, b1, b2:
+        with started_together(a, b1, b2):
             comms = joined([a, b1], a, world_name())
             try:
                 assert summed_i32(comms) == [[3, 30], [3, 30]]
@@ -1591,7 +1594,7 @@ def test_silent_connections_from_one_host_do_not_lock_other_daemons_out() -> Non
     try:
         a, b = (DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", name, "--peer-window", "5"]) for name in "AB")
-        with a, b:
+        with started_together(a, b):
             flooding = threading.Thread(target=flood, args=parse_address(a.peer_address()), daemon=True)
             flooding.start()
             try:
@@ -2242,7 +2245,7 @@ def test_a_call_timeout_does_not_wait_long_for_a_frozen_daemon(pair: list[Daemon
         a, b = (DaemonProcess(Path(tmp) / name / "commd.sock", env=SECRET, args=[
             "--peer-listen", "127.0.0.1:0", "--peer-name", name, "--peer-heartbeat", "0.2",
             "--peer-window", "4"]) for name in "AB")
-        with a, b:
+        with started_together(a, b):
             world = world_name()
             comms = timed_world([a, a, b, b], a, world, 1.5)
             started = time.monotonic()
