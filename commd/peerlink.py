@@ -66,7 +66,7 @@ class PeerLink:
         self._beats = 0
         self.closed = False
         self.loss = ""  # once closed: what the worlds over the link fail with (`close`)
-        self.loss_code = ErrorCode.PEER_LOST  # and their code (see _drop)
+        self.loss_code = ErrorCode.PEER_LOST  # and their code (`close`)
         self.closed_at = 0.0  # once closed: when (time.monotonic), for those who tell of it later
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -164,21 +164,21 @@ class PeerLink:
         for a dead daemon; so would `code` PEER_LOST (a rank's PeerLost) where this daemon's
         own bug dropped the link (then WORLD_FAILED: a WorldFailed all the same, which a rank
         reconnects after)."""
-        self.loss_code = code
         self.close(reason, loss=(f"{said}; the link was dropped (peer protocol {p.PEER_VERSION}, "
-                                 f"commd {__version__} here)"))
+                                 f"commd {__version__} here)"), loss_code=code)
 
     def close(self, reason: str, loss: str | None = None, *, drop_queued: bool = True,
-              expected: bool = False) -> None:
+              expected: bool = False, loss_code: ErrorCode = ErrorCode.PEER_LOST) -> None:
         """Close the link for `reason`; `loss`: what the worlds over it are told, when not that
-        the daemon was lost for `reason` (one that is alive). `drop_queued=False`: the
-        connection stays for `farewell` to end. `expected`: one side said goodbye (it stops),
-        nothing to warn of."""
+        the daemon was lost for `reason` (one that is alive), and `loss_code`, their code.
+        `drop_queued=False`: the connection stays for `farewell` to end. `expected`: one side
+        said goodbye (it stops), nothing to warn of."""
         if self.closed:
             return
         self.closed = True
         self.closed_at = time.monotonic()
         self.loss = loss or f"daemon {self.name} was lost: {reason}"
+        self.loss_code = loss_code
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
