@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("commd.metrics")
 _REQUEST_TIMEOUT_S = 5.0
-_MAX_SCRAPERS = 16  # connections served at once (see handle for the 17th)
+_MAX_SCRAPERS = 16  # connections served at once (see take_slot for the 17th)
 _MAX_REQUEST = 8192
 
 
@@ -126,18 +126,40 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
 
     active: set[asyncio.StreamWriter] = set()
     waiting: dict[asyncio.StreamWriter, None] = {}  # connected, no request read yet: oldest first
+    slot_freed = asyncio.Event()
+    queued = 0
+
+    async def take_slot() -> bool:
+        """Whether the newcomer may be served, after waiting (bounded) for a slot."""
+        nonlocal queued
+        deadline = asyncio.get_running_loop().time() + _REQUEST_TIMEOUT_S
+        while len(active) >= _MAX_SCRAPERS:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
+            if waiting:
+                # one that has said nothing yet yields to the newcomer: idle connections held
+                # open cannot shut scrapers out (a scraper sends its request at once)
+                idle = next(iter(waiting))
+                del waiting[idle]
+                active.discard(idle)
+                idle.close()
+                return True
+            # every slot is being answered, which ends within the drain's timeout: a scrape
+            # in a burst waits for one rather than being reset unanswered
+            if queued >= _MAX_SCRAPERS:
+                return False
+            slot_freed.clear()
+            queued += 1
+            try:
+                await asyncio.wait_for(slot_freed.wait(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                return False
+            finally:
+                queued -= 1
+        return True
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(active) >= _MAX_SCRAPERS:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
-            if not waiting:  # every one is being answered
-                writer.close()
-                return
-            # one that has said nothing yet yields to the newcomer: idle connections held
-            # open cannot shut scrapers out (a scraper sends its request at once)
-            idle = next(iter(waiting))
-            del waiting[idle]
-            active.discard(idle)
-            idle.close()
+        if not await take_slot():
+            writer.close()
+            return
         active.add(writer)
         waiting[writer] = None
         try:
@@ -174,6 +196,7 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         finally:
             waiting.pop(writer, None)
             active.discard(writer)
+            slot_freed.set()
             writer.close()
 
     try:

@@ -1,0 +1,102 @@
+"""The /metrics port's bounds, in-process: serve_metrics on this loop with an answer big
+enough (8 MiB) that scrapers which never read it hold their slots while it drains."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from commd.metrics import _MAX_SCRAPERS, bound_address, serve_metrics
+
+pytestmark = pytest.mark.timeout(60)
+
+BODY = bytes(range(256)) * (32 << 10)  # 8 MiB: more than loopback buffers take unread
+REQUEST = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A scraper with a small receive window, so an answer it does not read stays unsent."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    return await asyncio.open_connection(sock=sock, limit=len(BODY) * 2)
+
+
+async def scraping(address: str) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """_MAX_SCRAPERS scrapers whose answers have begun and are stuck behind them."""
+    deaf = [await connect(address) for _ in range(_MAX_SCRAPERS)]
+    for _, writer in deaf:
+        writer.write(REQUEST)
+    for reader, _ in deaf:
+        assert await asyncio.wait_for(reader.readexactly(17), 10) == b"HTTP/1.1 200 OK\r\n"
+    return deaf
+
+
+async def answer(reader: asyncio.StreamReader) -> bytes:
+    return await asyncio.wait_for(reader.read(), 20)
+
+
+async def closed_unanswered(reader: asyncio.StreamReader) -> bool:
+    try:  # (closed with our request unread, the kernel sends a reset rather than a FIN)
+        return await asyncio.wait_for(reader.read(), 2) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def let_go(server: asyncio.Server, *conns: asyncio.StreamWriter) -> None:
+    """Reset every scraper and close the server; its handlers see the resets and end
+    (3.11's wait_closed does not wait for them, and one cancelled at loop close logs)."""
+    for conn in conns:
+        conn.transport.abort()
+    server.close()
+    await server.wait_closed()
+    await asyncio.sleep(0.2)
+
+
+def is_whole(reply: bytes) -> bool:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head.startswith(b"HTTP/1.1 200 OK\r\n") and f"Content-Length: {len(BODY)}".encode() in head \
+        and body == BODY
+
+
+async def test_a_scrape_while_every_slot_is_being_answered_waits_for_one_then_gets_its_answer() -> None:
+    """Before, a scrape arriving while all 16 slots were mid-answer was closed unanswered
+    (seen in CI as RemoteDisconnected on a scrape right after 16 others)."""
+    pytest.importorskip("prometheus_client")
+    server = await serve_metrics("127.0.0.1", 0, lambda: BODY)
+    deaf = await scraping(bound_address(server))
+    reader, writer = await connect(bound_address(server))
+    try:
+        writer.write(REQUEST)
+        await asyncio.sleep(0.3)  # (the old handler closed it at once)
+        deaf[0][1].transport.abort()  # a reset: that slot's drain fails, the slot frees
+        assert is_whole(await answer(reader))
+    finally:
+        await let_go(server, writer, *(conn for _, conn in deaf))
+
+
+async def test_at_most_as_many_scrapes_wait_as_are_served_the_next_is_closed() -> None:
+    """Waiting scrapes hold descriptors too: 16 wait, a 17th is closed at once; each of the
+    16 is answered whole once the slots free."""
+    pytest.importorskip("prometheus_client")
+    server = await serve_metrics("127.0.0.1", 0, lambda: BODY)
+    address = bound_address(server)
+    deaf = await scraping(address)
+    queued = [await connect(address) for _ in range(_MAX_SCRAPERS)]
+    reader, writer = await connect(address)
+    try:
+        for _, conn in queued:
+            conn.write(REQUEST)
+        await asyncio.sleep(0.3)  # the 16 are waiting for slots
+        writer.write(REQUEST)
+        assert await closed_unanswered(reader)
+        for _, conn in deaf:
+            conn.transport.abort()
+        replies = await asyncio.gather(*(answer(queued_reader) for queued_reader, _ in queued))
+        assert [is_whole(reply) for reply in replies] == [True] * _MAX_SCRAPERS
+    finally:
+        await let_go(server, writer, *(conn for _, conn in deaf + queued))
