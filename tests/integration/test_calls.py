@@ -209,9 +209,11 @@ def test_recv_command_refuses_root(pool: RankPool, sock: str) -> None:
     assert run(pool, sock, 2, workers.root_recv_command) == ["MisuseError", "MisuseError"]
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_group_submits_calls_together(pool: RankPool, sock: str, n: int) -> None:
-    results = run(pool, sock, n, workers.group_two_reduces, 513, 81)
+@pytest.mark.parametrize("n,grouping", [(1, None), (3, None), (3, (0,)), (3, (0, 2))])
+def test_group_submits_calls_together(pool: RankPool, sock: str, n: int, grouping: tuple[int, ...] | None) -> None:
+    """A group's calls match the other ranks' calls one by one, as separate calls do
+    (WIRE.md `submit`): a rank may group calls that the others make one at a time."""
+    results = run(pool, sock, n, workers.group_two_reduces, 513, 81, grouping)
     want_a = reduce_reference([make_input(81, r, 513, "f32", "sum") for r in range(n)], "f32", "sum")
     want_b = reduce_reference([make_input(82, r, 513, "i32", "max") for r in range(n)], "i32", "max")
     assert all(res == (want_a.tobytes(), want_b.tobytes()) for res in results)

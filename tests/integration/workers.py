@@ -349,15 +349,21 @@ def root_recv_command(sock: str, world: str, rank: int, n: int) -> str:
         return "no error"
 
 
-def group_two_reduces(sock: str, world: str, rank: int, n: int, nelem: int, seed: int) -> tuple[bytes, bytes]:
+def group_two_reduces(sock: str, world: str, rank: int, n: int, nelem: int, seed: int,
+                      grouping: tuple[int, ...] | None = None) -> tuple[bytes, bytes]:
+    """Two all_reduces in one group on the ranks in `grouping` (all if None), one after
+    the other on the rest."""
     a = make_input(seed, rank, nelem, "f32", "sum")
     b = make_input(seed + 1, rank, nelem, "i32", "max")
+    grouped = grouping is None or rank in grouping
     with connect(sock, world, rank, n) as comm:
         ba, bb = _load(a), _load(b)
-        comm.group_start()
+        if grouped:
+            comm.group_start()
         comm.all_reduce(ba.ptr, a.nbytes, dtype="f32", op="sum")
         comm.all_reduce(bb.ptr, b.nbytes, dtype="i32", op="max")
-        comm.group_end()
+        if grouped:
+            comm.group_end()
         return _read(ba, 0, a.nbytes), _read(bb, 0, b.nbytes)
 
 
