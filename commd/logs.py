@@ -11,6 +11,7 @@ bad packets): one line a second per kind, with a count of the ones left out;
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -18,6 +19,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
+
+from .logsink import NonBlockingFdHandler
 
 CONTEXT_FIELDS = ("world", "epoch", "rank")
 
@@ -41,8 +44,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
-    """Configure the root logger once, at start (replacing what was there)."""
-    handler = logging.StreamHandler(stream or sys.stderr)
+    """Configure the root logger once, at start (replacing what was there): to `stream`,
+    or to stderr without ever blocking on its reader (`logsink`)."""
+    handler: logging.Handler = logging.StreamHandler(stream or sys.stderr)
+    if stream is None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # (no descriptor: a test's capture)
+            handler = NonBlockingFdHandler(sys.stderr.fileno())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

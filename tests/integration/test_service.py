@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -517,6 +518,36 @@ def test_a_job_that_ends_is_logged_as_ended_not_failed(tmp: Path, pool: RankPool
              if f"world {world} epoch 1: " in line and "connection was lost" in line]
     assert len(ended) == 1 and "ended, no call pending" in ended[0] and "INFO" in ended[0], err
     assert "failed" not in ended[0] and "WARNING" not in err, err
+
+
+def test_a_log_reader_that_stalls_holds_up_no_call(tmp: Path, pool: RankPool) -> None:
+    """The daemon's stderr is a one-page pipe that nobody reads while 20 worlds of two
+    ranks form, all_reduce and end, logging at INFO: each world's sums are right (before:
+    once the page was full the daemon's event loop waited in write(2), and every call with
+    it); read afterwards, every world's lines are there, in order."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    with open(r, "rb") as out:
+        try:
+            daemon = DaemonProcess(tmp / "run" / "commd.sock", log=w, log_level="INFO").start()
+        finally:
+            os.close(w)
+        read: list[bytes] = []
+        reader = threading.Thread(target=lambda: read.append(out.read()))
+        try:
+            sock, worlds = str(daemon.socket_path), [world_name(f"stall{i}") for i in range(20)]
+            for world in worlds:
+                outcomes = pool.run(service_workers.reduce_then_wait,
+                                    [(sock, world, r, 2, 2, 8, False) for r in range(2)], timeout=30)
+                assert [o.unwrap() for o in outcomes] == [([1, 3], "done")] * 2
+            wait_until(lambda: not query_status(sock, 5)["worlds"], "the worlds to end")
+        finally:
+            reader.start()
+            assert daemon.stop() == 0
+            reader.join(10)
+    lines = read[0].decode().splitlines()
+    assert [line.split(" world ")[1].split()[0] for line in lines if "epoch 1: ready" in line] == worlds
+    assert "dropped" not in read[0].decode() and "Traceback" not in read[0].decode()
 
 
 def test_metrics_scrape_counts_the_calls(tmp: Path, pool: RankPool) -> None:

@@ -1,0 +1,106 @@
+"""Log lines to a descriptor (stderr) without blocking the thread that logs.
+
+Under systemd the daemon's stderr is a stream to journald, which can stall (a slow
+disk, a flood from other units); a pipe whose reader stopped fills at 64 KiB. A
+plain StreamHandler then blocks whichever thread logs, the event loop included,
+and every world's calls with it, until the watchdog kills the daemon.
+
+`NonBlockingFdHandler` writes a line at once when the descriptor can take it
+without waiting, which is the usual case: the line is out before the log call
+returns, as with a StreamHandler. Otherwise the line is kept, in order, for a
+thread of its own that waits for the reader. What is kept is bounded: past
+`backlog_bytes`, lines are dropped and counted, and a line in their place says
+how many (the journal must not cost the daemon its memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from collections import deque
+
+BACKLOG_BYTES = 1 << 20
+FLUSH_WAIT_S = 2.0  # at exit: the last lines, unless the reader stays stalled
+# A pipe that polls writable has a free page; a socket, half its send buffer: a write
+# of up to this many bytes then does not wait.
+_UNBLOCKED_WRITE = select.PIPE_BUF
+
+
+class NonBlockingFdHandler(logging.Handler):
+    """A handler writing formatted lines to `fd` (not closed by it); see the module."""
+
+    def __init__(self, fd: int, backlog_bytes: int = BACKLOG_BYTES) -> None:
+        super().__init__()
+        self._fd = fd
+        self._limit = backlog_bytes
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLOUT)
+        self._changed = threading.Condition()  # guards what follows; notified as the backlog changes
+        self._backlog: deque[bytes] = deque()  # the first is being written while the writer holds it
+        self._held = 0
+        self._dropped = 0  # since the last line kept
+        self._writer: threading.Thread | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = (self.format(record) + "\n").encode("utf-8", "backslashreplace")
+        except Exception:
+            self.handleError(record)
+            return
+        with self._changed:
+            if not self._backlog and self._poll.poll(0):
+                try:
+                    line = line[os.write(self._fd, line[:_UNBLOCKED_WRITE]):]
+                except OSError:  # the reader is gone (EPIPE): nowhere to tell it
+                    return
+                if not line:
+                    return
+            self._keep(line)
+
+    def _keep(self, line: bytes) -> None:
+        if self._held + len(line) > self._limit:
+            self._dropped += 1
+            return
+        if self._dropped:
+            self._append(self._dropped_note())
+        self._append(line)
+
+    def _append(self, line: bytes) -> None:
+        self._backlog.append(line)
+        self._held += len(line)
+        self._changed.notify_all()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_backlog, name="commd-log-writer", daemon=True)
+            self._writer.start()
+
+    def _dropped_note(self) -> bytes:
+        record = logging.LogRecord("commd.logs", logging.WARNING, __file__, 0,
+                                   "%d log lines were dropped here: the log's reader (stderr) was stalled",
+                                   (self._dropped,), None)
+        self._dropped = 0
+        return (self.format(record) + "\n").encode()
+
+    def _write_backlog(self) -> None:
+        while True:
+            with self._changed:
+                while not self._backlog:
+                    self._changed.wait()
+                line = self._backlog[0]
+            try:
+                while line:  # (blocking: this thread is here to wait for the reader)
+                    line = line[os.write(self._fd, line):]
+            except OSError:
+                pass  # gone: the line is lost, as it would be with the reader
+            with self._changed:
+                self._held -= len(self._backlog.popleft())
+                self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait, up to FLUSH_WAIT_S, for the kept lines to be written (at exit; a critical
+        line before os._exit)."""
+        with self._changed:
+            if self._dropped:  # (no line came after them to carry the note)
+                self._append(self._dropped_note())
+            self._changed.wait_for(lambda: not self._backlog, FLUSH_WAIT_S)

@@ -1,0 +1,111 @@
+"""NonBlockingFdHandler on a real pipe, shrunk to one page so that a reader who does not
+read stalls it after a few lines."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from commd.logs import JsonFormatter
+from commd.logsink import NonBlockingFdHandler
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(r, False)
+    try:
+        yield r, w
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def logger_to(handler: logging.Handler, name: str) -> logging.Logger:
+    log = logging.getLogger(f"test.logsink.{name}")
+    log.propagate = False
+    log.handlers = [handler]
+    log.setLevel(logging.INFO)
+    return log
+
+
+def read_all(fd: int) -> bytes:
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_a_line_is_out_before_the_log_call_returns(pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    log = logger_to(NonBlockingFdHandler(w), "at_once")
+    log.info("first %d", 1)
+    assert read_all(r) == b"first 1\n"
+    log.info("second")
+    assert read_all(r) == b"second\n"
+
+
+def drained(handler: NonBlockingFdHandler, r: int) -> bytes:
+    """What the handler writes while it flushes, read as it comes."""
+    flushing = threading.Thread(target=handler.flush)
+    flushing.start()
+    out = b""
+    while flushing.is_alive():
+        out += read_all(r)
+        flushing.join(0.01)
+    return out + read_all(r)
+
+
+def test_a_stalled_reader_blocks_no_log_call_and_what_is_dropped_is_counted_in_place(
+        pipe: tuple[int, int]) -> None:
+    """200 lines of 100 bytes into a 4 KiB pipe nobody reads, with 8 KiB kept: every call
+    returns (before: one waited for the reader for ever); read later, the lines come in
+    order, and one line stands where the dropped ones were, with their number."""
+    r, w = pipe
+    handler = NonBlockingFdHandler(w, backlog_bytes=8192)
+    log = logger_to(handler, "stalled")
+    def burst() -> None:
+        for i in range(200):
+            log.info("line %03d %s", i, "x" * 90)
+
+    logged = threading.Thread(target=burst)
+    logged.start()
+    logged.join(10)
+    assert not logged.is_alive()
+    out = drained(handler, r)
+    log.info("line %03d after", 200)
+    lines = (out + drained(handler, r)).decode().splitlines()
+    kept = len(lines) - 2
+    dropped = 200 - kept
+    assert 40 < kept < 200  # (the pipe's page and the 8 KiB)
+    assert [int(line.split()[1]) for line in lines[:kept]] == list(range(kept))
+    assert lines[kept:] == [f"{dropped} log lines were dropped here: the log's reader (stderr) was stalled",
+                            "line 200 after"]
+
+
+def test_the_note_of_dropped_lines_is_in_the_handlers_format(pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    handler = NonBlockingFdHandler(w, backlog_bytes=1024)
+    handler.setFormatter(JsonFormatter())
+    log = logger_to(handler, "json")
+    for i in range(100):
+        log.info("line %03d %s", i, "x" * 90)
+    lines = [json.loads(line) for line in drained(handler, r).decode().splitlines()]
+    dropped = 100 - (len(lines) - 1)
+    assert [line["message"].split()[1] for line in lines[:-1]] == [f"{i:03d}" for i in range(100 - dropped)]
+    note = f"{dropped} log lines were dropped here: the log's reader (stderr) was stalled"
+    assert (lines[-1]["level"], lines[-1]["logger"], lines[-1]["message"]) == ("WARNING", "commd.logs", note)
