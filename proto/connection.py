@@ -7,6 +7,10 @@ moves the connection to ERROR for good; the owner then closes the socket.
     AWAIT_HELLO --client sends Hello--> JOINING --daemon sends Welcome--> READY
          |                                 |
          +-- StatusQuery / StatusReport    +-- daemon sends Error --> CLOSED
+
+The side that answers requests (the daemon) also holds the ids of those it has not
+answered yet: a request that reuses one of them is illegal, as its answer could not be
+told from the other's (WIRE.md §7).
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ _TRANSITIONS: dict[tuple[State, type], State] = {
 }
 
 
+# What answers a request by its id (an Error with id 0 answers none)
+_ANSWERS: frozenset[type] = frozenset({m.Welcome, m.Ok, m.Error, m.StatusReport})
+
 _FINAL = frozenset({State.CLOSED, State.ERROR})
 _NOTHING: frozenset[type] = frozenset()
 
@@ -68,6 +75,9 @@ class Connection:
         self.state = State.AWAIT_HELLO
         self._ops_cache: OpsCache = {}
         self._packed_ops: PackedOps = {}
+        # Ids of the requests received and not answered yet -> their kind (only the daemon
+        # receives requests, so a client's stays empty)
+        self._unanswered: dict[int, type] = {}
 
     @property
     def state(self) -> State:
@@ -84,10 +94,13 @@ class Connection:
         """Check that we may send `msg` now, advance the state, return the packet."""
         self._advance(self.our_role, self._we_may_send, msg)
         try:
-            return encode(msg, self.limit, self._packed_ops)
+            packet = encode(msg, self.limit, self._packed_ops)
         except ProtoError:
             self.state = State.ERROR
             raise
+        if type(msg) in _ANSWERS:
+            self._unanswered.pop(msg.id, None)  # type: ignore[union-attr]
+        return packet
 
     def receive(self, packet: bytes, nfds: int = 0) -> m.Message:
         """Parse a packet from the other side, check it is legal now, advance the state."""
@@ -99,7 +112,18 @@ class Connection:
             self.state = State.ERROR
             raise
         self._advance(self.their_role, self._they_may_send, msg)
+        if self.their_role is Role.CLIENT and type(msg) is not m.Forget:  # (a Forget has no id, nor answer)
+            self._hold_id(msg)
         return msg
+
+    def _hold_id(self, request: m.Message) -> None:
+        request_id: int = request.id  # type: ignore[union-attr]
+        holder = self._unanswered.get(request_id)
+        if holder is not None:
+            self.state = State.ERROR
+            raise StateError(f"request id {request_id} is taken: {holder.__name__} #{request_id} "
+                             "is not answered yet (ids must be unique among unanswered requests)")
+        self._unanswered[request_id] = type(request)
 
     def _advance(self, sender: Role, legal: frozenset[type], msg: m.Message) -> None:
         kind = type(msg)

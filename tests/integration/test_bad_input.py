@@ -127,6 +127,32 @@ def test_a_second_attempt_reconnect_supersedes_the_first_and_the_world_forms_onc
         assert (a.recv(), b.recv()) == (proto.Ok(5), proto.Ok(5))
 
 
+def test_a_request_sent_again_under_an_id_still_unanswered_is_a_bad_packet(sock: str, steady: None) -> None:
+    """Rank 0 sends a status query under the id of its barrier that waits for rank 1:
+    answered with that id too (as it was), the client could not tell the answers apart. It
+    is a bad packet (id 0, naming the id, the connection closed, the world failed for rank
+    1); an id whose request was answered is free again; the unrelated world goes on."""
+    world = world_name()
+    with RawClient(sock) as a, RawClient(sock) as b:
+        for client, rank in ((a, 0), (b, 1)):
+            client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 10_000))
+        assert isinstance(a.recv(), proto.Welcome) and isinstance(b.recv(), proto.Welcome)
+        assert barrier_took(a, b, 2) < 5
+        a.send(proto.StatusQuery(2))  # (the barrier's id, answered)
+        report = a.recv()
+        assert isinstance(report, proto.StatusReport) and report.id == 2, report
+        a.send(proto.Submit(3, (proto.Barrier(),)))  # waits for rank 1's
+        a.send(proto.StatusQuery(3))
+        err = a.error()
+        assert (err.id, err.code) == (0, ErrorCode.BAD_MESSAGE), err
+        assert "request id 3 is taken: Submit #3 is not answered yet" in err.message, err
+        assert a.closed()
+        failed = b.recv()
+        assert isinstance(failed, proto.Event) and failed.kind is proto.EventKind.WORLD_FAILED, failed
+        b.send(proto.Submit(3, (proto.Barrier(),)))
+        assert b.error().code is ErrorCode.WORLD_FAILED
+
+
 def test_oversized_packet(raw: RawClient) -> None:
     raw.send_bytes(b"\x00" * (proto.MAX_MESSAGE_BYTES + 100))
     err = raw.error()

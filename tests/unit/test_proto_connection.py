@@ -193,6 +193,29 @@ def test_import_and_sym_alloc_with_fds() -> None:
     assert client.state is daemon.state is State.READY
 
 
+def test_a_request_id_unanswered_is_not_taken_again() -> None:
+    """Two unanswered requests of one id would get answers the client could not tell
+    apart: the daemon's side refuses the second (StateError, naming the id and the request
+    holding it); an answered id (Ok or Error) is free again, and a Forget holds none."""
+    client, daemon = connection_in(Role.CLIENT, State.READY), connection_in(Role.DAEMON, State.READY)
+    submit = Submit(5, (Barrier(),))
+    exchange(client, daemon, submit)
+    exchange(client, daemon, Forget((1,)))
+    exchange(client, daemon, Register(6, Mem(1, 0), 64))
+    exchange(daemon, client, Error(6, ErrorCode.UNKNOWN_BUFFER, "no"))
+    exchange(client, daemon, Deregister(6, 1))  # (answered: its id is free)
+    exchange(daemon, client, Ok(6))
+    with pytest.raises(StateError, match=r"request id 5 is taken: Submit #5 is not answered yet"):
+        daemon.receive(encode(StatusQuery(5)))
+    assert daemon.state is State.ERROR
+
+    answered = connection_in(Role.DAEMON, State.READY)
+    answered.receive(encode(submit))
+    answered.send(Ok(5))
+    assert answered.receive(encode(StatusQuery(5))) == StatusQuery(5)
+    assert answered.state is State.READY
+
+
 def test_status_query_before_hello() -> None:
     client, daemon = Connection(Role.CLIENT), Connection(Role.DAEMON)
     exchange(client, daemon, StatusQuery(1))
