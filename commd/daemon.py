@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import inspect
 import logging
 import os
 import resource
 import signal
 import socket
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 from proto.peer import MAX_DAEMON_NAME
 
@@ -99,16 +100,35 @@ async def _serve_until(stop: asyncio.Event, config: ServerConfig, ready: asyncio
         watch.cancel()
         log.info("stopping")
     finally:
-        notifier.notify("STOPPING=1", "STATUS=stopping")
-        if alive is not None:
-            alive.cancel()
-        if metrics is not None:
-            metrics.close()
-        server.shutdown()
-        if cluster is not None:
-            await cluster.farewell(PEER_FAREWELL_S)
-        notifier.close()
+        await _tear_down([
+            lambda: notifier.notify("STOPPING=1", "STATUS=stopping"),
+            *([alive.cancel] if alive is not None else []),
+            *([metrics.close] if metrics is not None else []),
+            server.shutdown,
+            *([lambda: cluster.farewell(PEER_FAREWELL_S)] if cluster is not None else []),
+            notifier.close,
+        ])
     return 1 if broke else 0
+
+
+async def _tear_down(steps: list[Callable[[], object]]) -> None:
+    """Take every step (awaiting those that return an awaitable), each though one before it
+    raised: a shutdown that failed half-way must still bid the other daemons farewell (or
+    they take it for lost) and close the rest. Then raise the first error; the later ones
+    are logged."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            done = step()
+            if inspect.isawaitable(done):
+                await done
+        except BaseException as exc:  # (a cancel too: the steps after it still run)
+            if first is None:
+                first = exc
+            else:
+                log.error("stopping: a later step failed too", exc_info=exc)
+    if first is not None:
+        raise first
 
 
 async def _watch_engine(engine: Engine, stop: asyncio.Event, broke: list[str]) -> None:

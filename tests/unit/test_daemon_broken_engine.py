@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -122,3 +123,61 @@ def test_a_daemon_bug_with_a_long_message_is_answered_internal_and_closed(sock_d
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(20) == 0
+
+
+CLOSE_FAILS = r"""
+import asyncio, os, signal, socket, sys
+from pathlib import Path
+from commd.config import ServerConfig
+from commd.daemon import serve
+from commd.engine.host import HostEngine
+from commd.status import query_status
+
+class CloseFails(HostEngine):
+    def close(self):
+        super().close()
+        raise RuntimeError("planted: the engine did not close")
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+async def main() -> None:
+    ready = asyncio.Event()
+    config = ServerConfig(socket_path=Path(sys.argv[1]), peer_listen=("127.0.0.1", 0),
+                          peer_secret=b"s" * 32)
+    before = open_fds()
+    served = asyncio.ensure_future(serve(config, ready, {"NOTIFY_SOCKET": sys.argv[2]}, CloseFails()))
+    await ready.wait()
+    port = (await asyncio.to_thread(query_status, sys.argv[1], 5))["peers"]["port"]
+    os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        await served
+    except RuntimeError as exc:
+        print("raised:", exc)
+    try:
+        socket.create_connection(("127.0.0.1", port), 2).close()
+        print("peer port: open")
+    except ConnectionRefusedError:
+        print("peer port: closed")
+    print("fds left open:", open_fds() - before)
+
+asyncio.run(main())
+"""
+
+
+def test_a_shutdown_that_raises_still_bids_farewell_and_closes_the_notifier(sock_dir: Path) -> None:
+    """The engine's close fails as the daemon stops (server.shutdown raises): the steps after
+    it were skipped, the peer port left listening (the other daemons not bid farewell) and
+    the sd_notify socket open. Every step is taken, then the engine's error is raised."""
+    notify = sock_dir / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as manager:
+        manager.bind(str(notify))
+        done = subprocess.run([sys.executable, "-c", CLOSE_FAILS, str(sock_dir / "commd.sock"), str(notify)],
+                              cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, timeout=40)
+        manager.setblocking(False)
+        said = [manager.recv(4096).decode().split("\n")[0] for _ in range(2)]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["raised: planted: the engine did not close", "peer port: closed",
+                                        "fds left open: 0"], done.stderr[-2000:]
+    assert said == ["READY=1", "STOPPING=1"]
