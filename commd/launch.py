@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -12,35 +13,96 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+# How long a daemon that a wrapper forked away is given to stop on SIGTERM before SIGKILL
+ORPHAN_STOP_S = 10.0
+
 
 def wait_for_socket(path: str | os.PathLike[str], timeout: float,
-                    proc: subprocess.Popen[bytes] | None = None) -> int:
+                    proc: subprocess.Popen[bytes] | None = None, *, wrapper: bool = False) -> int:
     """Once a daemon answers a status query at `path` (`proc` or a child of it, if given),
-    its pid; TimeoutError if none does."""
+    its pid; TimeoutError if none does. RuntimeError if `proc` exits first. A `wrapper`
+    `proc` (one that runs the daemon) that exits with code 0 forked the daemon away and
+    left (as `setsid -f` does), with no owner to stop it: the daemon it started (one that
+    answers at `path` and started after it, within `timeout`) is stopped, and the error
+    says so."""
+    deadline = time.monotonic() + timeout
+    # (read before poll() reaps it)
+    born = _started_at(proc.pid) if proc is not None and wrapper else None
+    other = ""
+    while True:
+        if proc is not None and proc.poll() is not None:
+            if proc.returncode == 0 and born is not None:
+                raise _forked_away(path, proc, born, deadline)
+            raise RuntimeError(f"the daemon exited with code {proc.returncode} before it was ready{other}")
+        pid = _answering(path, deadline)
+        # (a daemon already there answers too, while `proc` is refused the path and
+        # exits; a wrapper that forks, as timeout does, runs the daemon as its child)
+        if pid is not None and (proc is None or _runs_under(pid, proc.pid)):
+            return pid
+        if pid is not None:
+            other = f" (another daemon, pid {pid}, answers at {os.fspath(path)})"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no daemon answered at {path} within {timeout}s{other}")
+        time.sleep(0.02)
+
+
+def _answering(path: str | os.PathLike[str], deadline: float) -> int | None:
+    """The pid of the daemon that answers a status query at `path` now, if any."""
     from client.errors import CommError
 
     from .status import query_status
 
-    deadline = time.monotonic() + timeout
-    other = ""
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with code {proc.returncode} before it was ready{other}")
-        if os.path.exists(path):
-            try:
-                # each probe gets at most the time left: a hung daemon must not stretch the timeout
-                probe = min(1.0, max(0.01, deadline - time.monotonic()))
-                pid = query_status(os.fspath(path), probe).get("pid")
-                # (a daemon already there answers too, while `proc` is refused the path and
-                # exits; a wrapper that forks, as timeout does, runs the daemon as its child)
-                if isinstance(pid, int) and (proc is None or _runs_under(pid, proc.pid)):
-                    return pid
-                other = f" (another daemon, pid {pid}, answers at {os.fspath(path)})"
-            except CommError:
-                pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no daemon answered at {path} within {timeout}s{other}")
+    if not os.path.exists(path):
+        return None
+    try:
+        # each probe gets at most the time left: a hung daemon must not stretch the timeout
+        pid = query_status(os.fspath(path), min(1.0, max(0.01, deadline - time.monotonic()))).get("pid")
+    except CommError:
+        return None
+    return pid if isinstance(pid, int) else None
+
+
+def _forked_away(path: str | os.PathLike[str], wrapper: subprocess.Popen[bytes], born: int,
+                 deadline: float) -> RuntimeError:
+    """What to raise for a `wrapper` (started at `born`) that exited 0 before the daemon was
+    ready, once the daemon it left behind, if one answers by `deadline`, is stopped."""
+    command = os.fsdecode(wrapper.args[0]) if isinstance(wrapper.args, list) else str(wrapper.args)
+    what = (f"{command} exited with code 0 before the daemon was ready: it forked the daemon away "
+            f"(as setsid -f does), leaving no owner to stop it; run it under a command that execs "
+            f"it or waits for it")
+    while time.monotonic() <= deadline:
+        pid = _answering(path, deadline)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # (gone meanwhile)
+                pidfd = os.pidfd_open(pid)  # (held: the pid cannot be another's from here on)
+                try:
+                    started = _started_at(pid)
+                    if started is not None and started >= born:  # (else the one there before)
+                        _end(pidfd, ORPHAN_STOP_S)
+                        return RuntimeError(f"{what} (its daemon, pid {pid}, answered at "
+                                            f"{os.fspath(path)}, and was stopped)")
+                finally:
+                    os.close(pidfd)
         time.sleep(0.02)
+    return RuntimeError(f"{what} (no daemon it started answered at {os.fspath(path)} by the timeout)")
+
+
+def _end(pidfd: int, timeout: float) -> None:
+    """SIGTERM the process of `pidfd` (no child of ours: not waited for, its pidfd turns
+    readable as it exits), then SIGKILL it if it has not exited within `timeout`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, sig)
+        if select.select([pidfd], [], [], timeout)[0]:
+            return
+
+
+def _started_at(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux); None if it is gone."""
+    try:
+        return int(_stat(pid)[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _stat(pid: int) -> list[str]:
@@ -77,10 +139,13 @@ class DaemonProcess:
                  env: dict[str, str] | None = None, under: Sequence[str] = ()) -> None:
         """`under`: a command that execs the daemon's (given as its last arguments), to run
         it in a namespace of its own, say; not a pid namespace (start waits for the daemon
-        whose status names the pid it started, or a child of it: a wrapper may fork)."""
+        whose status names the pid it started, or a child of it: a wrapper may fork). Not
+        one that forks the daemon away and exits (`setsid -f`): stop could not reach the
+        daemon through it; start then stops the daemon and raises RuntimeError, saying so."""
         self.socket_path = Path(socket_path)
         # No --config: read none (not the host's /etc/commd/commd.toml, which is the service's)
         config = () if "--config" in args else ("--config", "")
+        self._wrapped = bool(under)
         self._cmd = [*under, sys.executable, "-m", "commd", "serve", *config, "--socket",
                      str(self.socket_path), "--engine", engine, "--log-level", log_level, *args]
         self._log = log
@@ -109,7 +174,7 @@ class DaemonProcess:
         self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=self._log, env=env,
                                      preexec_fn=pin if cpus else None)
         try:
-            pid = wait_for_socket(self.socket_path, timeout, self.proc)
+            pid = wait_for_socket(self.socket_path, timeout, self.proc, wrapper=self._wrapped)
             if pid != self.proc.pid:  # (a pidfd: a pid may be reused once its process is gone)
                 self._child = os.pidfd_open(pid)
         except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import resource
 import shutil
 import signal
@@ -182,6 +183,45 @@ def test_a_daemon_process_run_under_a_wrapper_that_forks_starts_and_stops(under:
     finally:
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_daemon_process_under_a_wrapper_that_forks_it_away_stops_that_daemon_and_says_so() -> None:
+    """`setsid -f` forks the daemon off and exits 0 at once: start raised 'the daemon exited
+    with code 0 before it was ready' (0.3 s in) while the daemon went on serving at the
+    path, with no owner to stop it. start now waits for that daemon (one that started
+    after the wrapper) to answer, stops it, and says why."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    daemon = DaemonProcess(path, under=["setsid", "-f"], log=subprocess.DEVNULL)
+    stopped = False
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            daemon.start(timeout=10)
+        found = re.fullmatch(r"setsid exited with code 0 before the daemon was ready: it forked the daemon "
+                             r"away \(as setsid -f does\), leaving no owner to stop it; run it under a "
+                             r"command that execs it or waits for it \(its daemon, pid (\d+), answered at "
+                             + re.escape(str(path)) + r", and was stopped\)", str(raised.value))
+        assert found is not None, raised.value
+        assert not _running(int(found[1]))
+        with pytest.raises(DaemonUnavailable):
+            query_status(str(path), 1)
+        assert not path.exists()  # (stopped with SIGTERM: it removed its socket file)
+        stopped = True
+    finally:
+        daemon.kill()
+        if not stopped:  # (a daemon left serving, or about to: ended)
+            with contextlib.suppress(TimeoutError, ProcessLookupError):
+                os.kill(wait_for_socket(path, 10), signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, not reaped yet, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_another_programs_live_stream_socket_at_the_path_is_left_alone() -> None:
