@@ -124,6 +124,9 @@ class LocalMembership:
     def voting(self) -> bool:
         return False
 
+    def votes_held(self) -> int:
+        return 0
+
     def missing(self) -> list[int]:
         return self._arrivals.missing()
 
@@ -291,6 +294,12 @@ class NetMembership:
     def voting(self) -> bool:
         """Whether the root holds votes: a world with no rank here yet is not empty then."""
         return bool(self._votes)
+
+    def votes_held(self) -> int:
+        """How many ranks' votes the root holds for the epoch being formed (its own ranks'
+        too, which a task counts after their hello): the status shows no other trace of a
+        member's rank before the world forms."""
+        return len(self._votes)
 
     def missing(self) -> list[int]:
         """Ranks that never arrived in this round (only the root knows; members say so, and

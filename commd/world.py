@@ -431,6 +431,7 @@ class World:
             "world_size": self.world_size,
             "ranks": sorted(self.members),
             "waiting": sorted(self._waiting),
+            "votes_held": self.membership.votes_held(),  # (the root's, of every daemon's ranks)
             "pending_calls": len(self.tickets),
             # received from other daemons, not yet taken by an op (bounded by the senders' windows)
             "peer_bytes_held": self.net.inbox.held_bytes if self.net is not None else 0,

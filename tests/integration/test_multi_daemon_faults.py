@@ -466,8 +466,9 @@ def test_a_rank_gone_after_its_vote_reached_the_root_may_come_again_on_the_other
         gone.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, 1, 2, 60_000,
                               bootstrap=a.peer_address()))
         wait_until(lambda: (world_status(first, world) or {}).get("waiting") == [1], timeout=10)
-        wait_until(lambda: world_status(a, world) is not None, "the vote at the root", timeout=10)
-        time.sleep(0.3)  # (a vote on the root is counted by a task of its own: it is, by now)
+        # (a vote on the root is counted by a task of its own, after the hello)
+        wait_until(lambda: (world_status(a, world) or {}).get("votes_held") == 1, "the vote at the root",
+                   timeout=10)
     wait_until(lambda: world_status(a, world) is None and world_status(b, world) is None,
                "both daemons forgot the world", timeout=10)
     comms = joined([a, then], a, world)
@@ -502,8 +503,7 @@ def test_a_rank_that_left_while_its_world_formed_fails_it_at_once(pair: list[Dae
         "except Exception as exc:\n    print(type(exc).__name__, round(time.monotonic() - started, 1))\n"))
     try:
         wait_until(lambda: (world_status(b, world) or {}).get("waiting") == [1, 2], timeout=20)
-        wait_until(lambda: world_status(a, world) is not None)  # the root holds both votes
-        time.sleep(0.3)
+        wait_until(lambda: (world_status(a, world) or {}).get("votes_held") == 2, "both votes at the root")
         os.kill(b.pid, signal.SIGSTOP)
         doomed.kill()
         doomed.wait(10)
@@ -537,7 +537,7 @@ def test_ranks_of_a_daemon_lost_while_the_world_forms_are_named_missing(pair: li
         with ThreadPoolExecutor(1) as threads:
             joining = threads.submit(DaemonBackend, str(a.socket_path), world, 0, 3, timeout=2,
                                      bootstrap=a.peer_address())
-            time.sleep(0.3)
+            wait_until(lambda: (world_status(a, world) or {}).get("votes_held") == 2, "rank 0's vote counted")
             b.kill()
             with pytest.raises(CommTimeout, match=r"ranks \[1, 2\] did not arrive"):
                 joining.result(20)
