@@ -2166,14 +2166,19 @@ def timed_world(daemons: list[DaemonProcess], root: DaemonProcess, world: str,
         return [j.result(20) for j in joins]
 
 
-def barrier_timeouts(comms: list[DaemonBackend], first: list[int], then: list[int],
-                     gap_s: float = 0.7) -> dict[int, str]:
+def barrier_timeouts(comms: list[DaemonBackend], first: list[int], then: list[int], world: str,
+                     held_on: DaemonProcess, gap_s: float = 0.7) -> dict[int, str]:
     """Ranks `first` enter a barrier, `then` `gap_s` later (their daemon's watchdog fires that
     much after theirs), the others never (until the world failed, when they call it too):
-    each rank's CommTimeout message."""
+    each rank's CommTimeout message. The first of `first` calls alone until its daemon
+    `held_on` holds the call: the call a timeout names is the oldest open one, and calls
+    sent together reach their daemon in no promised order."""
     said: dict[int, str] = {}
     with ThreadPoolExecutor(len(comms)) as threads:
-        calls = {r: threads.submit(comms[r].barrier) for r in first}
+        calls = {first[0]: threads.submit(comms[first[0]].barrier)}
+        wait_until(lambda: (world_status(held_on, world) or {}).get("pending_calls") == 1,
+                   f"rank {first[0]}'s call held")
+        calls |= {r: threads.submit(comms[r].barrier) for r in first[1:]}
         time.sleep(gap_s)
         calls |= {r: threads.submit(comms[r].barrier) for r in then}
         for rank, call in calls.items():
@@ -2203,9 +2208,10 @@ def test_a_call_timed_out_across_daemons_names_the_rank_behind(
     daemon B, no call known here (`commd status --world W` there shows their calls)', or the
     same of daemon A, and which rank was behind took asking the other daemon)."""
     a, b = pair
-    comms = timed_world([a, a, b, b], a, world_name(), 1.5)
+    daemons, world = [a, a, b, b], world_name()
+    comms = timed_world(daemons, a, world, 1.5)
     try:
-        said = barrier_timeouts(comms, first, then)
+        said = barrier_timeouts(comms, first, then, world, daemons[first[0]])
     finally:
         for comm in comms:
             comm.close()
@@ -2223,9 +2229,10 @@ def test_a_member_s_call_timeout_hears_the_other_members_through_the_root(pair: 
         with DaemonProcess(Path(tmp) / "C" / "commd.sock", env=SECRET, args=[
                 "--peer-listen", "127.0.0.1:0", "--peer-name", "C", *FAST]) as c:
             a, b = pair
-            comms = timed_world([a, b, c], a, world_name(), 1.5)
+            world = world_name()
+            comms = timed_world([a, b, c], a, world, 1.5)
             try:
-                said = barrier_timeouts(comms, [1], [0])
+                said = barrier_timeouts(comms, [1], [0], world, b)
             finally:
                 for comm in comms:
                     comm.close()
@@ -2253,7 +2260,12 @@ def test_a_call_timeout_does_not_wait_long_for_a_frozen_daemon(pair: list[Daemon
             try:
                 said: dict[int, str] = {}
                 with ThreadPoolExecutor(3) as threads:
-                    calls = [threads.submit(comms[r].barrier) for r in (0, 1, 2)]
+                    # rank 0's first, held before the others go: the call named is the oldest
+                    # open one, and two calls sent together reach A in no promised order
+                    calls = [threads.submit(comms[0].barrier)]
+                    wait_until(lambda: (world_status(a, world) or {}).get("pending_calls") == 1,
+                               "rank 0's call on A")
+                    calls += [threads.submit(comms[r].barrier) for r in (1, 2)]
                     wait_until(lambda: (world_status(b, world) or {}).get("pending_calls") == 1,
                                "rank 2's call on B")
                     os.kill(b.pid, signal.SIGSTOP)
@@ -2500,7 +2512,7 @@ def test_a_call_timeout_names_a_rank_that_moved_daemons_once(pair: list[DaemonPr
                 done.result(20)
         # (A's status no longer shows rank 1's calls from before the move as its newest)
         assert sorted(world_status(a, world)["recent_calls"]) == ["0"]  # type: ignore[index]
-        said = barrier_timeouts(comms, [0], [2])
+        said = barrier_timeouts(comms, [0], [2], world, a)
     finally:
         for comm in comms:
             comm.close()
