@@ -51,6 +51,7 @@ from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import (
     RankPool,
     eventually,
+    last_call,
     memfd_mappings,
     raise_nofile,
     short_tmpdir,
@@ -232,23 +233,24 @@ def test_stale_epoch_messages_are_refused(pool: RankPool, pair: list[DaemonProce
     wait_until(lambda: (world_status(root, world) or {}).get("epoch") == 2
              and (world_status(root, world) or {}).get("pending_calls") == 1)
     before = query_status(str(root.socket_path), 5)["peers"]["stale_refused"]
-    asyncio.run(_send_stale(root, world))
-    wait_until(lambda: query_status(str(root.socket_path), 5)["peers"]["stale_refused"] >= before + 2)
+    asyncio.run(_send_stale(root, world, before + 2))
     assert (world_status(root, world) or {}).get("state") == "ready"
     results = [o.unwrap() for o in pool.collect(started, 30)]
     want = reduce_reference([make_input(3, r, 32, "i64", "sum") for r in range(2)], "i64", "sum")
     assert results == [want.tobytes()] * 2
 
 
-async def _send_stale(root: DaemonProcess, world: str) -> None:
-    """As an authenticated daemon, say epoch 1 of the world failed, and send epoch-1 data."""
+async def _send_stale(root: DaemonProcess, world: str, refused: int) -> None:
+    """As an authenticated daemon, say epoch 1 of the world failed, and send epoch-1 data;
+    close the link once the root's stale_refused count reached `refused`."""
     settings = PeerSettings("intruder", SECRET["COMMD_PEER_SECRET"].encode())
     node = PeerNode(settings, lambda link, msg, payload: None, lambda link, reason: None)
     link = await node.dial(*parse_address(root.peer_address()))
     link.send(p.WorldFailed(world, 1, ErrorCode.WORLD_FAILED, "old news"))
     link.send(p.Data(world, 1, "up", 0, 0, 1, "barrier()"), b"")
     await link.drain()
-    await asyncio.sleep(0.3)
+    await eventually(lambda: query_status(str(root.socket_path), 5)["peers"]["stale_refused"] >= refused,
+                     "the root refusing both as stale", timeout=15)
     link.close("done")
 
 
@@ -279,9 +281,11 @@ def test_a_network_fault_heals_and_the_world_is_rebuilt(pool: RankPool, pair: li
         # the member reaches the root only through the proxy; the root's own rank dials itself
         args = [(spec(root, root), world, 0, 2, 6), (f"{member.socket_path}@{proxy.address}", world, 1, 2, 6)]
         started = pool.start(workers.ride_out_a_cut, args)
-        wait_until(lambda: (world_status(root, world) or {}).get("epoch") == 1
-                 and (world_status(root, world) or {}).get("pending_calls") == 0)
-        time.sleep(0.3)
+        # the fault comes as they watch for it, their all_reduce and barrier (#1) done: a call
+        # it broke would fail the worker (after a sleep it was, had the ranks come in time)
+        wait_until(lambda: all((call.get("seq"), call.get("state")) == (1, "done")
+                               for call in (last_call(d, world, r) for r, d in enumerate(pair))),
+                   "both ranks' barrier done")
         began = time.time()
         getattr(proxy, fault)()
         time.sleep(lasts)
