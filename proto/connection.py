@@ -16,6 +16,7 @@ told from the other's (WIRE.md §7).
 from __future__ import annotations
 
 import enum
+from typing import NoReturn
 
 from . import messages as m
 from .codec import OpsCache, PackedOps, decode, encode
@@ -75,9 +76,9 @@ class Connection:
         self.state = State.AWAIT_HELLO
         self._ops_cache: OpsCache = {}
         self._packed_ops: PackedOps = {}
-        # Ids of the requests received and not answered yet -> their kind (only the daemon
-        # receives requests, so a client's stays empty)
-        self._unanswered: dict[int, type] = {}
+        # Ids of the requests received and not answered yet -> their kind. None on the
+        # client's side, which receives no requests: there the check costs one test a message
+        self._unanswered: dict[int, type] | None = {} if our_role is Role.DAEMON else None
 
     @property
     def state(self) -> State:
@@ -98,7 +99,7 @@ class Connection:
         except ProtoError:
             self.state = State.ERROR
             raise
-        if type(msg) in _ANSWERS:
+        if self._unanswered is not None and type(msg) in _ANSWERS:
             self._unanswered.pop(msg.id, None)  # type: ignore[union-attr]
         return packet
 
@@ -112,18 +113,18 @@ class Connection:
             self.state = State.ERROR
             raise
         self._advance(self.their_role, self._they_may_send, msg)
-        if self.their_role is Role.CLIENT and type(msg) is not m.Forget:  # (a Forget has no id, nor answer)
-            self._hold_id(msg)
+        unanswered = self._unanswered
+        if unanswered is not None and type(msg) is not m.Forget:  # (a Forget has no id, nor answer)
+            request_id: int = msg.id  # type: ignore[union-attr]
+            if request_id in unanswered:
+                self._refuse_taken(request_id, unanswered[request_id])
+            unanswered[request_id] = type(msg)
         return msg
 
-    def _hold_id(self, request: m.Message) -> None:
-        request_id: int = request.id  # type: ignore[union-attr]
-        holder = self._unanswered.get(request_id)
-        if holder is not None:
-            self.state = State.ERROR
-            raise StateError(f"request id {request_id} is taken: {holder.__name__} #{request_id} "
-                             "is not answered yet (ids must be unique among unanswered requests)")
-        self._unanswered[request_id] = type(request)
+    def _refuse_taken(self, request_id: int, holder: type) -> NoReturn:
+        self.state = State.ERROR
+        raise StateError(f"request id {request_id} is taken: {holder.__name__} #{request_id} "
+                         "is not answered yet (ids must be unique among unanswered requests)")
 
     def _advance(self, sender: Role, legal: frozenset[type], msg: m.Message) -> None:
         kind = type(msg)
