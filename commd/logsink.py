@@ -51,6 +51,8 @@ class NonBlockingFdHandler(logging.Handler):
             return
         with self._changed:
             if not self._backlog and self._poll.poll(0):
+                if self._dropped:  # (their note goes out first, where they were left out)
+                    line = self._dropped_note() + line
                 try:
                     line = line[os.write(self._fd, line[:_UNBLOCKED_WRITE]):]
                 except OSError:  # the reader is gone (EPIPE): nowhere to tell it

@@ -97,6 +97,26 @@ def test_a_stalled_reader_blocks_no_log_call_and_what_is_dropped_is_counted_in_p
                             "line 200 after"]
 
 
+def test_the_note_of_dropped_lines_comes_before_the_next_line_though_that_goes_out_at_once(
+        pipe: tuple[int, int]) -> None:
+    """Lines dropped while the pipe was full, then the reader reads it all: the next line
+    goes out at once, and the note of the dropped ones before it (before: the note waited
+    for a line that had to be kept, or for the flush at exit, far from its place, and a
+    daemon killed meanwhile never told). A handler that keeps nothing: no writer thread."""
+    r, w = pipe
+    log = logger_to(NonBlockingFdHandler(w, backlog_bytes=0), "in_place")
+    for i in range(100):
+        log.info("line %03d %s", i, "x" * 90)
+    out = read_all(r)
+    log.info("after")
+    lines = (out + read_all(r)).decode().splitlines()
+    kept = sum(line.startswith("line ") for line in lines)
+    assert 0 < kept < 100
+    assert [int(line.split()[1]) for line in lines[:kept]] == list(range(kept))
+    note = f"{100 - kept} log lines were dropped here: the log's reader (stderr) was stalled"
+    assert lines[kept:] == [note, "after"]
+
+
 def test_the_note_of_dropped_lines_is_in_the_handlers_format(pipe: tuple[int, int]) -> None:
     r, w = pipe
     handler = NonBlockingFdHandler(w, backlog_bytes=1024)
