@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import stat
 import threading
 from collections import deque
 
@@ -35,6 +36,9 @@ class NonBlockingFdHandler(logging.Handler):
         super().__init__()
         self._fd = fd
         self._limit = backlog_bytes
+        # A regular file has no reader to wait for (and poll says it always takes a line):
+        # a line is written whole, or one over PIPE_BUF would end through the thread, late
+        self._at_once = None if stat.S_ISREG(os.fstat(fd).st_mode) else _UNBLOCKED_WRITE
         self._poll = select.poll()
         self._poll.register(fd, select.POLLOUT)
         self._changed = threading.Condition()  # guards what follows; notified as the backlog changes
@@ -54,7 +58,7 @@ class NonBlockingFdHandler(logging.Handler):
                 if self._dropped:  # (their note goes out first, where they were left out)
                     line = self._dropped_note() + line
                 try:
-                    line = line[os.write(self._fd, line[:_UNBLOCKED_WRITE]):]
+                    line = line[os.write(self._fd, line[:self._at_once]):]
                 except OSError:  # the reader is gone (EPIPE): nowhere to tell it
                     return
                 if not line:
