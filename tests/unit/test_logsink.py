@@ -7,6 +7,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,7 +90,10 @@ def test_a_stalled_reader_blocks_no_log_call_and_what_is_dropped_is_counted_in_p
         pipe: tuple[int, int]) -> None:
     """200 lines of 100 bytes into a 4 KiB pipe nobody reads, with 8 KiB kept: every call
     returns (before: one waited for the reader for ever); read later, the lines come in
-    order, and one line stands where the dropped ones were, with their number."""
+    order, and one line stands where each run of dropped ones was, with their number.
+    (Where the runs fall depends on when the writer thread gets the GIL from the burst:
+    before it has filled the pipe's page, the 8 KiB fill sooner and a second run can follow
+    the lines it makes room for.)"""
     r, w = pipe
     handler = NonBlockingFdHandler(w, backlog_bytes=8192)
     log = logger_to(handler, "stalled")
@@ -104,12 +108,18 @@ def test_a_stalled_reader_blocks_no_log_call_and_what_is_dropped_is_counted_in_p
     out = drained(handler, r)
     log.info("line %03d after", 200)
     lines = (out + drained(handler, r)).decode().splitlines()
-    kept = len(lines) - 2
-    dropped = 200 - kept
-    assert 40 < kept < 200  # (the pipe's page and the 8 KiB)
-    assert [int(line.split()[1]) for line in lines[:kept]] == list(range(kept))
-    assert lines[kept:] == [f"{dropped} log lines were dropped here: the log's reader (stderr) was stalled",
-                            "line 200 after"]
+    assert lines[-1] == "line 200 after"
+    told, kept, notes = 0, 0, 0  # lines seen or counted; kept; notes
+    for line in lines[:-1]:
+        note = re.fullmatch(r"(\d+) log lines were dropped here: the log's reader \(stderr\) was stalled",
+                            line)
+        if note is not None:
+            told, notes = told + int(note[1]), notes + 1
+        else:
+            assert line.startswith(f"line {told:03d} "), (told, line)
+            told, kept = told + 1, kept + 1
+    assert told == 200 and notes >= 1
+    assert 80 < kept < 200  # (at least the 8 KiB)
 
 
 def test_the_note_of_dropped_lines_comes_before_the_next_line_though_that_goes_out_at_once(
