@@ -210,7 +210,8 @@ def test_recv_command_refuses_root(pool: RankPool, sock: str) -> None:
 
 
 @pytest.mark.parametrize("n,grouping", [(1, None), (3, None), (3, (0,)), (3, (0, 2))])
-def test_group_submits_calls_together(pool: RankPool, sock: str, n: int, grouping: tuple[int, ...] | None) -> None:
+def test_group_submits_calls_together(pool: RankPool, sock: str, n: int,
+                                      grouping: tuple[int, ...] | None) -> None:
     """A group's calls match the other ranks' calls one by one, as separate calls do
     (WIRE.md `submit`): a rank may group calls that the others make one at a time."""
     results = run(pool, sock, n, workers.group_two_reduces, 513, 81, grouping)
