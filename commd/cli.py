@@ -30,7 +30,7 @@ from .errors import ConfigError
 
 def _serve(args: argparse.Namespace) -> int:
     from .daemon import run
-    from .logs import setup_logging
+    from .logs import flush_logs, setup_logging
     from .settings import load_config
 
     config = load_config(vars(args), os.environ, args.config)
@@ -39,6 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
         return run(config)
     except ConfigError as exc:
         raise located(exc, config.sources) from None
+    finally:
+        flush_logs()  # (main prints a final error to stderr past the log lines that led to it)
 
 
 def _status(args: argparse.Namespace) -> int:

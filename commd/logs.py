@@ -61,6 +61,13 @@ def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
     root.setLevel(level)
 
 
+def flush_logs() -> None:
+    """Let the lines kept for a stalled stderr out first (bounded: `logsink.FLUSH_WAIT_S`),
+    before what is written past logging: a final error's print, an os._exit."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+
+
 class Throttled:
     """Warnings of one kind, at most one every `interval_s`: a client that reconnects
     without end with a bad packet, or a port scan of the peer port, must not flood the

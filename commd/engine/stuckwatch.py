@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from ..logs import flush_logs
+
 log = logging.getLogger("commd.engine.nccl")
 
 ABORT_LIMIT_S = 60.0  # a normal ncclCommAbort takes well under a second
@@ -18,8 +20,7 @@ ABORT_LIMIT_S = 60.0  # a normal ncclCommAbort takes well under a second
 def _exit_stuck(why: str) -> None:
     log.critical("%s: the daemon cannot make NCCL calls any more; exiting, for the service manager "
                  "to start the daemon afresh", why)
-    for handler in logging.getLogger().handlers:  # (os._exit skips logging's own flush at exit)
-        handler.flush()
+    flush_logs()  # (os._exit skips logging's own flush at exit)
     os._exit(1)  # the thread is inside NCCL, and NCCL takes no other call meanwhile: nothing else ends it
 
 
