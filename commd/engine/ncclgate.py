@@ -44,6 +44,7 @@ class NcclGate:
         self._jobs: list[concurrent.futures.Future[None]] = []  # all, for a wait without a loop
         self._closing = False
         self._running: tuple[str, float] | None = None  # the job on the thread now, since when
+        self._follow_ups: list[_Once] = []  # the `then`s not yet run (close runs them)
 
     @property
     def closed(self) -> bool:
@@ -71,7 +72,9 @@ class NcclGate:
             done = self._thread.submit(self._guarded, what, job)
         self._jobs = [other for other in self._jobs if not other.done()] + [done]
         if then is not None:
-            asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: then())
+            follow_up = _Once(then)
+            self._follow_ups = [f for f in self._follow_ups if not f.ran] + [follow_up]
+            asyncio.wrap_future(done, loop=loop).add_done_callback(lambda _: follow_up())
 
     def holding(self) -> str | None:
         """What the thread runs now, and for how long (for `commd status`), or None."""
@@ -102,12 +105,21 @@ class NcclGate:
 
     def close(self) -> None:
         """Let the jobs asked so far finish (called on the loop's thread, which makes no
-        NCCL call meanwhile, so aborts need not ask it); later ones run on the caller's."""
+        NCCL call meanwhile, so aborts need not ask it), then run their `then`s here;
+        later ones run on the caller's. An abort's `then` tears its communicators down:
+        left to the loop, it would let go of their memory after the engine closed (after
+        the workers heard of the stop, or never, once the loop stopped)."""
         self._closing = True
         asking = self._asking
         if asking is not None:
             asking.set()
         self._thread.shutdown(wait=True)
+        follow_ups, self._follow_ups = self._follow_ups, []
+        for follow_up in follow_ups:
+            try:
+                follow_up()
+            except Exception:  # as the loop would: logged, and the others still run
+                log.exception("what followed an NCCL call of the gate failed")
 
     def _exclusive(self, loop: asyncio.AbstractEventLoop, what: str, job: Callable[[], None]) -> None:
         """An abort, on the thread: once the loop closed the gate, and open it after."""
@@ -152,6 +164,22 @@ class NcclGate:
             log.exception("%s failed", what)
         finally:
             self._running = None
+
+
+class _Once:
+    """A job's `then`, which the loop's callback or close runs, whichever comes first
+    (both on the loop's thread)."""
+
+    __slots__ = ("_then", "ran")
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self._then = then
+        self.ran = False
+
+    def __call__(self) -> None:
+        if not self.ran:
+            self.ran = True
+            self._then()
 
 
 def loop_running() -> bool:

@@ -305,6 +305,29 @@ async def test_an_abort_runs_off_the_loop_and_no_nccl_call_runs_beside_it(gpu: F
         engine.close()
 
 
+async def test_closing_the_engine_during_an_abort_lets_go_of_its_world_before_returning(
+        gpu: FakeGpu) -> None:
+    """A daemon shutting down aborts its worlds, then closes the engine, then tells the
+    workers. The close waits for the abort; the world's teardown that follows it (its
+    streams, its scratch memory) must be over by then too, not left to the loop: that
+    would free after the engine closed (the freeing thread gone: on the loop), or never."""
+    engine = NcclEngine(gpu)
+    try:
+        baseline = gpu.allocations
+        comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
+        await asyncio.wait_for(comm.run(BarrierOp((0, 1))), 5)
+        assert gpu.allocations == baseline + 2 and gpu.streams_of(0) and gpu.streams_of(1)  # (scratch)
+        gpu.abort_takes_s = 0.2  # (each rank's: the abort still runs when the close comes)
+        comm.abort()
+        await abort_started(engine, gpu)
+    finally:
+        engine.close()
+    assert gpu.allocations == baseline and gpu.streams_of(0) == gpu.streams_of(1) == []
+    assert [thread for _, thread in gpu.released_on] == ["MainThread"] * 2  # (the closing caller's)
+    await asyncio.sleep(0.05)  # (nothing left for the loop)
+    assert len(gpu.released_on) == 2
+
+
 async def test_a_world_formed_during_an_abort_starts_after_it_and_the_loop_goes_on(gpu: FakeGpu) -> None:
     """A failed world's ranks reconnect at once, while its abort still runs: the new
     communicator's init waits for the abort in its ranks' turn, the loop going on; its ops
