@@ -7,7 +7,6 @@ would fault the GPU). The frees themselves run off the event loop (`Freer`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -19,7 +18,7 @@ from proto import ErrorCode
 from ..errors import CallError
 from .gpu import Gpu, GpuError, Imported, Origin
 from .launches import Launches
-from .ncclgate import NcclGate
+from .ncclgate import NcclGate, loop_running
 
 log = logging.getLogger("commd.engine.nccl")
 
@@ -109,22 +108,25 @@ class Freer:
         self._release(memory)
 
     def _nccl_free(self, memory: Imported) -> None:
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+        looped = loop_running()  # (without a loop nothing launches)
+        handed_back = False
 
         def job() -> None:  # on the gate's thread, maybe long after it was asked
-            if loop is None or self.launches.quiet():  # (without a loop nothing launches)
+            nonlocal handed_back
+            if not looped or self.launches.quiet():
                 self._release(memory)
-                return
-            try:
-                loop.call_soon_threadsafe(self.launches.after, functools.partial(self._nccl_free, memory))
-            except RuntimeError:  # the loop is gone: the driver frees it with the process
-                log.warning("ncclMemFree of %d bytes at %#x dropped: the daemon is ending",
-                            memory.size, memory.ptr)
+            else:
+                handed_back = True
 
-        self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}", job, closes=False)
+        def then() -> None:
+            # Through the gate's `then`, not a callback of its own: the gate's close runs
+            # it, after the launches closed (so it frees at once), before the engine's
+            # close returns; a callback could come after, or never once the loop stopped
+            if handed_back:
+                self.launches.after(functools.partial(self._nccl_free, memory))
+
+        self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}", job, then=then,
+                       closes=False)
 
     def _release_between_launches(self, memory: Imported) -> None:
         with self.launches.between():

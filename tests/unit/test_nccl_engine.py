@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -1670,6 +1671,10 @@ class _FreesDuringLaunches(FakeGpu):
             self.inside.append("deregistration")
         super().comm_deregister(comm, handle)
 
+    def comm_abort(self, comm: int) -> None:
+        super().comm_abort(comm)
+        self.launching.discard(comm)  # NCCL's thread enqueues none of its launch after this
+
 
 async def _send_left_half_made(engine: NcclEngine, gpu: _FreesDuringLaunches
                                ) -> tuple[NcclCommunicator, asyncio.Future[None]]:
@@ -1833,6 +1838,46 @@ async def test_a_launch_that_never_settles_keeps_no_free_past_the_engine_closing
     engine.close()  # (cancelled first, the launch would end its window itself)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
     await _cancelled(sent)
+
+
+async def test_a_free_handed_back_to_the_loop_by_a_launch_goes_before_the_engine_closed() -> None:
+    """The gate's thread finds a launch half made when an ncclMemFree's turn comes and
+    hands the free back (it must never wait), just as the loop stops the daemon: the
+    world aborted, the engine closed. The memory must be gone when close returns (the
+    workers hear of the stop then, and no loop may run after), not inside the launch."""
+    gpu = _FreesDuringLaunches()
+    engine = NcclEngine(gpu)
+    allocated = [engine.allocate(64) for _ in range(2)]
+    for _, fd in allocated:
+        os.close(fd)
+    go = threading.Event()
+    real_release = gpu.release
+
+    def held(memory: Imported) -> None:  # the first free then keeps the gate's thread until `go`
+        real_release(memory)
+        if len(gpu.released_on) == 1:
+            go.wait(5)
+
+    gpu.release = held  # type: ignore[method-assign]
+    for shared, _ in allocated:
+        shared.close()  # no launch yet: both go to the gate's thread
+    await until(lambda: len(gpu.released_on) == 1)  # (the first: before any launch began)
+    comm, sent = await _send_left_half_made(engine, gpu)
+    live = gpu.allocations  # (the second's among them)
+    try:
+        go.set()
+        time.sleep(0.5)  # (the loop blocked) the second free's turn: it finds the launch half made
+        assert [origin for origin, _ in gpu.released_on] == [Origin.NCCL]
+        comm.abort()  # (a daemon stopping: every world, then the engine)
+    finally:
+        go.set()
+        engine.close()
+    assert [origin for origin, _ in gpu.released_on] == [Origin.NCCL] * 2  # (no await since close)
+    assert gpu.allocations == live - 1
+    await _cancelled(sent)
+    await asyncio.sleep(0.1)  # what the loop still had: no second ncclMemFree
+    assert [origin for origin, _ in gpu.released_on].count(Origin.NCCL) == 2
+    assert gpu.inside == [] and gpu.violations == []
 
 
 async def test_ncclmemalloc_memory_that_cannot_be_handed_over_goes_between_launches() -> None:
