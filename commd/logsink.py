@@ -8,9 +8,11 @@ and every world's calls with it, until the watchdog kills the daemon.
 `NonBlockingFdHandler` writes a line at once when the descriptor can take it
 without waiting, which is the usual case: the line is out before the log call
 returns, as with a StreamHandler. Otherwise the line is kept, in order, for a
-thread of its own that waits for the reader. What is kept is bounded: past
-`backlog_bytes`, lines are dropped and counted, and a line in their place says
-how many (the journal must not cost the daemon its memory).
+thread of its own that waits for the reader (also where another process sharing
+the descriptor set it O_NONBLOCK: EAGAIN then is a full pipe, not a gone reader).
+What is kept is bounded: past `backlog_bytes`, lines are dropped and counted, and
+a line in their place says how many (the journal must not cost the daemon its
+memory).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from collections import deque
 
 BACKLOG_BYTES = 1 << 20
 FLUSH_WAIT_S = 2.0  # at exit: the last lines, unless the reader stays stalled
+# The writer's wait for a descriptor set O_NONBLOCK (by anyone sharing its open file, a
+# parent or a sibling) to take more: a bound on each wait, not on the whole
+_WRITABLE_WAIT_MS = 1000
 # A pipe that polls writable has a free page; a socket, half its send buffer: a write
 # of up to this many bytes then does not wait.
 _UNBLOCKED_WRITE = select.PIPE_BUF
@@ -59,6 +64,8 @@ class NonBlockingFdHandler(logging.Handler):
                     line = self._dropped_note() + line
                 try:
                     line = line[os.write(self._fd, line[:self._at_once]):]
+                except BlockingIOError:  # O_NONBLOCK, and another writer filled it since poll
+                    pass
                 except OSError:  # the reader is gone (EPIPE): nowhere to tell it
                     return
                 if not line:
@@ -89,14 +96,19 @@ class NonBlockingFdHandler(logging.Handler):
         return (self.format(record) + "\n").encode()
 
     def _write_backlog(self) -> None:
+        writable = select.poll()  # (emit's is used under the lock, this one outside it)
+        writable.register(self._fd, select.POLLOUT)
         while True:
             with self._changed:
                 while not self._backlog:
                     self._changed.wait()
                 line = self._backlog[0]
             try:
-                while line:  # (blocking: this thread is here to wait for the reader)
-                    line = line[os.write(self._fd, line):]
+                while line:  # (this thread is here to wait for the reader)
+                    try:
+                        line = line[os.write(self._fd, line):]
+                    except BlockingIOError:  # O_NONBLOCK: a full pipe, not a gone reader
+                        writable.poll(_WRITABLE_WAIT_MS)
             except OSError:
                 pass  # gone: the line is lost, as it would be with the reader
             with self._changed:

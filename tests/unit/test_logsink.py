@@ -86,15 +86,18 @@ def drained(handler: NonBlockingFdHandler, r: int) -> bytes:
     return out + read_all(r)
 
 
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
 def test_a_stalled_reader_blocks_no_log_call_and_what_is_dropped_is_counted_in_place(
-        pipe: tuple[int, int]) -> None:
+        pipe: tuple[int, int], nonblocking: bool) -> None:
     """200 lines of 100 bytes into a 4 KiB pipe nobody reads, with 8 KiB kept: every call
     returns (before: one waited for the reader for ever); read later, the lines come in
     order, and one line stands where each run of dropped ones was, with their number.
     (Where the runs fall depends on when the writer thread gets the GIL from the burst:
     before it has filled the pipe's page, the 8 KiB fill sooner and a second run can follow
-    the lines it makes room for.)"""
+    the lines it makes room for.) The pipe set O_NONBLOCK (as a parent or a sibling
+    may set it) changes nothing of it."""
     r, w = pipe
+    os.set_blocking(w, not nonblocking)
     handler = NonBlockingFdHandler(w, backlog_bytes=8192)
     log = logger_to(handler, "stalled")
     def burst() -> None:
@@ -154,3 +157,21 @@ def test_the_note_of_dropped_lines_is_in_the_handlers_format(pipe: tuple[int, in
     assert [line["message"].split()[1] for line in lines[:-1]] == [f"{i:03d}" for i in range(100 - dropped)]
     note = f"{dropped} log lines were dropped here: the log's reader (stderr) was stalled"
     assert (lines[-1]["level"], lines[-1]["logger"], lines[-1]["message"]) == ("WARNING", "commd.logs", note)
+
+
+def test_lines_kept_for_a_pipe_set_nonblocking_by_another_wait_for_its_reader(
+        pipe: tuple[int, int]) -> None:
+    """O_NONBLOCK is a flag of the open file, which a parent or a sibling sharing stderr may
+    set: a full pipe then answers a write with EAGAIN. 200 lines of 100 bytes into a 4 KiB
+    pipe nobody reads for 0.3 s: read then, every line comes, in order (before: the writer
+    thread took EAGAIN for a gone reader and lost every line it was given: the 40 lines
+    the pipe held came, of 200)."""
+    r, w = pipe
+    os.set_blocking(w, False)
+    handler = NonBlockingFdHandler(w)
+    log = logger_to(handler, "nonblocking")
+    for i in range(200):
+        log.info("line %03d %s", i, "x" * 90)
+    threading.Event().wait(0.3)  # (the writer meets the full pipe meanwhile)
+    lines = drained(handler, r).decode().splitlines()
+    assert lines == [f"line {i:03d} {'x' * 90}" for i in range(200)]
