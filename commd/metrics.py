@@ -124,45 +124,56 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
     """Serve GET /metrics on (host, port) from this event loop."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    active: set[asyncio.StreamWriter] = set()
-    waiting: dict[asyncio.StreamWriter, None] = {}  # connected, no request read yet: oldest first
-    slot_freed = asyncio.Event()
-    queued = 0
+    active: set[asyncio.StreamWriter] = set()  # holding a slot
+    waiting: dict[asyncio.StreamWriter, None] = {}  # active, no request read yet: oldest first
+    # waiting for a slot, oldest first: a freed slot is handed to the first (FIFO)
+    queued: dict[asyncio.StreamWriter, asyncio.Future[None]] = {}
 
-    async def take_slot() -> bool:
-        """Whether the newcomer may be served, after waiting (bounded) for a slot."""
-        nonlocal queued
-        deadline = asyncio.get_running_loop().time() + _REQUEST_TIMEOUT_S
-        while len(active) >= _MAX_SCRAPERS:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
-            if waiting:
-                # one that has said nothing yet yields to the newcomer: idle connections held
-                # open cannot shut scrapers out (a scraper sends its request at once)
-                idle = next(iter(waiting))
-                del waiting[idle]
-                active.discard(idle)
-                idle.close()
-                return True
-            # every slot is being answered, which ends within the drain's timeout: a scrape
-            # in a burst waits for one rather than being reset unanswered
-            if queued >= _MAX_SCRAPERS:
-                return False
-            slot_freed.clear()
-            queued += 1
-            try:
-                await asyncio.wait_for(slot_freed.wait(), deadline - asyncio.get_running_loop().time())
-            except TimeoutError:
-                return False
-            finally:
-                queued -= 1
-        return True
+    def free_slot(writer: asyncio.StreamWriter) -> None:
+        """Close `writer` and hand its slot, if it held one, to the oldest waiting scrape."""
+        waiting.pop(writer, None)
+        writer.close()
+        if writer not in active:
+            return
+        active.discard(writer)
+        while queued:
+            turn_of = next(iter(queued))
+            turn = queued.pop(turn_of)
+            if not turn.done():  # (else it timed out, or its handler was cancelled)
+                active.add(turn_of)
+                turn.set_result(None)
+                return
+
+    async def take_slot(writer: asyncio.StreamWriter) -> bool:
+        """Whether the newcomer may be served, after waiting (bounded, first come first
+        served) for a slot; it then holds one."""
+        if len(active) >= _MAX_SCRAPERS and waiting and not queued:
+            # one that has said nothing yet yields to the newcomer: idle connections held
+            # open cannot shut scrapers out (a scraper sends its request at once). Not
+            # while scrapes wait: the slot would be theirs, and one just handed a slot has
+            # not been read yet either
+            free_slot(next(iter(waiting)))
+        if len(active) < _MAX_SCRAPERS and not queued:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
+            active.add(writer)
+            return True
+        # every slot is being answered, which ends within the drain's timeout: a scrape in
+        # a burst waits for one rather than being reset unanswered
+        if len(queued) >= _MAX_SCRAPERS:
+            return False
+        turn = queued[writer] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(turn, _REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            pass
+        finally:
+            queued.pop(writer, None)
+        return writer in active  # (a turn given as the wait timed out still counts)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not await take_slot():
-            writer.close()
-            return
-        active.add(writer)
-        waiting[writer] = None
         try:
+            if not await take_slot(writer):
+                return
+            waiting[writer] = None
             head = await asyncio.wait_for(_read_head(reader), _REQUEST_TIMEOUT_S)
             request_line = head.split(b"\n", 1)[0].rstrip(b"\r")
             method, target, *_ = [*request_line.split(b" "), b"", b""]
@@ -194,10 +205,7 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
             if not writer.is_closing():  # (uvloop: a write after the scraper reset is a RuntimeError)
                 log.exception("metrics request failed")
         finally:
-            waiting.pop(writer, None)
-            active.discard(writer)
-            slot_freed.set()
-            writer.close()
+            free_slot(writer)
 
     try:
         return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST)

@@ -100,3 +100,54 @@ async def test_at_most_as_many_scrapes_wait_as_are_served_the_next_is_closed() -
         assert [is_whole(reply) for reply in replies] == [True] * _MAX_SCRAPERS
     finally:
         await let_go(server, writer, *(conn for _, conn in deaf + queued))
+
+
+def set_reading(conn: asyncio.StreamWriter, reading: bool) -> None:
+    """Paused, a scraper leaves what comes in the kernel's buffers: its answer stays unsent."""
+    transport = conn.transport
+    assert isinstance(transport, asyncio.ReadTransport)
+    if reading:
+        transport.resume_reading()
+    else:
+        transport.pause_reading()
+
+
+async def test_a_freed_slot_goes_to_the_scrape_that_waited_longest() -> None:
+    """A and B wait for a slot, in that order; one frees just as C connects: A is answered,
+    C waits while B has A's slot, and C's turn comes when B's answer is done. Before, all
+    woke for the one slot: A took it, B closed A as idle (its request not read yet) and
+    took it, C did so to B; A and B were closed unanswered."""
+    pytest.importorskip("prometheus_client")
+    server = await serve_metrics("127.0.0.1", 0, lambda: BODY)
+    address = bound_address(server)
+    host, port = address.rsplit(":", 1)
+    deaf = await scraping(address)
+    conns = [conn for _, conn in deaf]
+    for conn in conns:  # (deaf now: their slots are held until the drain's timeout)
+        set_reading(conn, False)
+
+    async def waiting_scrape() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        scrape = await asyncio.open_connection(host, int(port), limit=len(BODY) * 2)
+        conns.append(scrape[1])
+        scrape[1].write(REQUEST)
+        return scrape
+
+    try:
+        a = await waiting_scrape()
+        await asyncio.sleep(0.2)  # A waits
+        b = await waiting_scrape()
+        set_reading(b[1], False)  # (B's answer, when it comes, is held)
+        await asyncio.sleep(0.2)  # B waits behind it
+        conns[0].transport.abort()  # a slot frees as C connects: the server's next poll sees both
+        c = await asyncio.open_connection(sock=socket.create_connection((host, int(port)), 2),
+                                          limit=len(BODY) * 2)
+        conns.append(c[1])
+        c[1].write(REQUEST)
+        assert is_whole(await answer(a[0]))
+        with pytest.raises(TimeoutError):  # A's slot went to B, whose answer is held
+            await asyncio.wait_for(c[0].read(1), 0.5)
+        set_reading(b[1], True)
+        assert is_whole(await answer(b[0]))
+        assert is_whole(await answer(c[0]))
+    finally:
+        await let_go(server, *conns)
