@@ -24,7 +24,8 @@ def wait_for_socket(path: str | os.PathLike[str], timeout: float,
     `proc` (one that runs the daemon) that exits with code 0 forked the daemon away and
     left (as `setsid -f` does), with no owner to stop it: the daemon it started (one that
     answers at `path` and started after it, within `timeout`) is stopped, and the error
-    says so."""
+    says so; once no process started after it names `path` in its arguments (the wrapper
+    ran none, or it died), the error comes at once."""
     deadline = time.monotonic() + timeout
     # (read before poll() reaps it)
     born = _started_at(proc.pid) if proc is not None and wrapper else None
@@ -83,8 +84,33 @@ def _forked_away(path: str | os.PathLike[str], wrapper: subprocess.Popen[bytes],
                                             f"{os.fspath(path)}, and was stopped)")
                 finally:
                     os.close(pidfd)
+        elif not _naming_since(path, born):
+            # none could answer later: the daemon the wrapper forked names the path (it is in
+            # its arguments, and in the wrapper's that a child forked, not yet exec'd, shares)
+            return RuntimeError(f"{what} (no process started since names {os.fspath(path)} any "
+                                f"more: no daemon of it will answer there)")
         time.sleep(0.02)
     return RuntimeError(f"{what} (no daemon it started answered at {os.fspath(path)} by the timeout)")
+
+
+def _naming_since(path: str | os.PathLike[str], born: int) -> bool:
+    """Whether a process started at or after `born` (see _started_at) has `path` among its
+    arguments (Linux: /proc; mounted hidepid, another user's process is not seen: a wrapper
+    that forks away a daemon of another user is then told at once, the daemon left running)."""
+    wanted = os.fsencode(path)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                named = wanted in cmdline.read().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if named:
+            started = _started_at(int(entry))
+            if started is not None and started >= born:
+                return True
+    return False
 
 
 def _end(pidfd: int, timeout: float) -> None:

@@ -597,3 +597,27 @@ def test_a_daemon_started_under_a_low_soft_fd_limit_takes_the_hard_one() -> None
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("under", "args"), [(["true"], ()), (["setsid", "-f"], ("--no-such-option",))],
+                         ids=["runs_none", "its_daemon_exits"])
+def test_a_daemon_process_under_a_wrapper_that_leaves_no_daemon_says_so_at_once(
+        under: list[str], args: tuple[str, ...]) -> None:
+    """A wrapper that exits 0 having run no daemon (`true`), or whose forked-away daemon
+    exits (refusing its arguments): start waited its whole timeout (10 s) for a daemon to
+    answer at the path; no process started since names the path any more, so none will:
+    it now raises at once."""
+    tmp = short_tmpdir()
+    path = Path(tmp) / "run" / "commd.sock"
+    daemon = DaemonProcess(path, under=under, args=args, log=subprocess.DEVNULL)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"{under[0]} exited with code 0 before the daemon was "
+                           rf"ready: .* \(no process started since names {re.escape(str(path))} any "
+                           r"more: no daemon of it will answer there\)"):
+            daemon.start(timeout=10)
+        assert time.monotonic() - started < 5
+        assert not path.exists()
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
