@@ -1676,6 +1676,18 @@ class _FreesDuringLaunches(FakeGpu):
         self.launching.discard(comm)  # NCCL's thread enqueues none of its launch after this
 
 
+def _after_the_first_release(gpu: FakeGpu, then: Callable[[], object]) -> None:
+    """The first free (on the gate's thread) runs `then` once it has let go."""
+    real_release = gpu.release
+
+    def release(memory: Imported) -> None:
+        real_release(memory)
+        if len(gpu.released_on) == 1:
+            then()
+
+    gpu.release = release  # type: ignore[method-assign]
+
+
 async def _send_left_half_made(engine: NcclEngine, gpu: _FreesDuringLaunches
                                ) -> tuple[NcclCommunicator, asyncio.Future[None]]:
     """World w's rank 0 sends to rank 1, whose receive never comes: NCCL connects lazily,
@@ -1738,14 +1750,7 @@ async def test_a_free_asked_between_launches_still_waits_for_one_begun_before_it
         allocated = [engine.allocate(64) for _ in range(3)]
         for _, fd in allocated:
             os.close(fd)
-        real_release = gpu.release
-
-        def slow(memory: Imported) -> None:  # the first waits for the device a while
-            real_release(memory)
-            if len(gpu.released_on) == 1:
-                time.sleep(0.3)
-
-        gpu.release = slow  # type: ignore[method-assign]
+        _after_the_first_release(gpu, lambda: time.sleep(0.3))  # (it waits for the device a while)
         for shared, _ in allocated:
             shared.close()  # no launch yet: each goes to the gate's thread
         sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
@@ -1851,14 +1856,7 @@ async def test_a_free_handed_back_to_the_loop_by_a_launch_goes_before_the_engine
     for _, fd in allocated:
         os.close(fd)
     go = threading.Event()
-    real_release = gpu.release
-
-    def held(memory: Imported) -> None:  # the first free then keeps the gate's thread until `go`
-        real_release(memory)
-        if len(gpu.released_on) == 1:
-            go.wait(5)
-
-    gpu.release = held  # type: ignore[method-assign]
+    _after_the_first_release(gpu, lambda: go.wait(5))  # (it keeps the gate's thread until `go`)
     for shared, _ in allocated:
         shared.close()  # no launch yet: both go to the gate's thread
     await until(lambda: len(gpu.released_on) == 1)  # (the first: before any launch began)
