@@ -20,8 +20,11 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+from .heldfds import Handed, held_closes
 
 log = logging.getLogger("commd.channel")
 
@@ -92,8 +95,12 @@ class FdCloser:
 
     def __init__(self, threads: int = 4) -> None:
         self._threads = threads
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Handed | None] = queue.SimpleQueue()
         self._started: list[threading.Thread] = []
+        # What the threads have not closed yet: a daemon holding any cannot exit (not even
+        # on SIGKILL) until their servers answer, which its stop tells the operator
+        self._held: set[Handed] = set()
+        self._held_changed = threading.Condition()
         # A large memfd's last close frees its pages (~50 ms a GiB), when the client closed
         # its copy: a refused import of a filled one would stall the loop that long. Such
         # closes take time but end: on a thread of their own, never behind a stuck server's.
@@ -116,18 +123,35 @@ class FdCloser:
                                           daemon=True)  # (one held for good must not hold the exit)
                 thread.start()
                 self._started.append(thread)
-            self._queue.put(fd)
+            handed = Handed.of(fd)
+            with self._held_changed:
+                self._held.add(handed)
+            self._queue.put(handed)
 
     def _closing(self) -> None:
-        while (fd := self._queue.get()) is not None:
-            _close_quietly(fd)
+        while (handed := self._queue.get()) is not None:
+            _close_quietly(handed.fd)
+            with self._held_changed:
+                self._held.discard(handed)
+                self._held_changed.notify_all()
+
+    def held(self) -> list[Handed]:
+        """The fds handed to the threads and not closed yet, oldest first."""
+        with self._held_changed:
+            return sorted(self._held, key=lambda handed: handed.since)
 
     def stop(self) -> None:
-        """End the threads once what is queued is closed (not waiting for them)."""
+        """End the threads once what is queued is closed (not waiting for them); say what
+        is still held, for it holds the process's exit."""
         for _ in self._started:
             self._queue.put(None)
         self._started.clear()
         self._freeing.shutdown(wait=False)
+        # (a file on a disk, handed over a moment ago, is closed in a moment: not worth a word)
+        with self._held_changed:
+            self._held_changed.wait_for(lambda: not self._held, _CLOSED_BY_THE_STOP_S)
+        if held := self.held():
+            log.warning("stopping: %s", held_closes(held, time.monotonic()))
 
 
 def close_theirs(fds: Sequence[int], closer: FdCloser | None) -> None:
@@ -139,6 +163,7 @@ def close_theirs(fds: Sequence[int], closer: FdCloser | None) -> None:
 
 
 _FREED_ON_THE_LOOP_BYTES = 64 << 20
+_CLOSED_BY_THE_STOP_S = 0.5
 
 
 def _close_quietly(fd: int) -> None:

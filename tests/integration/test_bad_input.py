@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -876,6 +877,47 @@ def test_a_handed_over_file_whose_filesystem_never_answers_does_not_stop_the_dae
                 assert time.monotonic() < deadline, f"daemon holds {open_fds(daemon.pid)} fds, had {base}"
                 time.sleep(0.05)
             assert barrier_took(a, b, 9) < 2
+    finally:
+        stallfs.close()
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_stopping_daemon_held_by_a_close_its_filesystem_never_answers_says_so(stallfs: StallFs) -> None:
+    """The close of a client's file on a FUSE mount whose server does not answer holds the
+    daemon's exit (not even SIGKILL ends it): the daemon stopped and stayed, and nothing
+    it logged said why. Its stop now warns, naming the file, how long, and the FUSE
+    connection to abort; it exits once the server answers."""
+    tmp = short_tmpdir()
+    logged = Path(tmp) / "daemon.log"
+    with open(logged, "wb") as log:
+        daemon = DaemonProcess(Path(tmp) / "run" / "commd.sock", log=log).start()
+    try:
+        with RawClient(str(daemon.socket_path)) as importer:
+            assert isinstance(importer.join(world_name()), proto.Welcome)
+            stallfs.stall_pid = daemon.pid
+            fd = os.open(stallfs.file, os.O_RDWR)
+            importer.send_bytes(proto.encode(proto.Import(2, 1, proto.MemKind.HOST, 4096)), [fd])
+            os.close(fd)  # (its flush is ours: answered)
+            assert importer.error().code is ErrorCode.BAD_MEMORY
+        deadline = time.monotonic() + 10
+        while stallfs.held < 1:  # (the daemon's close, waiting on the server)
+            assert time.monotonic() < deadline, "the daemon's close never reached the filesystem"
+            time.sleep(0.05)
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGTERM)
+        while not (warned := [line for line in logged.read_text().splitlines() if "not closed yet" in line]):
+            assert time.monotonic() < deadline, logged.read_text()
+            time.sleep(0.05)
+        device = os.stat(stallfs.path).st_dev  # (we are answered)
+        assert len(warned) == 1 and "WARNING" in warned[0], warned
+        connection = os.major(device) << 20 | os.minor(device)  # (the kernel's encoding)
+        assert "1 fd(s) a client sent not closed yet" in warned[0], warned
+        assert f"({stallfs.file})" in warned[0], warned
+        assert f"/sys/fs/fuse/connections/{connection}/abort" in warned[0], warned
+        assert daemon.proc.poll() is None  # (held, as it says)
+        stallfs.close()  # the server answers at last
+        assert daemon.proc.wait(10) == 0
     finally:
         stallfs.close()
         daemon.kill()
