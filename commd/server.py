@@ -256,6 +256,7 @@ class Server:
             "uptime_s": self.uptime(),
             "connections": len(self.sessions),
             "ranks_connected": self.registry.connected_ranks(),
+            "fd_closes_held": len(self._closer.held()),  # (each holds the daemon's exit: README, FUSE)
             "socket": utf8_text(self.config.socket_path),
             "socket_activated": self._listener is not None and not self._owns_path,
             "metrics": self.metrics_address,

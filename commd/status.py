@@ -44,6 +44,9 @@ def render_status(info: dict[str, Any], calls_per_rank: int = 1) -> str:
         f"uptime={info.get('uptime_s')}s  connections={info.get('connections')}  "
         f"ranks={info.get('ranks_connected')}{metrics}",
     ]
+    if held := info.get("fd_closes_held"):
+        lines.append(f"{held} fd(s) a client sent not closed yet, their filesystem's server not answering "
+                     "the close: the daemon cannot exit until it does (README: FUSE)")
     lines += _counters(info.get("counters") or {})
     worlds = info.get("worlds") or []
     total = info.get("worlds_total", len(worlds))

@@ -30,7 +30,7 @@ from client import (
     hostmem,
 )
 from commd.launch import DaemonProcess
-from commd.status import query_status
+from commd.status import query_status, render_status
 from proto import ErrorCode
 from tests.conftest import FaultReport, Steady
 from tests.fault.ranks import on_both
@@ -870,12 +870,15 @@ def test_a_handed_over_file_whose_filesystem_never_answers_does_not_stop_the_dae
                 err = raw.error()
                 assert err.code is (ErrorCode.BAD_MEMORY if msg else ErrorCode.BAD_MESSAGE), err
             assert stallfs.held >= 1  # (the closes wait on the server, off the loop)
-            assert query_status(sock, 5)["ranks_connected"] == 3
+            report = query_status(sock, 5)
+            assert (report["ranks_connected"], report["fd_closes_held"]) == (3, 2)
+            assert "2 fd(s) a client sent not closed yet" in render_status(report)
             stallfs.close()  # the server answers at last: the daemon lets the files go
             deadline = time.monotonic() + 10
             while open_fds(daemon.pid) > base - 1:  # (less the garbage connection, closed)
                 assert time.monotonic() < deadline, f"daemon holds {open_fds(daemon.pid)} fds, had {base}"
                 time.sleep(0.05)
+            assert query_status(sock, 5)["fd_closes_held"] == 0
             assert barrier_took(a, b, 9) < 2
     finally:
         stallfs.close()
