@@ -106,3 +106,13 @@ def each_refused(clients: list[RawClient], code: proto.ErrorCode, message: str) 
         answer = client.recv()
         assert isinstance(answer, proto.Error) and answer.id == rank + 1, (rank, answer)
         assert (answer.code, answer.message) == (code, message), (rank, answer)
+
+
+def barrier_took(a: RawClient, b: RawClient, request_id: int) -> float:
+    """Seconds a barrier of the 2-rank world of `a` and `b` took (their sockets' timeout
+    bounds the wait)."""
+    started = time.monotonic()
+    for raw in (a, b):
+        raw.send(proto.Submit(request_id, (proto.Barrier(),)))
+    assert a.recv() == proto.Ok(request_id) and b.recv() == proto.Ok(request_id)
+    return time.monotonic() - started
