@@ -1256,6 +1256,8 @@ def main(argv: list[str] | None = None) -> int:
     placements = [[int(d) for d in w.split(",")] for w in args.worlds.split(";")]
     if any(d >= args.daemons for p in placements for d in p) or sum(map(len, placements)) > 8:
         parser.error("--worlds: daemons out of range, or more than 8 workers")
+    if any(len(p) < 2 for p in placements):  # (its steps pair ranks: sends, receives)
+        parser.error("--worlds: a world has at least 2 ranks")
     return Soak(args).run()
 
 
