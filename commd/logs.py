@@ -11,13 +11,14 @@ bad packets): one line a second per kind, with a count of the ones left out;
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import TextIO
 
 from .logsink import NonBlockingFdHandler
@@ -45,11 +46,9 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
     """Configure the root logger once, at start (replacing what was there): to `stream`,
-    or to stderr without ever blocking on its reader (`logsink`)."""
-    handler: logging.Handler = logging.StreamHandler(stream or sys.stderr)
-    if stream is None:
-        with contextlib.suppress(AttributeError, OSError, ValueError):  # (no descriptor: a test's capture)
-            handler = NonBlockingFdHandler(sys.stderr.fileno())
+    or to stderr without ever blocking on its reader (`logsink`), and then what Python
+    itself would write to stderr goes to the log too (`_route_stray_stderr`)."""
+    handler = logging.StreamHandler(stream) if stream is not None else _stderr_handler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -59,6 +58,62 @@ def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    _route_stray_stderr(stream is None)
+
+
+def _stderr_handler() -> logging.Handler:
+    try:
+        return NonBlockingFdHandler(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor: a test's capture
+        return logging.StreamHandler(sys.stderr)
+
+
+_uncaught = logging.getLogger("commd.uncaught")
+
+
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    _uncaught.critical("uncaught exception, the daemon exits", exc_info=(exc_type, exc, tb))
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    if issubclass(args.exc_type, SystemExit):  # (a thread's way to end, as the default hook takes it)
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    _uncaught.error("uncaught exception in thread %s", name,
+                    exc_info=(args.exc_type, args.exc_value, args.exc_traceback))  # type: ignore[arg-type]
+
+
+def _log_unraisable(args: sys.UnraisableHookArgs) -> None:
+    what = args.err_msg or "Exception ignored in"
+    if args.object is not None:
+        try:
+            what += f": {args.object!r}"
+        except Exception:  # (a finalizer's object may be half torn down)
+            what += f": <{type(args.object).__name__} object>"
+    _uncaught.error("%s", what, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))  # type: ignore[arg-type]
+
+
+# Each hook, what Python itself has in its place, and ours
+_HOOKS = ((sys, "excepthook", sys.__excepthook__, _log_uncaught),
+          (threading, "excepthook", threading.__excepthook__, _log_thread_exception),
+          (sys, "unraisablehook", sys.__unraisablehook__, _log_unraisable))
+
+
+def _route_stray_stderr(on: bool) -> None:
+    """Python writes some things to sys.stderr past logging: an uncaught exception's
+    traceback (the main thread's, another thread's, one raised in a finalizer) and a
+    warning. Those writes block on a stalled reader as a StreamHandler did (the event loop
+    with them, where the thread or the finalizer ran there), so with the log on stderr
+    they go to the log, in its format (a traceback in a JSON line's "exc"). The hooks are
+    process-wide by nature, and hold nothing: they log to the root logger, whichever
+    handler a later call gives it. A call with a stream of its own (a test's capture)
+    puts back Python's hooks where ours are, leaving another's alone."""
+    logging.captureWarnings(on)
+    for module, name, python_s, ours in _HOOKS:
+        if on:
+            setattr(module, name, ours)
+        elif getattr(module, name) is ours:
+            setattr(module, name, python_s)
 
 
 def flush_logs() -> None:
