@@ -26,11 +26,11 @@ from .config import (
     located,
 )
 from .errors import ConfigError
+from .logs import flush_logs, print_last, setup_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .daemon import run
-    from .logs import flush_logs, setup_logging
     from .settings import load_config
 
     config = load_config(vars(args), os.environ, args.config)
@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise located(exc, config.sources) from None
     finally:
-        flush_logs()  # (main prints a final error to stderr past the log lines that led to it)
+        flush_logs()  # (the lines kept for a stalled stderr, before main's final error, if any)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -202,11 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"commd: configuration error: {exc}", file=sys.stderr)
+        print_last(f"commd: configuration error: {exc}")
         return 2
     except CommError as exc:
-        print(f"commd: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print_last(f"commd: {type(exc).__name__}: {exc}")
         return 1
     except KeyboardInterrupt:  # (Ctrl-C: the user knows why; a traceback would bury that it took)
-        print("commd: interrupted", file=sys.stderr)
+        print_last("commd: interrupted")
         return 130

@@ -123,6 +123,18 @@ def flush_logs() -> None:
         handler.flush()
 
 
+def print_last(text: str) -> None:
+    """`text` on a line of its own to stderr, as print would: after the log's lines, and,
+    where the log is on stderr, waiting for a stalled reader no longer than `flush_logs`
+    (a daemon's final error must not hold up its exit for ever)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, NonBlockingFdHandler):  # (setup_logging's, on stderr)
+            handler.write_unformatted(text + "\n")
+            handler.flush()
+            return
+    print(text, file=sys.stderr)
+
+
 class Throttled:
     """Warnings of one kind, at most one every `interval_s`: a client that reconnects
     without end with a bad packet, or a port scan of the peer port, must not flood the

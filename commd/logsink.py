@@ -58,6 +58,14 @@ class NonBlockingFdHandler(logging.Handler):
         except Exception:
             self.handleError(record)
             return
+        self._send(line)
+
+    def write_unformatted(self, text: str) -> None:
+        """`text` as it is, after the lines before it: a last word past the log (a final
+        error's line) waits for a stalled reader no more than a log line does."""
+        self._send(text.encode("utf-8", "backslashreplace"))
+
+    def _send(self, line: bytes) -> None:
         with self._changed:
             if not self._backlog and self._poll.poll(0):
                 if self._dropped:  # (their note goes out first, where they were left out)

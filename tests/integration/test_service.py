@@ -329,6 +329,33 @@ def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
     assert not (tmp / "c.sock").exists()
 
 
+def test_a_final_error_waits_for_no_stalled_log_reader(tmp: Path) -> None:
+    """The daemon's stderr is a full one-page pipe that nobody reads, and its peer port is
+    in use: it exits 2 within 15 s, each wait for the reader bounded (before: its final
+    error's print waited in write(2) for ever). The line itself, read, is the one above."""
+    secret = tmp / "secret"
+    secret.write_text("0123456789abcdef0123")
+    secret.chmod(0o600)
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    assert os.write(w, b"f" * 4096) == 4096
+    with socket.socket() as taken, open(r, "rb"):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cmd = [sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(tmp / "c.sock"),
+               "--peer-secret-file", str(secret), "--peer-listen", f"127.0.0.1:{taken.getsockname()[1]}"]
+        try:
+            daemon = subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=w)
+        finally:
+            os.close(w)
+        try:
+            assert daemon.wait(15) == 2
+        finally:
+            daemon.kill()
+            daemon.wait()
+
+
 @pytest.mark.parametrize("where", ["file", "env"])
 def test_a_port_in_use_names_where_its_setting_came_from(tmp: Path, where: str) -> None:
     """A port in use is found only as the daemon starts, after the settings were read: the
