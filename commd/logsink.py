@@ -21,6 +21,7 @@ import logging
 import os
 import select
 import stat
+import sys
 import threading
 from collections import deque
 
@@ -32,6 +33,7 @@ _WRITABLE_WAIT_MS = 1000
 # A pipe that polls writable has a free page; a socket, half its send buffer: a write
 # of up to this many bytes then does not wait.
 _UNBLOCKED_WRITE = select.PIPE_BUF
+_UNFORMATTED_SHOWN = 200  # characters of a message that could not be formatted
 
 
 class NonBlockingFdHandler(logging.Handler):
@@ -59,6 +61,20 @@ class NonBlockingFdHandler(logging.Handler):
             self.handleError(record)
             return
         self._send(line)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """logging's own prints the formatting error's traceback to sys.stderr, past this
+        handler: on a stalled reader it waited as a StreamHandler did (the event loop with
+        it). A line through the handler says what could not be logged instead."""
+        error = sys.exc_info()[1]
+        try:
+            said = repr(record.msg)[:_UNFORMATTED_SHOWN]
+            why = f"{type(error).__name__}: {error}"
+        except Exception:  # (a message or an error whose text raises too)
+            said, why = f"<{type(record.msg).__name__} object>", type(error).__name__
+        self._send(self._own_line(logging.LogRecord(
+            record.name, record.levelno, record.pathname, record.lineno,
+            "a log line could not be formatted (%s); its message was %s", (why, said), None)))
 
     def write_unformatted(self, text: str) -> None:
         """`text` as it is, after the lines before it: a last word past the log (a final
@@ -101,7 +117,15 @@ class NonBlockingFdHandler(logging.Handler):
                                    "%d log lines were dropped here: the log's reader (stderr) was stalled",
                                    (self._dropped,), None)
         self._dropped = 0
-        return (self.format(record) + "\n").encode()
+        return self._own_line(record)
+
+    def _own_line(self, record: logging.LogRecord) -> bytes:
+        """A line of the handler's own, in its format (plain if even that fails)."""
+        try:
+            text = self.format(record)
+        except Exception:
+            text = record.getMessage()
+        return (text + "\n").encode("utf-8", "backslashreplace")
 
     def _write_backlog(self) -> None:
         writable = select.poll()  # (emit's is used under the lock, this one outside it)

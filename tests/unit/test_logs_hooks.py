@@ -16,10 +16,11 @@ import pytest
 pytestmark = pytest.mark.timeout(30)
 REPO = Path(__file__).resolve().parents[2]
 
-# Each of Python's own writes to stderr, then "done" on stdout, then an uncaught exception
-# in the main thread, whose line the exit's flush lets out (the parent reads by then)
+# Each of Python's own writes to stderr (and logging's, of a line it cannot format), then
+# "done" on stdout, then an uncaught exception in the main thread, whose line the exit's
+# flush lets out (the parent reads by then)
 CHILD = """
-import sys, threading, warnings
+import logging, sys, threading, warnings
 from commd.logs import setup_logging
 
 setup_logging("INFO", sys.argv[1])
@@ -31,6 +32,7 @@ thread = threading.Thread(target=fail, name="failing-thread")
 thread.start()
 thread.join()
 warnings.warn("a warning of the daemon's", UserWarning)
+logging.getLogger("commd.test").info("%d apples", "no number")
 
 class Finalized:
     def __del__(self):
@@ -77,15 +79,18 @@ def test_uncaught_exceptions_and_warnings_go_through_the_log_without_waiting_for
     assert code == 1, lines
     text = "\n".join(lines)
     heads = [line.split(" ", 2)[2] for line in lines
-             if " commd.uncaught: " in line or " py.warnings: " in line]  # (past the time)
+             if any(f" {logger}: " in line for logger in ("commd.uncaught", "py.warnings", "commd.test"))]
     assert [head.split(": ", 1)[0] for head in heads] == [
-        "ERROR commd.uncaught", "WARNING py.warnings", "ERROR commd.uncaught",
+        "ERROR commd.uncaught", "WARNING py.warnings", "INFO commd.test", "ERROR commd.uncaught",
         "CRITICAL commd.uncaught"], text
     assert heads[0] == "ERROR commd.uncaught: uncaught exception in thread failing-thread", text
     assert heads[1].endswith("UserWarning: a warning of the daemon's"), text
-    assert heads[2].startswith(
+    assert heads[2] == ("INFO commd.test: a log line could not be formatted (TypeError: %d format: a real "
+                        "number is required, not str); its message was '%d apples'"), text
+    assert "--- Logging error ---" not in text, text
+    assert heads[3].startswith(
         "ERROR commd.uncaught: Exception ignored in: <function Finalized.__del__"), text
-    assert heads[3] == "CRITICAL commd.uncaught: uncaught exception, the daemon exits", text
+    assert heads[4] == "CRITICAL commd.uncaught: uncaught exception, the daemon exits", text
     for raised in ("ValueError: raised in a thread", "RuntimeError: raised in a finalizer",
                    "KeyError: 'raised in the main thread'"):
         assert text.count(raised) == 1, text
@@ -99,13 +104,14 @@ def test_in_json_each_is_one_line_with_its_traceback_in_exc() -> None:
     assert code == 1, lines
     logged = [json.loads(line) for line in lines]
     assert [(line["level"], line["logger"]) for line in logged] == [
-        ("ERROR", "commd.uncaught"), ("WARNING", "py.warnings"), ("ERROR", "commd.uncaught"),
-        ("CRITICAL", "commd.uncaught")], lines
+        ("ERROR", "commd.uncaught"), ("WARNING", "py.warnings"), ("INFO", "commd.test"),
+        ("ERROR", "commd.uncaught"), ("CRITICAL", "commd.uncaught")], lines
     assert logged[0]["message"] == "uncaught exception in thread failing-thread"
     assert logged[0]["exc"].endswith("ValueError: raised in a thread")
     assert "UserWarning: a warning of the daemon's" in logged[1]["message"] and "exc" not in logged[1]
-    assert logged[2]["exc"].endswith("RuntimeError: raised in a finalizer")
-    assert logged[3]["exc"].endswith("KeyError: 'raised in the main thread'")
+    assert logged[2]["message"].startswith("a log line could not be formatted (TypeError: "), logged[2]
+    assert logged[3]["exc"].endswith("RuntimeError: raised in a finalizer")
+    assert logged[4]["exc"].endswith("KeyError: 'raised in the main thread'")
 
 
 def test_logging_to_a_stream_of_its_own_puts_pythons_hooks_back() -> None:
