@@ -53,6 +53,7 @@ class NonBlockingFdHandler(logging.Handler):
         self._held = 0
         self._dropped = 0  # since the last line kept
         self._writer: threading.Thread | None = None
+        self._reader_given_up = False  # by a flush that waited its whole FLUSH_WAIT_S
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -149,8 +150,12 @@ class NonBlockingFdHandler(logging.Handler):
 
     def flush(self) -> None:
         """Wait, up to FLUSH_WAIT_S, for the kept lines to be written (at exit; a critical
-        line before os._exit)."""
+        line before os._exit). Once a flush waited that long in vain, later ones do not
+        wait: an exit flushes more than once (the final error's line, logging's shutdown),
+        and each wait would hold it up again."""
         with self._changed:
             if self._dropped:  # (no line came after them to carry the note)
                 self._append(self._dropped_note())
-            self._changed.wait_for(lambda: not self._backlog, FLUSH_WAIT_S)
+            wait_s = 0.0 if self._reader_given_up else FLUSH_WAIT_S
+            if not self._changed.wait_for(lambda: not self._backlog, wait_s):
+                self._reader_given_up = True

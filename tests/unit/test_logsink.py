@@ -9,11 +9,13 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from commd import logsink
 from commd.logs import JsonFormatter
 from commd.logsink import NonBlockingFdHandler
 
@@ -182,3 +184,29 @@ def test_lines_kept_for_a_pipe_set_nonblocking_by_another_wait_for_its_reader(
     threading.Event().wait(0.3)  # (the writer meets the full pipe meanwhile)
     lines = drained(handler, r).decode().splitlines()
     assert lines == [f"line {i:03d} {'x' * 90}" for i in range(200)]
+
+
+def test_once_a_flush_waited_in_vain_for_the_reader_later_ones_do_not_wait(
+        pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that cannot start flushes at its final error's line and again at logging's
+    shutdown: with stderr stalled each waited FLUSH_WAIT_S (seen: a failed start with a full
+    pipe took 4.75 s to exit). The first waits its whole time; the next returns at once;
+    nothing kept is lost for it, and read later, every line comes in order."""
+    monkeypatch.setattr(logsink, "FLUSH_WAIT_S", 1.0)
+    r, w = pipe
+    handler = NonBlockingFdHandler(w)
+    log = logger_to(handler, "given_up")
+    for i in range(100):
+        log.info("line %03d %s", i, "x" * 90)
+    took = []
+    for _ in range(2):
+        started = time.monotonic()
+        handler.flush()
+        took.append(time.monotonic() - started)
+    assert took[0] >= 1.0 and took[1] < 0.5, took
+    out, deadline = b"", time.monotonic() + 10
+    while out.count(b"\n") < 100:  # (the writer thread goes on as the reader reads)
+        assert time.monotonic() < deadline, out
+        out += read_all(r)
+        time.sleep(0.01)
+    assert out.decode().splitlines() == [f"line {i:03d} {'x' * 90}" for i in range(100)]
