@@ -211,6 +211,7 @@ class Cluster:
         self.port: int | None = None
         self.stale_refused = 0
         self.foreign_refused = 0  # messages about a world from a daemon that is not one of its
+        self.votes_lost_with_links = 0  # votes of members that left the link they came over
         # JoinWorld ids: daemon-wide, so a refusal of a vote for a world since forgotten and
         # made anew by the name cannot match a vote of the new one
         self.vote_ids = itertools.count(1)
@@ -315,6 +316,7 @@ class Cluster:
             "refused_handshakes": self.refused,
             "stale_refused": self.stale_refused,
             "foreign_refused": self.foreign_refused,
+            "votes_lost_with_links": self.votes_lost_with_links,
         }
 
     def announce_quiet(self, seconds: float) -> None:

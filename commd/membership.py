@@ -324,8 +324,7 @@ class NetMembership:
             # A member reaches the root over one link per world: it left the one its earlier
             # votes came on (lost on its side, which refused those ranks there; their
             # withdrawals could not come, and we may not have seen that link end yet)
-            for rank in [r for r, ballot in self._ballots.items() if ballot.link is moved_off]:
-                self._forget_vote(rank, left=True)
+            self._forget_votes_over(moved_off)
         self._deadline(msg.rank, msg.timeout_ms / 1000, link, (msg.whole_ms or msg.timeout_ms) / 1000)
         self.net.member_links[link.name] = link  # where the world answers that daemon
         self._ballots[msg.rank] = Ballot(link, msg.vote)
@@ -337,6 +336,17 @@ class NetMembership:
         if self._votes.get(rank) == link.name:
             self._forget_vote(rank, left=True)
             self._world.forget_if_empty()
+
+    def _forget_votes_over(self, link: PeerLink) -> None:
+        """The votes that came over `link`, which their member no longer uses, go (it casts
+        them again over its new link); counted daemon-wide, as their world may be forgotten."""
+        lost = self._votes_over(link)
+        for rank in lost:
+            self._forget_vote(rank, left=True)
+        self.net.cluster.votes_lost_with_links += len(lost)
+
+    def _votes_over(self, link: PeerLink) -> list[int]:
+        return [rank for rank, ballot in self._ballots.items() if ballot.link is link]
 
     def _forget_vote(self, rank: int, left: bool = False) -> None:
         """`left`: the rank went away (it is named among the missing if the round times out;
@@ -475,15 +485,13 @@ class NetMembership:
     def peer_lost(self, link: PeerLink) -> None:
         """`link` is gone: if the world used it, the world fails (as `link.loss` says), and the
         votes cast over it go (a member that dialed the root anew votes over its new link)."""
-        lost_votes = [r for r, ballot in self._ballots.items() if ballot.link is link]
-        if not self.net.uses(link) and not lost_votes:
+        if not self.net.uses(link) and not self._votes_over(link):
             return
         message = link.loss
         if self.net.is_root:
             if self.net.member_links.get(link.name) is link:
                 del self.net.member_links[link.name]
-            for rank in lost_votes:
-                self._forget_vote(rank, left=True)
+            self._forget_votes_over(link)
         else:
             # Our votes went with the link. The root may be restarting (systemd's restart, or a
             # SIGTERM and a new process), which a new dial waits for as for a root not up yet:

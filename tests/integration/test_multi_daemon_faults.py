@@ -616,12 +616,19 @@ def test_a_relayed_link_that_goes_away_fails_only_its_own_worlds(pair: list[Daem
             comm.close()
 
 
+def votes_lost(daemon: DaemonProcess) -> int:
+    """How many votes the daemon, as a root, dropped because the link they came over went."""
+    lost: int = query_status(str(daemon.socket_path), 5)["peers"]["votes_lost_with_links"]
+    return lost
+
+
 def test_a_link_to_the_root_lost_while_the_world_forms_casts_its_votes_again(
         pair: list[DaemonProcess]) -> None:
     """Rank 1's vote went to the root over a link that is then cut: B casts it again over a
     new link, so rank 0 joining then forms the world (before fed61d5, rank 1 waited out its
     whole timeout for a world that could not form; after it, rank 1 was refused at once,
-    PeerLost, also when the root was only restarting)."""
+    PeerLost, also when the root was only restarting). The root counts the vote it dropped
+    with the link (peers.votes_lost_with_links), once."""
     a, b = pair
     relay = Relay(a.peer_address())
     world = world_name()
@@ -630,14 +637,19 @@ def test_a_link_to_the_root_lost_while_the_world_forms_casts_its_votes_again(
         with ThreadPoolExecutor(1) as threads:
             joining = threads.submit(DaemonBackend, str(b.socket_path), world, 1, 2, timeout=8,
                                      bootstrap=relay.address)
-            wait_until(lambda: world_status(a, world) is not None)  # the vote is in
+            wait_until(lambda: (world_status(a, world) or {}).get("votes_held") == 1, "the vote at the root")
+            assert votes_lost(a) == 0
             relay.cut()
-            time.sleep(0.5)  # (both daemons see the cut within milliseconds; B dials anew)
-            wait_until(lambda: world_status(a, world) is not None, "B's vote over a new link")
+            # (votes_held goes 1 -> 0 -> 1 within milliseconds: once the count says the vote
+            # over the cut link is gone, a vote the root holds is one cast over a new link)
+            wait_until(lambda: votes_lost(a) == 1, "the root dropping the vote over the cut link")
+            wait_until(lambda: (world_status(a, world) or {}).get("votes_held") == 1,
+                       "B's vote over a new link")
             comms.append(DaemonBackend(str(a.socket_path), world, 0, 2, timeout=8,
                                        bootstrap=a.peer_address()))
             comms.append(joining.result(20))
         assert summed_i32(comms) == [[3, 30], [3, 30]]
+        assert [votes_lost(a), votes_lost(b)] == [1, 0]  # (one vote lost, once; B held none)
     finally:
         for comm in comms:
             comm.close()
@@ -1316,9 +1328,10 @@ def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[Daemo
     """Daemon X (a raw peer) voted for rank 1 over link L1, then for rank 2 over a new link L2:
     a member reaches the root over one link per world, so it has moved off L1 (lost on its
     side, rank 1 refused there, its withdrawal unsendable), though the root has not seen L1
-    end (half-open). The root must not count rank 1's vote: rank 0 times out naming rank 1
-    (before: the world formed, rank 0 was told it was ready, and X got a WorldReady placing
-    on it a rank it had let go, which a real daemon answers by failing the world)."""
+    end (half-open). The root must not count rank 1's vote (it counts it lost with its link
+    instead, peers.votes_lost_with_links): rank 0 times out naming rank 1 (before: the world
+    formed, rank 0 was told it was ready, and X got a WorldReady placing on it a rank it had
+    let go, which a real daemon answers by failing the world)."""
     a = pair[0]
     world, x = world_name(), RawPeer("X")
     try:
@@ -1329,6 +1342,7 @@ def test_votes_over_a_link_the_member_moved_off_are_not_counted(pair: list[Daemo
         with pytest.raises(CommTimeout, match=r"ranks \[1\] did not arrive"):
             DaemonBackend(str(a.socket_path), world, 0, 3, timeout=1.5, bootstrap=a.peer_address())
         assert not x.got(p.WorldReady)
+        assert votes_lost(a) == 1  # (rank 1's, dropped as X moved to L2; not again as L1 ends)
     finally:
         x.close()
 
