@@ -52,7 +52,7 @@ class NcclEngine:
         self._waiters = ThreadPoolExecutor(waiters, thread_name_prefix="commd-cuda-wait")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="commd-nvrtc")
         self._gate = NcclGate(self._stuck)
-        self._freer = Freer(gpu, self._gate)
+        self._freer = Freer(gpu, self._gate, self._stuck)
         self._uuids: dict[bytes, int] | None = None  # each GPU's UUID -> its ordinal here
         self._device_count: int | None = None
 

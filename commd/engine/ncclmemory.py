@@ -19,6 +19,7 @@ from ..errors import CallError
 from .gpu import Gpu, GpuError, Imported, Origin
 from .launches import Launches
 from .ncclgate import NcclGate, loop_running
+from .stuckwatch import StuckWatch
 
 log = logging.getLogger("commd.engine.nccl")
 
@@ -86,11 +87,14 @@ class Freer:
     would hang the daemon. Nor does a free start inside a launch (see launches.py).
     ncclMemAlloc's memory goes by ncclMemFree, an NCCL call, so through the NcclGate,
     which keeps it out of an abort's way; the gate's thread must never wait (an abort may
-    be next), so a free it finds inside a launch goes back to the loop until that ends."""
+    be next), so a free it finds inside a launch goes back to the loop until that ends.
+    Every free is watched by the StuckWatch (the gate's by the gate): one that never
+    returns would hold the next frees, and the daemon's stop, for ever."""
 
-    def __init__(self, gpu: Gpu, gate: NcclGate) -> None:
+    def __init__(self, gpu: Gpu, gate: NcclGate, stuck: StuckWatch) -> None:
         self._gpu = gpu
         self._gate = gate
+        self._stuck = stuck
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="commd-cuda-free")
         self._closed = False
         self.launches = Launches()
@@ -105,7 +109,7 @@ class Freer:
                 return
             except RuntimeError:  # closed meanwhile: free it here
                 pass
-        self._release(memory)
+        self._watched_release(memory)
 
     def _nccl_free(self, memory: Imported) -> None:
         looped = loop_running()  # (without a loop nothing launches)
@@ -114,7 +118,7 @@ class Freer:
         def job() -> None:  # on the gate's thread, maybe long after it was asked
             nonlocal handed_back
             if not looped or self.launches.quiet():
-                self._release(memory)
+                self._release(memory)  # (the gate watches its jobs)
             else:
                 handed_back = True
 
@@ -125,11 +129,14 @@ class Freer:
             if handed_back:
                 self.launches.after(functools.partial(self._nccl_free, memory))
 
-        self._gate.run(f"ncclMemFree of {memory.size} bytes at {memory.ptr:#x}", job, then=then,
-                       closes=False)
+        self._gate.run(_freeing(memory), job, then=then, closes=False)
 
     def _release_between_launches(self, memory: Imported) -> None:
         with self.launches.between():
+            self._watched_release(memory)
+
+    def _watched_release(self, memory: Imported) -> None:
+        with self._stuck.guard(_freeing(memory)):
             self._release(memory)
 
     def _release(self, memory: Imported) -> None:
@@ -139,10 +146,20 @@ class Freer:
             log.warning("could not let go of device memory at %#x: %s", memory.ptr, exc)
 
     def close(self) -> None:
-        """Wait for the frees asked so far; later ones run on the caller's thread."""
+        """Wait for the frees asked so far (one that never returns: see StuckWatch); later
+        ones run on the caller's thread."""
         self._closed = True
         self.launches.close()
         self._thread.shutdown(wait=True)
+
+
+_FREED_BY = {Origin.IPC: "cuIpcCloseMemHandle", Origin.VMM: "cuMemUnmap", Origin.NCCL: "ncclMemFree",
+             Origin.PLAIN: "cuMemFree"}
+
+
+def _freeing(memory: Imported) -> str:
+    """The free, as the StuckWatch (and the gate, in `commd status`) name it."""
+    return f"{_FREED_BY[memory.origin]} of {memory.size} bytes at {memory.ptr:#x}"
 
 
 class NcclMapping(UsedByOps):

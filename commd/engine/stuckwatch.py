@@ -1,4 +1,5 @@
-"""A watch on the NCCL calls that may never return: ncclCommAbort, ncclMemFree."""
+"""A watch on the NCCL and CUDA calls that may never return: ncclCommAbort and the frees
+(ncclMemFree, cuMemFree, cuMemUnmap, cuIpcCloseMemHandle)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,23 @@ ABORT_LIMIT_S = 60.0  # a normal ncclCommAbort takes well under a second
 
 
 def _exit_stuck(why: str) -> None:
-    log.critical("%s: the daemon cannot make NCCL calls any more; exiting, for the service manager "
-                 "to start the daemon afresh", why)
+    log.critical("%s: the daemon's NCCL and CUDA calls cannot go on; exiting, for the service "
+                 "manager to start the daemon afresh", why)
     flush_logs()  # (os._exit skips logging's own flush at exit)
-    os._exit(1)  # the thread is inside NCCL, and NCCL takes no other call meanwhile: nothing else ends it
+    # the thread is inside NCCL or the driver, which no signal or timeout gets it out of,
+    # and the daemon's stop waits for it: nothing else ends it
+    os._exit(1)
 
 
 class StuckWatch:
     """ncclCommAbort waits for the device, where another world's kernel or a dead worker's
     event that never fires can hold it for ever; NCCL takes no other call meanwhile, so
-    every NCCL world of the daemon would wait with it. Past `limit_s` this watch's own
-    thread calls `on_stuck` (by default: end the process, for its service manager to
-    restart it, the only way out). `stall()` tells whoever listens (the peers, through
-    Engine.on_loop_stall) that the event loop is about to wait for such a call, so for
-    at most `limit_s`."""
+    every NCCL world of the daemon would wait with it. A free waits for the device the
+    same way, holding the next frees and the daemon's stop (which waits for the frees
+    asked). Past `limit_s` this watch's own thread calls `on_stuck` (by default: end
+    the process, for its service manager to restart it, the only way out). `stall()`
+    tells whoever listens (the peers, through Engine.on_loop_stall) that the event loop
+    is about to wait for such a call, so for at most `limit_s`."""
 
     def __init__(self, limit_s: float = ABORT_LIMIT_S, on_stuck: Callable[[str], None] = _exit_stuck) -> None:
         self._limit = limit_s

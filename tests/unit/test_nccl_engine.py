@@ -614,6 +614,43 @@ async def test_ncclmemfree_is_watched(gpu: FakeGpu) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("closing", [False, True])
+async def test_a_cuda_free_that_does_not_return_ends_the_process(gpu: FakeGpu, closing: bool) -> None:
+    """cuIpcCloseMemHandle (as cuMemUnmap, cuMemFree) may wait for the device as ncclMemFree
+    does, on the Freer's thread: one that never returns holds the frees after it, and the
+    daemon's stop (the engine's close waits for the frees asked). The watch reports it as
+    it does a stuck ncclMemFree, which by default ends the daemon; while the engine runs,
+    and while it closes (before: nothing said, the close held for as long as the free)."""
+    stuck: list[str] = []
+    process_ended = threading.Event()  # (the hung call's end, as the process's end would be)
+
+    def on_stuck(why: str) -> None:
+        stuck.append(why)
+        process_ended.set()
+
+    engine = NcclEngine(gpu, stuck=StuckWatch(0.2, on_stuck))
+    mapping = ipc_mapping(engine, gpu, b"x" * 64)
+    ptr = mapping.region(0, 1).ptr
+    real_release = gpu.release
+
+    def hung(memory: Imported) -> None:
+        process_ended.wait(5)
+        real_release(memory)
+
+    gpu.release = hung  # type: ignore[method-assign]
+    try:
+        mapping.close()
+        if not closing:
+            await asyncio.sleep(0.6)
+            assert stuck and process_ended.is_set()
+    finally:
+        started = time.monotonic()
+        engine.close()
+    assert stuck == [f"cuIpcCloseMemHandle of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
+    assert time.monotonic() - started < 2  # (the watch's limit, not the free's 5 s)
+    assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
+
+
 async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
     """NCCL drops a collective of no bytes at once; across daemons the world sends it to
     the engine so that it still meets the other daemons' ranks: it runs as a barrier."""
