@@ -801,7 +801,7 @@ async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_wi
     the daemon, World.fail fails the inbox), then ends with the world's error; or, the
     communicator aborted while the inbox stays open, the abort ends it as it ends every
     other wait, with its words. Not StillOnDevice either way (the device is past): its
-    memory is let go at once (nothing of the op runs any more)."""
+    memory is let go (nothing of the op runs any more)."""
     root, member, a, b = across_two_daemons(gpu)
     b.other = PairNet("A", b.placement)  # (what the member sends reaches nobody)
     try:
@@ -827,8 +827,8 @@ async def test_a_root_op_past_on_the_device_whose_member_never_checks_in_ends_wi
         with pytest.raises(CallError) as info:
             await asyncio.wait_for(run, 5)
         assert (info.value.code, info.value.message) == said
-        assert not isinstance(info.value, StillOnDevice)
-        assert gpu.allocations == before - 1 and not ca.busy()
+        assert not isinstance(info.value, StillOnDevice) and not ca.busy()
+        await until(lambda: gpu.allocations == before - 1)  # (on the free's thread)
     finally:
         root.close()
         member.close()
@@ -1613,7 +1613,7 @@ async def test_a_receive_past_on_the_device_whose_senders_size_never_comes_ends_
         gpu: FakeGpu, receiver: str, end: str) -> None:
     """The p2p cross-check's case of the test above: the sender's daemon sent its size to
     nobody (the link went silent), the receive ran on the device and waits for it; the
-    world's failure (or an abort) ends it with its words, the memory let go at once."""
+    world's failure (or an abort) ends it with its words, the memory let go."""
     root, member, a, b = across_two_daemons(gpu)
     src, dst = (1, 0) if receiver == "root" else (0, 1)
     sending, receiving = (b, a) if receiver == "root" else (a, b)
@@ -1642,8 +1642,8 @@ async def test_a_receive_past_on_the_device_whose_senders_size_never_comes_ends_
         with pytest.raises(CallError) as info:
             await asyncio.wait_for(run, 5)
         assert (info.value.code, info.value.message) == expected
-        assert not isinstance(info.value, StillOnDevice)
-        assert gpu.allocations == before - 1 and not comms[dst].busy()
+        assert not isinstance(info.value, StillOnDevice) and not comms[dst].busy()
+        await until(lambda: gpu.allocations == before - 1)  # (on the free's thread)
     finally:
         root.close()
         member.close()
