@@ -53,7 +53,7 @@ class StuckWatch:
             key = next(self._ids)
             self._current[key] = (what, time.monotonic())
             if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="commd-abort-watch", daemon=True)
+                self._thread = threading.Thread(target=self._watch, name="commd-stuck-watch", daemon=True)
                 self._thread.start()
         try:
             yield
