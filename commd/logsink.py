@@ -53,7 +53,9 @@ class NonBlockingFdHandler(logging.Handler):
         self._held = 0
         self._dropped = 0  # since the last line kept
         self._writer: threading.Thread | None = None
-        self._reader_given_up = False  # by a flush that waited its whole FLUSH_WAIT_S
+        self._lines_out = 0  # by the writer thread
+        # _lines_out when a flush waited its whole FLUSH_WAIT_S and saw none go out
+        self._stalled_at: int | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -146,16 +148,20 @@ class NonBlockingFdHandler(logging.Handler):
                 pass  # gone: the line is lost, as it would be with the reader
             with self._changed:
                 self._held -= len(self._backlog.popleft())
+                self._lines_out += 1
                 self._changed.notify_all()
 
     def flush(self) -> None:
         """Wait, up to FLUSH_WAIT_S, for the kept lines to be written (at exit; a critical
-        line before os._exit). Once a flush waited that long in vain, later ones do not
-        wait: an exit flushes more than once (the final error's line, logging's shutdown),
-        and each wait would hold it up again."""
+        line before os._exit). Once a flush waited that long and not a line went out, later
+        ones do not wait until one does: an exit flushes more than once (the final error's
+        line, logging's shutdown), and each wait for a stalled reader would hold it up
+        again; a slow one that reads on gets each flush's wait."""
         with self._changed:
             if self._dropped:  # (no line came after them to carry the note)
                 self._append(self._dropped_note())
-            wait_s = 0.0 if self._reader_given_up else FLUSH_WAIT_S
-            if not self._changed.wait_for(lambda: not self._backlog, wait_s):
-                self._reader_given_up = True
+            out_before = self._lines_out
+            wait_s = 0.0 if self._stalled_at == out_before else FLUSH_WAIT_S
+            drained = self._changed.wait_for(lambda: not self._backlog, wait_s)
+            if not drained and self._lines_out == out_before:
+                self._stalled_at = out_before

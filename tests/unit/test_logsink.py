@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from commd.logs import JsonFormatter
 from commd.logsink import NonBlockingFdHandler
 
 pytestmark = pytest.mark.timeout(30)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -210,3 +213,44 @@ def test_once_a_flush_waited_in_vain_for_the_reader_later_ones_do_not_wait(
         out += read_all(r)
         time.sleep(0.01)
     assert out.decode().splitlines() == [f"line {i:03d} {'x' * 90}" for i in range(100)]
+
+
+# Logs 250 lines of 200 bytes to stderr, flushes as `commd serve` does on its way out, then
+# exits (logging's own flush at exit)
+SLOW_READER_CHILD = """
+import sys
+from commd.logs import flush_logs, setup_logging
+
+setup_logging("INFO", "text")
+import logging
+for i in range(250):
+    logging.getLogger("commd.test").info("line %03d %s", i, "x" * 160)
+flush_logs()
+"""
+
+
+def test_a_slow_reader_gets_every_line_of_an_exit_that_it_keeps_reading(tmp_path: Path) -> None:
+    """The reader takes 2 KB every 0.1 s (journald catching up): 50 KB take it 2.5 s, more
+    than the first flush's FLUSH_WAIT_S. Each line went out meanwhile, so logging's flush
+    at exit waits again, and every line comes (before: a flush that waited in vain, with
+    lines going out all the time, gave the reader up; the next returned at once, and the
+    process ended with the last ~10 KB unwritten: 200 of 250 lines seen)."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    try:
+        child = subprocess.Popen([sys.executable, "-c", SLOW_READER_CHILD], cwd=REPO, stderr=w,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    finally:
+        os.close(w)
+    out = b""
+    with open(r, "rb", buffering=0) as err:
+        try:
+            while chunk := err.read(2048):
+                out += chunk
+                time.sleep(0.1)
+            assert child.wait(10) == 0
+        finally:
+            child.kill()
+            child.wait()
+    lines = out.decode().splitlines()
+    assert [line.split()[5] for line in lines] == [f"{i:03d}" for i in range(250)], lines[-3:]
