@@ -48,14 +48,22 @@ class NonBlockingFdHandler(logging.Handler):
         self._at_once = None if stat.S_ISREG(os.fstat(fd).st_mode) else _UNBLOCKED_WRITE
         self._poll = select.poll()
         self._poll.register(fd, select.POLLOUT)
-        self._changed = threading.Condition()  # guards what follows; notified as the backlog changes
+        # Guards what follows; notified as the backlog changes. It is logging's lock of the
+        # handler, held round emit: with a lock of its own, a thread holding this one that
+        # logged (a finalizer run by a collection there, logging by the unraisable hook)
+        # waited for logging's, held by a thread in emit waiting for this one: a deadlock.
+        assert self.lock is not None  # (Handler.__init__ made it)
+        self._changed = threading.Condition(self.lock)
         self._backlog: deque[bytes] = deque()  # the first is being written while the writer holds it
         self._held = 0
         self._dropped = 0  # since the last line kept
-        self._writer: threading.Thread | None = None
         self._lines_out = 0  # by the writer thread
         # _lines_out when a flush waited its whole FLUSH_WAIT_S and saw none go out
         self._stalled_at: int | None = None
+        # Started here, not at the first line kept: that is in emit, under the lock, and
+        # start() waits for the new thread, which could log first (a finalizer that raised,
+        # run by a collection as it began) and wait for the lock: a deadlock
+        threading.Thread(target=self._write_backlog, name="commd-log-writer", daemon=True).start()
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -111,9 +119,6 @@ class NonBlockingFdHandler(logging.Handler):
         self._backlog.append(line)
         self._held += len(line)
         self._changed.notify_all()
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_backlog, name="commd-log-writer", daemon=True)
-            self._writer.start()
 
     def _dropped_note(self) -> bytes:
         record = logging.LogRecord("commd.logs", logging.WARNING, __file__, 0,

@@ -201,6 +201,7 @@ def test_once_a_flush_waited_in_vain_for_the_reader_later_ones_do_not_wait(
     log = logger_to(handler, "given_up")
     for i in range(100):
         log.info("line %03d %s", i, "x" * 90)
+    threading.Event().wait(0.3)  # (the writer fills the pipe meanwhile: lines out in a wait are a reader)
     took = []
     for _ in range(2):
         started = time.monotonic()
