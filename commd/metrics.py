@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("commd.metrics")
 _REQUEST_TIMEOUT_S = 5.0
 _MAX_SCRAPERS = 16  # connections served at once (see take_slot for the 17th)
+_IDLE_GRACE_S = 1.0  # silent this long after its slot is taken, a connection is idle
 _MAX_REQUEST = 8192
 
 
@@ -124,8 +125,10 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
     """Serve GET /metrics on (host, port) from this event loop."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
+    loop = asyncio.get_running_loop()
     active: set[asyncio.StreamWriter] = set()  # holding a slot
-    waiting: dict[asyncio.StreamWriter, None] = {}  # active, no request read yet: oldest first
+    # active, no request read yet: since when (loop time), oldest first
+    waiting: dict[asyncio.StreamWriter, float] = {}
     # waiting for a slot, oldest first: a freed slot is handed to the first (FIFO)
     queued: dict[asyncio.StreamWriter, asyncio.Future[None]] = {}
 
@@ -144,23 +147,44 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
                 turn.set_result(None)
                 return
 
+    recheck: asyncio.TimerHandle | None = None  # when the oldest silent one passes the grace
+
+    def hand_idle_slots() -> None:
+        """Slots held by connections silent past the grace go to the scrapes waiting: idle
+        connections held open cannot shut scrapers out. Only past the grace: a scraper
+        sends its request as it connects, but its handler may not have read it yet (one
+        just given a slot, or one of a burst), and closing it would lose a real scrape.
+        Called whenever a scrape queues or a connection starts waiting; while scrapes
+        wait, it runs again when the oldest silent one passes the grace."""
+        nonlocal recheck
+        now = loop.time()
+        while queued and waiting:
+            oldest, since = next(iter(waiting.items()))
+            if now - since < _IDLE_GRACE_S:
+                if recheck is None:
+                    recheck = loop.call_at(since + _IDLE_GRACE_S, recheck_idle)
+                return
+            free_slot(oldest)
+
+    def recheck_idle() -> None:
+        nonlocal recheck
+        recheck = None
+        hand_idle_slots()
+
     async def take_slot(writer: asyncio.StreamWriter) -> bool:
         """Whether the newcomer may be served, after waiting (bounded, first come first
         served) for a slot; it then holds one."""
-        if len(active) >= _MAX_SCRAPERS and waiting and not queued:
-            # one that has said nothing yet yields to the newcomer: idle connections held
-            # open cannot shut scrapers out (a scraper sends its request at once). Not
-            # while scrapes wait: the slot would be theirs, and one just handed a slot has
-            # not been read yet either
-            free_slot(next(iter(waiting)))
+        hand_idle_slots()  # (to those waiting already: they come first)
         if len(active) < _MAX_SCRAPERS and not queued:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
             active.add(writer)
             return True
-        # every slot is being answered, which ends within the drain's timeout: a scrape in
-        # a burst waits for one rather than being reset unanswered
+        # every slot is being answered, which ends within the drain's timeout, or held by a
+        # connection that says nothing, which makes way past the grace: a scrape in a burst
+        # waits for one rather than being reset unanswered
         if len(queued) >= _MAX_SCRAPERS:
             return False
-        turn = queued[writer] = asyncio.get_running_loop().create_future()
+        turn = queued[writer] = loop.create_future()
+        hand_idle_slots()
         try:
             await asyncio.wait_for(turn, _REQUEST_TIMEOUT_S)
         except TimeoutError:
@@ -173,7 +197,8 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
         try:
             if not await take_slot(writer):
                 return
-            waiting[writer] = None
+            waiting[writer] = loop.time()
+            hand_idle_slots()  # (arms the recheck for it where scrapes wait)
             head = await asyncio.wait_for(_read_head(reader), _REQUEST_TIMEOUT_S)
             request_line = head.split(b"\n", 1)[0].rstrip(b"\r")
             method, target, *_ = [*request_line.split(b" "), b"", b""]

@@ -57,10 +57,10 @@ async def let_go(server: asyncio.Server, *conns: asyncio.StreamWriter) -> None:
     await asyncio.sleep(0.2)
 
 
-def is_whole(reply: bytes) -> bool:
+def is_whole(reply: bytes, expected: bytes = BODY) -> bool:
     head, _, body = reply.partition(b"\r\n\r\n")
-    return head.startswith(b"HTTP/1.1 200 OK\r\n") and f"Content-Length: {len(BODY)}".encode() in head \
-        and body == BODY
+    return head.startswith(b"HTTP/1.1 200 OK\r\n") and f"Content-Length: {len(expected)}".encode() in head \
+        and body == expected
 
 
 async def test_a_scrape_while_every_slot_is_being_answered_waits_for_one_then_gets_its_answer() -> None:
@@ -100,6 +100,49 @@ async def test_at_most_as_many_scrapes_wait_as_are_served_the_next_is_closed() -
         assert [is_whole(reply) for reply in replies] == [True] * _MAX_SCRAPERS
     finally:
         await let_go(server, writer, *(conn for _, conn in deaf + queued))
+
+
+async def test_a_burst_of_more_scrapes_than_slots_is_answered_whole() -> None:
+    """16 scrapers connect and send their requests a moment after a 17th: none is closed
+    as idle. Before, the 17th closed the first at once, unanswered, as it had said nothing
+    yet (a burst of scrapes whose requests the server had not read yet lost as many)."""
+    pytest.importorskip("prometheus_client")
+    small = b"commd_up 1\n"
+    server = await serve_metrics("127.0.0.1", 0, lambda: small)
+    address = bound_address(server)
+    early = [await connect(address) for _ in range(_MAX_SCRAPERS)]
+    late = await connect(address)
+    conns = [writer for _, writer in [*early, late]]
+    try:
+        late[1].write(REQUEST)
+        await asyncio.sleep(0.3)  # the 17th waits for a slot
+        for _, writer in early:
+            writer.write(REQUEST)
+        replies = await asyncio.gather(*(answer(reader) for reader, _ in [*early, late]))
+        assert [is_whole(reply, small) for reply in replies] == [True] * (_MAX_SCRAPERS + 1)
+    finally:
+        await let_go(server, *conns)
+
+
+async def test_connections_silent_past_the_grace_make_way_oldest_first() -> None:
+    """20 connections say nothing, then a scrape comes: the four beyond the 16 slots and the
+    scrape wait, and the oldest silent five make way for them once past the grace (the
+    four then wait their turn silent in the slots they got); the scrape is answered."""
+    pytest.importorskip("prometheus_client")
+    small = b"commd_up 1\n"
+    server = await serve_metrics("127.0.0.1", 0, lambda: small)
+    address = bound_address(server)
+    silent = [await connect(address) for _ in range(_MAX_SCRAPERS + 4)]
+    scrape = await connect(address)
+    conns = [writer for _, writer in [*silent, scrape]]
+    try:
+        scrape[1].write(REQUEST)
+        assert is_whole(await answer(scrape[0]), small)
+        closed = await asyncio.gather(*(asyncio.wait_for(reader.read(), 0.1)
+                                        for reader, _ in silent), return_exceptions=True)
+        assert [got == b"" for got in closed] == [True] * 5 + [False] * (_MAX_SCRAPERS - 1)
+    finally:
+        await let_go(server, *conns)
 
 
 def set_reading(conn: asyncio.StreamWriter, reading: bool) -> None:
