@@ -29,17 +29,15 @@ import json
 import os
 import platform
 import secrets
-import signal
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .benchrun import BARRIER, CpuSet, Plan, Stats, free_port, run_side
+from .benchrun import BARRIER, CpuSet, Plan, Stats, ctrl_c_after, free_port, run_side
 from .config import SECRET_ENV
 from .errors import ConfigError
 from .launch import DaemonProcess
@@ -102,34 +100,6 @@ def placement(n: int, daemons: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _ctrl_c_after() -> Iterator[None]:
-    """Ctrl-C held off until the block ends, then raised (once, however often it came).
-
-    Around the daemons' stops: a second Ctrl-C there broke off the loop and left the
-    daemons after the one it was waiting on serving, and that one without its SIGKILL if
-    it hung; each stop is bounded, so waiting them out is. Only the main thread can take
-    signals: elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    came: list[int] = []
-
-    def hold(signum: int, _frame: object) -> None:
-        if not came:
-            print(f"commd bench: stopping the daemons first (each within {2 * _STOP_TIMEOUT_S:g}s)",
-                  file=sys.stderr)
-        came.append(signum)
-
-    before = signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-    if came:
-        raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
 def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
     """`count` daemons, with peer listeners on 127.0.0.1 and one fresh secret if more than
     one; stopped (SIGTERM, bounded wait, then SIGKILL) on the way out, whatever happened.
@@ -157,7 +127,7 @@ def _daemons(tmp: Path, count: int) -> Iterator[list[DaemonProcess]]:
             # closing, on the other daemons too, which is no part of a failure's story (nor is a
             # daemon that stopped cleanly having logged nothing)
             logged = [(tmp / f"d{i}.log").stat().st_size for i in range(len(started))]
-            with _ctrl_c_after():
+            with ctrl_c_after(f"stopping the daemons first (each within {2 * _STOP_TIMEOUT_S:g}s)"):
                 for i, daemon in enumerate(started):
                     code = daemon.stop(_STOP_TIMEOUT_S)
                     tail = (tmp / f"d{i}.log").read_text(errors="replace")[-4000:]

@@ -6,15 +6,19 @@ times from a queue, with a deadline, and reaps the processes whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import multiprocessing.queues as mpq
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +229,35 @@ def _collect(results: mpq.Queue[Any], procs: Sequence[mp.process.BaseProcess],
     return got
 
 
+@contextlib.contextmanager
+def ctrl_c_after(saying: str) -> Iterator[None]:
+    """Ctrl-C held off until the block ends, then raised (once, however often it came);
+    at the first, "commd bench: `saying`" goes to stderr.
+
+    Around the ends of what the bench started, each bounded: a second Ctrl-C there broke
+    off the loop and left what came after the one it was waiting on running (a daemon
+    serving, or a worker SIGSTOPped that multiprocessing's exit then waited on for ever),
+    and that one without its SIGKILL if it hung. Only the main thread can take signals:
+    elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        if not came:
+            print(f"commd bench: {saying}", file=sys.stderr)
+        came.append(signum)
+
+    before = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if came:
+        raise KeyboardInterrupt
+
+
 def _reap(procs: Sequence[mp.process.BaseProcess]) -> None:
     procs = [p for p in procs if p.pid is not None]  # a failed start leaves some unstarted
     deadline = time.monotonic() + _REAP_TIMEOUT_S
@@ -255,7 +288,8 @@ def run_side(side: str, addresses: Sequence[str], workers: Sequence[CpuSet], pla
             proc.start()
         got = _collect(results, procs, time.monotonic() + _SIDE_TIMEOUT_S)
     finally:
-        _reap(procs)
+        with ctrl_c_after("ending the worker ranks first"):
+            _reap(procs)
         results.close()
     return {label: _stats(np.max([got[r][label] for r in range(n)], axis=0))
             for label in got[0]}

@@ -216,21 +216,25 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-# `python -m commd`, but with the bench's bound on each daemon's stop set first: a test that
-# waits a SIGSTOPped daemon's stop out need not wait the 20 s a real run allows
-_BENCH_STOPPING_WITHIN = """
+# `python -m commd`, but with the bench's bounds on each daemon's stop and on its wait for
+# the workers to end set first: a test that waits a SIGSTOPped process out need not wait
+# what a real run allows (20 s, 10 s)
+_BENCH_ENDING_WITHIN = """
 import sys
-import commd.bench
+import commd.bench, commd.benchrun
 commd.bench._STOP_TIMEOUT_S = float(sys.argv.pop(1))
+commd.benchrun._REAP_TIMEOUT_S = float(sys.argv.pop(1))
 from commd.cli import main
 sys.exit(main())
 """
 
 
-def _endless_bench(out: Path, daemons: int = 1, stop_timeout_s: float | None = None) -> subprocess.Popen[str]:
-    """A bench of far more all_reduces than a test waits for, in a session of its own
-    (each of its daemons' stops bounded by `stop_timeout_s` where given)."""
-    commd = ["-m", "commd"] if stop_timeout_s is None else ["-c", _BENCH_STOPPING_WITHIN, str(stop_timeout_s)]
+def _endless_bench(out: Path, daemons: int = 1, stop_timeout_s: float = 20,
+                   reap_timeout_s: float = 10) -> subprocess.Popen[str]:
+    """A bench of far more all_reduces than a test waits for, in a session of its own,
+    each of its daemons' stops bounded by `stop_timeout_s` and its wait for its workers to
+    end by `reap_timeout_s`."""
+    commd = ["-c", _BENCH_ENDING_WITHIN, str(stop_timeout_s), str(reap_timeout_s)]
     cmd = [sys.executable, *commd, "bench", "--no-gloo", "--ranks", "2", "--sizes", "8",
            "--iters", "100000000", "--daemons", str(daemons), "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -352,6 +356,47 @@ def test_a_second_ctrl_c_while_the_bench_stops_its_daemons_stops_them_all(tmp_pa
     lines = stderr.splitlines()
     assert "commd bench: stopping the daemons first (each within 10s)" in lines, stderr
     assert "commd bench: daemon 1 exited with code -9; its log:" in lines, stderr
+    assert lines[-1] == "commd: interrupted" and "Traceback" not in stderr, stderr
+    assert not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_while_the_bench_ends_its_workers_ends_them_all(tmp_path: Path) -> None:
+    """Ctrl-C with both worker ranks SIGSTOPped (they take no signal), and Ctrl-C again
+    while the bench waits on the first one's end: the second broke off that wait, and at
+    the bench's exit multiprocessing waited for ever on the other (SIGTERMed, but stopped).
+    Now the bench ends them all (the first once it runs again, the other SIGKILLed after
+    the bounded wait), says so, and exits 130; no worker or daemon left."""
+    out = tmp_path / "b.json"
+    bench = _endless_bench(out, reap_timeout_s=0.5)
+    workers: list[int] = []
+    try:
+        children, daemons = _calling(bench)
+        workers = [pid for pid, line in children.items() if "spawn_main" in line]
+        assert len(workers) == 2 and len(daemons) == 1, children
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        os.killpg(bench.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not (ending := [pid for pid in workers if _pending(pid, signal.SIGTERM)]):
+            assert bench.poll() is None and time.monotonic() < deadline, "no worker SIGTERMed"
+            time.sleep(0.05)
+        os.killpg(bench.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(ending[0], signal.SIGCONT)
+        stdout, stderr = bench.communicate(timeout=60)
+        left = [pid for pid in [*workers, daemons[0][0]] if Path(f"/proc/{pid}").exists()]
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        for pid in workers:  # (what the bench left: not to outlive the test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, (left, stderr)
+    assert bench.returncode == 130, stdout + stderr
+    lines = stderr.splitlines()
+    assert "commd bench: ending the worker ranks first" in lines, stderr
     assert lines[-1] == "commd: interrupted" and "Traceback" not in stderr, stderr
     assert not out.exists()
 
