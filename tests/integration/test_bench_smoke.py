@@ -315,6 +315,34 @@ def _pending(pid: int, sig: signal.Signals) -> bool:
     return bool(int(shdpnd.split()[1], 16) >> (sig - 1) & 1)
 
 
+def _ctrl_c_twice(bench: subprocess.Popen[str], stopped: list[int],
+                  others: list[int]) -> tuple[str, list[int]]:
+    """SIGSTOP `stopped` (they take no signal), Ctrl-C, and Ctrl-C again once the bench
+    waits on one of them to end (SIGTERMed, so one pends); then that one runs again. The
+    bench's stderr, and those of `stopped` and `others` still there after it exited."""
+    try:
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        os.killpg(bench.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not (ending := [pid for pid in stopped if _pending(pid, signal.SIGTERM)]):
+            assert bench.poll() is None and time.monotonic() < deadline, "nothing SIGTERMed"
+            time.sleep(0.05)
+        os.killpg(bench.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(ending[0], signal.SIGCONT)
+        stdout, stderr = bench.communicate(timeout=60)
+        assert bench.returncode == 130, stdout + stderr
+        return stderr, [pid for pid in stopped + others if Path(f"/proc/{pid}").exists()]
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait(10)
+        for pid in stopped:  # (what the bench left: not to outlive the test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_while_the_bench_stops_its_daemons_stops_them_all(tmp_path: Path) -> None:
     """Ctrl-C, both daemons slow to stop (SIGSTOPped: they take no signal), and Ctrl-C again
@@ -326,33 +354,12 @@ def test_a_second_ctrl_c_while_the_bench_stops_its_daemons_stops_them_all(tmp_pa
     # (daemon 0 runs again 0.5 s into its stop and stops within 1 s more, its peer silent:
     # 5 s leaves it room on a loaded machine, and daemon 1 is still waited out and SIGKILLed)
     bench = _endless_bench(out, daemons=2, stop_timeout_s=5)
-    daemons: list[tuple[int, str]] = []
-    try:
-        children, daemons = _calling(bench)
-        workers = [pid for pid, line in children.items() if "spawn_main" in line]
-        daemons.sort(key=lambda d: d[1])  # (d0.sock, d1.sock: the order the bench stops them)
-        assert len(workers) == 2 and len(daemons) == 2, children
-        for pid, _ in daemons:
-            os.kill(pid, signal.SIGSTOP)
-        os.killpg(bench.pid, signal.SIGINT)
-        deadline = time.monotonic() + 30
-        while not _pending(daemons[0][0], signal.SIGTERM):  # (the bench waits on its stop)
-            assert bench.poll() is None and time.monotonic() < deadline, "no stop of daemon 0"
-            time.sleep(0.05)
-        os.killpg(bench.pid, signal.SIGINT)
-        time.sleep(0.5)
-        os.kill(daemons[0][0], signal.SIGCONT)
-        stdout, stderr = bench.communicate(timeout=60)
-        left = [pid for pid in workers + [pid for pid, _ in daemons] if Path(f"/proc/{pid}").exists()]
-    finally:
-        if bench.poll() is None:
-            os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(10)
-        for pid, _ in daemons:  # (what the bench left: not to outlive the test)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    children, daemons = _calling(bench)
+    workers = [pid for pid, line in children.items() if "spawn_main" in line]
+    daemons.sort(key=lambda d: d[1])  # (d0.sock, d1.sock: the order the bench stops them)
+    assert len(workers) == 2 and len(daemons) == 2, children
+    stderr, left = _ctrl_c_twice(bench, [pid for pid, _ in daemons], workers)
     assert not left, (left, stderr)
-    assert bench.returncode == 130, stdout + stderr
     lines = stderr.splitlines()
     assert "commd bench: stopping the daemons first (each within 10s)" in lines, stderr
     assert "commd bench: daemon 1 exited with code -9; its log:" in lines, stderr
@@ -362,39 +369,18 @@ def test_a_second_ctrl_c_while_the_bench_stops_its_daemons_stops_them_all(tmp_pa
 
 @pytest.mark.timeout(120)
 def test_a_second_ctrl_c_while_the_bench_ends_its_workers_ends_them_all(tmp_path: Path) -> None:
-    """Ctrl-C with both worker ranks SIGSTOPped (they take no signal), and Ctrl-C again
-    while the bench waits on the first one's end: the second broke off that wait, and at
-    the bench's exit multiprocessing waited for ever on the other (SIGTERMed, but stopped).
-    Now the bench ends them all (the first once it runs again, the other SIGKILLed after
-    the bounded wait), says so, and exits 130; no worker or daemon left."""
+    """Ctrl-C with both worker ranks SIGSTOPped, and Ctrl-C again while the bench waits on
+    the first one's end: the second broke off that wait, and at the bench's exit
+    multiprocessing waited for ever on the other (SIGTERMed, but stopped). Now the bench
+    ends them all (the first once it runs again, the other SIGKILLed after the bounded
+    wait), says so, and exits 130; no worker or daemon left."""
     out = tmp_path / "b.json"
     bench = _endless_bench(out, reap_timeout_s=0.5)
-    workers: list[int] = []
-    try:
-        children, daemons = _calling(bench)
-        workers = [pid for pid, line in children.items() if "spawn_main" in line]
-        assert len(workers) == 2 and len(daemons) == 1, children
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)
-        os.killpg(bench.pid, signal.SIGINT)
-        deadline = time.monotonic() + 30
-        while not (ending := [pid for pid in workers if _pending(pid, signal.SIGTERM)]):
-            assert bench.poll() is None and time.monotonic() < deadline, "no worker SIGTERMed"
-            time.sleep(0.05)
-        os.killpg(bench.pid, signal.SIGINT)
-        time.sleep(0.5)
-        os.kill(ending[0], signal.SIGCONT)
-        stdout, stderr = bench.communicate(timeout=60)
-        left = [pid for pid in [*workers, daemons[0][0]] if Path(f"/proc/{pid}").exists()]
-    finally:
-        if bench.poll() is None:
-            os.killpg(bench.pid, signal.SIGKILL)
-            bench.wait(10)
-        for pid in workers:  # (what the bench left: not to outlive the test)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    children, daemons = _calling(bench)
+    workers = [pid for pid, line in children.items() if "spawn_main" in line]
+    assert len(workers) == 2 and len(daemons) == 1, children
+    stderr, left = _ctrl_c_twice(bench, workers, [daemons[0][0]])
     assert not left, (left, stderr)
-    assert bench.returncode == 130, stdout + stderr
     lines = stderr.splitlines()
     assert "commd bench: ending the worker ranks first" in lines, stderr
     assert lines[-1] == "commd: interrupted" and "Traceback" not in stderr, stderr
