@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +51,7 @@ from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import eventually as until
 
 pytestmark = pytest.mark.timeout(30)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -649,6 +654,52 @@ async def test_a_cuda_free_that_does_not_return_ends_the_process(gpu: FakeGpu, c
     assert stuck == [f"cuIpcCloseMemHandle of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
     assert time.monotonic() - started < 2  # (the watch's limit, not the free's 5 s)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
+
+
+# A process with logging set up as the daemon's, in a call under the watch that never returns
+STUCK_CHILD = """
+import time
+from commd.engine.stuckwatch import StuckWatch
+from commd.logs import setup_logging
+
+setup_logging("INFO", "text")
+with StuckWatch(0.2).guard("ncclCommAbort of world w"):
+    time.sleep(20)
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stderr_full", [False, True])
+def test_the_watch_ends_the_process_saying_why_even_with_its_log_stalled(stderr_full: bool) -> None:
+    """The watch's default way out, in a process of its own: exit 1 with the reason as the
+    last log line, the call never back; and with stderr a full pipe nobody reads (a
+    stalled journal), still exit 1, the line given up after the flush's bounded wait."""
+    filler = b"f" * 4096
+    r, w = os.pipe()
+    if stderr_full:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, len(filler))
+        assert os.write(w, filler) == len(filler)
+    with open(r, "rb") as err:
+        try:
+            child = subprocess.Popen([sys.executable, "-c", STUCK_CHILD], cwd=REPO, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=w)
+        finally:
+            os.close(w)
+        try:
+            out, _ = child.communicate(timeout=15)
+        finally:
+            child.kill()
+            child.wait()
+        logged = err.read()
+    assert (child.returncode, out) == (1, b"")
+    if stderr_full:
+        assert logged == filler
+    else:
+        assert logged.decode().endswith(
+            " CRITICAL commd.engine.nccl: ncclCommAbort of world w has not returned in 0.2 s: the "
+            "daemon's NCCL and CUDA calls cannot go on; exiting, for the service manager to start "
+            "the daemon afresh\n"), logged
+        assert logged.count(b"\n") == 1, logged
 
 
 async def test_a_zero_byte_collective_across_daemons_still_meets_its_peers(gpu: FakeGpu) -> None:
