@@ -69,13 +69,22 @@ class StuckWatch:
                 log.exception("announcing a stall of the loop failed")
 
     def _watch(self) -> None:
-        while not self._closed.wait(min(1.0, self._limit / 4)):
+        period = min(1.0, self._limit / 4)
+        while True:
+            if self._closed.wait(period) and self._current:
+                time.sleep(period)  # (closed, calls still guarded: see close)
             now = time.monotonic()
             with self._lock:
                 late = [what for what, since in self._current.values() if now - since > self._limit]
+                if not late and self._closed.is_set() and not self._current:
+                    self._thread = None  # (a call guarded after this starts another)
+                    return
             if late:
                 self._on_stuck(f"{late[0]} has not returned in {self._limit:g} s")
                 return
 
     def close(self) -> None:
+        """The watch ends once no call is guarded, not before: the daemon's stop closes
+        the engine before the connections, whose buffers' frees come after (on the
+        loop's thread), and one of those that never returned held the stop for ever."""
         self._closed.set()

@@ -655,6 +655,38 @@ async def test_a_cuda_free_that_does_not_return_ends_the_process(gpu: FakeGpu, c
     assert time.monotonic() - started < 2  # (the watch's limit, not the free's 5 s)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
 
+@pytest.mark.parametrize("allocated", [False, True])
+async def test_a_free_after_the_engine_closed_is_watched_too(gpu: FakeGpu, allocated: bool) -> None:
+    """The daemon's stop closes the engine, then the connections, whose buffers go then
+    (Server.shutdown): those frees run on the loop's thread, the gate's ncclMemFree too.
+    One that never returns held the stop for ever with nothing said: the engine's close
+    had ended the watch (before: stuck == [] once the fake free gave up after 5 s)."""
+    stuck: list[str] = []
+    process_ended = threading.Event()  # (the hung call's end, as the process's end would be)
+
+    def on_stuck(why: str) -> None:
+        stuck.append(why)
+        process_ended.set()
+
+    engine = NcclEngine(gpu, stuck=StuckWatch(0.2, on_stuck))
+    if allocated:
+        mapping, fd = engine.allocate(64)
+        os.close(fd)
+        freed_by = "ncclMemFree"
+    else:
+        mapping, freed_by = ipc_mapping(engine, gpu, b"x" * 64), "cuIpcCloseMemHandle"
+    ptr = mapping.region(0, 1).ptr
+    real_release = gpu.release
+
+    def hung(memory: Imported) -> None:
+        process_ended.wait(5)
+        real_release(memory)
+
+    gpu.release = hung  # type: ignore[method-assign]
+    engine.close()
+    mapping.close()  # (here, as on the loop's thread: the engine's threads are gone)
+    assert stuck == [f"{freed_by} of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
+
 
 # A process with logging set up as the daemon's, in a call under the watch that never returns
 STUCK_CHILD = """
