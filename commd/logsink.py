@@ -57,8 +57,8 @@ class NonBlockingFdHandler(logging.Handler):
         self._backlog: deque[bytes] = deque()  # the first is being written while the writer holds it
         self._held = 0
         self._dropped = 0  # since the last line kept
-        self._lines_out = 0  # by the writer thread
-        # _lines_out when a flush waited its whole FLUSH_WAIT_S and saw none go out
+        self._bytes_out = 0  # by the writer thread (alone: no lock)
+        # _bytes_out when a flush waited its whole FLUSH_WAIT_S and saw none go out
         self._stalled_at: int | None = None
         # Started here, not at the first line kept: that is in emit, under the lock, and
         # start() waits for the new thread, which could log first (a finalizer that raised,
@@ -143,30 +143,36 @@ class NonBlockingFdHandler(logging.Handler):
                 while not self._backlog:
                     self._changed.wait()
                 line = self._backlog[0]
+            unwritten = memoryview(line)
             try:
-                while line:  # (this thread is here to wait for the reader)
+                while unwritten:  # (this thread is here to wait for the reader)
                     try:
-                        line = line[os.write(self._fd, line):]
+                        # a page at a time: a write(2) to a blocking descriptor returns once
+                        # all of it is out, and flush tells a slow reader (bytes going out)
+                        # from a stalled one by what has come back
+                        written = os.write(self._fd, unwritten[:_UNBLOCKED_WRITE])
                     except BlockingIOError:  # O_NONBLOCK: a full pipe, not a gone reader
                         writable.poll(_WRITABLE_WAIT_MS)
+                        continue
+                    unwritten = unwritten[written:]
+                    self._bytes_out += written
             except OSError:
                 pass  # gone: the line is lost, as it would be with the reader
             with self._changed:
                 self._held -= len(self._backlog.popleft())
-                self._lines_out += 1
                 self._changed.notify_all()
 
     def flush(self) -> None:
         """Wait, up to FLUSH_WAIT_S, for the kept lines to be written (at exit; a critical
-        line before os._exit). Once a flush waited that long and not a line went out, later
-        ones do not wait until one does: an exit flushes more than once (the final error's
+        line before os._exit). Once a flush waited that long and not a byte went out, later
+        ones do not wait until some do: an exit flushes more than once (the final error's
         line, logging's shutdown), and each wait for a stalled reader would hold it up
-        again; a slow one that reads on gets each flush's wait."""
+        again; a slow one that reads on (a long line too) gets each flush's wait."""
         with self._changed:
             if self._dropped:  # (no line came after them to carry the note)
                 self._append(self._dropped_note())
-            out_before = self._lines_out
+            out_before = self._bytes_out
             wait_s = 0.0 if self._stalled_at == out_before else FLUSH_WAIT_S
             drained = self._changed.wait_for(lambda: not self._backlog, wait_s)
-            if not drained and self._lines_out == out_before:
+            if not drained and self._bytes_out == out_before:
                 self._stalled_at = out_before

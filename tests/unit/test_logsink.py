@@ -216,6 +216,28 @@ def test_once_a_flush_waited_in_vain_for_the_reader_later_ones_do_not_wait(
     assert out.decode().splitlines() == [f"line {i:03d} {'x' * 90}" for i in range(100)]
 
 
+def read_slowly(cmd: list[str]) -> bytes:
+    """What `cmd` writes to its stderr, a one-page pipe read 2 KB every 0.1 s (journald
+    catching up), until it exits (0)."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    try:
+        child = subprocess.Popen(cmd, cwd=REPO, stderr=w, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    finally:
+        os.close(w)
+    out = b""
+    with open(r, "rb", buffering=0) as err:
+        try:
+            while chunk := err.read(2048):
+                out += chunk
+                time.sleep(0.1)
+            assert child.wait(10) == 0
+        finally:
+            child.kill()
+            child.wait()
+    return out
+
+
 # Logs 250 lines of 200 bytes to stderr, flushes as `commd serve` does on its way out, then
 # exits (logging's own flush at exit)
 SLOW_READER_CHILD = """
@@ -236,22 +258,27 @@ def test_a_slow_reader_gets_every_line_of_an_exit_that_it_keeps_reading(tmp_path
     at exit waits again, and every line comes (before: a flush that waited in vain, with
     lines going out all the time, gave the reader up; the next returned at once, and the
     process ended with the last ~10 KB unwritten: 200 of 250 lines seen)."""
-    r, w = os.pipe()
-    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
-    try:
-        child = subprocess.Popen([sys.executable, "-c", SLOW_READER_CHILD], cwd=REPO, stderr=w,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    finally:
-        os.close(w)
-    out = b""
-    with open(r, "rb", buffering=0) as err:
-        try:
-            while chunk := err.read(2048):
-                out += chunk
-                time.sleep(0.1)
-            assert child.wait(10) == 0
-        finally:
-            child.kill()
-            child.wait()
-    lines = out.decode().splitlines()
+    lines = read_slowly([sys.executable, "-c", SLOW_READER_CHILD]).decode().splitlines()
     assert [line.split()[5] for line in lines] == [f"{i:03d}" for i in range(250)], lines[-3:]
+
+
+# One line of 60 KB, then 20 of 200 bytes, flushed as `commd serve` does on its way out
+LONG_LINE_CHILD = """
+import logging
+from commd.logs import flush_logs, setup_logging
+
+setup_logging("INFO", "text")
+logging.getLogger("commd.test").info("long %s", "y" * 60000)
+for i in range(20):
+    logging.getLogger("commd.test").info("line %03d %s", i, "x" * 160)
+flush_logs()
+"""
+
+
+def test_a_slow_reader_gets_a_long_line_and_the_lines_after_it() -> None:
+    """The same reader, a line it takes 3 s to read, then more: its bytes went out all the
+    flush's wait, so that is no stalled reader either (before: the flush saw no whole line
+    go out, gave the reader up, and the exit left the last lines unwritten)."""
+    lines = read_slowly([sys.executable, "-c", LONG_LINE_CHILD]).decode().splitlines()
+    assert lines[0].endswith(" INFO commd.test: long " + "y" * 60000), lines[0][:100]
+    assert [line.split()[5] for line in lines[1:]] == [f"{i:03d}" for i in range(20)], lines[-3:]
