@@ -238,6 +238,10 @@ class DaemonBackend(CommBackend):
         # the op is ordered after `compute_stream`, which then waits for it on the device.
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes, compute_stream = as_ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
+        # (no op carries it to be checked there, as send_to's stream is: on host memory it was
+        # never looked at, and on a GPU it would reach the driver)
+        if not 0 <= compute_stream < 1 << 64:
+            raise MisuseError(f"compute_stream={compute_stream} is not a CUDA stream handle")
         self._calls.call(("ar", ptr, bytes, d, o),
                          lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o),
                          stream=compute_stream or None, early=True)

@@ -212,6 +212,41 @@ def test_a_stream_or_device_that_cannot_be_one_is_refused_by_name(sock: str, ste
         DaemonBackend(sock, world_name(), 0, 1, timeout=2, device=-1)
 
 
+def test_a_calls_stream_that_cannot_be_one_is_refused_by_name_and_the_call_not_made(sock: str,
+                                                                                    steady: None) -> None:
+    """all_reduce_async's compute_stream went unchecked (send_to's stream, the same value,
+    was refused): on host memory -1 or 2**64 was taken and the all_reduce made, and on a GPU
+    it would reach the driver as a stream handle. Refused by name as send_to's is, the call
+    takes no place in the order: rank 1's all_reduce pairs with rank 0's next one."""
+    name = world_name()
+    comms = on_both(lambda r: DaemonBackend(sock, name, r, 2, timeout=10))
+    try:
+        bufs = [hostmem.alloc(8) for _ in range(2)]
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:] = [r + 1, 10 * (r + 1)]
+
+        def rank(r: int) -> list[str]:
+            refused = []
+            if r == 0:
+                for stream in (-1, 1 << 64):
+                    with pytest.raises(MisuseError) as in_reduce:
+                        comms[0].all_reduce_async(bufs[0].ptr, 8, stream, dtype="i32")
+                    with pytest.raises(MisuseError) as in_send:
+                        comms[0].send_to(bufs[0].ptr, 8, 1, stream)
+                    refused += [str(in_reduce.value), str(in_send.value)]
+            comms[r].all_reduce_async(bufs[r].ptr, 8, 0, dtype="i32")
+            return refused
+
+        refused, _ = on_both(rank)
+        assert refused == [f"{name}={stream} is not {what}" for stream in (-1, 1 << 64)
+                           for name, what in (("compute_stream", "a CUDA stream handle"),
+                                              ("stream", "an unsigned 64-bit integer"))]
+        assert [buf.view(np.int32).tolist() for buf in bufs] == [[3, 30]] * 2
+        assert all(comm.is_healthy() for comm in comms)
+    finally:
+        for comm in comms:
+            comm.close()
+
 def test_world_conflict_and_duplicate_rank(sock: str, steady: None) -> None:
     world = world_name()
     with RawClient(sock) as first:
