@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import proto
+from client import DaemonBackend, MisuseError, hostmem
+from tests.fault.ranks import on_both
 from tests.integration import workers
 from tests.integration.data import FLOATS, NUMPY, make_input, reduce_reference, signed_zeros_reference
 from tests.integration.harness import RankPool, world_name
@@ -219,6 +222,49 @@ def test_group_submits_calls_together(pool: RankPool, sock: str, n: int,
     want_b = reduce_reference([make_input(82, r, 513, "i32", "max") for r in range(n)], "i32", "max")
     assert all(res == (want_a.tobytes(), want_b.tobytes()) for res in results)
 
+
+def test_groups_nest_and_a_full_group_refuses_the_next_call_and_stays_open(sock: str) -> None:
+    """NCCL's groups nest (the outermost ncclGroupEnd submits) and the wire holds 512 calls
+    a group: rank 0 opens a group inside a group and makes 513 calls, the last refused
+    (MisuseError) with the group still open; the inner group_end sends nothing, the outer
+    sends the 512, which pair with rank 1's 512 one at a time. The refused call took no
+    place in the order: the next all_reduce of both ranks pairs with each other."""
+    calls, world = proto.MAX_GROUP_OPS, world_name()
+    comms = on_both(lambda r: DaemonBackend(sock, world, r, 2, timeout=20))
+    try:
+        bufs = [hostmem.alloc(4 * (calls + 1)) for _ in range(2)]
+        for r, buf in enumerate(bufs):
+            buf.view(np.int32)[:] = np.arange(calls + 1) + 1000 * r
+
+        def rank(r: int) -> tuple[str, list[int]]:
+            comm, base = comms[r], bufs[r].ptr
+            refused, inner_end = "", []
+            if r == 0:
+                comm.group_start()
+                comm.group_start()
+                for i in range(calls):
+                    comm.all_reduce(base + 4 * i, 4, dtype="i32")
+                with pytest.raises(MisuseError) as raised:
+                    comm.all_reduce(base + 4 * calls, 4, dtype="i32")
+                refused = str(raised.value)
+                comm.group_end()
+                inner_end = bufs[0].view(np.int32)[:calls].tolist()
+                comm.group_end()
+            else:
+                for i in range(calls):
+                    comm.all_reduce(base + 4 * i, 4, dtype="i32")
+            comm.all_reduce(base + 4 * calls, 4, dtype="i32")
+            return refused, inner_end
+
+        (refused, inner_end), _ = on_both(rank)
+        assert refused == f"a group holds at most {calls} calls"
+        assert inner_end == list(range(calls))  # (nothing sent at the inner group_end)
+        summed = (2 * np.arange(calls + 1) + 1000).tolist()
+        assert [buf.view(np.int32).tolist() for buf in bufs] == [summed, summed]
+        assert all(comm.is_healthy() for comm in comms)
+    finally:
+        for comm in comms:
+            comm.close()
 
 @pytest.mark.parametrize("n", RANKS)
 def test_rank_world_size_health(pool: RankPool, sock: str, n: int) -> None:
