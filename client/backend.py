@@ -64,6 +64,13 @@ def as_ints(**values: object) -> tuple[int, ...]:
     return tuple(ints)
 
 
+def check_stream(name: str, stream: int) -> None:
+    """A CUstream is a pointer: one that cannot be one would be found wrong only by the
+    driver, on a GPU (and on host memory never looked at)."""
+    if not 0 <= stream < 1 << 64:
+        raise MisuseError(f"{name}={stream} is not a CUDA stream handle")
+
+
 # a timeout is a number of seconds a deadline adds to time.monotonic(), and milliseconds
 # in the hello (u64): a year is beyond any use and far inside both
 MAX_TIMEOUT_S = 365 * 86400.0

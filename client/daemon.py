@@ -14,7 +14,17 @@ import proto
 from proto import DType, ReduceOp
 
 from .addkernel import AddKernel
-from .backend import CommBackend, DTypeLike, OpLike, as_dtype, as_ints, as_op, as_path, as_seconds
+from .backend import (
+    CommBackend,
+    DTypeLike,
+    OpLike,
+    as_dtype,
+    as_ints,
+    as_op,
+    as_path,
+    as_seconds,
+    check_stream,
+)
 from .calls import Calls, about_world
 from .connection import Connection
 from .cuda import available_driver
@@ -106,8 +116,7 @@ class DaemonBackend(CommBackend):
                  memory: HostMemory | None = None, stream: int = 0,
                  cuda_driver: DriverFactory = available_driver) -> None:
         rank, world_size, stream = as_ints(rank=rank, world_size=world_size, stream=stream)
-        if not 0 <= stream < 1 << 64:  # (a CUstream is a pointer; found wrong only on a GPU)
-            raise MisuseError(f"stream={stream} is not a CUDA stream handle")
+        check_stream("stream", stream)
         if device is not None:
             device, = as_ints(device=device)
         timeout = as_seconds(timeout=timeout)
@@ -238,10 +247,7 @@ class DaemonBackend(CommBackend):
         # the op is ordered after `compute_stream`, which then waits for it on the device.
         d, o = as_dtype(dtype), as_op(op)
         ptr, bytes, compute_stream = as_ints(ptr=ptr, bytes=bytes, compute_stream=compute_stream)
-        # (no op carries it to be checked there, as send_to's stream is: on host memory it was
-        # never looked at, and on a GPU it would reach the driver)
-        if not 0 <= compute_stream < 1 << 64:
-            raise MisuseError(f"compute_stream={compute_stream} is not a CUDA stream handle")
+        check_stream("compute_stream", compute_stream)  # (no op carries it to be checked there)
         self._calls.call(("ar", ptr, bytes, d, o),
                          lambda due: proto.AllReduce(self._handover.mem(ptr, bytes, due), bytes, d, o),
                          stream=compute_stream or None, early=True)
