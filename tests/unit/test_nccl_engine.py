@@ -619,6 +619,29 @@ async def test_ncclmemfree_is_watched(gpu: FakeGpu) -> None:
         engine.close()
 
 
+class HungFrees:
+    """The fake's frees made to hang until the watch (`self.watch`) reports one, as the
+    process's end would end it, or for 5 s; what the watch said, and per free whether it
+    was the watch that ended it."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.stuck: list[str] = []
+        self.ended_by_the_watch: list[bool] = []
+        self.watch = StuckWatch(0.2, self._report)
+        self._reported = threading.Event()
+        release = gpu.release
+
+        def hung(memory: Imported) -> None:
+            self.ended_by_the_watch.append(self._reported.wait(5))
+            release(memory)
+
+        gpu.release = hung  # type: ignore[method-assign]
+
+    def _report(self, why: str) -> None:
+        self.stuck.append(why)
+        self._reported.set()
+
+
 @pytest.mark.parametrize("closing", [False, True])
 async def test_a_cuda_free_that_does_not_return_ends_the_process(gpu: FakeGpu, closing: bool) -> None:
     """cuIpcCloseMemHandle (as cuMemUnmap, cuMemFree) may wait for the device as ncclMemFree
@@ -626,35 +649,21 @@ async def test_a_cuda_free_that_does_not_return_ends_the_process(gpu: FakeGpu, c
     daemon's stop (the engine's close waits for the frees asked). The watch reports it as
     it does a stuck ncclMemFree, which by default ends the daemon; while the engine runs,
     and while it closes (before: nothing said, the close held for as long as the free)."""
-    stuck: list[str] = []
-    process_ended = threading.Event()  # (the hung call's end, as the process's end would be)
-
-    def on_stuck(why: str) -> None:
-        stuck.append(why)
-        process_ended.set()
-
-    engine = NcclEngine(gpu, stuck=StuckWatch(0.2, on_stuck))
+    frees = HungFrees(gpu)
+    engine = NcclEngine(gpu, stuck=frees.watch)
     mapping = ipc_mapping(engine, gpu, b"x" * 64)
     ptr = mapping.region(0, 1).ptr
-    real_release = gpu.release
-
-    ended_by_the_watch: list[bool] = []  # per hung free: else it gave up after its 5 s
-
-    def hung(memory: Imported) -> None:
-        ended_by_the_watch.append(process_ended.wait(5))
-        real_release(memory)
-
-    gpu.release = hung  # type: ignore[method-assign]
     try:
         mapping.close()
         if not closing:
             await asyncio.sleep(0.6)
-            assert stuck and process_ended.is_set()
+            assert frees.stuck
     finally:
         engine.close()
-    assert stuck == [f"cuIpcCloseMemHandle of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
-    assert ended_by_the_watch == [True]  # (the close waited for the watch, not the free's 5 s)
+    assert frees.stuck == [f"cuIpcCloseMemHandle of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
+    assert frees.ended_by_the_watch == [True]  # (the close waited for the watch, not the free's 5 s)
     assert [origin for origin, _ in gpu.released_on] == [Origin.IPC]
+
 
 @pytest.mark.parametrize("allocated", [False, True])
 async def test_a_free_after_the_engine_closed_is_watched_too(gpu: FakeGpu, allocated: bool) -> None:
@@ -662,14 +671,8 @@ async def test_a_free_after_the_engine_closed_is_watched_too(gpu: FakeGpu, alloc
     (Server.shutdown): those frees run on the loop's thread, the gate's ncclMemFree too.
     One that never returns held the stop for ever with nothing said: the engine's close
     had ended the watch (before: stuck == [] once the fake free gave up after 5 s)."""
-    stuck: list[str] = []
-    process_ended = threading.Event()  # (the hung call's end, as the process's end would be)
-
-    def on_stuck(why: str) -> None:
-        stuck.append(why)
-        process_ended.set()
-
-    engine = NcclEngine(gpu, stuck=StuckWatch(0.2, on_stuck))
+    frees = HungFrees(gpu)
+    engine = NcclEngine(gpu, stuck=frees.watch)
     if allocated:
         mapping, fd = engine.allocate(64)
         os.close(fd)
@@ -677,16 +680,10 @@ async def test_a_free_after_the_engine_closed_is_watched_too(gpu: FakeGpu, alloc
     else:
         mapping, freed_by = ipc_mapping(engine, gpu, b"x" * 64), "cuIpcCloseMemHandle"
     ptr = mapping.region(0, 1).ptr
-    real_release = gpu.release
-
-    def hung(memory: Imported) -> None:
-        process_ended.wait(5)
-        real_release(memory)
-
-    gpu.release = hung  # type: ignore[method-assign]
     engine.close()
     mapping.close()  # (here, as on the loop's thread: the engine's threads are gone)
-    assert stuck == [f"{freed_by} of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
+    assert frees.stuck == [f"{freed_by} of 64 bytes at {ptr:#x} has not returned in 0.2 s"]
+    assert frees.ended_by_the_watch == [True]
 
 
 # A process with logging set up as the daemon's, in a call under the watch that never returns
