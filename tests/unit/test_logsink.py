@@ -262,16 +262,18 @@ def test_a_slow_reader_gets_every_line_of_an_exit_that_it_keeps_reading(tmp_path
     assert [line.split()[5] for line in lines] == [f"{i:03d}" for i in range(250)], lines[-3:]
 
 
-# One line of 60 KB, then 20 of 200 bytes, flushed as `commd serve` does on its way out
+# One line of 60 KB, then 20 of 200 bytes, then the way out of a `commd serve` that ends in
+# an error: its flush, the final error's line (flushed), logging's flush at exit
 LONG_LINE_CHILD = """
 import logging
-from commd.logs import flush_logs, setup_logging
+from commd.logs import flush_logs, print_last, setup_logging
 
 setup_logging("INFO", "text")
 logging.getLogger("commd.test").info("long %s", "y" * 60000)
 for i in range(20):
     logging.getLogger("commd.test").info("line %03d %s", i, "x" * 160)
 flush_logs()
+print_last("commd: the final error")
 """
 
 
@@ -281,4 +283,5 @@ def test_a_slow_reader_gets_a_long_line_and_the_lines_after_it() -> None:
     go out, gave the reader up, and the exit left the last lines unwritten)."""
     lines = read_slowly([sys.executable, "-c", LONG_LINE_CHILD]).decode().splitlines()
     assert lines[0].endswith(" INFO commd.test: long " + "y" * 60000), lines[0][:100]
-    assert [line.split()[5] for line in lines[1:]] == [f"{i:03d}" for i in range(20)], lines[-3:]
+    assert [line.split()[5] for line in lines[1:-1]] == [f"{i:03d}" for i in range(20)], lines[-3:]
+    assert lines[-1] == "commd: the final error"
