@@ -307,8 +307,12 @@ class Registry:
         rank = sender_rank(msg)
         if rank is not None and rank < world.world_size and world.net.placement[rank] == link.name:
             return True
+        # (a step no member sends, the root's own "down" say, names no rank: "for rank None" told
+        # the operator nothing of what was wrong)
+        whose = ", which a member never sends the root" if rank is None else \
+            f" for rank {rank}, which is not one of its"
         world.fail(ErrorCode.WORLD_FAILED, f"world {world.name}: daemon {link.name} sent {msg.step!r} data "
-                                           f"of call {msg.call} for rank {rank}, which is not one of its")
+                                           f"of call {msg.call}{whose}")
         return False
 
     def _in_world(self, world: World, link: PeerLink, any_link: bool = False) -> bool:

@@ -265,3 +265,62 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
         comm.barrier()
     fault_report.add(f"{PACKETS:,} well-formed nonsense messages from an authenticated peer", float("nan"),
                      float("nan"), steady_f.errors() - unrelated, "n/a (the intruder's link is kept)")
+
+
+@pytest.mark.parametrize("step", ["down", "up-credit", "junk"])
+def test_a_member_sending_data_no_member_sends_fails_its_world_saying_so(
+        peer_daemon: DaemonProcess, steady_f: Steady, step: str) -> None:
+    """A daemon with the secret, rank 1's daemon of a world rooted on the fuzzed daemon, sends
+    the root data of a step only the root sends (or none does): the world fails, its rank told
+    which step came (the campaign's 'data of call 0 for rank None' named no rank, and no step
+    that was wrong), and the unrelated world runs on."""
+    import asyncio
+    import threading
+
+    from client import CommError
+    from commd.peering import PeerNode
+    from commd.peerlink import PeerSettings
+
+    sock = str(peer_daemon.socket_path)
+    unrelated = steady_f.errors()
+    world = world_name("member")
+    failed: list[str] = []
+
+    def rank0() -> None:
+        with DaemonBackend(sock, world, 0, 2, timeout=10, bootstrap=peer_daemon.peer_address()) as comm:
+            try:
+                comm.barrier()
+            except CommError as exc:
+                failed.append(str(exc))
+
+    async def member() -> None:
+        ready: asyncio.Queue[p.WorldReady] = asyncio.Queue()
+
+        def heard(link: object, msg: p.PeerMessage, payload: object) -> None:
+            if isinstance(msg, p.WorldReady):
+                ready.put_nowait(msg)
+
+        node = PeerNode(PeerSettings("intruder", b"fuzz-secret-0123456789"), heard, lambda link, reason: None)
+        link = await node.dial(*parse_address(peer_daemon.peer_address()))
+        link.send(p.JoinWorld(world, 2, 1, 0, 10_000))
+        formed = await asyncio.wait_for(ready.get(), 10)
+        assert formed.placement == ("F", "intruder")
+        link.send(p.Data(world, formed.epoch, step, 0, 0, 0, "barrier()"))
+        await link.drain()
+        for _ in range(1000):  # the world failed once rank 0 heard it
+            if failed:
+                break
+            await asyncio.sleep(0.01)
+        link.close("done")
+        node.close()
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    try:
+        asyncio.run(member())
+    finally:
+        thread.join(30)
+    assert len(failed) == 1 and f"daemon intruder sent {step!r} data of call 0, which a member never sends " \
+        "the root" in failed[0], failed
+    assert "None" not in failed[0]
+    assert steady_f.errors() == unrelated
