@@ -124,15 +124,18 @@ def flush_logs() -> None:
 
 
 def print_last(text: str) -> None:
-    """`text` on a line of its own to stderr, as print would: after the log's lines, and,
-    where the log is on stderr, waiting for a stalled reader no longer than `flush_logs`
-    (a daemon's final error must not hold up its exit for ever)."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, NonBlockingFdHandler):  # (setup_logging's, on stderr)
-            handler.write_unformatted(text + "\n")
-            handler.flush()
-            return
-    print(text, file=sys.stderr)
+    """`text` on a line of its own to stderr, as print would: after the log's lines, and
+    waiting for a stalled reader no longer than `flush_logs` (a daemon's final error must
+    not hold up its exit for ever), also where the log was not set up yet (an error in
+    the settings) or goes elsewhere."""
+    ours = [handler for handler in logging.getLogger().handlers
+            if isinstance(handler, NonBlockingFdHandler)]  # (setup_logging's)
+    handler = ours[0] if ours else _stderr_handler()
+    if isinstance(handler, NonBlockingFdHandler):
+        handler.write_unformatted(text + "\n")
+        handler.flush()
+    else:  # (stderr has no descriptor: a test's capture)
+        print(text, file=sys.stderr)
 
 
 class Throttled:

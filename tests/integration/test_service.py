@@ -329,10 +329,12 @@ def test_a_peer_port_in_use_is_a_configuration_error(tmp: Path) -> None:
     assert not (tmp / "c.sock").exists()
 
 
-def test_a_final_error_waits_for_no_stalled_log_reader(tmp: Path) -> None:
+@pytest.mark.parametrize("found", ["starting", "reading its settings"])
+def test_a_final_error_waits_for_no_stalled_log_reader(tmp: Path, found: str) -> None:
     """The daemon's stderr is a full one-page pipe that nobody reads, and its peer port is
-    in use: it exits 2 within 15 s, each wait for the reader bounded (before: its final
-    error's print waited in write(2) for ever). The line itself, read, is the one above."""
+    in use (found as it starts, its log set up) or its config file missing (found before
+    there is a log): it exits 2 within 15 s, each wait for the reader bounded (before: its
+    final error's print waited in write(2) for ever). The line itself, read, is as above."""
     secret = tmp / "secret"
     secret.write_text("0123456789abcdef0123")
     secret.chmod(0o600)
@@ -342,7 +344,8 @@ def test_a_final_error_waits_for_no_stalled_log_reader(tmp: Path) -> None:
     with socket.socket() as taken, open(r, "rb"):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        cmd = [sys.executable, "-m", "commd", "serve", "--config", "", "--socket", str(tmp / "c.sock"),
+        config = "" if found == "starting" else str(tmp / "missing.toml")
+        cmd = [sys.executable, "-m", "commd", "serve", "--config", config, "--socket", str(tmp / "c.sock"),
                "--peer-secret-file", str(secret), "--peer-listen", f"127.0.0.1:{taken.getsockname()[1]}"]
         try:
             daemon = subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL,
