@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from proto import ErrorCode
 from proto import peer as p
 
-from ..errors import CallError
+from ..errors import CallError, quoted
 from .base import EngineOp, RecvOp, SendOp, TransferOp
 
 if TYPE_CHECKING:
@@ -54,9 +54,15 @@ def collective_mismatch(index: int, mine: int, my_call: str, theirs: int, their_
                                          f"{my_call}, rank {theirs} called {their_call}")
 
 
-def p2p_mismatch(src: int, dst: int, index: int, sent: str, received: int) -> CallError:
+def p2p_mismatch(src: int, dst: int, index: int, sent: str, received: int, daemon: str) -> CallError:
     """Worded as one daemon's matcher words it: each call with its peer (the pair is each
-    call's, so no daemon needs to be told it)."""
+    call's, so no daemon needs to be told it). `sent` is what `daemon`, the sender's, said it
+    sends: a size that is no byte count is that daemon breaking the protocol, not rank `src`
+    calling send_to with it (a mismatch that sent the operator to the workers' code)."""
+    if not (sent.isascii() and sent.isdigit()):
+        return CallError(ErrorCode.WORLD_FAILED, f"point-to-point {src}->{dst} call {index}: daemon "
+                                                 f"{daemon} sent the size {quoted(sent, 100)}, which "
+                                                 "is not a byte count")
     return CallError(ErrorCode.MISMATCH, f"mismatched point-to-point {src}->{dst} call {index}: rank "
                                          f"{src} called send_to(bytes={sent}, peer={dst}), rank {dst} "
                                          f"called recv_from(bytes={received}, peer={src})")
@@ -83,7 +89,7 @@ def device_check(net: WorldNet | None, inbox: Inbox | None, epoch: int, local_ra
             msg, _ = await inbox.get(("p2p-check", recv.tag.index, 0, pair))
             if msg.fingerprint != str(recv.dst.nbytes):
                 raise p2p_mismatch(recv.src_rank, recv.dst_rank, recv.tag.index, msg.fingerprint,
-                                   recv.dst.nbytes)
+                                   recv.dst.nbytes, net.placement[recv.src_rank])
 
         return compare_sizes()
     tag = op.tag

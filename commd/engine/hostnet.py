@@ -373,7 +373,8 @@ class NetRunner:
         for i, (lo, hi) in enumerate(pieces):
             msg, payload = await self.inbox.get(("p2p", op.tag.index, i, pair))
             if msg.fingerprint != str(len(out)):
-                raise p2p_mismatch(op.src_rank, op.dst_rank, op.tag.index, msg.fingerprint, len(out))
+                raise p2p_mismatch(op.src_rank, op.dst_rank, op.tag.index, msg.fingerprint, len(out),
+                                   self.net.placement[op.src_rank])
             sized(payload, hi - lo, f"point-to-point {op.src_rank}->{op.dst_rank} call {op.tag.index}", i,
                   self.net.placement[op.src_rank])
             out[lo:hi] = np.frombuffer(payload, np.uint8)

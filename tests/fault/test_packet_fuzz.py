@@ -3,11 +3,13 @@ port: only typed refusals, never a crash or a wedge; an unrelated world runs thr
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import proto
-from client import DaemonBackend
+from client import CommError, DaemonBackend, MismatchError, WorldFailed, hostmem
 from commd.cluster import parse_address
+from commd.engine.crosscheck import pair_of
 from commd.launch import DaemonProcess
+from proto import ErrorCode
 from proto import peer as p
 from proto import peerframe as pf
 from proto.codec import encode_peer
@@ -194,12 +198,8 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
                                                 fault_report: FaultReport) -> None:
     """A daemon that holds the secret but sends random, well-formed messages about real and
     made-up worlds: the daemon refuses or ignores them and keeps its own worlds working."""
-    import asyncio
-    import threading
-
     from commd.peering import PeerNode
     from commd.peerlink import PeerSettings
-    from proto import ErrorCode
 
     sock = str(peer_daemon.socket_path)
     unrelated = steady_f.errors()
@@ -267,31 +267,12 @@ def test_an_authenticated_peer_talking_nonsense(peer_daemon: DaemonProcess, stea
                      float("nan"), steady_f.errors() - unrelated, "n/a (the intruder's link is kept)")
 
 
-@pytest.mark.parametrize("step", ["down", "up-credit", "junk"])
-def test_a_member_sending_data_no_member_sends_fails_its_world_saying_so(
-        peer_daemon: DaemonProcess, steady_f: Steady, step: str) -> None:
-    """A daemon with the secret, rank 1's daemon of a world rooted on the fuzzed daemon, sends
-    the root data of a step only the root sends (or none does): the world fails, its rank told
-    which step came (the campaign's 'data of call 0 for rank None' named no rank, and no step
-    that was wrong), and the unrelated world runs on."""
-    import asyncio
-    import threading
-
-    from client import CommError
+def as_rank1s_daemon(peer_daemon: DaemonProcess, world: str, data: Callable[[int], tuple[p.Data, bytes]],
+                     done: Callable[[], object]) -> None:
+    """A daemon with the secret joins `world` (rooted on the fuzzed daemon) as rank 1's, and
+    once it formed sends `data(epoch)`; then waits (10 s at most) for `done`."""
     from commd.peering import PeerNode
     from commd.peerlink import PeerSettings
-
-    sock = str(peer_daemon.socket_path)
-    unrelated = steady_f.errors()
-    world = world_name("member")
-    failed: list[str] = []
-
-    def rank0() -> None:
-        with DaemonBackend(sock, world, 0, 2, timeout=10, bootstrap=peer_daemon.peer_address()) as comm:
-            try:
-                comm.barrier()
-            except CommError as exc:
-                failed.append(str(exc))
 
     async def member() -> None:
         ready: asyncio.Queue[p.WorldReady] = asyncio.Queue()
@@ -305,22 +286,87 @@ def test_a_member_sending_data_no_member_sends_fails_its_world_saying_so(
         link.send(p.JoinWorld(world, 2, 1, 0, 10_000))
         formed = await asyncio.wait_for(ready.get(), 10)
         assert formed.placement == ("F", "intruder")
-        link.send(p.Data(world, formed.epoch, step, 0, 0, 0, "barrier()"))
+        link.send(*data(formed.epoch))
         await link.drain()
         for _ in range(1000):  # the world failed once rank 0 heard it
-            if failed:
+            if done():
                 break
             await asyncio.sleep(0.01)
         link.close("done")
         node.close()
 
+    asyncio.run(member())
+
+
+@pytest.mark.parametrize("step", ["down", "up-credit", "junk"])
+def test_a_member_sending_data_no_member_sends_fails_its_world_saying_so(
+        peer_daemon: DaemonProcess, steady_f: Steady, step: str) -> None:
+    """A daemon with the secret, rank 1's daemon of a world rooted on the fuzzed daemon, sends
+    the root data of a step only the root sends (or none does): the world fails, its rank told
+    which step came (the campaign's 'data of call 0 for rank None' named no rank, and no step
+    that was wrong), and the unrelated world runs on."""
+    sock = str(peer_daemon.socket_path)
+    unrelated = steady_f.errors()
+    world = world_name("member")
+    failed: list[str] = []
+
+    def rank0() -> None:
+        with DaemonBackend(sock, world, 0, 2, timeout=10, bootstrap=peer_daemon.peer_address()) as comm:
+            try:
+                comm.barrier()
+            except CommError as exc:
+                failed.append(str(exc))
+
     thread = threading.Thread(target=rank0)
     thread.start()
     try:
-        asyncio.run(member())
+        as_rank1s_daemon(peer_daemon, world,
+                         lambda epoch: (p.Data(world, epoch, step, 0, 0, 0, "barrier()"), b""),
+                         lambda: failed)
     finally:
         thread.join(30)
     assert len(failed) == 1 and f"daemon intruder sent {step!r} data of call 0, which a member never sends " \
         "the root" in failed[0], failed
     assert "None" not in failed[0]
+    assert steady_f.errors() == unrelated
+
+
+@pytest.mark.parametrize("size", ["all_reduce(8 i32 sum)", "-8", "16"])
+def test_a_member_saying_a_send_of_no_byte_count_fails_the_world_naming_it(
+        peer_daemon: DaemonProcess, steady_f: Steady, size: str) -> None:
+    """Rank 1's daemon sends rank 0's receive of 8 bytes data whose size (the p2p frame's
+    fingerprint) is no byte count: the world fails naming that daemon and what it sent. In the
+    fuzz campaign the receive failed as a mismatch, saying rank 1 'called send_to(bytes=all_reduce(8
+    i32 sum), peer=0)': a call no rank made, which sent the operator to the workers' code. A size
+    that is a byte count, other than the receive's, stays a mismatch of the two ranks' calls."""
+    sock = str(peer_daemon.socket_path)
+    unrelated = steady_f.errors()
+    world = world_name("member")
+    failed: list[CommError] = []
+
+    def rank0() -> None:
+        landing = hostmem.alloc(8)
+        with DaemonBackend(sock, world, 0, 2, timeout=10, bootstrap=peer_daemon.peer_address()) as comm:
+            try:
+                comm.recv_from(landing.ptr, 8, 1)
+            except CommError as exc:
+                failed.append(exc)
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    try:
+        as_rank1s_daemon(peer_daemon, world, lambda epoch: (
+            p.Data(world, epoch, "p2p", 0, 0, pair_of(1, 0), size, (0,)), bytes(8)), lambda: failed)
+    finally:
+        thread.join(30)
+    assert len(failed) == 1, failed
+    if size == "16":
+        assert isinstance(failed[0], MismatchError), failed
+        assert "mismatched point-to-point 1->0 call 0: rank 1 called send_to(bytes=16, peer=0), " \
+            "rank 0 called recv_from(bytes=8, peer=1)" in str(failed[0]), failed
+    else:
+        assert type(failed[0]) is WorldFailed and failed[0].code is ErrorCode.WORLD_FAILED, failed
+        assert f"point-to-point 1->0 call 0: daemon intruder sent the size {size!r}, which is not a byte " \
+            "count" in str(failed[0]), failed
+        assert "send_to" not in str(failed[0])
     assert steady_f.errors() == unrelated
