@@ -122,6 +122,8 @@ class OpRunner:
         ticket.op_ended(failure)
         if ticket.done:
             self._world.tickets.discard(ticket)
+        if self._world.unsettled:
+            self._world.settle(ticket, failure)
 
     def _finish(self, arrivals: list[Arrival]) -> None:
         world = self._world

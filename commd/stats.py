@@ -88,13 +88,9 @@ class DaemonStats:
     def transition(self, state: str) -> None:
         self.transitions[state] = self.transitions.get(state, 0) + 1
 
-    def world_failed(self, world: str, epoch: int, code: proto.ErrorCode, message: str,
-                     job_ended: bool = False) -> None:
-        """READY -> FAILED. `job_ended`: a rank left an idle world, which is how jobs end:
-        a state change, not a failure to count or show."""
-        self.transition("failed")
-        if job_ended:
-            return
+    def count_failure(self, world: str, epoch: int, code: proto.ErrorCode, message: str) -> None:
+        """A world's end that was a failure (a job's end, ranks leaving once their calls are
+        done, is only the transition to "failed": no failure to count or show)."""
         self.failures[code.name] = self.failures.get(code.name, 0) + 1
         self.last_failure[world] = {"epoch": epoch, "code": code.name, "message": message,
                                     "at": round(time.time(), 3)}

@@ -113,7 +113,8 @@ def test_counters_by_op_outcome_bytes_and_latency() -> None:
 def test_world_failures_and_last_failure() -> None:
     stats = DaemonStats()
     stats.transition("ready")
-    stats.world_failed("w", 2, proto.ErrorCode.MISMATCH, "rank 1 called barrier")
+    stats.transition("failed")
+    stats.count_failure("w", 2, proto.ErrorCode.MISMATCH, "rank 1 called barrier")
     assert stats.summary()["world_failures"] == {"MISMATCH": 1}
     assert stats.summary()["world_transitions"] == {"failed": 1, "ready": 1}
     assert stats.last_failure["w"]["code"] == "MISMATCH" and stats.last_failure["w"]["epoch"] == 2
@@ -131,7 +132,7 @@ def test_prometheus_exposition() -> None:
     recorder = FlightRecorder(stats=stats.calls)
     for _ in range(3):
         recorder.start(0, proto.AllGather(MEM, MEM, 16)).close("done")
-    stats.world_failed("w", 1, proto.ErrorCode.TIMEOUT, "late")
+    stats.count_failure("w", 1, proto.ErrorCode.TIMEOUT, "late")
     registry = SimpleNamespace(stats=stats, worlds={}, connected_ranks=lambda: 2)
     server = SimpleNamespace(registry=registry, sessions={1, 2, 3}, cluster=None, uptime=lambda: 1.5)
     text = renderer(server)().decode()  # type: ignore[arg-type]
