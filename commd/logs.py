@@ -44,6 +44,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+# A message's control characters, escaped: a line break in text that a peer daemon, a
+# client or a file gave (a goodbye's reason, a world's failure message) would start what
+# reads as a log line of its own, a forged one from a peer
+_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(32), 127) if chr(code) != "\t"} | {
+    ord("\n"): "\\n", ord("\r"): "\\r"}
+
+
+class TextFormatter(logging.Formatter):
+    """The text log's lines: a record is one line (its traceback, if any, the lines after)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_ESCAPES)
+        return super().formatMessage(record)
+
+
 def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
     """Configure the root logger once, at start (replacing what was there): to `stream`,
     or to stderr without ever blocking on its reader (`logsink`), and then what Python
@@ -52,7 +70,7 @@ def setup_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

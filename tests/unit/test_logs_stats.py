@@ -90,6 +90,26 @@ def test_text_lines_by_default(restore_logging: object) -> None:
     assert out.getvalue().rstrip().endswith("INFO commd: hello there")
 
 
+def test_a_text_line_is_one_line_whatever_text_it_carries(restore_logging: object) -> None:
+    """Text a peer daemon sends (a failure message, a goodbye's reason) went into the line
+    as it was: a line break in it started a forged line ("... WARNING commd.world: ...")."""
+    out = io.StringIO()
+    setup_logging("INFO", "text", out)
+    log = logging.getLogger("commd.peering")
+    said = "bye\n2026-12-08 00:00:00,000 WARNING commd.world: forged\r\x1b[2J\tx"
+    log.info("daemon %s said goodbye: %s", "B", said)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("with a traceback")
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("INFO commd.peering: daemon B said goodbye: bye\\n2026-12-08 00:00:00,000 "
+                             "WARNING commd.world: forged\\r\\x1b[2J\tx"), lines
+    assert lines[1].endswith("ERROR commd.peering: with a traceback")
+    assert lines[2] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: boom"
+
+
 def test_counters_by_op_outcome_bytes_and_latency() -> None:
     stats = DaemonStats()
     recorder = FlightRecorder(depth=2, stats=stats.calls)  # the ring is small; the counts are not
