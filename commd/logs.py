@@ -58,7 +58,8 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = record.message.translate(_ESCAPES)
+        # (a line break that ends one is no part of it: a captured warning's text has one)
+        record.message = record.message.rstrip("\r\n").translate(_ESCAPES)
         return super().formatMessage(record)
 
 
