@@ -174,7 +174,6 @@ async def serve_metrics(host: str, port: int, render: Callable[[], bytes]) -> as
     async def take_slot(writer: asyncio.StreamWriter) -> bool:
         """Whether the newcomer may be served, after waiting (bounded, first come first
         served) for a slot; it then holds one."""
-        hand_idle_slots()  # (to those waiting already: they come first)
         if len(active) < _MAX_SCRAPERS and not queued:  # the fds are the workers' (SCM_RIGHTS), not scrapers'
             active.add(writer)
             return True
