@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import proto
 from client.errors import CommError, ProtocolError
@@ -26,7 +27,7 @@ from .config import (
     located,
 )
 from .errors import ConfigError
-from .logs import flush_logs, print_last, setup_logging
+from .logs import flush_logs, print_last, setup_logging, write_stderr
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -105,8 +106,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse writes its usage and error to stderr with plain writes, which wait for a
+    stalled reader for ever (`commd serve --bogus` under a journal that does not read):
+    they go out as the daemon's last words do, in one write. Its subcommands' parsers
+    are of this class too (add_subparsers makes them of the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        write_stderr(f"{self.format_usage()}{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="commd", description=__doc__)
+    parser = _Parser(prog="commd", description=__doc__)
     # (an operator checks before an upgrade which protocols a build speaks: README "Upgrading")
     parser.add_argument("--version", action="version", version=build_line())
     sub = parser.add_subparsers(dest="command", required=True)

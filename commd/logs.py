@@ -147,14 +147,21 @@ def print_last(text: str) -> None:
     waiting for a stalled reader no longer than `flush_logs` (a daemon's final error must
     not hold up its exit for ever), also where the log was not set up yet (an error in
     the settings) or goes elsewhere."""
+    write_stderr(text + "\n")
+
+
+def write_stderr(text: str) -> None:
+    """`text` as it is to stderr, the way `print_last` writes a line (argparse's usage and
+    errors come this way too)."""
     ours = [handler for handler in logging.getLogger().handlers
             if isinstance(handler, NonBlockingFdHandler)]  # (setup_logging's)
     handler = ours[0] if ours else _stderr_handler()
     if isinstance(handler, NonBlockingFdHandler):
-        handler.write_unformatted(text + "\n")
+        handler.write_unformatted(text)
         handler.flush()
     else:  # (stderr has no descriptor: a test's capture)
-        print(text, file=sys.stderr)
+        sys.stderr.write(text)
+        sys.stderr.flush()
 
 
 class Throttled:

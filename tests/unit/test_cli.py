@@ -3,6 +3,7 @@ to --version and to Ctrl-C."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -50,6 +51,32 @@ def test_bad_arguments_are_a_clear_error_and_exit_2(tmp_path: Path, argv: tuple[
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not list(tmp_path.iterdir())  # nothing was run, nothing written
+
+
+def test_a_bad_argument_with_stderr_a_full_pipe_nobody_reads_still_exits_2(tmp_path: Path) -> None:
+    """Before: argparse wrote its usage with a plain write(2), which waited for the reader
+    for ever (a journal that stalled); now the usage goes out as the daemon's last words
+    do, and the process exits once that write gave the reader up."""
+    filler = b"f" * 4096
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, len(filler))
+    assert os.write(w, filler) == len(filler)  # (full: the next write(2) to it waits)
+    with open(r, "rb") as err:
+        try:
+            child = subprocess.Popen([sys.executable, "-m", "commd", "serve", "--bogus"], cwd=tmp_path,
+                                     env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=w)
+        finally:
+            os.close(w)
+        try:
+            code = child.wait(20)
+        finally:
+            child.kill()
+            child.wait()
+        left = err.read()  # what the child left in the pipe, now that it is gone
+    assert code == 2
+    assert left.startswith(filler), left[:100]
+    assert not list(tmp_path.iterdir())
 
 
 def test_version_names_the_build_and_both_protocols(tmp_path: Path) -> None:
