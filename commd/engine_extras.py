@@ -8,10 +8,12 @@ from .engine.base import Communicator, Region
 
 class EngineExtras:
     """The ranks' registrations and add-kernel handles, kept across epochs (a rebuilt
-    world's communicator gets them again). Each changes which NCCL calls a rank makes,
-    so the communicator gets them only while every rank asked, all on this daemon
-    (`local`), where that is known: NCCL leaves an op undefined when some ranks pass
-    registered buffers and some do not, and the add path is a 2-rank exchange."""
+    world's communicator gets them again). Each changes which NCCL calls a rank makes.
+    The communicator gets the registrations only while every rank asked, all on this
+    daemon (`local`), where that is known: NCCL leaves an op undefined when some ranks
+    pass registered buffers and some do not. It is told which ranks here set the add
+    kernel, and takes the 2-rank exchange once both did (across daemons, once the
+    daemons agreed: engine/addagree.py)."""
 
     def __init__(self, world_size: int, local: bool) -> None:
         self._world_size = world_size
@@ -49,7 +51,7 @@ class EngineExtras:
 
     def _use_add_kernel(self, comm: Communicator | None) -> None:
         if comm is not None:
-            comm.use_add_kernel(self._world_size == 2 and self._local and set(self.add_kernel) == {0, 1})
+            comm.use_add_kernel(frozenset(self.add_kernel))
 
     def _hand_registrations(self, comm: Communicator | None) -> None:
         if comm is None:

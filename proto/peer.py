@@ -44,8 +44,9 @@ from .fields import (  # one definition of each rule for both protocols
     error_code,
 )
 
-PEER_VERSION = 8  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
-#                  7: vote ids; 8: goodbye, a vote's whole timeout, 1 MiB sealed headers, calls queries
+PEER_VERSION = 9  # 2: incarnations, transcript; 3: signed frames; 4: flow control; 5: sealed; 6: quiet;
+#                  7: vote ids; 8: goodbye, a vote's whole timeout, 1 MiB sealed headers, calls queries;
+#                  9: the add path's agreement (data steps add-ready, add-propose, add-from)
 NONCE_BYTES = 32
 INCARNATION_BYTES = 16
 MAX_ENGINE_ID = 256  # NCCL's unique id is 128 bytes

@@ -536,11 +536,17 @@ def step_contract(ctx: Ctx) -> Result:
 
 def add_kernel_note(ctx: Ctx, since: int, mode: str) -> str:
     """What the daemons started since `since` logged about the add kernel (whether the
-    2-rank bf16 sum took the kernel path: its result is the same either way)."""
-    if mode == "two-daemons":  # (commd/engine/addpath.py: both ranks in one daemon)
-        return "add kernel: not on the path (one rank per daemon; the path needs both in one)"
-    lines = [line for text in ctx.daemon_logs[since:] for line in text.splitlines() if "add kernel" in line]
-    return f"daemon: {lines[-1].strip()[-160:]}" if lines else ""
+    2-rank bf16 sum took the kernel path: its result is the same either way); with one
+    rank per daemon, whether they agreed on it (commd/engine/addagree.py)."""
+    lines = [line.strip() for text in ctx.daemon_logs[since:] for line in text.splitlines()
+             if "add kernel" in line or "take the add path" in line]
+    loaded = [line for line in lines if "add kernel" in line]
+    note = f"daemon: {loaded[-1][-160:]}" if loaded else ""
+    if mode == "two-daemons":
+        agreed = [line for line in lines if "take the add path" in line]
+        note = "; ".join(filter(None, [note, f"add path agreed by {len(agreed)} of 2 daemons"
+                                       + (f" ({agreed[-1][-90:]})" if agreed else "")]))
+    return note
 
 
 def abort_note(ctx: Ctx, since: int) -> str:

@@ -3,6 +3,8 @@ daemon's own add kernel on each rank's stream (the seed's NcclBackend path)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from proto import DType, ErrorCode, ReduceOp
 
 from ..errors import CallError
-from .base import AllReduceOp, EngineOp
+from .addagree import AddAgreement
+from .base import AllReduceOp, EngineOp, RecvOp, SendOp, TransferOp
 from .gpu import Gpu, GpuError
 from .launches import Launches
 from .ncclcalls import Call, bind
@@ -23,12 +26,13 @@ Add = tuple[int, NcclRegion, NcclRegion]  # (rank, its buffer, where the peer's 
 
 class AddPath:
     """One world's add path: off until `enable`, taken once the kernel is loaded on every
-    local device. Both ranks share the world's communicator (the path is for ranks of one
-    daemon), so they always agree on it."""
+    local device. With both ranks here, one communicator runs both sides of each op, so
+    they always agree on it; with the other rank on another daemon, `agreement` tells
+    from which collective both daemons take it (addagree)."""
 
     def __init__(self, gpu: Gpu, compiler: ThreadPoolExecutor, world: str, world_size: int,
                  devices: Mapping[int, int], new_mapping: Callable[[int, int], NcclMapping],
-                 launches: Launches) -> None:
+                 launches: Launches, agreement: AddAgreement | None = None) -> None:
         self._gpu = gpu
         self._launches = launches  # loading the module may wait for the device: not inside one
         self._compiler = compiler  # where NVRTC compiles the kernel, off the loop
@@ -36,6 +40,7 @@ class AddPath:
         self._world_size = world_size
         self._devices = devices
         self._new_mapping = new_mapping  # (bytes, rank) -> device memory on the rank's GPU
+        self._agreement = agreement
         self._enabled = False
         self._landing: dict[int, NcclMapping] = {}  # rank -> where the peer's buffer lands
 
@@ -44,8 +49,12 @@ class AddPath:
         NCCL sums as before."""
         self._enabled = enabled
         devices = sorted(set(self._devices.values()))
-        if not enabled or all(self._gpu.add_ready(d) for d in devices):
+        if not enabled:
             return
+        if all(self._gpu.add_ready(d) for d in devices):
+            self._loaded()
+            return
+        loop = asyncio.get_running_loop() if self._agreement is not None else None
 
         def prepare() -> None:
             try:
@@ -54,18 +63,35 @@ class AddPath:
             except GpuError as exc:
                 log.warning("world %s: the add kernel is not available, NCCL sums: %s", self._world, exc,
                             extra={"world": self._world})
-            else:
-                log.info("world %s: the add kernel is ready on GPU %s", self._world,
-                         ", ".join(map(str, devices)), extra={"world": self._world})
+                return
+            log.info("world %s: the add kernel is ready on GPU %s", self._world,
+                     ", ".join(map(str, devices)), extra={"world": self._world})
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: the daemon stops)
+                    loop.call_soon_threadsafe(self._loaded)
 
-        self._compiler.submit(prepare)  # once loaded, add_ready turns true; nothing else to tell
+        self._compiler.submit(prepare)  # once loaded, add_ready turns true
+
+    def _loaded(self) -> None:
+        """The kernel is ready here: across daemons, the other must hear it (addagree)."""
+        if self._agreement is not None and self._enabled:
+            self._agreement.start()
 
     def plan(self, op: EngineOp) -> list[Add]:
-        """For each rank of a 2-rank bf16 sum: its buffer and where the peer's lands. Empty
-        when NCCL sums the op."""
-        if not (self._enabled and isinstance(op, AllReduceOp) and op.dtype is DType.BF16
-                and op.op is ReduceOp.SUM and self._world_size == 2 and len(op.bufs) == 2
-                and all(self._gpu.add_ready(d) for d in set(self._devices.values()))):
+        """For each rank here of a 2-rank bf16 sum: its buffer and where the peer's lands.
+        Empty when NCCL sums the op. Called for every op as it goes to the device."""
+        agreement = self._agreement
+        if agreement is not None and not isinstance(op, TransferOp | SendOp | RecvOp):
+            agreement.ran(op.tag.index)
+        if not (isinstance(op, AllReduceOp) and op.dtype is DType.BF16 and op.op is ReduceOp.SUM
+                and self._world_size == 2):
+            return []
+        if agreement is None:
+            taken = (self._enabled and len(op.bufs) == 2
+                     and all(self._gpu.add_ready(d) for d in set(self._devices.values())))
+        else:  # (agreed only once the kernel was loaded here)
+            taken = agreement.first is not None and op.tag.index >= agreement.first
+        if not taken:
             return []
         plan = []
         for rank, buf in sorted(op.bufs.items()):

@@ -214,10 +214,10 @@ class Communicator(Protocol):
         """Stop using the communicator; pending and later runs fail."""
         ...
 
-    def use_add_kernel(self, enabled: bool) -> None:
-        """Every rank of this 2-rank world called set_add_kernel: a GPU engine may sum bf16
-        by exchanging buffers and adding them with its own kernel (the seed's NcclBackend
-        path). Engines without one ignore it."""
+    def use_add_kernel(self, ranks: frozenset[int]) -> None:
+        """The ranks here that called set_add_kernel. Once every rank of a 2-rank world
+        did, a GPU engine may sum bf16 by exchanging buffers and adding them with its own
+        kernel (the seed's NcclBackend path). Engines without one ignore it."""
         ...
 
     def register(self, rank: int, key: int, region: Region) -> None:

@@ -38,9 +38,10 @@ def p2p_target(msg: p.Data) -> int | None:
 
 def sender_rank(msg: p.Data) -> int | None:
     """The rank whose daemon first sends a message a member sends the root: one of its own
-    ranks ("up" and "check" name the member's lowest; a transfer its source, its credit and
-    ack its receiver). None for what only the root sends ("down", "up-credit")."""
-    if msg.step in ("up", "check"):
+    ranks ("up" and "check" name the member's lowest, "add-ready" and "add-from" its rank;
+    a transfer its source, its credit and ack its receiver). None for what only the root
+    sends ("down", "up-credit", "add-propose")."""
+    if msg.step in ("up", "check", "add-ready", "add-from"):
         return msg.source
     if msg.step in ("p2p", "p2p-check"):
         return msg.source // PAIR

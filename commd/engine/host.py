@@ -277,7 +277,7 @@ class HostCommunicator:
     def async_error(self) -> str | None:
         return None  # every host op reports its failure through its own run()
 
-    def use_add_kernel(self, enabled: bool) -> None:
+    def use_add_kernel(self, ranks: frozenset[int]) -> None:
         pass  # the host engine sums on the CPU either way
 
     def register(self, rank: int, key: int, region: Region) -> None:

@@ -61,7 +61,7 @@ class Batcher:
         An add-path op launches alone: its sum lands in its buffer only with its add, after
         every NCCL call of its launch, so an op launched with it could read (or write) the
         buffer on the wrong side of that add. Its exchange is between ranks of this daemon,
-        so nothing waits for it elsewhere."""
+        or with the other daemon's rank, which launches its side alone as well."""
         if entry.adds:
             self._flush()  # what gathered before it goes first
             self._launch_now([entry])

@@ -25,6 +25,7 @@ from proto import ErrorCode
 
 from ..errors import CallError
 from ..tasks import HeldTasks
+from .addagree import AddAgreement, Admissions
 from .addpath import AddPath
 from .base import EngineOp, Order, Region, StillOnDevice
 from .completion import Completions, WaitFailed, WaitNotStarted, unless_mismatched
@@ -72,9 +73,17 @@ class NcclCommunicator:
         self._world = world
         self._ranks = tuple(local_ranks)
         self._devices = {r: devices.get(r, 0) for r in self._ranks}
-        # sum 2-rank bf16 by exchange and our own add (use_add_kernel)
+        # sum 2-rank bf16 by exchange and our own add (use_add_kernel); with the other rank on
+        # another daemon, the two agree from which collective on, and the root holds its ops
+        # back meanwhile (addagree)
+        self._world_size = world_size
+        self._admissions = Admissions()
+        agreement = None
+        if self._net is not None and self._inbox is not None and world_size == 2 and len(self._ranks) == 1:
+            agreement = AddAgreement(self._net, self._inbox, self._epoch, self._ranks[0], self._admissions,
+                                     self._spawn, self._agreement_failed)
         self._adds = AddPath(gpu, compiler, world, world_size, self._devices, self._new_mapping,
-                             freer.launches)
+                             freer.launches, agreement)
         self._aborted = False
         self._aborting = False  # the abort is still running (on the gate's thread)
         self._abort_over = asyncio.Event()  # set once it returned
@@ -144,7 +153,9 @@ class NcclCommunicator:
                   requests: frozenset[object] = frozenset()) -> None:
         # Nothing is awaited before the op joins a launch: launches form in the order the
         # ops matched, which NCCL needs on every rank. (The init's settling is the first
-        # launch's: _launch_batch settles its ranks before it calls NCCL.)
+        # launch's: _launch_batch settles its ranks before it calls NCCL.) The one wait before
+        # is the add path's agreement's, which lets the ops it held back through in order.
+        await self._admissions.admit()
         self._check()
         adds = self._adds.plan(op)
         calls = (nccl_calls(self._gpu, op, self._ranks, self._scratch_ptr, self._net is not None)
@@ -268,6 +279,7 @@ class NcclCommunicator:
 
     def _abort_comms(self, why: str = "") -> None:
         self._aborted = True
+        self._admissions.open(CallError(ErrorCode.WORLD_FAILED, "communicator was aborted"))
         comms, self._comms = self._comms, {}
         if comms:
             self._aborting = True  # the streams stay until the abort returned
@@ -354,8 +366,14 @@ class NcclCommunicator:
             await asyncio.sleep(pause)
             pause = min(_SETTLE_MAX_S, pause * 2 or 0.0001)
 
-    def use_add_kernel(self, enabled: bool) -> None:
-        self._adds.enable(enabled)
+    def use_add_kernel(self, ranks: frozenset[int]) -> None:
+        self._adds.enable(self._world_size == 2 and ranks.issuperset(self._ranks))
+
+    def _agreement_failed(self, message: str) -> None:
+        """Another daemon broke the add path's agreement: the world fails (async_error)."""
+        if self._failure is None:
+            self._failure = message
+        self.abort()
 
     def _spawn(self, work: Coroutine[None, None, None], turn: Turn | None = None) -> asyncio.Task[None]:
         task = self._tasks.spawn(work)

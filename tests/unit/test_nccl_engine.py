@@ -1239,7 +1239,7 @@ async def test_add_path_sums_started_together_each_see_the_others_result(gpu: Fa
     engine = NcclEngine(gpu)
     try:
         comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
-        comm.use_add_kernel(True)
+        comm.use_add_kernel(frozenset({0, 1}))
 
         def buf(rank: int, value: float) -> NcclRegion:
             mapping, fd = engine.allocate(16, rank)
@@ -1653,7 +1653,7 @@ async def test_the_add_kernel_is_compiled_off_the_loop_and_used_once_loaded(engi
                                                                            gpu: FakeGpu) -> None:
     gpu.compiled = set()  # as on a GPU: NVRTC has to compile it first
     comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 1})
-    comm.use_add_kernel(True)
+    comm.use_add_kernel(frozenset({0, 1}))
     for _ in range(100):
         if gpu.compiled == {0, 1}:
             break
@@ -1845,7 +1845,7 @@ async def test_no_free_and_no_module_load_starts_inside_a_launch() -> None:
         other.close()  # a worker forgot a buffer
         cached.close()
         shared.close()  # symmetric_free
-        comm.use_add_kernel(True)  # compiles and loads the add kernel
+        comm.use_add_kernel(frozenset({0, 1}))  # compiles and loads the add kernel
         await asyncio.wait_for(run, 5)
         await until(lambda: len(gpu.released_on) == 3 and gpu.add_ready(0))
     finally:
@@ -1891,7 +1891,7 @@ async def test_the_add_kernel_module_loads_between_launches_however_long_it_comp
         comm = engine.communicator("w", 1, 2, [0, 1], devices={0: 0, 1: 0})
         payload, landing = (ipc_mapping(engine, gpu, data * 8).region(0, 8) for data in (b"p", b"."))
         await comm.run(BarrierOp((0, 1)))
-        comm.use_add_kernel(True)  # no launch open now: NVRTC starts
+        comm.use_add_kernel(frozenset({0, 1}))  # no launch open now: NVRTC starts
         await asyncio.sleep(0.05)
         sent = asyncio.ensure_future(comm.run(SendOp(0, 1, payload, NO_TAG)))
         await until(lambda: bool(gpu.launching))

@@ -45,7 +45,7 @@ class Held:
     def async_error(self) -> str | None:
         return None
 
-    def use_add_kernel(self, enabled: bool) -> None:
+    def use_add_kernel(self, ranks: frozenset[int]) -> None:
         pass
 
     def register(self, rank: int, key: int, region: Region) -> None:

@@ -1,0 +1,162 @@
+"""set_add_kernel's add path in a 2-rank world whose ranks are on two daemons: the daemons
+agree on the collective from which both sum bf16 by exchange and add (engine/addagree.py),
+so one rank's exchange never faces the other's ncclAllReduce (on a GPU, and on the fake
+device, a wait for ever). Real daemons (servers on loop threads, linked over loopback),
+real clients, the fake device of tests/contract/fakegpu.py shared by all."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import cast
+
+import pytest
+
+from client import DaemonBackend
+from commd.engine.gpu import Gpu, GpuError
+from commd.peerlink import PeerSettings
+from tests.contract.fakegpu import FakeGpu
+from tests.integration.data import make_input, reduce_reference
+from tests.integration.gpu_daemon import GpuDaemon
+from tests.integration.harness import wait_until, world_name
+from tests.integration.test_gpu_path_fake import WorkerDriver, run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"add path across daemons secret"
+AGREED = re.compile(r"world (\S+): bf16 sums from collective #(\d+) on take the add path")
+SUMS = 12
+SET_LATE = 3  # rank 1 sets the kernel before this sum; rank 0 before the first
+
+
+class WithoutNvrtc:
+    """A daemon's view of the shared device where NVRTC is missing: its add kernel never
+    loads (the other daemon's does)."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self._gpu = gpu
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._gpu, name)
+
+    def add_ready(self, device: int) -> bool:
+        return False
+
+    def prepare_add(self, device: int, loading: Callable[[], AbstractContextManager[None]]) -> None:
+        raise GpuError("libnvrtc.so.12: cannot open shared object file")
+
+
+@pytest.fixture
+def gpu() -> Iterator[FakeGpu]:
+    device = FakeGpu(devices=2)
+    yield device
+    assert device.violations == []
+
+
+@pytest.mark.parametrize("case", ["both", "rank 0 only", "B without NVRTC"])
+def test_the_add_path_across_two_daemons(gpu: FakeGpu, caplog: pytest.LogCaptureFixture, case: str) -> None:
+    """Rank 0 on the root A sets the kernel at once, rank 1 on B before its fourth sum;
+    each sum is followed by an f32 all_reduce (a collective NCCL sums either way). Both
+    daemons log the same collective, and every bf16 sum from there on is an exchange and
+    an add on each daemon (two adds a sum), every result NCCL's. With rank 1 never
+    setting it, or B unable to load the kernel, NCCL sums them all, and nothing is agreed.
+    Before: across daemons NCCL summed every one, the kernel set or not."""
+    caplog.set_level(logging.INFO, logger="commd.engine.nccl")
+    member_gpu = cast(Gpu, WithoutNvrtc(gpu)) if case == "B without NVRTC" else gpu
+    root = GpuDaemon(gpu, PeerSettings("A", SECRET))
+    member = GpuDaemon(member_gpu, PeerSettings("B", SECRET))
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    inputs = [[make_input(40 + i, r, 2048, "bf16", "sum") for r in range(2)] for i in range(SUMS)]
+    floats = [make_input(90, r, 64, "f32", "sum") for r in range(2)]
+
+    def agreed() -> list[int]:
+        return [int(m[2]) for r in caplog.records if (m := AGREED.match(r.getMessage())) and m[1] == world]
+
+    def rank(r: int) -> list[bytes]:
+        driver.set_device(r)
+        out = []
+        with DaemonBackend(str((root if r == 0 else member).socket_path), world, r, 2, device=r, timeout=20,
+                           cuda_driver=lambda: driver, bootstrap=root.peer_address) as comm:
+            for i in range(SUMS):
+                if i == (0 if r == 0 else SET_LATE) and (r == 0 or case != "rank 0 only"):
+                    comm.set_add_kernel(0xADD)
+                if i == SUMS - 3 and case == "both":  # (the agreement is under way: wait for it)
+                    wait_until(lambda: len(agreed()) == 2, "both daemons to agree")
+                ptr = driver.alloc(inputs[i][r].tobytes(), device=r)
+                comm.all_reduce(ptr, inputs[i][r].nbytes)
+                out.append(gpu.read(ptr, inputs[i][r].nbytes))
+                other = driver.alloc(floats[r].tobytes(), device=r)
+                comm.all_reduce(other, floats[r].nbytes, dtype="f32")
+                assert gpu.read(other, floats[r].nbytes) == reduce_reference(floats, "f32", "sum").tobytes()
+        return out
+
+    try:
+        adds = gpu.adds
+        out = run_ranks(2, rank)
+        expected = [reduce_reference(pair, "bf16", "sum").tobytes() for pair in inputs]
+        assert out == [expected, expected]
+        taken = gpu.adds - adds
+        if case != "both":
+            assert taken == 0 and agreed() == []
+            if case == "B without NVRTC":
+                assert any("the add kernel is not available, NCCL sums: libnvrtc" in r.getMessage()
+                           for r in caplog.records), "B did not say why it sums with NCCL"
+            return
+        first = agreed()
+        assert first[0] == first[1], first  # the same collective on both daemons
+        # Collectives are numbered from 0 in the order called: sum i is collective 2 i.
+        assert 2 * SET_LATE <= first[0] <= 2 * (SUMS - 3), first
+        assert taken == 2 * sum(1 for i in range(SUMS) if 2 * i >= first[0]), (taken, first)
+    finally:
+        root.close()
+        member.close()
+
+
+def test_the_daemons_agree_in_the_middle_of_async_sums(gpu: FakeGpu,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Each rank makes 40 all_reduce_async calls in a row on its stream (answered once
+    ordered, so the daemons launch them as fast as they come, the root's held back while
+    it waits for the member's answer), rank 1 setting the kernel after its tenth; then a
+    synchronous f32 all_reduce on the same stream, after which every sum is in place.
+    Every result is NCCL's, and the sums from the agreed collective on took the path on
+    both daemons."""
+    caplog.set_level(logging.INFO, logger="commd.engine.nccl")
+    root = GpuDaemon(gpu, PeerSettings("A", SECRET))
+    member = GpuDaemon(gpu, PeerSettings("B", SECRET))
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    count = 40
+    inputs = [[make_input(200 + i, r, 1024, "bf16", "sum") for r in range(2)] for i in range(count)]
+    floats = [make_input(91, r, 64, "f32", "sum") for r in range(2)]
+    streams = [gpu.worker_stream(0), gpu.worker_stream(1)]
+
+    def rank(r: int) -> list[bytes]:
+        driver.set_device(r)
+        daemon = root if r == 0 else member
+        with DaemonBackend(str(daemon.socket_path), world, r, 2, device=r, timeout=20,
+                           cuda_driver=lambda: driver, bootstrap=root.peer_address,
+                           stream=streams[r]) as comm:
+            if r == 0:
+                comm.set_add_kernel(0xADD)
+            ptrs = [driver.alloc(inputs[i][r].tobytes(), device=r) for i in range(count)]
+            for i, ptr in enumerate(ptrs):
+                if r == 1 and i == 10:
+                    comm.set_add_kernel(0xADD)
+                comm.all_reduce_async(ptr, inputs[i][r].nbytes, streams[r])
+            other = driver.alloc(floats[r].tobytes(), device=r)
+            comm.all_reduce(other, floats[r].nbytes, dtype="f32")
+            assert gpu.read(other, floats[r].nbytes) == reduce_reference(floats, "f32", "sum").tobytes()
+            return [gpu.read(ptr, inputs[i][r].nbytes) for i, ptr in enumerate(ptrs)]
+
+    try:
+        adds = gpu.adds
+        out = run_ranks(2, rank)
+        expected = [reduce_reference(pair, "bf16", "sum").tobytes() for pair in inputs]
+        assert out == [expected, expected]
+        first = [int(m[2]) for r in caplog.records if (m := AGREED.match(r.getMessage())) and m[1] == world]
+        assert len(first) == 2 and first[0] == first[1], first
+        assert 10 <= first[0] <= count, first  # (sum i is collective i)
+        assert gpu.adds - adds == 2 * (count - first[0]), (gpu.adds - adds, first)
+    finally:
+        root.close()
+        member.close()
