@@ -99,6 +99,14 @@ class _Kernel:
     run: Callable[[], None] | None = None  # instead of writing `data`: the daemon's own kernel
 
 
+class _Group(threading.local):
+    """A thread's open NCCL group: its depth, and its calls by stream."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.calls: dict[int, list[_Work]] = {}
+
+
 class FakeGpu:
     def __init__(self, devices: int = 1, init_polls: int = 2, multi_rank_gpu: bool = False,
                  launch_polls: int = 1) -> None:
@@ -114,8 +122,9 @@ class FakeGpu:
         self._next_ptr = 0x7F00_0000_0000
         self._ids = itertools.count(1)
         self._streams: dict[int, deque[_Batch | _Mark | _Wait | _Kernel]] = {}
-        self._group_depth = 0
-        self._grouped: dict[int, list[_Work]] = {}  # stream -> the open group's calls on it
+        # NCCL's group is the calling thread's: daemons on loop threads of one process (tests'
+        # GpuDaemon pairs) sharing this device each open and end their own
+        self._group = _Group()
         self._enqueuing: list[dict[int, list[_Work]]] = []  # ended groups NCCL still enqueues
         self._event_handles: dict[bytes, int] = {}  # IPC handle -> the worker's event
         self._device_of: dict[int, int] = {}  # stream or event -> the device whose context has it
@@ -489,7 +498,7 @@ class FakeGpu:
 
     def group_start(self) -> None:
         self._nccl("ncclGroupStart")
-        self._group_depth += 1
+        self._group.depth += 1
 
     def add_bf16(self, dst: int, src: int, count: int, device: int, stream: int) -> None:
         import ml_dtypes
@@ -568,11 +577,11 @@ class FakeGpu:
     def group_end(self) -> None:
         self._nccl("ncclGroupEnd")
         self.launches += 1
-        self._group_depth -= 1
-        if self._group_depth:
+        self._group.depth -= 1
+        if self._group.depth:
             return
         with self._cv:
-            grouped, self._grouped = self._grouped, {}
+            grouped, self._group.calls = self._group.calls, {}
             if grouped:
                 # As a non-blocking communicator's group end may do: return ncclInProgress and
                 # enqueue the kernels later. They reach the streams at the next state poll, so
@@ -611,8 +620,8 @@ class FakeGpu:
                            f"the communicator's is {comm.device}")
         work = _Work(comm, (comm.unique_id, *key), kind, args)
         with self._cv:
-            if self._group_depth:
-                self._grouped.setdefault(stream, []).append(work)
+            if self._group.depth:
+                self._group.calls.setdefault(stream, []).append(work)
             else:
                 self._streams[stream].append(_Batch([work]))
                 self._progress()
