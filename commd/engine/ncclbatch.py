@@ -60,21 +60,26 @@ class Batcher:
 
         An add-path op launches alone: its sum lands in its buffer only with its add, after
         every NCCL call of its launch, so an op launched with it could read (or write) the
-        buffer on the wrong side of that add. Its exchange is between ranks of this daemon,
-        or with the other daemon's rank, which launches its side alone as well."""
-        if entry.adds:
-            self._flush()  # what gathered before it goes first
-            self._launch_now([entry])
-        else:
-            if not self._batch:
-                asyncio.get_running_loop().call_soon(self._flush)
-            self._batch.append(entry)
+        buffer on the wrong side of that add. It launches right after the rest of its
+        launch, whatever its place in the request: the other daemon's rank (whose side of
+        the exchange launches alone as well) may have called its sends and receives of the
+        group on the other side of the sum, and a send to it launched alone before the
+        exchange, its receive after, would each wait for the other's for ever. (A group's
+        calls run in no order among themselves, in NCCL as here.)"""
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._batch.append(entry)
         await entry.launched
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         for launch in _by_request(batch):
-            self._launch_now(launch)
+            together = [entry for entry in launch if not entry.adds]
+            if together:
+                self._launch_now(together)
+            for entry in launch:
+                if entry.adds:
+                    self._launch_now([entry])
 
     def _launch_now(self, batch: list[Launch]) -> None:
         """Its turn is taken here, at once, so launches keep the order they were asked for."""

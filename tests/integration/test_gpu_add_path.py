@@ -160,3 +160,56 @@ def test_the_daemons_agree_in_the_middle_of_async_sums(gpu: FakeGpu,
     finally:
         root.close()
         member.close()
+
+
+@pytest.mark.parametrize("member_order", ["send, sum, recv", "sum, recv, send"])
+def test_a_group_of_sends_and_an_add_path_sum(gpu: FakeGpu, caplog: pytest.LogCaptureFixture,
+                                              member_order: str) -> None:
+    """Once agreed, each rank calls one group (group_start ... group_end) of a send to the
+    other, a bf16 sum and a receive from the other; rank 1 in the order `member_order`. The
+    sum's exchange launches alone on each daemon; the group's send and receive launch in one
+    NCCL group before it, whatever their places in the group. Before: each daemon launched
+    what came before the sum, the sum, then what came after: rank 0's send alone waited for
+    rank 1's receive, queued behind rank 1's own send or exchange, which waited for rank 0's
+    (a call deadline, CommTimeout)."""
+    caplog.set_level(logging.INFO, logger="commd.engine.nccl")
+    root = GpuDaemon(gpu, PeerSettings("A", SECRET))
+    member = GpuDaemon(gpu, PeerSettings("B", SECRET))
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    sums = [[make_input(300 + i, r, 1024, "bf16", "sum") for r in range(2)] for i in range(2)]
+    payload = [bytes([r + 1]) * 4096 for r in range(2)]
+
+    def agreed() -> list[int]:
+        return [int(m[2]) for r in caplog.records if (m := AGREED.match(r.getMessage())) and m[1] == world]
+
+    def rank(r: int) -> tuple[bytes, bytes, bytes]:
+        driver.set_device(r)
+        with DaemonBackend(str((root if r == 0 else member).socket_path), world, r, 2, device=r, timeout=10,
+                           cuda_driver=lambda: driver, bootstrap=root.peer_address) as comm:
+            comm.set_add_kernel(0xADD)
+            wait_until(lambda: len(agreed()) == 2, "both daemons to agree")
+            first = driver.alloc(sums[0][r].tobytes(), device=r)
+            comm.all_reduce(first, sums[0][r].nbytes)
+            out, into = driver.alloc(payload[r], device=r), driver.alloc(b"\0" * 4096, device=r)
+            summed = driver.alloc(sums[1][r].tobytes(), device=r)
+            calls = {"send": lambda: comm.send_to(out, 4096, 1 - r),
+                     "sum": lambda: comm.all_reduce(summed, sums[1][r].nbytes),
+                     "recv": lambda: comm.recv_from(into, 4096, 1 - r)}
+            comm.group_start()
+            for name in (member_order if r == 1 else "send, sum, recv").split(", "):
+                calls[name]()
+            comm.group_end()
+            comm.barrier()  # (the group's sends and receives are answered once ordered)
+            return (gpu.read(first, sums[0][r].nbytes), gpu.read(summed, sums[1][r].nbytes),
+                    gpu.read(into, 4096))
+
+    try:
+        adds = gpu.adds
+        out = run_ranks(2, rank)
+        expected = [reduce_reference(pair, "bf16", "sum").tobytes() for pair in sums]
+        assert out == [(expected[0], expected[1], payload[1]), (expected[0], expected[1], payload[0])]
+        assert gpu.adds - adds == 4  # both sums took the path on both daemons
+        assert agreed() == [0, 0]
+    finally:
+        root.close()
+        member.close()
