@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import cast
 
 import pytest
 
-from client import DaemonBackend
+from client import CommError, DaemonBackend
 from commd.engine.gpu import Gpu, GpuError
 from commd.peerlink import PeerSettings
 from tests.contract.fakegpu import FakeGpu
@@ -210,6 +211,70 @@ def test_a_group_of_sends_and_an_add_path_sum(gpu: FakeGpu, caplog: pytest.LogCa
         assert out == [(expected[0], expected[1], payload[1]), (expected[0], expected[1], payload[0])]
         assert gpu.adds - adds == 4  # both sums took the path on both daemons
         assert agreed() == [0, 0]
+    finally:
+        root.close()
+        member.close()
+
+
+def test_a_world_rebuilt_after_a_rank_left_agrees_again(gpu: FakeGpu,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Both daemons agree and sum three bf16 sums by exchange; then rank 1 (on B) closes and
+    connects again as a new worker, setting the kernel again, while rank 0 hears the world
+    failed and calls attempt_reconnect (A keeps its rank's kernel across epochs). The new
+    epoch's communicators agree again (two more log lines), and its three sums take the
+    path on both daemons, every result NCCL's. (Coverage: it passed at 2c392f4.)"""
+    caplog.set_level(logging.INFO, logger="commd.engine.nccl")
+    root = GpuDaemon(gpu, PeerSettings("A", SECRET))
+    member = GpuDaemon(gpu, PeerSettings("B", SECRET))
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    inputs = [[make_input(500 + i, r, 1024, "bf16", "sum") for r in range(2)] for i in range(6)]
+    left = threading.Event()
+
+    def agreed() -> list[int]:
+        return [int(m[2]) for r in caplog.records if (m := AGREED.match(r.getMessage())) and m[1] == world]
+
+    def sums(comm: DaemonBackend, r: int, which: range) -> list[bytes]:
+        out = []
+        for i in which:
+            ptr = driver.alloc(inputs[i][r].tobytes(), device=r)
+            comm.all_reduce(ptr, inputs[i][r].nbytes)
+            out.append(gpu.read(ptr, inputs[i][r].nbytes))
+        return out
+
+    def rank(r: int) -> list[bytes]:
+        driver.set_device(r)
+        path = str((root if r == 0 else member).socket_path)
+        def connect() -> DaemonBackend:
+            return DaemonBackend(path, world, r, 2, device=r, timeout=20, cuda_driver=lambda: driver,
+                                 bootstrap=root.peer_address)
+
+        comm = connect()
+        comm.set_add_kernel(0xADD)
+        wait_until(lambda: len(agreed()) == 2, "first agreement")
+        out = sums(comm, r, range(3))
+        if r == 1:
+            comm.close()
+            left.set()
+            comm = connect()
+            comm.set_add_kernel(0xADD)
+        else:
+            assert left.wait(10)
+            with pytest.raises(CommError):
+                comm.barrier()
+            comm.attempt_reconnect()
+        try:
+            wait_until(lambda: len(agreed()) == 4, "second agreement")
+            out += sums(comm, r, range(3, 6))
+        finally:
+            comm.close()
+        return out
+
+    try:
+        adds = gpu.adds
+        out = run_ranks(2, rank)
+        expected = [reduce_reference(pair, "bf16", "sum").tobytes() for pair in inputs]
+        assert out == [expected, expected]
+        assert gpu.adds - adds == 12
     finally:
         root.close()
         member.close()
