@@ -278,3 +278,47 @@ def test_a_world_rebuilt_after_a_rank_left_agrees_again(gpu: FakeGpu,
     finally:
         root.close()
         member.close()
+
+
+def test_a_mismatched_sum_after_the_agreement_is_a_mismatch_on_both_ranks(
+        gpu: FakeGpu, caplog: pytest.LogCaptureFixture) -> None:
+    """Once agreed, rank 0 sums bf16 (an exchange on A) while rank 1 sums f32 of the same
+    bytes (B's ncclAllReduce): the two sides' kernels never meet, on a GPU as on the fake.
+    The root's fingerprint check finds the mismatch and aborts the communicators: both
+    calls fail with MismatchError naming both calls, well before their deadline, and
+    neither buffer holds a wrong result."""
+    from client import MismatchError
+
+    caplog.set_level(logging.INFO, logger="commd.engine.nccl")
+    root = GpuDaemon(gpu, PeerSettings("A", SECRET))
+    member = GpuDaemon(gpu, PeerSettings("B", SECRET))
+    world, driver = world_name("gpu"), WorkerDriver(gpu)
+    data = [make_input(700, r, 1024, "bf16", "sum").tobytes() for r in range(2)]
+
+    def agreed() -> list[int]:
+        return [int(m[2]) for r in caplog.records if (m := AGREED.match(r.getMessage())) and m[1] == world]
+
+    def rank(r: int) -> tuple[BaseException | None, bytes]:
+        driver.set_device(r)
+        with DaemonBackend(str((root if r == 0 else member).socket_path), world, r, 2, device=r, timeout=20,
+                           cuda_driver=lambda: driver, bootstrap=root.peer_address) as comm:
+            comm.set_add_kernel(0xADD)
+            wait_until(lambda: len(agreed()) == 2, "both daemons to agree")
+            ptr = driver.alloc(data[r], device=r)
+            try:
+                comm.all_reduce(ptr, len(data[r]), dtype="bf16" if r == 0 else "f32")
+            except MismatchError as exc:
+                return exc, gpu.read(ptr, len(data[r]))
+            return None, gpu.read(ptr, len(data[r]))
+
+    try:
+        out = run_ranks(2, rank)
+        for r, (error, left) in enumerate(out):
+            assert isinstance(error, MismatchError), (r, error)
+            words = str(error)
+            assert "rank 0 called all_reduce" in words and "rank 1 called all_reduce" in words, words
+            assert "bf16" in words and "f32" in words, words
+            assert left == data[r]  # no sum of the wrong kind landed
+    finally:
+        root.close()
+        member.close()
