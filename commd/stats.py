@@ -88,10 +88,14 @@ class DaemonStats:
     def transition(self, state: str) -> None:
         self.transitions[state] = self.transitions.get(state, 0) + 1
 
-    def count_failure(self, world: str, epoch: int, code: proto.ErrorCode, message: str) -> None:
+    def count_failure(self, world: str, epoch: int, code: proto.ErrorCode, message: str,
+                      keep: bool = True) -> None:
         """A world's end that was a failure (a job's end, ranks leaving once their calls are
-        done, is only the transition to "failed": no failure to count or show)."""
+        done, is only the transition to "failed": no failure to count or show). `keep`: as
+        the world's last failure, until `forget` (False: the world is gone already)."""
         self.failures[code.name] = self.failures.get(code.name, 0) + 1
+        if not keep:
+            return
         self.last_failure[world] = {"epoch": epoch, "code": code.name, "message": message,
                                     "at": round(time.time(), 3)}
 

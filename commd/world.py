@@ -98,6 +98,7 @@ class World:
         self.pending_ops: dict[int, int] = {}  # rank -> its calls not yet done
         self._devices: dict[int, int] = {}  # rank -> the GPU its hello named
         self._extras = EngineExtras(world_size, local=net is None)
+        self.forgotten = False  # over on this daemon (`forget_if_empty`): its registry let it go
 
     # ---- forming ----------------------------------------------------------------
 
@@ -354,7 +355,9 @@ class World:
 
     def _tell(self, end: _End, failed: bool) -> None:
         if failed:
-            self.stats.count_failure(self.name, end.epoch, end.code, end.message)
+            # (an op that ended after its world was forgotten is counted, not kept as the world's
+            # last failure: no status shows a forgotten world's, and nothing would drop it)
+            self.stats.count_failure(self.name, end.epoch, end.code, end.message, keep=not self.forgotten)
         # (said as "ended", not "failed": operators search the logs for failures)
         how = "failed" if failed else "ended, no call pending"
         log.log(logging.WARNING if failed else logging.INFO, "world %s epoch %d: %s: %s", self.name,
@@ -429,6 +432,7 @@ class World:
             if self._comm is not None:
                 self._comm.abort()
                 self._comm = None
+            self.forgotten = True
             self._on_empty(self)
 
     def log_extra(self, rank: int | None = None) -> dict[str, object]:

@@ -3,6 +3,7 @@ filesystem that does not answer) is let go, stays bounded, and never holds the l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -399,3 +400,63 @@ def test_a_bad_packet_behind_unread_replies_holds_the_socket_at_most_the_linger(
                 buf.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind(tmp_path: Path) -> None:
+    """Worlds across two daemons whose rank 0 leaves in the middle of a barrier (rank 1 never
+    calls it): the world ends on the root at once, its barrier's op fails a moment later. The
+    root's daemon-wide `last_failure` (by world name) must not keep an entry for each such
+    world once it is gone: before, the late failure was recorded after the world was forgotten,
+    about 250 bytes a world for the life of the daemon (seen as a growing RSS under a peer
+    that fails worlds without end, s30/M)."""
+    from commd.cluster import Cluster
+    from commd.config import ServerConfig
+    from commd.engine.host import HostEngine
+    from commd.peerlink import PeerSettings
+    from commd.server import Server
+
+    secret = b"last failure test secret"
+    engines = [HostEngine(threads=1), HostEngine(threads=1)]
+    clusters = [Cluster(PeerSettings(name, secret, heartbeat_s=0.2, window_s=1.0)) for name in "AB"]
+    servers = [Server(ServerConfig(tmp_path / f"{name}.sock", peer_secret=secret), engine, cluster)
+               for name, engine, cluster in zip("AB", engines, clusters, strict=True)]
+    port = await clusters[0].listen("127.0.0.1", 0)
+    for server in servers:
+        server.start()
+    root = servers[0].registry
+
+    def job(world: str) -> None:
+        clients = [RawClient(str(tmp_path / f"{name}.sock"), timeout=10) for name in "AB"]
+        try:
+            for rank, client in enumerate(clients):
+                client.send(proto.Hello(1, proto.PROTOCOL_VERSION, os.getpid(), world, rank, 2, 10_000,
+                                        bootstrap=f"127.0.0.1:{port}"))
+            assert all(isinstance(client.recv(), proto.Welcome) for client in clients)
+            clients[0].send(proto.Submit(2, (proto.Barrier(),)))
+            deadline = time.monotonic() + 10
+            while [w["pending_calls"] for w in query_status(str(tmp_path / "A.sock"), 5)["worlds"]] != [1]:
+                assert time.monotonic() < deadline, "the root never took rank 0's barrier"
+                time.sleep(0.005)
+        finally:
+            clients[0].close()  # (mid-barrier: the root's op waits for rank 1's data)
+        event = clients[1].recv()  # rank 1 hears the world failed
+        assert isinstance(event, proto.Event) and event.kind is proto.EventKind.WORLD_FAILED, event
+        clients[1].close()
+
+    async def over(worlds: int) -> None:
+        """Every world gone from both daemons, and each one's failure told (counted)."""
+        while any(server.registry.worlds for server in servers) or \
+                root.stats.failures.get("WORLD_FAILED", 0) < worlds:
+            await asyncio.sleep(0.01)
+
+    try:
+        for n in range(5):
+            await asyncio.to_thread(job, f"mid-barrier-{n}")
+        await asyncio.wait_for(over(5), 10)
+        assert root.stats.last_failure == {}
+    finally:
+        for server in servers:
+            server.shutdown()
+        for cluster, engine in zip(clusters, engines, strict=True):
+            cluster.close()
+            engine.close()
