@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("commd.world")
 # How long the ops of a failed world may go on finishing before its communicator is aborted
 # under them: long enough for ops every rank joined, short enough to free a hung one.
-_ABORT_GRACE_S = 2.0
+ABORT_GRACE_S = 2.0
 
 
 def given_up(arrivals: list[Arrival]) -> bool:
@@ -46,7 +46,7 @@ class OpRunner:
         self._executing = HeldTasks()
         self.queued = 0  # matched ops waiting for or holding _lock
         # Communicators of failed epochs whose ops are still in the engine: aborted when those
-        # finish, or after _ABORT_GRACE_S at the latest (an op waiting on a lost peer never does).
+        # finish, or after ABORT_GRACE_S at the latest (an op waiting on a lost peer never does).
         self._abort_when_idle: set[Communicator] = set()
 
     def run(self, engine_op: EngineOp | None, arrivals: list[Arrival], comm: Communicator,
@@ -139,7 +139,7 @@ class OpRunner:
         """A failed epoch's communicator: ops in the engine's hands finish first (see run)."""
         if self.queued or comm.busy():
             self._abort_when_idle.add(comm)
-            asyncio.get_running_loop().call_later(_ABORT_GRACE_S, self._abort_late, comm)
+            asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._abort_late, comm)
         else:
             comm.abort()
 

@@ -23,8 +23,10 @@ from .engine.crosscheck import p2p_target, sender_rank
 from .errors import CallError, from_peer
 from .logs import Throttled
 from .membership import NetMembership
+from .oprunner import ABORT_GRACE_S
 from .peerlink import PeerLink
 from .stats import DaemonStats
+from .sweep import WorldSweep
 from .tickets import Peer
 from .world import World, WorldState
 
@@ -42,6 +44,7 @@ class Registry:
         self._max_forming_worlds = max_forming_worlds
         self.cluster = cluster
         self.worlds: dict[str, World] = {}
+        self._sweep = WorldSweep(ABORT_GRACE_S + 1.0)
         # (a confused or hostile daemon may send such messages without end; the cluster counts each)
         self._foreign_log = Throttled(log)
         self._stale_log = Throttled(log)
@@ -128,6 +131,7 @@ class Registry:
         if self.worlds.get(world.name) is world:
             del self.worlds[world.name]
             self.stats.forget(world.name)
+            self._sweep.world_forgotten()
 
     # ---- other daemons ------------------------------------------------------------------
 
@@ -345,6 +349,7 @@ class Registry:
                 world.shutdown(message)
             except Exception:  # one world's bug must not keep the others from hearing it
                 log.exception("world %s: shutdown failed", world.name, extra=world.log_extra())
+        self._sweep.close()
 
     def status(self, world: str | None = None) -> list[dict[str, object]]:
         """Every world's status, or only `world`'s (none if unknown): the one asked for

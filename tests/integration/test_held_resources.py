@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import re
 import shutil
@@ -13,8 +14,10 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ import pytest
 import proto
 from client import DaemonBackend, hostmem
 from commd.launch import DaemonProcess
+from commd.oprunner import ABORT_GRACE_S
 from commd.status import query_status, render_status
 from proto import ErrorCode
 from tests.integration import workers
@@ -29,6 +33,10 @@ from tests.integration.data import make_input, reduce_reference
 from tests.integration.harness import RankPool, back_to, held_at_rest, open_fds, short_tmpdir, world_name
 from tests.integration.rawclient import RawClient, barrier_took
 from tests.integration.stallfs import StallFs, Unmountable
+
+if TYPE_CHECKING:
+    from commd.server import Server
+    from commd.world import World
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -402,13 +410,12 @@ def test_a_bad_packet_behind_unread_replies_holds_the_socket_at_most_the_linger(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind(tmp_path: Path) -> None:
-    """Worlds across two daemons whose rank 0 leaves in the middle of a barrier (rank 1 never
-    calls it): the world ends on the root at once, its barrier's op fails a moment later. The
-    root's daemon-wide `last_failure` (by world name) must not keep an entry for each such
-    world once it is gone: before, the late failure was recorded after the world was forgotten,
-    about 250 bytes a world for the life of the daemon (seen as a growing RSS under a peer
-    that fails worlds without end, s30/M)."""
+@contextlib.asynccontextmanager
+async def _two_daemons_in_process(
+        tmp_path: Path) -> AsyncIterator[tuple[list[Server], Callable[[str], None]]]:
+    """Two in-process servers, A (the root) and B, on real peer links, and a job that makes
+    one world across them whose rank 0 (on A) leaves in the middle of a barrier that rank 1
+    never calls: the world ends on the root at once, its barrier's op fails a moment later."""
     from commd.cluster import Cluster
     from commd.config import ServerConfig
     from commd.engine.host import HostEngine
@@ -423,7 +430,6 @@ async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind
     port = await clusters[0].listen("127.0.0.1", 0)
     for server in servers:
         server.start()
-    root = servers[0].registry
 
     def job(world: str) -> None:
         clients = [RawClient(str(tmp_path / f"{name}.sock"), timeout=10) for name in "AB"]
@@ -443,20 +449,67 @@ async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind
         assert isinstance(event, proto.Event) and event.kind is proto.EventKind.WORLD_FAILED, event
         clients[1].close()
 
-    async def over(worlds: int) -> None:
-        """Every world gone from both daemons, and each one's failure told (counted)."""
-        while any(server.registry.worlds for server in servers) or \
-                root.stats.failures.get("WORLD_FAILED", 0) < worlds:
-            await asyncio.sleep(0.01)
-
     try:
-        for n in range(5):
-            await asyncio.to_thread(job, f"mid-barrier-{n}")
-        await asyncio.wait_for(over(5), 10)
-        assert root.stats.last_failure == {}
+        yield servers, job
     finally:
         for server in servers:
             server.shutdown()
         for cluster, engine in zip(clusters, engines, strict=True):
             cluster.close()
             engine.close()
+
+
+async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind(tmp_path: Path) -> None:
+    """Worlds across two daemons whose rank 0 leaves in the middle of a barrier (rank 1 never
+    calls it): the world ends on the root at once, its barrier's op fails a moment later. The
+    root's daemon-wide `last_failure` (by world name) must not keep an entry for each such
+    world once it is gone: before, the late failure was recorded after the world was forgotten,
+    about 250 bytes a world for the life of the daemon (seen as a growing RSS under a peer
+    that fails worlds without end, s30/M)."""
+    async with _two_daemons_in_process(tmp_path) as (servers, job):
+        root = servers[0].registry
+
+        async def over(worlds: int) -> None:
+            """Every world gone from both daemons, and each one's failure told (counted)."""
+            while any(server.registry.worlds for server in servers) or \
+                    root.stats.failures.get("WORLD_FAILED", 0) < worlds:
+                await asyncio.sleep(0.01)
+
+        for n in range(5):
+            await asyncio.to_thread(job, f"mid-barrier-{n}")
+        await asyncio.wait_for(over(5), 10)
+        assert root.stats.last_failure == {}
+
+
+async def test_worlds_that_end_are_freed_without_waiting_on_the_automatic_collector(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world's parts point back at it, so only the cyclic collector frees one; the daemon
+    runs that collector on old objects rarely (daemon._tune_gc), and before, a world that
+    lived through a young collection (here: a failed one, over its communicator's abort
+    grace) stayed until an old-generation collection, hundreds of thousands of worlds later
+    (seen as the root's RSS rising ~6 KB for each world that failed mid-call, s30/N). With
+    the automatic collector off, every World object the root made must still be freed
+    once the worlds are over."""
+    async with _two_daemons_in_process(tmp_path) as (servers, job):
+        root = servers[0].registry
+        made: list[weakref.ref[World]] = []
+        create = root._create
+
+        def recording(*args: Any, **kwargs: Any) -> World:
+            world = create(*args, **kwargs)
+            made.append(weakref.ref(world))
+            return world
+
+        monkeypatch.setattr(root, "_create", recording)
+        gc.collect()
+        gc.disable()
+        try:
+            for n in range(5):
+                await asyncio.to_thread(job, f"freed-{n}")
+            deadline = time.monotonic() + 3 * (ABORT_GRACE_S + 1.0)
+            while any(ref() is not None for ref in made) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            alive = [world.name for world in (ref() for ref in made) if world is not None]
+        finally:
+            gc.enable()
+        assert len(made) == 5 and alive == [], f"made {len(made)} worlds; still alive: {alive}"
