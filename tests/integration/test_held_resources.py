@@ -489,7 +489,8 @@ async def test_worlds_that_end_are_freed_without_waiting_on_the_automatic_collec
     grace) stayed until an old-generation collection, hundreds of thousands of worlds later
     (seen as the root's RSS rising ~6 KB for each world that failed mid-call, s30/N). With
     the automatic collector off, every World object the root made must still be freed
-    once the worlds are over."""
+    once the worlds are over (the sweep's delay is made the shortest it may be)."""
+    monkeypatch.setattr("commd.sweep.SWEEP_AFTER_S", 0.0)
     async with _two_daemons_in_process(tmp_path) as (servers, job):
         root = servers[0].registry
         made: list[weakref.ref[World]] = []
