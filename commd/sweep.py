@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 
 # A full collection walks every object the daemon made since start-up (~30 ms for 200 000
 # on this project's 2-core test machine) with the event loop stopped, so it runs at most
@@ -26,21 +27,39 @@ class WorldSweep:
     what start-up built is frozen, so it walks only what the daemon made since, and at
     most once per SWEEP_AFTER_S (none while no world ends), and no sooner after the first
     world's end than `at_least_s`: long enough for what still holds a forgotten world to
-    let go (a retired communicator's abort grace, its op's last failure told)."""
+    let go (a retired communicator's abort grace, its op's last failure told). A world
+    forgotten less than `at_least_s` before a collection may still be held at it, so
+    another follows (it would otherwise wait for the next world's end, maybe for ever)."""
 
     def __init__(self, at_least_s: float) -> None:
+        self._at_least_s = at_least_s
         self._delay_s = max(SWEEP_AFTER_S, at_least_s)
         self._timer: asyncio.TimerHandle | None = None
+        self._last_forgotten = -math.inf  # (the loop's clock)
+        # the armed collection's time less `at_least_s`: a world forgotten later may be held
+        self._covers_until = -math.inf
+        self._closed = False
 
     def world_forgotten(self) -> None:
+        if self._closed:  # (the daemon's stop forgets its worlds after closing this)
+            return
+        loop = asyncio.get_running_loop()
+        self._last_forgotten = loop.time()
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._delay_s, self._sweep)
+            self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(self._delay_s, self._sweep)
+        self._covers_until = loop.time() + self._delay_s - self._at_least_s
 
     def _sweep(self) -> None:
         self._timer = None
         gc.collect()
+        if self._last_forgotten > self._covers_until:
+            self._arm(asyncio.get_running_loop())
 
     def close(self) -> None:
+        self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

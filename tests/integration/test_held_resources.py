@@ -514,3 +514,38 @@ async def test_worlds_that_end_are_freed_without_waiting_on_the_automatic_collec
         finally:
             gc.enable()
         assert len(made) == 5 and alive == [], f"made {len(made)} worlds; still alive: {alive}"
+
+
+async def test_a_world_that_ends_just_before_the_sweep_is_freed_by_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep the first world's end arms runs `ABORT_GRACE_S + 1` s later (its delay made
+    the shortest it may be); a second world that ended within the abort grace before it is
+    still held then (its retired communicator's abort timer holds its op runner). Before,
+    nothing collected that world until some later world's end: here, never (the automatic
+    collector off)."""
+    monkeypatch.setattr("commd.sweep.SWEEP_AFTER_S", 0.0)
+    async with _two_daemons_in_process(tmp_path) as (servers, job):
+        root = servers[0].registry
+        made: list[weakref.ref[World]] = []
+        create = root._create
+
+        def recording(*args: Any, **kwargs: Any) -> World:
+            world = create(*args, **kwargs)
+            made.append(weakref.ref(world))
+            return world
+
+        monkeypatch.setattr(root, "_create", recording)
+        gc.collect()
+        gc.disable()
+        try:
+            await asyncio.to_thread(job, "first")
+            # (the sweep then comes ~1.5 s after the second world's end, inside its grace)
+            await asyncio.sleep(ABORT_GRACE_S * 0.75)
+            await asyncio.to_thread(job, "second")
+            deadline = time.monotonic() + 3 * (ABORT_GRACE_S + 1.0)
+            while any(ref() is not None for ref in made) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            alive = [world.name for world in (ref() for ref in made) if world is not None]
+        finally:
+            gc.enable()
+        assert len(made) == 2 and alive == [], f"made {len(made)} worlds; still alive: {alive}"
