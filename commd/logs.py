@@ -159,9 +159,11 @@ def write_stderr(text: str) -> None:
     if isinstance(handler, NonBlockingFdHandler):
         handler.write_unformatted(text)
         handler.flush()
-    else:  # (stderr has no descriptor: a test's capture)
+    elif sys.stderr is not None:  # (stderr has no descriptor: a test's capture)
         sys.stderr.write(text)
         sys.stderr.flush()
+    # (else fd 2 was closed at start-up (`2>&-`): nowhere to write, as argparse and print
+    # take it; raising instead turned the caller's exit 2 into 1)
 
 
 class Throttled:

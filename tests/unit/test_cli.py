@@ -79,6 +79,20 @@ def test_a_bad_argument_with_stderr_a_full_pipe_nobody_reads_still_exits_2(tmp_p
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("argv", [("serve", "--bogus"), ("status", "--timeout", "soon"),
+                                  ("serve", "--config", "/nonexistent/commd.toml")])
+def test_a_bad_argument_with_stderr_closed_still_exits_2(tmp_path: Path, argv: tuple[str, ...]) -> None:
+    """Started with stderr closed (`2>&-`), Python has no sys.stderr (None): argparse's own
+    error and print_last's print took that as nowhere to write and exited 2; the one
+    write that took their place raised AttributeError on it, and the process exited 1."""
+    done = subprocess.run(["/bin/sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-m", "commd", *argv],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=40,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, done
+    assert done.stdout == ""  # (not moved to stdout, which may be a pipe of data)
+    assert not list(tmp_path.iterdir())
+
+
 def test_version_names_the_build_and_both_protocols(tmp_path: Path) -> None:
     # (there was no --version: which protocols a build speaks was in the source only)
     done = commd("--version", cwd=tmp_path)
