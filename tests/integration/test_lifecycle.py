@@ -575,15 +575,16 @@ def test_a_daemon_started_under_a_low_soft_fd_limit_takes_the_hard_one() -> None
     (64 here; 1024 is common), the daemon raises it to the hard limit, and a worker's 100
     buffers map (before: the imports past the limit were refused, LimitExceeded "cannot map host
     memory: [Errno 24] Too many open files")."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1024:
         pytest.skip(f"the hard limit here is {hard}")
     tmp = short_tmpdir()
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # (the daemon inherits it)
-    try:
-        daemon = DaemonProcess(Path(tmp) / "commd.sock").start()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Only the daemon's process gets the low limit (a wrapper sets it, then execs the daemon):
+    # set here, in the test's process, it refused the test's own next pipe wherever the
+    # tests before it in this worker left more than 64 fds open (seen with --dist worksteal).
+    low_limit = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+                 f"(64, {hard})); os.execv(sys.argv[1], sys.argv[1:])"]
+    daemon = DaemonProcess(Path(tmp) / "commd.sock", under=low_limit).start()
     try:
         with open(f"/proc/{daemon.pid}/limits") as limits:
             line = next(line for line in limits if line.startswith("Max open files"))
