@@ -17,16 +17,21 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from commd.launch import DaemonProcess
 from commd.status import query_status
+
+if TYPE_CHECKING:
+    from commd.engine.base import Engine
+    from commd.server import Server
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,35 @@ def started_together(*daemons: DaemonProcess) -> Iterator[None]:
         for start in starts:
             start.result()
         yield
+
+
+@contextlib.asynccontextmanager
+async def linked_servers(tmp_path: Path, engines: Sequence[Engine],
+                         secret: bytes) -> AsyncIterator[tuple[list[Server], int]]:
+    """Daemons A, B, ... (one per engine) as servers of this process and of its running loop,
+    linked over loopback with a fast heartbeat (0.2 s, window 1 s), listening at
+    `tmp_path`/A.sock, B.sock, ...: yields them and A's peer port (A is the root of a world
+    made with it as the bootstrap address); stops them and closes their engines after."""
+    from commd.cluster import Cluster
+    from commd.config import ServerConfig
+    from commd.peerlink import PeerSettings
+    from commd.server import Server
+
+    names = "ABCDEFGH"[:len(engines)]
+    clusters = [Cluster(PeerSettings(name, secret, heartbeat_s=0.2, window_s=1.0)) for name in names]
+    servers = [Server(ServerConfig(tmp_path / f"{name}.sock", peer_secret=secret), engine, cluster)
+               for name, engine, cluster in zip(names, engines, clusters, strict=True)]
+    try:
+        port = await clusters[0].listen("127.0.0.1", 0)
+        for server in servers:
+            server.start()
+        yield servers, port
+    finally:
+        for server in servers:
+            server.shutdown()
+        for cluster, engine in zip(clusters, engines, strict=True):
+            cluster.close()
+            engine.close()
 
 
 def short_tmpdir() -> str:

@@ -30,7 +30,15 @@ from commd.status import query_status, render_status
 from proto import ErrorCode
 from tests.integration import workers
 from tests.integration.data import make_input, reduce_reference
-from tests.integration.harness import RankPool, back_to, held_at_rest, open_fds, short_tmpdir, world_name
+from tests.integration.harness import (
+    RankPool,
+    back_to,
+    held_at_rest,
+    linked_servers,
+    open_fds,
+    short_tmpdir,
+    world_name,
+)
 from tests.integration.rawclient import RawClient, barrier_took
 from tests.integration.stallfs import StallFs, Unmountable
 
@@ -416,20 +424,15 @@ async def _two_daemons_in_process(
     """Two in-process servers, A (the root) and B, on real peer links, and a job that makes
     one world across them whose rank 0 (on A) leaves in the middle of a barrier that rank 1
     never calls: the world ends on the root at once, its barrier's op fails a moment later."""
-    from commd.cluster import Cluster
-    from commd.config import ServerConfig
     from commd.engine.host import HostEngine
-    from commd.peerlink import PeerSettings
-    from commd.server import Server
 
-    secret = b"last failure test secret"
     engines = [HostEngine(threads=1), HostEngine(threads=1)]
-    clusters = [Cluster(PeerSettings(name, secret, heartbeat_s=0.2, window_s=1.0)) for name in "AB"]
-    servers = [Server(ServerConfig(tmp_path / f"{name}.sock", peer_secret=secret), engine, cluster)
-               for name, engine, cluster in zip("AB", engines, clusters, strict=True)]
-    port = await clusters[0].listen("127.0.0.1", 0)
-    for server in servers:
-        server.start()
+    async with linked_servers(tmp_path, engines, b"last failure test secret") as (servers, port):
+        yield servers, _mid_barrier_job(tmp_path, port)
+
+
+def _mid_barrier_job(tmp_path: Path, port: int) -> Callable[[str], None]:
+    """One world across A and B whose rank 0 leaves in the middle of a barrier."""
 
     def job(world: str) -> None:
         clients = [RawClient(str(tmp_path / f"{name}.sock"), timeout=10) for name in "AB"]
@@ -449,14 +452,7 @@ async def _two_daemons_in_process(
         assert isinstance(event, proto.Event) and event.kind is proto.EventKind.WORLD_FAILED, event
         clients[1].close()
 
-    try:
-        yield servers, job
-    finally:
-        for server in servers:
-            server.shutdown()
-        for cluster, engine in zip(clusters, engines, strict=True):
-            cluster.close()
-            engine.close()
+    return job
 
 
 async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind(tmp_path: Path) -> None:
@@ -481,6 +477,37 @@ async def test_worlds_whose_calls_end_after_they_do_leave_no_last_failure_behind
         assert root.stats.last_failure == {}
 
 
+@contextlib.asynccontextmanager
+async def _collector_off(server: Server,
+                         monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[weakref.ref[World]]]:
+    """The automatic collector off (the sweep alone may free a world), and a weak reference
+    to every World the server's registry makes meanwhile."""
+    registry = server.registry
+    made: list[weakref.ref[World]] = []
+    create = registry._create
+
+    def recording(*args: Any, **kwargs: Any) -> World:
+        world = create(*args, **kwargs)
+        made.append(weakref.ref(world))
+        return world
+
+    monkeypatch.setattr(registry, "_create", recording)
+    gc.collect()
+    gc.disable()
+    try:
+        yield made
+    finally:
+        gc.enable()
+
+
+async def _still_alive(made: list[weakref.ref[World]]) -> list[str]:
+    """The worlds not freed within three sweeps' delays (each the shortest it may be)."""
+    deadline = time.monotonic() + 3 * (ABORT_GRACE_S + 1.0)
+    while any(ref() is not None for ref in made) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return [world.name for world in (ref() for ref in made) if world is not None]
+
+
 async def test_worlds_that_end_are_freed_without_waiting_on_the_automatic_collector(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A world's parts point back at it, so only the cyclic collector frees one; the daemon
@@ -492,27 +519,10 @@ async def test_worlds_that_end_are_freed_without_waiting_on_the_automatic_collec
     once the worlds are over (the sweep's delay is made the shortest it may be)."""
     monkeypatch.setattr("commd.sweep.SWEEP_AFTER_S", 0.0)
     async with _two_daemons_in_process(tmp_path) as (servers, job):
-        root = servers[0].registry
-        made: list[weakref.ref[World]] = []
-        create = root._create
-
-        def recording(*args: Any, **kwargs: Any) -> World:
-            world = create(*args, **kwargs)
-            made.append(weakref.ref(world))
-            return world
-
-        monkeypatch.setattr(root, "_create", recording)
-        gc.collect()
-        gc.disable()
-        try:
+        async with _collector_off(servers[0], monkeypatch) as made:
             for n in range(5):
                 await asyncio.to_thread(job, f"freed-{n}")
-            deadline = time.monotonic() + 3 * (ABORT_GRACE_S + 1.0)
-            while any(ref() is not None for ref in made) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            alive = [world.name for world in (ref() for ref in made) if world is not None]
-        finally:
-            gc.enable()
+            alive = await _still_alive(made)
         assert len(made) == 5 and alive == [], f"made {len(made)} worlds; still alive: {alive}"
 
 
@@ -525,27 +535,10 @@ async def test_a_world_that_ends_just_before_the_sweep_is_freed_by_another(
     collector off)."""
     monkeypatch.setattr("commd.sweep.SWEEP_AFTER_S", 0.0)
     async with _two_daemons_in_process(tmp_path) as (servers, job):
-        root = servers[0].registry
-        made: list[weakref.ref[World]] = []
-        create = root._create
-
-        def recording(*args: Any, **kwargs: Any) -> World:
-            world = create(*args, **kwargs)
-            made.append(weakref.ref(world))
-            return world
-
-        monkeypatch.setattr(root, "_create", recording)
-        gc.collect()
-        gc.disable()
-        try:
+        async with _collector_off(servers[0], monkeypatch) as made:
             await asyncio.to_thread(job, "first")
             # (the sweep then comes ~1.5 s after the second world's end, inside its grace)
             await asyncio.sleep(ABORT_GRACE_S * 0.75)
             await asyncio.to_thread(job, "second")
-            deadline = time.monotonic() + 3 * (ABORT_GRACE_S + 1.0)
-            while any(ref() is not None for ref in made) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            alive = [world.name for world in (ref() for ref in made) if world is not None]
-        finally:
-            gc.enable()
+            alive = await _still_alive(made)
         assert len(made) == 2 and alive == [], f"made {len(made)} worlds; still alive: {alive}"

@@ -18,18 +18,17 @@ import pytest
 
 import proto
 from client import CommError, DaemonBackend, hostmem
-from commd.cluster import Cluster
 from commd.config import ServerConfig
 from commd.engine.base import Communicator, Engine, EngineOp, Order
 from commd.engine.host import HostEngine
 from commd.engine.nccl import NcclEngine
 from commd.engine.stuckwatch import StuckWatch
 from commd.errors import CallError
-from commd.peerlink import PeerSettings
 from commd.server import Server
 from commd.world import World, WorldState
 from proto import ErrorCode
 from tests.contract.fakegpu import FakeGpu
+from tests.integration.harness import linked_servers
 from tests.unit.test_nccl_engine import abort_started_in, until
 
 pytestmark = pytest.mark.timeout(30)
@@ -267,15 +266,6 @@ async def two_daemons_one_rank_each(tmp_path: Path, engines: Sequence[Any]) -> l
     """Rank 0 on the root A, rank 1 on B, each daemon on its engine: what each rank met
     (refused at its join, or its first call's error and how long it waited for it). Real
     daemons' servers and peer links over loopback, in this process; the ranks are threads."""
-    secret = b"engine error test secret"
-    servers, clusters = [], []
-    for name, engine in zip("AB", engines, strict=True):
-        cluster = Cluster(PeerSettings(name, secret, heartbeat_s=0.2, window_s=1.0))
-        servers.append(Server(ServerConfig(tmp_path / f"{name}.sock", peer_secret=secret), engine, cluster))
-        clusters.append(cluster)
-    port = await clusters[0].listen("127.0.0.1", 0)
-    for server in servers:
-        server.start()
 
     def rank(r: int) -> tuple[str, float]:
         try:
@@ -291,14 +281,8 @@ async def two_daemons_one_rank_each(tmp_path: Path, engines: Sequence[Any]) -> l
                 return f"{type(exc).__name__}: {exc}", time.monotonic() - started
             return "the barrier of a world without the other rank completed", 0.0
 
-    try:
+    async with linked_servers(tmp_path, engines, b"engine error test secret") as (_, port):
         return list(await asyncio.gather(*(asyncio.to_thread(rank, r) for r in range(2))))
-    finally:
-        for server in servers:
-            server.shutdown()
-        for cluster, engine in zip(clusters, engines, strict=True):
-            cluster.close()
-            engine.close()
 
 
 @pytest.mark.parametrize("broken", [0, 1])
