@@ -1,6 +1,6 @@
 """Frees the objects of worlds that ended. A world's parts point back at it (its
-membership, op runner and watchdog hold the world; its failure's traceback holds frames
-that hold it), so reference counting never frees one: only the cyclic collector does. The
+membership, op runner and watchdog hold the world), so reference counting never frees
+one: only the cyclic collector does. The
 daemon runs that collector rarely (daemon._tune_gc: young objects every 50 000
 allocations, old ones every 400 young collections), and a world that lived through a young
 collection (anything longer than a moment, or a failed one whose communicator has its

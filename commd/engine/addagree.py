@@ -47,7 +47,6 @@ class Admissions:
     def __init__(self) -> None:
         self._closed = False
         self._queue: deque[asyncio.Future[None]] = deque()
-        self._failure: CallError | None = None  # what every op held back when it opened is told
 
     def close(self) -> None:
         self._closed = True
